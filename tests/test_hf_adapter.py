@@ -1,0 +1,41 @@
+"""The HF adapter: text-only logits equal transformers' own forward of the same checkpoint."""
+
+import pytest
+import torch
+
+from tests.helpers import build_speechlm, save_tiny_backbone, text_only_inputs
+
+
+@pytest.mark.parametrize("family,tie", [("qwen3", False), ("llama", False), ("qwen3", True),
+                                        ("qwen2", False)])
+def test_text_logits_match_transformers(tmp_path, family, tie):
+    hf_model = save_tiny_backbone(tmp_path / "bb", family=family, tie=tie)
+    hf_model.eval()
+    model = build_speechlm(tmp_path / "bb")
+    model.eval()
+    layout = model.args.layout
+    ids = torch.randint(0, layout.text_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf_model(input_ids=ids).logits
+        ours = model.logits(text_only_inputs(layout, ids))[0]
+    text = slice(layout.text_offset, layout.text_offset + layout.text_size)
+    torch.testing.assert_close(ours[..., text], ref, atol=1e-5, rtol=0)
+
+
+def test_missing_backbone_dir_is_named(tmp_path):
+    from torchtitan_speechlm.model.hf_backbone import load_hf_config
+
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_hf_config(str(tmp_path / "nope"))
+
+
+def test_new_rows_are_deterministic_and_text_rows_copied(tmp_path):
+    hf_model = save_tiny_backbone(tmp_path / "bb")
+    a = build_speechlm(tmp_path / "bb")
+    b = build_speechlm(tmp_path / "bb")
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    lay = a.args.layout
+    rows = a.tok_embeddings.weight[lay.text_offset : lay.text_offset + lay.text_size]
+    assert torch.equal(rows, hf_model.model.embed_tokens.weight)
+    assert torch.count_nonzero(a.head.stream_emb.weight) == 0

@@ -1,0 +1,19 @@
+"""torchtitan-speechlm: train speech language models with torchtitan's own train loop.
+
+Importing the package selects the CPU device when no accelerator exists (before torchtitan is
+imported, see compat.py) and registers the `speechlm` TrainSpec, so both our `torchtitan train`
+console script and stock `python -m torchtitan.train --experimental.custom_import
+torchtitan_speechlm` find it.
+"""
+
+from .compat import install_torchtitan_cpu_patches, use_cpu_when_no_accelerator
+
+use_cpu_when_no_accelerator()
+install_torchtitan_cpu_patches()
+
+from .spec import SPEC_NAME, register  # noqa: E402
+
+register()
+
+__all__ = ["SPEC_NAME", "register"]
+__version__ = "0.1.0"

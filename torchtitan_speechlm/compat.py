@@ -1,0 +1,136 @@
+"""Every workaround for a torchtitan 0.2.2 / torch limitation lives here, and only here.
+
+torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
+backend we apply four small, idempotent fixes. Each names the upstream code it works around and
+has an upstreamable diff under ``patches/`` (same numbering):
+
+1. ``torchtitan/tools/utils.py::get_device_info`` caches ``_get_available_device_type() or "cuda"``
+   at import time, so with no accelerator every module binds ``device_type = "cuda"``.
+   -> ``use_cpu_when_no_accelerator()`` makes torch report "cpu" *before* torchtitan is imported.
+   (patches/0001-cpu-device-fallback.diff)
+2. ``torchtitan/components/metrics.py::DeviceMemoryMonitor`` calls ``torch.cpu.get_device_name``
+   and ``memory_stats``, which do not exist. -> a ``CPUMemoryMonitor`` reporting process RSS.
+   (patches/0002-cpu-memory-monitor.diff)
+3. gloo has no ``ReduceOp.PREMUL_SUM``, which FSDP2 uses for reduce-scatter when a gradient divide
+   factor is set (torchtitan's ``disable_fsdp_gradient_division`` sets it to 1.0).
+   -> ``force_sum_reduction_on_cpu(model)`` switches FSDP modules to plain SUM. Exact, because the
+   factor is 1.0. (patches/0003-gloo-fsdp-sum-reduction.diff)
+4. ``torchtitan/distributed/utils.py::set_pg_timeouts`` calls ``barrier(device_ids=[...])``,
+   which gloo rejects. -> a plain barrier on CPU. (patches/0004-gloo-barrier.diff)
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections import namedtuple
+from datetime import timedelta
+
+import torch
+
+
+def accelerator_available() -> bool:
+    """True when CUDA (or another torch accelerator) is usable in this process."""
+    return torch.cuda.is_available()
+
+
+def use_cpu_when_no_accelerator() -> None:
+    """Fix 1: must run before the first ``import torchtitan``.
+
+    torch's ``_get_available_device_type`` returns None without an accelerator and torchtitan then
+    falls back to "cuda". Returning "cpu" makes torchtitan pick ``torch.cpu`` and gloo.
+    """
+    import torch._utils as tu
+
+    if accelerator_available() or getattr(tu, "_speechlm_cpu_patched", False):
+        return
+    if "torchtitan.tools.utils" in sys.modules:
+        # Too late for this process: torchtitan already cached "cuda". Say so instead of failing
+        # later with an obscure CUDA error.
+        import torchtitan.tools.utils as tt_utils
+
+        if tt_utils.device_type != "cpu":
+            raise RuntimeError(
+                "torchtitan was imported before torchtitan_speechlm could select the CPU device. "
+                "Import torchtitan_speechlm first, or use the `torchtitan train` console script."
+            )
+    original = tu._get_available_device_type
+    tu._get_available_device_type = lambda: original() or "cpu"
+    tu._speechlm_cpu_patched = True
+
+
+DeviceMemStats = namedtuple(
+    "DeviceMemStats",
+    [
+        "max_active_gib",
+        "max_active_pct",
+        "max_reserved_gib",
+        "max_reserved_pct",
+        "num_alloc_retries",
+        "num_ooms",
+    ],
+)
+
+
+class CPUMemoryMonitor:
+    """Fix 2: same interface as torchtitan's DeviceMemoryMonitor, reporting peak RSS."""
+
+    device_name = "cpu"
+
+    def __init__(self) -> None:
+        try:
+            import os
+
+            pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+            self.device_capacity = pages * page
+        except (ValueError, OSError, AttributeError):
+            self.device_capacity = 1
+        self.device_capacity_gib = self.device_capacity / 2**30
+
+    @staticmethod
+    def peak_rss_bytes() -> int:
+        # ru_maxrss is KiB on Linux; it is a lifetime peak (the kernel cannot reset it).
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def get_peak_stats(self) -> DeviceMemStats:
+        gib = self.peak_rss_bytes() / 2**30
+        pct = 100 * self.peak_rss_bytes() / self.device_capacity
+        return DeviceMemStats(gib, pct, gib, pct, 0, 0)
+
+    def reset_peak_stats(self) -> None:
+        """RSS peak cannot be reset; kept for interface compatibility."""
+
+
+def install_torchtitan_cpu_patches() -> None:
+    """Fixes 2 and 4, applied to the torchtitan modules (idempotent, no-op with an accelerator)."""
+    if accelerator_available():
+        return
+    import torchtitan.components.metrics as tt_metrics
+    import torchtitan.distributed.utils as tt_dist
+
+    if getattr(tt_dist, "_speechlm_cpu_patched", False):
+        return
+
+    def build_cpu_memory_monitor() -> CPUMemoryMonitor:
+        return CPUMemoryMonitor()
+
+    def set_pg_timeouts_cpu(timeout: timedelta, parallel_dims) -> None:
+        torch.distributed.barrier()
+        groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()]
+        for group in [*groups, None]:
+            torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+
+    tt_metrics.build_device_memory_monitor = build_cpu_memory_monitor
+    tt_dist.set_pg_timeouts = set_pg_timeouts_cpu
+    tt_dist._speechlm_cpu_patched = True
+
+
+def force_sum_reduction_on_cpu(model: torch.nn.Module) -> None:
+    """Fix 3: gloo cannot PREMUL_SUM; with divide factor 1.0 a plain SUM is identical."""
+    if accelerator_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)

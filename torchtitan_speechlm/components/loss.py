@@ -1,0 +1,40 @@
+"""The loss function torchtitan's Trainer calls: ``loss_fn(pred, labels) -> loss sum``.
+
+The SpeechLM computes its weighted multi-stream loss inside ``forward`` (so FSDP reduces the
+head's gradients); this function returns that sum unchanged (torchtitan divides it by the
+global number of loss frames, ``labels != -100``) and feeds the statistics to the accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..data.loader import DATA_STATS_KEYS
+from ..model.model import SpeechLMOutput
+from .stats import StatsAccumulator
+
+# torchtitan's Trainer builds the metrics processor and the loss function separately and never
+# hands one to the other; this per-process accumulator is their meeting point. One Trainer per
+# process, so there is exactly one training accumulator.
+TRAIN_STATS = StatsAccumulator(DATA_STATS_KEYS)
+
+
+class SpeechLMLoss:
+    def __init__(self, accumulator: StatsAccumulator | None = TRAIN_STATS):
+        self.accumulator = accumulator
+
+    def __call__(self, pred: SpeechLMOutput, labels: torch.Tensor) -> torch.Tensor:
+        if not isinstance(pred, SpeechLMOutput):
+            raise TypeError(
+                "SpeechLM loss expects the model to be called with targets and loss_weights "
+                "(the speechlm dataloader provides them)"
+            )
+        if self.accumulator is not None:
+            self.accumulator.add(pred.stats)
+        return pred.loss_sum
+
+
+def build_speechlm_loss(job_config, **kwargs) -> SpeechLMLoss:
+    """TrainSpec.build_loss_fn."""
+    TRAIN_STATS.reset()
+    return SpeechLMLoss(TRAIN_STATS)

@@ -1,0 +1,62 @@
+"""SpeechLMMetricsProcessor: torchtitan's MetricsProcessor plus exact speech statistics.
+
+Adds ``train/*`` (count-normalised over the whole log interval, see stats.py) to what torchtitan
+logs, prints a per-stream line on the console, and defaults wandb to *offline* files under the
+dump folder (``WANDB_MODE=online`` opts in). If wandb cannot start, torchtitan's logger factory
+logs the error once and training continues with the other loggers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.tools.logging import logger
+
+from .loss import TRAIN_STATS
+from .stats import StatsAccumulator
+
+
+class SpeechLMMetricsProcessor(MetricsProcessor):
+    def __init__(self, job_config, parallel_dims, tag: str | None = None,
+                 accumulator: StatsAccumulator = TRAIN_STATS):
+        if job_config.metrics.enable_wandb:
+            os.environ.setdefault("WANDB_MODE", "offline")
+            os.environ.setdefault("WANDB_PROJECT", "torchtitan-speechlm")
+            os.environ.setdefault("WANDB_SILENT", "true")
+        super().__init__(job_config, parallel_dims, tag)
+        self.accumulator = accumulator
+
+    def reduce_group(self):
+        mesh = self.parallel_dims.get_optional_mesh("loss")
+        return (mesh.get_group() if mesh is not None else None), (mesh.size() if mesh else 1)
+
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
+        group, world = self.reduce_group()
+        stats = self.accumulator.reduce(group, world)
+        extra = dict(extra_metrics or {})
+        extra.update({f"train/{k}": v for k, v in stats.items()})
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra)
+        if stats:
+            n = sum(1 for k in stats if k.startswith("acc_stream"))
+            accs = " ".join(f"{stats[f'acc_stream{k}']:.3f}" for k in range(n))
+            ces = " ".join(f"{stats[f'ce_stream{k}']:.3f}" for k in range(n))
+            logger.info(
+                f"{self.color.green}step: {step:2}  ce_loss: {stats['ce_loss']:.4f}  "
+                f"z_loss: {stats['z_loss']:.4f}  ce/stream: [{ces}]  acc/stream: [{accs}]  "
+                f"pad: {100 * stats.get('data/padding_ratio', 0):.1f}%  "
+                f"loss_frames: {int(stats['loss_frames'])}{self.color.reset}"
+            )
+
+
+def build_speechlm_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
+    """TrainSpec.build_metrics_processor_fn."""
+    return SpeechLMMetricsProcessor(job_config, parallel_dims, tag)

@@ -1,0 +1,124 @@
+"""Validation over any number of named sets, with the training statistics' exact normalisation.
+
+torchtitan's stock Validator knows one text dataset and keeps its iterator between rounds. Ours
+rebuilds each set's iterator every round (same batches in the same order each time), never
+applies training-only augmentation, and keeps ranks in lock-step without dropping data: a rank
+whose shard is exhausted runs zero-weight copies of its last batch while the others finish (FSDP
+needs every rank in every forward). Logged as ``val/{set}/{key}``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.validate import BaseValidator
+from torchtitan.tools.logging import logger
+
+from ..config import parse_datasets, parse_mix
+from ..data.loader import (
+    DATA_STATS_KEYS,
+    SpeechLMDataset,
+    build_sources,
+    build_template_builder,
+    layout_from_config,
+)
+from .stats import StatsAccumulator
+
+
+def validation_sets(job_config) -> dict[str, list]:
+    """{set name: [MixEntry]}: explicit `valid` entries, else the held-out part of `train`."""
+    data = job_config.speechlm_data
+    names = parse_datasets(data.datasets)
+    if data.valid:
+        return {f"{e.task}_{e.dataset}": [e] for e in parse_mix(data.valid, "valid", names)}
+    if data.valid_fraction > 0:
+        return {f"{e.task}_{e.dataset}_heldout": [e] for e in parse_mix(data.train, "train", names)}
+    return {}
+
+
+class SpeechLMValidator(BaseValidator):
+    def __init__(self, job_config, dp_world_size, dp_rank, parallel_dims, maybe_enable_amp,
+                 metrics_processor, validation_context, **kwargs):
+        super().__init__(job_config)
+        self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
+        self.parallel_dims = parallel_dims
+        self.amp = maybe_enable_amp
+        self.context = validation_context
+        self.metrics_processor = metrics_processor
+        self.layout = layout_from_config(job_config)
+        self.sets = validation_sets(job_config)
+        if not self.sets:
+            raise ValueError(
+                "validation.enable = true but there is nothing to validate on: set "
+                "speechlm_data.valid (TASK:NAME entries) or speechlm_data.valid_fraction > 0"
+            )
+        split = "train" if job_config.speechlm_data.valid else "valid"
+        self._sources = {name: build_sources(job_config, entries, split)
+                         for name, entries in self.sets.items()}
+
+    def _dataset(self, name: str) -> SpeechLMDataset:
+        jc = self.job_config
+        return SpeechLMDataset(
+            self._sources[name],
+            build_template_builder(jc, self.layout),
+            seq_len=jc.validation.seq_len if jc.validation.seq_len > 0 else jc.training.seq_len,
+            batch_size=jc.validation.local_batch_size,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            seed=0,
+            shuffle=False,
+            pack=True,
+            infinite=False,
+        )
+
+    def _group(self):
+        mesh = self.parallel_dims.get_optional_mesh("loss")
+        return mesh.get_group() if mesh is not None else None
+
+    def _any_rank_has(self, has: bool, device) -> bool:
+        flag = torch.tensor([1.0 if has else 0.0], device=device)
+        group = self._group()
+        if group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item() > 0)
+
+    @torch.no_grad()
+    def validate(self, model_parts, step: int) -> None:
+        model = model_parts[0]
+        device = next(model.parameters()).device
+        max_steps = self.job_config.validation.steps
+        model.eval()
+        for name in self.sets:
+            acc = StatsAccumulator(DATA_STATS_KEYS)
+            it, last, n = iter(self._dataset(name)), None, 0
+            while max_steps < 0 or n < max_steps:
+                batch = next(it, None)
+                if not self._any_rank_has(batch is not None, device):
+                    break
+                n += 1
+                real = batch is not None
+                if real:
+                    last = batch
+                inputs, _ = batch if real else last
+                inputs = {k: v.to(device) for k, v in inputs.items()}
+                if not real:
+                    inputs["loss_weights"] = torch.zeros_like(inputs["loss_weights"])
+                with self.context(), self.amp:
+                    out = model(inputs.pop("input"), **inputs)
+                if real:
+                    acc.add(out.stats)
+            stats = acc.reduce(self._group())
+            self.metrics_processor.logger.log({f"val/{name}/{k}": v for k, v in stats.items()}, step)
+            logger.info(
+                f"validate step {step} [{name}] loss: {stats.get('loss', float('nan')):.4f}  "
+                f"acc_layer0: {stats.get('acc_layer0', float('nan')):.3f}  "
+                f"frames: {int(stats.get('loss_frames', 0))}  batches: {n}"
+            )
+        model.train()
+
+
+def build_speechlm_validator(job_config, dp_world_size, dp_rank, parallel_dims, maybe_enable_amp,
+                             metrics_processor, validation_context, **kwargs) -> SpeechLMValidator:
+    """TrainSpec.build_validator_fn."""
+    return SpeechLMValidator(job_config, dp_world_size, dp_rank, parallel_dims, maybe_enable_amp,
+                             metrics_processor, validation_context)

@@ -1,0 +1,289 @@
+"""Config extension: the [speechlm] and [speechlm_data] TOML sections, merged into torchtitan's
+JobConfig through ``job.custom_config_module = "torchtitan_speechlm.config"``.
+
+Also the checks torchtitan does not do: unknown keys get a "did you mean" and the file they came
+from, values are type-checked, and cross-field consistency (streams vs. weights, tokenizer vs.
+backbone vocabulary, datasets sharing one codec layout) is verified before any rank starts work.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+TASKS = ("tts", "asr")
+
+
+@dataclass
+class SpeechLM:
+    backbone: str = ""
+    """Local HF causal-LM directory (config.json, optional *.safetensors)."""
+    load_backbone_weights: bool = True
+    """Copy pretrained weights when the backbone directory has safetensors."""
+    pattern: Literal["parallel", "delay"] = "delay"
+    """Audio interleave pattern: `delay` shifts stream n by n frames."""
+    tie_embeddings: Literal["auto", "true", "false"] = "auto"
+    """Tie the output head to the input embedding; auto = the backbone's tie_word_embeddings."""
+    attn_implementation: str = "sdpa"
+    """transformers attention implementation (sdpa works on CPU and GPU)."""
+    init_seed: int = 0
+    """Seed of the deterministic, world-size-invariant parameter init."""
+    text_weight: float = 1.0
+    """Loss weight of text / special targets (stream 0)."""
+    audio_weight: float = 1.0
+    """Loss weight of one audio frame, split over streams by stream_weights."""
+    stream_weights: list[float] = field(default_factory=list)
+    """Per-stream audio weights (normalised to sum 1); empty = uniform."""
+    z_loss_weight: float = 0.0
+    """Weight of the z-loss (logsumexp^2) term; 0 disables it."""
+    load_balance_weight: float = 0.0
+    """Weight of the MoE load-balance loss (MoE backbones only)."""
+    loss_chunk_size: int = 4096
+    """Positions per logits chunk; bounds the memory of the fp32 logits."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameter-name prefixes to freeze (e.g. backbone.layers.0); each must match something."""
+
+
+@dataclass
+class SpeechLMData:
+    datasets: list[str] = field(default_factory=list)
+    """Prepared datasets as NAME=PATH (made by `torchtitan prepare`)."""
+    train: list[str] = field(default_factory=list)
+    """Training mixture as TASK:NAME[:WEIGHT], TASK in tts, asr."""
+    valid: list[str] = field(default_factory=list)
+    """Validation sets as TASK:NAME; logged as val/{TASK}_{NAME}/*."""
+    valid_fraction: float = 0.0
+    """Hold out this fraction of each training dataset's items (by id hash) for validation."""
+    seed: int = 0
+    """Shuffling seed (the data order is a pure function of it and the epoch)."""
+    shuffle: bool = True
+
+
+@dataclass
+class JobConfig:
+    speechlm: SpeechLM = field(default_factory=SpeechLM)
+    speechlm_data: SpeechLMData = field(default_factory=SpeechLMData)
+
+
+class ConfigError(ValueError):
+    """A bad config value, with the key and the fix in the message."""
+
+
+# ---------------------------------------------------------------------------------------------
+# TOML checks (before torchtitan parses: better messages than its generic ValueError)
+# ---------------------------------------------------------------------------------------------
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_type_ok(v, inner) for v in value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def check_toml(values: dict, config_cls: type, source: str, prefix: str = "") -> None:
+    """Raise ConfigError on an unknown section/key or a value of the wrong type."""
+    hints = typing.get_type_hints(config_cls)
+    known = {f.name: f for f in fields(config_cls)}
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f" Did you mean `{prefix}{close[0]}`?" if close else ""
+            where = f"section [{prefix[:-1]}]" if prefix else "the top level"
+            raise ConfigError(
+                f"{source}: unknown key `{dotted}` in {where}.{hint} "
+                f"Valid keys: {', '.join(sorted(known))}."
+            )
+        tp = hints[key]
+        if is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: `{dotted}` must be a [{dotted}] table")
+            check_toml(value, tp, source, prefix=f"{dotted}.")
+        elif not _type_ok(value, tp):
+            raise ConfigError(
+                f"{source}: `{dotted}` = {value!r} has the wrong type; expected "
+                f"{getattr(tp, '__name__', None) or str(tp).replace('typing.', '')}."
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset specs
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MixEntry:
+    task: str
+    dataset: str
+    weight: float
+
+
+def parse_datasets(specs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(
+                f"speechlm_data.datasets entry {spec!r} must look like NAME=PATH "
+                "(a directory made by `torchtitan prepare`)."
+            )
+        if name in out:
+            raise ConfigError(f"speechlm_data.datasets names {name!r} twice")
+        out[name] = path
+    return out
+
+
+def parse_mix(specs: list[str], key: str, names: dict[str, str]) -> list[MixEntry]:
+    entries = []
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) not in (2, 3):
+            raise ConfigError(f"speechlm_data.{key} entry {spec!r} must be TASK:NAME[:WEIGHT]")
+        task, name = parts[0], parts[1]
+        if task not in TASKS:
+            raise ConfigError(
+                f"speechlm_data.{key} entry {spec!r}: unknown task {task!r}; choose one of {TASKS}"
+            )
+        if name not in names:
+            raise ConfigError(
+                f"speechlm_data.{key} entry {spec!r}: no dataset named {name!r}; add "
+                f"`{name}=PATH` to speechlm_data.datasets (known: {sorted(names)})"
+            )
+        try:
+            weight = float(parts[2]) if len(parts) == 3 else 1.0
+        except ValueError:
+            raise ConfigError(f"speechlm_data.{key} entry {spec!r}: weight is not a number")
+        if weight <= 0:
+            raise ConfigError(f"speechlm_data.{key} entry {spec!r}: weight must be > 0")
+        entries.append(MixEntry(task, name, weight))
+    return entries
+
+
+def read_dataset_metadata(path: str) -> dict:
+    meta = Path(path) / "metadata.json"
+    if not meta.is_file():
+        raise ConfigError(
+            f"prepared dataset {path!r} has no metadata.json; create it with "
+            "`torchtitan prepare --manifest M.jsonl --codec DIR --tokenizer DIR --out "
+            f"{path}`."
+        )
+    return json.loads(meta.read_text())
+
+
+def codec_layout(meta: dict) -> tuple:
+    c = meta["codec"]
+    return (c["name"], int(c["num_streams"]), int(c["codebook_size"]), c.get("config_hash"),
+            float(c["frame_rate"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution and validation
+# ---------------------------------------------------------------------------------------------
+def dataset_metadata(job_config) -> dict[str, dict]:
+    names = parse_datasets(job_config.speechlm_data.datasets)
+    return {name: read_dataset_metadata(path) for name, path in names.items()}
+
+
+def validate_job_config(job_config) -> None:
+    """Cross-field checks; raises ConfigError naming the key and the fix."""
+    sl, data = job_config.speechlm, job_config.speechlm_data
+    if job_config.model.name != "speechlm":
+        return
+    from .model.hf_backbone import require_backbone_dir
+
+    require_backbone_dir(sl.backbone)
+    names = parse_datasets(data.datasets)
+    train = parse_mix(data.train, "train", names)
+    parse_mix(data.valid, "valid", names)
+    if not train:
+        raise ConfigError("speechlm_data.train is empty: list at least one TASK:NAME entry")
+    metas = dataset_metadata(job_config)
+    layouts = {name: codec_layout(m) for name, m in metas.items()}
+    first = next(iter(layouts))
+    for name, lay in layouts.items():
+        if lay != layouts[first]:
+            raise ConfigError(
+                f"datasets {first!r} and {name!r} were prepared with different codec layouts "
+                f"({layouts[first]} vs {lay}); prepare all of them with the same codec."
+            )
+    n_streams = layouts[first][1]
+    if sl.stream_weights and len(sl.stream_weights) != n_streams:
+        raise ConfigError(
+            f"speechlm.stream_weights has {len(sl.stream_weights)} values but the codec has "
+            f"{n_streams} streams; give {n_streams} values or leave it empty (uniform)."
+        )
+    if any(w < 0 for w in sl.stream_weights) or (sl.stream_weights and sum(sl.stream_weights) <= 0):
+        raise ConfigError("speechlm.stream_weights must be >= 0 with a positive sum")
+    for key in ("text_weight", "audio_weight", "z_loss_weight", "load_balance_weight"):
+        if getattr(sl, key) < 0:
+            raise ConfigError(f"speechlm.{key} must be >= 0")
+    from .model.hf_backbone import load_hf_config
+
+    hf = load_hf_config(sl.backbone)
+    for name, m in metas.items():
+        tv = int(m["tokenizer"]["vocab_size"])
+        if tv > hf.vocab_size:
+            raise ConfigError(
+                f"dataset {name!r} was tokenised with {tv} text tokens but the backbone "
+                f"{sl.backbone!r} has only {hf.vocab_size} embedding rows; prepare it with the "
+                "backbone's tokenizer."
+            )
+    if job_config.training.seq_len < 8:
+        raise ConfigError("training.seq_len (frames per row) must be >= 8")
+
+
+def resolve_model_args(args, job_config) -> None:
+    """Fill SpeechLMModelArgs from [speechlm], the backbone config and the datasets' codec."""
+    from .model.hf_backbone import load_hf_config
+    from .model.vocab import VocabLayout
+
+    validate_job_config(job_config)
+    sl = job_config.speechlm
+    hf = load_hf_config(sl.backbone)
+    meta = next(iter(dataset_metadata(job_config).values()))
+    layout = VocabLayout(
+        text_size=int(hf.vocab_size),
+        num_streams=int(meta["codec"]["num_streams"]),
+        codebook_size=int(meta["codec"]["codebook_size"]),
+    )
+    args.backbone = sl.backbone
+    args.hf_config = hf.to_dict()
+    args.vocab = layout.to_dict()
+    args.pattern = sl.pattern
+    args.tie_embeddings = (
+        bool(getattr(hf, "tie_word_embeddings", False))
+        if sl.tie_embeddings == "auto"
+        else sl.tie_embeddings == "true"
+    )
+    args.load_weights = sl.load_backbone_weights
+    args.attn_implementation = sl.attn_implementation
+    args.init_seed = sl.init_seed
+    args.text_weight = sl.text_weight
+    args.audio_weight = sl.audio_weight
+    args.stream_weights = normalised_stream_weights(sl.stream_weights, layout.num_streams)
+    args.z_loss_weight = sl.z_loss_weight
+    args.load_balance_weight = sl.load_balance_weight
+    args.loss_chunk_size = sl.loss_chunk_size
+
+
+def normalised_stream_weights(weights: list[float], n: int) -> list[float]:
+    w = list(weights) if weights else [1.0] * n
+    total = sum(w)
+    return [x / total for x in w]

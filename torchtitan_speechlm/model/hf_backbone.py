@@ -1,0 +1,117 @@
+"""HF model adapter: any local transformers causal-LM directory as the SpeechLM backbone.
+
+We keep transformers' own decoder stack (``AutoModel.from_config``: Llama, Qwen2, Qwen3, Qwen3-MoE,
+...), so attention variants, RoPE scaling, sliding windows and packed-sequence masks stay exactly
+transformers', and only replace what a speech LM changes: the token embedding and the output head
+(extended vocabulary, several streams). Pretrained weights are read tensor by tensor from the
+directory's safetensors; text rows of the embedding / head are copied into the extended vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HF_EMBED = "model.embed_tokens.weight"
+HF_HEAD = "lm_head.weight"
+
+
+def require_backbone_dir(path: str) -> Path:
+    p = Path(path).expanduser()
+    if not path or not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"[speechlm] backbone = {path!r}: no config.json there. Point it at a local Hugging Face "
+            "causal-LM directory (config.json, optionally *.safetensors), e.g. one written by "
+            "`save_pretrained` or downloaded beforehand with `huggingface-cli download`."
+        )
+    return p
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(require_backbone_dir(path)), local_files_only=True)
+
+
+def build_backbone(hf_config, attn_implementation: str = "sdpa") -> nn.Module:
+    """The HF base model (decoder layers + final norm + rotary), without its text embedding."""
+    from transformers import AutoModel
+
+    hf_config._attn_implementation = attn_implementation
+    backbone = AutoModel.from_config(hf_config, attn_implementation=attn_implementation)
+    for attr in ("layers", "norm"):
+        if not hasattr(backbone, attr):
+            raise ValueError(
+                f"backbone {type(backbone).__name__} has no `{attr}`: only decoder-only causal LMs "
+                "with `model.layers` and `model.norm` (Llama, Qwen2, Qwen3, Qwen3-MoE, ...) are "
+                "supported."
+            )
+    # Our StreamEmbedding replaces it; we always call the backbone with inputs_embeds.
+    backbone.embed_tokens = None
+    return backbone
+
+
+def reset_non_persistent_buffers(backbone: nn.Module, device: torch.device) -> None:
+    """Recompute buffers that are not in any checkpoint (RoPE inv_freq), lost by meta init."""
+    for module in backbone.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "config"):
+            fresh = type(module)(config=module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                setattr(module, name, buf.to(device))
+            if hasattr(fresh, "attention_scaling"):
+                module.attention_scaling = fresh.attention_scaling
+
+
+class SafetensorsReader:
+    """Lazy, tensor-by-tensor access to a local HF checkpoint (single file or sharded index)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = self.directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {k: self.directory / v for k, v in weight_map.items()}
+        else:
+            self._files = {}
+            for f in sorted(self.directory.glob("*.safetensors")):
+                from safetensors import safe_open
+
+                with safe_open(str(f), framework="pt") as sf:
+                    self._files.update({k: f for k in sf.keys()})
+        self._handles: dict[Path, object] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def keys(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f = self._files[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="pt")
+        return self._handles[f].get_tensor(name)
+
+    @contextmanager
+    def opened(self):
+        try:
+            yield self
+        finally:
+            self._handles.clear()
+
+
+def hf_name(our_name: str) -> str | None:
+    """Our backbone FQN -> the HF checkpoint key (None for parameters HF does not have)."""
+    if our_name.startswith("backbone."):
+        return "model." + our_name[len("backbone.") :]
+    return None

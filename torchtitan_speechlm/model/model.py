@@ -1,0 +1,289 @@
+"""SpeechLM: a transformers decoder stack over summed multi-stream embeddings, with a loss head.
+
+Input  ``inputs`` [B, T, N]: N token streams per frame (stream 0: specials, text or codebook 0;
+stream k > 0: codebook k, or its pad). The input embedding is the sum of the streams' embeddings,
+pads contributing zero (so a text-only frame embeds exactly like the text LM it came from).
+
+Output head: *one shared output matrix plus a learned per-stream offset* ``stream_emb[k]`` added
+to the hidden state (zero-initialised). We chose it over N separate heads because (a) it can be
+tied to the input embedding, (b) the pretrained text head is reused unchanged for stream 0, and
+(c) each stream only computes logits over its own vocabulary slice (see VocabLayout.stream_range),
+so the per-stream cost is that of N small heads anyway.
+
+The loss is computed *inside* ``forward`` (by ``SpeechLMHead``, an FSDP unit of its own), so
+FSDP2 always gathers and reduces the head's parameters: ESPnet's lm_head-outside-forward bug
+cannot happen. It returns torchtitan's contract: a loss SUM (torchtitan divides by the global
+count of loss frames) plus raw statistic sums for exact count-normalised logging.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+from torchtitan.protocols import ModelProtocol
+
+from .args import SpeechLMModelArgs
+from .hf_backbone import (
+    HF_EMBED,
+    HF_HEAD,
+    SafetensorsReader,
+    build_backbone,
+    hf_name,
+    reset_non_persistent_buffers,
+)
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """Strip activation-checkpoint / compile wrapper prefixes from a parameter name."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+@dataclass
+class SpeechLMOutput:
+    """What the model hands to the loss function: torchtitan's loss sum plus statistic sums."""
+
+    loss_sum: torch.Tensor
+    stats: dict[str, torch.Tensor]
+
+
+class StreamEmbedding(nn.Embedding):
+    """Sum of the N streams' embeddings; a stream's pad contributes nothing.
+
+    One module call for all streams, so FSDP all-gathers the table once per forward.
+    """
+
+    def __init__(self, num_embeddings: int, dim: int, stream_pads: list[int]):
+        super().__init__(num_embeddings, dim)
+        self.stream_pads = stream_pads
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, T, N]
+        h = None
+        for k, pad in enumerate(self.stream_pads):
+            ids_k = ids[..., k]
+            e = F.embedding(ids_k, self.weight) * (ids_k != pad).unsqueeze(-1).to(self.weight.dtype)
+            h = e if h is None else h + e
+        return h
+
+
+class SpeechLMHead(nn.Module):
+    """Per-stream logits on vocabulary slices, and the weighted loss with its statistics."""
+
+    def __init__(self, args: SpeechLMModelArgs, dim: int):
+        super().__init__()
+        layout = args.layout
+        self.ranges = [layout.stream_range(k) for k in range(layout.num_streams)]
+        self.output = None if args.tie_embeddings else nn.Linear(dim, layout.size, bias=False)
+        self.stream_emb = nn.Embedding(layout.num_streams, dim)
+        self.z_loss_weight = args.z_loss_weight
+        self.chunk = max(1, args.loss_chunk_size)
+
+    def logits(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Per-stream fp32 logits [..., V_k] (for generation and tests; training uses forward)."""
+        w = self.output.weight if weight is None else weight
+        return [
+            F.linear(h + self.stream_emb.weight[k], w[a:b]).float()
+            for k, (a, b) in enumerate(self.ranges)
+        ]
+
+    def _chunk_loss(
+        self, h: torch.Tensor, w_out: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss sum and a stats vector for a chunk of positions: [ce_k, z_k, correct_k] per k."""
+        loss = h.new_zeros((), dtype=torch.float32)
+        stats = []
+        for k, (a, b) in enumerate(self.ranges):
+            logits = F.linear(h + self.stream_emb.weight[k], w_out[a:b]).float()
+            wk = weights[:, k]
+            active = wk > 0
+            tgt = (targets[:, k] - a).clamp(0, b - a - 1)
+            lse = torch.logsumexp(logits, dim=-1)
+            ce = lse - logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+            z = self.z_loss_weight * lse.square()
+            loss = loss + (wk * ce).sum() + (wk * z).sum()
+            correct = (logits.argmax(-1) == tgt) & active
+            stats.append(
+                torch.stack(
+                    [(wk * ce).sum(), (wk * z).sum(), (ce * active).sum(), correct.sum().float()]
+                ).detach()
+            )
+        return loss, torch.stack(stats)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        targets: torch.Tensor,
+        weights: torch.Tensor,
+        tied_weight: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        w_out = self.output.weight if tied_weight is None else tied_weight
+        n = targets.shape[-1]
+        h, targets, weights = h.flatten(0, -2), targets.reshape(-1, n), weights.reshape(-1, n)
+        # Only positions that carry loss are projected; keep >= 1 so every rank's head takes
+        # part in backward (FSDP needs each rank to produce a gradient for a reduce-scatter).
+        sel = (weights > 0).any(-1).nonzero().squeeze(-1)
+        if sel.numel() == 0:
+            sel = sel.new_zeros(1)
+        h, targets, weights = h[sel], targets[sel], weights[sel]
+        loss = h.new_zeros((), dtype=torch.float32)
+        parts = []
+        for s in range(0, h.shape[0], self.chunk):
+            args = (h[s : s + self.chunk], w_out, targets[s : s + self.chunk],
+                    weights[s : s + self.chunk])
+            if h.shape[0] > self.chunk and torch.is_grad_enabled():
+                # Recompute each chunk's logits in backward instead of keeping them all.
+                l, st = checkpoint(self._chunk_loss, *args, use_reentrant=False)
+            else:
+                l, st = self._chunk_loss(*args)
+            loss = loss + l
+            parts.append(st)
+        st = torch.stack(parts).sum(0)  # [N, 4]
+        active = weights > 0
+        stats = {
+            "ce_loss": st[:, 0].sum(),
+            "z_loss": st[:, 1].sum(),
+            "z_loss_s0": st[0, 1],
+            "z_loss_mm": st[1:, 1].sum(),
+        }
+        for k in range(n):
+            cnt = active[:, k].sum().float()
+            stats[f"ce_stream{k}"] = st[k, 2]
+            stats[f"acc_stream{k}"] = st[k, 3]
+            stats[f"count_stream{k}"] = cnt
+        stats["acc_layer0"] = st[0, 3]
+        return loss, stats
+
+
+class SpeechLM(ModelProtocol):
+    """HF decoder stack + StreamEmbedding + SpeechLMHead. Parameter names are stable DCP keys."""
+
+    def __init__(self, args: SpeechLMModelArgs):
+        super().__init__(args)
+        self.args = args
+        self.model_args = args
+        layout = args.layout
+        hf_config = args.build_hf_config()
+        dim = hf_config.hidden_size
+        self.tok_embeddings = StreamEmbedding(
+            layout.size, dim, [layout.stream_pad(k) for k in range(layout.num_streams)]
+        )
+        self.backbone = build_backbone(hf_config, args.attn_implementation)
+        self.head = SpeechLMHead(args, dim)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def hidden_states(
+        self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = self.tok_embeddings(inputs)
+        if position_ids is None:
+            position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand(
+                inputs.shape[0], -1
+            )
+        out = self.backbone(inputs_embeds=h, position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        data_stats: torch.Tensor | None = None,
+        **unused: torch.Tensor,
+    ) -> SpeechLMOutput | list[torch.Tensor]:
+        h = self.hidden_states(inputs, position_ids)
+        tied = self.tok_embeddings.weight if self.args.tie_embeddings else None
+        if targets is None:
+            return self.head.logits(h, tied)
+        loss, stats = self.head(h, targets, loss_weights, tied)
+        stats["loss"] = loss.detach()
+        stats["count"] = (loss_weights > 0).any(-1).sum().float()
+        stats["load_balance_loss"] = torch.zeros((), device=loss.device)
+        if data_stats is not None:
+            stats["data_stats"] = data_stats.detach().float().sum(0)
+        return SpeechLMOutput(loss, stats)
+
+    def logits(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None):
+        """Per-stream fp32 logits for every position (inference helper)."""
+        return self.forward(inputs, position_ids=position_ids)
+
+    # ---- initialisation --------------------------------------------------------------------
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Deterministic, world-size-invariant init, then pretrained weights where they exist.
+
+        Every parameter's full value is computed on CPU from (init_seed, parameter name) and then
+        sharded like the parameter, so 1 process and N processes start from identical weights.
+        """
+        args = self.args
+        device = buffer_device or self.tok_embeddings.weight.device
+        reset_non_persistent_buffers(self.backbone, device)
+        std = float(args.hf_config.get("initializer_range", 0.02))
+        reader = SafetensorsReader(args.backbone) if args.load_weights else None
+        text = slice(args.layout.text_offset, args.layout.text_offset + args.layout.text_size)
+        with torch.no_grad():
+            for raw_name, param in self.named_parameters():
+                name = canonical_name(raw_name)
+                full = _random_init(name, param, std, args.init_seed)
+                if reader:
+                    _load_pretrained(name, full, reader, text, args.tie_embeddings)
+                _assign(param, full)
+
+    def vocab_layout(self):
+        return self.args.layout
+
+
+def _random_init(name: str, param: torch.Tensor, std: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    shape = param.shape
+    if name == "head.stream_emb.weight":
+        return torch.zeros(shape)
+    if len(shape) == 1:
+        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def _load_pretrained(
+    name: str, full: torch.Tensor, reader: SafetensorsReader, text: slice, tied: bool
+) -> None:
+    if name == "tok_embeddings.weight":
+        src = reader.get(HF_EMBED)
+        full[text] = src.float()
+        return
+    if name == "head.output.weight":
+        src = reader.get(HF_HEAD if HF_HEAD in reader else HF_EMBED)
+        full[text] = src.float()
+        return
+    key = hf_name(name)
+    if key is None:
+        return
+    if key not in reader:
+        raise KeyError(
+            f"pretrained backbone {reader.directory} has no tensor {key!r} (needed for {name}); "
+            "is config.json from the same checkpoint as the safetensors?"
+        )
+    src = reader.get(key)
+    if tuple(src.shape) != tuple(full.shape):
+        raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model {tuple(full.shape)}")
+    full.copy_(src.float())
+
+
+def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(
+            full.to(param.device_mesh.device_type, param.dtype),
+            param.device_mesh,
+            param.placements,
+            src_data_rank=None,
+        )
+        param.copy_(shard)
+    else:
+        param.copy_(full.to(param.device, param.dtype))
