@@ -1,0 +1,1 @@
+"""Data preparation: audio loading, codec encoding, manifests and the prepared on-disk format."""

@@ -1,0 +1,265 @@
+"""Builders for tiny, local, random-init assets used by the tests and the demo.
+
+Everything here is created from scratch and saved with ``save_pretrained`` so tests and the
+demo run offline: a byte-level BPE tokenizer, a tiny audio codec, a tiny causal-LM backbone and
+a small synthetic speech corpus made with the ``espeak-ng`` binary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import soundfile as sf
+import torch
+
+SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
+
+
+def load_sentences() -> list[str]:
+    """The packaged list of short English sentences (``data/sentences.txt``)."""
+    path = os.path.join(os.path.dirname(__file__), "data", "sentences.txt")
+    with open(path) as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def build_tokenizer(out_dir: str, sentences: list[str], vocab_size: int = 256) -> str:
+    """Train a byte-level BPE on ``sentences`` and save it as a transformers tokenizer.
+
+    The full 256-byte alphabet and three special tokens are always in the vocabulary so any
+    text can be encoded; the real size is therefore ``max(vocab_size, 259)``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(sentences, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+def _codec_config(kind: str):
+    """Tiny configs: 16 kHz, 320 samples/frame (50 frames/s), 4 codebooks of 64 entries."""
+    from transformers import DacConfig, EncodecConfig, MimiConfig
+
+    if kind == "encodec":
+        # 50 frames/s * log2(64) bits = 300 bit/s per codebook, so 1.2 kbps = 4 codebooks.
+        return EncodecConfig(
+            sampling_rate=16000, target_bandwidths=[0.6, 1.2], upsampling_ratios=[8, 5, 4, 2],
+            hidden_size=32, num_filters=8, num_lstm_layers=1, codebook_size=64,
+        )  # fmt: skip
+    if kind == "mimi":
+        # frame = prod(upsampling_ratios) * 2 (Mimi's downsample layer) = 320 samples.
+        return MimiConfig(
+            sampling_rate=16000, upsampling_ratios=[8, 5, 4], hidden_size=32, num_filters=8,
+            codebook_size=64, codebook_dim=16, num_quantizers=4, num_semantic_quantizers=1,
+            vector_quantization_hidden_dimension=16, upsample_groups=32, num_hidden_layers=1,
+            intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+        )  # fmt: skip
+    if kind == "dac":
+        return DacConfig(
+            sampling_rate=16000, downsampling_ratios=[2, 4, 5, 8], encoder_hidden_size=8,
+            decoder_hidden_size=64, n_codebooks=4, codebook_size=64, codebook_dim=8,
+        )  # fmt: skip
+    raise ValueError(f"unknown codec kind {kind!r}; expected encodec, mimi or dac")
+
+
+def _calibration_audio(sample_rate: int, seconds: float = 2.0) -> torch.Tensor:
+    """Noise and tones at several levels: something for the codebooks to spread over."""
+    n = int(sample_rate * seconds)
+    t = torch.arange(n) / sample_rate
+    clips = [0.3 * torch.randn(n), 0.03 * torch.randn(n)]
+    clips += [0.5 * torch.sin(2 * torch.pi * f * t) for f in (110.0, 440.0, 1800.0)]
+    return torch.stack(clips)[:, None]
+
+
+@torch.no_grad()
+def _init_rvq(layers, latents: torch.Tensor, set_embed) -> None:
+    """Fill each residual codebook with Gaussian vectors matching its input's mean and std.
+
+    Encodec and Mimi initialise their Euclidean codebooks to zeros, so an untrained model maps
+    every frame to code 0. Codebooks drawn from a Gaussian fitted to the (residual) latents of
+    calibration audio make a random-init codec produce varied, input-dependent codes, which is
+    what tests of the data path need; independent draws also avoid near-duplicate entries whose
+    nearest-neighbour ties would flip with float rounding.
+    """
+    residual = latents
+    for layer in layers:
+        flat = residual.transpose(1, 2).reshape(-1, residual.shape[1])
+        n = layer.codebook.codebook_size
+        set_embed(layer.codebook, flat.mean(0) + flat.std(0) * torch.randn(n, flat.shape[1]))
+        residual = residual - layer.decode(layer.encode(residual))
+
+
+def _calibrate(model, kind: str) -> None:
+    x = _calibration_audio(model.config.sampling_rate)
+    if kind == "encodec":
+
+        def set_embed(cb, v):
+            cb.embed.copy_(v)
+            cb.embed_avg.copy_(v)
+
+        _init_rvq(model.quantizer.layers, model.encoder(x), set_embed)
+    elif kind == "mimi":
+
+        def set_embed(cb, v):
+            cb.embed_sum.copy_(v * cb.cluster_usage[:, None])
+            cb._embed = None
+
+        latents = model.encoder(x).latents
+        q = model.quantizer
+        for rvq in (q.semantic_residual_vector_quantizer, q.acoustic_residual_vector_quantizer):
+            z = rvq.input_proj(latents) if rvq.input_proj is not None else latents
+            _init_rvq(rvq.layers, z, set_embed)
+    # DAC's codebooks are nn.Embedding with a normal init: already varied.
+
+
+def build_codec(out_dir: str, kind: str = "encodec", seed: int = 0) -> str:
+    """Save a tiny random-init Encodec/Mimi/DAC (16 kHz, 50 frames/s, 4 x 64 codes) to ``out_dir``."""
+    from transformers import DacModel, EncodecModel, MimiModel
+
+    cls = {"encodec": EncodecModel, "mimi": MimiModel, "dac": DacModel}
+    config = _codec_config(kind)
+    torch.manual_seed(seed)
+    model = cls[kind](config).eval()
+    _calibrate(model, kind)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_backbone(
+    out_dir: str,
+    family: str = "qwen3",
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+) -> str:
+    """Save a tiny random-init causal LM (qwen3, llama, qwen2 or qwen3_moe) to ``out_dir``."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if family == "qwen3":
+        config, cls = (
+            tf.Qwen3Config(head_dim=hidden_size // num_heads, **common),
+            tf.Qwen3ForCausalLM,
+        )
+    elif family == "llama":
+        config, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif family == "qwen2":
+        config, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif family == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(
+            head_dim=hidden_size // num_heads,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=intermediate_size // 2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
+        cls = tf.Qwen3MoeForCausalLM
+    else:
+        raise ValueError(
+            f"unknown backbone family {family!r}; expected qwen3, llama, qwen2 or qwen3_moe"
+        )
+    torch.manual_seed(seed)
+    cls(config).save_pretrained(out_dir)
+    return out_dir
+
+
+DEFAULT_VOICES = ("en-us", "en-gb", "en-us+f3", "en-gb+m3", "en-us+m3", "en-gb+f3")
+SPEEDS = (140, 165, 190)
+
+
+def _count_lines(path: str) -> int:
+    with open(path) as f:
+        return sum(1 for line in f if line.strip())
+
+
+def synthesize_corpus(
+    out_dir: str,
+    sentences: list[str],
+    n: int = 200,
+    voices: list[str] | None = None,
+    sample_rate: int = 16000,
+) -> str:
+    """Speak ``n`` sentences with espeak-ng into ``<out_dir>/wavs`` and write ``manifest.jsonl``.
+
+    Voices and speeds cycle for variety. A manifest with ``n`` lines already present means the
+    work is done (the manifest is written last, atomically). Returns the manifest path.
+    """
+    from .data.audio import load_audio
+
+    manifest = os.path.join(out_dir, "manifest.jsonl")
+    if os.path.isfile(manifest) and _count_lines(manifest) == n:
+        return manifest
+    exe = shutil.which("espeak-ng")
+    if exe is None:
+        raise RuntimeError(
+            "espeak-ng not found: install it with `apt-get install espeak-ng` (the Makefile does)"
+        )
+    if not sentences:
+        raise ValueError("synthesize_corpus needs at least one sentence")
+    voices = list(voices or DEFAULT_VOICES)
+    wav_dir = os.path.join(out_dir, "wavs")
+    os.makedirs(wav_dir, exist_ok=True)
+
+    def speak(i: int) -> dict:
+        text = sentences[i % len(sentences)]
+        rel = f"wavs/utt{i:05d}.wav"
+        with tempfile.NamedTemporaryFile(suffix=".wav", dir=wav_dir) as raw:
+            cmd = [
+                exe,
+                "-w",
+                raw.name,
+                "-v",
+                voices[i % len(voices)],
+                "-s",
+                str(SPEEDS[(i // len(voices)) % len(SPEEDS)]),
+                "--stdin",
+            ]
+            subprocess.run(cmd, input=text.encode(), check=True, capture_output=True)
+            wav = load_audio(raw.name, sample_rate)
+        peak = float(np.abs(wav).max()) or 1.0
+        sf.write(os.path.join(out_dir, rel), 0.9 * wav / peak, sample_rate, subtype="PCM_16")
+        return {"id": f"utt{i:05d}", "audio": rel, "text": text}
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        rows = list(pool.map(speak, range(n)))
+    tmp = manifest + ".tmp"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, manifest)
+    return manifest
