@@ -17,6 +17,13 @@ has an upstreamable diff under ``patches/`` (same numbering):
    factor is 1.0. (patches/0003-gloo-fsdp-sum-reduction.diff)
 4. ``torchtitan/distributed/utils.py::set_pg_timeouts`` calls ``barrier(device_ids=[...])``,
    which gloo rejects. -> a plain barrier on CPU. (patches/0004-gloo-barrier.diff)
+
+And one that is not about CPUs:
+
+5. ``torchtitan/config/manager.py::ConfigManager.parse_args(args=sys.argv[1:])`` binds its default
+   when the module is imported, so a console script with subcommands (``torchtitan train ...``)
+   cannot hand ``torchtitan.train.main`` its arguments. -> ``run_torchtitan_main(args)`` rebinds
+   the default for this call. (patches/0005-parse-args-default.diff)
 """
 
 from __future__ import annotations
@@ -134,3 +141,16 @@ def force_sum_reduction_on_cpu(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+def run_torchtitan_main(args: list[str]) -> None:
+    """Fix 5: run ``torchtitan.train.main(Trainer)`` on ``args`` instead of import-time argv."""
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.train import Trainer, main
+
+    original = ConfigManager.parse_args.__defaults__
+    ConfigManager.parse_args.__defaults__ = (list(args),)
+    try:
+        main(Trainer)
+    finally:
+        ConfigManager.parse_args.__defaults__ = original

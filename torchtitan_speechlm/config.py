@@ -6,8 +6,6 @@ from, values are type-checked, and cross-field consistency (streams vs. weights,
 backbone vocabulary, datasets sharing one codec layout) is verified before any rank starts work.
 """
 
-from __future__ import annotations
-
 import difflib
 import json
 import types
@@ -101,8 +99,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
 
 def check_toml(values: dict, config_cls: type, source: str, prefix: str = "") -> None:
     """Raise ConfigError on an unknown section/key or a value of the wrong type."""
-    hints = typing.get_type_hints(config_cls)
     known = {f.name: f for f in fields(config_cls)}
+    hints = {name: f.type for name, f in known.items()}
     for key, value in values.items():
         dotted = f"{prefix}{key}"
         if key not in known:

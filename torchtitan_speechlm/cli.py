@@ -1,0 +1,157 @@
+"""The `torchtitan` console script: `torchtitan train ...`, `torchtitan prepare ...`.
+
+`train` validates the whole config once, in the launching process, before any rank starts (so a
+typo costs a second, not a cluster allocation), then:
+- inside torchrun / SLURM (RANK or SLURM_PROCID set): runs as that rank;
+- with `--nproc-per-node N > 1`: starts N local ranks through torch's own elastic launcher;
+- otherwise: runs one process.
+The device is CUDA + NCCL when a GPU is visible and CPU + gloo otherwise, with no flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+SUBCOMMANDS = {
+    "train": "train a model with torchtitan's loop (torchtitan train --job.config_file X.toml)",
+    "prepare": "turn a JSONL manifest into a prepared (tokenised) speech dataset",
+}
+CONFIG_MODULE = "torchtitan_speechlm.config"
+
+
+def _usage() -> str:
+    lines = ["usage: torchtitan <command> [args]", "", "commands:"]
+    lines += [f"  {name:<9}{text}" for name, text in SUBCOMMANDS.items()]
+    lines += ["", "Run `torchtitan <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return train_command(rest)
+    if cmd == "prepare":
+        from .data.prepare import main as prepare_main
+
+        return prepare_main(rest) or 0
+    print(f"torchtitan: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------------------------------------
+# train
+# ---------------------------------------------------------------------------------------------
+def _split_launcher_args(args: list[str]) -> tuple[int, list[str]]:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    known, rest = parser.parse_known_args(args)
+    if known.nproc_per_node < 1:
+        raise SystemExit("torchtitan train: --nproc-per-node must be >= 1")
+    return known.nproc_per_node, rest
+
+
+def with_config_module(args: list[str]) -> list[str]:
+    """Make sure torchtitan merges our [speechlm] sections even if the TOML does not say so."""
+    if any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module")
+           for a in args):
+        return args
+    return [*args, "--job.custom_config_module", CONFIG_MODULE]
+
+
+def check_config(args: list[str]):
+    """Parse and validate exactly as the ranks will; raises ConfigError / FileNotFoundError."""
+    import torchtitan_speechlm  # noqa: F401  (device selection + spec registration)
+    from torchtitan.config import ConfigManager
+
+    from .config import ConfigError, check_toml, validate_job_config
+
+    manager = ConfigManager()
+    toml_values = manager._maybe_load_toml(args)
+    config_cls = manager._maybe_add_custom_config(args, toml_values)
+    if toml_values is not None:
+        path = next((args[i + 1] for i, a in enumerate(args[:-1])
+                     if a in ("--job.config_file", "--job.config-file")), "config")
+        check_toml(toml_values, config_cls, source=path)
+    try:
+        job_config = manager.parse_args(args)
+    except SystemExit as e:  # tyro already printed what is wrong with the command line
+        raise ConfigError("invalid command-line override (see above)") from e
+    validate_job_config(job_config)
+    return job_config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _adopt_slurm_env() -> None:
+    """srun without torchrun: map SLURM's variables to torch.distributed's."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        raise SystemExit(
+            "torchtitan train under SLURM needs MASTER_ADDR and MASTER_PORT (e.g. "
+            "MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1))"
+        )
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+
+
+def train_command(args: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in args):
+        print("usage: torchtitan train --job.config_file FILE.toml [--nproc-per-node N] "
+              "[--section.key value ...]\n")
+        from .train import run_worker
+
+        return run_worker(["--help"])
+    nproc, args = _split_launcher_args(args)
+    args = with_config_module(args)
+    from .config import ConfigError
+
+    try:
+        check_config(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"torchtitan train: config error: {e}", file=sys.stderr)
+        return 2
+
+    _adopt_slurm_env()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        from .train import run_worker
+
+        return run_worker(args)
+    if nproc == 1:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        from .train import run_worker
+
+        return run_worker(args)
+    from torch.distributed.run import get_args_parser, run
+
+    launch = get_args_parser().parse_args([
+        "--standalone", f"--nproc-per-node={nproc}",
+        f"--local-ranks-filter={os.environ.get('LOG_RANK', '0')}", "--role=rank", "--tee=3",
+        "-m", "torchtitan_speechlm.train", *args,
+    ])
+    try:
+        run(launch)
+    except Exception as e:  # ChildFailedError already printed the failing rank's traceback
+        print(f"torchtitan train: {type(e).__name__}: a rank failed (see its log above)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
