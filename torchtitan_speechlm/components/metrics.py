@@ -8,14 +8,32 @@ logs the error once and training continues with the other loggers.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
-from torchtitan.components.metrics import MetricsProcessor
+import torch
+from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 from torchtitan.tools.logging import logger
 
 from .loss import TRAIN_STATS
 from .stats import StatsAccumulator
+
+
+class JsonlLogger(BaseLogger):
+    """Every logged dict as one JSON line (exact floats, easy to grep, plot or test)."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._f = open(path, "a", buffering=1)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        row = {"step": step}
+        row.update({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()})
+        self._f.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
 
 
 class SpeechLMMetricsProcessor(MetricsProcessor):
@@ -27,6 +45,12 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             os.environ.setdefault("WANDB_SILENT", "true")
         super().__init__(job_config, parallel_dims, tag)
         self.accumulator = accumulator
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            container = LoggerContainer()
+            container.add_logger(self.logger)
+            container.add_logger(JsonlLogger(os.path.join(job_config.job.dump_folder,
+                                                          "metrics.jsonl")))
+            self.logger = container
 
     def reduce_group(self):
         mesh = self.parallel_dims.get_optional_mesh("loss")

@@ -11,21 +11,28 @@ transformers turns restarting position ids into a block-diagonal causal mask, so
 crosses samples) or ``pad`` mode (one sample per row). Each sample is shifted on its own, so no
 prediction crosses a sample boundary.
 
-Order: every (task, dataset) mixture entry walks its own seeded permutation of items, epoch by
-epoch; a seeded generator picks the entry of each draw by weight. Rank r of W takes items
-r, r+W, ... of each permutation. The state (per-entry epoch/position, generator state, the sample
-carried over to the next row) is saved in DCP checkpoints through torchtitan's
-ParallelAwareDataloader, so a resumed run yields the same micro-batches as an uninterrupted one.
+Order: one *global* stream of rows, identical on every rank. Each (task, dataset) mixture entry
+walks its own seeded permutation of items, epoch by epoch; a seeded generator picks the entry of
+each draw by weight; rows are packed from item lengths alone (read from the index, no decoding).
+Global micro-batch g is rows [g*B*W, (g+1)*B*W) and rank r collates its B rows from it. So the
+data seen for a global batch does not depend on the number of ranks (1 process and 2 processes
+train on the same global batch), and the loader state (per-entry epoch/position, generator state,
+the item carried over to the next row) is the same on every rank: resuming with a different
+data-parallel degree continues the same stream. It is saved in DCP checkpoints through
+torchtitan's ParallelAwareDataloader, so a resumed run yields the same micro-batches as an
+uninterrupted one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
@@ -37,7 +44,7 @@ from ..config import (
     parse_datasets,
     parse_mix,
 )
-from ..model.vocab import VocabLayout
+from ..model.vocab import VocabLayout, VocabMismatchError
 from .examples import LossWeights, TemplateBuilder
 
 DATA_STATS_KEYS = ("examples", "rows", "frames", "pad_frames", "loss_frames", "skipped_too_long")
@@ -65,7 +72,7 @@ class _Source:
 
 
 class SpeechLMDataset(IterableDataset):
-    """Deterministic, stateful stream of packed micro-batches for one data-parallel rank."""
+    """Deterministic, stateful stream of packed micro-batches; this rank's share of each."""
 
     def __init__(
         self,
@@ -95,20 +102,24 @@ class SpeechLMDataset(IterableDataset):
         self._weights = np.array([s.weight for s in sources], dtype=np.float64)
         self._weights /= self._weights.sum()
         for s in sources:
-            if len(s.indices) < dp_world_size:
-                raise ValueError(
-                    f"dataset {s.name!r} has {len(s.indices)} items for {dp_world_size} "
-                    "data-parallel ranks; every rank needs at least one"
-                )
+            if len(s.indices) == 0:
+                raise ValueError(f"{s.task}:{s.name} has no items (after the validation hold-out)")
+        self._lengths = [self._item_lengths(s) for s in sources]
         self.reset()
+
+    def _item_lengths(self, s: _Source) -> np.ndarray:
+        """Frames of every item's example, from the index alone (no arrays decoded)."""
+        text_len, audio_frames = s.data.text_lengths, s.data.audio_lengths
+        return np.array([self.builder.length(s.task, int(text_len[i]), int(audio_frames[i]))
+                         for i in range(len(text_len))], dtype=np.int64)
 
     # ---- state -----------------------------------------------------------------------------
     def reset(self) -> None:
         self._epoch = [0] * len(self.sources)
         self._pos = [0] * len(self.sources)
-        self._rng = np.random.default_rng([self.seed, self.dp_rank, 7919])
-        self._carry: tuple[int, int] | None = None  # (source, item) for the next row
-        self._batches = 0
+        self._rng = np.random.default_rng([self.seed, 7919])
+        self._carry: tuple[int, int] | None = None  # (source, item) opening the next row
+        self._batches = 0  # global micro-batches produced so far
         self._perm_cache: dict[int, tuple[int, np.ndarray]] = {}
 
     def state_dict(self) -> dict:
@@ -119,6 +130,7 @@ class SpeechLMDataset(IterableDataset):
             "carry": self._carry,
             "batches": self._batches,
             "sources": [f"{s.task}:{s.name}" for s in self.sources],
+            "vocab": self.layout.fingerprint(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -127,6 +139,12 @@ class SpeechLMDataset(IterableDataset):
             raise ValueError(
                 f"checkpointed data mixture {state['sources']} differs from the configured "
                 f"{names}; resume with the same speechlm_data.train, or start a new dump_folder"
+            )
+        if state.get("vocab") != self.layout.fingerprint():
+            raise VocabMismatchError(
+                f"the checkpoint was trained with vocabulary layout {state.get('vocab')} but this "
+                f"run builds {self.layout.fingerprint()} (different backbone, tokenizer or codec); "
+                "resume with the original assets or start a new dump_folder"
             )
         self._epoch, self._pos = list(state["epoch"]), list(state["pos"])
         self._rng.bit_generator.state = state["rng"]
@@ -141,7 +159,7 @@ class SpeechLMDataset(IterableDataset):
             if self.shuffle:
                 rng = np.random.default_rng([self.seed, src, epoch, 104729])
                 idx = idx[rng.permutation(len(idx))]
-            cached = self._perm_cache[src] = (epoch, idx[self.dp_rank :: self.dp_world_size])
+            cached = self._perm_cache[src] = (epoch, idx)
         return cached[1]
 
     def _next_item(self) -> tuple[int, int] | None:
@@ -160,15 +178,8 @@ class SpeechLMDataset(IterableDataset):
         return src, item
 
     # ---- rows and batches --------------------------------------------------------------------
-    def _sample(self, src: int, item: int):
-        s = self.sources[src]
-        it = s.data[item]
-        ex = self.builder.build(s.task, it.text_tokens, it.audio_codes)
-        return ex
-
     def _rows(self):
-        """Yield (rows, stats) lists of packed rows; each row is a list of Examples."""
-        cap = self.seq_len + 1  # a sample of L frames uses L - 1 input positions
+        """Yield (row, skipped): a row is a list of (source, item) whose examples fit seq_len."""
         skipped = 0
         row, used = [], 0
         while True:
@@ -180,19 +191,18 @@ class SpeechLMDataset(IterableDataset):
                 if row:
                     yield row, skipped
                 return
-            ex = self._sample(*nxt)
-            length = len(ex.frames)
-            if length > cap:
+            need = int(self._lengths[nxt[0]][nxt[1]]) - 1  # a sample of L frames: L-1 inputs
+            if need > self.seq_len:
                 skipped += 1
                 continue
-            if row and (not self.pack or used + length - 1 > self.seq_len):
+            if row and (not self.pack or used + need > self.seq_len):
                 self._carry = nxt
                 yield row, skipped
                 skipped = 0
                 row, used = [], 0
                 continue
-            row.append(ex)
-            used += length - 1
+            row.append(nxt)
+            used += need
 
     def _collate(self, rows: list[list], skipped: int) -> tuple[dict, torch.Tensor]:
         b, t, n = len(rows), self.seq_len, self.layout.num_streams
@@ -200,10 +210,13 @@ class SpeechLMDataset(IterableDataset):
         tgt = inp.copy()
         w = np.zeros((b, t, n), dtype=np.float32)
         pos = np.zeros((b, t), dtype=np.int64)
-        examples = 0
+        examples = frames = 0
         for r, row in enumerate(rows):
             at = 0
-            for ex in row:
+            for src, item in row:
+                s = self.sources[src]
+                it = s.data[item]
+                ex = self.builder.build(s.task, it.text_tokens, it.audio_codes)
                 length = len(ex.frames) - 1
                 inp[r, at : at + length] = ex.frames[:-1]
                 tgt[r, at : at + length] = ex.frames[1:]
@@ -211,10 +224,10 @@ class SpeechLMDataset(IterableDataset):
                 pos[r, at : at + length] = np.arange(length)
                 at += length
                 examples += 1
+            frames += at
             pos[r, at:] = np.arange(t - at)  # padding is its own "document"
         loss_frames = (w > 0).any(-1)
         labels = np.where(loss_frames, 0, IGNORE_INDEX)
-        frames = sum(len(ex.frames) - 1 for row in rows for ex in row)
         stats = np.array(
             [examples, b, frames, b * t - frames, int(loss_frames.sum()), skipped],
             dtype=np.float32,
@@ -231,21 +244,56 @@ class SpeechLMDataset(IterableDataset):
     def __iter__(self):
         worker = get_worker_info()
         n_workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
+        per_rank, world = self.batch_size, self.dp_world_size
         pending, skipped = [], 0
         for row, sk in self._rows():
             pending.append(row)
             skipped += sk
-            if len(pending) == self.batch_size:
+            if len(pending) == per_rank * world:
+                g = self._batches
                 self._batches += 1
-                if (self._batches - 1) % n_workers == worker_id:
-                    yield self._collate(pending, skipped)
+                if g % n_workers == worker_id:
+                    mine = pending[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+                    # skipped items are attributed to rank 0 so the global sum counts them once
+                    yield self._collate(mine, skipped if self.dp_rank == 0 else 0)
                 pending, skipped = [], 0
         if pending and not self.infinite:
-            yield self._collate(pending, skipped)
+            # Last, partial global batch of a finite set: ranks beyond it get no batch.
+            mine = pending[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+            if mine:
+                yield self._collate(mine, skipped if self.dp_rank == 0 else 0)
 
 
 class SpeechLMDataLoader(ParallelAwareDataloader):
-    """torchtitan's ParallelAwareDataloader over ready-made micro-batches (batch_size=None)."""
+    """torchtitan's ParallelAwareDataloader over ready-made micro-batches (batch_size=None).
+
+    Our stream state is global (identical on every rank), so it is saved under one rank-free key
+    instead of the parent's ``dp_rank_{r}``. That makes a resume under a different
+    data-parallel degree possible: every rank reads the same state and the stream continues.
+    """
+
+    STATE_KEY = "speechlm_stream"
+
+    def state_dict(self) -> dict:
+        return {
+            self.STATE_KEY: pickle.dumps(StatefulDataLoader.state_dict(self)),
+            "world_size": self.dp_world_size,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not state_dict:
+            return
+        if self.STATE_KEY not in state_dict:
+            raise ValueError(
+                "the checkpoint's dataloader state was not written by torchtitan_speechlm; "
+                "add 'dataloader' to checkpoint.exclude_from_loading to start the data afresh"
+            )
+        if state_dict.get("world_size") != self.dp_world_size:
+            logger.info(
+                f"Resuming the data stream saved with {state_dict.get('world_size')} "
+                f"data-parallel ranks on {self.dp_world_size} ranks (the stream is global)"
+            )
+        StatefulDataLoader.load_state_dict(self, pickle.loads(state_dict[self.STATE_KEY]))
 
 
 def build_template_builder(job_config, layout: VocabLayout) -> TemplateBuilder:
