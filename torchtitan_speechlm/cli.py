@@ -65,6 +65,45 @@ def with_config_module(args: list[str]) -> list[str]:
     return [*args, "--job.custom_config_module", CONFIG_MODULE]
 
 
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _bool_fields(config_cls) -> set[str]:
+    from dataclasses import fields, is_dataclass
+
+    out = set()
+    for section in fields(config_cls):
+        if is_dataclass(section.type):
+            out |= {f"{section.name}.{f.name}" for f in fields(section.type) if f.type is bool}
+    return out
+
+
+def normalise_bool_flags(args: list[str]) -> list[str]:
+    """`--section.key false` -> tyro's `--section.no_key` (and `true` -> `--section.key`)."""
+    import torchtitan_speechlm  # noqa: F401
+    from torchtitan.config import ConfigManager
+
+    manager = ConfigManager()
+    bools = _bool_fields(manager._maybe_add_custom_config(args, manager._maybe_load_toml(args)))
+    out, i = [], 0
+    while i < len(args):
+        key, eq, val = args[i].partition("=")
+        name = key[2:].replace("-", "_") if key.startswith("--") else ""
+        if name in bools:
+            if not eq and i + 1 < len(args) and args[i + 1].lower() in _BOOL_WORDS:
+                val, i = args[i + 1], i + 1
+            if val:
+                if val.lower() not in _BOOL_WORDS:
+                    raise SystemExit(f"torchtitan train: {key} takes true or false, not {val!r}")
+                section, _, field = name.partition(".")
+                key = f"--{name}" if _BOOL_WORDS[val.lower()] else f"--{section}.no_{field}"
+            out.append(key)
+        else:
+            out.append(args[i])
+        i += 1
+    return out
+
+
 def check_config(args: list[str]):
     """Parse and validate exactly as the ranks will; raises ConfigError / FileNotFoundError."""
     import torchtitan_speechlm  # noqa: F401  (device selection + spec registration)
@@ -116,7 +155,7 @@ def train_command(args: list[str]) -> int:
 
         return run_worker(["--help"])
     nproc, args = _split_launcher_args(args)
-    args = with_config_module(args)
+    args = normalise_bool_flags(with_config_module(args))
     from .config import ConfigError
 
     try:

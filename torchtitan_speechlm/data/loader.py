@@ -330,7 +330,7 @@ def build_sources(job_config, entries: list[MixEntry], split: str) -> list[_Sour
     sources = []
     for e in entries:
         data = cache.setdefault(e.dataset, PreparedDataset(paths[e.dataset]))
-        ids = [data[i].id for i in range(len(data))] if frac > 0 else [""] * len(data)
+        ids = data.ids
         sources.append(_Source(e.task, e.dataset, e.weight, data, split_indices(ids, frac, split)))
     return sources
 

@@ -240,6 +240,16 @@ class PreparedDataset:
                 f"metadata says {streams}; {_REGENERATE}"
             )
 
+    @property
+    def text_lengths(self) -> np.ndarray:
+        """Text tokens per item, from the index (no array is read)."""
+        return self._text_len
+
+    @property
+    def audio_lengths(self) -> np.ndarray:
+        """Audio frames per item, from the index (no array is read)."""
+        return self._audio_frames
+
     def __len__(self) -> int:
         return len(self.ids)
 
