@@ -81,22 +81,16 @@ class Codec:
         for i, w in enumerate(wavs):
             batch[i, 0, : len(w)] = w
         x = torch.from_numpy(batch).to(self.device)
+        kwargs = {
+            "encodec": {"bandwidth": self.bandwidth},
+            "mimi": {"num_quantizers": self.num_streams},
+            "dac": {"n_quantizers": self.num_streams},
+        }[self.name]
         with torch.inference_mode():
-            if self.name == "encodec":
-                codes = self.model.encode(
-                    x, bandwidth=self.bandwidth, return_dict=True
-                ).audio_codes[0]
-            elif self.name == "mimi":
-                codes = self.model.encode(
-                    x, num_quantizers=self.num_streams, return_dict=True
-                ).audio_codes
-            else:
-                codes = self.model.encode(
-                    x, n_quantizers=self.num_streams, return_dict=True
-                ).audio_codes
-        codes = (
-            codes[:, : self.num_streams].transpose(1, 2).to("cpu", torch.int64).numpy()
-        )  # [B, T, N]
+            codes = self.model.encode(x, return_dict=True, **kwargs).audio_codes
+        if self.name == "encodec":
+            codes = codes[0]  # [chunks=1, B, N, T] -> [B, N, T]
+        codes = codes[:, : self.num_streams].transpose(1, 2).to("cpu", torch.int64).numpy()
         if codes.shape[1] < max(frames):
             raise RuntimeError(
                 f"{self.path}: codec returned {codes.shape[1]} frames for {max(frames)} expected; "

@@ -144,7 +144,11 @@ def prepare_dataset(
         if os.path.isdir(out_dir):  # empty, or overwrite=True: swap the old one out
             old = f"{out_dir}.old-{os.getpid()}"
             os.replace(out_dir, old)
-            os.replace(tmp_dir, out_dir)
+            try:
+                os.replace(tmp_dir, out_dir)
+            except BaseException:
+                os.replace(old, out_dir)  # put the previous dataset back
+                raise
             shutil.rmtree(old)
         else:
             os.replace(tmp_dir, out_dir)
