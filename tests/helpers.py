@@ -53,3 +53,125 @@ def text_only_inputs(layout: VocabLayout, text_ids: torch.Tensor) -> torch.Tenso
     for k in range(1, layout.num_streams):
         frames[..., k] = layout.stream_pad(k)
     return frames
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny end-to-end assets and configs for `torchtitan train` tests
+# ---------------------------------------------------------------------------------------------
+def make_tiny_run_assets(root, n_items=48, seed=0) -> dict:
+    """Tokenizer, codec, backbone (saved with save_pretrained) and a prepared dataset made from
+    synthetic tones (deterministic, no espeak needed), through the real prepare code."""
+    import json
+    import os
+
+    import numpy as np
+    import soundfile as sf
+
+    from torchtitan_speechlm.data.prepare import prepare_dataset
+    from torchtitan_speechlm.demo_assets import (
+        build_backbone,
+        build_codec,
+        build_tokenizer,
+        load_sentences,
+    )
+
+    root = str(root)
+    paths = {k: os.path.join(root, k) for k in ("tokenizer", "codec", "backbone", "prepared")}
+    sentences = load_sentences()[:n_items]
+    build_tokenizer(paths["tokenizer"], load_sentences())
+    build_codec(paths["codec"], seed=seed)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(paths["tokenizer"]))
+    build_backbone(paths["backbone"], vocab_size=vocab, hidden_size=32, num_layers=2,
+                   num_heads=4, num_kv_heads=2, intermediate_size=64, seed=seed)
+    rng = np.random.default_rng(seed)
+    os.makedirs(os.path.join(root, "wavs"), exist_ok=True)
+    manifest = os.path.join(root, "manifest.jsonl")
+    with open(manifest, "w") as f:
+        for i, text in enumerate(sentences):
+            sr, dur = 16000, 0.3 + 0.02 * len(text.split())
+            t = np.arange(int(sr * dur)) / sr
+            wav = 0.3 * np.sin(2 * np.pi * (150 + 20 * (i % 7)) * t) + 0.01 * rng.standard_normal(len(t))
+            path = os.path.join(root, "wavs", f"u{i}.wav")
+            sf.write(path, wav.astype(np.float32), sr)
+            f.write(json.dumps({"id": f"u{i}", "audio": path, "text": text}) + "\n")
+    prepare_dataset(manifest, paths["codec"], paths["tokenizer"], paths["prepared"],
+                    progress=False)
+    return paths
+
+
+TINY_TOML = """
+[job]
+dump_folder = "{dump}"
+custom_config_module = "torchtitan_speechlm.config"
+[experimental]
+custom_import = "torchtitan_speechlm"
+[model]
+name = "speechlm"
+flavor = "hf"
+hf_assets_path = "{backbone}"
+[speechlm]
+backbone = "{backbone}"
+pattern = "delay"
+z_loss_weight = 1e-3
+[speechlm_data]
+datasets = ["tiny={prepared}"]
+train = ["tts:tiny:0.5", "asr:tiny:0.5"]
+valid = ["asr:tiny"]
+[optimizer]
+name = "AdamW"
+lr = 1e-2
+implementation = "foreach"
+[lr_scheduler]
+warmup_steps = 2
+[training]
+local_batch_size = 2
+seq_len = 160
+steps = 6
+dtype = "float32"
+mixed_precision_param = "float32"
+[parallelism]
+data_parallel_shard_degree = -1
+[checkpoint]
+enable = true
+interval = 3
+last_save_model_only = false
+[activation_checkpoint]
+mode = "none"
+[metrics]
+log_freq = 1
+enable_tensorboard = false
+[validation]
+enable = true
+freq = 3
+local_batch_size = 2
+seq_len = 160
+"""
+
+
+def write_tiny_config(path, assets: dict, dump) -> str:
+    text = TINY_TOML.format(dump=dump, **assets)
+    with open(path, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+def run_train(config: str, *extra: str, nproc: int = 1, timeout: int = 300):
+    """Run `torchtitan train` as a user would; returns the CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "train", "--job.config_file", config,
+           "--nproc-per-node", str(nproc), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def read_metrics(dump) -> list[dict]:
+    import json
+    import os
+
+    with open(os.path.join(str(dump), "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
