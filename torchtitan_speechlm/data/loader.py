@@ -321,6 +321,24 @@ def layout_from_config(job_config) -> VocabLayout:
     )
 
 
+def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
+    """Store the layout with the run (``{dump_folder}/vocab.json``); refuse a different one.
+
+    Every checkpoint also carries the layout's fingerprint in its dataloader state.
+    """
+    import os
+
+    path = os.path.join(dump_folder, "vocab.json")
+    if os.path.isfile(path):
+        layout.check_same(VocabLayout.load(path), f"the run in {dump_folder} ({path})")
+        return
+    if int(os.environ.get("RANK", "0")) == 0:
+        os.makedirs(dump_folder, exist_ok=True)
+        tmp = f"{path}.tmp"
+        layout.save(tmp)
+        os.replace(tmp, path)
+
+
 def build_sources(job_config, entries: list[MixEntry], split: str) -> list[_Source]:
     from .prepared import PreparedDataset
 
@@ -342,6 +360,7 @@ def build_speechlm_dataloader(
     names = parse_datasets(job_config.speechlm_data.datasets)
     entries = parse_mix(job_config.speechlm_data.train, "train", names)
     layout = layout_from_config(job_config)
+    record_vocab(job_config.job.dump_folder, layout)
     dataset = SpeechLMDataset(
         build_sources(job_config, entries, "train"),
         build_template_builder(job_config, layout),

@@ -1,0 +1,43 @@
+# `make demo` and `make test` each work on a fresh machine: they create .venv, install the
+# Debian packages (espeak-ng) and every Python dependency, then run.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# CPU wheel on the dev/CI machines; GPU users pre-install their CUDA torch in .venv (kept as is).
+TORCH_SPEC ?= torch==2.13.0
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: demo test deps system-deps lint bench clean
+
+system-deps:
+	@command -v espeak-ng >/dev/null 2>&1 || { \
+	  echo "[make] installing espeak-ng (Debian package)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng >/dev/null; }
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || { echo "[make] installing $(TORCH_SPEC)"; \
+	  $(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"; }
+	@echo "[make] installing torchtitan-speechlm and its dependencies into $(VENV)"
+	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import torchtitan_speechlm, torchtitan, transformers, wandb, soundfile" \
+	  || { echo "[make] dependency installation failed"; exit 1; }
+	@touch $(STAMP)
+
+deps: system-deps $(STAMP)
+
+demo: deps
+	$(PY) -m torchtitan_speechlm.demo
+
+test: deps
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: deps
+	$(VENV)/bin/ruff check torchtitan_speechlm tests benchmarks
+
+bench: deps
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf outputs demo_work .pytest_cache

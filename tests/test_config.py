@@ -1,0 +1,63 @@
+"""Config extension: every shipped recipe parses; bad keys and values name the key and fix."""
+
+import glob
+
+import pytest
+import tomli
+
+from torchtitan_speechlm.config import (
+    ConfigError,
+    check_toml,
+    normalised_stream_weights,
+    parse_datasets,
+    parse_mix,
+)
+
+
+def merged_config_cls():
+    from torchtitan.config import ConfigManager
+
+    m = ConfigManager()
+    return m._maybe_add_custom_config(["--job.custom_config_module", "torchtitan_speechlm.config"],
+                                      None)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("train_configs/*.toml")))
+def test_shipped_recipes_have_only_valid_keys(path):
+    with open(path, "rb") as f:
+        values = tomli.load(f)
+    check_toml(values, merged_config_cls(), source=path)
+    assert values["model"]["name"] == "speechlm"
+    assert values["job"]["custom_config_module"] == "torchtitan_speechlm.config"
+
+
+def test_unknown_key_suggests_the_right_one():
+    with pytest.raises(ConfigError, match=r"x\.toml: unknown key `training.sequence_len`.*seq_len"):
+        check_toml({"training": {"sequence_len": 3}}, merged_config_cls(), "x.toml")
+    with pytest.raises(ConfigError, match="unknown key `speechlmm`.*speechlm"):
+        check_toml({"speechlmm": {}}, merged_config_cls(), "x.toml")
+
+
+def test_wrong_types_are_rejected():
+    cls = merged_config_cls()
+    with pytest.raises(ConfigError, match="speechlm.pattern"):
+        check_toml({"speechlm": {"pattern": "diagonal"}}, cls, "x.toml")
+    with pytest.raises(ConfigError, match="training.steps"):
+        check_toml({"training": {"steps": "100"}}, cls, "x.toml")
+    check_toml({"speechlm": {"stream_weights": [1, 0.5]}, "training": {"steps": 3}}, cls, "x")
+
+
+def test_dataset_and_mixture_specs():
+    names = parse_datasets(["a=/x", "b=/y"])
+    mix = parse_mix(["tts:a:0.7", "asr:b"], "train", names)
+    assert [(m.task, m.dataset, m.weight) for m in mix] == [("tts", "a", 0.7), ("asr", "b", 1.0)]
+    with pytest.raises(ConfigError, match="NAME=PATH"):
+        parse_datasets(["nopath"])
+    with pytest.raises(ConfigError, match="no dataset named 'c'"):
+        parse_mix(["tts:c"], "train", names)
+    with pytest.raises(ConfigError, match="unknown task 'tss'"):
+        parse_mix(["tss:a"], "train", names)
+    with pytest.raises(ConfigError, match="weight must be > 0"):
+        parse_mix(["tts:a:0"], "train", names)
+    assert normalised_stream_weights([], 4) == [0.25] * 4
+    assert normalised_stream_weights([3, 1], 2) == [0.75, 0.25]
