@@ -9,18 +9,28 @@ SpeechLM's modules:
 - tied: the embedding and the head share one Parameter, which torch 2.13's FSDP2 refuses to put
   in two groups, so both stay in the root unit.
 
+DDP (replicate only) is torchtitan's ``apply_ddp`` plus a SUM all-reduce comm hook: torchtitan's
+loss is already ``local loss sum / global loss count``, so gradients must be summed over ranks,
+not averaged (see ``sum_gradients_in_ddp``). FSDP/HSDP get the same behaviour from
+``disable_fsdp_gradient_division``.
+
 Tensor, context and pipeline parallelism are not supported yet: asking for them is an error.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import apply_ddp, disable_fsdp_gradient_division
+from torchtitan.models.llama3.infra.parallelize import (
+    _op_sac_save_list,
+    apply_ddp,
+    disable_fsdp_gradient_division,
+)
 from torchtitan.tools.logging import logger
 
 from ..compat import force_sum_reduction_on_cpu
@@ -38,10 +48,13 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
         # apply_ac wraps the children of `layers`; the backbone owns them.
+        # Selective "op" mode saves the outputs of torchtitan's llama3 list (matmuls, SDPA
+        # kernels) and recomputes the rest; without a list it would recompute everything.
         apply_ac(
             model.backbone,
             job_config.activation_checkpoint,
             model_compile_enabled=compile_model,
+            op_sac_save_list=_op_sac_save_list,
             base_folder=job_config.job.dump_folder,
         )
     if compile_model:
@@ -59,8 +72,30 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
         logger.info("Applied %s to the SpeechLM",
                     "HSDP" if parallel_dims.dp_replicate_enabled else "FSDP")
     elif parallel_dims.dp_replicate_enabled:
-        apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), enable_compile=compile_model)
+        dp_mesh = parallel_dims.get_mesh("dp_replicate")
+        apply_ddp(model, dp_mesh, enable_compile=compile_model)
+        sum_gradients_in_ddp(model, dp_mesh.get_group())
     return model
+
+
+def _allreduce_sum_hook(group, bucket):
+    return (
+        dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+        .get_future()
+        .then(lambda fut: fut.value()[0])
+    )
+
+
+def sum_gradients_in_ddp(model: nn.Module, group) -> None:
+    """Make DDP all-reduce gradients with SUM instead of its default mean.
+
+    torchtitan's train step backpropagates ``local loss sum / global loss count`` on every rank,
+    so the true gradient is the *sum* of the ranks' gradients (that is why torchtitan sets FSDP's
+    gradient divide factor to 1). DDP's default hook divides by the world size, which left the
+    DDP gradients (and ``grad_norm``, and max_norm clipping) 1/world_size too small; Adam hid it
+    in the loss curve. torchtitan 0.2.2's llama3 ``apply_ddp`` has the same issue.
+    """
+    model.register_comm_hook(group, _allreduce_sum_hook)
 
 
 def apply_freeze(model: nn.Module, prefixes: list[str]) -> None:
