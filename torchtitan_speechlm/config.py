@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-TASKS = ("tts", "asr")
+TASKS = ("tts", "asr", "continuation", "text", "dialogue")
 
 
 @dataclass
@@ -52,7 +52,7 @@ class SpeechLMData:
     datasets: list[str] = field(default_factory=list)
     """Prepared datasets as NAME=PATH (made by `torchtitan prepare`)."""
     train: list[str] = field(default_factory=list)
-    """Training mixture as TASK:NAME[:WEIGHT], TASK in tts, asr."""
+    """Training mixture as TASK:NAME[:WEIGHT]; TASK in tts, asr, continuation, text, dialogue."""
     valid: list[str] = field(default_factory=list)
     """Validation sets as TASK:NAME; logged as val/{TASK}_{NAME}/*."""
     valid_fraction: float = 0.0
@@ -60,6 +60,20 @@ class SpeechLMData:
     seed: int = 0
     """Shuffling seed (the data order is a pure function of it and the epoch)."""
     shuffle: bool = True
+    batching: Literal["pack", "bucket"] = "pack"
+    """pack: several samples per row of training.seq_len frames (document-masked);
+    bucket: one sample per row, length-sorted within a window, padded to the longest."""
+    max_tokens: int = 0
+    """Frames (rows x padded length) per rank per micro-batch; 0 = local_batch_size x seq_len."""
+    window: int = 256
+    """Items drawn per packing/bucketing window (larger: less padding, same determinism)."""
+    loss_region: Literal["assistant", "all"] = "assistant"
+    """Which turns carry loss: assistant turns only, or every frame after <bos>."""
+    cfg_dropout: float = 0.0
+    """TTS classifier-free-guidance dropout: probability of replacing the text prompt by
+    <|cfg_drop|> (training only, never in validation)."""
+    log_batch_hashes: bool = False
+    """Write a content hash of every consumed micro-batch to {dump_folder}/batch_hashes/."""
 
 
 @dataclass
@@ -245,6 +259,15 @@ def validate_job_config(job_config) -> None:
             )
     if job_config.training.seq_len < 8:
         raise ConfigError("training.seq_len (frames per row) must be >= 8")
+    if data.max_tokens and data.max_tokens < job_config.training.seq_len:
+        raise ConfigError(
+            f"speechlm_data.max_tokens = {data.max_tokens} is below training.seq_len = "
+            f"{job_config.training.seq_len}: one full row must fit; raise max_tokens or lower seq_len"
+        )
+    if not 0.0 <= data.cfg_dropout < 1.0:
+        raise ConfigError("speechlm_data.cfg_dropout must be in [0, 1)")
+    if data.window < 1:
+        raise ConfigError("speechlm_data.window must be >= 1")
 
 
 def resolve_model_args(args, job_config) -> None:

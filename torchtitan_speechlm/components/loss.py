@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from ..data.loader import DATA_STATS_KEYS
+from ..data.loader import layout_from_config
+from ..data.stream import data_stats_keys
 from ..model.model import SpeechLMOutput
 from .stats import StatsAccumulator
 
 # torchtitan's Trainer builds the metrics processor and the loss function separately and never
 # hands one to the other; this per-process accumulator is their meeting point. One Trainer per
 # process, so there is exactly one training accumulator.
-TRAIN_STATS = StatsAccumulator(DATA_STATS_KEYS)
+TRAIN_STATS = StatsAccumulator()
 
 
 class SpeechLMLoss:
@@ -36,5 +37,6 @@ class SpeechLMLoss:
 
 def build_speechlm_loss(job_config, **kwargs) -> SpeechLMLoss:
     """TrainSpec.build_loss_fn."""
+    TRAIN_STATS.data_stats_keys = data_stats_keys(layout_from_config(job_config).num_streams)
     TRAIN_STATS.reset()
     return SpeechLMLoss(TRAIN_STATS)

@@ -97,7 +97,8 @@ def finalise(sums: dict[str, float], micro_batches: float) -> dict[str, float]:
     if "data/pad_frames" in sums and "data/frames" in sums:
         total = sums["data/pad_frames"] + sums["data/frames"]
         out["data/padding_ratio"] = sums["data/pad_frames"] / total if total else 0.0
-    if "data/skipped_too_long" in sums:
-        out["data/skipped_too_long"] = sums["data/skipped_too_long"]  # a count, not a mean
+    for key in ("data/skipped_too_long", "data/skipped_bad", "data/cfg_dropped"):
+        if key in sums:
+            out[key] = sums[key]  # counts over the interval, not means
     out["loss_frames"] = sums.get("count", 0.0)
     return out

@@ -15,13 +15,8 @@ from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
 from ..config import parse_datasets, parse_mix
-from ..data.loader import (
-    DATA_STATS_KEYS,
-    SpeechLMDataset,
-    build_sources,
-    build_template_builder,
-    layout_from_config,
-)
+from ..data.loader import build_dataset, layout_from_config
+from ..data.stream import SpeechLMDataset, data_stats_keys
 from .stats import StatsAccumulator
 
 
@@ -45,31 +40,19 @@ class SpeechLMValidator(BaseValidator):
         self.amp = maybe_enable_amp
         self.context = validation_context
         self.metrics_processor = metrics_processor
-        self.layout = layout_from_config(job_config)
+        self.stats_keys = data_stats_keys(layout_from_config(job_config).num_streams)
         self.sets = validation_sets(job_config)
         if not self.sets:
             raise ValueError(
                 "validation.enable = true but there is nothing to validate on: set "
                 "speechlm_data.valid (TASK:NAME entries) or speechlm_data.valid_fraction > 0"
             )
-        split = "train" if job_config.speechlm_data.valid else "valid"
-        self._sources = {name: build_sources(job_config, entries, split)
-                         for name, entries in self.sets.items()}
+        self._split = "train" if job_config.speechlm_data.valid else "valid"
 
     def _dataset(self, name: str) -> SpeechLMDataset:
-        jc = self.job_config
-        return SpeechLMDataset(
-            self._sources[name],
-            build_template_builder(jc, self.layout),
-            seq_len=jc.validation.seq_len if jc.validation.seq_len > 0 else jc.training.seq_len,
-            batch_size=jc.validation.local_batch_size,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world_size,
-            seed=0,
-            shuffle=False,
-            pack=True,
-            infinite=False,
-        )
+        """A fresh iterator each round: the same batches in the same order every time."""
+        return build_dataset(self.job_config, self.sets[name], self._split, dp_rank=self.dp_rank,
+                             dp_world_size=self.dp_world_size, training=False)
 
     def _group(self):
         mesh = self.parallel_dims.get_optional_mesh("loss")
@@ -89,7 +72,7 @@ class SpeechLMValidator(BaseValidator):
         max_steps = self.job_config.validation.steps
         model.eval()
         for name in self.sets:
-            acc = StatsAccumulator(DATA_STATS_KEYS)
+            acc = StatsAccumulator(self.stats_keys)
             it, last, n = iter(self._dataset(name)), None, 0
             while max_steps < 0 or n < max_steps:
                 batch = next(it, None)

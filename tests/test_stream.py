@@ -1,0 +1,202 @@
+"""The data stream: packing, document boundaries, rank invariance, exact resume, bad samples."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from torchtitan_speechlm.data.examples import LossWeights, TemplateBuilder
+from torchtitan_speechlm.data.stream import Source, SpeechLMDataset, batch_hash
+from torchtitan_speechlm.model.vocab import VocabLayout
+
+N_STREAMS, CODEBOOK, TEXT = 3, 16, 50
+LAYOUT = VocabLayout(text_size=TEXT, num_streams=N_STREAMS, codebook_size=CODEBOOK)
+
+
+@dataclass
+class Item:
+    id: str
+    text: str
+    text_tokens: np.ndarray
+    audio_codes: np.ndarray
+    seconds: float
+    turns: list | None = None
+
+
+class FakePrepared:
+    """In-memory stand-in for PreparedDataset (same reader API the stream uses)."""
+
+    def __init__(self, n=60, seed=0, bad=()):
+        rng = np.random.default_rng(seed)
+        self.text_lengths = rng.integers(3, 30, n)
+        self.audio_lengths = rng.integers(10, 120, n)
+        self.ids = [f"utt{i}" for i in range(n)]
+        self.kinds = ["speech"] * n
+        self.bad = set(bad)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise OSError(f"shard-0/audio_codes.npy truncated at item {i}")
+        rng = np.random.default_rng(1000 + i)
+        return Item(self.ids[i], "", rng.integers(0, TEXT, self.text_lengths[i]),
+                    rng.integers(0, CODEBOOK, (self.audio_lengths[i], N_STREAMS)), 1.0)
+
+
+def make(world=1, rank=0, rows=4, seq_len=256, mode="pack", infinite=True, data=None,
+         cfg=0.0, window=32, loss_region="assistant", tasks=("tts", "asr")):
+    data = data or FakePrepared()
+    sources = [Source(t, "fake", 1.0, data, np.arange(len(data))) for t in tasks]
+    builder = TemplateBuilder(LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)),
+                              loss_region=loss_region)
+    return SpeechLMDataset(sources, builder, seq_len=seq_len, rows_per_unit=rows,
+                           max_tokens=rows * seq_len, mode=mode, window=window, dp_rank=rank,
+                           dp_world_size=world, seed=3, shuffle=infinite, infinite=infinite,
+                           cfg_dropout=cfg)
+
+
+def take(ds, n):
+    it = iter(ds)
+    return [next(it) for _ in range(n)]
+
+
+def stat(ds, batch, key):
+    return batch[0]["data_stats"][0, ds.stats_keys.index(key)].item()
+
+
+@pytest.mark.parametrize("mode", ["pack", "bucket"])
+def test_samples_never_cross_row_boundaries(mode):
+    ds = make(mode=mode)
+    bos = LAYOUT.special("<|bos|>")
+    for batch, labels in take(ds, 6):
+        inp, tgt, pos, w = (batch[k] for k in ("input", "targets", "position_ids", "loss_weights"))
+        assert inp.shape[1] <= 256 and inp.shape[-1] == N_STREAMS
+        for r in range(inp.shape[0]):
+            starts = (pos[r] == 0).nonzero().flatten().tolist() + [inp.shape[1]]
+            for a, b in zip(starts, starts[1:]):
+                if inp[r, a, 0] != bos:  # padding "document": no loss at all
+                    assert w[r, a:b].sum() == 0
+                    continue
+                # within a sample the target is the next input frame: no cross-sample target
+                assert torch.equal(tgt[r, a : b - 1], inp[r, a + 1 : b])
+                assert torch.equal(pos[r, a:b], torch.arange(b - a))
+        assert torch.equal(labels != -100, (w > 0).any(-1))
+
+
+@pytest.mark.parametrize("mode", ["pack", "bucket"])
+def test_a_finite_pass_yields_every_item_once(mode):
+    data = FakePrepared(n=200)
+    ds = make(mode=mode, infinite=False, data=data, seq_len=512, window=64)
+    batches = list(iter(ds))
+    assert sum(stat(ds, b, "examples") for b in batches) == 2 * len(data)
+    bos = LAYOUT.special("<|bos|>")
+    assert sum(int((b[0]["input"][..., 0] == bos).sum()) for b in batches) == 2 * len(data)
+
+
+def test_pack_padding_is_below_bucket_padding():
+    ratios = {}
+    for mode in ("pack", "bucket"):
+        ds = make(mode=mode, data=FakePrepared(n=200), seq_len=512, window=64)
+        batches = take(ds, 30)
+        pad = sum(stat(ds, b, "pad_frames") for b in batches)
+        frames = sum(stat(ds, b, "frames") for b in batches)
+        ratios[mode] = pad / (pad + frames)
+    assert ratios["pack"] < 0.02 and ratios["pack"] < ratios["bucket"]
+
+
+def test_one_rank_and_two_ranks_see_the_same_global_batches():
+    one = take(make(world=1, rows=4), 8)
+    two = [take(make(world=2, rank=r, rows=2), 8) for r in (0, 1)]
+    for g in range(8):
+        for key in ("input", "targets", "loss_weights", "position_ids"):
+            joined = torch.cat([two[0][g][0][key], two[1][g][0][key]])
+            assert torch.equal(one[g][0][key], joined), (g, key)
+
+
+def test_resume_yields_the_same_micro_batches():
+    full = [batch_hash(b[0]) for b in take(make(), 12)]
+    ds = make()
+    it = iter(ds)
+    for _ in range(5):
+        next(it)
+    state = ds.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [batch_hash(b[0]) for b in take(resumed, 7)] == full[5:]
+
+
+def test_resume_with_loader_workers():
+    def loader(ds):
+        return StatefulDataLoader(ds, batch_size=None, num_workers=2)
+
+    full = [batch_hash(b[0]) for _, b in zip(range(10), loader(make()))]
+    dl = loader(make())
+    it = iter(dl)
+    for _ in range(4):
+        next(it)
+    state = dl.state_dict()
+    dl2 = loader(make())
+    dl2.load_state_dict(state)
+    assert [batch_hash(b[0]) for _, b in zip(range(6), dl2)] == full[4:]
+
+
+def test_resume_on_another_data_parallel_degree_continues_the_stream():
+    two = [make(world=2, rank=r, rows=2) for r in (0, 1)]
+    its = [iter(d) for d in two]
+    for _ in range(3):
+        for it in its:
+            next(it)
+    expected = [torch.cat([next(its[0])[0]["input"], next(its[1])[0]["input"]]) for _ in range(4)]
+    one = make(world=1, rows=4)
+    state = make(world=2, rank=0, rows=2)
+    it = iter(state)
+    for _ in range(3):
+        next(it)
+    one.load_state_dict(state.state_dict())
+    got = [b[0]["input"] for b in take(one, 4)]
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)
+
+
+def test_too_long_and_bad_samples_are_skipped_and_counted():
+    data = FakePrepared(n=40, bad={3, 7})
+    ds = make(data=data, infinite=False, seq_len=120, window=16)
+    batches = list(iter(ds))
+    too_long = sum(stat(ds, b, "skipped_too_long") for b in batches)
+    bad = sum(stat(ds, b, "skipped_bad") for b in batches)
+    examples = sum(stat(ds, b, "examples") for b in batches)
+    lengths = [ds._length(0, i, False) for i in range(40)] + [ds._length(1, i, False) for i in range(40)]
+    n_long = sum(length - 1 > 120 for length in lengths)
+    assert too_long == n_long > 0
+    assert bad == sum(1 for s in (0, 1) for i in (3, 7) if ds._length(s, i, False) - 1 <= 120)
+    assert examples + too_long + bad == 80
+
+
+def test_cfg_dropout_is_deterministic_and_training_only():
+    a = take(make(cfg=0.5), 6)
+    b = take(make(cfg=0.5), 6)
+    assert [batch_hash(x[0]) for x in a] == [batch_hash(x[0]) for x in b]
+    dropped = sum(stat(make(cfg=0.5), x, "cfg_dropped") for x in a)
+    assert dropped > 0
+    drop_id = LAYOUT.special("<|cfg_drop|>")
+    assert any((x[0]["input"][..., 0] == drop_id).any() for x in a)
+    val = list(iter(make(cfg=0.5, infinite=False)))
+    assert not any((x[0]["input"][..., 0] == drop_id).any() for x in val)
+
+
+def test_loss_region_all_weights_user_turns_too():
+    item = FakePrepared()[0]
+    b_asst = TemplateBuilder(LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)))
+    b_all = TemplateBuilder(LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)), "all")
+    ex_a, ex_b = b_asst.build("tts", item), b_all.build("tts", item)
+    assert np.array_equal(ex_a.frames, ex_b.frames)
+    text_end = 3 + len(item.text_tokens)
+    assert ex_a.weights[:text_end].sum() == 0 and ex_b.weights[1:text_end, 0].min() == 1.0
+    # audio targets: stream weights; delay pads never carry loss
+    pads = np.array([LAYOUT.stream_pad(k) for k in range(N_STREAMS)])
+    assert (ex_a.weights[ex_a.frames == pads] == 0).all()
+    assert len(ex_a.frames) == b_asst.length("tts", len(item.text_tokens), len(item.audio_codes))
