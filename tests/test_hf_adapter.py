@@ -33,7 +33,7 @@ def test_new_rows_are_deterministic_and_text_rows_copied(tmp_path):
     hf_model = save_tiny_backbone(tmp_path / "bb")
     a = build_speechlm(tmp_path / "bb")
     b = build_speechlm(tmp_path / "bb")
-    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(p, q), n
     lay = a.args.layout
     rows = a.tok_embeddings.weight[lay.text_offset : lay.text_offset + lay.text_size]

@@ -76,5 +76,5 @@ def test_chunked_loss_equals_unchunked_with_gradients(tmp_path):
     la.backward()
     lb.backward()
     torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-6)
-    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=n)

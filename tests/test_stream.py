@@ -77,7 +77,7 @@ def test_samples_never_cross_row_boundaries(mode):
         assert inp.shape[1] <= 256 and inp.shape[-1] == N_STREAMS
         for r in range(inp.shape[0]):
             starts = (pos[r] == 0).nonzero().flatten().tolist() + [inp.shape[1]]
-            for a, b in zip(starts, starts[1:]):
+            for a, b in zip(starts, starts[1:], strict=False):
                 if inp[r, a, 0] != bos:  # padding "document": no loss at all
                     assert w[r, a:b].sum() == 0
                     continue
@@ -133,7 +133,7 @@ def test_resume_with_loader_workers():
     def loader(ds):
         return StatefulDataLoader(ds, batch_size=None, num_workers=2)
 
-    full = [batch_hash(b[0]) for _, b in zip(range(10), loader(make()))]
+    full = [batch_hash(b[0]) for _, b in zip(range(10), loader(make()), strict=False)]
     dl = loader(make())
     it = iter(dl)
     for _ in range(4):
@@ -141,7 +141,7 @@ def test_resume_with_loader_workers():
     state = dl.state_dict()
     dl2 = loader(make())
     dl2.load_state_dict(state)
-    assert [batch_hash(b[0]) for _, b in zip(range(6), dl2)] == full[4:]
+    assert [batch_hash(b[0]) for _, b in zip(range(6), dl2, strict=False)] == full[4:]
 
 
 def test_resume_on_another_data_parallel_degree_continues_the_stream():
@@ -158,7 +158,7 @@ def test_resume_on_another_data_parallel_degree_continues_the_stream():
         next(it)
     one.load_state_dict(state.state_dict())
     got = [b[0]["input"] for b in take(one, 4)]
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
 
 

@@ -43,6 +43,8 @@ class SpeechLM:
     """Weight of the MoE load-balance loss (MoE backbones only)."""
     loss_chunk_size: int = 4096
     """Positions per logits chunk; bounds the memory of the fp32 logits."""
+    code_usage_interval: int = 100
+    """Log per-stream codebook usage and perplexity at steps divisible by this (0 = never)."""
     freeze: list[str] = field(default_factory=list)
     """Parameter-name prefixes to freeze (e.g. backbone.layers.0); each must match something."""
 
@@ -181,7 +183,7 @@ def parse_mix(specs: list[str], key: str, names: dict[str, str]) -> list[MixEntr
         try:
             weight = float(parts[2]) if len(parts) == 3 else 1.0
         except ValueError:
-            raise ConfigError(f"speechlm_data.{key} entry {spec!r}: weight is not a number")
+            raise ConfigError(f"speechlm_data.{key} entry {spec!r}: weight is not a number") from None
         if weight <= 0:
             raise ConfigError(f"speechlm_data.{key} entry {spec!r}: weight must be > 0")
         entries.append(MixEntry(task, name, weight))

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import torch
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 from torchtitan.tools.logging import logger
 
+from ..config import dataset_metadata
 from .loss import TRAIN_STATS
 from .stats import StatsAccumulator
 
@@ -52,9 +54,26 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
                                                           "metrics.jsonl")))
             self.logger = container
 
+        self.code_usage_interval = job_config.speechlm.code_usage_interval
+        metas = dataset_metadata(job_config) if job_config.speechlm_data.datasets else {}
+        self.frame_rate = (float(next(iter(metas.values()))["codec"]["frame_rate"])
+                           if metas else 0.0)
+
     def reduce_group(self):
         mesh = self.parallel_dims.get_optional_mesh("loss")
-        return (mesh.get_group() if mesh is not None else None), (mesh.size() if mesh else 1)
+        return mesh.get_group() if mesh is not None else None
+
+    def speech_metrics(self, step: int) -> dict[str, float]:
+        """The interval's exact statistics, as logged under train/ (reduces over ranks)."""
+        elapsed = max(time.perf_counter() - self.time_last_log, 1e-9)
+        stats = self.accumulator.reduce(self.reduce_group())
+        every = self.code_usage_interval
+        if not (every > 0 and (step % every == 0 or step == 1)):
+            stats = {k: v for k, v in stats.items() if not k.startswith("codes/")}
+        audio = stats.pop("data/audio_frames_total", 0.0)
+        if self.frame_rate > 0:
+            stats["throughput/audio_seconds_per_second"] = audio / self.frame_rate / elapsed
+        return stats
 
     def log(
         self,
@@ -64,8 +83,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         grad_norm: float,
         extra_metrics: dict[str, Any] | None = None,
     ) -> None:
-        group, world = self.reduce_group()
-        stats = self.accumulator.reduce(group, world)
+        stats = self.speech_metrics(step)
         extra = dict(extra_metrics or {})
         extra.update({f"train/{k}": v for k, v in stats.items()})
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra)
@@ -77,6 +95,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
                 f"{self.color.green}step: {step:2}  ce_loss: {stats['ce_loss']:.4f}  "
                 f"z_loss: {stats['z_loss']:.4f}  ce/stream: [{ces}]  acc/stream: [{accs}]  "
                 f"pad: {100 * stats.get('data/padding_ratio', 0):.1f}%  "
+                f"audio s/s: {stats.get('throughput/audio_seconds_per_second', 0):.1f}  "
                 f"loss_frames: {int(stats['loss_frames'])}{self.color.reset}"
             )
 

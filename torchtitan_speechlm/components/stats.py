@@ -24,6 +24,7 @@ NORMALISED_KEYS: dict[str, str] = {
     "acc_layer0": "count_stream0",
     "ce_stream{k}": "count_stream{k}",
     "acc_stream{k}": "count_stream{k}",
+    "router_aux_loss": "count",
 }
 
 
@@ -55,7 +56,7 @@ class StatsAccumulator:
         for key, value in stats.items():
             value = value.detach().float()
             if key == "data_stats":
-                for name, v in zip(self.data_stats_keys, value.unbind(-1)):
+                for name, v in zip(self.data_stats_keys, value.unbind(-1), strict=True):
                     self._add(f"data/{name}", v)
             else:
                 self._add(key, value)
@@ -67,16 +68,21 @@ class StatsAccumulator:
         else:
             self._sums[key] = value.clone()
 
-    def reduce(self, group: dist.ProcessGroup | None = None, world: int = 1) -> dict[str, float]:
+    def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """All-reduce the interval's sums (one collective) and normalise; resets the state."""
         if not self._sums:
             return {}
         keys = sorted(self._sums)
-        flat = torch.stack([self._sums[k].reshape(()) for k in keys] +
-                           [torch.tensor(float(self._micro_batches), device=self._sums[keys[0]].device)])
+        device = self._sums[keys[0]].device
+        parts = [self._sums[k].reshape(-1) for k in keys]
+        flat = torch.cat(parts + [torch.tensor([float(self._micro_batches)], device=device)])
         if group is not None and dist.is_initialized():
             dist.all_reduce(flat, group=group)
-        sums = dict(zip(keys, flat[:-1].tolist()))
+        sums, at = {}, 0
+        for k, p in zip(keys, parts, strict=True):
+            value = flat[at : at + p.numel()]
+            sums[k] = value.item() if self._sums[k].dim() == 0 else value.view_as(self._sums[k]).cpu()
+            at += p.numel()
         micro_batches = flat[-1].item()
         self.reset()
         return finalise(sums, micro_batches)
@@ -86,6 +92,9 @@ def finalise(sums: dict[str, float], micro_batches: float) -> dict[str, float]:
     """Normalise summed statistics: count-normalised keys, averaged data stats, derived ratios."""
     out: dict[str, float] = {}
     for key, value in sums.items():
+        if key.startswith("codes_"):
+            out.update(code_usage(key, value))
+            continue
         if key.startswith("count"):
             continue
         count_key = normaliser_of(key)
@@ -100,5 +109,21 @@ def finalise(sums: dict[str, float], micro_batches: float) -> dict[str, float]:
     for key in ("data/skipped_too_long", "data/skipped_bad", "data/cfg_dropped"):
         if key in sums:
             out[key] = sums[key]  # counts over the interval, not means
+    if "data/audio_frames" in sums:
+        out["data/audio_frames_total"] = sums["data/audio_frames"]
     out["loss_frames"] = sums.get("count", 0.0)
+    return out
+
+
+def code_usage(key: str, hist: torch.Tensor) -> dict[str, float]:
+    """Per-stream codebook usage from a [N, C] histogram: fraction of entries used, perplexity."""
+    kind = "pred" if "pred" in key else "target"
+    out = {}
+    for k, h in enumerate(hist):
+        total = h.sum()
+        if total <= 0:
+            continue
+        p = h[h > 0] / total
+        out[f"codes/stream{k}/{kind}_usage"] = float((h > 0).float().mean())
+        out[f"codes/stream{k}/{kind}_perplexity"] = float(torch.exp(-(p * p.log()).sum()))
     return out

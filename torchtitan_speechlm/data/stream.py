@@ -36,8 +36,8 @@ from torchtitan.tools.logging import logger
 from ..model.vocab import VocabMismatchError
 from .examples import TASKS, TemplateBuilder
 
-BASE_STATS = ("examples", "rows", "frames", "pad_frames", "loss_frames", "skipped_too_long",
-              "skipped_bad", "cfg_dropped")
+BASE_STATS = ("examples", "rows", "frames", "pad_frames", "loss_frames", "audio_frames",
+              "skipped_too_long", "skipped_bad", "cfg_dropped")
 TASK_ELIGIBLE_KINDS = {
     "tts": ("speech",), "asr": ("speech",), "continuation": ("speech", "audio"),
     "text": ("speech", "text"), "dialogue": ("dialogue",),
@@ -359,6 +359,9 @@ class SpeechLMDataset(IterableDataset):
         for k in range(n):
             pads = (self._pad_frame[k], self.layout.stream_pad(k))
             stats[f"tokens_stream{k}"] = float((~np.isin(inp[..., k], pads)).sum())
+        last = inp[..., n - 1]  # every audio frame has exactly one code in the last stream
+        stats["audio_frames"] = float(((last >= self.layout.code(n - 1, 0))
+                                       & (last < self.layout.size)).sum())
         batch = {
             "input": torch.from_numpy(inp),
             "targets": torch.from_numpy(tgt),

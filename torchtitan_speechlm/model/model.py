@@ -18,6 +18,7 @@ count of loss frames) plus raw statistic sums for exact count-normalised logging
 
 from __future__ import annotations
 
+import sys
 import zlib
 from dataclasses import dataclass
 
@@ -85,6 +86,7 @@ class SpeechLMHead(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(dim, layout.size, bias=False)
         self.stream_emb = nn.Embedding(layout.num_streams, dim)
         self.z_loss_weight = args.z_loss_weight
+        self.codebook_size = layout.codebook_size
         self.chunk = max(1, args.loss_chunk_size)
 
     def logits(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -97,10 +99,11 @@ class SpeechLMHead(nn.Module):
 
     def _chunk_loss(
         self, h: torch.Tensor, w_out: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss sum and a stats vector for a chunk of positions: [ce_k, z_k, correct_k] per k."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Loss sum, stats [N, 4] = (weighted ce, weighted z, ce, correct) per stream, and code
+        histograms [2, N, C] of predicted and target codes at positions with loss."""
         loss = h.new_zeros((), dtype=torch.float32)
-        stats = []
+        stats, hists = [], []
         for k, (a, b) in enumerate(self.ranges):
             logits = F.linear(h + self.stream_emb.weight[k], w_out[a:b]).float()
             wk = weights[:, k]
@@ -110,13 +113,23 @@ class SpeechLMHead(nn.Module):
             ce = lse - logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
             z = self.z_loss_weight * lse.square()
             loss = loss + (wk * ce).sum() + (wk * z).sum()
-            correct = (logits.argmax(-1) == tgt) & active
+            pred = logits.argmax(-1)
+            correct = (pred == tgt) & active
             stats.append(
                 torch.stack(
                     [(wk * ce).sum(), (wk * z).sum(), (ce * active).sum(), correct.sum().float()]
                 ).detach()
             )
-        return loss, torch.stack(stats)
+            # the codebook is the last C ids of every stream's slice
+            hists.append(torch.stack([self._code_hist(pred, active, b - a),
+                                      self._code_hist(tgt, active, b - a)]))
+        return loss, torch.stack(stats), torch.stack(hists, 1)
+
+    def _code_hist(self, local_ids: torch.Tensor, active: torch.Tensor, width: int) -> torch.Tensor:
+        c = self.codebook_size
+        codes = local_ids - (width - c)
+        keep = active & (codes >= 0)
+        return torch.bincount(codes[keep], minlength=c).float().detach()
 
     def forward(
         self,
@@ -135,18 +148,20 @@ class SpeechLMHead(nn.Module):
             sel = sel.new_zeros(1)
         h, targets, weights = h[sel], targets[sel], weights[sel]
         loss = h.new_zeros((), dtype=torch.float32)
-        parts = []
+        parts, hists = [], []
         for s in range(0, h.shape[0], self.chunk):
             args = (h[s : s + self.chunk], w_out, targets[s : s + self.chunk],
                     weights[s : s + self.chunk])
             if h.shape[0] > self.chunk and torch.is_grad_enabled():
                 # Recompute each chunk's logits in backward instead of keeping them all.
-                l, st = checkpoint(self._chunk_loss, *args, use_reentrant=False)
+                part, st, hi = checkpoint(self._chunk_loss, *args, use_reentrant=False)
             else:
-                l, st = self._chunk_loss(*args)
-            loss = loss + l
+                part, st, hi = self._chunk_loss(*args)
+            loss = loss + part
             parts.append(st)
+            hists.append(hi)
         st = torch.stack(parts).sum(0)  # [N, 4]
+        hist = torch.stack(hists).sum(0)  # [2, N, C]
         active = weights > 0
         stats = {
             "ce_loss": st[:, 0].sum(),
@@ -160,6 +175,8 @@ class SpeechLMHead(nn.Module):
             stats[f"acc_stream{k}"] = st[k, 3]
             stats[f"count_stream{k}"] = cnt
         stats["acc_layer0"] = st[0, 3]
+        stats["codes_pred_hist"] = hist[0]
+        stats["codes_target_hist"] = hist[1]
         return loss, stats
 
 
@@ -180,16 +197,33 @@ class SpeechLM(ModelProtocol):
         self.head = SpeechLMHead(args, dim)
 
     # ---- forward ---------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        cfg = self.backbone.config
+        return bool(getattr(cfg, "num_experts", 0)) and bool(getattr(cfg, "num_experts_per_tok", 0))
+
     def hidden_states(
         self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
+        return self._backbone(inputs, position_ids)[0]
+
+    def _backbone(self, inputs: torch.Tensor, position_ids: torch.Tensor | None):
+        """Hidden states, and the MoE router load-balance loss (None for dense backbones)."""
         h = self.tok_embeddings(inputs)
         if position_ids is None:
             position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand(
                 inputs.shape[0], -1
             )
-        out = self.backbone(inputs_embeds=h, position_ids=position_ids, use_cache=False)
-        return out.last_hidden_state
+        extra = {"output_router_logits": True} if self.is_moe else {}
+        out = self.backbone(inputs_embeds=h, position_ids=position_ids, use_cache=False, **extra)
+        aux = None
+        if self.is_moe and getattr(out, "router_logits", None):
+            # transformers' own Switch-style aux loss (E * sum_e f_e P_e), over real frames only
+            lb_fn = sys.modules[type(self.backbone).__module__].load_balancing_loss_func
+            cfg = self.backbone.config
+            real = (inputs[..., 0] != self.args.layout.pad).float()
+            aux = lb_fn(tuple(out.router_logits), cfg.num_experts, cfg.num_experts_per_tok, real)
+        return out.last_hidden_state, aux
 
     def forward(
         self,
@@ -200,14 +234,22 @@ class SpeechLM(ModelProtocol):
         data_stats: torch.Tensor | None = None,
         **unused: torch.Tensor,
     ) -> SpeechLMOutput | list[torch.Tensor]:
-        h = self.hidden_states(inputs, position_ids)
+        h, aux = self._backbone(inputs, position_ids)
         tied = self.tok_embeddings.weight if self.args.tie_embeddings else None
         if targets is None:
             return self.head.logits(h, tied)
         loss, stats = self.head(h, targets, loss_weights, tied)
+        count = (loss_weights > 0).any(-1).sum().float()
+        stats["count"] = count
+        if aux is not None:
+            # a per-frame mean, so it enters torchtitan's sum as aux * (this batch's frames)
+            lb = self.args.load_balance_weight * aux.float() * count
+            loss = loss + lb
+            stats["load_balance_loss"] = lb.detach()
+            stats["router_aux_loss"] = aux.detach().float() * count
+        else:
+            stats["load_balance_loss"] = torch.zeros((), device=loss.device)
         stats["loss"] = loss.detach()
-        stats["count"] = (loss_weights > 0).any(-1).sum().float()
-        stats["load_balance_loss"] = torch.zeros((), device=loss.device)
         if data_stats is not None:
             stats["data_stats"] = data_stats.detach().float().sum(0)
         return SpeechLMOutput(loss, stats)
