@@ -80,8 +80,9 @@ def _bool_fields(config_cls) -> set[str]:
 
 def normalise_bool_flags(args: list[str]) -> list[str]:
     """`--section.key false` -> tyro's `--section.no_key` (and `true` -> `--section.key`)."""
-    import torchtitan_speechlm  # noqa: F401
     from torchtitan.config import ConfigManager
+
+    import torchtitan_speechlm  # noqa: F401
 
     manager = ConfigManager()
     bools = _bool_fields(manager._maybe_add_custom_config(args, manager._maybe_load_toml(args)))
@@ -106,8 +107,9 @@ def normalise_bool_flags(args: list[str]) -> list[str]:
 
 def check_config(args: list[str]):
     """Parse and validate exactly as the ranks will; raises ConfigError / FileNotFoundError."""
-    import torchtitan_speechlm  # noqa: F401  (device selection + spec registration)
     from torchtitan.config import ConfigManager
+
+    import torchtitan_speechlm  # noqa: F401  (device selection + spec registration)
 
     from .config import ConfigError, check_toml, validate_job_config
 

@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     png = plot_loss_curve(dump, os.path.join(dump, "loss_curve.png"))
     ckpts = sorted(glob.glob(os.path.join(dump, job.checkpoint.folder, "step-*")))
     wandb_dirs = sorted(glob.glob(os.path.join(dump, "tb", "*", "wandb", "offline-run-*")))
-    print("\n[demo] done in {:.0f}s (data {:.0f}s, training {:.0f}s)".format(
-        time.perf_counter() - t0, t_data, t_train))
+    print(f"\n[demo] done in {time.perf_counter() - t0:.0f}s (data {t_data:.0f}s, training {t_train:.0f}s)")
     print(f"[demo] checkpoints : {', '.join(ckpts) or 'none'}")
     print(f"[demo] tensorboard : tensorboard --logdir {os.path.join(dump, 'tb')}")
     print(f"[demo] wandb       : {', '.join(wandb_dirs) or 'none'} (offline; `wandb sync DIR`)")
