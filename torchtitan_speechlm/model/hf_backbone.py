@@ -110,6 +110,38 @@ class SafetensorsReader:
             self._handles.clear()
 
 
+class PretrainedWeights:
+    """Pretrained tensors by HF name: straight from safetensors when the names match, else from
+    transformers' own loading (which applies its checkpoint conversions, e.g. per-expert MoE
+    weights fused into ``experts.gate_up_proj``). The slow path loads the model once, on CPU."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.reader = SafetensorsReader(directory)
+        self._converted: dict[str, torch.Tensor] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.reader)
+
+    def _converted_state(self) -> dict[str, torch.Tensor]:
+        if self._converted is None:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(
+                str(self.directory), local_files_only=True, dtype=torch.float32
+            )
+            self._converted = {k: v.detach() for k, v in model.state_dict().items()}
+        return self._converted
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.reader or name in self._converted_state()
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self.reader:
+            return self.reader.get(name)
+        return self._converted_state()[name]
+
+
 def hf_name(our_name: str) -> str | None:
     """Our backbone FQN -> the HF checkpoint key (None for parameters HF does not have)."""
     if our_name.startswith("backbone."):

@@ -33,7 +33,7 @@ from .args import SpeechLMModelArgs
 from .hf_backbone import (
     HF_EMBED,
     HF_HEAD,
-    SafetensorsReader,
+    PretrainedWeights,
     build_backbone,
     hf_name,
     reset_non_persistent_buffers,
@@ -269,7 +269,7 @@ class SpeechLM(ModelProtocol):
         device = buffer_device or self.tok_embeddings.weight.device
         reset_non_persistent_buffers(self.backbone, device)
         std = float(args.hf_config.get("initializer_range", 0.02))
-        reader = SafetensorsReader(args.backbone) if args.load_weights else None
+        reader = PretrainedWeights(args.backbone) if args.load_weights else None
         text = slice(args.layout.text_offset, args.layout.text_offset + args.layout.text_size)
         with torch.no_grad():
             for raw_name, param in self.named_parameters():
@@ -294,7 +294,7 @@ def _random_init(name: str, param: torch.Tensor, std: float, seed: int) -> torch
 
 
 def _load_pretrained(
-    name: str, full: torch.Tensor, reader: SafetensorsReader, text: slice, tied: bool
+    name: str, full: torch.Tensor, reader: PretrainedWeights, text: slice, tied: bool
 ) -> None:
     if name == "tok_embeddings.weight":
         src = reader.get(HF_EMBED)
