@@ -10,20 +10,20 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.data_fixtures import SR, build_assets, needs_espeak, sine
 from torchtitan_speechlm import demo_assets
-from torchtitan_speechlm.data.audio import BadAudioError, load_audio
+from torchtitan_speechlm.data.audio import BadAudioError, decode_audio_bytes, load_audio
 from torchtitan_speechlm.data.codec import CodecError, load_codec
 from torchtitan_speechlm.data.manifest import ManifestError, read_jsonl_manifest
 from torchtitan_speechlm.data.prepare import BadItemError, main, prepare_dataset
 from torchtitan_speechlm.data.prepared import (
     AUDIO_CODES,
+    TEXT_TOKENS,
     CorruptDatasetError,
     PreparedDataset,
     check_compatible,
 )
 from torchtitan_speechlm.data.tokenizer import load_text_tokenizer, tokenizer_fingerprint
-
-SR = 16000
 
 
 def dominant_freq(wav: np.ndarray, sr: int) -> float:
@@ -31,29 +31,10 @@ def dominant_freq(wav: np.ndarray, sr: int) -> float:
     return float(np.fft.rfftfreq(len(wav), 1 / sr)[spec.argmax()])
 
 
-def sine(freq: float, seconds: float, sr: int, amp: float = 0.5) -> np.ndarray:
-    t = np.arange(int(seconds * sr)) / sr
-    return (amp * np.sin(2 * np.pi * freq * t)).astype(np.float32)
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """Tiny tokenizer + encodec codec + a 6-item manifest of sine/noise wavs."""
-    root = tmp_path_factory.mktemp("assets")
-    sentences = demo_assets.load_sentences()
-    tok = demo_assets.build_tokenizer(str(root / "tok"), sentences, vocab_size=300)
-    codec = demo_assets.build_codec(str(root / "codec"), "encodec", seed=0)
-    corpus = root / "corpus"
-    (corpus / "wavs").mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    rows = []
-    for i, seconds in enumerate([0.5, 1.3, 0.27, 2.0, 0.9, 1.0]):
-        wav = sine(200 + 150 * i, seconds, 22050) + 0.05 * rng.standard_normal(int(seconds * 22050))
-        sf.write(corpus / "wavs" / f"a{i}.wav", wav, 22050)  # resampled to 16 kHz by prepare
-        rows.append({"id": f"a{i}", "audio": f"wavs/a{i}.wav", "text": sentences[i]})
-    manifest = corpus / "manifest.jsonl"
-    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"root": root, "tok": tok, "codec": codec, "manifest": str(manifest), "rows": rows}
+    """Tiny tokenizer + encodec codec + a 6-item manifest of 22.05 kHz tone wavs."""
+    return build_assets(tmp_path_factory.mktemp("assets"))
 
 
 # --- audio ---------------------------------------------------------------------------------
@@ -94,6 +75,22 @@ def test_load_audio_errors_name_the_file(tmp_path):
         load_audio(str(tmp_path / "empty.wav"), SR)
 
 
+def test_load_audio_segment_and_bytes(tmp_path):
+    wav = sine(440.0, 2.0, 22050)
+    sf.write(tmp_path / "x.flac", wav, 22050)
+    seg = load_audio(str(tmp_path / "x.flac"), SR, start=0.5, end=1.25)
+    assert seg.shape == (12000,)  # 0.75 s at 16 kHz, only that part read
+    assert load_audio(str(tmp_path / "x.flac"), SR, start=1.5, end=-1).shape == (8000,)
+    with pytest.raises(BadAudioError, match="zero-length") as e:
+        load_audio(str(tmp_path / "x.flac"), SR, start=3.0, end=4.0)
+    assert e.value.code == "empty_audio"
+    data = (tmp_path / "x.flac").read_bytes()
+    np.testing.assert_allclose(decode_audio_bytes(data, SR, "mem"), load_audio(str(tmp_path / "x.flac"), SR))
+    with pytest.raises(BadAudioError, match="mem: unreadable") as e:
+        decode_audio_bytes(b"junk", SR, "mem")
+    assert e.value.code == "unreadable_audio"
+
+
 # --- codecs --------------------------------------------------------------------------------
 
 
@@ -115,6 +112,18 @@ def test_codec_encode_decode_shapes(tmp_path, kind):
         assert (alone != codes[1]).any(axis=1).mean() <= 0.1
 
 
+@pytest.mark.parametrize("kind", ["encodec", "mimi", "dac"])
+def test_codec_num_streams_keeps_first_codebooks(tmp_path, kind):
+    path = demo_assets.build_codec(str(tmp_path / kind), kind, seed=0)
+    full, two = load_codec(path), load_codec(path, num_streams=2)
+    assert (two.num_streams, two.total_streams, full.total_streams) == (2, 4, 4)
+    wav = [sine(300.0, 0.4, SR) + sine(1200.0, 0.4, SR, amp=0.2)]
+    np.testing.assert_array_equal(two.encode(wav)[0], full.encode(wav)[0][:, :2])
+    assert two.decode(two.encode(wav)[0]).shape == (20 * 320,)
+    with pytest.raises(CodecError, match="num_streams must be in 1..4"):
+        load_codec(path, num_streams=5)
+
+
 def test_codec_is_deterministic_per_seed(tmp_path):
     a = load_codec(demo_assets.build_codec(str(tmp_path / "a"), seed=3))
     b = load_codec(demo_assets.build_codec(str(tmp_path / "b"), seed=3))
@@ -127,7 +136,7 @@ def test_load_codec_errors(tmp_path):
         load_codec(str(tmp_path / "nowhere"))
     demo_assets.build_backbone(str(tmp_path / "lm"), "llama", vocab_size=64)
     with pytest.raises(
-        CodecError, match="unsupported codec model_type 'llama'.*encodec, mimi, dac"
+        CodecError, match="unsupported codec model_type 'llama'.*encodec, mimi, dac, speechlm_kmeans"
     ):
         load_codec(str(tmp_path / "lm"))
 
@@ -161,7 +170,9 @@ def test_manifest_resolves_relative_paths(assets):
     "bad_line, message",
     [
         ("{not json", r":2: invalid JSON"),
-        ('{"id": "b", "audio": "x.wav"}', r":2: missing key 'text'"),
+        ('{"id": "b"}', r":2: needs 'audio', 'text' or 'turns'"),
+        ('{"id": "b", "turns": [{"role": "user"}]}', r":2: turn 0: needs exactly one of"),
+        ('{"id": "b", "turns": [{"role": "bot", "text": "x"}]}', r":2: turn 0: role 'bot'"),
         (
             '{"id": "a", "audio": "y.wav", "text": "hi"}',
             r":2: duplicate id 'a' \(first on line 1\)",
@@ -182,7 +193,7 @@ def test_manifest_errors_name_file_and_line(tmp_path, bad_line, message):
 def test_prepare_matches_direct_encoding(assets, tmp_path):
     out = tmp_path / "prepared"
     summary = prepare_dataset(
-        assets["manifest"], assets["codec"], assets["tok"], str(out), batch_size=4, progress=False
+        assets["manifest"], assets["codec"], assets["tok"], str(out), batch_size=1, progress=False
     )
     assert summary["num_items"] == 6 and sorted(os.listdir(tmp_path)) == ["prepared"]
     ds = PreparedDataset(str(out))
@@ -190,15 +201,19 @@ def test_prepare_matches_direct_encoding(assets, tmp_path):
     items = read_jsonl_manifest(assets["manifest"])
     assert len(ds) == 6 and ds.metadata["codec"]["config_hash"] == codec.config_hash
     assert ds.metadata["tokenizer"] == tokenizer_fingerprint(tok)
-    assert ds.audio_codes.dtype == np.int16 and ds.text_tokens.dtype == np.int32
-    wavs = [load_audio(it.audio, codec.sample_rate) for it in items]
-    direct = [c for i in range(0, 6, 4) for c in codec.encode(wavs[i : i + 4])]  # same batches
+    shard = out / "shards" / "00000"
+    assert np.load(shard / AUDIO_CODES).dtype == np.int16
+    assert np.load(shard / TEXT_TOKENS).dtype == np.int32
+    assert list(ds.kinds) == ["speech"] * 6
     for i, item in enumerate(items):
+        wav = load_audio(item.audio, codec.sample_rate)
         got = ds[i]
-        assert got.id == item.id and got.text == item.text
-        np.testing.assert_array_equal(got.audio_codes, direct[i])
+        assert got.id == item.id and got.text == item.text and got.turns is None
+        np.testing.assert_array_equal(got.audio_codes, codec.encode([wav])[0])  # batch of 1
         assert got.text_tokens.tolist() == tok(item.text, add_special_tokens=False)["input_ids"]
-        assert got.seconds == pytest.approx(len(wavs[i]) / SR)
+        assert got.seconds == pytest.approx(len(wav) / SR)
+        assert ds.text_lengths[i] == len(got.text_tokens)
+        assert ds.audio_lengths[i] == len(got.audio_codes)
     assert ds.metadata["total_frames"] == sum(ds[i].audio_codes.shape[0] for i in range(len(ds)))
     check_compatible(ds.metadata, ds.metadata)
     other = json.loads(json.dumps(ds.metadata))
@@ -207,11 +222,26 @@ def test_prepare_matches_direct_encoding(assets, tmp_path):
         check_compatible(ds.metadata, other)
 
 
-def test_prepare_missing_audio_leaves_nothing(assets, tmp_path):
-    rows = [
-        dict(r, audio=os.path.join(os.path.dirname(assets["manifest"]), r["audio"]))
-        for r in assets["rows"]
-    ]
+def test_batched_prepare_matches_unbatched(assets, tmp_path):
+    """Length-sorted batches pad little, and Encodec is causal: codes barely depend on batching."""
+    one, many = tmp_path / "one", tmp_path / "many"
+    prepare_dataset(assets["manifest"], assets["codec"], assets["tok"], str(one), batch_size=1,
+                    progress=False)  # fmt: skip
+    prepare_dataset(assets["manifest"], assets["codec"], assets["tok"], str(many), batch_size=4,
+                    progress=False)  # fmt: skip
+    a, b = PreparedDataset(str(one)), PreparedDataset(str(many))
+    for i in range(len(a)):
+        assert a[i].audio_codes.shape == b[i].audio_codes.shape
+        assert (a[i].audio_codes != b[i].audio_codes).any(axis=1).mean() <= 0.1
+
+
+def _abs_rows(assets) -> list[dict]:
+    base = os.path.dirname(assets["manifest"])
+    return [dict(r, audio=os.path.join(base, r["audio"])) for r in assets["rows"]]
+
+
+def test_strict_missing_audio_leaves_nothing(assets, tmp_path):
+    rows = _abs_rows(assets)
     rows[3]["audio"] = str(tmp_path / "gone.wav")
     manifest = tmp_path / "m.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -219,24 +249,19 @@ def test_prepare_missing_audio_leaves_nothing(assets, tmp_path):
     with pytest.raises(
         BadItemError, match=r"m\.jsonl:4: item 'a3' \(audio .*gone\.wav\): audio file not found"
     ):
-        prepare_dataset(str(manifest), assets["codec"], assets["tok"], str(out), progress=False)
+        prepare_dataset(str(manifest), assets["codec"], assets["tok"], str(out), progress=False,
+                        strict=True)  # fmt: skip
     assert sorted(os.listdir(tmp_path)) == ["m.jsonl"]
 
 
-def test_prepare_unreadable_audio_mid_run_removes_temp_dir(assets, tmp_path):
+def test_strict_unreadable_audio_mid_run_removes_output(assets, tmp_path):
     corpus = tmp_path / "c"
     shutil.copytree(os.path.dirname(assets["manifest"]), corpus)
     (corpus / "wavs" / "a5.wav").write_bytes(b"RIFF garbage")
     out = tmp_path / "out"
     with pytest.raises(BadItemError, match=r"manifest\.jsonl:6: item 'a5'.*unreadable"):
-        prepare_dataset(
-            str(corpus / "manifest.jsonl"),
-            assets["codec"],
-            assets["tok"],
-            str(out),
-            batch_size=2,
-            progress=False,
-        )
+        prepare_dataset(str(corpus / "manifest.jsonl"), assets["codec"], assets["tok"], str(out),
+                        batch_size=2, progress=False, strict=True)  # fmt: skip
     assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
@@ -244,45 +269,45 @@ def test_prepare_refuses_to_overwrite_then_overwrites(assets, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    args = [
-        "--manifest",
-        assets["manifest"],
-        "--codec",
-        assets["codec"],
-        "--tokenizer",
-        assets["tok"],
-        "--out",
-        str(out),
-    ]
+    args = ["--manifest", assets["manifest"], "--codec", assets["codec"],
+            "--tokenizer", assets["tok"], "--out", str(out)]  # fmt: skip
     assert main(args + ["--no-progress"]) == 1
     assert "not empty" in capsys.readouterr().err and (out / "keep.txt").exists()
     assert main(args + ["--overwrite", "--batch-size", "3"]) == 0
     captured = capsys.readouterr()
-    assert "6 items" in captured.out and "prepare: 6/6 items" in captured.err
+    assert "6 items written" in captured.out and "prepare: 6/6 items" in captured.err
     assert len(PreparedDataset(str(out))) == 6 and not (out / "keep.txt").exists()
     assert sorted(os.listdir(tmp_path)) == ["out"]
+    assert sorted(os.listdir(out)) == ["failures.jsonl", "metadata.json", "plan.json", "shards",
+                                       "summary.json"]  # fmt: skip
 
 
 def test_corrupt_prepared_dataset_is_reported(assets, tmp_path):
     out = tmp_path / "ds"
-    prepare_dataset(assets["manifest"], assets["codec"], assets["tok"], str(out), progress=False)
-    codes = out / AUDIO_CODES
+    prepare_dataset(assets["manifest"], assets["codec"], assets["tok"], str(out), progress=False,
+                    shard_size=2)  # fmt: skip
+    codes = out / "shards" / "00001" / AUDIO_CODES
     data = codes.read_bytes()
     codes.write_bytes(data[: len(data) - 64])
-    with pytest.raises(CorruptDatasetError, match=r"audio_codes\.npy.*torchtitan prepare"):
+    with pytest.raises(CorruptDatasetError, match=r"shards/00001/audio_codes\.npy.*truncated"):
         PreparedDataset(str(out))
     np.save(codes, np.zeros((3, 4), dtype=np.int16))  # readable, but disagrees with the index
-    with pytest.raises(CorruptDatasetError, match=r"audio_codes\.npy has 3 rows"):
+    with pytest.raises(CorruptDatasetError, match=r"shards/00001/audio_codes\.npy has 3 rows"):
         PreparedDataset(str(out))
+    shutil.rmtree(out / "shards" / "00002")
     meta = json.loads((out / "metadata.json").read_text())
-    (out / "metadata.json").write_text(json.dumps(dict(meta, format_version=99)))
-    with pytest.raises(CorruptDatasetError, match="format_version 99"):
+    (out / "metadata.json").write_text(json.dumps(dict(meta, format_version=1)))
+    with pytest.raises(CorruptDatasetError, match="format_version 1 is not supported"):
+        PreparedDataset(str(out))
+    (out / "metadata.json").write_text(json.dumps(meta))
+    codes.write_bytes(data)  # shard 00001 intact again
+    with pytest.raises(CorruptDatasetError, match=r"shard .*shards/00002 is missing"):
         PreparedDataset(str(out))
     with pytest.raises(CorruptDatasetError, match="not found"):
         PreparedDataset(str(tmp_path / "nope"))
 
 
-@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng binary not installed")
+@pytest.mark.skipif(not needs_espeak, reason="espeak-ng binary not installed")
 def test_espeak_corpus_prepares(assets, tmp_path):
     sentences = demo_assets.load_sentences()
     manifest = demo_assets.synthesize_corpus(str(tmp_path / "speech"), sentences, n=8)

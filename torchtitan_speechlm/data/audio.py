@@ -1,13 +1,15 @@
 """Audio file loading for dataset preparation.
 
 Codecs expect float32 audio at their own sample rate and channel count, while corpora come in
-any rate and layout. This module is the single place that turns a file into that array, so
-every caller gets the same resampling quality and the same error (naming the file) when an
-input is unusable.
+any rate and layout, as files, as parts of files (Kaldi segments) or as encoded bytes (HF
+datasets). This module is the single place that turns any of those into that array, so every
+caller gets the same resampling quality and the same error (naming the input and a short
+reason code that ``failures.jsonl`` records) when an input is unusable.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
 
@@ -15,14 +17,23 @@ import numpy as np
 import soundfile as sf
 from scipy.signal import resample_poly
 
+# Reason codes of BadAudioError, as recorded in failures.jsonl.
+MISSING, UNREADABLE, EMPTY, NONFINITE = (
+    "missing_audio",
+    "unreadable_audio",
+    "empty_audio",
+    "nonfinite_audio",
+)
+
 
 class BadAudioError(ValueError):
-    """An audio file is missing, unreadable or empty; ``path`` and ``reason`` say which and why."""
+    """An audio input is missing, unreadable or empty; ``path``, ``reason`` and ``code`` say which."""
 
-    def __init__(self, path: str, reason: str):
+    def __init__(self, path: str, reason: str, code: str = UNREADABLE):
         super().__init__(f"{path}: {reason}")
         self.path = path
         self.reason = reason
+        self.code = code
 
 
 def resample(wav: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
@@ -38,32 +49,71 @@ def resample(wav: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     return out.astype(np.float32, copy=False)
 
 
-def load_audio(path: str, target_sr: int, channels: int = 1) -> np.ndarray:
-    """Read ``path`` as float32 at ``target_sr``.
+def to_codec_audio(
+    data: np.ndarray, sr: int, target_sr: int, channels: int = 1, name: str = "<audio>"
+) -> np.ndarray:
+    """``[samples, channels]`` (or ``[samples]``) float audio at ``sr`` -> the codec's layout.
 
-    ``channels=1`` returns a mono ``[samples]`` array (multi-channel files are averaged).
-    ``channels>1`` returns ``[channels, samples]``; a mono file is duplicated, any other channel
-    mismatch is an error. Raises :class:`BadAudioError` for missing, unreadable, empty or
+    Multi-channel input is averaged for ``channels=1``; ``channels>1`` returns
+    ``[channels, samples]`` (mono is duplicated). Raises :class:`BadAudioError` for empty or
     non-finite audio.
     """
-    if not os.path.isfile(path):
-        raise BadAudioError(path, "file not found")
-    try:
-        data, sr = sf.read(path, dtype="float32", always_2d=True)  # [samples, channels]
-    except Exception as e:  # soundfile raises LibsndfileError/RuntimeError/TypeError variants
-        raise BadAudioError(path, f"unreadable audio ({type(e).__name__}: {e})") from e
+    data = np.asarray(data, dtype=np.float32)
+    if data.ndim == 1:
+        data = data[:, None]
     if data.shape[0] == 0:
-        raise BadAudioError(path, "zero-length audio")
+        raise BadAudioError(name, "zero-length audio", EMPTY)
     if not np.isfinite(data).all():
-        raise BadAudioError(path, "audio contains NaN or Inf samples")
+        raise BadAudioError(name, "audio contains NaN or Inf samples", NONFINITE)
     wav = data.T  # [channels, samples]
     if channels == 1:
         wav = wav.mean(axis=0)
     elif wav.shape[0] == 1:
         wav = np.repeat(wav, channels, axis=0)
     elif wav.shape[0] != channels:
-        raise BadAudioError(path, f"has {wav.shape[0]} channels, expected 1 or {channels}")
-    wav = resample(wav, sr, target_sr)
+        raise BadAudioError(name, f"has {wav.shape[0]} channels, expected 1 or {channels}")
+    wav = resample(wav, int(sr), target_sr)
     if wav.shape[-1] == 0:
-        raise BadAudioError(path, "zero-length audio after resampling")
+        raise BadAudioError(name, "zero-length audio after resampling", EMPTY)
     return np.ascontiguousarray(wav, dtype=np.float32)
+
+
+def _read(source, name: str, start: float | None, end: float | None) -> tuple[np.ndarray, int]:
+    try:
+        with sf.SoundFile(source) as f:
+            sr = f.samplerate
+            first = 0 if start is None else min(int(round(start * sr)), f.frames)
+            last = f.frames if end is None or end < 0 else min(int(round(end * sr)), f.frames)
+            f.seek(first)
+            data = f.read(max(last - first, 0), dtype="float32", always_2d=True)
+    except Exception as e:  # soundfile raises LibsndfileError/RuntimeError/TypeError variants
+        raise BadAudioError(name, f"unreadable audio ({type(e).__name__}: {e})") from e
+    return data, sr
+
+
+def load_audio(
+    path: str,
+    target_sr: int,
+    channels: int = 1,
+    start: float | None = None,
+    end: float | None = None,
+) -> np.ndarray:
+    """Read ``path`` (optionally only seconds ``[start, end)``; ``end < 0`` = to the end) as
+    float32 at ``target_sr``; see :func:`to_codec_audio` for the layout.
+
+    Only the requested segment is read from disk, so Kaldi segments of long recordings are cheap.
+    Raises :class:`BadAudioError` for missing, unreadable, empty or non-finite audio.
+    """
+    if not os.path.isfile(path):
+        raise BadAudioError(path, "file not found", MISSING)
+    name = path if start is None and end is None else f"{path}[{start}:{end}]"
+    data, sr = _read(path, name, start, end)
+    return to_codec_audio(data, sr, target_sr, channels, name)
+
+
+def decode_audio_bytes(data: bytes, target_sr: int, name: str, channels: int = 1) -> np.ndarray:
+    """Decode an encoded audio file held in memory (wav, flac, ogg, mp3 ...) like :func:`load_audio`."""
+    if not data:
+        raise BadAudioError(name, "zero-length audio bytes", EMPTY)
+    wav, sr = _read(io.BytesIO(data), name, None, None)
+    return to_codec_audio(wav, sr, target_sr, channels, name)

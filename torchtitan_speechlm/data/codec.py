@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .kmeans_codec import MODEL_TYPE as KMEANS_MODEL_TYPE
+from .kmeans_codec import load_kmeans_codec
+
 SUPPORTED_CODECS = ("encodec", "mimi", "dac")
 
 # Keys that change with the tool that wrote config.json, not with the codec itself.
@@ -60,6 +63,7 @@ class Codec:
     config_hash: str
     samples_per_frame: int
     bandwidth: float | None = None  # Encodec only
+    total_streams: int = 0  # codebooks the model has; num_streams may keep fewer
 
     @property
     def class_name(self) -> str:
@@ -122,11 +126,14 @@ def _codec_classes() -> dict:
     return {"encodec": EncodecModel, "mimi": MimiModel, "dac": DacModel}
 
 
-def load_codec(path: str, device: str = "cpu") -> Codec:
-    """Load an Encodec, Mimi or DAC model from a local directory (config.json + safetensors).
+def load_codec(path: str, device: str = "cpu", num_streams: int | None = None):
+    """Load an Encodec, Mimi or DAC model, or a k-means codec (:mod:`.kmeans_codec`), from a
+    local directory (config.json + safetensors).
 
     Encodec is run at its highest configured bandwidth, i.e. with every codebook it has
-    (``config.num_quantizers``); Mimi and DAC also use all their codebooks.
+    (``config.num_quantizers``); Mimi and DAC also use all their codebooks. ``num_streams=K``
+    keeps only the first K codebooks (residual quantisers are coarse-to-fine, so this is a
+    lower-bitrate version of the same codec, e.g. Moshi's 8 of Mimi's 32).
     """
     path = os.path.abspath(path)
     cfg_file = os.path.join(path, "config.json")
@@ -139,9 +146,13 @@ def load_codec(path: str, device: str = "cpu") -> Codec:
     with open(cfg_file) as f:
         raw_config = json.load(f)
     name = raw_config.get("model_type")
+    if name == KMEANS_MODEL_TYPE:
+        codec = load_kmeans_codec(path, raw_config, config_hash(raw_config), device)
+        return _keep_streams(codec, num_streams, path)
     if name not in SUPPORTED_CODECS:
         raise CodecError(
-            f"{path}: unsupported codec model_type {name!r}; supported: {', '.join(SUPPORTED_CODECS)}"
+            f"{path}: unsupported codec model_type {name!r}; supported: "
+            f"{', '.join(SUPPORTED_CODECS + (KMEANS_MODEL_TYPE,))}"
         )
     model = _codec_classes()[name].from_pretrained(path, local_files_only=True)
     model = model.to(device).eval()
@@ -158,24 +169,42 @@ def load_codec(path: str, device: str = "cpu") -> Codec:
                 "per-chunk scales that integer codes cannot carry; use a 24 kHz-style Encodec"
             )
         bandwidth = max(cfg.target_bandwidths)
-        num_streams = model.quantizer.get_num_quantizers_for_bandwidth(bandwidth)
+        total = model.quantizer.get_num_quantizers_for_bandwidth(bandwidth)
         samples_per_frame = cfg.hop_length
     elif name == "mimi":
-        num_streams = cfg.num_quantizers
+        total = cfg.num_quantizers
         samples_per_frame = round(cfg.sampling_rate / cfg.frame_rate)
     else:
-        num_streams = cfg.n_codebooks
+        total = cfg.n_codebooks
         samples_per_frame = cfg.hop_length
-    return Codec(
+    codec = Codec(
         name=name,
         path=path,
         model=model,
         device=device,
         sample_rate=int(cfg.sampling_rate),
         frame_rate=cfg.sampling_rate / samples_per_frame,
-        num_streams=int(num_streams),
+        num_streams=int(total),
         codebook_size=int(cfg.codebook_size),
         config_hash=config_hash(raw_config),
         samples_per_frame=int(samples_per_frame),
         bandwidth=bandwidth,
     )
+    return _keep_streams(codec, num_streams, path)
+
+
+def _keep_streams(codec, num_streams: int | None, path: str):
+    """Restrict a loaded codec to its first ``num_streams`` codebooks (``total_streams`` keeps
+    the full count for the record)."""
+    total = getattr(codec, "total_streams", 0) or codec.num_streams
+    codec.total_streams = total
+    if num_streams is None:
+        return codec
+    if not 1 <= num_streams <= total:
+        raise CodecError(
+            f"{path}: num_streams must be in 1..{total} (the codec's codebooks), got {num_streams}"
+        )
+    if codec.name == "kmeans":
+        codec.centroids = codec.centroids[:num_streams]
+    codec.num_streams = int(num_streams)
+    return codec

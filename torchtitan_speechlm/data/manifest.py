@@ -1,9 +1,21 @@
-"""JSONL manifests: the input list of (id, audio file, transcript) for dataset preparation.
+"""Input items for dataset preparation, and the JSONL manifest reader.
 
-One JSON object per line with string keys ``id``, ``audio`` and ``text`` (other keys are
-ignored). Relative audio paths resolve against the manifest's folder so a corpus directory can
-be moved as a whole. Errors name the file and line so a bad row in a large manifest is easy to
-find.
+Every source (JSONL manifest, Kaldi folder, HF dataset on disk) is turned into the same list of
+:class:`ManifestItem`, so the expensive part of ``torchtitan prepare`` (loading, encoding,
+writing shards) does not care where items came from. An item only *refers* to its audio (a file,
+a segment of a file, or a row of an HF dataset); audio is read by the worker that encodes it.
+
+JSONL lines (docs/data.md has the full description)::
+
+    {"id": "u1", "audio": "wavs/u1.wav", "text": "hello"}        speech (text + audio)
+    {"id": "t1", "text": "just text"}                              text only
+    {"id": "a1", "audio": "wavs/a1.wav"}                           audio only (--allow-audio-only)
+    {"id": "d1", "turns": [{"role": "user", "audio": "q.wav"},
+                           {"role": "assistant", "text": "an answer"}]}   dialogue
+
+Errors in the structure of a line (bad JSON, missing or mistyped key, duplicate id) are fatal
+and name the file and line; problems with the audio or text *content* are found later and make
+the item a recorded failure instead.
 """
 
 from __future__ import annotations
@@ -12,23 +24,104 @@ import json
 import os
 from dataclasses import dataclass
 
-REQUIRED_KEYS = ("id", "audio", "text")
+ROLES = ("system", "user", "assistant")
+KINDS = ("speech", "text", "audio", "dialogue")
 
 
 class ManifestError(ValueError):
-    """A manifest line is malformed; the message starts with ``<file>:<line>:``."""
+    """An input line is malformed; the message starts with ``<file>:<line>:``."""
+
+
+@dataclass(frozen=True)
+class AudioRef:
+    """Where an item's audio is: a file (optionally seconds ``[start, end)``) or an HF dataset row."""
+
+    path: str | None = None  # absolute path
+    start: float | None = None
+    end: float | None = None  # < 0: to the end of the file (Kaldi convention)
+    row: int | None = None  # row of the HF dataset given to prepare
+
+    def describe(self) -> str:
+        if self.row is not None:
+            return f"row {self.row}"
+        if self.start is None and self.end is None:
+            return str(self.path)
+        return f"{self.path}[{self.start}:{self.end}]"
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    role: str
+    text: str | None = None
+    audio: AudioRef | None = None
 
 
 @dataclass
 class ManifestItem:
+    """One input item. ``audio`` is the file path (kept for the common speech case), ``ref``
+    the full audio reference (segment / HF row); ``where`` names the source line or key."""
+
     id: str
-    audio: str  # absolute path
+    audio: str | None
     text: str
-    line: int = 0  # 1-based line in the manifest, for error messages
+    line: int = 0  # 1-based line in the manifest (0 if the source has no lines)
+    where: str = ""
+    ref: AudioRef | None = None
+    turns: list[TurnSpec] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ref is None and self.audio is not None:
+            self.ref = AudioRef(path=self.audio)
+
+    @property
+    def kind(self) -> str:
+        """speech (text + audio), text, audio (no text) or dialogue."""
+        if self.turns is not None:
+            return "dialogue"
+        if self.ref is None:
+            return "text"
+        return "speech" if self.text.strip() else "audio"
+
+
+def _str_key(row: dict, key: str, where: str, required: bool) -> str | None:
+    if key not in row or (row[key] is None and not required):
+        if required:
+            raise ManifestError(f"{where}: missing key {key!r}")
+        return None
+    if not isinstance(row[key], str):
+        raise ManifestError(f"{where}: {key!r} must be a string, got {type(row[key]).__name__}")
+    return row[key]
+
+
+def _resolve(base: str, path: str) -> str:
+    return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+
+
+def _parse_turns(turns, base: str, where: str) -> list[TurnSpec]:
+    if not isinstance(turns, list) or not turns:
+        raise ManifestError(f"{where}: 'turns' must be a non-empty list of objects")
+    out = []
+    for k, t in enumerate(turns):
+        at = f"{where}: turn {k}"
+        if not isinstance(t, dict):
+            raise ManifestError(f"{at}: expected an object, got {type(t).__name__}")
+        role = _str_key(t, "role", at, True)
+        if role not in ROLES:
+            raise ManifestError(f"{at}: role {role!r} is not one of {', '.join(ROLES)}")
+        text, audio = _str_key(t, "text", at, False), _str_key(t, "audio", at, False)
+        if (text is None) == (audio is None):
+            raise ManifestError(f"{at}: needs exactly one of 'text' or 'audio'")
+        ref = AudioRef(path=_resolve(base, audio)) if audio is not None else None
+        out.append(TurnSpec(role=role, text=text, audio=ref))
+    return out
 
 
 def read_jsonl_manifest(path: str) -> list[ManifestItem]:
-    """Parse a JSONL manifest; blank lines are skipped, ids must be unique."""
+    """Parse a JSONL manifest; blank lines are skipped, ids must be unique.
+
+    Relative audio paths resolve against the manifest's folder so a corpus directory can be
+    moved as a whole.
+    """
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"manifest {path} not found")
@@ -46,16 +139,7 @@ def read_jsonl_manifest(path: str) -> list[ManifestItem]:
                 raise ManifestError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
             if not isinstance(row, dict):
                 raise ManifestError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for key in REQUIRED_KEYS:
-                if key not in row:
-                    raise ManifestError(
-                        f"{where}: missing key {key!r} (need {', '.join(REQUIRED_KEYS)})"
-                    )
-                if not isinstance(row[key], str):
-                    raise ManifestError(
-                        f"{where}: {key!r} must be a string, got {type(row[key]).__name__}"
-                    )
-            item_id = row["id"]
+            item_id = _str_key(row, "id", where, True)
             if not item_id:
                 raise ManifestError(f"{where}: empty id")
             if item_id in seen:
@@ -63,6 +147,18 @@ def read_jsonl_manifest(path: str) -> list[ManifestItem]:
                     f"{where}: duplicate id {item_id!r} (first on line {seen[item_id]})"
                 )
             seen[item_id] = lineno
-            audio = os.path.normpath(os.path.join(base, os.path.expanduser(row["audio"])))
-            items.append(ManifestItem(id=item_id, audio=audio, text=row["text"], line=lineno))
+            if "turns" in row:
+                if "audio" in row or "text" in row:
+                    raise ManifestError(
+                        f"{where}: a dialogue line has 'turns' only, not 'audio'/'text'"
+                    )
+                turns = _parse_turns(row["turns"], base, where)
+                items.append(ManifestItem(item_id, None, "", lineno, where, turns=turns))
+                continue
+            audio = _str_key(row, "audio", where, False)
+            text = _str_key(row, "text", where, False)
+            if audio is None and text is None:
+                raise ManifestError(f"{where}: needs 'audio', 'text' or 'turns'")
+            audio = _resolve(base, audio) if audio is not None else None
+            items.append(ManifestItem(item_id, audio, text or "", lineno, where))
     return items

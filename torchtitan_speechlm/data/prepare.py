@@ -1,10 +1,11 @@
-"""``torchtitan prepare``: turn a JSONL manifest of (audio, transcript) into a prepared dataset.
+"""``torchtitan prepare``: turn a corpus (JSONL manifest, Kaldi dir or HF dataset on disk) into a
+prepared dataset (docs/data.md).
 
-Encoding audio with a neural codec is the expensive step of speech-LM training, so it is done
-once, offline, and its output (codes + text tokens) is stored in the format of
-:mod:`.prepared`. Output appears atomically: the dataset is written to ``<out>.tmp-<pid>`` and
-renamed into place only when complete, so a crash or a bad input never leaves a dataset that
-looks finished.
+Encoding audio with a codec is the expensive step of speech-LM training, so it is done once,
+offline. Items are cut into shards of ``shard_size`` in input order; shards are encoded by one
+or more worker processes and each appears atomically, so an interrupted run can simply be run
+again: finished shards whose inputs, codec and tokenizer are unchanged are kept, the rest are
+done. ``metadata.json`` is written last; its presence means the dataset is complete.
 """
 
 from __future__ import annotations
@@ -14,190 +15,216 @@ import os
 import shutil
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from .audio import BadAudioError, load_audio
-from .codec import CodecError, load_codec
-from .manifest import ManifestError, ManifestItem, read_jsonl_manifest
-from .prepared import CorruptDatasetError, PreparedWriter
-from .tokenizer import load_text_tokenizer, tokenizer_fingerprint
-
-
-class BadItemError(ValueError):
-    """A manifest item cannot be prepared; the message names the manifest line, id and file."""
-
-
-def _item_error(manifest: str, item: ManifestItem, reason: str) -> BadItemError:
-    return BadItemError(f"{manifest}:{item.line}: item {item.id!r} (audio {item.audio}): {reason}")
-
-
-class _Progress:
-    """A throttled 'items done / total, audio s/s, ETA' line on stderr."""
-
-    def __init__(self, total: int, enabled: bool, every_s: float = 2.0):
-        self.total, self.enabled, self.every_s = total, enabled, every_s
-        self.start = self.last = time.monotonic()
-
-    def update(self, done: int, audio_seconds: float) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self.last < self.every_s and done < self.total):
-            return
-        self.last = now
-        elapsed = max(now - self.start, 1e-9)
-        eta = (self.total - done) * elapsed / max(done, 1)
-        print(
-            f"prepare: {done}/{self.total} items, {audio_seconds / elapsed:.1f} audio s/s, "
-            f"elapsed {elapsed:.0f}s, ETA {eta:.0f}s",
-            file=sys.stderr,
-            flush=True,
-        )
+from .audio import BadAudioError
+from .codec import CodecError
+from .manifest import ManifestError, ManifestItem
+from .prepare_plan import (
+    PlanMismatchError,
+    build_plan,
+    finalize,
+    open_out_dir,
+    read_source,
+    shard_done,
+)
+from .prepare_run import fit_or_reuse_kmeans, run_shards
+from .prepare_worker import BadItemError, ShardTask, WorkerConfig
+from .prepared import CorruptDatasetError
 
 
-def _check_out_dir(out_dir: str, overwrite: bool) -> None:
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise FileExistsError(f"output path {out_dir} exists and is not a directory")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise FileExistsError(
-            f"output directory {out_dir} is not empty; pass overwrite=True (--overwrite) to replace it"
-        )
+class NoItemsError(RuntimeError):
+    """Every input item failed (see failures.jsonl); nothing to train on."""
 
 
-def _check_items(manifest: str, items: list[ManifestItem]) -> None:
-    """Fail before any encoding on problems visible without decoding audio."""
+def _strict_precheck(items: list[ManifestItem], allow_audio_only: bool) -> None:
+    """With ``strict``: fail before any output exists on problems visible without decoding."""
     if not items:
-        raise ManifestError(f"{manifest}: no items")
-    for item in items:
-        if not item.text.strip():
-            raise _item_error(manifest, item, "empty text")
-        if not os.path.isfile(item.audio):
-            raise _item_error(manifest, item, "audio file not found")
+        raise ManifestError("no items")
+    for it in items:
+        refs = [t.audio for t in it.turns or [] if t.audio] + ([it.ref] if it.ref else [])
+        for ref in refs:
+            if ref.path is not None and not os.path.isfile(ref.path):
+                raise BadItemError(
+                    f"{it.where}: item {it.id!r} (audio {ref.describe()}): audio file not found"
+                )
+        if (
+            it.kind in ("speech", "text")
+            and not it.text.strip()
+            or (it.kind == "audio" and not allow_audio_only)
+        ):
+            raise BadItemError(f"{it.where}: item {it.id!r}: empty text")
 
 
 def prepare_dataset(
-    manifest: str,
-    codec_path: str,
+    manifest: str | None,
+    codec_path: str | None,
     tokenizer_path: str,
     out_dir: str,
     batch_size: int = 8,
     device: str = "cpu",
     progress: bool = True,
     overwrite: bool = False,
+    *,
+    kaldi: str | None = None,
+    hf_dataset: str | None = None,
+    audio_column: str = "audio",
+    text_column: str = "text",
+    split: str | None = None,
+    workers: int = 1,
+    shard_size: int = 1000,
+    num_streams: int | None = None,
+    strict: bool = False,
+    allow_audio_only: bool = False,
+    fit_kmeans_codec: str | None = None,
+    codebooks: int = 4,
+    codebook_size: int = 256,
+    kmeans_seconds: float = 600.0,
+    seed: int = 0,
 ) -> dict:
-    """Encode every manifest item and write a prepared dataset to ``out_dir``; return a summary.
+    """Prepare (or finish preparing) a dataset in ``out_dir``; return the summary dict.
 
-    Any unusable item (missing/unreadable/empty audio, empty text) aborts the whole run with a
-    :class:`BadItemError` naming it, and nothing is left on disk.
+    Exactly one of ``manifest``, ``kaldi``, ``hf_dataset`` is the source. Bad items are recorded
+    in ``failures.jsonl`` and skipped; ``strict=True`` raises :class:`BadItemError` on the first
+    one instead. Raises :class:`NoItemsError` if no item survives.
     """
-    manifest = os.path.abspath(manifest)
-    out_dir = os.path.abspath(out_dir)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    _check_out_dir(out_dir, overwrite)
-    items = read_jsonl_manifest(manifest)
-    _check_items(manifest, items)
-    codec = load_codec(codec_path, device=device)
-    tok = load_text_tokenizer(tokenizer_path)
-    codec_meta = {
-        "name": codec.name,
-        "path": codec.path,
-        "class": codec.class_name,
-        "sample_rate": codec.sample_rate,
-        "frame_rate": codec.frame_rate,
-        "num_streams": codec.num_streams,
-        "codebook_size": codec.codebook_size,
-        "config_hash": codec.config_hash,
-    }
-
-    def load_batch(batch: list[ManifestItem]):
-        wavs = []
-        for item in batch:
-            try:
-                wavs.append(load_audio(item.audio, codec.sample_rate))
-            except BadAudioError as e:
-                raise _item_error(manifest, item, e.reason) from e
-        return wavs
-
-    tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     t0 = time.monotonic()
-    writer = None
+    if sum(x is not None for x in (manifest, kaldi, hf_dataset)) != 1:
+        raise ValueError("give exactly one source: --manifest, --kaldi or --hf-dataset")
+    if (codec_path is None) == (fit_kmeans_codec is None):
+        raise ValueError("give exactly one of --codec DIR or --fit-kmeans-codec DIR")
+    if batch_size < 1 or workers < 1 or shard_size < 1:
+        raise ValueError("batch_size, workers and shard_size must be >= 1")
+    out_dir = os.path.abspath(out_dir)
+    items, source, hf_reader = read_source(
+        manifest, kaldi, hf_dataset, audio_column, text_column, split
+    )
+    if strict:
+        _strict_precheck(items, allow_audio_only)
+    if fit_kmeans_codec is not None:
+        codec_path = fit_or_reuse_kmeans(fit_kmeans_codec, items, source, codebooks, codebook_size,
+                                         kmeans_seconds, seed, overwrite, progress, hf_reader)  # fmt: skip
+    from .codec import load_codec
+    from .tokenizer import load_text_tokenizer, tokenizer_fingerprint
+
+    codec = load_codec(codec_path, device if workers == 1 else "cpu", num_streams)
+    tok = load_text_tokenizer(tokenizer_path)
+    plan = build_plan(
+        items, source, codec, tokenizer_fingerprint(tok), shard_size, allow_audio_only
+    )
+    created = open_out_dir(out_dir, plan, overwrite)
+    header = {"codec": plan["codec"], "tokenizer": plan["tokenizer"]}
+    cfg = WorkerConfig(os.path.abspath(codec_path), os.path.abspath(tokenizer_path), device,
+                       num_streams, hf_reader, allow_audio_only, strict, batch_size,
+                       header)  # fmt: skip
+    tasks = [
+        ShardTask(s, items[s * shard_size : (s + 1) * shard_size], h)
+        for s, h in enumerate(plan["shard_inputs"])
+        if not shard_done(out_dir, s, h, plan)
+    ]
+    reused = len(plan["shard_inputs"]) - len(tasks)
     try:
-        writer = PreparedWriter(tmp_dir, codec_meta, tokenizer_fingerprint(tok))
-        batches = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
-        bar = _Progress(len(items), progress)
-        # Decode/resample the next batch on a thread while the codec encodes this one.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            pending = pool.submit(load_batch, batches[0])
-            for b, batch in enumerate(batches):
-                wavs = pending.result()
-                if b + 1 < len(batches):
-                    pending = pool.submit(load_batch, batches[b + 1])
-                codes = codec.encode(wavs)
-                ids = tok([it.text for it in batch], add_special_tokens=False)["input_ids"]
-                for item, wav, c, t in zip(batch, wavs, codes, ids, strict=True):
-                    if not t:
-                        raise _item_error(manifest, item, "text tokenizes to nothing")
-                    writer.add(item.id, item.text, t, c, len(wav) / codec.sample_rate)
-                bar.update(writer.num_items, writer.total_audio_seconds)
-        meta = writer.finish()
-        if os.path.isdir(out_dir):  # empty, or overwrite=True: swap the old one out
-            old = f"{out_dir}.old-{os.getpid()}"
-            os.replace(out_dir, old)
-            try:
-                os.replace(tmp_dir, out_dir)
-            except BaseException:
-                os.replace(old, out_dir)  # put the previous dataset back
-                raise
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp_dir, out_dir)
+        audio_s = run_shards(tasks, out_dir, cfg, workers, codec, tok, progress)
     except BaseException:
-        if writer is not None:
-            writer.close()
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if created and not any(shard_done(out_dir, s, h, plan)
+                               for s, h in enumerate(plan["shard_inputs"])):  # fmt: skip
+            shutil.rmtree(out_dir, ignore_errors=True)  # this run made it and finished nothing
         raise
-    return {
-        "out_dir": out_dir,
-        "num_items": meta["num_items"],
-        "total_audio_seconds": meta["total_audio_seconds"],
-        "hours": meta["total_audio_seconds"] / 3600,
-        "total_frames": meta["total_frames"],
-        "total_text_tokens": meta["total_text_tokens"],
-        "elapsed_seconds": round(time.monotonic() - t0, 3),
-    }
+    elapsed = time.monotonic() - t0
+    summary = finalize(out_dir, plan, {
+        "shards_reused": reused, "shards_written": len(tasks), "elapsed_seconds": round(elapsed, 3),
+        "audio_seconds_per_second": round(audio_s / max(elapsed, 1e-9), 2),
+    })  # fmt: skip
+    if summary["num_items"] == 0:
+        raise NoItemsError(
+            f"all {summary['items_skipped']} items failed ({summary['skipped_by_reason']}); "
+            f"see {os.path.join(out_dir, 'failures.jsonl')}"
+        )
+    return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point for ``torchtitan prepare``; returns the exit status."""
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchtitan prepare",
-        description="Encode a JSONL manifest of audio + text into a prepared dataset (docs/data.md).",
+        description="Encode audio + text into a prepared dataset (formats: docs/data.md).",
     )
-    p.add_argument("--manifest", required=True, help="JSONL with id, audio, text per line")
-    p.add_argument("--codec", required=True, help="local codec directory (Encodec, Mimi or DAC)")
+    src = p.add_argument_group("source (exactly one)")
+    src.add_argument("--manifest", help="JSONL: speech, text-only, audio-only or dialogue lines")
+    src.add_argument("--kaldi", metavar="DIR", help="Kaldi data dir: wav.scp, text, [segments]")
+    src.add_argument("--hf-dataset", metavar="DIR", help="HF datasets folder (save_to_disk)")
+    src.add_argument("--audio-column", default="audio", help="HF audio column (default: audio)")
+    src.add_argument("--text-column", default="text", help="HF text column (default: text)")
+    src.add_argument("--split", help="HF split of a saved DatasetDict")
+    p.add_argument("--codec", help="local codec directory (Encodec, Mimi, DAC or k-means)")
+    p.add_argument(
+        "--fit-kmeans-codec",
+        metavar="DIR",
+        help="fit a k-means codec on the input audio, save it to DIR, prepare with it",
+    )
+    p.add_argument("--codebooks", type=int, default=4, help="k-means codec: codebooks (4)")
+    p.add_argument("--codebook-size", type=int, default=256, help="k-means codec: size (256)")
+    p.add_argument(
+        "--kmeans-seconds",
+        type=float,
+        default=600.0,
+        help="k-means codec: seconds of audio to fit on (600)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="k-means codec: seed (0)")
+    p.add_argument("--num-streams", type=int, help="keep only the first K codebooks")
     p.add_argument("--tokenizer", required=True, help="local text tokenizer directory")
     p.add_argument("--out", required=True, help="output directory for the prepared dataset")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default="cpu", help="torch device for the codec, e.g. cuda")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--workers", type=int, default=1, help="encoding processes (1)")
+    p.add_argument("--shard-size", type=int, default=1000, help="items per shard (1000)")
+    p.add_argument(
+        "--allow-audio-only",
+        action="store_true",
+        help="keep items with audio but no/empty text (else they are skipped)",
+    )
+    p.add_argument("--strict", action="store_true", help="stop at the first bad item")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out that is not this same preparation",
+    )
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point for ``torchtitan prepare``; returns the exit status."""
+    args = build_parser().parse_args(argv)
     try:
         s = prepare_dataset(
             args.manifest, args.codec, args.tokenizer, args.out, batch_size=args.batch_size,
             device=args.device, progress=not args.no_progress, overwrite=args.overwrite,
+            kaldi=args.kaldi, hf_dataset=args.hf_dataset, audio_column=args.audio_column,
+            text_column=args.text_column, split=args.split, workers=args.workers,
+            shard_size=args.shard_size, num_streams=args.num_streams, strict=args.strict,
+            allow_audio_only=args.allow_audio_only, fit_kmeans_codec=args.fit_kmeans_codec,
+            codebooks=args.codebooks, codebook_size=args.codebook_size,
+            kmeans_seconds=args.kmeans_seconds, seed=args.seed,
         )  # fmt: skip
-    except (OSError, CodecError, ManifestError, BadItemError, CorruptDatasetError) as e:
+    except (OSError, ValueError, CodecError, BadAudioError, CorruptDatasetError,
+            PlanMismatchError, NoItemsError) as e:  # fmt: skip
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(
-        f"prepared {s['out_dir']}: {s['num_items']} items, {s['hours']:.3f} h of audio, "
-        f"{s['total_frames']} frames, {s['total_text_tokens']} text tokens "
-        f"({s['elapsed_seconds']:.1f}s)"
-    )
+    print(format_summary(s))
     return 0
 
+
+def format_summary(s: dict) -> str:
+    skipped = ", ".join(f"{k}: {v}" for k, v in s["skipped_by_reason"].items()) or "none"
+    return (
+        f"prepared {s['out_dir']}: {s['num_items']} items written ({s['kinds']}), "
+        f"{s['items_skipped']} skipped ({skipped}); {s['hours']:.3f} h of audio, "
+        f"{s['audio_tokens_per_stream']} audio tokens per stream x {s['num_streams']} streams, "
+        f"{s['total_text_tokens']} text tokens; {s['shards_written']} shards written, "
+        f"{s['shards_reused']} reused ({s['elapsed_seconds']:.1f}s)"
+    )
+
+
+__all__ = ["BadItemError", "NoItemsError", "main", "prepare_dataset"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,118 @@
+"""Kaldi-style data folders as a ``torchtitan prepare`` source.
+
+A Kaldi data dir is the de-facto interchange format of many speech recipes (ESPnet, k2/icefall,
+WeNet)::
+
+    wav.scp    <recording-id> <path>                  one audio file per recording
+    text       <utterance-id> <transcript>
+    segments   <utterance-id> <recording-id> <start> <end>   (optional; seconds, end -1 = to EOF)
+
+Without ``segments`` each recording is one utterance with the same id. Only plain file paths are
+supported in ``wav.scp``: piped commands (``sox ... |``) and ark offsets (``foo.ark:123``) are
+refused up front, since running shell commands from a data file is neither safe nor portable.
+Relative paths follow Kaldi's convention (the recipe directory, i.e. the current working
+directory); if not found there, the data dir itself is tried.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .manifest import AudioRef, ManifestError, ManifestItem
+
+_ARK_OFFSET = re.compile(r"\.ark:\d+$")
+
+
+def _read_table(path: str, min_fields: int) -> list[tuple[int, list[str]]]:
+    """(line number, [key, rest...]) for each non-blank line; the last field keeps its spaces."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            line = line.strip()
+            if not line:
+                continue
+            parts = line.split(None, min_fields - 1)
+            if len(parts) < min_fields:
+                raise ManifestError(f"{path}:{lineno}: expected {min_fields} fields, got {line!r}")
+            rows.append((lineno, parts))
+    return rows
+
+
+def _audio_path(entry: str, where: str, base: str) -> str:
+    if entry.endswith("|"):
+        raise ManifestError(
+            f"{where}: {entry!r} is a piped command; torchtitan prepare only reads plain audio "
+            "file paths from wav.scp. Run the command once to write audio files (e.g. "
+            "`sox in.sph out.wav`) and list those paths instead"
+        )
+    if entry.startswith("-") or _ARK_OFFSET.search(entry):
+        raise ManifestError(
+            f"{where}: {entry!r} is a Kaldi ark/stdin reference, not an audio file; convert the "
+            "audio to wav/flac files and list their paths"
+        )
+    path = os.path.expanduser(entry)
+    if os.path.isabs(path):
+        return os.path.normpath(path)
+    cwd_path = os.path.abspath(path)
+    return cwd_path if os.path.exists(cwd_path) else os.path.normpath(os.path.join(base, path))
+
+
+def read_kaldi_dir(data_dir: str) -> list[ManifestItem]:
+    """Items of a Kaldi data dir, in ``segments`` (else ``wav.scp``) order.
+
+    An utterance with no line in ``text`` gets empty text (a failure unless audio-only items are
+    allowed); an utterance in ``text`` with no audio is kept and fails as missing audio, so every
+    transcript is accounted for in ``failures.jsonl``.
+    """
+    data_dir = os.path.abspath(data_dir)
+    wav_scp, text_file = os.path.join(data_dir, "wav.scp"), os.path.join(data_dir, "text")
+    for f in (wav_scp, text_file):
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"Kaldi data dir {data_dir}: {os.path.basename(f)} not found")
+    recordings: dict[str, str] = {}
+    for lineno, (rec, entry) in _read_table(wav_scp, 2):
+        where = f"{wav_scp}:{lineno}"
+        if rec in recordings:
+            raise ManifestError(f"{where}: duplicate recording id {rec!r}")
+        recordings[rec] = _audio_path(entry, where, data_dir)
+    texts: dict[str, str] = {}
+    text_lines: dict[str, int] = {}
+    for lineno, parts in _read_table(text_file, 1):
+        utt, *rest = parts[0].split(None, 1)
+        if utt in texts:
+            raise ManifestError(f"{text_file}:{lineno}: duplicate utterance id {utt!r}")
+        texts[utt], text_lines[utt] = (rest[0] if rest else ""), lineno
+    seg_file = os.path.join(data_dir, "segments")
+    items: list[ManifestItem] = []
+    if os.path.isfile(seg_file):
+        for lineno, parts in _read_table(seg_file, 4):
+            where = f"{seg_file}:{lineno}"
+            utt, rec, start, end = parts[0], parts[1], parts[2], parts[3]
+            try:
+                start_s, end_s = float(start), float(end)
+            except ValueError:
+                raise ManifestError(
+                    f"{where}: start/end must be numbers, got {start!r} {end!r}"
+                ) from None
+            if start_s < 0 or (end_s >= 0 and end_s <= start_s):
+                raise ManifestError(f"{where}: bad segment times {start_s} .. {end_s}")
+            path = recordings.get(rec)
+            ref = AudioRef(path=path or os.path.join(data_dir, f"<no wav.scp entry {rec}>"),
+                           start=start_s, end=end_s)  # fmt: skip
+            items.append(ManifestItem(utt, ref.path, texts.get(utt, ""), lineno, where, ref=ref))
+    else:
+        for lineno, (rec, _) in _read_table(wav_scp, 2):
+            where = f"{wav_scp}:{lineno}"
+            items.append(ManifestItem(rec, recordings[rec], texts.get(rec, ""), lineno, where))
+    seen: set[str] = set()
+    for it in items:
+        if it.id in seen:
+            raise ManifestError(f"{it.where}: duplicate utterance id {it.id!r}")
+        seen.add(it.id)
+    for utt, lineno in text_lines.items():
+        if utt not in seen:  # transcript without audio: reported as a failure, not dropped
+            where = f"{text_file}:{lineno}"
+            missing = os.path.join(data_dir, f"<no audio for {utt}>")
+            items.append(ManifestItem(utt, missing, texts[utt], lineno, where))
+    return items

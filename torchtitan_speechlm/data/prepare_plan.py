@@ -1,0 +1,216 @@
+"""Planning and bookkeeping for ``torchtitan prepare``: sources, shards, resume, final files.
+
+The *plan* (``<out>/plan.json``) records what a run was asked to do: the source, the codec and
+tokenizer identity, the shard size and a hash of each shard's inputs. A rerun with the same plan
+resumes (finished shards whose ``shard.json`` matches are kept); a different plan in the same
+folder is refused, naming the first differing key, unless ``--overwrite``. Shard input hashes
+cover each item's id, text, audio reference and audio file size, so editing the corpus
+invalidates exactly the shards it touches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+from .manifest import ManifestItem
+from .prepare_worker import FAILURES
+from .prepared import (
+    FORMAT_VERSION,
+    METADATA,
+    SHARD_META,
+    SHARDS_DIR,
+    first_difference,
+    read_json,
+    shard_name,
+)
+from .shard_writer import write_json_atomic
+
+PLAN = "plan.json"
+SUMMARY = "summary.json"
+
+
+class PlanMismatchError(ValueError):
+    """``--out`` holds a different preparation (or other files); the message names the key."""
+
+
+def read_source(manifest, kaldi, hf_dataset, audio_column, text_column, split):
+    """(items, source description for the plan, HF reader args or None)."""
+    if manifest is not None:
+        from .manifest import read_jsonl_manifest
+
+        return read_jsonl_manifest(manifest), {"type": "manifest"}, None
+    if kaldi is not None:
+        from .kaldi import read_kaldi_dir
+
+        return read_kaldi_dir(kaldi), {"type": "kaldi"}, None
+    from .hf_source import open_hf_dataset, read_hf_items
+
+    items = read_hf_items(hf_dataset, audio_column, text_column, split)
+    ds, split = open_hf_dataset(hf_dataset, split)
+    source = {"type": "hf_dataset", "split": split, "audio_column": audio_column,
+              "text_column": text_column, "fingerprint": getattr(ds, "_fingerprint", None)}  # fmt: skip
+    return items, source, (os.path.abspath(hf_dataset), audio_column, split)
+
+
+def _size(path: str | None) -> int:
+    try:
+        return os.path.getsize(path) if path else -1
+    except OSError:
+        return -1
+
+
+def _item_key(it: ManifestItem) -> list:
+    def ref(r):
+        return None if r is None else [r.path, r.start, r.end, r.row, _size(r.path)]
+
+    turns = [[t.role, t.text, ref(t.audio)] for t in it.turns] if it.turns is not None else None
+    return [it.id, it.kind, it.text, ref(it.ref), turns]
+
+
+def build_plan(items, source: dict, codec, tokenizer: dict, shard_size: int,
+               allow_audio_only: bool) -> dict:  # fmt: skip
+    codec_meta = {
+        "name": codec.name, "path": codec.path, "class": codec.class_name,
+        "sample_rate": codec.sample_rate, "frame_rate": codec.frame_rate,
+        "num_streams": codec.num_streams, "total_streams": codec.total_streams,
+        "codebook_size": codec.codebook_size, "config_hash": codec.config_hash,
+    }  # fmt: skip
+    hashes = []
+    for s in range(0, len(items), shard_size):
+        h = hashlib.sha256()
+        for it in items[s : s + shard_size]:
+            h.update(json.dumps(_item_key(it), ensure_ascii=True).encode())
+        hashes.append(h.hexdigest()[:16])
+    plan = {"format_version": FORMAT_VERSION, "source": source, "codec": codec_meta,
+            "tokenizer": tokenizer, "shard_size": shard_size,
+            "allow_audio_only": allow_audio_only, "num_inputs": len(items),
+            "shard_inputs": hashes}  # fmt: skip
+    return json.loads(json.dumps(plan))  # same types as when read back from plan.json
+
+
+def plan_difference(old: dict, new: dict) -> str | None:
+    """First key that makes two plans different preparations (paths may move freely)."""
+    key = first_difference(old, new)
+    if key is not None:
+        return key
+    for k in ("format_version", "source", "shard_size", "allow_audio_only", "num_inputs"):
+        if old.get(k) != new.get(k):
+            return k
+    for k in ("sample_rate", "total_streams"):
+        if old.get("codec", {}).get(k) != new.get("codec", {}).get(k):
+            return f"codec.{k}"
+    pairs = zip(old.get("shard_inputs", []), new["shard_inputs"], strict=False)
+    for s, (a, b) in enumerate(pairs):
+        if a != b:
+            return f"shard_inputs (inputs of shard {shard_name(s)} changed)"
+    return None
+
+
+def _clear(out_dir: str) -> None:
+    meta = os.path.join(out_dir, METADATA)
+    if os.path.exists(meta):
+        os.remove(meta)  # first: the folder must stop looking like a finished dataset
+    for name in os.listdir(out_dir):
+        p = os.path.join(out_dir, name)
+        shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+
+
+def open_out_dir(out_dir: str, plan: dict, overwrite: bool) -> bool:
+    """Make ``out_dir`` ready for ``plan`` (resume, or refuse/replace another one); write
+    plan.json; return True if this call created the folder."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"output path {out_dir} exists and is not a directory")
+    created = not os.path.isdir(out_dir)
+    if not created and os.listdir(out_dir):
+        plan_file = os.path.join(out_dir, PLAN)
+        if not os.path.isfile(plan_file):
+            why = f"output directory {out_dir} is not empty and holds no {PLAN} of a preparation"
+        else:
+            try:
+                key = plan_difference(read_json(plan_file), plan)
+            except ValueError:
+                key = PLAN
+            why = (
+                None
+                if key is None
+                else (f"{out_dir} holds a different preparation ({key} differs from this run's)")
+            )
+        if why is not None:
+            if not overwrite:
+                raise PlanMismatchError(
+                    f"{why}; pass overwrite=True (--overwrite) to replace it, or use another --out"
+                )
+            _clear(out_dir)
+    shards = os.path.join(out_dir, SHARDS_DIR)
+    os.makedirs(shards, exist_ok=True)
+    for name in os.listdir(shards):
+        if name.startswith(".tmp-"):  # left by an interrupted run
+            shutil.rmtree(os.path.join(shards, name), ignore_errors=True)
+    write_json_atomic(os.path.join(out_dir, PLAN), plan)
+    return created
+
+
+def shard_done(out_dir: str, index: int, inputs_hash: str, plan: dict) -> bool:
+    """A finished shard of this plan exists (same inputs, codec layout and tokenizer)."""
+    path = os.path.join(out_dir, SHARDS_DIR, shard_name(index), SHARD_META)
+    try:
+        meta = read_json(path)
+    except ValueError:
+        return False
+    return (meta.get("format_version") == FORMAT_VERSION and meta.get("inputs_hash") == inputs_hash
+            and first_difference(meta, plan) is None)  # fmt: skip
+
+
+def finalize(out_dir: str, plan: dict, run_info: dict) -> dict:
+    """Merge shard failures into failures.jsonl, write summary.json and (if any item survived)
+    metadata.json, last; return the summary."""
+    shards, failures = [], []
+    for s in range(len(plan["shard_inputs"])):
+        sdir = os.path.join(out_dir, SHARDS_DIR, shard_name(s))
+        meta = read_json(os.path.join(sdir, SHARD_META))
+        shards.append({"name": shard_name(s), "num_items": meta["num_items"],
+                       "total_audio_seconds": meta["total_audio_seconds"],
+                       "total_text_tokens": meta["total_text_tokens"],
+                       "total_frames": meta["total_frames"], "kinds": meta["kinds"],
+                       "num_failed": meta["num_failed"]})  # fmt: skip
+        with open(os.path.join(sdir, FAILURES), encoding="utf-8") as f:
+            failures.extend(f.readlines())
+    reasons: dict[str, int] = {}
+    for line in failures:
+        r = json.loads(line)["reason"]
+        reasons[r] = reasons.get(r, 0) + 1
+    kinds: dict[str, int] = {}
+    for sh in shards:
+        for k, v in sh["kinds"].items():
+            kinds[k] = kinds.get(k, 0) + v
+    totals = {
+        "num_items": sum(s["num_items"] for s in shards),
+        "total_audio_seconds": round(sum(s["total_audio_seconds"] for s in shards), 3),
+        "total_text_tokens": sum(s["total_text_tokens"] for s in shards),
+        "total_frames": sum(s["total_frames"] for s in shards),
+        "kinds": dict(sorted(kinds.items())),
+    }
+    n_streams = plan["codec"]["num_streams"]
+    summary = dict(totals, out_dir=out_dir, hours=totals["total_audio_seconds"] / 3600,
+                   num_streams=n_streams, audio_tokens_per_stream=totals["total_frames"],
+                   audio_tokens=totals["total_frames"] * n_streams, items_written=totals["num_items"],
+                   items_skipped=len(failures), skipped_by_reason=dict(sorted(reasons.items())),
+                   num_shards=len(shards), **run_info)  # fmt: skip
+    tmp = os.path.join(out_dir, FAILURES + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(failures)
+    os.replace(tmp, os.path.join(out_dir, FAILURES))
+    write_json_atomic(os.path.join(out_dir, SUMMARY), summary)
+    meta_path = os.path.join(out_dir, METADATA)
+    if totals["num_items"] == 0:
+        if os.path.exists(meta_path):
+            os.remove(meta_path)
+        return summary
+    meta = {"format_version": FORMAT_VERSION, "codec": plan["codec"], "tokenizer": plan["tokenizer"],
+            "source": plan["source"], "shard_size": plan["shard_size"], "shards": shards,
+            "num_failed": len(failures), **totals}  # fmt: skip
+    write_json_atomic(meta_path, meta)
+    return summary

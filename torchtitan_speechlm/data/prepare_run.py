@@ -1,0 +1,143 @@
+"""Running the shards of ``torchtitan prepare`` (in process or in worker processes) with a
+progress line, and fitting the k-means codec on a sample of the input audio.
+
+Worker processes each load their own codec (on ``--device``), so they scale to several GPUs'
+worth of work or to several CPU cores; on CPU they are forked (instant start, the parent has
+not touched a GPU), with CUDA they are spawned. Shard results only travel back as small dicts;
+progress travels over a queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+import numpy as np
+
+from .prepare_worker import (
+    ShardTask,
+    WorkerConfig,
+    init_worker,
+    load_ref,
+    run_shard,
+    use_in_process,
+)
+
+
+class Progress:
+    """A throttled 'items done / total, audio s/s, ETA' line on stderr."""
+
+    def __init__(self, total: int, enabled: bool, every_s: float = 2.0):
+        self.total, self.enabled, self.every_s = total, enabled, every_s
+        self.start = self.last = time.monotonic()
+        self.done, self.seconds = 0, 0.0
+
+    def add(self, items: int, seconds: float) -> None:
+        self.done += items
+        self.seconds += seconds
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < self.every_s and self.done < self.total):
+            return
+        self.last = now
+        elapsed = max(now - self.start, 1e-9)
+        eta = (self.total - self.done) * elapsed / max(self.done, 1)
+        print(f"prepare: {self.done}/{self.total} items, {self.seconds / elapsed:.1f} audio s/s, "
+              f"elapsed {elapsed:.0f}s, ETA {eta:.0f}s", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def run_shards(tasks: list[ShardTask], out_dir: str, cfg: WorkerConfig, workers: int, codec, tok,
+               progress: bool) -> float:  # fmt: skip
+    """Prepare every task's shard; return the seconds of audio encoded."""
+    bar = Progress(sum(len(t.items) for t in tasks), progress)
+    if not tasks:
+        return 0.0
+    if workers == 1 or len(tasks) == 1:
+        use_in_process(cfg, codec, tok, bar.add)
+        for t in tasks:
+            run_shard(t, out_dir)
+        return bar.seconds
+    import multiprocessing as mp
+
+    ctx = mp.get_context(
+        "spawn" if cfg.device.startswith("cuda") or sys.platform != "linux" else "fork"
+    )
+    queue = ctx.Queue()
+    n = min(workers, len(tasks))
+    threads = None if "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // n)
+    with ProcessPoolExecutor(n, mp_context=ctx, initializer=init_worker,
+                             initargs=(cfg, queue, threads)) as pool:  # fmt: skip
+        pending = {pool.submit(run_shard, t, out_dir) for t in tasks}
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                while not queue.empty():
+                    bar.add(*queue.get())
+                for f in done:
+                    f.result()  # re-raises a worker's error (e.g. strict mode)
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+    while not queue.empty():
+        bar.add(*queue.get())
+    return bar.seconds
+
+
+def _audio_refs(items) -> list:
+    refs = []
+    for it in items:
+        if it.turns is not None:
+            refs.extend(t.audio for t in it.turns if t.audio is not None)
+        elif it.ref is not None:
+            refs.append(it.ref)
+    return refs
+
+
+def fit_or_reuse_kmeans(out: str, items, source: dict, codebooks: int, codebook_size: int,
+                        seconds: float, seed: int, overwrite: bool, progress: bool,
+                        hf_reader=None) -> str:  # fmt: skip
+    """Return a k-means codec folder: ``out`` as is if it already holds one fitted with these
+    settings (so reruns are cheap and stable), else fit one on up to ``seconds`` of randomly
+    chosen (``seed``) input audio."""
+    from .audio import BadAudioError
+    from .codec import CodecError
+    from .hf_source import HFAudioReader
+    from .kmeans_codec import MODEL_TYPE, KMeansConfig, fit_kmeans_codec
+
+    cfg_file = os.path.join(out, "config.json")
+    if os.path.isfile(cfg_file):
+        with open(cfg_file) as f:
+            have = json.load(f)
+        want = {"model_type": MODEL_TYPE, "num_codebooks": codebooks,
+                "codebook_size": codebook_size, "seed": seed}  # fmt: skip
+        if all(have.get(k) == v for k, v in want.items()):
+            return out
+        if not overwrite:
+            raise CodecError(
+                f"{out} already holds a codec with other settings ({ {k: have.get(k) for k in want} }); "
+                "pass --overwrite to refit it, or choose another --fit-kmeans-codec folder"
+            )
+    sr = KMeansConfig().sample_rate
+    reader = HFAudioReader(*hf_reader) if hf_reader else None
+    refs = _audio_refs(items)
+    order = np.random.default_rng(seed).permutation(len(refs))
+    wavs, total, t0 = [], 0.0, time.monotonic()
+    for j in order:
+        try:
+            w = load_ref(refs[j], sr, reader)
+        except BadAudioError:
+            continue  # reported later, when the item itself is prepared
+        wavs.append(w)
+        total += len(w) / sr
+        if total >= seconds:
+            break
+    if not wavs:
+        raise CodecError("cannot fit a k-means codec: no readable audio in the input")
+    fit_kmeans_codec(wavs, out, codebooks, codebook_size, seed, sample_rate=sr)
+    if progress:
+        print(f"prepare: fitted k-means codec {out} on {total:.0f}s of audio "
+              f"({time.monotonic() - t0:.1f}s)", file=sys.stderr, flush=True)  # fmt: skip
+    return out
