@@ -58,9 +58,10 @@ def text_only_inputs(layout: VocabLayout, text_ids: torch.Tensor) -> torch.Tenso
 # ---------------------------------------------------------------------------------------------
 # Tiny end-to-end assets and configs for `torchtitan train` tests
 # ---------------------------------------------------------------------------------------------
-def make_tiny_run_assets(root, n_items=48, seed=0) -> dict:
+def make_tiny_run_assets(root, n_items=48, seed=0, tie=False) -> dict:
     """Tokenizer, codec, backbone (saved with save_pretrained) and a prepared dataset made from
-    synthetic tones (deterministic, no espeak needed), through the real prepare code."""
+    synthetic tones (deterministic, no espeak needed), through the real prepare code.
+    ``tie=True`` saves the backbone with tie_word_embeddings=True."""
     import json
     import os
 
@@ -84,7 +85,8 @@ def make_tiny_run_assets(root, n_items=48, seed=0) -> dict:
 
     vocab = len(AutoTokenizer.from_pretrained(paths["tokenizer"]))
     build_backbone(paths["backbone"], vocab_size=vocab, hidden_size=32, num_layers=2,
-                   num_heads=4, num_kv_heads=2, intermediate_size=64, seed=seed)
+                   num_heads=4, num_kv_heads=2, intermediate_size=64, seed=seed,
+                   tie_word_embeddings=tie)
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(root, "wavs"), exist_ok=True)
     manifest = os.path.join(root, "manifest.jsonl")
