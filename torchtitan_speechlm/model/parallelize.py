@@ -93,8 +93,16 @@ def sum_gradients_in_ddp(model: nn.Module, group) -> None:
     so the true gradient is the *sum* of the ranks' gradients (that is why torchtitan sets FSDP's
     gradient divide factor to 1). DDP's default hook divides by the world size, which left the
     DDP gradients (and ``grad_norm``, and max_norm clipping) 1/world_size too small; Adam hid it
-    in the loss curve. torchtitan 0.2.2's llama3 ``apply_ddp`` has the same issue.
+    in the loss curve. torchtitan 0.2.2's llama3 ``apply_ddp`` has the same issue (upstream
+    issue pytorch/torchtitan#2318; patches/0007-ddp-sum-gradients.diff).
+
+    DDP accepts one comm hook only, so if ``apply_ddp`` already registered one (a torchtitan with
+    the upstream fix), this does nothing.
     """
+    from torch.distributed._composable.replicate import replicate
+
+    if getattr(replicate.state(model), "_comm_hook_args", None):
+        return
     model.register_comm_hook(group, _allreduce_sum_hook)
 
 
