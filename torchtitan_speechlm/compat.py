@@ -96,8 +96,9 @@ class CPUMemoryMonitor:
 
     @staticmethod
     def peak_rss_bytes() -> int:
-        # ru_maxrss is KiB on Linux; it is a lifetime peak (the kernel cannot reset it).
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # A lifetime peak (the kernel cannot reset it), in KiB on Linux but in bytes on macOS.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
     def get_peak_stats(self) -> DeviceMemStats:
         gib = self.peak_rss_bytes() / 2**30
