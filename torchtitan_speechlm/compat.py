@@ -18,12 +18,21 @@ has an upstreamable diff under ``patches/`` (same numbering):
 4. ``torchtitan/distributed/utils.py::set_pg_timeouts`` calls ``barrier(device_ids=[...])``,
    which gloo rejects. -> a plain barrier on CPU. (patches/0004-gloo-barrier.diff)
 
-And one that is not about CPUs:
+Two more, not about CPUs:
 
 5. ``torchtitan/config/manager.py::ConfigManager.parse_args(args=sys.argv[1:])`` binds its default
    when the module is imported, so a console script with subcommands (``torchtitan train ...``)
    cannot hand ``torchtitan.train.main`` its arguments. -> ``run_torchtitan_main(args)`` rebinds
    the default for this call. (patches/0005-parse-args-default.diff)
+
+6. ``torchtitan/train.py::Trainer.train_step`` accumulates micro-batch gradients without
+   telling DDP (``replicate``) which backward is the last, so every backward all-reduces the
+   *accumulated* ``.grad``; with SUM reduction (see parallelize.sum_gradients_in_ddp) earlier
+   micro-batches are then counted once per rank (a wrong gradient with
+   DDP + ``global_batch_size`` > local x dp). -> ``sync_gradients_on_last_microbatch`` toggles
+   gradient sync from a forward pre-hook that counts training micro-batches; for HSDP it also
+   defers FSDP2's replica all-reduce to the last micro-batch (less traffic, same result).
+   (patches/0006-ddp-grad-accumulation-sync.diff)
 """
 
 from __future__ import annotations
@@ -155,3 +164,27 @@ def run_torchtitan_main(args: list[str]) -> None:
         main(Trainer)
     finally:
         ConfigManager.parse_args.__defaults__ = original
+
+
+def sync_gradients_on_last_microbatch(model: torch.nn.Module, accumulation_steps: int,
+                                      ddp: bool, hsdp: bool) -> None:
+    """Fix 6: reduce gradients only in the last micro-batch's backward of each step.
+
+    Must be registered before ``replicate``'s own pre-hook, which reads the flag at forward.
+    Only grad-enabled training forwards count (validation runs under no_grad).
+    """
+    if accumulation_steps <= 1 or not (ddp or hsdp):
+        return
+    counter = {"n": 0}
+
+    def pre_hook(module: torch.nn.Module, args, kwargs) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        last = counter["n"] % accumulation_steps == accumulation_steps - 1
+        counter["n"] += 1
+        if ddp:
+            module.set_requires_gradient_sync(last)
+        else:
+            module.set_requires_all_reduce(last, recurse=True)
+
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)

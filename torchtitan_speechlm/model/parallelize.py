@@ -33,7 +33,7 @@ from torchtitan.models.llama3.infra.parallelize import (
 )
 from torchtitan.tools.logging import logger
 
-from ..compat import force_sum_reduction_on_cpu
+from ..compat import force_sum_reduction_on_cpu, sync_gradients_on_last_microbatch
 
 
 def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
@@ -75,7 +75,23 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
         dp_mesh = parallel_dims.get_mesh("dp_replicate")
         apply_ddp(model, dp_mesh, enable_compile=compile_model)
         sum_gradients_in_ddp(model, dp_mesh.get_group())
+    # With SUM reduction, re-reducing an accumulated .grad would count earlier micro-batches
+    # once per rank: reduce only in the last micro-batch's backward (compat fix 6).
+    sync_gradients_on_last_microbatch(
+        model,
+        accumulation_steps(job_config, parallel_dims),
+        ddp=parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled,
+        hsdp=parallel_dims.dp_replicate_enabled and parallel_dims.fsdp_enabled,
+    )
     return model
+
+
+def accumulation_steps(job_config, parallel_dims: ParallelDims) -> int:
+    """Micro-batches per optimizer step, exactly as torchtitan's Trainer computes them."""
+    batch = parallel_dims.dp_replicate * parallel_dims.dp_shard if parallel_dims.dp_enabled else 1
+    local = job_config.training.local_batch_size
+    global_batch = job_config.training.global_batch_size
+    return max(1, global_batch // (local * batch)) if global_batch > 0 else 1
 
 
 def _allreduce_sum_hook(group, bucket):
