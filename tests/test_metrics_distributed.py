@@ -49,9 +49,7 @@ def test_two_ranks_with_accumulation_match_one_rank(assets, tmp_path, parallel):
     assert set(params) == set(ref_params)
     for name in ("tok_embeddings.weight", "head.output.weight", "head.stream_emb.weight"):
         assert name in params
-    moved = 0
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, atol=2e-6, rtol=1e-5, msg=name)
-        moved += not torch.equal(ref, ref_params[name] * 0 + ref)  # placeholder-free count
-    # the update really happened (not comparing two untouched inits)
+    # the parameters really moved (we are not comparing two untouched inits)
     assert ref_rows[2]["train/loss"] != ref_rows[1]["train/loss"]
