@@ -85,7 +85,8 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
     ) -> None:
         stats = self.speech_metrics(step)
         extra = dict(extra_metrics or {})
-        extra.update({f"train/{k}": v for k, v in stats.items()})
+        extra.update({(k if k.startswith("throughput/") else f"train/{k}"): v
+                      for k, v in stats.items()})
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra)
         if stats:
             n = sum(1 for k in stats if k.startswith("acc_stream"))
