@@ -165,7 +165,7 @@ def run_train(config: str, *extra: str, nproc: int = 1, timeout: int = 300):
     import subprocess
     import sys
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # wandb: our offline default
     cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "train", "--job.config_file", config,
            "--nproc-per-node", str(nproc), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
