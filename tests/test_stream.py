@@ -200,3 +200,22 @@ def test_loss_region_all_weights_user_turns_too():
     pads = np.array([LAYOUT.stream_pad(k) for k in range(N_STREAMS)])
     assert (ex_a.weights[ex_a.frames == pads] == 0).all()
     assert len(ex_a.frames) == b_asst.length("tts", len(item.text_tokens), len(item.audio_codes))
+
+
+def test_packed_row_logits_equal_each_sample_run_alone(tmp_path):
+    """Document masking: in a packed row, every sample sees only itself (CPU, sdpa)."""
+    from tests.helpers import build_speechlm, save_tiny_backbone
+
+    save_tiny_backbone(tmp_path / "bb", vocab_size=TEXT)
+    model = build_speechlm(tmp_path / "bb", num_streams=N_STREAMS, codebook_size=CODEBOOK).eval()
+    ds = make(rows=1, seq_len=256)
+    batch, _ = next(iter(ds))
+    inp, pos = batch["input"], batch["position_ids"]
+    starts = (pos[0] == 0).nonzero().flatten().tolist()
+    assert len(starts) >= 3, "need a row with several samples"
+    with torch.no_grad():
+        packed = model.logits(inp, position_ids=pos)
+        for a, b in zip(starts, starts[1:] + [inp.shape[1]], strict=True):
+            alone = model.logits(inp[:, a:b])
+            for k in range(N_STREAMS):
+                torch.testing.assert_close(packed[k][:, a:b], alone[k], atol=1e-5, rtol=1e-5)
