@@ -61,3 +61,14 @@ def test_dataset_and_mixture_specs():
         parse_mix(["tts:a:0"], "train", names)
     assert normalised_stream_weights([], 4) == [0.25] * 4
     assert normalised_stream_weights([3, 1], 2) == [0.75, 0.25]
+
+
+def test_every_config_key_is_documented():
+    from dataclasses import fields
+
+    from torchtitan_speechlm.config import SpeechLM, SpeechLMData
+
+    text = open("docs/config.md").read()
+    for cls in (SpeechLM, SpeechLMData):
+        for f in fields(cls):
+            assert f"| `{f.name}` |" in text, f"docs/config.md does not document {f.name}"

@@ -62,6 +62,7 @@ class SpeechLMData:
     seed: int = 0
     """Shuffling seed (the data order is a pure function of it and the epoch)."""
     shuffle: bool = True
+    """Shuffle items (per epoch) and units (per window) in training; validation never shuffles."""
     batching: Literal["pack", "bucket"] = "pack"
     """pack: several samples per row of training.seq_len frames (document-masked);
     bucket: one sample per row, length-sorted within a window, padded to the longest."""
