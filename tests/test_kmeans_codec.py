@@ -1,0 +1,107 @@
+"""The offline k-means codec: fit on espeak speech, round-trip quality, codebook use,
+determinism, and `torchtitan prepare --fit-kmeans-codec`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.data_fixtures import needs_espeak
+from torchtitan_speechlm import demo_assets
+from torchtitan_speechlm.data.audio import load_audio
+from torchtitan_speechlm.data.codec import load_codec
+from torchtitan_speechlm.data.kmeans_codec import fit_kmeans_codec, log_mel_distance
+from torchtitan_speechlm.data.manifest import read_jsonl_manifest
+from torchtitan_speechlm.data.prepare import main
+from torchtitan_speechlm.data.prepared import PreparedDataset
+
+pytestmark = pytest.mark.skipif(not needs_espeak, reason="espeak-ng binary not installed")
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory):
+    """36 espeak utterances (~100 s): 30 to fit on, 6 held out."""
+    root = tmp_path_factory.mktemp("km")
+    manifest = demo_assets.synthesize_corpus(str(root / "corpus"), demo_assets.load_sentences(), n=36)
+    wavs = [load_audio(it.audio, 16000) for it in read_jsonl_manifest(manifest)]
+    t0 = time.monotonic()
+    codec_dir = fit_kmeans_codec(wavs[:30], str(root / "km"), num_codebooks=4, codebook_size=64, seed=0)
+    fit_s = time.monotonic() - t0
+    return {"root": root, "manifest": manifest, "wavs": wavs, "dir": codec_dir, "fit_s": fit_s}
+
+
+def test_fit_is_fast_and_loads_as_a_codec(speech):
+    assert speech["fit_s"] < 20, f"fit took {speech['fit_s']:.1f}s on ~90 s of audio"
+    cfg = json.load(open(os.path.join(speech["dir"], "config.json")))
+    assert cfg["model_type"] == "speechlm_kmeans"
+    codec = load_codec(speech["dir"])
+    assert (codec.name, codec.sample_rate, codec.frame_rate) == ("kmeans", 16000, 50.0)
+    assert (codec.num_streams, codec.codebook_size, len(codec.config_hash)) == (4, 64, 16)
+    codes = codec.encode([speech["wavs"][30], np.zeros(321, np.float32)])
+    assert codes[0].shape == (int(np.ceil(len(speech["wavs"][30]) / 320)), 4)
+    assert codes[1].shape == (2, 4) and codes[0].dtype == np.int64
+    assert codec.decode(codes[0]).shape == (codes[0].shape[0] * 320,)
+
+
+def test_round_trip_is_close_in_log_mel(speech):
+    """Encode -> decode (Griffin-Lim) keeps the log-mel spectrogram within a few dB, far below
+    what noise of the same loudness or another utterance gives."""
+    codec = load_codec(speech["dir"])
+    rng = np.random.default_rng(0)
+    for w in speech["wavs"][30:33]:  # held out: not seen by the fit
+        y = codec.decode(codec.encode([w])[0])
+        d = log_mel_distance(w, y)
+        noise = (rng.standard_normal(len(w)) * np.sqrt(np.mean(w**2))).astype(np.float32)
+        d_noise = log_mel_distance(w, noise)
+        other = np.resize(speech["wavs"][0], len(w))
+        assert d < 6.0 and d < 0.3 * d_noise and d < 0.5 * log_mel_distance(w, other), (d, d_noise)
+
+
+def test_codes_use_the_codebooks(speech):
+    codec = load_codec(speech["dir"])
+    codes = np.concatenate(codec.encode(speech["wavs"][:30]))
+    used = [len(np.unique(codes[:, k])) / 64 for k in range(4)]
+    assert min(used) > 0.9, used  # every centroid was fitted on these frames
+    held = np.concatenate(codec.encode(speech["wavs"][30:]))
+    assert min(len(np.unique(held[:, k])) / 64 for k in range(4)) > 0.5
+
+
+def test_same_seed_same_centroids(speech, tmp_path):
+    wavs = speech["wavs"][:30]
+    a = fit_kmeans_codec(wavs, str(tmp_path / "a"), 4, 64, seed=0)
+    b = fit_kmeans_codec(wavs, str(tmp_path / "c"), 4, 64, seed=1)
+    ref = load_file(os.path.join(speech["dir"], "model.safetensors"))
+    np.testing.assert_array_equal(load_file(os.path.join(a, "model.safetensors"))["centroids"],
+                                  ref["centroids"])  # fmt: skip
+    assert load_codec(a).config_hash == load_codec(speech["dir"]).config_hash
+    assert load_codec(b).config_hash != load_codec(a).config_hash
+    assert not np.array_equal(load_file(os.path.join(b, "model.safetensors"))["centroids"],
+                              ref["centroids"])  # fmt: skip
+
+
+def test_prepare_fits_kmeans_codec_then_reuses_it(speech, tmp_path, capsys):
+    tok = demo_assets.build_tokenizer(str(tmp_path / "tok"), demo_assets.load_sentences())
+    km, out = tmp_path / "km", tmp_path / "out"
+    args = ["--manifest", speech["manifest"], "--fit-kmeans-codec", str(km), "--codebooks", "3",
+            "--codebook-size", "32", "--kmeans-seconds", "40", "--tokenizer", tok, "--out",
+            str(out), "--shard-size", "10", "--num-streams", "2"]  # fmt: skip
+    assert main(args) == 0
+    assert "fitted k-means codec" in capsys.readouterr().err
+    ds = PreparedDataset(str(out))
+    meta = ds.metadata["codec"]
+    assert (meta["name"], meta["num_streams"], meta["total_streams"], meta["codebook_size"]) == (
+        "kmeans", 2, 3, 32)  # fmt: skip
+    assert len(ds) == 36 and ds[0].audio_codes.shape[1] == 2
+    mtime = os.stat(km / "model.safetensors").st_mtime_ns
+    assert main(args) == 0  # rerun: codec reused, every shard reused
+    assert os.stat(km / "model.safetensors").st_mtime_ns == mtime
+    assert "4 reused" in capsys.readouterr().out
+    assert main(args + ["--kaldi", str(tmp_path)]) == 1
+    assert "give exactly one source" in capsys.readouterr().err
+    assert main(args + ["--codec", str(km)]) == 1
+    assert "exactly one of --codec DIR or --fit-kmeans-codec DIR" in capsys.readouterr().err
