@@ -89,9 +89,10 @@ class HFAudioReader:
 
     def load(self, row: int, target_sr: int) -> np.ndarray:
         if self._ds is None:
-            self._ds = open_hf_dataset(self.path, self.split)[0].select_columns([self.audio_column])
+            ds = open_hf_dataset(self.path, self.split)[0].select_columns([self.audio_column])
+            self._ds = ds.with_format("arrow")
         name = f"{self.path}:row {row}"
-        value = self._ds.with_format("arrow")[row : row + 1].column(0).to_pylist()[0]
+        value = self._ds[row : row + 1].column(0).to_pylist()[0]
         if not isinstance(value, dict):
             raise BadAudioError(name, f"audio cell is {type(value).__name__}, not an Audio struct")
         if value.get("array") is not None:

@@ -161,6 +161,7 @@ class PreparedDataset:
         self._text_off, self._text_len, self._audio_off, self._audio_frames = (
             idx[:, :4].astype(np.int64).T
         )
+        self._kinds_array = np.array(self._kinds, dtype="<U8")
         if self.metadata.get("num_items") != len(self.ids):
             raise CorruptDatasetError(
                 f"{meta_path} says {self.metadata.get('num_items')} items but its shards hold "
@@ -255,7 +256,7 @@ class PreparedDataset:
     @property
     def kinds(self) -> np.ndarray:
         """Per item: "speech" (text + audio), "text", "audio" or "dialogue"."""
-        return np.asarray(self._kinds, dtype=object)
+        return self._kinds_array
 
     def __len__(self) -> int:
         return len(self.ids)
