@@ -110,9 +110,13 @@ def main() -> None:
               f"{r['audio_seconds']:>8.1f} {r['wall_seconds']:>7.2f} {r['audio_s_per_s']:>9.1f}")  # fmt: skip
     print("k-means codec:", json.dumps(km))
     result = {
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "load_avg_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(),
-                    "torch": torch.__version__},  # fmt: skip
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },  # fmt: skip
         "corpus": {"utterances": args.n, "shard_size": args.shard_size, "batch_size": 8},
         "runs": rows,
         "kmeans_codec": km,

@@ -85,7 +85,9 @@ def test_load_audio_segment_and_bytes(tmp_path):
         load_audio(str(tmp_path / "x.flac"), SR, start=3.0, end=4.0)
     assert e.value.code == "empty_audio"
     data = (tmp_path / "x.flac").read_bytes()
-    np.testing.assert_allclose(decode_audio_bytes(data, SR, "mem"), load_audio(str(tmp_path / "x.flac"), SR))
+    np.testing.assert_allclose(
+        decode_audio_bytes(data, SR, "mem"), load_audio(str(tmp_path / "x.flac"), SR)
+    )
     with pytest.raises(BadAudioError, match="mem: unreadable") as e:
         decode_audio_bytes(b"junk", SR, "mem")
     assert e.value.code == "unreadable_audio"
@@ -136,7 +138,8 @@ def test_load_codec_errors(tmp_path):
         load_codec(str(tmp_path / "nowhere"))
     demo_assets.build_backbone(str(tmp_path / "lm"), "llama", vocab_size=64)
     with pytest.raises(
-        CodecError, match="unsupported codec model_type 'llama'.*encodec, mimi, dac, speechlm_kmeans"
+        CodecError,
+        match="unsupported codec model_type 'llama'.*encodec, mimi, dac, speechlm_kmeans",
     ):
         load_codec(str(tmp_path / "lm"))
 

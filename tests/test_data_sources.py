@@ -201,9 +201,15 @@ def test_text_only_audio_only_and_dialogue_round_trip(assets, tmp_path):
     dl = ds[4]
     assert dl.text_tokens.size == 0 and dl.audio_codes.shape == (0, 4)
     assert [(t.role, t.modality) for t in dl.turns] == [
-        ("system", "text"), ("user", "audio"), ("assistant", "text"), ("assistant", "audio")]
+        ("system", "text"),
+        ("user", "audio"),
+        ("assistant", "text"),
+        ("assistant", "audio"),
+    ]
     assert dl.turns[0].tokens.tolist() == ids(assets, "you are helpful")
-    assert dl.turns[0].text == "you are helpful" and dl.turns[2].tokens.tolist() == ids(assets, "sure")
+    assert dl.turns[0].text == "you are helpful" and dl.turns[2].tokens.tolist() == ids(
+        assets, "sure"
+    )
     np.testing.assert_array_equal(dl.turns[1].tokens, codes[3])
     np.testing.assert_array_equal(dl.turns[3].tokens, codes[4])
     assert all(t.tokens.dtype == np.int64 for t in dl.turns)
@@ -211,6 +217,13 @@ def test_text_only_audio_only_and_dialogue_round_trip(assets, tmp_path):
     assert ds.audio_lengths[4] == len(codes[3]) + len(codes[4])
     assert dl.seconds == pytest.approx(2.0 + 0.9, abs=1e-3)
     assert ds[0].turns is None
+    assert ds.num_turns.tolist() == [0, 0, 0, 0, 4] and ds.num_audio_turns.tolist() == [
+        0,
+        0,
+        0,
+        0,
+        2,
+    ]
     assert [(f["id"], f["reason"]) for f in failures(out)] == [("dl_bad", "missing_audio")]
     # Without --allow-audio-only, the audio-only lines are skipped as empty text.
     prepare_dataset(m, assets["codec"], assets["tok"], str(tmp_path / "o2"), progress=False)

@@ -27,10 +27,14 @@ pytestmark = pytest.mark.skipif(not needs_espeak, reason="espeak-ng binary not i
 def speech(tmp_path_factory):
     """36 espeak utterances (~100 s): 30 to fit on, 6 held out."""
     root = tmp_path_factory.mktemp("km")
-    manifest = demo_assets.synthesize_corpus(str(root / "corpus"), demo_assets.load_sentences(), n=36)
+    manifest = demo_assets.synthesize_corpus(
+        str(root / "corpus"), demo_assets.load_sentences(), n=36
+    )
     wavs = [load_audio(it.audio, 16000) for it in read_jsonl_manifest(manifest)]
     t0 = time.monotonic()
-    codec_dir = fit_kmeans_codec(wavs[:30], str(root / "km"), num_codebooks=4, codebook_size=64, seed=0)
+    codec_dir = fit_kmeans_codec(
+        wavs[:30], str(root / "km"), num_codebooks=4, codebook_size=64, seed=0
+    )
     fit_s = time.monotonic() - t0
     return {"root": root, "manifest": manifest, "wavs": wavs, "dir": codec_dir, "fit_s": fit_s}
 

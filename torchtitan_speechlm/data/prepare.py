@@ -38,8 +38,6 @@ class NoItemsError(RuntimeError):
 
 def _strict_precheck(items: list[ManifestItem], allow_audio_only: bool) -> None:
     """With ``strict``: fail before any output exists on problems visible without decoding."""
-    if not items:
-        raise ManifestError("no items")
     for it in items:
         refs = [t.audio for t in it.turns or [] if t.audio] + ([it.ref] if it.ref else [])
         for ref in refs:
@@ -98,10 +96,12 @@ def prepare_dataset(
     items, source, hf_reader = read_source(
         manifest, kaldi, hf_dataset, audio_column, text_column, split
     )
+    if not items:
+        raise ManifestError(f"{manifest or kaldi or hf_dataset}: no items")
     if strict:
         _strict_precheck(items, allow_audio_only)
     if fit_kmeans_codec is not None:
-        codec_path = fit_or_reuse_kmeans(fit_kmeans_codec, items, source, codebooks, codebook_size,
+        codec_path = fit_or_reuse_kmeans(fit_kmeans_codec, items, codebooks, codebook_size,
                                          kmeans_seconds, seed, overwrite, progress, hf_reader)  # fmt: skip
     from .codec import load_codec
     from .tokenizer import load_text_tokenizer, tokenizer_fingerprint

@@ -54,7 +54,7 @@ def run_shards(tasks: list[ShardTask], out_dir: str, cfg: WorkerConfig, workers:
     bar = Progress(sum(len(t.items) for t in tasks), progress)
     if not tasks:
         return 0.0
-    if workers == 1 or len(tasks) == 1:
+    if workers == 1:
         use_in_process(cfg, codec, tok, bar.add)
         for t in tasks:
             run_shard(t, out_dir)
@@ -96,7 +96,7 @@ def _audio_refs(items) -> list:
     return refs
 
 
-def fit_or_reuse_kmeans(out: str, items, source: dict, codebooks: int, codebook_size: int,
+def fit_or_reuse_kmeans(out: str, items, codebooks: int, codebook_size: int,
                         seconds: float, seed: int, overwrite: bool, progress: bool,
                         hf_reader=None) -> str:  # fmt: skip
     """Return a k-means codec folder: ``out`` as is if it already holds one fitted with these

@@ -162,6 +162,9 @@ class PreparedDataset:
             idx[:, :4].astype(np.int64).T
         )
         self._kinds_array = np.array(self._kinds, dtype="<U8")
+        self._num_turns = np.zeros((len(self.ids), 2), dtype=np.int64)  # turns, audio turns
+        for i, turns in self._turns.items():
+            self._num_turns[i] = (len(turns), sum(t["modality"] == "audio" for t in turns))
         if self.metadata.get("num_items") != len(self.ids):
             raise CorruptDatasetError(
                 f"{meta_path} says {self.metadata.get('num_items')} items but its shards hold "
@@ -257,6 +260,16 @@ class PreparedDataset:
     def kinds(self) -> np.ndarray:
         """Per item: "speech" (text + audio), "text", "audio" or "dialogue"."""
         return self._kinds_array
+
+    @property
+    def num_turns(self) -> np.ndarray:
+        """Turns per dialogue item (0 for other kinds), from the index: for length budgeting."""
+        return self._num_turns[:, 0]
+
+    @property
+    def num_audio_turns(self) -> np.ndarray:
+        """Audio turns per dialogue item (0 for other kinds), from the index."""
+        return self._num_turns[:, 1]
 
     def __len__(self) -> int:
         return len(self.ids)
