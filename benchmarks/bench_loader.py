@@ -1,3 +1,4 @@
+# ruff: noqa: I001  (torchtitan_speechlm must be imported before torchtitan: CPU device selection)
 """Loader throughput (0 and 2 workers) next to the debug model's training step rate, and padding
 of `pack` vs `bucket`, on the demo corpus (run `make demo` first, or this builds its data).
 

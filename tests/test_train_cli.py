@@ -92,3 +92,23 @@ def test_stock_torchtitan_parses_the_same_toml(assets, tmp_path):
     args = spec.model_args[job.model.flavor]
     args.update_from_config(job)
     assert args.layout.num_streams == 4
+
+
+def test_torchtitan_train_inside_torchrun_runs_as_that_rank(assets, tmp_path):
+    """Multi-node is plain torchrun: `torchtitan train` sees RANK/WORLD_SIZE and just runs."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    dump = tmp_path / "run"
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
+    exe = shutil.which("torchtitan", path=os.path.dirname(sys.executable))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--no-python", exe, "train", "--job.config_file", cfg, "--training.steps", "2",
+           "--checkpoint.enable", "false", "--validation.enable", "false"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Applied FSDP to the SpeechLM" in r.stdout + r.stderr
+    assert [m["step"] for m in read_metrics(dump)] == [1, 2]
