@@ -40,7 +40,7 @@ def speech(tmp_path_factory):
 
 
 def test_fit_is_fast_and_loads_as_a_codec(speech):
-    assert speech["fit_s"] < 20, f"fit took {speech['fit_s']:.1f}s on ~90 s of audio"
+    assert speech["fit_s"] < 30, f"fit took {speech['fit_s']:.1f}s on ~90 s of audio"
     cfg = json.load(open(os.path.join(speech["dir"], "config.json")))
     assert cfg["model_type"] == "speechlm_kmeans"
     codec = load_codec(speech["dir"])
