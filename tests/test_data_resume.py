@@ -193,3 +193,37 @@ def test_strict_error_in_a_worker_process_stops_the_run(assets, tmp_path):
                         shard_size=2, workers=2, strict=True)  # fmt: skip
     done = os.listdir(tmp_path / "o" / "shards")  # finished shards stay for a rerun, no temp dirs
     assert "00004" not in done and not any(d.startswith(".tmp") for d in done)
+
+
+def test_untokenizable_text_is_recorded(assets, tmp_path, monkeypatch):
+    from torchtitan_speechlm.data import tokenizer as tokmod
+
+    real_load = tokmod.load_text_tokenizer
+
+    class Picky:
+        """The real tokenizer, except that it fails on one text and returns nothing for another."""
+
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+        def __len__(self):
+            return len(self.tok)
+
+        def __call__(self, text, **kw):
+            if text == "boom":
+                raise ValueError("cannot handle this")
+            return {"input_ids": []} if text == "void" else self.tok(text, **kw)
+
+    monkeypatch.setattr(tokmod, "load_text_tokenizer", lambda p: Picky(real_load(p)))
+    m = write_manifest(tmp_path / "m.jsonl", [{"id": "ok", "text": "fine text"},
+                                              {"id": "b", "text": "boom"},
+                                              {"id": "v", "text": "void"}])  # fmt: skip
+    prepare_dataset(m, assets["codec"], assets["tok"], str(tmp_path / "o"), progress=False)
+    fails = [json.loads(x) for x in open(tmp_path / "o" / "failures.jsonl")]
+    assert [(f["id"], f["reason"]) for f in fails] == [("b", "untokenizable_text"),
+                                                       ("v", "untokenizable_text")]  # fmt: skip
+    assert "ValueError: cannot handle this" in fails[0]["detail"]
+    assert PreparedDataset(str(tmp_path / "o")).ids == ["ok"]
