@@ -39,3 +39,21 @@ def test_new_rows_are_deterministic_and_text_rows_copied(tmp_path):
     rows = a.tok_embeddings.weight[lay.text_offset : lay.text_offset + lay.text_size]
     assert torch.equal(rows, hf_model.model.embed_tokens.weight)
     assert torch.count_nonzero(a.head.stream_emb.weight) == 0
+
+
+def test_config_alone_gives_a_random_init(tmp_path):
+    """A backbone directory with config.json only (no safetensors): random init, no error."""
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8)
+    cfg.save_pretrained(tmp_path / "cfg_only")
+    model = build_speechlm(tmp_path / "cfg_only")
+    norm = model.backbone.layers[0].input_layernorm.weight
+    assert torch.equal(norm, torch.ones_like(norm))
+    q = model.backbone.layers[0].self_attn.q_proj.weight
+    assert 0.01 < float(q.std()) < 0.03  # initializer_range 0.02
+    ids = torch.randint(0, 96, (1, 5))
+    out = model.logits(text_only_inputs(model.args.layout, ids))
+    assert all(torch.isfinite(o).all() for o in out)
