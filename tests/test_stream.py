@@ -219,3 +219,31 @@ def test_packed_row_logits_equal_each_sample_run_alone(tmp_path):
             alone = model.logits(inp[:, a:b])
             for k in range(N_STREAMS):
                 torch.testing.assert_close(packed[k][:, a:b], alone[k], atol=1e-5, rtol=1e-5)
+
+
+def test_dialogue_template_loss_on_assistant_turns_and_length_from_index():
+    from torchtitan_speechlm.data.prepared import Turn
+
+    rng = np.random.default_rng(0)
+    turns = [Turn("system", "text", rng.integers(0, TEXT, 4), ""),
+             Turn("user", "audio", rng.integers(0, CODEBOOK, (7, N_STREAMS)), ""),
+             Turn("assistant", "text", rng.integers(0, TEXT, 5), ""),
+             Turn("user", "text", rng.integers(0, TEXT, 3), ""),
+             Turn("assistant", "audio", rng.integers(0, CODEBOOK, (6, N_STREAMS)), "")]
+    item = Item("d0", "", np.zeros(0, np.int64), np.zeros((0, N_STREAMS), np.int64), 1.0, turns)
+    builder = TemplateBuilder(LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)))
+    ex = builder.build("dialogue", item)
+    sp = LAYOUT.special
+    tags = [int(t) for t in ex.frames[:, 0] if t < LAYOUT.text_offset]
+    assert tags[:1] == [sp("<|bos|>")] and tags[-1] == sp("<|eos|>")
+    assert tags.count(sp("<|assistant|>")) == 2 and tags.count(sp("<|eot|>")) == 4
+    # loss only inside the two assistant turns: from their modality tag through <eot>/<eos>
+    carrying = np.nonzero(ex.weights.sum(1) > 0)[0]
+    starts = [i for i, t in enumerate(ex.frames[:, 0]) if t == sp("<|assistant|>")]
+    assert carrying.min() == starts[0] + 1 and carrying.max() == len(ex.frames) - 1
+    user2 = [i for i, t in enumerate(ex.frames[:, 0]) if t == sp("<|user|>")][1]
+    assert ex.weights[user2 : starts[1] + 1].sum() == 0
+    n_text = sum(len(t.tokens) for t in turns if t.modality == "text")
+    n_audio = sum(len(t.tokens) for t in turns if t.modality == "audio")
+    assert len(ex.frames) == builder.length("dialogue", n_text, n_audio, n_audio_turns=2,
+                                            n_turns=5)

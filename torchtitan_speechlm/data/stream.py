@@ -165,7 +165,13 @@ class SpeechLMDataset(IterableDataset):
     def _length(self, src: int, item: int, cfg_drop: bool) -> int:
         s = self.sources[src]
         if s.task == "dialogue":
-            return len(self.builder.build("dialogue", s.data[item]).frames)
+            turns = getattr(s.data, "num_turns", None)
+            if turns is None:  # a reader without turn counts: build the example to measure it
+                return len(self.builder.build("dialogue", s.data[item]).frames)
+            return self.builder.length("dialogue", int(s.data.text_lengths[item]),
+                                       int(s.data.audio_lengths[item]),
+                                       n_audio_turns=int(s.data.num_audio_turns[item]),
+                                       n_turns=int(turns[item]))
         n_text = 1 if cfg_drop else int(s.data.text_lengths[item])
         return self.builder.length(s.task, n_text, int(s.data.audio_lengths[item]))
 
