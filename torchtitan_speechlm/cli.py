@@ -17,7 +17,7 @@ import sys
 
 SUBCOMMANDS = {
     "train": "train a model with torchtitan's loop (torchtitan train --job.config_file X.toml)",
-    "prepare": "turn a JSONL manifest into a prepared (tokenised) speech dataset",
+    "prepare": "turn a JSONL manifest, Kaldi folder or HF dataset into a prepared (tokenised) dataset",
 }
 CONFIG_MODULE = "torchtitan_speechlm.config"
 

@@ -213,7 +213,7 @@ class SpeechLMDataset(IterableDataset):
         final = exhausted or not self.infinite
         carried: list[Draw] = []
         if self.mode == "pack":
-            pieces = self._pack(draws)
+            pieces = self._pack(draws, st["window"])
             if not final:
                 pieces, carried = self._carry_underfilled(pieces, group_rows)
         else:
@@ -248,18 +248,22 @@ class SpeechLMDataset(IterableDataset):
         return good[:keep], [Draw(d.src, d.item, d.cfg_drop, d.length, d.age + 1)
                              for d in carried]
 
-    def _pack(self, draws: list[Draw]) -> list[list[Draw]]:
+    def _pack(self, draws: list[Draw], window: int) -> list[list[Draw]]:
         """Rows filled by exact subset-sum: each row takes the longest remaining sample, then
         the subset of the others that fills the rest best (bitset DP, O(items) big-int ops).
-        Padding ends up in the last rows of a window, which are carried into the next one."""
-        remaining = sorted(draws, key=lambda d: -d.length)
+        The candidates are offered in a seeded random order, so rows mix tasks and lengths
+        instead of grouping similar samples. Padding ends up in the last rows of a window,
+        which are carried into the next one."""
+        order = np.random.default_rng([self.seed, window, 65537]).permutation(len(draws))
+        pool = [draws[i] for i in order]
         rows: list[list[Draw]] = []
-        while remaining:
-            first = remaining.pop(0)
-            chosen = _best_subset([d.length - 1 for d in remaining], self.seq_len - first.length + 1)
-            rows.append([first] + [remaining[i] for i in chosen])
+        while pool:
+            first = max(range(len(pool)), key=lambda i: (pool[i].length, -i))
+            head = pool.pop(first)
+            chosen = _best_subset([d.length - 1 for d in pool], self.seq_len - head.length + 1)
+            rows.append([head] + [pool[i] for i in chosen])
             for i in reversed(chosen):
-                remaining.pop(i)
+                pool.pop(i)
         return rows
 
     def _bucket(self, draws: list[Draw]) -> list[Unit]:
