@@ -112,3 +112,29 @@ def test_torchtitan_train_inside_torchrun_runs_as_that_rank(assets, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Applied FSDP to the SpeechLM" in r.stdout + r.stderr
     assert [m["step"] for m in read_metrics(dump)] == [1, 2]
+
+
+def test_validation_set_smaller_than_the_ranks(assets, tmp_path):
+    """One validation item on 2 ranks: rank 1 has nothing and must keep step with rank 0."""
+    import json
+    import os
+
+    from torchtitan_speechlm.data.prepare import prepare_dataset
+
+    with open(os.path.join(os.path.dirname(assets["prepared"]), "manifest.jsonl")) as f:
+        src = json.loads(f.readline())
+    manifest = tmp_path / "one.jsonl"
+    manifest.write_text(json.dumps(src) + "\n")
+    one = tmp_path / "one"
+    prepare_dataset(str(manifest), assets["codec"], assets["tokenizer"], str(one), progress=False)
+    dump = tmp_path / "run"
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
+    text = open(cfg).read().replace('datasets = ["tiny=', f'datasets = ["one={one}", "tiny=')
+    text = text.replace('valid = ["asr:tiny"]', 'valid = ["asr:one"]')
+    open(cfg, "w").write(text)
+    r = run_train(cfg, "--training.steps", "2", "--validation.freq", "2",
+                  "--checkpoint.enable", "false", nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    val = [m for m in read_metrics(dump) if "val/asr_one/loss" in m]
+    assert [m["step"] for m in val] == [1, 2]  # torchtitan validates at step 1 and every freq
+    assert all(m["val/asr_one/data/examples"] == 1.0 for m in val)

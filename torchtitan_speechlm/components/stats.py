@@ -52,7 +52,7 @@ class StatsAccumulator:
         self._sums: dict[str, torch.Tensor] = {}
         self._micro_batches = 0
 
-    def add(self, stats: dict[str, torch.Tensor]) -> None:
+    def add(self, stats: dict[str, torch.Tensor], count_micro_batch: bool = True) -> None:
         for key, value in stats.items():
             value = value.detach().float()
             if key == "data_stats":
@@ -60,7 +60,7 @@ class StatsAccumulator:
                     self._add(f"data/{name}", v)
             else:
                 self._add(key, value)
-        self._micro_batches += 1
+        self._micro_batches += int(count_micro_batch)
 
     def _add(self, key: str, value: torch.Tensor) -> None:
         if key in self._sums:

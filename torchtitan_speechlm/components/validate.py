@@ -16,7 +16,7 @@ from torchtitan.tools.logging import logger
 
 from ..config import parse_datasets, parse_mix
 from ..data.loader import build_dataset, layout_from_config
-from ..data.stream import SpeechLMDataset, data_stats_keys
+from ..data.stream import SpeechLMDataset, Unit, data_stats_keys
 from .stats import StatsAccumulator
 
 
@@ -73,7 +73,10 @@ class SpeechLMValidator(BaseValidator):
         model.eval()
         for name in self.sets:
             acc = StatsAccumulator(self.stats_keys)
-            it, last, n = iter(self._dataset(name)), None, 0
+            ds = self._dataset(name)
+            # a rank whose share is exhausted (or empty) runs this all-padding, zero-weight batch
+            last = ds.collate(Unit(rows=[[]], t=8))
+            it, n = iter(ds), 0
             while max_steps < 0 or n < max_steps:
                 batch = next(it, None)
                 if not self._any_rank_has(batch is not None, device):
@@ -86,10 +89,12 @@ class SpeechLMValidator(BaseValidator):
                 inputs = {k: v.to(device) for k, v in inputs.items()}
                 if not real:
                     inputs["loss_weights"] = torch.zeros_like(inputs["loss_weights"])
+                    inputs["data_stats"] = torch.zeros_like(inputs["data_stats"])
                 with self.context(), self.amp:
                     out = model(inputs.pop("input"), **inputs)
-                if real:
-                    acc.add(out.stats)
+                # every rank adds (zeros for a stand-in batch) so all ranks hold the same keys
+                # and meet in the same all-reduce below
+                acc.add(out.stats, count_micro_batch=real)
             stats = acc.reduce(self._group())
             self.metrics_processor.logger.log({f"val/{name}/{k}": v for k, v in stats.items()}, step)
             logger.info(
