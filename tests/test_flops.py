@@ -1,6 +1,5 @@
 """MFU's numerator: the FLOPs per frame we report equal what the model really runs."""
 
-import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers import build_speechlm, save_tiny_backbone
@@ -26,4 +25,3 @@ def test_reported_flops_match_counted_matmul_flops(tmp_path):
     assert abs((reported - attention_formula) - matmul) / matmul < 0.01
     if attention:  # where the counter sees the attention kernel, it must agree too
         assert abs(attention - attention_formula) / attention_formula < 0.01
-    assert torch.isfinite(torch.tensor(reported))
