@@ -72,3 +72,15 @@ def test_every_config_key_is_documented():
     for cls in (SpeechLM, SpeechLMData):
         for f in fields(cls):
             assert f"| `{f.name}` |" in text, f"docs/config.md does not document {f.name}"
+
+
+def test_spec_registration_is_idempotent():
+    import importlib
+
+    import torchtitan_speechlm
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec("speechlm")
+    assert torchtitan_speechlm.register() is spec
+    importlib.reload(torchtitan_speechlm)  # importing again must not raise "already registered"
+    assert get_train_spec("speechlm") is spec

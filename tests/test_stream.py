@@ -247,3 +247,45 @@ def test_dialogue_template_loss_on_assistant_turns_and_length_from_index():
     n_audio = sum(len(t.tokens) for t in turns if t.modality == "audio")
     assert len(ex.frames) == builder.length("dialogue", n_text, n_audio, n_audio_turns=2,
                                             n_turns=5)
+
+
+def test_bucket_units_respect_the_token_budget():
+    ds = make(mode="bucket", rows=4, seq_len=256)
+    for batch, _ in take(ds, 10):
+        b, t = batch["input"].shape[:2]
+        assert b * t <= 4 * 256 and t % 8 == 0
+
+
+def test_mixture_follows_the_weights_and_is_seeded():
+    data = FakePrepared(n=100)
+    builder = TemplateBuilder(LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)))
+    sources = [Source("tts", "a", 3.0, data, np.arange(100)),
+               Source("asr", "b", 1.0, data, np.arange(100))]
+    ds = SpeechLMDataset(sources, builder, seq_len=512, rows_per_unit=4, max_tokens=2048,
+                         mode="pack", window=64, dp_rank=0, dp_world_size=1, seed=5,
+                         shuffle=True, infinite=True)
+    batches = take(ds, 40)
+    tts = sum(stat(ds, b, "task_tts") for b in batches)
+    asr = sum(stat(ds, b, "task_asr") for b in batches)
+    assert 0.68 < tts / (tts + asr) < 0.82  # weight 3:1 -> 0.75
+    again = SpeechLMDataset(sources, builder, seq_len=512, rows_per_unit=4, max_tokens=2048,
+                            mode="pack", window=64, dp_rank=0, dp_world_size=1, seed=5,
+                            shuffle=True, infinite=True)
+    assert [batch_hash(b[0]) for b in take(again, 40)] == [batch_hash(b[0]) for b in batches]
+
+
+def test_resume_refuses_another_vocabulary_or_mixture(tmp_path):
+    from torchtitan_speechlm.data.loader import record_vocab
+    from torchtitan_speechlm.model.vocab import VocabMismatchError
+
+    state = make().state_dict()
+    other = make()
+    other.layout = VocabLayout(text_size=TEXT + 1, num_streams=N_STREAMS, codebook_size=CODEBOOK)
+    with pytest.raises(VocabMismatchError, match="vocabulary layout"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="data mixture"):
+        make(tasks=("tts",)).load_state_dict(state)
+    record_vocab(str(tmp_path), LAYOUT)
+    record_vocab(str(tmp_path), LAYOUT)  # same layout: fine
+    with pytest.raises(VocabMismatchError, match="text_size"):
+        record_vocab(str(tmp_path), other.layout)
