@@ -77,8 +77,9 @@ def test_every_config_key_is_documented():
 def test_spec_registration_is_idempotent():
     import importlib
 
-    import torchtitan_speechlm
     from torchtitan.protocols.train_spec import get_train_spec
+
+    import torchtitan_speechlm
 
     spec = get_train_spec("speechlm")
     assert torchtitan_speechlm.register() is spec
