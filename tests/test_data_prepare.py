@@ -325,3 +325,15 @@ def test_espeak_corpus_prepares(assets, tmp_path):
         manifest, assets["codec"], assets["tok"], str(tmp_path / "ds"), progress=False
     )
     assert summary["num_items"] == 8 and summary["total_frames"] > 8 * 25
+
+
+def test_codec_hash_covers_the_weights(tmp_path):
+    """Same config, other weights: other codes, so it must be another codec identity."""
+    from torchtitan_speechlm.data.codec import load_codec
+    from torchtitan_speechlm.demo_assets import build_codec
+
+    a = load_codec(build_codec(str(tmp_path / "a"), seed=0))
+    b = load_codec(build_codec(str(tmp_path / "b"), seed=1))
+    c = load_codec(build_codec(str(tmp_path / "c"), seed=0))
+    assert a.config_hash != b.config_hash
+    assert a.config_hash == c.config_hash

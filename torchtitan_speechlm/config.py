@@ -202,12 +202,6 @@ def read_dataset_metadata(path: str) -> dict:
     return json.loads(meta.read_text())
 
 
-def codec_layout(meta: dict) -> tuple:
-    c = meta["codec"]
-    return (c["name"], int(c["num_streams"]), int(c["codebook_size"]), c.get("config_hash"),
-            float(c["frame_rate"]))
-
-
 # ---------------------------------------------------------------------------------------------
 # Resolution and validation
 # ---------------------------------------------------------------------------------------------
@@ -230,15 +224,18 @@ def validate_job_config(job_config) -> None:
     if not train:
         raise ConfigError("speechlm_data.train is empty: list at least one TASK:NAME entry")
     metas = dataset_metadata(job_config)
-    layouts = {name: codec_layout(m) for name, m in metas.items()}
-    first = next(iter(layouts))
-    for name, lay in layouts.items():
-        if lay != layouts[first]:
+    from .data.prepared import check_compatible
+
+    first = next(iter(metas))
+    for name, meta in metas.items():
+        try:
+            check_compatible(metas[first], meta)
+        except ValueError as e:
             raise ConfigError(
-                f"datasets {first!r} and {name!r} were prepared with different codec layouts "
-                f"({layouts[first]} vs {lay}); prepare all of them with the same codec."
-            )
-    n_streams = layouts[first][1]
+                f"datasets {first!r} and {name!r} cannot be mixed: {e}; prepare all of them "
+                "with the same codec (and --num-streams) and tokenizer."
+            ) from None
+    n_streams = int(metas[first]["codec"]["num_streams"])
     if sl.stream_weights and len(sl.stream_weights) != n_streams:
         raise ConfigError(
             f"speechlm.stream_weights has {len(sl.stream_weights)} values but the codec has "

@@ -41,11 +41,20 @@ class CodecError(ValueError):
     """The codec directory holds a model this wrapper cannot use; the message says why."""
 
 
-def config_hash(config: dict) -> str:
-    """sha256 (first 16 hex chars) of the canonical JSON of a model config dict."""
+def config_hash(config: dict, weights_dir: str | None = None) -> str:
+    """sha256 (first 16 hex chars) of the canonical JSON of a model config dict and, given
+    ``weights_dir``, of its weight files' bytes: two random-init codecs with the same config but
+    other weights make different codes, and must not count as the same codec."""
     clean = {k: v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS}
     blob = json.dumps(clean, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    h = hashlib.sha256(blob.encode())
+    if weights_dir is not None:
+        for name in sorted(os.listdir(weights_dir)):
+            if name.endswith((".safetensors", ".bin", ".pt")):
+                with open(os.path.join(weights_dir, name), "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 22), b""):
+                        h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -147,7 +156,7 @@ def load_codec(path: str, device: str = "cpu", num_streams: int | None = None):
         raw_config = json.load(f)
     name = raw_config.get("model_type")
     if name == KMEANS_MODEL_TYPE:
-        codec = load_kmeans_codec(path, raw_config, config_hash(raw_config), device)
+        codec = load_kmeans_codec(path, raw_config, config_hash(raw_config, path), device)
         return _keep_streams(codec, num_streams, path)
     if name not in SUPPORTED_CODECS:
         raise CodecError(
@@ -186,7 +195,7 @@ def load_codec(path: str, device: str = "cpu", num_streams: int | None = None):
         frame_rate=cfg.sampling_rate / samples_per_frame,
         num_streams=int(total),
         codebook_size=int(cfg.codebook_size),
-        config_hash=config_hash(raw_config),
+        config_hash=config_hash(raw_config, path),
         samples_per_frame=int(samples_per_frame),
         bandwidth=bandwidth,
     )

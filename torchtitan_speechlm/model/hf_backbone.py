@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -101,13 +100,6 @@ class SafetensorsReader:
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt")
         return self._handles[f].get_tensor(name)
-
-    @contextmanager
-    def opened(self):
-        try:
-            yield self
-        finally:
-            self._handles.clear()
 
 
 class PretrainedWeights:

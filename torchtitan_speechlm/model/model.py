@@ -283,9 +283,6 @@ class SpeechLM(ModelProtocol):
                     _load_pretrained(name, full, reader, text, args.tie_embeddings)
                 _assign(param, full)
 
-    def vocab_layout(self):
-        return self.args.layout
-
 
 def _random_init(name: str, param: torch.Tensor, std: float, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
