@@ -138,3 +138,26 @@ def test_validation_set_smaller_than_the_ranks(assets, tmp_path):
     val = [m for m in read_metrics(dump) if "val/asr_one/loss" in m]
     assert [m["step"] for m in val] == [1, 2]  # torchtitan validates at step 1 and every freq
     assert all(m["val/asr_one/data/examples"] == 1.0 for m in val)
+
+
+def test_moe_backbone_trains_under_fsdp_with_load_balance_loss(assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    from torchtitan_speechlm.demo_assets import build_backbone
+
+    vocab = len(AutoTokenizer.from_pretrained(assets["tokenizer"]))
+    moe = build_backbone(str(tmp_path / "moe"), family="qwen3_moe", vocab_size=vocab,
+                         hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         intermediate_size=64)
+    dump = tmp_path / "run"
+    cfg = write_tiny_config(tmp_path / "c.toml", dict(assets, backbone=moe), dump)
+    r = run_train(cfg, "--training.steps", "2", "--speechlm.load_balance_weight", "0.01",
+                  "--checkpoint.enable", "false", "--validation.enable", "false", nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for m in read_metrics(dump):
+        # Switch aux loss E * sum_e f_e P_e is ~top_k (2) for a near-uniform router at init
+        assert 1.5 < m["train/router_aux_loss"] < 3.0
+        assert m["train/load_balance_loss"] == pytest.approx(0.01 * m["train/router_aux_loss"],
+                                                              rel=1e-6)
+        assert m["train/loss"] == pytest.approx(
+            m["train/ce_loss"] + m["train/z_loss"] + m["train/load_balance_loss"], rel=1e-6)
