@@ -27,12 +27,17 @@ Two more, not about CPUs:
 
 6. ``torchtitan/train.py::Trainer.train_step`` accumulates micro-batch gradients without
    telling DDP (``replicate``) which backward is the last, so every backward all-reduces the
-   *accumulated* ``.grad``; with SUM reduction (see parallelize.sum_gradients_in_ddp) earlier
+   *accumulated* ``.grad``; with SUM reduction (fix 7, ``sum_gradients_in_ddp``) earlier
    micro-batches are then counted once per rank (a wrong gradient with
    DDP + ``global_batch_size`` > local x dp). -> ``sync_gradients_on_last_microbatch`` toggles
    gradient sync from a forward pre-hook that counts training micro-batches; for HSDP it also
    defers FSDP2's replica all-reduce to the last micro-batch (less traffic, same result).
    (patches/0006-ddp-grad-accumulation-sync.diff)
+
+7. ``torchtitan/models/llama3/infra/parallelize.py::apply_ddp`` keeps DDP's default *mean*
+   all-reduce, but the train step backpropagates ``local loss sum / global loss count``, so DDP
+   gradients (and grad_norm, clipping) are 1/world_size too small (proposed upstream fix: pytorch/torchtitan PR #2323).
+   -> ``sum_gradients_in_ddp`` registers a SUM comm hook. (patches/0007-ddp-sum-gradients.diff)
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from collections import namedtuple
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 
 def accelerator_available() -> bool:
@@ -188,3 +194,31 @@ def sync_gradients_on_last_microbatch(model: torch.nn.Module, accumulation_steps
             module.set_requires_all_reduce(last, recurse=True)
 
     model.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
+
+
+def _allreduce_sum_hook(group, bucket):
+    return (
+        dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+        .get_future()
+        .then(lambda fut: fut.value()[0])
+    )
+
+
+def sum_gradients_in_ddp(model: torch.nn.Module, group) -> None:
+    """Make DDP all-reduce gradients with SUM instead of its default mean.
+
+    torchtitan's train step backpropagates ``local loss sum / global loss count`` on every rank,
+    so the true gradient is the *sum* of the ranks' gradients (that is why torchtitan sets FSDP's
+    gradient divide factor to 1). DDP's default hook divides by the world size, which left the
+    DDP gradients (and ``grad_norm``, and max_norm clipping) 1/world_size too small; Adam hid it
+    in the loss curve. torchtitan 0.2.2's llama3 ``apply_ddp`` has the same issue (upstream
+    PR pytorch/torchtitan#2323 proposed the same hook; patches/0007-ddp-sum-gradients.diff).
+
+    DDP accepts one comm hook only, so if ``apply_ddp`` already registered one (a torchtitan with
+    the upstream fix), this does nothing.
+    """
+    from torch.distributed._composable.replicate import replicate
+
+    if getattr(replicate.state(model), "_comm_hook_args", None):
+        return
+    model.register_comm_hook(group, _allreduce_sum_hook)

@@ -11,7 +11,7 @@ SpeechLM's modules:
 
 DDP (replicate only) is torchtitan's ``apply_ddp`` plus a SUM all-reduce comm hook: torchtitan's
 loss is already ``local loss sum / global loss count``, so gradients must be summed over ranks,
-not averaged (see ``sum_gradients_in_ddp``). FSDP/HSDP get the same behaviour from
+not averaged (``compat.sum_gradients_in_ddp``, fix 7). FSDP/HSDP get the same behaviour from
 ``disable_fsdp_gradient_division``.
 
 Tensor, context and pipeline parallelism are not supported yet: asking for them is an error.
@@ -20,7 +20,6 @@ Tensor, context and pipeline parallelism are not supported yet: asking for them 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -33,7 +32,11 @@ from torchtitan.models.llama3.infra.parallelize import (
 )
 from torchtitan.tools.logging import logger
 
-from ..compat import force_sum_reduction_on_cpu, sync_gradients_on_last_microbatch
+from ..compat import (
+    force_sum_reduction_on_cpu,
+    sum_gradients_in_ddp,
+    sync_gradients_on_last_microbatch,
+)
 
 
 def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
@@ -92,34 +95,6 @@ def accumulation_steps(job_config, parallel_dims: ParallelDims) -> int:
     local = job_config.training.local_batch_size
     global_batch = job_config.training.global_batch_size
     return max(1, global_batch // (local * batch)) if global_batch > 0 else 1
-
-
-def _allreduce_sum_hook(group, bucket):
-    return (
-        dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-        .get_future()
-        .then(lambda fut: fut.value()[0])
-    )
-
-
-def sum_gradients_in_ddp(model: nn.Module, group) -> None:
-    """Make DDP all-reduce gradients with SUM instead of its default mean.
-
-    torchtitan's train step backpropagates ``local loss sum / global loss count`` on every rank,
-    so the true gradient is the *sum* of the ranks' gradients (that is why torchtitan sets FSDP's
-    gradient divide factor to 1). DDP's default hook divides by the world size, which left the
-    DDP gradients (and ``grad_norm``, and max_norm clipping) 1/world_size too small; Adam hid it
-    in the loss curve. torchtitan 0.2.2's llama3 ``apply_ddp`` has the same issue (upstream
-    issue pytorch/torchtitan#2318; patches/0007-ddp-sum-gradients.diff).
-
-    DDP accepts one comm hook only, so if ``apply_ddp`` already registered one (a torchtitan with
-    the upstream fix), this does nothing.
-    """
-    from torch.distributed._composable.replicate import replicate
-
-    if getattr(replicate.state(model), "_comm_hook_args", None):
-        return
-    model.register_comm_hook(group, _allreduce_sum_hook)
 
 
 def apply_freeze(model: nn.Module, prefixes: list[str]) -> None:
