@@ -153,9 +153,14 @@ def train_command(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         print("usage: torchtitan train --job.config_file FILE.toml [--nproc-per-node N] "
               "[--section.key value ...]\n")
-        from .train import run_worker
+        import torchtitan_speechlm  # noqa: F401
+        from torchtitan.config import ConfigManager
 
-        return run_worker(["--help"])
+        try:  # torchtitan's own option list, with our [speechlm] sections merged in
+            ConfigManager().parse_args(with_config_module(["--help"]))
+        except SystemExit:
+            pass
+        return 0
     nproc, args = _split_launcher_args(args)
     args = normalise_bool_flags(with_config_module(args))
     from .config import ConfigError
