@@ -153,8 +153,7 @@ def train_command(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         print("usage: torchtitan train --job.config_file FILE.toml [--nproc-per-node N] "
               "[--section.key value ...]\n")
-        import torchtitan_speechlm  # noqa: F401
-        from torchtitan.config import ConfigManager
+        from torchtitan.config import ConfigManager  # the package already chose the device
 
         try:  # torchtitan's own option list, with our [speechlm] sections merged in
             ConfigManager().parse_args(with_config_module(["--help"]))
