@@ -42,6 +42,7 @@ Two more, not about CPUs:
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from collections import namedtuple
@@ -170,6 +171,14 @@ def run_torchtitan_main(args: list[str]) -> None:
         main(Trainer)
     finally:
         ConfigManager.parse_args.__defaults__ = original
+    if not accelerator_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Fix 8: after a finished multi-process gloo run, interpreter teardown occasionally
+        # aborted a rank ("terminate called without an active exception": a gloo thread still
+        # joinable when its C++ owner is destroyed), turning a completed run into a failure.
+        # Everything is saved and the process group is destroyed by now: leave without teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def sync_gradients_on_last_microbatch(model: torch.nn.Module, accumulation_steps: int,
