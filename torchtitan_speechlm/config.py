@@ -270,38 +270,43 @@ def validate_job_config(job_config) -> None:
         raise ConfigError("speechlm_data.window must be >= 1")
 
 
-def resolve_model_args(args, job_config) -> None:
-    """Fill SpeechLMModelArgs from [speechlm], the backbone config and the datasets' codec."""
+def layout_from_config(job_config):
+    """The run's VocabLayout: text rows from the backbone, streams/codebook from the datasets."""
     from .model.hf_backbone import load_hf_config
     from .model.vocab import VocabLayout
 
-    validate_job_config(job_config)
-    sl = job_config.speechlm
-    hf = load_hf_config(sl.backbone)
+    hf = load_hf_config(job_config.speechlm.backbone)
     meta = next(iter(dataset_metadata(job_config).values()))
-    layout = VocabLayout(
+    return VocabLayout(
         text_size=int(hf.vocab_size),
         num_streams=int(meta["codec"]["num_streams"]),
         codebook_size=int(meta["codec"]["codebook_size"]),
     )
-    args.backbone = sl.backbone
+
+
+def resolve_model_args(args, job_config) -> None:
+    """Fill SpeechLMModelArgs from [speechlm], the backbone config and the datasets' codec.
+
+    Keys with the same name in [speechlm] and the model args are copied as they are; only the
+    derived ones (vocabulary, tie, normalised stream weights) are computed here."""
+    from .model.hf_backbone import load_hf_config
+
+    validate_job_config(job_config)
+    sl = job_config.speechlm
+    hf = load_hf_config(sl.backbone)
+    layout = layout_from_config(job_config)
+    for f in fields(SpeechLM):
+        if f.name in {g.name for g in fields(args)}:
+            setattr(args, f.name, getattr(sl, f.name))
     args.hf_config = hf.to_dict()
     args.vocab = layout.to_dict()
-    args.pattern = sl.pattern
     args.tie_embeddings = (
         bool(getattr(hf, "tie_word_embeddings", False))
         if sl.tie_embeddings == "auto"
         else sl.tie_embeddings == "true"
     )
     args.load_weights = sl.load_backbone_weights
-    args.attn_implementation = sl.attn_implementation
-    args.init_seed = sl.init_seed
-    args.text_weight = sl.text_weight
-    args.audio_weight = sl.audio_weight
     args.stream_weights = normalised_stream_weights(sl.stream_weights, layout.num_streams)
-    args.z_loss_weight = sl.z_loss_weight
-    args.load_balance_weight = sl.load_balance_weight
-    args.loss_chunk_size = sl.loss_chunk_size
 
 
 def normalised_stream_weights(weights: list[float], n: int) -> list[float]:

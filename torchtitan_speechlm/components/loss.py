@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data.loader import layout_from_config
+from ..config import layout_from_config
 from ..data.stream import data_stats_keys
 from ..model.model import SpeechLMOutput
 from .stats import StatsAccumulator

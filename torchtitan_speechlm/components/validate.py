@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
-from ..config import parse_datasets, parse_mix
-from ..data.loader import build_dataset, layout_from_config
+from ..config import layout_from_config, parse_datasets, parse_mix
+from ..data.loader import build_dataset
 from ..data.stream import SpeechLMDataset, Unit, data_stats_keys
 from .stats import StatsAccumulator
 

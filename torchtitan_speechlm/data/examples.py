@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import TASKS
 from ..model.patterns import extra_frames, interleave
 from ..model.vocab import VocabLayout
 
-TASKS = ("tts", "asr", "continuation", "text", "dialogue")
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 MODALITY_TOKENS = {"text": "<|text|>", "audio": "<|audio|>"}
 

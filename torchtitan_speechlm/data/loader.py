@@ -10,6 +10,7 @@ The stream itself (mixing, packing/bucketing, exact resume) is in ``stream.py``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ from torchtitan.tools.logging import logger
 
 from ..config import (
     MixEntry,
-    dataset_metadata,
+    layout_from_config,
     normalised_stream_weights,
     parse_datasets,
     parse_mix,
@@ -104,18 +105,6 @@ def build_template_builder(job_config, layout: VocabLayout) -> TemplateBuilder:
     )
 
 
-def layout_from_config(job_config) -> VocabLayout:
-    from ..model.hf_backbone import load_hf_config
-
-    hf = load_hf_config(job_config.speechlm.backbone)
-    meta = next(iter(dataset_metadata(job_config).values()))
-    return VocabLayout(
-        text_size=int(hf.vocab_size),
-        num_streams=int(meta["codec"]["num_streams"]),
-        codebook_size=int(meta["codec"]["codebook_size"]),
-    )
-
-
 def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
     """Store the layout with the run (``{dump_folder}/vocab.json``); refuse a different one.
 
@@ -131,15 +120,21 @@ def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
         os.replace(f"{path}.tmp", path)
 
 
-def build_sources(job_config, entries: list[MixEntry], split: str) -> list[Source]:
+@functools.lru_cache(maxsize=64)
+def open_prepared(path: str):
+    """A prepared dataset is immutable once written, so each process opens (and validates) it
+    once, not once per mixture entry or validation round."""
     from .prepared import PreparedDataset
 
+    return PreparedDataset(path)
+
+
+def build_sources(job_config, entries: list[MixEntry], split: str) -> list[Source]:
     paths = parse_datasets(job_config.speechlm_data.datasets)
     frac = job_config.speechlm_data.valid_fraction
-    cache: dict[str, PreparedDataset] = {}
     sources = []
     for e in entries:
-        data = cache.setdefault(e.dataset, PreparedDataset(paths[e.dataset]))
+        data = open_prepared(os.path.abspath(paths[e.dataset]))
         sources.append(Source(e.task, e.dataset, e.weight, data,
                               split_indices(data.ids, frac, split)))
     return sources
