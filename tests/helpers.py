@@ -177,3 +177,63 @@ def read_metrics(dump) -> list[dict]:
 
     with open(os.path.join(str(dump), "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def make_varied_kaldi_assets(root, n_utts=40, seed=0) -> dict:
+    """A corpus unlike the demo's: espeak-ng speech of 1 to 3 sentences (0.4-6 s, texts of 1
+    to 40 words), in a Kaldi data dir where some utterances are segments of longer recordings,
+    prepared through the real Kaldi reader; a tiny *Llama* backbone."""
+    import os
+    import random
+    import subprocess
+
+    import numpy as np
+    import soundfile as sf
+    from transformers import AutoTokenizer
+
+    from torchtitan_speechlm.data.audio import load_audio
+    from torchtitan_speechlm.data.prepare import prepare_dataset
+    from torchtitan_speechlm.demo_assets import (
+        build_backbone,
+        build_codec,
+        build_tokenizer,
+        load_sentences,
+    )
+
+    root = str(root)
+    paths = {k: os.path.join(root, k) for k in ("tokenizer", "codec", "backbone", "prepared")}
+    sentences = load_sentences()
+    build_tokenizer(paths["tokenizer"], sentences)
+    build_codec(paths["codec"], seed=seed)
+    vocab = len(AutoTokenizer.from_pretrained(paths["tokenizer"]))
+    build_backbone(paths["backbone"], family="llama", vocab_size=vocab, hidden_size=32,
+                   num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, seed=seed)
+    rng = random.Random(seed)
+    kaldi, wavs = os.path.join(root, "kaldi"), os.path.join(root, "kaldi_wavs")
+    os.makedirs(kaldi, exist_ok=True)
+    os.makedirs(wavs, exist_ok=True)
+    scp, text, segments = [], [], []
+    for i in range(n_utts):
+        words = " ".join(rng.sample(sentences, rng.choice((1, 1, 2, 3)))).split()
+        words = words[: rng.choice((1, 2, 4, 8, 16, 40))]
+        path = os.path.join(wavs, f"r{i:03d}.wav")
+        subprocess.run(["espeak-ng", "-w", path, "-s", str(rng.choice((140, 175, 210))),
+                        " ".join(words)], check=True, capture_output=True)
+        wav = load_audio(path, 16000)
+        sf.write(path, (0.9 * wav / (np.abs(wav).max() or 1.0)).astype(np.float32), 16000)
+        scp.append(f"r{i:03d} {path}")
+        if i % 4 == 3 and len(words) >= 4:  # two segments of one recording
+            half = len(wav) / 16000 / 2
+            segments += [f"r{i:03d}-a r{i:03d} 0.00 {half:.2f}",
+                         f"r{i:03d}-b r{i:03d} {half:.2f} -1"]
+            cut = len(words) // 2
+            text += [f"r{i:03d}-a {' '.join(words[:cut])}", f"r{i:03d}-b {' '.join(words[cut:])}"]
+        else:
+            segments.append(f"r{i:03d} r{i:03d} 0.00 -1")
+            text.append(f"r{i:03d} {' '.join(words)}")
+    for name, lines in (("wav.scp", scp), ("text", text), ("segments", segments)):
+        with open(os.path.join(kaldi, name), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    prepare_dataset(None, paths["codec"], paths["tokenizer"], paths["prepared"], kaldi=kaldi,
+                    progress=False)
+    return paths

@@ -1,13 +1,14 @@
 """The data stream: packing, document boundaries, rank invariance, exact resume, bad samples."""
 
+import pickle
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan_speechlm.data.examples import LossWeights, TemplateBuilder
+from torchtitan_speechlm.data.loader import SpeechLMDataLoader
 from torchtitan_speechlm.data.stream import Source, SpeechLMDataset, batch_hash
 from torchtitan_speechlm.model.vocab import VocabLayout
 
@@ -48,15 +49,16 @@ class FakePrepared:
 
 
 def make(world=1, rank=0, rows=4, seq_len=256, mode="pack", infinite=True, data=None,
-         cfg=0.0, window=32, loss_region="assistant", tasks=("tts", "asr")):
+         cfg=0.0, window=32, loss_region="assistant", tasks=("tts", "asr"), accum=1,
+         max_tokens=0):
     data = data or FakePrepared()
     sources = [Source(t, "fake", 1.0, data, np.arange(len(data))) for t in tasks]
     builder = TemplateBuilder(LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)),
                               loss_region=loss_region)
-    return SpeechLMDataset(sources, builder, seq_len=seq_len, rows_per_unit=rows,
-                           max_tokens=rows * seq_len, mode=mode, window=window, dp_rank=rank,
-                           dp_world_size=world, seed=3, shuffle=infinite, infinite=infinite,
-                           cfg_dropout=cfg)
+    return SpeechLMDataset(sources, builder, seq_len=seq_len, local_batch_size=rows,
+                           max_tokens=max_tokens, mode=mode, window=window, dp_rank=rank,
+                           dp_world_size=world, accumulation=accum, seed=3, shuffle=infinite,
+                           infinite=infinite, cfg_dropout=cfg)
 
 
 def take(ds, n):
@@ -131,7 +133,7 @@ def test_resume_yields_the_same_micro_batches():
 
 def test_resume_with_loader_workers():
     def loader(ds):
-        return StatefulDataLoader(ds, batch_size=None, num_workers=2)
+        return SpeechLMDataLoader(ds, dp_rank=0, dp_world_size=1, batch_size=None, num_workers=2)
 
     full = [batch_hash(b[0]) for _, b in zip(range(10), loader(make()), strict=False)]
     dl = loader(make())
@@ -261,16 +263,16 @@ def test_mixture_follows_the_weights_and_is_seeded():
     builder = TemplateBuilder(LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)))
     sources = [Source("tts", "a", 3.0, data, np.arange(100)),
                Source("asr", "b", 1.0, data, np.arange(100))]
-    ds = SpeechLMDataset(sources, builder, seq_len=512, rows_per_unit=4, max_tokens=2048,
-                         mode="pack", window=64, dp_rank=0, dp_world_size=1, seed=5,
-                         shuffle=True, infinite=True)
+    ds = SpeechLMDataset(sources, builder, seq_len=512, local_batch_size=4, mode="pack",
+                         window=64, dp_rank=0, dp_world_size=1, seed=5, shuffle=True,
+                         infinite=True)
     batches = take(ds, 40)
     tts = sum(stat(ds, b, "task_tts") for b in batches)
     asr = sum(stat(ds, b, "task_asr") for b in batches)
     assert 0.68 < tts / (tts + asr) < 0.82  # weight 3:1 -> 0.75
-    again = SpeechLMDataset(sources, builder, seq_len=512, rows_per_unit=4, max_tokens=2048,
-                            mode="pack", window=64, dp_rank=0, dp_world_size=1, seed=5,
-                            shuffle=True, infinite=True)
+    again = SpeechLMDataset(sources, builder, seq_len=512, local_batch_size=4, mode="pack",
+                            window=64, dp_rank=0, dp_world_size=1, seed=5, shuffle=True,
+                            infinite=True)
     assert [batch_hash(b[0]) for b in take(again, 40)] == [batch_hash(b[0]) for b in batches]
 
 
@@ -289,3 +291,57 @@ def test_resume_refuses_another_vocabulary_or_mixture(tmp_path):
     record_vocab(str(tmp_path), LAYOUT)  # same layout: fine
     with pytest.raises(VocabMismatchError, match="text_size"):
         record_vocab(str(tmp_path), other.layout)
+
+
+# ---- one stream for every layout ----------------------------------------------------------------
+def layout_steps(world, accum, mode, n_steps, *, workers=0, max_tokens=0, state=None,
+                 data=None):
+    """Run ``world`` ranks x ``accum`` micro-batches per step for ``n_steps`` steps (each rank
+    through the real loader, with ``workers`` loader workers); return, per step, the sorted
+    content hashes of every sample trained on, and every rank's final loader state."""
+    data = data or FakePrepared(n=300, seed=11)
+    per_rank, states = [], []
+    for r in range(world):
+        ds = make(world=world, rank=r, rows=2, accum=accum, mode=mode, seq_len=256, window=48,
+                  data=data, max_tokens=max_tokens)
+        dl = SpeechLMDataLoader(ds, dp_rank=r, dp_world_size=world, batch_size=None,
+                                num_workers=workers, sample_hashes=True)
+        if state is not None:
+            dl.load_state_dict(state)
+        it, mine = iter(dl), []
+        for _ in range(n_steps * accum):
+            batch = next(it)
+            assert len(dl.last_samples) == stat(ds, batch, "examples")
+            mine.append(dl.last_samples)
+        per_rank.append(mine)
+        states.append(dl.state_dict())
+        del it
+    steps = []
+    for s in range(n_steps):
+        step = [h for r in range(world) for m in range(accum)
+                for h in per_rank[r][s * accum + m]]
+        steps.append(sorted(step))
+    return steps, states
+
+
+@pytest.mark.parametrize("mode,max_tokens", [("pack", 0), ("bucket", 0), ("bucket", 1200)])
+def test_every_layout_trains_on_the_same_samples_per_step(mode, max_tokens):
+    """1 x 4, 2 x 2 and 4 x 1 (ranks x accumulation), same global batch: the same multiset of
+    samples in every optimizer step, on a corpus of varied lengths, with loader workers."""
+    ref, _ = layout_steps(1, 4, mode, 6, max_tokens=max_tokens)
+    assert all(len(s) >= 4 for s in ref) and len({tuple(s) for s in ref}) == 6
+    for world, accum, workers in ((2, 2, 0), (4, 1, 0), (2, 2, 2)):
+        got, _ = layout_steps(world, accum, mode, 6, workers=workers, max_tokens=max_tokens)
+        assert got == ref, (world, accum, workers)
+
+
+@pytest.mark.parametrize("mode", ["pack", "bucket"])
+@pytest.mark.parametrize("new_world", [1, 4])
+def test_resume_on_another_dp_degree_continues_with_the_next_samples(mode, new_world):
+    """Stop a 2-rank run after 3 steps, resume on 1 or 4 ranks (same global batch): the next
+    steps hold exactly the samples the 2-rank run would have trained on."""
+    full, _ = layout_steps(2, 2, mode, 6)
+    _, states = layout_steps(2, 2, mode, 3)
+    assert len({pickle.dumps(s) for s in states}) == 1  # the same state on every rank
+    resumed, _ = layout_steps(new_world, 4 // new_world, mode, 3, state=states[0])
+    assert resumed == full[3:]

@@ -67,9 +67,13 @@ class SpeechLMData:
     """pack: several samples per row of training.seq_len frames (document-masked);
     bucket: one sample per row, length-sorted within a window, padded to the longest."""
     max_tokens: int = 0
-    """Frames (rows x padded length) per rank per micro-batch; 0 = local_batch_size x seq_len."""
+    """bucket only: frames (rows x padded length) per rank per micro-batch; 0 =
+    local_batch_size x seq_len. With pack a micro-batch is local_batch_size rows of seq_len."""
     window: int = 256
     """Items drawn per packing/bucketing window (larger: less padding, same determinism)."""
+    max_too_long_fraction: float = 0.25
+    """Stop before the first step if more than this fraction of a training entry's samples
+    are longer than training.seq_len (they would be skipped); 1.0 = only if none fits."""
     loss_region: Literal["assistant", "all"] = "assistant"
     """Which turns carry loss: assistant turns only, or every frame after <bos>."""
     cfg_dropout: float = 0.0
@@ -80,9 +84,20 @@ class SpeechLMData:
 
 
 @dataclass
+class Checkpoint:
+    """Overrides of torchtitan's [checkpoint] defaults (merged into its section)."""
+
+    last_save_model_only: bool = False
+    """Save only the weights at the last step (torchtitan's default is true). A full last save
+    lets a rerun with a larger training.steps continue exactly; set true for a smaller final
+    checkpoint (a rerun then resumes from the newest full checkpoint before it)."""
+
+
+@dataclass
 class JobConfig:
     speechlm: SpeechLM = field(default_factory=SpeechLM)
     speechlm_data: SpeechLMData = field(default_factory=SpeechLMData)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
 class ConfigError(ValueError):
@@ -259,6 +274,14 @@ def validate_job_config(job_config) -> None:
             )
     if job_config.training.seq_len < 8:
         raise ConfigError("training.seq_len (frames per row) must be >= 8")
+    if data.max_tokens and data.batching == "pack":
+        raise ConfigError(
+            f"speechlm_data.max_tokens = {data.max_tokens} applies to batching = \"bucket\" only; "
+            "with \"pack\" a micro-batch is training.local_batch_size rows of training.seq_len "
+            "frames: set training.local_batch_size instead and remove max_tokens"
+        )
+    if not 0.0 <= data.max_too_long_fraction <= 1.0:
+        raise ConfigError("speechlm_data.max_too_long_fraction must be in [0, 1]")
     if data.max_tokens and data.max_tokens < job_config.training.seq_len:
         raise ConfigError(
             f"speechlm_data.max_tokens = {data.max_tokens} is below training.seq_len = "

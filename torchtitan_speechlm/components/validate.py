@@ -20,15 +20,34 @@ from ..data.stream import SpeechLMDataset, Unit, data_stats_keys
 from .stats import StatsAccumulator
 
 
-def validation_sets(job_config) -> dict[str, list]:
-    """{set name: [MixEntry]}: explicit `valid` entries, else the held-out part of `train`."""
+def validation_sets(job_config) -> dict[str, tuple[list, str]]:
+    """{set name: ([MixEntry], split)}, split being which items of the dataset are validated.
+
+    Explicit ``valid`` entries: a dataset that training also uses is validated on its held-out
+    part when ``valid_fraction`` > 0 (never on items training sees); with no hold-out it is
+    validated on all its items, with a warning. A dataset training does not use: all items.
+    No ``valid`` entries: every training entry on its held-out part."""
     data = job_config.speechlm_data
     names = parse_datasets(data.datasets)
-    if data.valid:
-        return {f"{e.task}_{e.dataset}": [e] for e in parse_mix(data.valid, "valid", names)}
-    if data.valid_fraction > 0:
-        return {f"{e.task}_{e.dataset}_heldout": [e] for e in parse_mix(data.train, "train", names)}
-    return {}
+    train = parse_mix(data.train, "train", names)
+    if not data.valid:
+        if data.valid_fraction > 0:
+            return {f"{e.task}_{e.dataset}_heldout": ([e], "valid") for e in train}
+        return {}
+    trained = {e.dataset for e in train}
+    sets = {}
+    for e in parse_mix(data.valid, "valid", names):
+        split = "all"
+        if e.dataset in trained:
+            if data.valid_fraction > 0:
+                split = "valid"
+            else:
+                logger.warning(
+                    f"validation set {e.task}:{e.dataset} is also training data (valid_fraction "
+                    "= 0): its numbers measure fit, not generalisation; set "
+                    "speechlm_data.valid_fraction > 0 to validate on held-out items")
+        sets[f"{e.task}_{e.dataset}"] = ([e], split)
+    return sets
 
 
 class SpeechLMValidator(BaseValidator):
@@ -47,11 +66,11 @@ class SpeechLMValidator(BaseValidator):
                 "validation.enable = true but there is nothing to validate on: set "
                 "speechlm_data.valid (TASK:NAME entries) or speechlm_data.valid_fraction > 0"
             )
-        self._split = "train" if job_config.speechlm_data.valid else "valid"
 
     def _dataset(self, name: str) -> SpeechLMDataset:
         """A fresh iterator each round: the same batches in the same order every time."""
-        return build_dataset(self.job_config, self.sets[name], self._split, dp_rank=self.dp_rank,
+        entries, split = self.sets[name]
+        return build_dataset(self.job_config, entries, split, dp_rank=self.dp_rank,
                              dp_world_size=self.dp_world_size, training=False)
 
     def _group(self):

@@ -17,7 +17,6 @@ import os
 import pickle
 
 import numpy as np
-from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
@@ -30,38 +29,53 @@ from ..config import (
 )
 from ..model.vocab import VocabLayout
 from .examples import LossWeights, TemplateBuilder
-from .stream import Source, SpeechLMDataset, batch_hash
+from .stream import META_KEY, Source, SpeechLMDataset, batch_hash
 
 
 class SpeechLMDataLoader(ParallelAwareDataloader):
     """torchtitan's ParallelAwareDataloader over ready-made micro-batches (batch_size=None).
 
-    Our stream state is global (identical on every rank), so it is saved under one rank-free key
-    instead of the parent's ``dp_rank_{r}``. That makes a resume under a different
-    data-parallel degree possible: every rank reads the same state and the stream continues.
+    The stream position travels with each batch (``META_KEY``, also through loader workers) and
+    is taken off here, so the saved state is exactly "after the last micro-batch the trainer
+    consumed", whatever the workers prefetched. It is global (identical on every rank at a step
+    boundary) and saved under one rank-free key instead of the parent's ``dp_rank_{r}``: a
+    resume on another data-parallel degree reads the same state and continues the stream.
+    torchdata's own per-worker snapshots are not used.
     """
 
     STATE_KEY = "speechlm_stream"
 
-    def __init__(self, dataset, *, hash_log: str | None = None, **kwargs):
+    def __init__(self, dataset, *, hash_log: str | None = None, sample_hashes: bool = False,
+                 **kwargs):
+        # our state comes with the batches; torchdata need not snapshot the workers
+        kwargs.setdefault("snapshot_every_n_steps", 1 << 30)
         super().__init__(dataset, **kwargs)
         self.hash_log = hash_log
+        dataset.emit_meta = True
+        dataset.sample_hashes = bool(hash_log) or sample_hashes
+        self.last_samples: list[str] | None = None  # content hashes of the last batch's samples
+        self._position = dataset.state_dict()
 
     def __iter__(self):
-        if not self.hash_log:
-            yield from super().__iter__()
-            return
-        os.makedirs(os.path.dirname(self.hash_log), exist_ok=True)
-        with open(self.hash_log, "a", buffering=1) as f:
+        log = None
+        if self.hash_log:
+            os.makedirs(os.path.dirname(self.hash_log), exist_ok=True)
+            log = open(self.hash_log, "a", buffering=1)
+        try:
             for batch in super().__iter__():
-                f.write(json.dumps({"hash": batch_hash(batch[0])}) + "\n")
+                meta = pickle.loads(batch[0].pop(META_KEY))
+                self._position = dict(self._position, position=meta["position"])
+                self.last_samples = meta["samples"]
+                if log is not None:
+                    log.write(json.dumps({"hash": batch_hash(batch[0]),
+                                          "samples": meta["samples"]}) + "\n")
                 yield batch
+        finally:
+            if log is not None:
+                log.close()
 
     def state_dict(self) -> dict:
-        return {
-            self.STATE_KEY: pickle.dumps(StatefulDataLoader.state_dict(self)),
-            "world_size": self.dp_world_size,
-        }
+        return {self.STATE_KEY: pickle.dumps(self._position), "world_size": self.dp_world_size}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not state_dict:
@@ -76,7 +90,9 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
                 f"Resuming the data stream saved with {state_dict.get('world_size')} "
                 f"data-parallel ranks on {self.dp_world_size} ranks (the stream is global)"
             )
-        StatefulDataLoader.load_state_dict(self, pickle.loads(state_dict[self.STATE_KEY]))
+        state = pickle.loads(state_dict[self.STATE_KEY])
+        self.dataset.load_state_dict(state)
+        self._position = self.dataset.state_dict()
 
 
 def _hash01(s: str) -> float:
@@ -84,7 +100,11 @@ def _hash01(s: str) -> float:
 
 
 def split_indices(ids: list[str], valid_fraction: float, split: str) -> np.ndarray:
-    """Deterministic hold-out by id hash: stable across runs, ranks and dataset order."""
+    """Deterministic hold-out by id hash: stable across runs, ranks and dataset order.
+
+    ``split`` is "train" (items not held out), "valid" (held out) or "all"."""
+    if split == "all":
+        return np.arange(len(ids))
     if valid_fraction <= 0:
         return np.arange(len(ids)) if split == "train" else np.arange(0)
     held = np.array([_hash01(i) < valid_fraction for i in ids], dtype=bool)
@@ -140,32 +160,46 @@ def build_sources(job_config, entries: list[MixEntry], split: str) -> list[Sourc
     return sources
 
 
+def global_batch_rows(job_config, dp_world_size: int) -> int:
+    """torchtitan's global batch in rows (``global_batch_size``, or local x dp when unset)."""
+    t = job_config.training
+    return t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_world_size
+
+
 def build_dataset(job_config, entries: list[MixEntry], split: str, *, dp_rank: int,
                   dp_world_size: int, training: bool) -> SpeechLMDataset:
-    """A train (infinite, shuffled, augmented) or validation (finite, ordered, clean) stream."""
+    """A train (infinite, shuffled, augmented) or validation (finite, ordered, clean) stream.
+
+    Training steps hold torchtitan's global batch: ``accumulation`` = global rows / (local rows
+    x dp), exactly as torchtitan's Trainer computes its gradient accumulation steps."""
     data = job_config.speechlm_data
     layout = layout_from_config(job_config)
     if training:
         seq_len, rows = job_config.training.seq_len, job_config.training.local_batch_size
+        accumulation = global_batch_rows(job_config, dp_world_size) // (rows * dp_world_size)
+        key = "training.seq_len"
     else:
         v = job_config.validation
         seq_len = v.seq_len if v.seq_len > 0 else job_config.training.seq_len
-        rows = v.local_batch_size
-    max_tokens = data.max_tokens or rows * seq_len
+        rows, accumulation = v.local_batch_size, 1
+        key = "validation.seq_len" if v.seq_len > 0 else "training.seq_len"
     return SpeechLMDataset(
         build_sources(job_config, entries, split),
         build_template_builder(job_config, layout),
         seq_len=seq_len,
-        rows_per_unit=max(1, max_tokens // seq_len),
-        max_tokens=max_tokens,
+        local_batch_size=rows,
+        max_tokens=data.max_tokens if data.batching == "bucket" else 0,
         mode=data.batching,
         window=data.window,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
+        accumulation=max(1, accumulation),
         seed=data.seed,
         shuffle=data.shuffle and training,
         infinite=training,
         cfg_dropout=data.cfg_dropout if training else 0.0,
+        max_too_long_fraction=data.max_too_long_fraction if training else 1.0,
+        seq_len_key=key,
     )
 
 

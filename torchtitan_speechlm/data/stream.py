@@ -1,30 +1,37 @@
-"""The global, exactly resumable stream of micro-batches (packed or bucketed).
+"""The global, exactly resumable stream of training steps (packed or bucketed).
 
 One *global* stream of items, identical on every rank: each (task, dataset) mixture entry walks
 its own seeded permutation, epoch by epoch, and a seeded generator picks the entry of each draw
-by weight. Items are taken ``window`` at a time; a window is turned into *units* (one rank's
-micro-batch each) from item lengths alone:
+by weight. Items are taken ``window`` at a time; a window is turned into *pieces* from item
+lengths alone:
 
-- ``pack``: first-fit-decreasing into rows of ``seq_len`` frames, ``B`` rows per unit; several
-  samples share a row, each with its own position ids (transformers turns restarting positions
-  into a block-diagonal causal mask, so attention never crosses samples);
-- ``bucket``: one sample per row, length-sorted, as many rows as fit the token budget, padded to
-  the unit's longest sample.
+- ``pack``: a piece is a row of ``seq_len`` frames holding several samples, each with its own
+  position ids (transformers turns restarting positions into a block-diagonal causal mask, so
+  attention never crosses samples);
+- ``bucket``: a piece is a micro-batch: one sample per row, length-sorted, as many rows as fit
+  the ``max_tokens`` budget, padded to the longest.
 
-Items of under-filled rows/units at the end of a window are carried into the next window. Unit
-order within a window is shuffled. Global micro-batch ``g`` is units ``[g*W, (g+1)*W)`` and rank
-``r`` collates unit ``g*W + r``; loader worker ``w`` of ``n`` serves the ``g`` with ``g % n == w``.
+Samples of under-filled pieces at the end of a window are carried into the next window; piece
+order within a window is shuffled. None of this depends on the data-parallel layout.
 
-State = (the snapshot taken at the start of the current window, units already consumed from it).
-A resume regenerates that window deterministically and skips what was consumed, so it yields the
-same micro-batches as an uninterrupted run, whatever ``training.steps`` is, and the state is the
-same on every rank: a different data-parallel degree continues the same stream.
+**The unit of the stream is the optimizer step**: ``step_pieces`` consecutive pieces (pack: the
+global batch, ``training.global_batch_size`` rows; bucket: ``dp x accumulation`` micro-batches).
+Rank ``r``'s micro-batch ``m`` (of ``accumulation``) is slice ``m * dp + r`` of the step (``B``
+rows, or one unit). So 1 process x 4 micro-batches, 2 x 2 and 4 x 1 train on the same samples in
+every step. Loader worker ``w`` of ``n`` serves this rank's micro-batches ``w, w + n, ...``.
+
+Position = (cursor of the current step's first piece: its window's start state and index, the
+pieces of a finished step to skip, micro-batches done in an unfinished one). A resume regenerates
+that window and continues exactly, whatever ``training.steps`` is. At a step boundary the
+position is the same on every rank and says nothing about the layout, so a resume on another
+data-parallel degree or global batch continues with exactly the pieces the stream holds next.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import pickle
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +43,7 @@ from torchtitan.tools.logging import logger
 from ..model.vocab import VocabMismatchError
 from .examples import TASKS, TemplateBuilder
 
+META_KEY = "_speechlm_meta"  # the batch entry carrying the stream position (see loader.py)
 BASE_STATS = ("examples", "rows", "frames", "pad_frames", "loss_frames", "audio_frames",
               "skipped_too_long", "skipped_bad", "cfg_dropped")
 TASK_ELIGIBLE_KINDS = {
@@ -84,20 +92,37 @@ def eligible(source: Source) -> np.ndarray:
     return np.array([i for i in source.indices if kinds[i] in ok], dtype=np.int64)
 
 
+class DataLengthError(ValueError):
+    """No (or too few) samples fit the configured sequence length."""
+
+
 class SpeechLMDataset(IterableDataset):
-    """This rank's share of the global stream; a torchdata-Stateful IterableDataset."""
+    """This rank's share of the global stream; a torchdata-Stateful IterableDataset.
+
+    The stream is a sequence of *pieces* (pack: rows of ``seq_len`` frames; bucket: micro-batches
+    under the ``max_tokens`` budget) that depends only on the data, the seed and the piece
+    parameters. An optimizer step takes ``step_pieces`` consecutive pieces (pack: the global
+    batch in rows; bucket: ``dp x accumulation`` micro-batches) and rank ``r``'s micro-batch
+    ``m`` of the step is the slice ``m * dp + r`` of it: the layout (processes x accumulation)
+    only decides who computes which slice, never which samples form a step.
+    """
 
     def __init__(self, sources: list[Source], builder: TemplateBuilder, *, seq_len: int,
-                 rows_per_unit: int, max_tokens: int, mode: str, window: int, dp_rank: int,
+                 local_batch_size: int, mode: str, window: int, dp_rank: int,
                  dp_world_size: int, seed: int, shuffle: bool, infinite: bool,
-                 cfg_dropout: float = 0.0):
+                 accumulation: int = 1, max_tokens: int = 0, cfg_dropout: float = 0.0,
+                 max_too_long_fraction: float = 1.0, seq_len_key: str = "training.seq_len"):
         if mode not in ("pack", "bucket"):
             raise ValueError(f"batching must be 'pack' or 'bucket', got {mode!r}")
         self.sources, self.builder = sources, builder
         self.layout = builder.layout
-        self.seq_len, self.rows_per_unit, self.mode, self.window = seq_len, rows_per_unit, mode, window
-        self.max_tokens = max_tokens or rows_per_unit * seq_len
-        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.seq_len, self.mode, self.window = seq_len, mode, window
+        self.local_batch_size = local_batch_size
+        self.max_tokens = max_tokens or local_batch_size * seq_len
+        self.dp_rank, self.dp_world_size, self.accumulation = dp_rank, dp_world_size, accumulation
+        # pieces per optimizer step: the global batch's rows (pack) or micro-batches (bucket)
+        per_micro = local_batch_size if mode == "pack" else 1
+        self.step_pieces = per_micro * dp_world_size * accumulation
         self.seed, self.shuffle, self.infinite = seed, shuffle, infinite
         # CFG dropout is a training augmentation: a finite (validation) pass never applies it.
         self.cfg_dropout = cfg_dropout if infinite else 0.0
@@ -109,35 +134,97 @@ class SpeechLMDataset(IterableDataset):
                     f"{s.task}:{s.name} has no items usable for task {s.task!r} (after the "
                     f"validation hold-out; needs items of kind {TASK_ELIGIBLE_KINDS[s.task]})"
                 )
+        self.check_lengths(max_too_long_fraction, seq_len_key)
         self._weights = np.array([s.weight for s in sources], dtype=np.float64)
         self._weights /= self._weights.sum()
         n = self.layout.num_streams
         self._pad_frame = np.array([self.layout.pad] + [self.layout.stream_pad(k)
                                                         for k in range(1, n)], dtype=np.int64)
         self._warned_bad: set[tuple[int, int]] = set()
+        self._warned_long: set[int] = set()
+        self.emit_meta = False  # set by the loader: attach the stream position to each batch
+        self.sample_hashes = False  # with emit_meta: also each sample's content hash
         self.reset()
+
+    # ---- lengths ---------------------------------------------------------------------------
+    def lengths(self, src: int) -> np.ndarray:
+        """Frames of every eligible item's example (no CFG drop), from the index alone."""
+        s = self.sources[src]
+        idx = s.indices
+        if s.task == "dialogue" and getattr(s.data, "num_turns", None) is None:
+            return np.array([self._length(src, int(i), False) for i in idx], dtype=np.int64)
+        data = s.data
+        n_text = np.asarray(data.text_lengths)[idx]
+        n_audio = np.asarray(data.audio_lengths)[idx]
+        if s.task == "dialogue":
+            return self.builder.length("dialogue", n_text, n_audio,
+                                       n_audio_turns=np.asarray(data.num_audio_turns)[idx],
+                                       n_turns=np.asarray(data.num_turns)[idx])
+        return np.asarray(self.builder.length(s.task, n_text, n_audio), dtype=np.int64)
+
+    def check_lengths(self, max_fraction: float, key: str) -> None:
+        """Stop before the first step if no sample (or too large a share) fits ``seq_len``:
+        otherwise a stream with nothing to emit spins for ever."""
+        for i, s in enumerate(self.sources):
+            need = self.lengths(i) - 1  # input positions a sample occupies
+            too_long = need > self.seq_len
+            if not too_long.any():
+                continue
+            name = f"{s.task}:{s.name}"
+            shortest, longest = int(need.min()), int(need.max())
+            if too_long.all():
+                raise DataLengthError(
+                    f"no sample of {name} fits {key} = {self.seq_len} frames: the shortest of "
+                    f"its {len(need)} samples needs {shortest} frames (the longest {longest}); "
+                    f"set {key} >= {shortest}, or >= {longest} to keep them all"
+                )
+            frac = float(too_long.mean())
+            if frac > max_fraction:
+                keep99 = int(np.quantile(need, 0.99, method="higher"))
+                raise DataLengthError(
+                    f"{100 * frac:.1f}% of the samples of {name} ({int(too_long.sum())} of "
+                    f"{len(need)}) are longer than {key} = {self.seq_len} frames and would be "
+                    f"skipped (limit speechlm_data.max_too_long_fraction = {max_fraction}); set "
+                    f"{key} >= {keep99} to keep 99% of them (>= {longest} for all), or raise "
+                    "speechlm_data.max_too_long_fraction"
+                )
 
     # ---- state -----------------------------------------------------------------------------
     def reset(self) -> None:
-        self._src_state = {
+        start = {
             "epoch": [0] * len(self.sources),
             "pos": [0] * len(self.sources),
             "rng": np.random.default_rng([self.seed, 7919]).bit_generator.state,
             "carried": [],
             "window": 0,
         }
-        self._resume = {"window_start": copy.deepcopy(self._src_state), "consumed": 0,
-                        "batches": 0}
-        self._state = copy.deepcopy(self._resume)
+        self._start = {"cursor": {"window": start, "consumed": 0}, "skip_pieces": 0,
+                       "micro_done": 0, "steps": 0, "accumulation": self.accumulation,
+                       "step_pieces": self.step_pieces}
+        self._position = self._start
         self._perm_cache: dict[int, tuple[int, np.ndarray]] = {}
 
+    @property
+    def piece_params(self) -> dict:
+        """What a piece is made of: a resume with other values cannot continue the stream."""
+        return {"mode": self.mode, "seq_len": self.seq_len}
+
     def state_dict(self) -> dict:
-        return {**copy.deepcopy(self._state),
+        """The position after the last yielded micro-batch (identical on every rank at a step
+        boundary), plus what the stream is made of, to refuse an incompatible resume."""
+        return {"position": copy.deepcopy(self._position),
+                "pieces": self.piece_params,
                 "sources": [f"{s.task}:{s.name}" for s in self.sources],
                 "vocab": self.layout.fingerprint()}
 
     def load_state_dict(self, state: dict) -> None:
         names = [f"{s.task}:{s.name}" for s in self.sources]
+        if "position" not in state:
+            raise ValueError(
+                "the checkpoint's data position was written by an older torchtitan_speechlm "
+                "stream format; add 'dataloader' to checkpoint.exclude_from_loading to restart "
+                "the data stream, or start a new dump_folder"
+            )
         if state.get("sources") != names:
             raise ValueError(
                 f"checkpointed data mixture {state.get('sources')} differs from the configured "
@@ -149,8 +236,24 @@ class SpeechLMDataset(IterableDataset):
                 f"run builds {self.layout.fingerprint()} (different backbone, tokenizer or codec); "
                 "resume with the original assets or start a new dump_folder"
             )
-        self._resume = {k: copy.deepcopy(state[k]) for k in ("window_start", "consumed", "batches")}
-        self._state = copy.deepcopy(self._resume)
+        saved = state.get("pieces", {})
+        for key, now in self.piece_params.items():
+            if saved.get(key) != now:
+                what = "speechlm_data.batching" if key == "mode" else f"training.{key}"
+                raise ValueError(
+                    f"the checkpoint's data stream was cut with {what} = {saved.get(key)!r}, "
+                    f"this run uses {now!r}: the saved position cannot be continued. Keep "
+                    f"{what} = {saved.get(key)!r}, or add 'dataloader' to "
+                    "checkpoint.exclude_from_loading to restart the data stream"
+                )
+        pos = copy.deepcopy(state["position"])
+        if pos["micro_done"] and (pos["accumulation"], pos["step_pieces"]) != (
+                self.accumulation, self.step_pieces):
+            raise ValueError(
+                "the checkpoint was taken in the middle of an optimizer step and this run has "
+                "another data-parallel layout; resume with the original layout"
+            )
+        self._start = self._position = pos
 
     # ---- drawing items ---------------------------------------------------------------------
     def _perm(self, src: int, epoch: int) -> np.ndarray:
@@ -191,18 +294,20 @@ class SpeechLMDataset(IterableDataset):
                     and rng.random() < self.cfg_dropout)
         return Draw(src, item, drop, self._length(src, item, drop))
 
-    # ---- windows -> units ------------------------------------------------------------------
-    def _window(self, st: dict, group_rows: int) -> tuple[list, int, bool]:
+    # ---- windows -> pieces -----------------------------------------------------------------
+    def _window(self, st: dict) -> tuple[list, list[Draw], bool]:
         """Turn the window starting at state ``st`` into pieces (pack: rows, bucket: units);
         advances ``st`` in place. Returns (pieces, samples skipped as too long, stream done).
 
-        ``group_rows`` (rows per *global* micro-batch) is part of the window's saved state, so
-        a resumed window is rebuilt exactly even if the data-parallel degree changed."""
+        Nothing here depends on the data-parallel layout. The window's size and token budget
+        are part of its saved state (``st["build"]``), so a resumed window is rebuilt exactly
+        even if those settings changed; later windows use the new ones."""
+        build = st.setdefault("build", {"window": self.window, "max_tokens": self.max_tokens})
         rng = np.random.default_rng(0)
         rng.bit_generator.state = st["rng"]
         draws = [Draw(*d) for d in st["carried"]]
         exhausted = False
-        while len(draws) < self.window:
+        while len(draws) < build["window"]:
             d = self._draw(st, rng)
             if d is None:
                 exhausted = True
@@ -215,38 +320,41 @@ class SpeechLMDataset(IterableDataset):
         if self.mode == "pack":
             pieces = self._pack(draws, st["window"])
             if not final:
-                pieces, carried = self._carry_underfilled(pieces, group_rows)
+                pieces, carried = self._carry_underfilled(pieces, build["window"])
         else:
-            pieces = self._bucket(draws)
+            pieces = self._bucket(draws, build["max_tokens"])
             last = pieces[-1] if pieces else None
-            if not final and last and len(last.rows) * last.t < 0.75 * self.max_tokens:
+            if not final and last and len(last.rows) * last.t < 0.75 * build["max_tokens"]:
                 carried = [Draw(d.src, d.item, d.cfg_drop, d.length, d.age + 1)
                            for row in pieces.pop().rows for d in row]
         if self.shuffle:
             order = np.random.default_rng([self.seed, st["window"], 31337]).permutation(len(pieces))
             pieces = [pieces[i] for i in order]
-        for d in too_long[:1]:
-            logger.warning(f"skipping {self.sources[d.src].name} item {d.item}: {d.length} frames "
-                           f"> seq_len {self.seq_len} (counted in data/skipped_too_long)")
+        for d in too_long:
+            if d.src not in self._warned_long:  # once per source; all are counted
+                self._warned_long.add(d.src)
+                logger.warning(
+                    f"skipping samples of {self.sources[d.src].task}:{self.sources[d.src].name} "
+                    f"longer than seq_len {self.seq_len} (first: item {d.item}, {d.length - 1} "
+                    "frames); all are counted in data/skipped_too_long")
         st["rng"] = rng.bit_generator.state
         st["carried"] = [(d.src, d.item, d.cfg_drop, d.length, d.age) for d in carried]
         st["window"] += 1
-        return pieces, len(too_long), exhausted and not carried
+        st.pop("build")  # the next window takes the current settings
+        return pieces, too_long, exhausted and not carried
 
-    def _carry_underfilled(self, rows: list[list[Draw]], group_rows: int) -> tuple[list, list[Draw]]:
-        """Keep whole units of well-filled rows; carry the rest's samples to the next window
-        (at most half a window, so nothing can be carried for ever)."""
+    def _carry_underfilled(self, rows: list[list[Draw]], window: int) -> tuple[list, list[Draw]]:
+        """Keep the well-filled rows; carry the others' samples to the next window (at most
+        half a window, so nothing can be carried for ever)."""
         def ok(row: list[Draw]) -> bool:  # well filled, or holding a sample carried twice
             return (sum(d.length - 1 for d in row) >= 0.97 * self.seq_len
                     or any(d.age >= 2 for d in row))
 
         good, poor = [r for r in rows if ok(r)], [r for r in rows if not ok(r)]
-        keep = len(good) - len(good) % group_rows
-        carried = [d for row in good[keep:] + poor for d in row]
-        if len(carried) > self.window // 2:
-            return rows, []  # cannot pack better: emit everything (last unit may be short)
-        return good[:keep], [Draw(d.src, d.item, d.cfg_drop, d.length, d.age + 1)
-                             for d in carried]
+        carried = [d for row in poor for d in row]
+        if len(carried) > window // 2:
+            return rows, []  # cannot pack better: emit everything
+        return good, [Draw(d.src, d.item, d.cfg_drop, d.length, d.age + 1) for d in carried]
 
     def _pack(self, draws: list[Draw], window: int) -> list[list[Draw]]:
         """Rows filled by exact subset-sum: each row takes the longest remaining sample, then
@@ -266,12 +374,12 @@ class SpeechLMDataset(IterableDataset):
                 pool.pop(i)
         return rows
 
-    def _bucket(self, draws: list[Draw]) -> list[Unit]:
+    def _bucket(self, draws: list[Draw], max_tokens: int) -> list[Unit]:
         units: list[Unit] = []
         rows: list[list[Draw]] = []
         for d in sorted(draws, key=lambda d: d.length):
             t = _round_up(d.length - 1, 8)
-            if rows and (len(rows) + 1) * min(t, self.seq_len) > self.max_tokens:
+            if rows and (len(rows) + 1) * min(t, self.seq_len) > max_tokens:
                 units.append(Unit(rows, t=_round_up(rows[-1][0].length - 1, 8)))
                 rows = []
             rows.append([d])
@@ -281,49 +389,82 @@ class SpeechLMDataset(IterableDataset):
             u.t = min(u.t, self.seq_len)
         return units
 
+    def _pieces(self, cursor: dict):
+        """Yield ``(cursor, piece, skipped)`` from ``cursor`` = the window's start state and the
+        pieces already taken from it; ``skipped`` = samples dropped as too long since the
+        previous piece (a resumed window's were counted before it was interrupted)."""
+        st = copy.deepcopy(cursor["window"])
+        skip, skipped = cursor["consumed"], 0
+        while True:
+            start = copy.deepcopy(st)
+            pieces, too_long, done = self._window(st)
+            if not skip:
+                skipped += len(too_long)
+            for i in range(skip, len(pieces)):
+                yield {"window": start, "consumed": i}, pieces[i], skipped
+                skipped = 0
+            skip = max(0, skip - len(pieces))
+            if done:
+                return
+
+    def _steps(self, position: dict):
+        """Yield ``(cursor, pieces, skipped)`` per optimizer step, from a saved position."""
+        pieces = self._pieces(position["cursor"])
+        skipped = 0
+        for _ in range(position["skip_pieces"]):  # the pieces of a step already trained on
+            if next(pieces, None) is None:
+                return
+        step: list = []
+        for cursor, piece, sk in pieces:
+            if not step:
+                first = cursor
+            step.append(piece)
+            skipped += sk
+            if len(step) == self.step_pieces:
+                yield first, step, skipped
+                step, skipped = [], 0
+        if step and not self.infinite:
+            yield first, step, skipped  # the last, partial step of a finite set
+
+    def micro_slice(self, step: list, m: int, r: int | None = None) -> Unit:
+        """Rank ``r``'s micro-batch ``m`` of a step: slice ``m * dp + r`` (B rows or a unit)."""
+        i = m * self.dp_world_size + (self.dp_rank if r is None else r)
+        if self.mode == "pack":
+            b = self.local_batch_size
+            return Unit(step[i * b : (i + 1) * b], t=self.seq_len)
+        return step[i] if i < len(step) else Unit([], t=0)
+
     # ---- iteration -------------------------------------------------------------------------
     def __iter__(self):
         worker = get_worker_info()
         n_workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
-        b, world = self.rows_per_unit, self.dp_world_size
-        per_global = b * world if self.mode == "pack" else world
-        st = copy.deepcopy(self._resume["window_start"])
-        skip, batches = self._resume["consumed"], self._resume["batches"]
-        pending: list = []
-        pending_skips = 0
-        while True:
-            start = copy.deepcopy(st)
-            start.setdefault("group_rows", b * world)  # a resumed window keeps its own
-            pieces, too_long, done = self._window(st, start["group_rows"])
-            st.pop("group_rows", None)
-            for i, piece in enumerate(pieces):
-                if i == 0 and not skip:  # a resumed window's skips were counted already
-                    pending_skips += too_long
-                if skip:
-                    skip -= 1
+        start = self._start
+        steps, micro_skip = start["steps"], start["micro_done"]
+        served = 0  # micro-batches of this rank since (re)start: worker w serves w, w+n, ...
+        for cursor, step, skipped in self._steps(start):
+            for m in range(self.accumulation):
+                if micro_skip:  # resumed in the middle of a step (same layout)
+                    micro_skip -= 1
                     continue
-                pending.append(piece)
-                if len(pending) == per_global:
-                    g, batches = batches, batches + 1
-                    self._state = {"window_start": start, "consumed": i + 1, "batches": batches}
-                    if g % n_workers == worker_id:
-                        yield self.collate(self._mine(pending), pending_skips * (self.dp_rank == 0))
-                    pending, pending_skips = [], 0
-            if done:
-                break
-        if pending and not self.infinite:
-            # last, partial global batch of a finite set: ranks beyond it get no batch
-            mine = self._mine(pending)
-            if mine.rows and batches % n_workers == worker_id:
-                yield self.collate(mine, pending_skips * (self.dp_rank == 0))
-
-    def _mine(self, pieces: list) -> Unit:
-        """This rank's share of a global micro-batch: B rows (pack) or one unit (bucket)."""
-        r = self.dp_rank
-        if self.mode == "pack":
-            b = self.rows_per_unit
-            return Unit(pieces[r * b : (r + 1) * b], t=self.seq_len)
-        return pieces[r] if r < len(pieces) else Unit([], t=0)
+                unit = self.micro_slice(step, m)
+                last = m == self.accumulation - 1
+                self._position = {
+                    "cursor": cursor, "skip_pieces": len(step) if last else 0,
+                    "micro_done": 0 if last else m + 1, "steps": steps + last,
+                    "accumulation": self.accumulation, "step_pieces": self.step_pieces}
+                if not unit.rows:  # nothing left for this rank in a finite set's last step
+                    continue
+                mine = served % n_workers == worker_id
+                served += 1
+                if not mine:
+                    continue
+                hashes: list[str] | None = [] if self.emit_meta and self.sample_hashes else None
+                batch = self.collate(unit, skipped if (self.dp_rank, m) == (0, 0) else 0, hashes)
+                if self.emit_meta:  # travels through loader workers with the batch
+                    batch[0][META_KEY] = pickle.dumps({"position": self._position,
+                                                       "samples": hashes})
+                yield batch
+            steps += 1
 
     # ---- collation -------------------------------------------------------------------------
     def _example(self, d: Draw):
@@ -337,7 +478,10 @@ class SpeechLMDataset(IterableDataset):
                                "(counted in data/skipped_bad)")
             return None
 
-    def collate(self, unit: Unit, skipped_too_long: int = 0) -> tuple[dict, torch.Tensor]:
+    def collate(self, unit: Unit, skipped_too_long: int = 0,
+                sample_hashes: list[str] | None = None) -> tuple[dict, torch.Tensor]:
+        """Frames, targets, weights and positions of a unit's rows; with ``sample_hashes``, a
+        content hash of every sample placed is appended to it."""
         b, t, n = len(unit.rows), unit.t, self.layout.num_streams
         inp = np.broadcast_to(self._pad_frame, (b, t, n)).copy()
         tgt = inp.copy()
@@ -353,6 +497,8 @@ class SpeechLMDataset(IterableDataset):
                     stats["skipped_bad"] += 1
                     continue
                 length = len(ex.frames) - 1
+                if sample_hashes is not None:
+                    sample_hashes.append(example_hash(ex))
                 inp[r, at : at + length] = ex.frames[:-1]
                 tgt[r, at : at + length] = ex.frames[1:]
                 w[r, at : at + length] = ex.weights[1:]
@@ -401,6 +547,14 @@ def _best_subset(sizes: list[int], cap: int) -> list[int]:
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def example_hash(ex) -> str:
+    """Content hash of one sample (its frames and loss weights)."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(ex.frames.tobytes())
+    h.update(ex.weights.tobytes())
+    return h.hexdigest()
 
 
 def batch_hash(batch: dict) -> str:

@@ -1,0 +1,79 @@
+"""Which items each validation set reads: never the items training sees, unless asked."""
+
+import logging
+
+import numpy as np
+import pytest
+from torchtitan.config import ConfigManager
+
+from tests.helpers import make_tiny_run_assets, write_tiny_config
+from torchtitan_speechlm.components.validate import SpeechLMValidator
+from torchtitan_speechlm.data.loader import build_dataset
+from torchtitan_speechlm.config import parse_datasets, parse_mix
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_tiny_run_assets(tmp_path_factory.mktemp("assets"), n_items=40)
+
+
+def job(assets, tmp_path, *overrides, toml_edit=("", "")):
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, tmp_path / "run")
+    with open(cfg) as f:
+        text = f.read().replace(*toml_edit)
+    with open(cfg, "w") as f:
+        f.write(text)
+    return ConfigManager().parse_args(["--job.config_file", cfg, *overrides])
+
+
+def validator(job_config):
+    return SpeechLMValidator(job_config, dp_world_size=1, dp_rank=0, parallel_dims=None,
+                             maybe_enable_amp=None, metrics_processor=None,
+                             validation_context=None)
+
+
+def train_items(job_config) -> set[int]:
+    names = parse_datasets(job_config.speechlm_data.datasets)
+    entries = parse_mix(job_config.speechlm_data.train, "train", names)
+    ds = build_dataset(job_config, entries, "train", dp_rank=0, dp_world_size=1, training=True)
+    return {int(i) for s in ds.sources for i in s.indices}
+
+
+def valid_items(job_config, name) -> set[int]:
+    return {int(i) for i in validator(job_config)._dataset(name).sources[0].indices}
+
+
+def test_explicit_valid_set_of_a_training_dataset_reads_only_held_out_items(assets, tmp_path):
+    jc = job(assets, tmp_path, "--speechlm_data.valid_fraction", "0.3")
+    held, trained = valid_items(jc, "asr_tiny"), train_items(jc)
+    assert held and trained
+    assert not held & trained
+    assert held | trained == set(range(40))
+
+
+def test_without_hold_out_a_training_dataset_is_validated_whole_with_a_warning(
+        assets, tmp_path, caplog):
+    jc = job(assets, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        items = valid_items(jc, "asr_tiny")
+    assert items == set(range(40))
+    assert "also training data" in caplog.text and "valid_fraction" in caplog.text
+
+
+def test_a_dataset_training_does_not_use_is_validated_whole(assets, tmp_path):
+    jc = job(assets, tmp_path, "--speechlm_data.valid_fraction", "0.3",
+             "--speechlm_data.datasets", f"tiny={assets['prepared']},other={assets['prepared']}",
+             "--speechlm_data.valid", "asr:other")
+    assert valid_items(jc, "asr_other") == set(range(40))
+    assert len(train_items(jc)) < 40
+
+
+def test_held_out_sets_without_explicit_valid(assets, tmp_path):
+    jc = job(assets, tmp_path, "--speechlm_data.valid_fraction", "0.3",
+             toml_edit=('valid = ["asr:tiny"]', ""))
+    v = validator(jc)
+    assert sorted(v.sets) == ["asr_tiny_heldout", "tts_tiny_heldout"]
+    held = valid_items(jc, "tts_tiny_heldout")
+    assert held == valid_items(jc, "asr_tiny_heldout")
+    assert not held & train_items(jc)
+    assert np.isclose(len(held) / 40, 0.3, atol=0.2)
