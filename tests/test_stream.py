@@ -345,3 +345,24 @@ def test_resume_on_another_dp_degree_continues_with_the_next_samples(mode, new_w
     assert len({pickle.dumps(s) for s in states}) == 1  # the same state on every rank
     resumed, _ = layout_steps(new_world, 4 // new_world, mode, 3, state=states[0])
     assert resumed == full[3:]
+
+
+def test_lengths_that_do_not_fit_stop_before_the_first_step():
+    from torchtitan_speechlm.data.stream import DataLengthError
+
+    data = FakePrepared(n=60)
+    need = np.sort(make(data=data, seq_len=4096).lengths(0) - 1)  # tts samples
+    with pytest.raises(DataLengthError, match=f"set training.seq_len >= {need[0]}"):
+        make(data=data, seq_len=int(need[0]) - 1)
+    median = int(need[len(need) // 2])  # about half the samples are longer
+    with pytest.raises(DataLengthError, match="max_too_long_fraction"):
+        SpeechLMDataset([Source("tts", "fake", 1.0, data, np.arange(60))], make().builder,
+                        seq_len=median, local_batch_size=2, mode="pack", window=32, dp_rank=0,
+                        dp_world_size=1, seed=0, shuffle=True, infinite=True,
+                        max_too_long_fraction=0.25)
+    ok = SpeechLMDataset([Source("tts", "fake", 1.0, data, np.arange(60))], make().builder,
+                         seq_len=median, local_batch_size=2, mode="pack", window=32, dp_rank=0,
+                         dp_world_size=1, seed=0, shuffle=True, infinite=True,
+                         max_too_long_fraction=1.0)
+    batches = take(ok, 3)
+    assert sum(stat(ok, b, "skipped_too_long") for b in batches) > 0

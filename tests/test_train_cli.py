@@ -76,6 +76,13 @@ def test_bad_config_fails_before_any_work_naming_key_and_fix(assets, tmp_path):
     r = run_train(cfg, "--speechlm.stream_weights", "1", "2")
     assert r.returncode == 2 and "stream_weights" in r.stderr and "4 streams" in r.stderr
 
+    # a seq_len no sample fits stops before any rank starts (it used to spin for ever)
+    r = run_train(cfg, "--training.seq_len", "8", timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "no sample of tts:tiny fits training.seq_len = 8" in r.stderr
+    assert "set training.seq_len >=" in r.stderr
+    assert not (tmp_path / "run").exists()
+
 
 def test_stock_torchtitan_parses_the_same_toml(assets, tmp_path):
     """`python -m torchtitan.train --job.config_file X` path: config merges, spec resolves."""

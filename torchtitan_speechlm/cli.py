@@ -125,6 +125,10 @@ def check_config(args: list[str]):
     except SystemExit as e:  # tyro already printed what is wrong with the command line
         raise ConfigError("invalid command-line override (see above)") from e
     validate_job_config(job_config)
+    if job_config.model.name == "speechlm":
+        from .data.loader import check_data
+
+        check_data(job_config)
     return job_config
 
 

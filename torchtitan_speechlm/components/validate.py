@@ -66,6 +66,8 @@ class SpeechLMValidator(BaseValidator):
                 "validation.enable = true but there is nothing to validate on: set "
                 "speechlm_data.valid (TASK:NAME entries) or speechlm_data.valid_fraction > 0"
             )
+        for name in self.sets:  # fail now, not at the first validation round
+            self._dataset(name)
 
     def _dataset(self, name: str) -> SpeechLMDataset:
         """A fresh iterator each round: the same batches in the same order every time."""

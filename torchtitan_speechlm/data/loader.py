@@ -203,6 +203,20 @@ def build_dataset(job_config, entries: list[MixEntry], split: str, *, dp_rank: i
     )
 
 
+def check_data(job_config) -> None:
+    """Build the training stream and every validation set once, as the ranks will: bad
+    mixtures, empty entries and lengths that do not fit ``seq_len`` fail here, before any rank
+    starts (see SpeechLMDataset.check_lengths)."""
+    from ..components.validate import validation_sets
+
+    names = parse_datasets(job_config.speechlm_data.datasets)
+    entries = parse_mix(job_config.speechlm_data.train, "train", names)
+    build_dataset(job_config, entries, "train", dp_rank=0, dp_world_size=1, training=True)
+    if job_config.validation.enable:
+        for entries, split in validation_sets(job_config).values():
+            build_dataset(job_config, entries, split, dp_rank=0, dp_world_size=1, training=False)
+
+
 def build_speechlm_dataloader(
     dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs
 ) -> SpeechLMDataLoader:

@@ -2,8 +2,8 @@
 progress line, and fitting the k-means codec on a sample of the input audio.
 
 Worker processes each load their own codec (on ``--device``), so they scale to several GPUs'
-worth of work or to several CPU cores; on CPU they are forked (instant start, the parent has
-not touched a GPU), with CUDA they are spawned. Shard results only travel back as small dicts;
+worth of work or to several CPU cores; they are started by a forkserver (CPU, Linux) or spawned,
+never forked from this process (see ``worker_context``). Shard results only travel back as small dicts;
 progress travels over a queue.
 """
 
@@ -59,11 +59,7 @@ def run_shards(tasks: list[ShardTask], out_dir: str, cfg: WorkerConfig, workers:
         for t in tasks:
             run_shard(t, out_dir)
         return bar.seconds
-    import multiprocessing as mp
-
-    ctx = mp.get_context(
-        "spawn" if cfg.device.startswith("cuda") or sys.platform != "linux" else "fork"
-    )
+    ctx = worker_context(cfg.device)
     queue = ctx.Queue()
     n = min(workers, len(tasks))
     threads = None if "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // n)
@@ -84,6 +80,23 @@ def run_shards(tasks: list[ShardTask], out_dir: str, cfg: WorkerConfig, workers:
     while not queue.empty():
         bar.add(*queue.get())
     return bar.seconds
+
+
+def worker_context(device: str):
+    """A start method that is safe after this process used torch: never ``fork``.
+
+    A forked child inherits torch's intra-op thread pool in a broken state once the parent has
+    run a parallel op (fitting the k-means codec, a user's script, a notebook), and then sleeps
+    for ever on a futex at its first parallel op. ``forkserver`` forks workers from a clean
+    server process that has imported, but never run, torch (fast starts); ``spawn`` where there
+    is no forkserver, and with CUDA."""
+    import multiprocessing as mp
+
+    if device.startswith("cuda") or sys.platform != "linux":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torchtitan_speechlm.data.prepare_worker"])
+    return ctx
 
 
 def _audio_refs(items) -> list:
