@@ -168,3 +168,45 @@ def test_moe_backbone_trains_under_fsdp_with_load_balance_loss(assets, tmp_path)
                                                               rel=1e-6)
         assert m["train/loss"] == pytest.approx(
             m["train/ce_loss"] + m["train/z_loss"] + m["train/load_balance_loss"], rel=1e-6)
+
+
+def test_extending_a_run_whose_last_save_is_weights_only(assets, tmp_path):
+    """last_save_model_only = true (torchtitan's default): the rerun with more steps resumes
+    from the newest *full* checkpoint, retraining the same steps identically; a folder with
+    only weights-only checkpoints is refused with the fix, never a DCP traceback."""
+    dump = tmp_path / "run"
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
+    common = ("--validation.enable", "false", "--checkpoint.last_save_model_only", "true",
+              "--checkpoint.interval", "2", "--lr_scheduler.total_steps", "6")
+    first = run_train(cfg, "--training.steps", "4", *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    losses = {m["step"]: m["loss_metrics/global_avg_loss"] for m in read_metrics(dump)}
+    second = run_train(cfg, "--training.steps", "6", *common)
+    log = second.stdout + second.stderr
+    assert second.returncode == 0, log[-3000:]
+    assert "step-4 holds model weights only" in log and "resuming from step-2" in log
+    assert "Training starts at step 3" in log and "Traceback" not in log
+    rerun = [m for m in read_metrics(dump)][len(losses):]
+    assert [m["step"] for m in rerun] == [3, 4, 5, 6]
+    for m in rerun[:2]:  # steps 3-4 again, from the step-2 state: the same numbers
+        assert m["loss_metrics/global_avg_loss"] == pytest.approx(losses[m["step"]], rel=1e-6)
+
+    only = tmp_path / "only_weights"
+    cfg2 = write_tiny_config(tmp_path / "c2.toml", assets, only)
+    r = run_train(cfg2, "--training.steps", "2", *common[:4], "--checkpoint.interval", "10")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_train(cfg2, "--training.steps", "4", *common[:4], "--checkpoint.interval", "10")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "only weights-only checkpoints" in r.stderr and "initial_load_path" in r.stderr
+
+
+def test_rerunning_a_finished_run_says_so(assets, tmp_path):
+    dump = tmp_path / "run"
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
+    args = ("--training.steps", "2", "--validation.enable", "false")
+    assert run_train(cfg, *args).returncode == 0
+    r = run_train(cfg, *args)
+    assert r.returncode == 0
+    assert "already complete" in r.stderr and "step-2" in r.stderr
+    assert "raise --training.steps" in r.stderr and f"delete {dump}" in r.stderr
+    assert "Training starts" not in r.stdout + r.stderr

@@ -126,10 +126,26 @@ def check_config(args: list[str]):
         raise ConfigError("invalid command-line override (see above)") from e
     validate_job_config(job_config)
     if job_config.model.name == "speechlm":
+        from .components.resume import resolve_resume
         from .data.loader import check_data
 
+        resolve_resume(job_config)
         check_data(job_config)
     return job_config
+
+
+def already_complete(job_config) -> str | None:
+    """A message if the dump folder already holds the run's last step, else None."""
+    from .components.resume import checkpoint_folder, completed_run_step
+
+    step = completed_run_step(job_config)
+    if step is None:
+        return None
+    dump = job_config.job.dump_folder
+    return (f"the run in {dump} is already complete: {checkpoint_folder(job_config)}/step-{step} "
+            f"is at or past training.steps = {job_config.training.steps}, so there is nothing to "
+            f"train. To continue it, raise --training.steps; to start over, delete {dump} (or "
+            "set another job.dump_folder)")
 
 
 def _free_port() -> int:
@@ -169,10 +185,14 @@ def train_command(args: list[str]) -> int:
     from .config import ConfigError
 
     try:
-        check_config(args)
+        job_config = check_config(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"torchtitan train: config error: {e}", file=sys.stderr)
         return 2
+    done = already_complete(job_config)
+    if done:
+        print(f"torchtitan train: {done}", file=sys.stderr)
+        return 0
 
     _adopt_slurm_env()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

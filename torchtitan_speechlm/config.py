@@ -312,9 +312,11 @@ def resolve_model_args(args, job_config) -> None:
 
     Keys with the same name in [speechlm] and the model args are copied as they are; only the
     derived ones (vocabulary, tie, normalised stream weights) are computed here."""
+    from .components.resume import resolve_resume
     from .model.hf_backbone import load_hf_config
 
     validate_job_config(job_config)
+    resolve_resume(job_config)  # before torchtitan's checkpointer picks the step to load
     sl = job_config.speechlm
     hf = load_hf_config(sl.backbone)
     layout = layout_from_config(job_config)

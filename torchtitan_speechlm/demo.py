@@ -98,23 +98,28 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     build_demo_data(args.work_dir, args.utterances)
     t_data = time.perf_counter() - t0
-    from .cli import check_config
+    from .cli import already_complete, check_config
 
     job = check_config(["--job.config_file", args.config, *args.train_args])
-    cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "train", "--job.config_file",
-           args.config, "--nproc-per-node", str(args.nproc_per_node), *args.train_args]
-    print(f"[demo] training: {' '.join(cmd[2:])}", flush=True)
-    t1 = time.perf_counter()
-    rc = subprocess.call(cmd)
-    t_train = time.perf_counter() - t1
-    if rc != 0:
-        print(f"[demo] training failed (exit {rc})", file=sys.stderr)
-        return rc
+    complete = already_complete(job)
+    if complete:
+        print(f"\n[demo] nothing trained: {complete} (`make clean` removes it)")
+    else:
+        cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "train", "--job.config_file",
+               args.config, "--nproc-per-node", str(args.nproc_per_node), *args.train_args]
+        print(f"[demo] training: {' '.join(cmd[2:])}", flush=True)
+        t1 = time.perf_counter()
+        rc = subprocess.call(cmd)
+        t_train = time.perf_counter() - t1
+        if rc != 0:
+            print(f"[demo] training failed (exit {rc})", file=sys.stderr)
+            return rc
+        print(f"\n[demo] done in {time.perf_counter() - t0:.0f}s (data {t_data:.0f}s, "
+              f"training {t_train:.0f}s)")
     dump = job.job.dump_folder
     png = plot_loss_curve(dump, os.path.join(dump, "loss_curve.png"))
     ckpts = sorted(glob.glob(os.path.join(dump, job.checkpoint.folder, "step-*")))
     wandb_dirs = sorted(glob.glob(os.path.join(dump, "tb", "*", "wandb", "offline-run-*")))
-    print(f"\n[demo] done in {time.perf_counter() - t0:.0f}s (data {t_data:.0f}s, training {t_train:.0f}s)")
     print(f"[demo] checkpoints : {', '.join(ckpts) or 'none'}")
     print(f"[demo] tensorboard : tensorboard --logdir {os.path.join(dump, 'tb')}")
     print(f"[demo] wandb       : {', '.join(wandb_dirs) or 'none'} (offline; `wandb sync DIR`)")

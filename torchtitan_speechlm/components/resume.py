@@ -1,0 +1,111 @@
+"""Which checkpoint a (re)started run continues from, decided before torchtitan loads one.
+
+torchtitan's CheckpointManager loads the newest ``step-N`` folder that has a DCP ``.metadata``
+and always asks it for the full training state. A last save made with
+``checkpoint.last_save_model_only = true`` holds the weights only, so extending such a run
+(rerun with a larger ``training.steps``) died in DCP with "Missing key in checkpoint state_dict:
+dataloader.speechlm_stream". Our [checkpoint] default is a full last save; for folders that
+have a weights-only newest checkpoint anyway, ``resolve_resume`` points torchtitan's own
+``checkpoint.load_step`` at the newest *full* checkpoint, with a warning, or stops with an
+error saying what to do; never a DCP traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import lru_cache
+
+from torchtitan.tools.logging import logger
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+class ResumeError(ValueError):
+    """The checkpoint folder cannot be continued; the message says what to do."""
+
+
+def checkpoint_folder(job_config) -> str:
+    return os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+
+
+def complete_checkpoints(folder: str) -> list[int]:
+    """Steps of the checkpoints DCP finished writing (a folder with ``.metadata``), ascending.
+    A half-written ``step-N`` (no ``.metadata``) is not one; torchtitan skips it the same way."""
+    if not os.path.isdir(folder):
+        return []
+    steps = []
+    for name in os.listdir(folder):
+        m = _STEP.match(name)
+        if m and os.path.isfile(os.path.join(folder, name, ".metadata")):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+@lru_cache(maxsize=256)
+def _keys(path: str, mtime_ns: int) -> frozenset[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return frozenset(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def is_full(path: str) -> bool:
+    """True if the DCP checkpoint at ``path`` holds the training state, not only weights."""
+    meta = os.path.join(path, ".metadata")
+    keys = _keys(path, os.stat(meta).st_mtime_ns)
+    return any(k == "train_state" or k.startswith("train_state.") for k in keys)
+
+
+def newest_full_step(job_config) -> int | None:
+    folder = checkpoint_folder(job_config)
+    full = [s for s in complete_checkpoints(folder) if is_full(os.path.join(folder, f"step-{s}"))]
+    return full[-1] if full else None
+
+
+def resolve_resume(job_config) -> None:
+    """Set ``checkpoint.load_step`` so that torchtitan resumes from a full checkpoint."""
+    ckpt = job_config.checkpoint
+    if not ckpt.enable:
+        return
+    folder = checkpoint_folder(job_config)
+    steps = complete_checkpoints(folder)
+    if ckpt.load_step >= 0:
+        path = os.path.join(folder, f"step-{ckpt.load_step}")
+        if ckpt.load_step in steps and ckpt.load_step > 0 and not is_full(path):
+            raise ResumeError(
+                f"checkpoint.load_step = {ckpt.load_step}: {path} holds model weights only "
+                "(written with checkpoint.last_save_model_only = true), not the optimizer and "
+                f"data position a resume needs; choose one of the full checkpoints "
+                f"{[s for s in steps if is_full(os.path.join(folder, f'step-{s}'))]}"
+            )
+        return
+    if not steps or is_full(os.path.join(folder, f"step-{steps[-1]}")):
+        return
+    newest = steps[-1]
+    full = newest_full_step(job_config)
+    if full is None:
+        raise ResumeError(
+            f"{folder} holds only weights-only checkpoints (step-{newest} was written with "
+            "checkpoint.last_save_model_only = true): there is no optimizer state or data "
+            "position to resume from. To train further from these weights as a new run, use "
+            f"another job.dump_folder with --checkpoint.initial_load_path {folder}/step-{newest} "
+            "--checkpoint.initial_load_model_only true; to start over, delete "
+            f"{job_config.job.dump_folder}"
+        )
+    logger.warning(
+        f"{folder}/step-{newest} holds model weights only (checkpoint.last_save_model_only = "
+        f"true); resuming from step-{full}, the newest full checkpoint, so steps "
+        f"{full + 1}-{newest} are trained again (identically). Keep last_save_model_only = "
+        "false to extend runs from their last step."
+    )
+    ckpt.load_step = full
+
+
+def completed_run_step(job_config) -> int | None:
+    """The step of a full checkpoint at or past ``training.steps``: the run has nothing left to
+    do (torchtitan would load it and train nothing). None otherwise."""
+    if not job_config.checkpoint.enable:
+        return None
+    folder = checkpoint_folder(job_config)
+    done = [s for s in complete_checkpoints(folder) if s >= job_config.training.steps]
+    return done[-1] if done else None
