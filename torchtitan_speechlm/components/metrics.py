@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from math import nan
 from typing import Any
 
 import torch
@@ -56,8 +57,9 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
 
         self.code_usage_interval = job_config.speechlm.code_usage_interval
         metas = dataset_metadata(job_config) if job_config.speechlm_data.datasets else {}
-        self.frame_rate = (float(next(iter(metas.values()))["codec"]["frame_rate"])
-                           if metas else 0.0)
+        first = next(iter(metas.values()), None)
+        self.frame_rate = float(first["codec"]["frame_rate"]) if first else 0.0
+        self.num_streams = int(first["codec"]["num_streams"]) if first else 0
 
     def reduce_group(self):
         mesh = self.parallel_dims.get_optional_mesh("loss")
@@ -89,16 +91,21 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
                       for k, v in stats.items()})
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra)
         if stats:
-            n = sum(1 for k in stats if k.startswith("acc_stream"))
-            accs = " ".join(f"{stats[f'acc_stream{k}']:.3f}" for k in range(n))
-            ces = " ".join(f"{stats[f'ce_stream{k}']:.3f}" for k in range(n))
+            accs, ces = stream_values(stats, "acc_stream", self.num_streams), stream_values(
+                stats, "ce_stream", self.num_streams)
             logger.info(
-                f"{self.color.green}step: {step:2}  ce_loss: {stats['ce_loss']:.4f}  "
-                f"z_loss: {stats['z_loss']:.4f}  ce/stream: [{ces}]  acc/stream: [{accs}]  "
+                f"{self.color.green}step: {step:2}  ce_loss: {stats.get('ce_loss', nan):.4f}  "
+                f"z_loss: {stats.get('z_loss', nan):.4f}  ce/stream: [{ces}]  acc/stream: [{accs}]  "
                 f"pad: {100 * stats.get('data/padding_ratio', 0):.1f}%  "
                 f"audio s/s: {stats.get('throughput/audio_seconds_per_second', 0):.1f}  "
                 f"loss_frames: {int(stats['loss_frames'])}{self.color.reset}"
             )
+
+
+def stream_values(stats: dict[str, float], prefix: str, n: int) -> str:
+    """'0.123 - 0.456': a stream with nothing to count (key left out) shows as '-'."""
+    return " ".join(f"{stats[f'{prefix}{k}']:.3f}" if f"{prefix}{k}" in stats else "-"
+                    for k in range(n))
 
 
 def build_speechlm_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):

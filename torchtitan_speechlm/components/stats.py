@@ -100,7 +100,8 @@ def finalise(sums: dict[str, float], micro_batches: float) -> dict[str, float]:
         count_key = normaliser_of(key)
         if count_key is not None:
             denom = sums.get(count_key, 0.0)
-            out[key] = value / denom if denom > 0 else 0.0
+            if denom > 0:  # a mean over nothing is not 0: the key is left out (metrics.md)
+                out[key] = value / denom
         elif key.startswith("data/"):
             out[key] = value / max(micro_batches, 1.0)
     if "data/pad_frames" in sums and "data/frames" in sums:
