@@ -78,3 +78,22 @@ def test_chunked_loss_equals_unchunked_with_gradients(tmp_path):
     torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-6)
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_a_target_outside_its_stream_vocabulary_is_an_error(tmp_path):
+    """Carrying loss, it raises naming stream and id (it used to be clamped into range and
+    trained on silently); without loss weight it is ignored."""
+    save_tiny_backbone(tmp_path / "bb")
+    model = build_speechlm(tmp_path / "bb")
+    layout = model.args.layout
+    inputs, targets, weights = random_batch(layout)
+    a, b = layout.stream_range(2)
+    targets[1, 5, 2] = b  # the first id of the next stream
+    weights[1, 5, 2] = 0.0
+    model(inputs, targets=targets, loss_weights=weights)  # no loss there: fine
+    weights[1, 5, 2] = 0.5
+    with pytest.raises(ValueError, match=rf"target id {b} of stream 2 .* \[{a}, {b}\)"):
+        model(inputs, targets=targets, loss_weights=weights)
+    targets[1, 5, 2] = -3
+    with pytest.raises(ValueError, match="target id -3 of stream 2"):
+        model(inputs, targets=targets, loss_weights=weights)

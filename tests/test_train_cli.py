@@ -126,6 +126,18 @@ def test_torchtitan_train_inside_torchrun_runs_as_that_rank(assets, tmp_path):
     assert "Applied FSDP to the SpeechLM" in r.stdout + r.stderr
     assert [m["step"] for m in read_metrics(dump)] == [1, 2]
 
+    # the README's multi-node form: booleans take true|false there too (one parser path)
+    dump2 = tmp_path / "run_m"
+    cfg2 = write_tiny_config(tmp_path / "c2.toml", assets, dump2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "torchtitan_speechlm.train", "--job.config_file", cfg2, "--training.steps", "2",
+           "--checkpoint.enable", "false", "--validation.enable=false"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(dump2)] == [1, 2]
+    assert not (dump2 / "checkpoint").exists()
+
 
 def test_validation_set_smaller_than_the_ranks(assets, tmp_path):
     """One validation item on 2 ranks: rank 1 has nothing and must keep step with rank 0."""

@@ -105,6 +105,13 @@ def normalise_bool_flags(args: list[str]) -> list[str]:
     return out
 
 
+def torchtitan_args(args: list[str]) -> list[str]:
+    """The one parser path of every entry point (``torchtitan train``, ``-m
+    torchtitan_speechlm.train`` under torchrun, the demo): our config module merged, and
+    ``--section.flag true|false`` turned into tyro's form."""
+    return normalise_bool_flags(with_config_module(args))
+
+
 def check_config(args: list[str]):
     """Parse and validate exactly as the ranks will; raises ConfigError / FileNotFoundError."""
     from torchtitan.config import ConfigManager
@@ -181,7 +188,7 @@ def train_command(args: list[str]) -> int:
             pass
         return 0
     nproc, args = _split_launcher_args(args)
-    args = normalise_bool_flags(with_config_module(args))
+    args = torchtitan_args(args)
     from .config import ConfigError
 
     try:

@@ -12,10 +12,10 @@ import sys
 def run_worker(args: list[str]) -> int:
     import torchtitan_speechlm  # noqa: F401  (must precede torchtitan: CPU device selection)
 
-    from .cli import with_config_module
+    from .cli import torchtitan_args
     from .compat import run_torchtitan_main
 
-    run_torchtitan_main(with_config_module(args))
+    run_torchtitan_main(torchtitan_args(args))  # idempotent on already normalised args
     return 0
 
 

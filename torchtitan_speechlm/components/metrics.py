@@ -41,7 +41,12 @@ class JsonlLogger(BaseLogger):
 
 class SpeechLMMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None,
-                 accumulator: StatsAccumulator = TRAIN_STATS):
+                 accumulator: StatsAccumulator = TRAIN_STATS, model_args=None):
+        # MFU counts the head only on frames that carry loss (where it runs): see
+        # num_flops_per_token below and SpeechLMModelArgs.head_flops_per_loss_frame.
+        self._head_flops = (model_args.head_flops_per_loss_frame()
+                            if model_args is not None and model_args.hf_config else 0)
+        self._loss_frame_ratio = 1.0
         if job_config.metrics.enable_wandb:
             os.environ.setdefault("WANDB_MODE", "offline")
             os.environ.setdefault("WANDB_PROJECT", "torchtitan-speechlm")
@@ -60,6 +65,18 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         first = next(iter(metas.values()), None)
         self.frame_rate = float(first["codec"]["frame_rate"]) if first else 0.0
         self.num_streams = int(first["codec"]["num_streams"]) if first else 0
+
+    @property
+    def num_flops_per_token(self) -> float:
+        """FLOPs per frame of the last log interval: the body on every frame, the head on the
+        interval's share of loss frames (torchtitan sets the every-frame figure)."""
+        if self._flops_every_frame <= 0:
+            return self._flops_every_frame
+        return self._flops_every_frame - self._head_flops * (1.0 - self._loss_frame_ratio)
+
+    @num_flops_per_token.setter
+    def num_flops_per_token(self, value: float) -> None:
+        self._flops_every_frame = value
 
     def reduce_group(self):
         mesh = self.parallel_dims.get_optional_mesh("loss")
@@ -86,6 +103,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         extra_metrics: dict[str, Any] | None = None,
     ) -> None:
         stats = self.speech_metrics(step)
+        self._loss_frame_ratio = stats.get("data/loss_frame_ratio", 1.0)
         extra = dict(extra_metrics or {})
         extra.update({(k if k.startswith("throughput/") else f"train/{k}"): v
                       for k, v in stats.items()})
@@ -110,4 +128,4 @@ def stream_values(stats: dict[str, float], prefix: str, n: int) -> str:
 
 def build_speechlm_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
     """TrainSpec.build_metrics_processor_fn."""
-    return SpeechLMMetricsProcessor(job_config, parallel_dims, tag)
+    return SpeechLMMetricsProcessor(job_config, parallel_dims, tag, model_args=model_args)

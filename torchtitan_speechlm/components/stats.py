@@ -106,7 +106,9 @@ def finalise(sums: dict[str, float], micro_batches: float) -> dict[str, float]:
             out[key] = value / max(micro_batches, 1.0)
     if "data/pad_frames" in sums and "data/frames" in sums:
         total = sums["data/pad_frames"] + sums["data/frames"]
-        out["data/padding_ratio"] = sums["data/pad_frames"] / total if total else 0.0
+        if total:
+            out["data/padding_ratio"] = sums["data/pad_frames"] / total
+            out["data/loss_frame_ratio"] = sums.get("count", 0.0) / total
     for key in ("data/skipped_too_long", "data/skipped_bad", "data/cfg_dropped"):
         if key in sums:
             out[key] = sums[key]  # counts over the interval, not means

@@ -46,11 +46,12 @@ class SpeechLMModelArgs(BaseModelArgs):
         resolve_model_args(self, job_config)
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """Parameters, and training FLOPs per model frame (forward + backward = 3x forward).
+        """Parameters, and training FLOPs per frame if every frame carries loss (forward +
+        backward = 3x forward); torchtitan uses it as MFU's numerator.
 
         Counts the decoder matmuls (6 x non-embedding, non-head params), attention scores
         (12 x layers x hidden x seq_len), and the head as it really runs: each stream's logits
-        over its own vocabulary slice only.
+        over its own vocabulary slice only (see ``head_flops_per_loss_frame``).
         """
         nparams = sum(p.numel() for p in model.parameters())
         embed = model.tok_embeddings.weight.numel()
@@ -65,7 +66,13 @@ class SpeechLMModelArgs(BaseModelArgs):
                 p.numel() for n, p in model.named_parameters() if ".experts." in n
             )
             dense -= expert - expert * cfg["num_experts_per_tok"] // cfg["num_experts"]
+        flops = 6 * dense + self.head_flops_per_loss_frame() + 12 * layers * hidden * seq_len
+        return nparams, flops
+
+    def head_flops_per_loss_frame(self) -> int:
+        """Training FLOPs of the output head for one frame that carries loss: it runs on those
+        frames only, so the FLOPs of a step are (the above - this) x frames + this x loss
+        frames (the metrics processor scales MFU by the interval's loss-frame ratio)."""
         layout = self.layout
         head_cols = sum(b - a for a, b in map(layout.stream_range, range(layout.num_streams)))
-        flops = 6 * dense + 6 * hidden * head_cols + 12 * layers * hidden * seq_len
-        return nparams, flops
+        return 6 * int(self.hf_config["hidden_size"]) * head_cols

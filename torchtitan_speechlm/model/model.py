@@ -108,6 +108,8 @@ class SpeechLMHead(nn.Module):
             logits = F.linear(h + self.stream_emb.weight[k], w_out[a:b]).float()
             wk = weights[:, k]
             active = wk > 0
+            # forward() verified every positive-weight target is in range; the clamp only keeps
+            # gather valid at positions without loss (their value is never used)
             tgt = (targets[:, k] - a).clamp(0, b - a - 1)
             lse = torch.logsumexp(logits, dim=-1)
             ce = lse - logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
@@ -131,6 +133,18 @@ class SpeechLMHead(nn.Module):
         keep = active & (codes >= 0)
         return torch.bincount(codes[keep], minlength=c).float().detach()
 
+    def _raise_out_of_range(self, bad: torch.Tensor, targets: torch.Tensor,
+                            weights: torch.Tensor) -> None:
+        pos, k = (int(i) for i in bad.nonzero()[0])
+        a, b = self.ranges[k]
+        raise ValueError(
+            f"target id {int(targets[pos, k])} of stream {k} (frame {pos} of the flattened "
+            f"batch, loss weight {float(weights[pos, k]):g}) is outside stream {k}'s vocabulary "
+            f"[{a}, {b}); {int(bad.sum())} such target(s) in this batch. The data and the "
+            "model's vocabulary layout disagree: check that the datasets were prepared with this "
+            "codec and tokenizer and that the targets were built with this run's vocab.json"
+        )
+
     def forward(
         self,
         h: torch.Tensor,
@@ -143,8 +157,14 @@ class SpeechLMHead(nn.Module):
         h, targets, weights = h.flatten(0, -2), targets.reshape(-1, n), weights.reshape(-1, n)
         # Only positions that carry loss are projected; keep >= 1 so every rank's head takes
         # part in backward (FSDP needs each rank to produce a gradient for a reduce-scatter).
-        keep = (weights > 0).any(-1)
-        if not bool(keep.all()):
+        active = weights > 0
+        keep = active.any(-1)
+        lo, hi = (targets.new_tensor(v) for v in zip(*self.ranges, strict=True))
+        bad = active & ((targets < lo) | (targets >= hi))
+        all_kept, any_bad = torch.stack([keep.all(), bad.any()]).tolist()  # one host sync
+        if any_bad:
+            self._raise_out_of_range(bad, targets, weights)
+        if not all_kept:
             sel = keep.nonzero().squeeze(-1)
             if sel.numel() == 0:
                 sel = sel.new_zeros(1)
@@ -166,7 +186,6 @@ class SpeechLMHead(nn.Module):
             hists.append(hi)
         st = torch.stack(parts).sum(0)  # [N, 4]
         hist = torch.stack(hists).sum(0)  # [2, N, C]
-        active = weights > 0
         stats = {
             "ce_loss": st[:, 0].sum(),
             "z_loss": st[:, 1].sum(),
