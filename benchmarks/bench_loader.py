@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     jc = job(a.config)
     if not os.path.isdir(parse_datasets(jc.speechlm_data.datasets)["demo"]):
-        from torchtitan_speechlm.demo import build_demo_data
+        from torchtitan_speechlm.demo.run import build_demo_data
 
         build_demo_data("demo_work")
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))

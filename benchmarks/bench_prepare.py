@@ -22,12 +22,12 @@ import time
 import numpy as np
 import torch
 
-from torchtitan_speechlm import demo_assets
-from torchtitan_speechlm.data.audio import load_audio
-from torchtitan_speechlm.data.codec import load_codec
-from torchtitan_speechlm.data.kmeans_codec import fit_kmeans_codec, log_mel_distance
-from torchtitan_speechlm.data.manifest import read_jsonl_manifest
-from torchtitan_speechlm.data.prepare import prepare_dataset
+from torchtitan_speechlm.audio import load_audio
+from torchtitan_speechlm.codecs import load_codec
+from torchtitan_speechlm.codecs.kmeans import fit_kmeans_codec, log_mel_distance
+from torchtitan_speechlm.demo import assets as demo_assets
+from torchtitan_speechlm.prepare.items import read_jsonl_manifest
+from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "prepare.json")
 

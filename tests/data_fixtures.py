@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 import soundfile as sf
 
-from torchtitan_speechlm import demo_assets
-from torchtitan_speechlm.data.prepared import PreparedDataset
+from torchtitan_speechlm.data.reader import PreparedDataset
+from torchtitan_speechlm.demo import assets as demo_assets
 
 SR = 16000
 needs_espeak = shutil.which("espeak-ng") is not None

@@ -68,13 +68,13 @@ def make_tiny_run_assets(root, n_items=48, seed=0, tie=False) -> dict:
     import numpy as np
     import soundfile as sf
 
-    from torchtitan_speechlm.data.prepare import prepare_dataset
-    from torchtitan_speechlm.demo_assets import (
+    from torchtitan_speechlm.demo.assets import (
         build_backbone,
         build_codec,
         build_tokenizer,
         load_sentences,
     )
+    from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
     root = str(root)
     paths = {k: os.path.join(root, k) for k in ("tokenizer", "codec", "backbone", "prepared")}
@@ -191,14 +191,14 @@ def make_varied_kaldi_assets(root, n_utts=40, seed=0) -> dict:
     import soundfile as sf
     from transformers import AutoTokenizer
 
-    from torchtitan_speechlm.data.audio import load_audio
-    from torchtitan_speechlm.data.prepare import prepare_dataset
-    from torchtitan_speechlm.demo_assets import (
+    from torchtitan_speechlm.audio import load_audio
+    from torchtitan_speechlm.demo.assets import (
         build_backbone,
         build_codec,
         build_tokenizer,
         load_sentences,
     )
+    from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
     root = str(root)
     paths = {k: os.path.join(root, k) for k in ("tokenizer", "codec", "backbone", "prepared")}

@@ -11,19 +11,20 @@ import pytest
 import soundfile as sf
 
 from tests.data_fixtures import SR, build_assets, needs_espeak, sine
-from torchtitan_speechlm import demo_assets
-from torchtitan_speechlm.data.audio import BadAudioError, decode_audio_bytes, load_audio
-from torchtitan_speechlm.data.codec import CodecError, load_codec
-from torchtitan_speechlm.data.manifest import ManifestError, read_jsonl_manifest
-from torchtitan_speechlm.data.prepare import BadItemError, main, prepare_dataset
-from torchtitan_speechlm.data.prepared import (
+from torchtitan_speechlm.audio import BadAudioError, decode_audio_bytes, load_audio
+from torchtitan_speechlm.codecs import CodecError, load_codec
+from torchtitan_speechlm.data.reader import PreparedDataset
+from torchtitan_speechlm.dataset_format import (
     AUDIO_CODES,
     TEXT_TOKENS,
     CorruptDatasetError,
-    PreparedDataset,
     check_compatible,
 )
-from torchtitan_speechlm.data.tokenizer import load_text_tokenizer, tokenizer_fingerprint
+from torchtitan_speechlm.demo import assets as demo_assets
+from torchtitan_speechlm.prepare.items import ManifestError
+from torchtitan_speechlm.prepare.pipeline import BadItemError, main, prepare_dataset
+from torchtitan_speechlm.prepare.sources.jsonl import read_jsonl_manifest
+from torchtitan_speechlm.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
 
 
 def dominant_freq(wav: np.ndarray, sr: int) -> float:
@@ -329,8 +330,8 @@ def test_espeak_corpus_prepares(assets, tmp_path):
 
 def test_codec_hash_covers_the_weights(tmp_path):
     """Same config, other weights: other codes, so it must be another codec identity."""
-    from torchtitan_speechlm.data.codec import load_codec
-    from torchtitan_speechlm.demo_assets import build_codec
+    from torchtitan_speechlm.codecs import load_codec
+    from torchtitan_speechlm.demo.assets import build_codec
 
     a = load_codec(build_codec(str(tmp_path / "a"), seed=0))
     b = load_codec(build_codec(str(tmp_path / "b"), seed=1))

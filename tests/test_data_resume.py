@@ -12,15 +12,12 @@ import pytest
 import soundfile as sf
 
 from tests.data_fixtures import assert_same_dataset, build_assets, write_manifest, write_tone_corpus
-from torchtitan_speechlm import demo_assets
-from torchtitan_speechlm.data import prepare_run
-from torchtitan_speechlm.data.prepare import NoItemsError, main, prepare_dataset
-from torchtitan_speechlm.data.prepare_plan import PlanMismatchError
-from torchtitan_speechlm.data.prepared import (
-    CorruptDatasetError,
-    PreparedDataset,
-    ShardMismatchError,
-)
+from torchtitan_speechlm.data.reader import PreparedDataset
+from torchtitan_speechlm.dataset_format import CorruptDatasetError, ShardMismatchError
+from torchtitan_speechlm.demo import assets as demo_assets
+from torchtitan_speechlm.prepare import run as prepare_run
+from torchtitan_speechlm.prepare.pipeline import NoItemsError, main, prepare_dataset
+from torchtitan_speechlm.prepare.plan import PlanMismatchError
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +183,7 @@ def test_strict_error_in_a_worker_process_stops_the_run(assets, tmp_path):
     (tmp_path / "junk.wav").write_bytes(b"RIFF junk")  # passes the up-front checks
     rows[9]["audio"] = str(tmp_path / "junk.wav")  # shard 4 of 7
     m = write_manifest(os.path.join(os.path.dirname(assets["m14"]), "strict.jsonl"), rows)
-    from torchtitan_speechlm.data.prepare import BadItemError
+    from torchtitan_speechlm.prepare.pipeline import BadItemError
 
     with pytest.raises(BadItemError, match=r"strict\.jsonl:10: item 'a9'.*unreadable"):
         prepare_dataset(m, assets["codec"], assets["tok"], str(tmp_path / "o"), progress=False,
@@ -196,7 +193,7 @@ def test_strict_error_in_a_worker_process_stops_the_run(assets, tmp_path):
 
 
 def test_untokenizable_text_is_recorded(assets, tmp_path, monkeypatch):
-    from torchtitan_speechlm.data import tokenizer as tokmod
+    from torchtitan_speechlm import text_tokenizer as tokmod
 
     real_load = tokmod.load_text_tokenizer
 

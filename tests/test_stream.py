@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan_speechlm.data.examples import LossWeights, TemplateBuilder
 from torchtitan_speechlm.data.loader import SpeechLMDataLoader
 from torchtitan_speechlm.data.stream import Source, SpeechLMDataset, batch_hash
+from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
 
 N_STREAMS, CODEBOOK, TEXT = 3, 16, 50
@@ -224,7 +224,7 @@ def test_packed_row_logits_equal_each_sample_run_alone(tmp_path):
 
 
 def test_dialogue_template_loss_on_assistant_turns_and_length_from_index():
-    from torchtitan_speechlm.data.prepared import Turn
+    from torchtitan_speechlm.dataset_format import Turn
 
     rng = np.random.default_rng(0)
     turns = [Turn("system", "text", rng.integers(0, TEXT, 4), ""),

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_all_tasks_train_together(tmp_path):
-    from torchtitan_speechlm.data.prepare import prepare_dataset
+    from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
     assets = make_tiny_run_assets(tmp_path / "assets", n_items=8)
     rng = np.random.default_rng(0)

@@ -144,7 +144,7 @@ def test_validation_set_smaller_than_the_ranks(assets, tmp_path):
     import json
     import os
 
-    from torchtitan_speechlm.data.prepare import prepare_dataset
+    from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
     with open(os.path.join(os.path.dirname(assets["prepared"]), "manifest.jsonl")) as f:
         src = json.loads(f.readline())
@@ -168,7 +168,7 @@ def test_validation_set_smaller_than_the_ranks(assets, tmp_path):
 def test_moe_backbone_trains_under_fsdp_with_load_balance_loss(assets, tmp_path):
     from transformers import AutoTokenizer
 
-    from torchtitan_speechlm.demo_assets import build_backbone
+    from torchtitan_speechlm.demo.assets import build_backbone
 
     vocab = len(AutoTokenizer.from_pretrained(assets["tokenizer"]))
     moe = build_backbone(str(tmp_path / "moe"), family="qwen3_moe", vocab_size=vocab,

@@ -6,12 +6,12 @@ console script and stock `python -m torchtitan.train --experimental.custom_impor
 torchtitan_speechlm` find it.
 """
 
-from .compat import install_torchtitan_cpu_patches, use_cpu_when_no_accelerator
+from torchtitan_speechlm.compat import install_torchtitan_cpu_patches, use_cpu_when_no_accelerator
 
 use_cpu_when_no_accelerator()
 install_torchtitan_cpu_patches()
 
-from .spec import SPEC_NAME, register  # noqa: E402
+from torchtitan_speechlm.spec import SPEC_NAME, register  # noqa: E402
 
 register()
 

@@ -230,7 +230,7 @@ def validate_job_config(job_config) -> None:
     sl, data = job_config.speechlm, job_config.speechlm_data
     if job_config.model.name != "speechlm":
         return
-    from .model.hf_backbone import require_backbone_dir
+    from torchtitan_speechlm.model.hf_backbone import require_backbone_dir
 
     require_backbone_dir(sl.backbone)
     names = parse_datasets(data.datasets)
@@ -239,7 +239,7 @@ def validate_job_config(job_config) -> None:
     if not train:
         raise ConfigError("speechlm_data.train is empty: list at least one TASK:NAME entry")
     metas = dataset_metadata(job_config)
-    from .data.prepared import check_compatible
+    from torchtitan_speechlm.dataset_format import check_compatible
 
     first = next(iter(metas))
     for name, meta in metas.items():
@@ -261,7 +261,7 @@ def validate_job_config(job_config) -> None:
     for key in ("text_weight", "audio_weight", "z_loss_weight", "load_balance_weight"):
         if getattr(sl, key) < 0:
             raise ConfigError(f"speechlm.{key} must be >= 0")
-    from .model.hf_backbone import load_hf_config
+    from torchtitan_speechlm.model.hf_backbone import load_hf_config
 
     hf = load_hf_config(sl.backbone)
     for name, m in metas.items():
@@ -295,8 +295,8 @@ def validate_job_config(job_config) -> None:
 
 def layout_from_config(job_config):
     """The run's VocabLayout: text rows from the backbone, streams/codebook from the datasets."""
-    from .model.hf_backbone import load_hf_config
-    from .model.vocab import VocabLayout
+    from torchtitan_speechlm.model.hf_backbone import load_hf_config
+    from torchtitan_speechlm.model.vocab import VocabLayout
 
     hf = load_hf_config(job_config.speechlm.backbone)
     meta = next(iter(dataset_metadata(job_config).values()))
@@ -312,8 +312,8 @@ def resolve_model_args(args, job_config) -> None:
 
     Keys with the same name in [speechlm] and the model args are copied as they are; only the
     derived ones (vocabulary, tie, normalised stream weights) are computed here."""
-    from .components.resume import resolve_resume
-    from .model.hf_backbone import load_hf_config
+    from torchtitan_speechlm.components.resume import resolve_resume
+    from torchtitan_speechlm.model.hf_backbone import load_hf_config
 
     validate_job_config(job_config)
     resolve_resume(job_config)  # before torchtitan's checkpointer picks the step to load

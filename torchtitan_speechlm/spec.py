@@ -7,13 +7,13 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
-from .components.loss import build_speechlm_loss
-from .components.metrics import build_speechlm_metrics_processor
-from .components.validate import build_speechlm_validator
-from .data.loader import build_speechlm_dataloader
-from .model.args import SpeechLMModelArgs
-from .model.model import SpeechLM
-from .model.parallelize import parallelize_speechlm
+from torchtitan_speechlm.components.loss import build_speechlm_loss
+from torchtitan_speechlm.components.metrics import build_speechlm_metrics_processor
+from torchtitan_speechlm.components.validate import build_speechlm_validator
+from torchtitan_speechlm.data.loader import build_speechlm_dataloader
+from torchtitan_speechlm.infra.parallelize import parallelize_speechlm
+from torchtitan_speechlm.model.args import SpeechLMModelArgs
+from torchtitan_speechlm.model.model import SpeechLM
 
 SPEC_NAME = "speechlm"
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import layout_from_config
-from ..data.stream import data_stats_keys
-from ..model.model import SpeechLMOutput
-from .stats import StatsAccumulator
+from torchtitan_speechlm.components.stats import StatsAccumulator
+from torchtitan_speechlm.config import layout_from_config
+from torchtitan_speechlm.data.stream import data_stats_keys
+from torchtitan_speechlm.model.model import SpeechLMOutput
 
 # torchtitan's Trainer builds the metrics processor and the loss function separately and never
 # hands one to the other; this per-process accumulator is their meeting point. One Trainer per

@@ -18,9 +18,9 @@ import torch
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 from torchtitan.tools.logging import logger
 
-from ..config import dataset_metadata
-from .loss import TRAIN_STATS
-from .stats import StatsAccumulator
+from torchtitan_speechlm.components.loss import TRAIN_STATS
+from torchtitan_speechlm.components.stats import StatsAccumulator
+from torchtitan_speechlm.config import dataset_metadata
 
 
 class JsonlLogger(BaseLogger):

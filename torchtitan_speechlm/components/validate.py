@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
-from ..config import layout_from_config, parse_datasets, parse_mix
-from ..data.loader import build_dataset
-from ..data.stream import SpeechLMDataset, Unit, data_stats_keys
-from .stats import StatsAccumulator
+from torchtitan_speechlm.components.stats import StatsAccumulator
+from torchtitan_speechlm.config import layout_from_config, parse_datasets, parse_mix
+from torchtitan_speechlm.data.loader import build_dataset
+from torchtitan_speechlm.data.stream import SpeechLMDataset, Unit, data_stats_keys
 
 
 def validation_sets(job_config) -> dict[str, tuple[list, str]]:

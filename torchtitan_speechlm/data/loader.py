@@ -20,16 +20,16 @@ import numpy as np
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from ..config import (
+from torchtitan_speechlm.config import (
     MixEntry,
     layout_from_config,
     normalised_stream_weights,
     parse_datasets,
     parse_mix,
 )
-from ..model.vocab import VocabLayout
-from .examples import LossWeights, TemplateBuilder
-from .stream import META_KEY, Source, SpeechLMDataset, batch_hash
+from torchtitan_speechlm.data.stream import META_KEY, Source, SpeechLMDataset, batch_hash
+from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+from torchtitan_speechlm.model.vocab import VocabLayout
 
 
 class SpeechLMDataLoader(ParallelAwareDataloader):
@@ -144,7 +144,7 @@ def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
 def open_prepared(path: str):
     """A prepared dataset is immutable once written, so each process opens (and validates) it
     once, not once per mixture entry or validation round."""
-    from .prepared import PreparedDataset
+    from torchtitan_speechlm.data.reader import PreparedDataset
 
     return PreparedDataset(path)
 
@@ -207,7 +207,7 @@ def check_data(job_config) -> None:
     """Build the training stream and every validation set once, as the ranks will: bad
     mixtures, empty entries and lengths that do not fit ``seq_len`` fail here, before any rank
     starts (see SpeechLMDataset.check_lengths)."""
-    from ..components.validate import validation_sets
+    from torchtitan_speechlm.components.validate import validation_sets
 
     names = parse_datasets(job_config.speechlm_data.datasets)
     entries = parse_mix(job_config.speechlm_data.train, "train", names)

@@ -40,8 +40,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
-from ..model.vocab import VocabMismatchError
-from .examples import TASKS, TemplateBuilder
+from torchtitan_speechlm.data.tasks import TASKS, TemplateBuilder
+from torchtitan_speechlm.model.vocab import VocabMismatchError
 
 META_KEY = "_speechlm_meta"  # the batch entry carrying the stream position (see loader.py)
 BASE_STATS = ("examples", "rows", "frames", "pad_frames", "loss_frames", "audio_frames",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torchtitan.protocols import BaseModelArgs
 
-from .vocab import VocabLayout
+from torchtitan_speechlm.model.vocab import VocabLayout
 
 
 @dataclass
@@ -41,7 +41,7 @@ class SpeechLMModelArgs(BaseModelArgs):
     # ---- torchtitan protocol ---------------------------------------------------------------
     def update_from_config(self, job_config, **kwargs) -> None:
         """Fill in from [speechlm] and the datasets' metadata (see config.resolve_model_args)."""
-        from ..config import resolve_model_args
+        from torchtitan_speechlm.config import resolve_model_args
 
         resolve_model_args(self, job_config)
 

@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 from torchtitan.protocols import ModelProtocol
 
-from .args import SpeechLMModelArgs
-from .hf_backbone import (
+from torchtitan_speechlm.model.args import SpeechLMModelArgs
+from torchtitan_speechlm.model.hf_backbone import (
     HF_EMBED,
     HF_HEAD,
     PretrainedWeights,

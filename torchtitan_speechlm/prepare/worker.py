@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .audio import BadAudioError, load_audio
-from .manifest import AudioRef, ManifestItem
-from .prepared import SHARDS_DIR, Turn, shard_name
-from .shard_writer import ShardWriter
+from torchtitan_speechlm.audio import BadAudioError, load_audio
+from torchtitan_speechlm.dataset_format import SHARDS_DIR, Turn, shard_name
+from torchtitan_speechlm.prepare.items import AudioRef, ManifestItem
+from torchtitan_speechlm.prepare.shard_writer import ShardWriter
 
 FAILURES = "failures.jsonl"
 
@@ -62,9 +62,9 @@ def init_worker(cfg: WorkerConfig, progress_queue=None, threads: int | None = No
     """Load this process' codec, tokenizer and (for HF sources) audio reader."""
     import torch
 
-    from .codec import load_codec
-    from .hf_source import HFAudioReader
-    from .tokenizer import load_text_tokenizer
+    from torchtitan_speechlm.codecs import load_codec
+    from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
+    from torchtitan_speechlm.text_tokenizer import load_text_tokenizer
 
     if threads:
         torch.set_num_threads(threads)
@@ -77,7 +77,7 @@ def init_worker(cfg: WorkerConfig, progress_queue=None, threads: int | None = No
 
 def use_in_process(cfg: WorkerConfig, codec, tok, callback) -> None:
     """Run shards in this process with an already loaded codec/tokenizer."""
-    from .hf_source import HFAudioReader
+    from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
 
     _state.clear()
     _state.update(cfg=cfg, queue=None, callback=callback, codec=codec, tok=tok,

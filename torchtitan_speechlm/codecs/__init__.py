@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .kmeans_codec import MODEL_TYPE as KMEANS_MODEL_TYPE
-from .kmeans_codec import load_kmeans_codec
+from torchtitan_speechlm.codecs.kmeans import MODEL_TYPE as KMEANS_MODEL_TYPE
+from torchtitan_speechlm.codecs.kmeans import load_kmeans_codec
 
 SUPPORTED_CODECS = ("encodec", "mimi", "dac")
 

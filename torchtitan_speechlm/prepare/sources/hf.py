@@ -14,8 +14,13 @@ import os
 
 import numpy as np
 
-from .audio import BadAudioError, decode_audio_bytes, load_audio, to_codec_audio
-from .manifest import AudioRef, ManifestError, ManifestItem
+from torchtitan_speechlm.audio import (
+    BadAudioError,
+    decode_audio_bytes,
+    load_audio,
+    to_codec_audio,
+)
+from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem
 
 
 def open_hf_dataset(path: str, split: str | None = None):

@@ -20,14 +20,14 @@ DEFAULT_CONFIG = "train_configs/speechlm_debug.toml"
 def build_demo_data(work_dir: str, n_utterances: int = 240, backbone_family: str = "qwen3") -> dict:
     from transformers import AutoTokenizer
 
-    from .data.prepare import prepare_dataset
-    from .demo_assets import (
+    from torchtitan_speechlm.demo.assets import (
         build_backbone,
         build_codec,
         build_tokenizer,
         load_sentences,
         synthesize_corpus,
     )
+    from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
     os.makedirs(work_dir, exist_ok=True)
     sentences = load_sentences()
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     build_demo_data(args.work_dir, args.utterances)
     t_data = time.perf_counter() - t0
-    from .cli import already_complete, check_config
+    from torchtitan_speechlm.launch import already_complete, check_config
 
     job = check_config(["--job.config_file", args.config, *args.train_args])
     complete = already_complete(job)

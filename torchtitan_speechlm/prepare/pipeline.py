@@ -16,10 +16,11 @@ import shutil
 import sys
 import time
 
-from .audio import BadAudioError
-from .codec import CodecError
-from .manifest import ManifestError, ManifestItem
-from .prepare_plan import (
+from torchtitan_speechlm.audio import BadAudioError
+from torchtitan_speechlm.codecs import CodecError
+from torchtitan_speechlm.dataset_format import CorruptDatasetError
+from torchtitan_speechlm.prepare.items import ManifestError, ManifestItem
+from torchtitan_speechlm.prepare.plan import (
     PlanMismatchError,
     build_plan,
     finalize,
@@ -27,9 +28,8 @@ from .prepare_plan import (
     read_source,
     shard_done,
 )
-from .prepare_run import fit_or_reuse_kmeans, run_shards
-from .prepare_worker import BadItemError, ShardTask, WorkerConfig
-from .prepared import CorruptDatasetError
+from torchtitan_speechlm.prepare.run import fit_or_reuse_kmeans, run_shards
+from torchtitan_speechlm.prepare.worker import BadItemError, ShardTask, WorkerConfig
 
 
 class NoItemsError(RuntimeError):
@@ -103,8 +103,8 @@ def prepare_dataset(
     if fit_kmeans_codec is not None:
         codec_path = fit_or_reuse_kmeans(fit_kmeans_codec, items, codebooks, codebook_size,
                                          kmeans_seconds, seed, overwrite, progress, hf_reader)  # fmt: skip
-    from .codec import load_codec
-    from .tokenizer import load_text_tokenizer, tokenizer_fingerprint
+    from torchtitan_speechlm.codecs import load_codec
+    from torchtitan_speechlm.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
 
     codec = load_codec(codec_path, device if workers == 1 else "cpu", num_streams)
     tok = load_text_tokenizer(tokenizer_path)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 
-from .manifest import AudioRef, ManifestError, ManifestItem
+from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem
 
 _ARK_OFFSET = re.compile(r"\.ark:\d+$")
 

@@ -22,8 +22,8 @@ SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "
 
 
 def load_sentences() -> list[str]:
-    """The packaged list of short English sentences (``data/sentences.txt``)."""
-    path = os.path.join(os.path.dirname(__file__), "data", "sentences.txt")
+    """The packaged list of short English sentences (``demo/sentences.txt``)."""
+    path = os.path.join(os.path.dirname(__file__), "sentences.txt")
     with open(path) as f:
         return [line.strip() for line in f if line.strip()]
 
@@ -219,7 +219,7 @@ def synthesize_corpus(
     Voices and speeds cycle for variety. A manifest with ``n`` lines already present means the
     work is done (the manifest is written last, atomically). Returns the manifest path.
     """
-    from .data.audio import load_audio
+    from torchtitan_speechlm.audio import load_audio
 
     manifest = os.path.join(out_dir, "manifest.jsonl")
     if os.path.isfile(manifest) and _count_lines(manifest) == n:

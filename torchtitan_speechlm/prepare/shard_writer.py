@@ -14,7 +14,7 @@ import shutil
 
 import numpy as np
 
-from .prepared import (
+from torchtitan_speechlm.dataset_format import (
     AUDIO_CODES,
     FORMAT_VERSION,
     ITEMS,

@@ -1,124 +1,43 @@
-"""The on-disk "prepared dataset": text token ids and codec codes, ready for training.
-
-Layout (``FORMAT_VERSION = 2``, described in docs/data.md)::
-
-    metadata.json            codec + tokenizer identity, shard list, totals (written last)
-    plan.json                what ``torchtitan prepare`` was asked to do (for resuming)
-    failures.jsonl, summary.json
-    shards/NNNNN/items.jsonl       per item: id, kind, text, source, offsets, lengths, seconds
-    shards/NNNNN/text_tokens.npy   int32 [shard_text_tokens]
-    shards/NNNNN/audio_codes.npy   int16 (int32 if codebook_size > 32767) [shard_frames, num_streams]
-    shards/NNNNN/shard.json        format version, codec/tokenizer identity, totals
-
-Shards let several processes write in parallel and let an interrupted run keep what it
-finished: each shard directory appears atomically (temp dir + rename). Within a shard, two flat
-arrays plus an index keep reads cheap: the reader memory-maps the arrays and slices them, so
-opening a dataset costs nothing however large it is.
-"""
+"""Reading prepared datasets at training time: a memory-mapped, validated view of every shard
+(the format itself is ``torchtitan_speechlm.dataset_format``)."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
-FORMAT_VERSION = 2
-METADATA = "metadata.json"
-SHARDS_DIR = "shards"
-SHARD_META = "shard.json"
-ITEMS = "items.jsonl"
-TEXT_TOKENS = "text_tokens.npy"
-AUDIO_CODES = "audio_codes.npy"
-TEXT_DTYPE = np.dtype("<i4")
-_INDEX_COLUMNS = ("text_offset", "text_len", "audio_offset", "audio_frames", "seconds")
-_REGENERATE = "re-create it with `torchtitan prepare` (see docs/data.md)"
-CODEC_COMPAT_KEYS = ("name", "num_streams", "codebook_size", "config_hash", "frame_rate")
-
-
-class CorruptDatasetError(ValueError):
-    """A prepared dataset is missing, incomplete or inconsistent; the message names the file."""
-
-
-class ShardMismatchError(CorruptDatasetError):
-    """A shard was written with another codec layout or tokenizer than ``metadata.json`` says."""
-
-
-def codes_dtype(codebook_size: int) -> np.dtype:
-    return np.dtype("<i2") if codebook_size <= 32767 else np.dtype("<i4")
-
-
-def shard_name(index: int) -> str:
-    return f"{index:05d}"
-
-
-@dataclass
-class Turn:
-    """One dialogue turn: ``tokens`` is int64 [L] text ids or int64 [F, N] codec codes."""
-
-    role: str  # system | user | assistant
-    modality: str  # text | audio
-    tokens: np.ndarray
-    text: str = ""  # the turn's text (text turns only)
-
-
-@dataclass
-class PreparedItem:
-    id: str
-    text: str
-    text_tokens: np.ndarray  # int64 [L]; empty for dialogue items (see turns)
-    audio_codes: np.ndarray  # int64 [F, N]; empty for text-only and dialogue items
-    seconds: float
-    turns: list[Turn] | None = None  # dialogue items only
-
-
-def first_difference(a: dict, b: dict) -> str | None:
-    """Name (``codec.<key>`` / ``tokenizer.hash``) of the first codec-layout or tokenizer key
-    where two metadata dicts differ, or None."""
-    for key in CODEC_COMPAT_KEYS:
-        if a.get("codec", {}).get(key) != b.get("codec", {}).get(key):
-            return f"codec.{key}"
-    if a.get("tokenizer", {}).get("hash") != b.get("tokenizer", {}).get("hash"):
-        return "tokenizer.hash"
-    return None
-
-
-def _get(meta: dict, dotted: str):
-    section, key = dotted.split(".")
-    return meta.get(section, {}).get(key)
-
-
-def check_compatible(meta_a: dict, meta_b: dict) -> None:
-    """Raise ``ValueError`` naming the first key where two datasets' codec layout or tokenizer differ."""
-    key = first_difference(meta_a, meta_b)
-    if key is not None:
-        raise ValueError(
-            f"prepared datasets are incompatible: {key} differs "
-            f"({_get(meta_a, key)!r} vs {_get(meta_b, key)!r})"
-        )
+from torchtitan_speechlm.dataset_format import (
+    AUDIO_CODES,
+    FORMAT_VERSION,
+    INDEX_COLUMNS,
+    ITEMS,
+    METADATA,
+    REGENERATE,
+    SHARD_META,
+    SHARDS_DIR,
+    TEXT_TOKENS,
+    CorruptDatasetError,
+    PreparedItem,
+    ShardMismatchError,
+    Turn,
+    first_difference,
+    metadata_value,
+    read_json,
+)
 
 
 def _open_array(path: str, dtype_kinds: str, ndim: int) -> np.ndarray:
     if not os.path.isfile(path):
-        raise CorruptDatasetError(f"{path} is missing; {_REGENERATE}")
+        raise CorruptDatasetError(f"{path} is missing; {REGENERATE}")
     try:
         arr = np.load(path, mmap_mode="r")
     except (ValueError, OSError, EOFError) as e:
-        raise CorruptDatasetError(f"{path} is unreadable or truncated ({e}); {_REGENERATE}") from e
+        raise CorruptDatasetError(f"{path} is unreadable or truncated ({e}); {REGENERATE}") from e
     if arr.ndim != ndim or arr.dtype.kind not in dtype_kinds:
-        raise CorruptDatasetError(f"{path} has shape {arr.shape} dtype {arr.dtype}; {_REGENERATE}")
+        raise CorruptDatasetError(f"{path} has shape {arr.shape} dtype {arr.dtype}; {REGENERATE}")
     return arr
-
-
-def read_json(path: str, what: str = "") -> dict:
-    if not os.path.isfile(path):
-        raise CorruptDatasetError(f"{path} is missing{what}; {_REGENERATE}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (ValueError, OSError) as e:
-        raise CorruptDatasetError(f"{path} is not valid JSON ({e}); {_REGENERATE}") from e
 
 
 class PreparedDataset:
@@ -140,7 +59,7 @@ class PreparedDataset:
         if version != FORMAT_VERSION:
             raise CorruptDatasetError(
                 f"{meta_path}: format_version {version!r} is not supported (this code reads "
-                f"{FORMAT_VERSION}); {_REGENERATE} with this version of torchtitan_speechlm"
+                f"{FORMAT_VERSION}); {REGENERATE} with this version of torchtitan_speechlm"
             )
         self.num_streams = int(self.metadata["codec"]["num_streams"])
         self.shard_paths: list[str] = []
@@ -168,25 +87,25 @@ class PreparedDataset:
         if self.metadata.get("num_items") != len(self.ids):
             raise CorruptDatasetError(
                 f"{meta_path} says {self.metadata.get('num_items')} items but its shards hold "
-                f"{len(self.ids)}; {_REGENERATE}"
+                f"{len(self.ids)}; {REGENERATE}"
             )
 
     def _open_shard(self, entry: dict) -> np.ndarray:
         sdir = os.path.join(self.path, SHARDS_DIR, str(entry.get("name")))
         if not os.path.isdir(sdir):
-            raise CorruptDatasetError(f"shard {sdir} is missing; {_REGENERATE}")
+            raise CorruptDatasetError(f"shard {sdir} is missing; {REGENERATE}")
         smeta = read_json(os.path.join(sdir, SHARD_META))
         if smeta.get("format_version") != FORMAT_VERSION:
             raise CorruptDatasetError(
                 f"shard {sdir}: format_version {smeta.get('format_version')!r}, expected "
-                f"{FORMAT_VERSION}; {_REGENERATE}"
+                f"{FORMAT_VERSION}; {REGENERATE}"
             )
         key = first_difference(smeta, self.metadata)
         if key is not None:
             raise ShardMismatchError(
-                f"shard {sdir}: {key} is {_get(smeta, key)!r} but {self.path}/{METADATA} says "
-                f"{_get(self.metadata, key)!r} (shards from different codecs/tokenizers cannot be "
-                f"mixed); {_REGENERATE}"
+                f"shard {sdir}: {key} is {metadata_value(smeta, key)!r} but {self.path}/{METADATA} says "
+                f"{metadata_value(self.metadata, key)!r} (shards from different codecs/tokenizers cannot be "
+                f"mixed); {REGENERATE}"
             )
         base = len(self.ids)
         rows = self._read_index(os.path.join(sdir, ITEMS), base)
@@ -194,7 +113,7 @@ class PreparedDataset:
         if not n == smeta.get("num_items") == entry.get("num_items"):
             raise CorruptDatasetError(
                 f"shard {sdir}: {ITEMS} has {n} items, shard.json says {smeta.get('num_items')}, "
-                f"metadata.json says {entry.get('num_items')}; {_REGENERATE}"
+                f"metadata.json says {entry.get('num_items')}; {REGENERATE}"
             )
         text = _open_array(os.path.join(sdir, TEXT_TOKENS), "i", 1)
         codes = _open_array(os.path.join(sdir, AUDIO_CODES), "i", 2)
@@ -206,16 +125,16 @@ class PreparedDataset:
             file = os.path.join(sdir, name)
             if have != want:
                 raise CorruptDatasetError(
-                    f"{file} has {have} rows, shard.json says {want}; {_REGENERATE}"
+                    f"{file} has {have} rows, shard.json says {want}; {REGENERATE}"
                 )
             if n and ((off < 0).any() or (length < 0).any() or (off + length > have).any()):
                 raise CorruptDatasetError(
-                    f"{file}: {ITEMS} points past its {have} rows; {_REGENERATE}"
+                    f"{file}: {ITEMS} points past its {have} rows; {REGENERATE}"
                 )
         if codes.shape[1] != self.num_streams:
             raise CorruptDatasetError(
                 f"{os.path.join(sdir, AUDIO_CODES)} has {codes.shape[1]} streams, metadata says "
-                f"{self.num_streams}; {_REGENERATE}"
+                f"{self.num_streams}; {REGENERATE}"
             )
         self.shard_paths.append(sdir)
         self._text_arrays.append(text)
@@ -224,13 +143,13 @@ class PreparedDataset:
 
     def _read_index(self, items_path: str, base: int) -> np.ndarray:
         if not os.path.isfile(items_path):
-            raise CorruptDatasetError(f"{items_path} is missing; {_REGENERATE}")
+            raise CorruptDatasetError(f"{items_path} is missing; {REGENERATE}")
         cols: list[tuple] = []
         with open(items_path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
                 try:
                     r = json.loads(line)
-                    cols.append(tuple(float(r[k]) for k in _INDEX_COLUMNS))
+                    cols.append(tuple(float(r[k]) for k in INDEX_COLUMNS))
                     item_id, text, kind = str(r["id"]), str(r["text"]), str(r["kind"])
                     if "turns" in r:
                         self._turns[base + len(cols) - 1] = [
@@ -239,7 +158,7 @@ class PreparedDataset:
                         ]
                 except (ValueError, KeyError, TypeError) as e:
                     raise CorruptDatasetError(
-                        f"{items_path}:{lineno}: bad index line ({e}); {_REGENERATE}"
+                        f"{items_path}:{lineno}: bad index line ({e}); {REGENERATE}"
                     ) from e
                 self.ids.append(item_id)
                 self.texts.append(text)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import TASKS
-from ..model.patterns import extra_frames, interleave
-from ..model.vocab import VocabLayout
+from torchtitan_speechlm.config import TASKS
+from torchtitan_speechlm.model.patterns import extra_frames, interleave
+from torchtitan_speechlm.model.vocab import VocabLayout
 
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 MODALITY_TOKENS = {"text": "<|text|>", "audio": "<|audio|>"}

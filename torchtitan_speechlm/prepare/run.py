@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 import numpy as np
 
-from .prepare_worker import (
+from torchtitan_speechlm.prepare.worker import (
     ShardTask,
     WorkerConfig,
     init_worker,
@@ -95,7 +95,7 @@ def worker_context(device: str):
     if device.startswith("cuda") or sys.platform != "linux":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torchtitan_speechlm.data.prepare_worker"])
+    ctx.set_forkserver_preload(["torchtitan_speechlm.prepare.worker"])
     return ctx
 
 
@@ -115,10 +115,10 @@ def fit_or_reuse_kmeans(out: str, items, codebooks: int, codebook_size: int,
     """Return a k-means codec folder: ``out`` as is if it already holds one fitted with these
     settings (so reruns are cheap and stable), else fit one on up to ``seconds`` of randomly
     chosen (``seed``) input audio."""
-    from .audio import BadAudioError
-    from .codec import CodecError
-    from .hf_source import HFAudioReader
-    from .kmeans_codec import MODEL_TYPE, KMeansConfig, fit_kmeans_codec
+    from torchtitan_speechlm.audio import BadAudioError
+    from torchtitan_speechlm.codecs import CodecError
+    from torchtitan_speechlm.codecs.kmeans import MODEL_TYPE, KMeansConfig, fit_kmeans_codec
+    from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
 
     cfg_file = os.path.join(out, "config.json")
     if os.path.isfile(cfg_file):

@@ -4,7 +4,7 @@ wandb >= 0.19 writes runs from its Go core and no longer ships a Python reader. 
 LevelDB-style record log (a 7-byte ``:W&B`` header, then 32 KiB blocks of records: crc32c(4),
 length(2), type(1), payload) whose payloads are wandb's own ``Record`` protobufs; we decode them
 with wandb's generated ``wandb_internal_pb2`` so the history is exactly what ``wandb sync`` would
-upload. Usage: ``python -m torchtitan_speechlm.wandb_offline RUN_DIR`` prints the logged keys.
+upload. Usage: ``python -m torchtitan_speechlm.tools.wandb_offline RUN_DIR`` prints the logged keys.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def read_history(run_dir_or_file: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m torchtitan_speechlm.wandb_offline RUN_DIR", file=sys.stderr)
+        print("usage: python -m torchtitan_speechlm.tools.wandb_offline RUN_DIR", file=sys.stderr)
         return 2
     rows = read_history(argv[0])
     keys = sorted({k for r in rows for k in r})

@@ -15,9 +15,7 @@ import json
 import os
 import shutil
 
-from .manifest import ManifestItem
-from .prepare_worker import FAILURES
-from .prepared import (
+from torchtitan_speechlm.dataset_format import (
     FORMAT_VERSION,
     METADATA,
     SHARD_META,
@@ -26,7 +24,9 @@ from .prepared import (
     read_json,
     shard_name,
 )
-from .shard_writer import write_json_atomic
+from torchtitan_speechlm.prepare.items import ManifestItem
+from torchtitan_speechlm.prepare.shard_writer import write_json_atomic
+from torchtitan_speechlm.prepare.worker import FAILURES
 
 PLAN = "plan.json"
 SUMMARY = "summary.json"
@@ -39,14 +39,14 @@ class PlanMismatchError(ValueError):
 def read_source(manifest, kaldi, hf_dataset, audio_column, text_column, split):
     """(items, source description for the plan, HF reader args or None)."""
     if manifest is not None:
-        from .manifest import read_jsonl_manifest
+        from torchtitan_speechlm.prepare.sources.jsonl import read_jsonl_manifest
 
         return read_jsonl_manifest(manifest), {"type": "manifest"}, None
     if kaldi is not None:
-        from .kaldi import read_kaldi_dir
+        from torchtitan_speechlm.prepare.sources.kaldi import read_kaldi_dir
 
         return read_kaldi_dir(kaldi), {"type": "kaldi"}, None
-    from .hf_source import open_hf_dataset, read_hf_items
+    from torchtitan_speechlm.prepare.sources.hf import open_hf_dataset, read_hf_items
 
     items = read_hf_items(hf_dataset, audio_column, text_column, split)
     ds, split = open_hf_dataset(hf_dataset, split)

@@ -32,7 +32,7 @@ from torchtitan.models.llama3.infra.parallelize import (
 )
 from torchtitan.tools.logging import logger
 
-from ..compat import (
+from torchtitan_speechlm.compat import (
     force_sum_reduction_on_cpu,
     sum_gradients_in_ddp,
     sync_gradients_on_last_microbatch,

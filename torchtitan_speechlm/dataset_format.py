@@ -1,0 +1,114 @@
+"""The on-disk contract of a "prepared dataset": text token ids and codec codes, ready for
+training. prepare/ writes it and data/ reads it; this module is all they share.
+
+Layout (``FORMAT_VERSION = 2``, described in docs/data.md)::
+
+    metadata.json            codec + tokenizer identity, shard list, totals (written last)
+    plan.json                what ``torchtitan prepare`` was asked to do (for resuming)
+    failures.jsonl, summary.json
+    shards/NNNNN/items.jsonl       per item: id, kind, text, source, offsets, lengths, seconds
+    shards/NNNNN/text_tokens.npy   int32 [shard_text_tokens]
+    shards/NNNNN/audio_codes.npy   int16 (int32 if codebook_size > 32767) [shard_frames, num_streams]
+    shards/NNNNN/shard.json        format version, codec/tokenizer identity, totals
+
+Shards let several processes write in parallel and let an interrupted run keep what it
+finished: each shard directory appears atomically (temp dir + rename). Within a shard, two flat
+arrays plus an index keep reads cheap: the reader memory-maps the arrays and slices them, so
+opening a dataset costs nothing however large it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMAT_VERSION = 2
+METADATA = "metadata.json"
+SHARDS_DIR = "shards"
+SHARD_META = "shard.json"
+ITEMS = "items.jsonl"
+TEXT_TOKENS = "text_tokens.npy"
+AUDIO_CODES = "audio_codes.npy"
+TEXT_DTYPE = np.dtype("<i4")
+INDEX_COLUMNS = ("text_offset", "text_len", "audio_offset", "audio_frames", "seconds")
+KINDS = ("speech", "text", "audio", "dialogue")  # what an item holds (items.jsonl "kind")
+ROLES = ("system", "user", "assistant")  # dialogue turn roles
+MODALITIES = ("text", "audio")
+REGENERATE = "re-create it with `torchtitan prepare` (see docs/data.md)"
+CODEC_COMPAT_KEYS = ("name", "num_streams", "codebook_size", "config_hash", "frame_rate")
+
+
+class CorruptDatasetError(ValueError):
+    """A prepared dataset is missing, incomplete or inconsistent; the message names the file."""
+
+
+class ShardMismatchError(CorruptDatasetError):
+    """A shard was written with another codec layout or tokenizer than ``metadata.json`` says."""
+
+
+def codes_dtype(codebook_size: int) -> np.dtype:
+    return np.dtype("<i2") if codebook_size <= 32767 else np.dtype("<i4")
+
+
+def shard_name(index: int) -> str:
+    return f"{index:05d}"
+
+
+@dataclass
+class Turn:
+    """One dialogue turn: ``tokens`` is int64 [L] text ids or int64 [F, N] codec codes."""
+
+    role: str  # system | user | assistant
+    modality: str  # text | audio
+    tokens: np.ndarray
+    text: str = ""  # the turn's text (text turns only)
+
+
+@dataclass
+class PreparedItem:
+    id: str
+    text: str
+    text_tokens: np.ndarray  # int64 [L]; empty for dialogue items (see turns)
+    audio_codes: np.ndarray  # int64 [F, N]; empty for text-only and dialogue items
+    seconds: float
+    turns: list[Turn] | None = None  # dialogue items only
+
+
+def first_difference(a: dict, b: dict) -> str | None:
+    """Name (``codec.<key>`` / ``tokenizer.hash``) of the first codec-layout or tokenizer key
+    where two metadata dicts differ, or None."""
+    for key in CODEC_COMPAT_KEYS:
+        if a.get("codec", {}).get(key) != b.get("codec", {}).get(key):
+            return f"codec.{key}"
+    if a.get("tokenizer", {}).get("hash") != b.get("tokenizer", {}).get("hash"):
+        return "tokenizer.hash"
+    return None
+
+
+def metadata_value(meta: dict, dotted: str):
+    """``metadata_value(meta, "codec.name")``: a value of a metadata dict by its dotted key."""
+    section, key = dotted.split(".")
+    return meta.get(section, {}).get(key)
+
+
+def check_compatible(meta_a: dict, meta_b: dict) -> None:
+    """Raise ``ValueError`` naming the first key where two datasets' codec layout or tokenizer differ."""
+    key = first_difference(meta_a, meta_b)
+    if key is not None:
+        raise ValueError(
+            f"prepared datasets are incompatible: {key} differs "
+            f"({metadata_value(meta_a, key)!r} vs {metadata_value(meta_b, key)!r})"
+        )
+
+
+def read_json(path: str, what: str = "") -> dict:
+    if not os.path.isfile(path):
+        raise CorruptDatasetError(f"{path} is missing{what}; {REGENERATE}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, OSError) as e:
+        raise CorruptDatasetError(f"{path} is not valid JSON ({e}); {REGENERATE}") from e

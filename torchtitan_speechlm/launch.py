@@ -1,0 +1,207 @@
+"""`torchtitan train`: parse and check the config once, then run as this rank, as N local
+ranks (torch's elastic launcher), or as one process.
+
+Every entry point goes through ``torchtitan_args`` (our config module merged, booleans as
+``--section.key true|false``): the console script, ``-m torchtitan_speechlm.train`` under
+torchrun, and the demo. The whole config is validated in the launching process, before any rank
+starts (so a typo costs a second, not a cluster allocation):
+- inside torchrun / SLURM (RANK or SLURM_PROCID set): runs as that rank;
+- with `--nproc-per-node N > 1`: starts N local ranks through torch's own elastic launcher;
+- otherwise: runs one process.
+The device is CUDA + NCCL when a GPU is visible and CPU + gloo otherwise, with no flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+CONFIG_MODULE = "torchtitan_speechlm.config"
+
+
+def _split_launcher_args(args: list[str]) -> tuple[int, list[str]]:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    known, rest = parser.parse_known_args(args)
+    if known.nproc_per_node < 1:
+        raise SystemExit("torchtitan train: --nproc-per-node must be >= 1")
+    return known.nproc_per_node, rest
+
+
+def with_config_module(args: list[str]) -> list[str]:
+    """Make sure torchtitan merges our [speechlm] sections even if the TOML does not say so."""
+    if any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module")
+           for a in args):
+        return args
+    return [*args, "--job.custom_config_module", CONFIG_MODULE]
+
+
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _bool_fields(config_cls) -> set[str]:
+    from dataclasses import fields, is_dataclass
+
+    out = set()
+    for section in fields(config_cls):
+        if is_dataclass(section.type):
+            out |= {f"{section.name}.{f.name}" for f in fields(section.type) if f.type is bool}
+    return out
+
+
+def normalise_bool_flags(args: list[str]) -> list[str]:
+    """`--section.key false` -> tyro's `--section.no_key` (and `true` -> `--section.key`)."""
+    from torchtitan.config import ConfigManager
+
+    import torchtitan_speechlm  # noqa: F401
+
+    manager = ConfigManager()
+    bools = _bool_fields(manager._maybe_add_custom_config(args, manager._maybe_load_toml(args)))
+    out, i = [], 0
+    while i < len(args):
+        key, eq, val = args[i].partition("=")
+        name = key[2:].replace("-", "_") if key.startswith("--") else ""
+        if name in bools:
+            if not eq and i + 1 < len(args) and args[i + 1].lower() in _BOOL_WORDS:
+                val, i = args[i + 1], i + 1
+            if val:
+                if val.lower() not in _BOOL_WORDS:
+                    raise SystemExit(f"torchtitan train: {key} takes true or false, not {val!r}")
+                section, _, field = name.partition(".")
+                key = f"--{name}" if _BOOL_WORDS[val.lower()] else f"--{section}.no_{field}"
+            out.append(key)
+        else:
+            out.append(args[i])
+        i += 1
+    return out
+
+
+def torchtitan_args(args: list[str]) -> list[str]:
+    """The one parser path of every entry point (``torchtitan train``, ``-m
+    torchtitan_speechlm.train`` under torchrun, the demo): our config module merged, and
+    ``--section.flag true|false`` turned into tyro's form."""
+    return normalise_bool_flags(with_config_module(args))
+
+
+def check_config(args: list[str]):
+    """Parse and validate exactly as the ranks will; raises ConfigError / FileNotFoundError."""
+    from torchtitan.config import ConfigManager
+
+    import torchtitan_speechlm  # noqa: F401  (device selection + spec registration)
+    from torchtitan_speechlm.config import ConfigError, check_toml, validate_job_config
+
+    manager = ConfigManager()
+    toml_values = manager._maybe_load_toml(args)
+    config_cls = manager._maybe_add_custom_config(args, toml_values)
+    if toml_values is not None:
+        path = next((args[i + 1] for i, a in enumerate(args[:-1])
+                     if a in ("--job.config_file", "--job.config-file")), "config")
+        check_toml(toml_values, config_cls, source=path)
+    try:
+        job_config = manager.parse_args(args)
+    except SystemExit as e:  # tyro already printed what is wrong with the command line
+        raise ConfigError("invalid command-line override (see above)") from e
+    validate_job_config(job_config)
+    if job_config.model.name == "speechlm":
+        from torchtitan_speechlm.components.resume import resolve_resume
+        from torchtitan_speechlm.data.loader import check_data
+
+        resolve_resume(job_config)
+        check_data(job_config)
+    return job_config
+
+
+def already_complete(job_config) -> str | None:
+    """A message if the dump folder already holds the run's last step, else None."""
+    from torchtitan_speechlm.components.resume import checkpoint_folder, completed_run_step
+
+    step = completed_run_step(job_config)
+    if step is None:
+        return None
+    dump = job_config.job.dump_folder
+    return (f"the run in {dump} is already complete: {checkpoint_folder(job_config)}/step-{step} "
+            f"is at or past training.steps = {job_config.training.steps}, so there is nothing to "
+            f"train. To continue it, raise --training.steps; to start over, delete {dump} (or "
+            "set another job.dump_folder)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _adopt_slurm_env() -> None:
+    """srun without torchrun: map SLURM's variables to torch.distributed's."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        raise SystemExit(
+            "torchtitan train under SLURM needs MASTER_ADDR and MASTER_PORT (e.g. "
+            "MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1))"
+        )
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+
+
+def train_command(args: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in args):
+        print("usage: torchtitan train --job.config_file FILE.toml [--nproc-per-node N] "
+              "[--section.key value ...]\n")
+        from torchtitan.config import ConfigManager  # the package already chose the device
+
+        try:  # torchtitan's own option list, with our [speechlm] sections merged in
+            ConfigManager().parse_args(with_config_module(["--help"]))
+        except SystemExit:
+            pass
+        return 0
+    nproc, args = _split_launcher_args(args)
+    args = torchtitan_args(args)
+    from torchtitan_speechlm.config import ConfigError
+
+    try:
+        job_config = check_config(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"torchtitan train: config error: {e}", file=sys.stderr)
+        return 2
+    done = already_complete(job_config)
+    if done:
+        print(f"torchtitan train: {done}", file=sys.stderr)
+        return 0
+
+    _adopt_slurm_env()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        return run_worker(args)
+    if nproc == 1:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        return run_worker(args)
+    from torch.distributed.run import get_args_parser, run
+
+    launch = get_args_parser().parse_args([
+        "--standalone", f"--nproc-per-node={nproc}",
+        f"--local-ranks-filter={os.environ.get('LOG_RANK', '0')}", "--role=rank", "--tee=3",
+        "-m", "torchtitan_speechlm.train", *args,
+    ])
+    try:
+        run(launch)
+    except Exception as e:  # ChildFailedError already printed the failing rank's traceback
+        print(f"torchtitan train: {type(e).__name__}: a rank failed (see its log above)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+
+def run_worker(args: list[str]) -> int:
+    """One training rank: torchtitan's own ``main(Trainer)`` after our device selection."""
+    import torchtitan_speechlm  # noqa: F401  (must precede torchtitan: CPU device selection)
+    from torchtitan_speechlm.compat import run_torchtitan_main
+
+    run_torchtitan_main(torchtitan_args(args))  # idempotent on already normalised args
+    return 0

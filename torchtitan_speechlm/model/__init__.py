@@ -1,0 +1,1 @@
+"""The SpeechLM model: vocabulary layout, interleave patterns, backbones and the loss head."""

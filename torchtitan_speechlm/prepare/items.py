@@ -1,0 +1,72 @@
+"""Input items for dataset preparation: what every source reader (``prepare/sources/``) returns.
+
+Every source (JSONL manifest, Kaldi folder, HF dataset on disk, lhotse cuts) is turned into the same list of
+:class:`ManifestItem`, so the expensive part of ``torchtitan prepare`` (loading, encoding,
+writing shards) does not care where items came from. An item only *refers* to its audio (a file,
+a segment of a file, or a row of an HF dataset); audio is read by the worker that encodes it.
+
+Errors in the structure of a line (bad JSON, missing or mistyped key, duplicate id) are fatal
+and name the file and line; problems with the audio or text *content* are found later and make
+the item a recorded failure instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan_speechlm.dataset_format import KINDS, ROLES  # noqa: F401  (re-exported)
+
+
+class ManifestError(ValueError):
+    """An input line is malformed; the message starts with ``<file>:<line>:``."""
+
+
+@dataclass(frozen=True)
+class AudioRef:
+    """Where an item's audio is: a file (optionally seconds ``[start, end)``) or an HF dataset row."""
+
+    path: str | None = None  # absolute path
+    start: float | None = None
+    end: float | None = None  # < 0: to the end of the file (Kaldi convention)
+    row: int | None = None  # row of the HF dataset given to prepare
+
+    def describe(self) -> str:
+        if self.row is not None:
+            return f"row {self.row}"
+        if self.start is None and self.end is None:
+            return str(self.path)
+        return f"{self.path}[{self.start}:{self.end}]"
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    role: str
+    text: str | None = None
+    audio: AudioRef | None = None
+
+
+@dataclass
+class ManifestItem:
+    """One input item. ``audio`` is the file path (kept for the common speech case), ``ref``
+    the full audio reference (segment / HF row); ``where`` names the source line or key."""
+
+    id: str
+    audio: str | None
+    text: str
+    line: int = 0  # 1-based line in the manifest (0 if the source has no lines)
+    where: str = ""
+    ref: AudioRef | None = None
+    turns: list[TurnSpec] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ref is None and self.audio is not None:
+            self.ref = AudioRef(path=self.audio)
+
+    @property
+    def kind(self) -> str:
+        """speech (text + audio), text, audio (no text) or dialogue."""
+        if self.turns is not None:
+            return "dialogue"
+        if self.ref is None:
+            return "text"
+        return "speech" if self.text.strip() else "audio"

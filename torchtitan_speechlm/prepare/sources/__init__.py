@@ -1,0 +1,1 @@
+"""Prepare sources: one module per corpus format, each turning its input into ManifestItems."""

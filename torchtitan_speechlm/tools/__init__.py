@@ -1,0 +1,1 @@
+"""Small standalone tools (reading offline wandb runs back without syncing)."""
