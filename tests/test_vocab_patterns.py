@@ -44,5 +44,5 @@ def test_delay_pattern_shifts_stream_k_by_k():
         assert (out[:k, k] == pads[k]).all() and (out[k + 4 :, k] == pads[k]).all()
     assert (deinterleave(out, "delay") == codes).all()
     assert (interleave(codes, pads, "parallel") == codes).all()
-    with pytest.raises(ValueError, match="unknown interleave pattern"):
-        interleave(codes, pads, "flatten")
+    with pytest.raises(ValueError, match="unknown interleave pattern 'zigzag'"):
+        interleave(codes, pads, "zigzag")

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-TASKS = ("tts", "asr", "continuation", "text", "dialogue")
+# Allowed values typed once: modules that act on them derive their tuples with get_args.
+Batching = Literal["pack", "bucket"]
+LossRegion = Literal["assistant", "all"]
 
 
 @dataclass
@@ -23,8 +25,9 @@ class SpeechLM:
     """Local HF causal-LM directory (config.json, optional *.safetensors)."""
     load_backbone_weights: bool = True
     """Copy pretrained weights when the backbone directory has safetensors."""
-    pattern: Literal["parallel", "delay"] = "delay"
-    """Audio interleave pattern: `delay` shifts stream n by n frames."""
+    pattern: str = "delay"
+    """Audio interleave pattern (a registered one): `delay` shifts stream n by n frames,
+    `parallel` keeps them aligned, `flatten` serialises all codebooks into stream 0."""
     tie_embeddings: Literal["auto", "true", "false"] = "auto"
     """Tie the output head to the input embedding; auto = the backbone's tie_word_embeddings."""
     attn_implementation: str = "sdpa"
@@ -54,7 +57,8 @@ class SpeechLMData:
     datasets: list[str] = field(default_factory=list)
     """Prepared datasets as NAME=PATH (made by `torchtitan prepare`)."""
     train: list[str] = field(default_factory=list)
-    """Training mixture as TASK:NAME[:WEIGHT]; TASK in tts, asr, continuation, text, dialogue."""
+    """Training mixture as TASK:NAME[:WEIGHT]; TASK a registered task (tts, asr,
+    continuation, text, dialogue, or one of yours)."""
     valid: list[str] = field(default_factory=list)
     """Validation sets as TASK:NAME; logged as val/{TASK}_{NAME}/*."""
     valid_fraction: float = 0.0
@@ -63,7 +67,7 @@ class SpeechLMData:
     """Shuffling seed (the data order is a pure function of it and the epoch)."""
     shuffle: bool = True
     """Shuffle items (per epoch) and units (per window) in training; validation never shuffles."""
-    batching: Literal["pack", "bucket"] = "pack"
+    batching: Batching = "pack"
     """pack: several samples per row of training.seq_len frames (document-masked);
     bucket: one sample per row, length-sorted within a window, padded to the longest."""
     max_tokens: int = 0
@@ -74,7 +78,7 @@ class SpeechLMData:
     max_too_long_fraction: float = 0.25
     """Stop before the first step if more than this fraction of a training entry's samples
     are longer than training.seq_len (they would be skipped); 1.0 = only if none fits."""
-    loss_region: Literal["assistant", "all"] = "assistant"
+    loss_region: LossRegion = "assistant"
     """Which turns carry loss: assistant turns only, or every frame after <bos>."""
     cfg_dropout: float = 0.0
     """TTS classifier-free-guidance dropout: probability of replacing the text prompt by
@@ -98,6 +102,16 @@ class JobConfig:
     speechlm: SpeechLM = field(default_factory=SpeechLM)
     speechlm_data: SpeechLMData = field(default_factory=SpeechLMData)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+
+
+def _patterns():
+    from torchtitan_speechlm.model.patterns import PATTERNS
+
+    return PATTERNS
+
+
+# keys whose value must name a registered extension (checked with a "did you mean")
+REGISTERED_VALUES = {"speechlm.pattern": _patterns}
 
 
 class ConfigError(ValueError):
@@ -153,6 +167,11 @@ def check_toml(values: dict, config_cls: type, source: str, prefix: str = "") ->
                 f"{source}: `{dotted}` = {value!r} has the wrong type; expected "
                 f"{getattr(tp, '__name__', None) or str(tp).replace('typing.', '')}."
             )
+        elif dotted in REGISTERED_VALUES:
+            try:
+                REGISTERED_VALUES[dotted]().get(value, dotted)
+            except ValueError as e:
+                raise ConfigError(f"{source}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,10 +206,13 @@ def parse_mix(specs: list[str], key: str, names: dict[str, str]) -> list[MixEntr
         if len(parts) not in (2, 3):
             raise ConfigError(f"speechlm_data.{key} entry {spec!r} must be TASK:NAME[:WEIGHT]")
         task, name = parts[0], parts[1]
+        from torchtitan_speechlm.data.tasks import TASKS
+
         if task not in TASKS:
-            raise ConfigError(
-                f"speechlm_data.{key} entry {spec!r}: unknown task {task!r}; choose one of {TASKS}"
-            )
+            try:
+                TASKS.get(task)
+            except ValueError as e:
+                raise ConfigError(f"speechlm_data.{key} entry {spec!r}: {e}") from None
         if name not in names:
             raise ConfigError(
                 f"speechlm_data.{key} entry {spec!r}: no dataset named {name!r}; add "
@@ -272,6 +294,12 @@ def validate_job_config(job_config) -> None:
                 f"{sl.backbone!r} has only {hf.vocab_size} embedding rows; prepare it with the "
                 "backbone's tokenizer."
             )
+    for dotted, registry in REGISTERED_VALUES.items():
+        section, key = dotted.split(".")
+        try:
+            registry().get(getattr(getattr(job_config, section), key), dotted)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if job_config.training.seq_len < 8:
         raise ConfigError("training.seq_len (frames per row) must be >= 8")
     if data.max_tokens and data.batching == "pack":

@@ -33,6 +33,7 @@ import copy
 import hashlib
 import pickle
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 import torch
@@ -40,21 +41,18 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.data.tasks import TASKS, TemplateBuilder
+from torchtitan_speechlm.config import Batching
+from torchtitan_speechlm.data.tasks import TASKS, TemplateBuilder, get_task
 from torchtitan_speechlm.model.vocab import VocabMismatchError
 
 META_KEY = "_speechlm_meta"  # the batch entry carrying the stream position (see loader.py)
 BASE_STATS = ("examples", "rows", "frames", "pad_frames", "loss_frames", "audio_frames",
               "skipped_too_long", "skipped_bad", "cfg_dropped")
-TASK_ELIGIBLE_KINDS = {
-    "tts": ("speech",), "asr": ("speech",), "continuation": ("speech", "audio"),
-    "text": ("speech", "text"), "dialogue": ("dialogue",),
-}
 
 
 def data_stats_keys(num_streams: int) -> tuple[str, ...]:
     """Names of the ``data_stats`` vector every micro-batch carries (see DATA statistics docs)."""
-    return (BASE_STATS + tuple(f"task_{t}" for t in TASKS)
+    return (BASE_STATS + tuple(f"task_{t}" for t in TASKS.names())
             + tuple(f"tokens_stream{k}" for k in range(num_streams)))
 
 
@@ -88,7 +86,7 @@ def eligible(source: Source) -> np.ndarray:
     kinds = getattr(source.data, "kinds", None)
     if kinds is None:
         return source.indices
-    ok = TASK_ELIGIBLE_KINDS[source.task]
+    ok = get_task(source.task).kinds
     return np.array([i for i in source.indices if kinds[i] in ok], dtype=np.int64)
 
 
@@ -112,8 +110,8 @@ class SpeechLMDataset(IterableDataset):
                  dp_world_size: int, seed: int, shuffle: bool, infinite: bool,
                  accumulation: int = 1, max_tokens: int = 0, cfg_dropout: float = 0.0,
                  max_too_long_fraction: float = 1.0, seq_len_key: str = "training.seq_len"):
-        if mode not in ("pack", "bucket"):
-            raise ValueError(f"batching must be 'pack' or 'bucket', got {mode!r}")
+        if mode not in get_args(Batching):
+            raise ValueError(f"batching must be one of {get_args(Batching)}, got {mode!r}")
         self.sources, self.builder = sources, builder
         self.layout = builder.layout
         self.seq_len, self.mode, self.window = seq_len, mode, window
@@ -132,9 +130,10 @@ class SpeechLMDataset(IterableDataset):
             if len(s.indices) == 0:
                 raise ValueError(
                     f"{s.task}:{s.name} has no items usable for task {s.task!r} (after the "
-                    f"validation hold-out; needs items of kind {TASK_ELIGIBLE_KINDS[s.task]})"
+                    f"validation hold-out; needs items of kind {get_task(s.task).kinds})"
                 )
         self.check_lengths(max_too_long_fraction, seq_len_key)
+        self._cfg = [get_task(s.task).cfg_turn is not None for s in sources]  # CFG-droppable
         self._weights = np.array([s.weight for s in sources], dtype=np.float64)
         self._weights /= self._weights.sum()
         n = self.layout.num_streams
@@ -151,13 +150,14 @@ class SpeechLMDataset(IterableDataset):
         """Frames of every eligible item's example (no CFG drop), from the index alone."""
         s = self.sources[src]
         idx = s.indices
-        if s.task == "dialogue" and getattr(s.data, "num_turns", None) is None:
+        own_turns = get_task(s.task).turns is None
+        if own_turns and getattr(s.data, "num_turns", None) is None:
             return np.array([self._length(src, int(i), False) for i in idx], dtype=np.int64)
         data = s.data
         n_text = np.asarray(data.text_lengths)[idx]
         n_audio = np.asarray(data.audio_lengths)[idx]
-        if s.task == "dialogue":
-            return self.builder.length("dialogue", n_text, n_audio,
+        if own_turns:
+            return self.builder.length(s.task, n_text, n_audio,
                                        n_audio_turns=np.asarray(data.num_audio_turns)[idx],
                                        n_turns=np.asarray(data.num_turns)[idx])
         return np.asarray(self.builder.length(s.task, n_text, n_audio), dtype=np.int64)
@@ -267,16 +267,16 @@ class SpeechLMDataset(IterableDataset):
 
     def _length(self, src: int, item: int, cfg_drop: bool) -> int:
         s = self.sources[src]
-        if s.task == "dialogue":
+        if get_task(s.task).turns is None:  # the item's own turns (dialogue)
             turns = getattr(s.data, "num_turns", None)
             if turns is None:  # a reader without turn counts: build the example to measure it
-                return len(self.builder.build("dialogue", s.data[item]).frames)
-            return self.builder.length("dialogue", int(s.data.text_lengths[item]),
+                return len(self.builder.build(s.task, s.data[item]).frames)
+            return self.builder.length(s.task, int(s.data.text_lengths[item]),
                                        int(s.data.audio_lengths[item]),
                                        n_audio_turns=int(s.data.num_audio_turns[item]),
                                        n_turns=int(turns[item]))
-        n_text = 1 if cfg_drop else int(s.data.text_lengths[item])
-        return self.builder.length(s.task, n_text, int(s.data.audio_lengths[item]))
+        return self.builder.length(s.task, int(s.data.text_lengths[item]),
+                                   int(s.data.audio_lengths[item]), cfg_drop=cfg_drop)
 
     def _draw(self, st: dict, rng: np.random.Generator) -> Draw | None:
         if self.infinite:
@@ -290,8 +290,7 @@ class SpeechLMDataset(IterableDataset):
         st["pos"][src] += 1
         if st["pos"][src] >= len(perm):
             st["pos"][src], st["epoch"][src] = 0, st["epoch"][src] + 1
-        drop = bool(self.sources[src].task == "tts" and self.cfg_dropout > 0
-                    and rng.random() < self.cfg_dropout)
+        drop = bool(self._cfg[src] and self.cfg_dropout > 0 and rng.random() < self.cfg_dropout)
         return Draw(src, item, drop, self._length(src, item, drop))
 
     # ---- windows -> pieces -----------------------------------------------------------------
@@ -515,9 +514,11 @@ class SpeechLMDataset(IterableDataset):
         for k in range(n):
             pads = (self._pad_frame[k], self.layout.stream_pad(k))
             stats[f"tokens_stream{k}"] = float((~np.isin(inp[..., k], pads)).sum())
-        last = inp[..., n - 1]  # every audio frame has exactly one code in the last stream
-        stats["audio_frames"] = float(((last >= self.layout.code(n - 1, 0))
-                                       & (last < self.layout.size)).sum())
+        # an audio frame is N codes, wherever the pattern put them
+        base, block = self.layout.stream_offset(0), self.layout.codebook_size + 1
+        rel = inp - base
+        codes = (rel >= 0) & (inp < self.layout.size) & (rel % block != 0)
+        stats["audio_frames"] = float(codes.sum()) / n
         batch = {
             "input": torch.from_numpy(inp),
             "targets": torch.from_numpy(tgt),

@@ -1,8 +1,9 @@
-"""Task templates: a prepared item becomes model frames [L, N] with per-stream loss weights.
+"""Tasks and their templates: a prepared item becomes model frames [L, N] with per-stream loss
+weights.
 
 Every frame has N streams. A special/text frame puts its token in stream 0 and each other
-stream's pad in stream k; an audio frame puts codebook k in stream k (interleaved by the pattern,
-one segment at a time, so delay padding never crosses a segment or sample boundary).
+stream's pad in stream k; audio is interleaved into frames by the pattern (``model/patterns.py``),
+one segment at a time, so pattern padding never crosses a segment or sample boundary.
 
 Chat-style template, one block per turn:  <|role|><|modality|> content <|eot|>
     tts:           <bos> [user text] [assistant audio] <eos>
@@ -10,26 +11,84 @@ Chat-style template, one block per turn:  <|role|><|modality|> content <|eot|>
     continuation:  <bos> [assistant audio] <eos>        (speech LM on audio alone)
     text:          <bos> [assistant text] <eos>         (text LM)
     dialogue:      <bos> [turn] [turn] ... <eos>        (roles and modalities from the data)
-The last turn closes with <eos> instead of <eot>. Loss is on assistant turns (from their modality
-tag through <eot>/<eos>) or, with loss_region = "all", on every frame after <bos>. A target that
-is a stream's pad never carries loss, so delay padding is never "learned".
+The last turn closes with <eos> instead of <eot>. Loss is on the task's loss roles (assistant:
+from their modality tag through <eot>/<eos>) or, with loss_region = "all", on every frame after
+<bos>. A target that is a stream's pad never carries loss, so pattern padding is never "learned".
 
 Classifier-free-guidance dropout (TTS, training only): the user text is replaced by a single
 <|cfg_drop|> token, so the model also learns the unconditional distribution.
+
+A task is one ``Task`` row registered with ``register_task`` (docs/extending.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 
-from torchtitan_speechlm.config import TASKS
-from torchtitan_speechlm.model.patterns import extra_frames, interleave
+from torchtitan_speechlm.config import LossRegion
+from torchtitan_speechlm.dataset_format import KINDS, MODALITIES, ROLES
+from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.vocab import VocabLayout
+from torchtitan_speechlm.registry import Registry
 
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 MODALITY_TOKENS = {"text": "<|text|>", "audio": "<|audio|>"}
+LOSS_REGIONS = get_args(LossRegion)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One row of the task table.
+
+    ``turns``: (role, modality) of each turn, filled from the item's text (text turns) and
+    codes (audio turns); None = the item's own turns (dialogue items). ``cfg_turn``: index of
+    the text turn that CFG dropout replaces. ``loss_roles``: roles whose turns carry loss
+    (``loss_region = "all"``: every turn)."""
+
+    name: str
+    kinds: tuple[str, ...]
+    turns: tuple[tuple[str, str], ...] | None
+    cfg_turn: int | None = None
+    loss_roles: tuple[str, ...] = ("assistant",)
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.kinds if k not in KINDS]
+        if bad or not self.kinds:
+            raise ValueError(f"task {self.name!r}: kinds {self.kinds} must be among {KINDS}")
+        for role, modality in self.turns or ():
+            if role not in ROLES or modality not in MODALITIES:
+                raise ValueError(f"task {self.name!r}: bad turn ({role!r}, {modality!r}); "
+                                 f"roles {ROLES}, modalities {MODALITIES}")
+        if self.cfg_turn is not None and (
+                self.turns is None or self.turns[self.cfg_turn][1] != "text"):
+            raise ValueError(f"task {self.name!r}: cfg_turn must index a text turn")
+
+    def count(self, modality: str) -> int:
+        return sum(m == modality for _, m in self.turns or ())
+
+
+TASKS: Registry[Task] = Registry("task")
+
+
+def register_task(task: Task) -> Task:
+    return TASKS.register(task.name, task)
+
+
+for _task in (
+    Task("tts", ("speech",), (("user", "text"), ("assistant", "audio")), cfg_turn=0),
+    Task("asr", ("speech",), (("user", "audio"), ("assistant", "text"))),
+    Task("continuation", ("speech", "audio"), (("assistant", "audio"),)),
+    Task("text", ("speech", "text"), (("assistant", "text"),)),
+    Task("dialogue", ("dialogue",), None),
+):
+    register_task(_task)
+
+
+def get_task(name: str, key: str = "speechlm_data.train") -> Task:
+    return TASKS.get(name, key)
 
 
 @dataclass(frozen=True)
@@ -57,16 +116,17 @@ class Segment:
 class TemplateBuilder:
     def __init__(self, layout: VocabLayout, pattern: str, weights: LossWeights,
                  loss_region: str = "assistant"):
-        if loss_region not in ("assistant", "all"):
-            raise ValueError(f"loss_region must be 'assistant' or 'all', got {loss_region!r}")
+        if loss_region not in LOSS_REGIONS:
+            raise ValueError(f"loss_region must be one of {LOSS_REGIONS}, got {loss_region!r}")
         self.layout = layout
-        self.pattern = pattern
+        self.pattern = get_pattern(pattern)
         self.w = weights
         self.loss_region = loss_region
         n = layout.num_streams
         self.pads = np.array([layout.stream_pad(k) for k in range(n)], dtype=np.int64)
         self.code_offsets = np.array([layout.code(k, 0) for k in range(n)], dtype=np.int64)
-        self._extra = extra_frames(pattern, n)
+        self._stream_w = (self.w.audio * np.asarray(self.w.streams, dtype=np.float32)).astype(
+            np.float32)
 
     # ---- pieces ----------------------------------------------------------------------------
     def _tokens(self, ids, loss: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -85,44 +145,43 @@ class TemplateBuilder:
             )
         if codes.size and (codes.min() < 0 or codes.max() >= self.layout.codebook_size):
             raise ValueError("audio code outside the codebook (dataset/codec mismatch)")
-        frames = interleave(codes.astype(np.int64) + self.code_offsets, self.pads, self.pattern)
-        weights = np.zeros(frames.shape, dtype=np.float32)
-        if loss:
-            weights[:] = self.w.audio * np.asarray(self.w.streams, dtype=np.float32)
-            weights[frames == self.pads] = 0.0
+        frames = self.pattern.interleave(codes.astype(np.int64) + self.code_offsets, self.pads)
+        if loss:  # each code's stream weight moves with the code; pattern padding weighs 0
+            w = np.broadcast_to(self._stream_w, codes.shape).astype(np.float32)
+            weights = self.pattern.interleave(w, np.zeros(len(self.pads), dtype=np.float32))
+        else:
+            weights = np.zeros(frames.shape, dtype=np.float32)
         return frames, weights
 
     # ---- templates -------------------------------------------------------------------------
     def segments(self, task: str, item, cfg_drop: bool = False) -> list[Segment]:
         """The turns a task makes of a prepared item."""
-        text = np.asarray(item.text_tokens, dtype=np.int64)
-        audio = item.audio_codes
-        if task == "tts":
-            prompt = (np.array([self.layout.special("<|cfg_drop|>") - self.layout.text_offset])
-                      if cfg_drop else text)
-            return [Segment("user", "text", prompt), Segment("assistant", "audio", audio)]
-        if task == "asr":
-            return [Segment("user", "audio", audio), Segment("assistant", "text", text)]
-        if task == "continuation":
-            return [Segment("assistant", "audio", audio)]
-        if task == "text":
-            return [Segment("assistant", "text", text)]
-        if task == "dialogue":
+        spec = get_task(task)
+        if spec.turns is None:
             turns = getattr(item, "turns", None)
             if not turns:
                 raise ValueError(f"item {item.id!r} has no dialogue turns")
             return [Segment(t.role, t.modality, t.tokens) for t in turns]
-        raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
+        drop = np.array([self.layout.special("<|cfg_drop|>") - self.layout.text_offset])
+        out = []
+        for i, (role, modality) in enumerate(spec.turns):
+            if modality == "audio":
+                tokens = item.audio_codes
+            else:
+                tokens = drop if cfg_drop and i == spec.cfg_turn else item.text_tokens
+            out.append(Segment(role, modality, np.asarray(tokens)))
+        return out
 
     def build(self, task: str, item, cfg_drop: bool = False) -> Example:
         lay = self.layout
         sp = lay.special
+        spec = get_task(task)
         segs = self.segments(task, item, cfg_drop)
         parts = [self._tokens([sp("<|bos|>")], False)]
         for i, seg in enumerate(segs):
             if seg.role not in ROLE_TOKENS or seg.modality not in MODALITY_TOKENS:
                 raise ValueError(f"bad turn role/modality {seg.role!r}/{seg.modality!r}")
-            loss = self.loss_region == "all" or seg.role == "assistant"
+            loss = self.loss_region == "all" or seg.role in spec.loss_roles
             parts.append(self._tokens([sp(ROLE_TOKENS[seg.role])], self.loss_region == "all"))
             parts.append(self._tokens([sp(MODALITY_TOKENS[seg.modality])], loss))
             if seg.modality == "text":
@@ -136,13 +195,18 @@ class TemplateBuilder:
             weights=np.concatenate([p[1] for p in parts]),
         )
 
-    def length(self, task: str, n_text: int, n_audio_frames: int, n_audio_turns: int = 1,
-               n_turns: int = 2) -> int:
-        """Frames an example will take, from index lengths alone (for budgeting)."""
-        if task in ("tts", "asr"):
-            n_turns, n_audio_turns = 2, 1
-        elif task == "continuation":
-            n_turns, n_audio_turns, n_text = 1, 1, 0
-        elif task == "text":
-            n_turns, n_audio_turns, n_audio_frames = 1, 0, 0
-        return 1 + 3 * n_turns + n_text + n_audio_frames + self._extra * n_audio_turns
+    def length(self, task: str, n_text, n_audio_frames, n_audio_turns=1, n_turns=2,
+               cfg_drop: bool = False):
+        """Frames an example will take, from index lengths alone (for budgeting); ints or numpy
+        arrays. ``n_audio_turns``/``n_turns`` are read only for tasks taking the item's turns."""
+        spec = get_task(task)
+        if spec.turns is not None:
+            n_turns, n_audio_turns = len(spec.turns), spec.count("audio")
+            n_text_total = spec.count("text") * n_text
+            if cfg_drop and spec.cfg_turn is not None:
+                n_text_total = n_text_total - n_text + 1
+            n_audio_frames = n_audio_turns * n_audio_frames
+        else:
+            n_text_total = n_text
+        audio = self.pattern.num_frames(n_audio_frames, n_audio_turns, self.layout.num_streams)
+        return 1 + 3 * n_turns + n_text_total + audio

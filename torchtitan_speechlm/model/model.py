@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from torchtitan.protocols import ModelProtocol
 
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
+from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.hf_backbone import (
     HF_EMBED,
     HF_HEAD,
@@ -82,7 +83,11 @@ class SpeechLMHead(nn.Module):
     def __init__(self, args: SpeechLMModelArgs, dim: int):
         super().__init__()
         layout = args.layout
-        self.ranges = [layout.stream_range(k) for k in range(layout.num_streams)]
+        pattern = get_pattern(args.pattern)
+        # what each stream predicts: its own slice (flatten: stream 0 predicts every codebook)
+        self.ranges = [pattern.prediction_range(layout, k) for k in range(layout.num_streams)]
+        self.num_streams = layout.num_streams
+        self.code_base = layout.stream_offset(0)  # codebook k's block: pad, then its C codes
         self.output = None if args.tie_embeddings else nn.Linear(dim, layout.size, bias=False)
         self.stream_emb = nn.Embedding(layout.num_streams, dim)
         self.z_loss_weight = args.z_loss_weight
@@ -101,7 +106,7 @@ class SpeechLMHead(nn.Module):
         self, h: torch.Tensor, w_out: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Loss sum, stats [N, 4] = (weighted ce, weighted z, ce, correct) per stream, and code
-        histograms [2, N, C] of predicted and target codes at positions with loss."""
+        histograms [2, N, C] of predicted and target codes (by codebook) at positions with loss."""
         loss = h.new_zeros((), dtype=torch.float32)
         stats, hists = [], []
         for k, (a, b) in enumerate(self.ranges):
@@ -122,16 +127,19 @@ class SpeechLMHead(nn.Module):
                     [(wk * ce).sum(), (wk * z).sum(), (ce * active).sum(), correct.sum().float()]
                 ).detach()
             )
-            # the codebook is the last C ids of every stream's slice
-            hists.append(torch.stack([self._code_hist(pred, active, b - a),
-                                      self._code_hist(tgt, active, b - a)]))
-        return loss, torch.stack(stats), torch.stack(hists, 1)
+            hists.append(torch.stack([self._code_hist(pred + a, active),
+                                      self._code_hist(tgt + a, active)]))
+        return loss, torch.stack(stats), torch.stack(hists).sum(0)
 
-    def _code_hist(self, local_ids: torch.Tensor, active: torch.Tensor, width: int) -> torch.Tensor:
-        c = self.codebook_size
-        codes = local_ids - (width - c)
-        keep = active & (codes >= 0)
-        return torch.bincount(codes[keep], minlength=c).float().detach()
+    def _code_hist(self, ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """[N, C] counts of codebook j's code c among vocabulary ``ids`` at loss positions,
+        wherever the pattern put them (a stream's own codebook, or all of them in stream 0)."""
+        c, n = self.codebook_size, self.num_streams
+        rel = ids - self.code_base
+        book, code = rel.div(c + 1, rounding_mode="floor"), rel.remainder(c + 1) - 1
+        keep = active & (rel >= 0) & (book < n) & (code >= 0)
+        flat = torch.bincount((book * c + code)[keep], minlength=n * c)
+        return flat.float().detach().view(n, c)
 
     def _raise_out_of_range(self, bad: torch.Tensor, targets: torch.Tensor,
                             weights: torch.Tensor) -> None:
