@@ -6,9 +6,9 @@ them; the fingerprint recorded in its metadata lets training refuse a mismatched
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
+
+from torchtitan_speechlm.fileio import json_hash
 
 
 def load_text_tokenizer(path: str):
@@ -26,11 +26,9 @@ def load_text_tokenizer(path: str):
 
 def tokenizer_fingerprint(tok) -> dict:
     """Path, class, vocab size (``len(tok)``, added tokens included) and a hash of the sorted vocab."""
-    vocab = sorted(tok.get_vocab().items())
-    blob = json.dumps(vocab, separators=(",", ":"), ensure_ascii=True)
     return {
         "path": tok.name_or_path,
         "class": type(tok).__name__,
         "vocab_size": len(tok),
-        "hash": hashlib.sha256(blob.encode()).hexdigest()[:16],
+        "hash": json_hash(sorted(tok.get_vocab().items())),
     }

@@ -14,19 +14,21 @@ prepare, train on and listen to speech tokens. It is deliberately simple:
   what a model generates, not a substitute for Mimi/Encodec.
 
 Saved like an HF model (``config.json`` with ``model_type: speechlm_kmeans`` plus
-``model.safetensors``) so :func:`.codec.load_codec` recognises the folder.
+``model.safetensors``); registered for that model_type, so ``codecs.load_codec`` loads it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+
+from torchtitan_speechlm.codecs.base import config_hash, register_codec
+from torchtitan_speechlm.fileio import write_json_atomic
 
 MODEL_TYPE = "speechlm_kmeans"
 WEIGHTS = "model.safetensors"
@@ -161,15 +163,12 @@ def fit_kmeans_codec(
     save_file(tensors, os.path.join(out_dir, WEIGHTS))
     config = dict(asdict(cfg), model_type=MODEL_TYPE, fit_frames=int(x.shape[0]),
                   weights_sha256=digest.hexdigest()[:16])  # fmt: skip
-    tmp = os.path.join(out_dir, "config.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(tmp, os.path.join(out_dir, "config.json"))  # config last: its presence = complete
+    write_json_atomic(os.path.join(out_dir, "config.json"), config)  # last: its presence = complete
     return out_dir
 
 
 class KMeansCodec:
-    """Same interface as :class:`.codec.Codec` (name, rates, streams, encode, decode)."""
+    """A ``codecs.base.Codec`` (name, rates, streams, encode, decode)."""
 
     name = "kmeans"
     class_name = "KMeansCodec"
@@ -193,6 +192,10 @@ class KMeansCodec:
         self.codebook_size = int(self.centroids.shape[1])
         self.features = LogMel(self.cfg, device)
         self._pinv = torch.linalg.pinv(self.features.fb)
+
+    def keep_streams(self, n: int) -> None:
+        self.num_streams = n
+        self.centroids = self.centroids[:n]
 
     def encode(self, wavs: list[np.ndarray]) -> list[np.ndarray]:
         """Mono float waveforms at ``sample_rate`` -> int64 ``[ceil(samples / hop), num_streams]``."""
@@ -251,11 +254,11 @@ def griffin_lim(mag: torch.Tensor, feat: LogMel, length: int, iters: int,
     return istft(mag * angles).float()
 
 
-def load_kmeans_codec(path: str, config: dict, config_hash: str, device: str = "cpu",
-                      num_streams: int | None = None) -> KMeansCodec:  # fmt: skip
+@register_codec(MODEL_TYPE)
+def load_kmeans_codec(path: str, config: dict, device: str = "cpu") -> KMeansCodec:
     if not os.path.isfile(os.path.join(path, WEIGHTS)):
         raise FileNotFoundError(f"k-means codec {path}: {WEIGHTS} not found")
-    return KMeansCodec(path, config, config_hash, device, num_streams)
+    return KMeansCodec(path, config, config_hash(config, path), device)
 
 
 def log_mel_distance(reference: np.ndarray, test: np.ndarray, sample_rate: int = 16000) -> float:

@@ -136,8 +136,7 @@ def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
         return
     if int(os.environ.get("RANK", "0")) == 0:
         os.makedirs(dump_folder, exist_ok=True)
-        layout.save(f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)
+        layout.save(path)  # atomic
 
 
 @functools.lru_cache(maxsize=64)

@@ -18,6 +18,8 @@ import numpy as np
 import soundfile as sf
 import torch
 
+from torchtitan_speechlm.fileio import write_text_atomic
+
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
 
 
@@ -257,9 +259,5 @@ def synthesize_corpus(
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         rows = list(pool.map(speak, range(n)))
-    tmp = manifest + ".tmp"
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, manifest)
+    write_text_atomic(manifest, "".join(json.dumps(row) + "\n" for row in rows))
     return manifest

@@ -30,7 +30,6 @@ from torch.utils.checkpoint import checkpoint
 from torchtitan.protocols import ModelProtocol
 
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
-from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.hf_backbone import (
     HF_EMBED,
     HF_HEAD,
@@ -39,6 +38,7 @@ from torchtitan_speechlm.model.hf_backbone import (
     hf_name,
     reset_non_persistent_buffers,
 )
+from torchtitan_speechlm.model.patterns import get_pattern
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 

@@ -10,10 +10,11 @@ and reported CE 55.7 instead of 2.1).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from torchtitan_speechlm.fileio import json_hash, write_json_atomic
 
 NUM_SPECIAL = 64
 _NAMED_SPECIALS = (
@@ -115,12 +116,8 @@ class VocabLayout:
         return layout
 
     def fingerprint(self) -> str:
-        blob = json.dumps(
-            [self.version, list(self.specials), self.text_size, self.num_streams,
-             self.codebook_size],
-            separators=(",", ":"),
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return json_hash([self.version, list(self.specials), self.text_size, self.num_streams,
+                          self.codebook_size])
 
     def check_same(self, other: VocabLayout, where: str) -> None:
         """Raise a VocabMismatchError naming the first differing field."""
@@ -135,7 +132,7 @@ class VocabLayout:
                 )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        write_json_atomic(str(path), self.to_dict(), indent=1)
 
     @classmethod
     def load(cls, path: str | Path) -> VocabLayout:

@@ -10,7 +10,6 @@ invalidates exactly the shards it touches.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,8 +23,8 @@ from torchtitan_speechlm.dataset_format import (
     read_json,
     shard_name,
 )
+from torchtitan_speechlm.fileio import json_hash, write_json_atomic, write_text_atomic
 from torchtitan_speechlm.prepare.items import ManifestItem
-from torchtitan_speechlm.prepare.shard_writer import write_json_atomic
 from torchtitan_speechlm.prepare.worker import FAILURES
 
 PLAN = "plan.json"
@@ -62,6 +61,11 @@ def _size(path: str | None) -> int:
         return -1
 
 
+# 2: fileio.json_hash of the shard's item keys (plans without it were hashed another way; a
+# rerun on such a folder asks for --overwrite, while the finished dataset trains unchanged)
+INPUTS_HASH_VERSION = 2
+
+
 def _item_key(it: ManifestItem) -> list:
     def ref(r):
         return None if r is None else [r.path, r.start, r.end, r.row, _size(r.path)]
@@ -78,16 +82,12 @@ def build_plan(items, source: dict, codec, tokenizer: dict, shard_size: int,
         "num_streams": codec.num_streams, "total_streams": codec.total_streams,
         "codebook_size": codec.codebook_size, "config_hash": codec.config_hash,
     }  # fmt: skip
-    hashes = []
-    for s in range(0, len(items), shard_size):
-        h = hashlib.sha256()
-        for it in items[s : s + shard_size]:
-            h.update(json.dumps(_item_key(it), ensure_ascii=True).encode())
-        hashes.append(h.hexdigest()[:16])
+    hashes = [json_hash([_item_key(it) for it in items[s : s + shard_size]])
+              for s in range(0, len(items), shard_size)]
     plan = {"format_version": FORMAT_VERSION, "source": source, "codec": codec_meta,
             "tokenizer": tokenizer, "shard_size": shard_size,
             "allow_audio_only": allow_audio_only, "num_inputs": len(items),
-            "shard_inputs": hashes}  # fmt: skip
+            "inputs_hash_version": INPUTS_HASH_VERSION, "shard_inputs": hashes}  # fmt: skip
     return json.loads(json.dumps(plan))  # same types as when read back from plan.json
 
 
@@ -96,7 +96,8 @@ def plan_difference(old: dict, new: dict) -> str | None:
     key = first_difference(old, new)
     if key is not None:
         return key
-    for k in ("format_version", "source", "shard_size", "allow_audio_only", "num_inputs"):
+    for k in ("format_version", "inputs_hash_version", "source", "shard_size",
+              "allow_audio_only", "num_inputs"):
         if old.get(k) != new.get(k):
             return k
     for k in ("sample_rate", "total_streams"):
@@ -199,10 +200,7 @@ def finalize(out_dir: str, plan: dict, run_info: dict) -> dict:
                    audio_tokens=totals["total_frames"] * n_streams, items_written=totals["num_items"],
                    items_skipped=len(failures), skipped_by_reason=dict(sorted(reasons.items())),
                    num_shards=len(shards), **run_info)  # fmt: skip
-    tmp = os.path.join(out_dir, FAILURES + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(failures)
-    os.replace(tmp, os.path.join(out_dir, FAILURES))
+    write_text_atomic(os.path.join(out_dir, FAILURES), "".join(failures))
     write_json_atomic(os.path.join(out_dir, SUMMARY), summary)
     meta_path = os.path.join(out_dir, METADATA)
     if totals["num_items"] == 0:

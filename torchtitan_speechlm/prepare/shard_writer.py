@@ -24,6 +24,7 @@ from torchtitan_speechlm.dataset_format import (
     Turn,
     codes_dtype,
 )
+from torchtitan_speechlm.fileio import write_json_atomic
 
 
 class ShardWriter:
@@ -129,14 +130,6 @@ class ShardWriter:
         """Close open files (also on failure, before the temp dir is removed)."""
         for f in (self._items, self._text_raw, self._codes_raw):
             f.close()
-
-
-def write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _raw_to_npy(npy_path: str, dtype: np.dtype, shape: tuple) -> None:

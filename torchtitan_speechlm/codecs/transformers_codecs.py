@@ -1,0 +1,157 @@
+"""transformers' neural audio codecs (Encodec, Mimi, DAC) as adapters of one Codec interface.
+
+Each codec class has its own encode/decode signature and output layout; the rest of the package
+only needs "waveform -> int codes [frames, streams]" and back. ``TransformersCodec`` holds what
+they share; each subclass says how its model is loaded, encoded and decoded.
+
+Batched encoding pads every waveform with zeros to a whole number of frames, then to the
+longest in the batch. For causal codecs (Encodec, Mimi) the padding only follows the real audio,
+so a clip's codes do not depend on what it was batched with; DAC uses centred convolutions, so
+its last few frames can change slightly with the amount of padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from torchtitan_speechlm.codecs.base import CodecError, config_hash, register_codec
+
+
+class TransformersCodec:
+    """A loaded transformers codec plus the facts about it that a prepared dataset records."""
+
+    name = ""  # config.json model_type
+    model_class = ""  # transformers class name
+
+    def __init__(self, path: str, config: dict, device: str = "cpu"):
+        import transformers
+
+        cls = getattr(transformers, self.model_class)
+        self.model = cls.from_pretrained(path, local_files_only=True).to(device).eval()
+        cfg = self.model.config
+        if getattr(cfg, "audio_channels", 1) != 1:
+            raise CodecError(
+                f"{path}: only mono codecs are supported (audio_channels={cfg.audio_channels})"
+            )
+        self.path, self.device = path, device
+        self.sample_rate = int(cfg.sampling_rate)
+        self.codebook_size = int(cfg.codebook_size)
+        self.samples_per_frame = int(self.frame_samples(cfg))
+        self.frame_rate = cfg.sampling_rate / self.samples_per_frame
+        self.total_streams = self.num_streams = int(self.codebooks(cfg))
+        self.config_hash = config_hash(config, path)
+
+    @property
+    def class_name(self) -> str:
+        return type(self.model).__name__
+
+    # ---- per model -------------------------------------------------------------------------
+    def frame_samples(self, cfg) -> int:
+        return cfg.hop_length
+
+    def codebooks(self, cfg) -> int:
+        raise NotImplementedError
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, 1, samples] -> codes [B, >= num_streams, frames]."""
+        raise NotImplementedError
+
+    def _decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [1, N, frames] -> audio."""
+        raise NotImplementedError
+
+    # ---- the Codec interface ---------------------------------------------------------------
+    def keep_streams(self, n: int) -> None:
+        self.num_streams = n
+
+    def encode(self, wavs: list[np.ndarray]) -> list[np.ndarray]:
+        if not wavs:
+            return []
+        spf = self.samples_per_frame
+        frames = [math.ceil(len(w) / spf) for w in wavs]
+        if any(w.ndim != 1 for w in wavs) or min(frames) == 0:
+            raise ValueError("Codec.encode expects non-empty 1-D (mono) waveforms")
+        batch = np.zeros((len(wavs), 1, max(frames) * spf), dtype=np.float32)
+        for i, w in enumerate(wavs):
+            batch[i, 0, : len(w)] = w
+        with torch.inference_mode():
+            codes = self._encode(torch.from_numpy(batch).to(self.device))
+        codes = codes[:, : self.num_streams].transpose(1, 2).to("cpu", torch.int64).numpy()
+        if codes.shape[1] < max(frames):
+            raise RuntimeError(
+                f"{self.path}: codec returned {codes.shape[1]} frames for {max(frames)} expected; "
+                "samples_per_frame does not match the model"
+            )
+        return [np.ascontiguousarray(codes[i, :f]) for i, f in enumerate(frames)]
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        codes = np.asarray(codes)
+        if codes.ndim != 2 or codes.shape[1] != self.num_streams:
+            raise ValueError(f"expected codes [frames, {self.num_streams}], got {codes.shape}")
+        c = torch.as_tensor(codes, dtype=torch.long, device=self.device).T[None]  # [1, N, T]
+        with torch.inference_mode():
+            audio = self._decode(c)
+        n = codes.shape[0] * self.samples_per_frame
+        audio = audio.reshape(-1)[:n].float().cpu().numpy()
+        return np.pad(audio, (0, n - len(audio)))  # DAC's decoder can come up a few samples short
+
+
+class Encodec(TransformersCodec):
+    """Run at its highest configured bandwidth, i.e. with every codebook it has."""
+
+    name, model_class = "encodec", "EncodecModel"
+
+    def __init__(self, path: str, config: dict, device: str = "cpu"):
+        if config.get("chunk_length_s") is not None or config.get("normalize"):
+            raise CodecError(
+                f"{path}: Encodec models with chunking or normalize=True (e.g. encodec_48khz) need "
+                "per-chunk scales that integer codes cannot carry; use a 24 kHz-style Encodec"
+            )
+        super().__init__(path, config, device)
+
+    def codebooks(self, cfg) -> int:
+        self.bandwidth = max(cfg.target_bandwidths)
+        return self.model.quantizer.get_num_quantizers_for_bandwidth(self.bandwidth)
+
+    def _encode(self, x):
+        out = self.model.encode(x, return_dict=True, bandwidth=self.bandwidth)
+        return out.audio_codes[0]  # [chunks=1, B, N, T] -> [B, N, T]
+
+    def _decode(self, codes):
+        return self.model.decode(codes[None], [None], return_dict=True).audio_values
+
+
+class Mimi(TransformersCodec):
+    name, model_class = "mimi", "MimiModel"
+
+    def frame_samples(self, cfg) -> int:
+        return round(cfg.sampling_rate / cfg.frame_rate)
+
+    def codebooks(self, cfg) -> int:
+        return cfg.num_quantizers
+
+    def _encode(self, x):
+        return self.model.encode(x, return_dict=True, num_quantizers=self.num_streams).audio_codes
+
+    def _decode(self, codes):
+        return self.model.decode(codes, return_dict=True).audio_values
+
+
+class DAC(TransformersCodec):
+    name, model_class = "dac", "DacModel"
+
+    def codebooks(self, cfg) -> int:
+        return cfg.n_codebooks
+
+    def _encode(self, x):
+        return self.model.encode(x, return_dict=True, n_quantizers=self.num_streams).audio_codes
+
+    def _decode(self, codes):
+        return self.model.decode(audio_codes=codes, return_dict=True).audio_values
+
+
+for _cls in (Encodec, Mimi, DAC):
+    register_codec(_cls.name, _cls)
