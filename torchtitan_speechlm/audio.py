@@ -97,9 +97,11 @@ def load_audio(
     channels: int = 1,
     start: float | None = None,
     end: float | None = None,
+    channel: int | None = None,
 ) -> np.ndarray:
-    """Read ``path`` (optionally only seconds ``[start, end)``; ``end < 0`` = to the end) as
-    float32 at ``target_sr``; see :func:`to_codec_audio` for the layout.
+    """Read ``path`` (optionally only seconds ``[start, end)``; ``end < 0`` = to the end; only
+    ``channel`` of a multi-channel file) as float32 at ``target_sr``; see :func:`to_codec_audio`
+    for the layout.
 
     Only the requested segment is read from disk, so Kaldi segments of long recordings are cheap.
     Raises :class:`BadAudioError` for missing, unreadable, empty or non-finite audio.
@@ -108,6 +110,10 @@ def load_audio(
         raise BadAudioError(path, "file not found", MISSING)
     name = path if start is None and end is None else f"{path}[{start}:{end}]"
     data, sr = _read(path, name, start, end)
+    if channel is not None:
+        if not 0 <= channel < data.shape[1]:
+            raise BadAudioError(name, f"channel {channel} asked of a {data.shape[1]}-channel file")
+        data = data[:, channel : channel + 1]
     return to_codec_audio(data, sr, target_sr, channels, name)
 
 

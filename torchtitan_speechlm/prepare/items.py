@@ -29,13 +29,15 @@ class AudioRef:
     start: float | None = None
     end: float | None = None  # < 0: to the end of the file (Kaldi convention)
     row: int | None = None  # row of the HF dataset given to prepare
+    channel: int | None = None  # take this channel of the file (else: average all channels)
 
     def describe(self) -> str:
         if self.row is not None:
             return f"row {self.row}"
-        if self.start is None and self.end is None:
-            return str(self.path)
-        return f"{self.path}[{self.start}:{self.end}]"
+        where = str(self.path)
+        if self.start is not None or self.end is not None:
+            where += f"[{self.start}:{self.end}]"
+        return where if self.channel is None else f"{where} channel {self.channel}"
 
 
 @dataclass(frozen=True)

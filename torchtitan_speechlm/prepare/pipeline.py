@@ -25,10 +25,10 @@ from torchtitan_speechlm.prepare.plan import (
     build_plan,
     finalize,
     open_out_dir,
-    read_source,
     shard_done,
 )
 from torchtitan_speechlm.prepare.run import fit_or_reuse_kmeans, run_shards
+from torchtitan_speechlm.prepare.sources import SOURCES, read_source
 from torchtitan_speechlm.prepare.worker import BadItemError, ShardTask, WorkerConfig
 
 
@@ -78,26 +78,36 @@ def prepare_dataset(
     codebook_size: int = 256,
     kmeans_seconds: float = 600.0,
     seed: int = 0,
+    source: tuple[str, str] | None = None,
+    source_options: dict | None = None,
 ) -> dict:
     """Prepare (or finish preparing) a dataset in ``out_dir``; return the summary dict.
 
-    Exactly one of ``manifest``, ``kaldi``, ``hf_dataset`` is the source. Bad items are recorded
-    in ``failures.jsonl`` and skipped; ``strict=True`` raises :class:`BadItemError` on the first
+    Exactly one source: ``manifest``, ``kaldi``, ``hf_dataset`` (with ``audio_column``,
+    ``text_column``, ``split``) or ``source=(name, path)`` for any registered source (e.g.
+    ``("lhotse", "cuts.jsonl.gz")``) with its ``source_options``. Bad items are recorded in
+    ``failures.jsonl`` and skipped; ``strict=True`` raises :class:`BadItemError` on the first
     one instead. Raises :class:`NoItemsError` if no item survives.
     """
     t0 = time.monotonic()
-    if sum(x is not None for x in (manifest, kaldi, hf_dataset)) != 1:
-        raise ValueError("give exactly one source: --manifest, --kaldi or --hf-dataset")
+    given = [(n, p) for n, p in (("manifest", manifest), ("kaldi", kaldi),
+                                 ("hf_dataset", hf_dataset)) if p is not None]
+    given += [tuple(source)] if source is not None else []
+    if len(given) != 1:
+        flags = ", ".join(s.flag for _, s in SOURCES.items())
+        raise ValueError(f"give exactly one source: {flags}")
+    (source_name, source_path), options = given[0], dict(source_options or {})
+    if hf_dataset is not None:  # the keyword form carries its options as keywords too
+        options.update(audio_column=audio_column, text_column=text_column, split=split)
     if (codec_path is None) == (fit_kmeans_codec is None):
         raise ValueError("give exactly one of --codec DIR or --fit-kmeans-codec DIR")
     if batch_size < 1 or workers < 1 or shard_size < 1:
         raise ValueError("batch_size, workers and shard_size must be >= 1")
     out_dir = os.path.abspath(out_dir)
-    items, source, hf_reader = read_source(
-        manifest, kaldi, hf_dataset, audio_column, text_column, split
-    )
+    read = read_source(source_name, source_path, options)
+    items, hf_reader = read.items, read.hf_reader
     if not items:
-        raise ManifestError(f"{manifest or kaldi or hf_dataset}: no items")
+        raise ManifestError(f"{source_path}: no items")
     if strict:
         _strict_precheck(items, allow_audio_only)
     if fit_kmeans_codec is not None:
@@ -109,7 +119,7 @@ def prepare_dataset(
     codec = load_codec(codec_path, device if workers == 1 else "cpu", num_streams)
     tok = load_text_tokenizer(tokenizer_path)
     plan = build_plan(
-        items, source, codec, tokenizer_fingerprint(tok), shard_size, allow_audio_only
+        items, read.description, codec, tokenizer_fingerprint(tok), shard_size, allow_audio_only
     )
     created = open_out_dir(out_dir, plan, overwrite)
     header = {"codec": plan["codec"], "tokenizer": plan["tokenizer"]}
@@ -147,13 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="torchtitan prepare",
         description="Encode audio + text into a prepared dataset (formats: docs/data.md).",
     )
-    src = p.add_argument_group("source (exactly one)")
-    src.add_argument("--manifest", help="JSONL: speech, text-only, audio-only or dialogue lines")
-    src.add_argument("--kaldi", metavar="DIR", help="Kaldi data dir: wav.scp, text, [segments]")
-    src.add_argument("--hf-dataset", metavar="DIR", help="HF datasets folder (save_to_disk)")
-    src.add_argument("--audio-column", default="audio", help="HF audio column (default: audio)")
-    src.add_argument("--text-column", default="text", help="HF text column (default: text)")
-    src.add_argument("--split", help="HF split of a saved DatasetDict")
+    src = p.add_argument_group("source (exactly one; registered sources)")
+    for _, s in SOURCES.items():
+        src.add_argument(s.flag, dest=f"source_{s.name}", metavar=s.metavar, help=s.help)
+        for o in s.options:
+            src.add_argument("--" + o.name.replace("_", "-"), dest=f"option_{s.name}_{o.name}",
+                             metavar=o.name.upper(), default=o.default, help=o.help)
     p.add_argument("--codec", help="local codec directory (Encodec, Mimi, DAC or k-means)")
     p.add_argument(
         "--fit-kmeans-codec",
@@ -194,12 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point for ``torchtitan prepare``; returns the exit status."""
     args = build_parser().parse_args(argv)
+    given = [name for name, _ in SOURCES.items() if getattr(args, f"source_{name}") is not None]
+    if len(given) != 1:
+        print(f"error: give exactly one source: {', '.join(s.flag for _, s in SOURCES.items())}",
+              file=sys.stderr)
+        return 1
+    name = given[0]
+    options = {o.name: getattr(args, f"option_{name}_{o.name}") for o in SOURCES.get(name).options}
     try:
         s = prepare_dataset(
-            args.manifest, args.codec, args.tokenizer, args.out, batch_size=args.batch_size,
+            None, args.codec, args.tokenizer, args.out, batch_size=args.batch_size,
             device=args.device, progress=not args.no_progress, overwrite=args.overwrite,
-            kaldi=args.kaldi, hf_dataset=args.hf_dataset, audio_column=args.audio_column,
-            text_column=args.text_column, split=args.split, workers=args.workers,
+            source=(name, getattr(args, f"source_{name}")), source_options=options,
+            workers=args.workers,
             shard_size=args.shard_size, num_streams=args.num_streams, strict=args.strict,
             allow_audio_only=args.allow_audio_only, fit_kmeans_codec=args.fit_kmeans_codec,
             codebooks=args.codebooks, codebook_size=args.codebook_size,

@@ -35,25 +35,6 @@ class PlanMismatchError(ValueError):
     """``--out`` holds a different preparation (or other files); the message names the key."""
 
 
-def read_source(manifest, kaldi, hf_dataset, audio_column, text_column, split):
-    """(items, source description for the plan, HF reader args or None)."""
-    if manifest is not None:
-        from torchtitan_speechlm.prepare.sources.jsonl import read_jsonl_manifest
-
-        return read_jsonl_manifest(manifest), {"type": "manifest"}, None
-    if kaldi is not None:
-        from torchtitan_speechlm.prepare.sources.kaldi import read_kaldi_dir
-
-        return read_kaldi_dir(kaldi), {"type": "kaldi"}, None
-    from torchtitan_speechlm.prepare.sources.hf import open_hf_dataset, read_hf_items
-
-    items = read_hf_items(hf_dataset, audio_column, text_column, split)
-    ds, split = open_hf_dataset(hf_dataset, split)
-    source = {"type": "hf_dataset", "split": split, "audio_column": audio_column,
-              "text_column": text_column, "fingerprint": getattr(ds, "_fingerprint", None)}  # fmt: skip
-    return items, source, (os.path.abspath(hf_dataset), audio_column, split)
-
-
 def _size(path: str | None) -> int:
     try:
         return os.path.getsize(path) if path else -1
@@ -68,7 +49,7 @@ INPUTS_HASH_VERSION = 2
 
 def _item_key(it: ManifestItem) -> list:
     def ref(r):
-        return None if r is None else [r.path, r.start, r.end, r.row, _size(r.path)]
+        return None if r is None else [r.path, r.start, r.end, r.row, r.channel, _size(r.path)]
 
     turns = [[t.role, t.text, ref(t.audio)] for t in it.turns] if it.turns is not None else None
     return [it.id, it.kind, it.text, ref(it.ref), turns]

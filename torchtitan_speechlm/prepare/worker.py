@@ -95,7 +95,7 @@ def load_ref(ref: AudioRef, sample_rate: int, hf_reader=None) -> np.ndarray:
     """Audio of a reference (file, segment or HF row) at ``sample_rate``, mono."""
     if ref.row is not None:
         return hf_reader.load(ref.row, sample_rate)
-    return load_audio(ref.path, sample_rate, start=ref.start, end=ref.end)
+    return load_audio(ref.path, sample_rate, start=ref.start, end=ref.end, channel=ref.channel)
 
 
 def _tokens(text: str, what: str) -> list[int]:

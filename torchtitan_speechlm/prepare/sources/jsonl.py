@@ -21,6 +21,11 @@ from torchtitan_speechlm.prepare.items import (
     ManifestItem,
     TurnSpec,
 )
+from torchtitan_speechlm.prepare.sources.base import (
+    PrepareSource,
+    SourceRead,
+    register_source,
+)
 
 
 def _str_key(row: dict, key: str, where: str, required: bool) -> str | None:
@@ -102,3 +107,12 @@ def read_jsonl_manifest(path: str) -> list[ManifestItem]:
             audio = _resolve(base, audio) if audio is not None else None
             items.append(ManifestItem(item_id, audio, text or "", lineno, where))
     return items
+
+
+def _read(path: str) -> SourceRead:
+    return SourceRead(read_jsonl_manifest(path), {"type": "manifest"})
+
+
+register_source(PrepareSource(
+    "manifest", "--manifest", "M.jsonl",
+    "JSONL: speech, text-only, audio-only or dialogue lines", _read))

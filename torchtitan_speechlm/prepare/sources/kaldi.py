@@ -20,6 +20,11 @@ import os
 import re
 
 from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem
+from torchtitan_speechlm.prepare.sources.base import (
+    PrepareSource,
+    SourceRead,
+    register_source,
+)
 
 _ARK_OFFSET = re.compile(r"\.ark:\d+$")
 
@@ -116,3 +121,11 @@ def read_kaldi_dir(data_dir: str) -> list[ManifestItem]:
             missing = os.path.join(data_dir, f"<no audio for {utt}>")
             items.append(ManifestItem(utt, missing, texts[utt], lineno, where))
     return items
+
+
+def _read(path: str) -> SourceRead:
+    return SourceRead(read_kaldi_dir(path), {"type": "kaldi"})
+
+
+register_source(PrepareSource(
+    "kaldi", "--kaldi", "DIR", "Kaldi data dir: wav.scp, text, [segments]", _read))
