@@ -47,7 +47,7 @@ def speechlm(size, device):
                                    num_key_value_heads=kv, max_position_embeddings=4096)
     cfg.save_pretrained(d)
     layout = VocabLayout(text_size=text, num_streams=n, codebook_size=c)
-    args = SpeechLMModelArgs(backbone=d, hf_config=cfg.to_dict(), vocab=layout.to_dict(),
+    args = SpeechLMModelArgs(hf_assets_path=d, backbone_config=cfg.to_dict(), vocab=layout.to_dict(),
                              load_weights=False)
     with torch.device("meta"):
         model = SpeechLM(args)

@@ -35,7 +35,7 @@ def build_speechlm(backbone_dir, num_streams=3, codebook_size=16, tie=None, **kw
     layout = VocabLayout(text_size=hf.vocab_size, num_streams=num_streams,
                          codebook_size=codebook_size)
     args = SpeechLMModelArgs(
-        backbone=str(backbone_dir), hf_config=hf.to_dict(), vocab=layout.to_dict(),
+        hf_assets_path=str(backbone_dir), backbone_config=hf.to_dict(), vocab=layout.to_dict(),
         tie_embeddings=hf.tie_word_embeddings if tie is None else tie, **kw,
     )
     with torch.device("meta"):
@@ -114,7 +114,6 @@ name = "speechlm"
 flavor = "hf"
 hf_assets_path = "{backbone}"
 [speechlm]
-backbone = "{backbone}"
 pattern = "delay"
 z_loss_weight = 1e-3
 [speechlm_data]

@@ -28,7 +28,7 @@ def test_reported_flops_match_counted_matmul_flops(tmp_path, loss_share):
     mp._head_flops = model.args.head_flops_per_loss_frame()
     mp.num_flops_per_token, mp._loss_frame_ratio = every_frame, loss_share
     reported = mp.num_flops_per_token
-    hf = model.args.hf_config
+    hf = model.args.backbone_config
     attention_formula = 12 * hf["num_hidden_layers"] * hf["hidden_size"] * t
     # linear layers and the per-stream heads (the attention kernel is not counted on CPU)
     assert abs((reported - attention_formula) - matmul) / matmul < 0.01

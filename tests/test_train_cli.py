@@ -99,7 +99,7 @@ def test_stock_torchtitan_parses_the_same_toml(assets, tmp_path):
 
     cfg = write_tiny_config(tmp_path / "c.toml", assets, tmp_path / "run")
     job = ConfigManager().parse_args(["--job.config_file", cfg])
-    assert job.speechlm.backbone == assets["backbone"]
+    assert job.model.hf_assets_path == assets["backbone"]
     importlib.import_module(job.experimental.custom_import)
     spec = get_train_spec(job.model.name)
     args = spec.model_args[job.model.flavor]

@@ -21,8 +21,6 @@ LossRegion = Literal["assistant", "all"]
 
 @dataclass
 class SpeechLM:
-    backbone: str = ""
-    """Local HF causal-LM directory (config.json, optional *.safetensors)."""
     load_backbone_weights: bool = True
     """Copy pretrained weights when the backbone directory has safetensors."""
     pattern: str = "delay"
@@ -114,6 +112,13 @@ def _patterns():
 REGISTERED_VALUES = {"speechlm.pattern": _patterns}
 
 
+# keys that were replaced, with what to do instead
+MOVED_KEYS = {
+    "speechlm.backbone": "is now torchtitan's own `model.hf_assets_path` (the backbone's "
+                         "checkpoint folder): move the path there",
+}
+
+
 class ConfigError(ValueError):
     """A bad config value, with the key and the fix in the message."""
 
@@ -149,6 +154,8 @@ def check_toml(values: dict, config_cls: type, source: str, prefix: str = "") ->
     hints = {name: f.type for name, f in known.items()}
     for key, value in values.items():
         dotted = f"{prefix}{key}"
+        if dotted in MOVED_KEYS:
+            raise ConfigError(f"{source}: `{dotted}` {MOVED_KEYS[dotted]}")
         if key not in known:
             close = difflib.get_close_matches(key, list(known), n=1)
             hint = f" Did you mean `{prefix}{close[0]}`?" if close else ""
@@ -242,37 +249,23 @@ def read_dataset_metadata(path: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Resolution and validation
 # ---------------------------------------------------------------------------------------------
-def dataset_metadata(job_config) -> dict[str, dict]:
-    names = parse_datasets(job_config.speechlm_data.datasets)
-    return {name: read_dataset_metadata(path) for name, path in names.items()}
+def is_speechlm(job_config) -> bool:
+    """The job trains a spec registered through ``spec.register_speechlm_spec``."""
+    from torchtitan_speechlm.spec import SPEECHLM_SPECS
+
+    return job_config.model.name in SPEECHLM_SPECS
 
 
 def validate_job_config(job_config) -> None:
-    """Cross-field checks; raises ConfigError naming the key and the fix."""
-    sl, data = job_config.speechlm, job_config.speechlm_data
-    if job_config.model.name != "speechlm":
+    """Cross-field checks (raise ConfigError naming the key and the fix); builds the run's
+    context (backbone config, datasets, mixture, vocabulary) on the way."""
+    if not is_speechlm(job_config):
         return
-    from torchtitan_speechlm.model.hf_backbone import require_backbone_dir
+    from torchtitan_speechlm.run_context import run_context
 
-    require_backbone_dir(sl.backbone)
-    names = parse_datasets(data.datasets)
-    train = parse_mix(data.train, "train", names)
-    parse_mix(data.valid, "valid", names)
-    if not train:
-        raise ConfigError("speechlm_data.train is empty: list at least one TASK:NAME entry")
-    metas = dataset_metadata(job_config)
-    from torchtitan_speechlm.dataset_format import check_compatible
-
-    first = next(iter(metas))
-    for name, meta in metas.items():
-        try:
-            check_compatible(metas[first], meta)
-        except ValueError as e:
-            raise ConfigError(
-                f"datasets {first!r} and {name!r} cannot be mixed: {e}; prepare all of them "
-                "with the same codec (and --num-streams) and tokenizer."
-            ) from None
-    n_streams = int(metas[first]["codec"]["num_streams"])
+    sl, data = job_config.speechlm, job_config.speechlm_data
+    ctx = run_context(job_config)
+    n_streams = ctx.num_streams
     if sl.stream_weights and len(sl.stream_weights) != n_streams:
         raise ConfigError(
             f"speechlm.stream_weights has {len(sl.stream_weights)} values but the codec has "
@@ -283,17 +276,6 @@ def validate_job_config(job_config) -> None:
     for key in ("text_weight", "audio_weight", "z_loss_weight", "load_balance_weight"):
         if getattr(sl, key) < 0:
             raise ConfigError(f"speechlm.{key} must be >= 0")
-    from torchtitan_speechlm.model.hf_backbone import load_hf_config
-
-    hf = load_hf_config(sl.backbone)
-    for name, m in metas.items():
-        tv = int(m["tokenizer"]["vocab_size"])
-        if tv > hf.vocab_size:
-            raise ConfigError(
-                f"dataset {name!r} was tokenised with {tv} text tokens but the backbone "
-                f"{sl.backbone!r} has only {hf.vocab_size} embedding rows; prepare it with the "
-                "backbone's tokenizer."
-            )
     for dotted, registry in REGISTERED_VALUES.items():
         section, key = dotted.split(".")
         try:
@@ -321,45 +303,29 @@ def validate_job_config(job_config) -> None:
         raise ConfigError("speechlm_data.window must be >= 1")
 
 
-def layout_from_config(job_config):
-    """The run's VocabLayout: text rows from the backbone, streams/codebook from the datasets."""
-    from torchtitan_speechlm.model.hf_backbone import load_hf_config
-    from torchtitan_speechlm.model.vocab import VocabLayout
-
-    hf = load_hf_config(job_config.speechlm.backbone)
-    meta = next(iter(dataset_metadata(job_config).values()))
-    return VocabLayout(
-        text_size=int(hf.vocab_size),
-        num_streams=int(meta["codec"]["num_streams"]),
-        codebook_size=int(meta["codec"]["codebook_size"]),
-    )
-
-
 def resolve_model_args(args, job_config) -> None:
     """Fill SpeechLMModelArgs from [speechlm], the backbone config and the datasets' codec.
 
     Keys with the same name in [speechlm] and the model args are copied as they are; only the
-    derived ones (vocabulary, tie, normalised stream weights) are computed here."""
+    derived ones (vocabulary, tie, the backbone folder and config) are computed here."""
     from torchtitan_speechlm.components.resume import resolve_resume
-    from torchtitan_speechlm.model.hf_backbone import load_hf_config
+    from torchtitan_speechlm.run_context import run_context
 
     validate_job_config(job_config)
     resolve_resume(job_config)  # before torchtitan's checkpointer picks the step to load
-    sl = job_config.speechlm
-    hf = load_hf_config(sl.backbone)
-    layout = layout_from_config(job_config)
+    sl, ctx = job_config.speechlm, run_context(job_config)
     for f in fields(SpeechLM):
         if f.name in {g.name for g in fields(args)}:
             setattr(args, f.name, getattr(sl, f.name))
-    args.hf_config = hf.to_dict()
-    args.vocab = layout.to_dict()
+    args.hf_assets_path = ctx.backbone_path
+    args.backbone_config = ctx.backbone_config
+    args.vocab = ctx.layout.to_dict()
     args.tie_embeddings = (
-        bool(getattr(hf, "tie_word_embeddings", False))
+        ctx.family.tie_word_embeddings(ctx.backbone_config)
         if sl.tie_embeddings == "auto"
         else sl.tie_embeddings == "true"
     )
     args.load_weights = sl.load_backbone_weights
-    args.stream_weights = normalised_stream_weights(sl.stream_weights, layout.num_streams)
 
 
 def normalised_stream_weights(weights: list[float], n: int) -> list[float]:

@@ -85,15 +85,35 @@ def torchtitan_args(args: list[str]) -> list[str]:
     return normalise_bool_flags(with_config_module(args))
 
 
+def import_extensions(args: list[str], toml_values: dict | None) -> None:
+    """Import ``experimental.custom_import`` here too, as torchtitan does in every rank, so the
+    codecs, patterns, tasks, backbones and specs it registers are known to the checks below."""
+    import importlib
+
+    name = (toml_values or {}).get("experimental", {}).get("custom_import", "")
+    for i, a in enumerate(args):
+        key, eq, val = a.partition("=")
+        if key in ("--experimental.custom_import", "--experimental.custom-import"):
+            name = val if eq else (args[i + 1] if i + 1 < len(args) else "")
+    if name:
+        importlib.import_module(name)
+
+
 def check_config(args: list[str]):
     """Parse and validate exactly as the ranks will; raises ConfigError / FileNotFoundError."""
     from torchtitan.config import ConfigManager
 
     import torchtitan_speechlm  # noqa: F401  (device selection + spec registration)
-    from torchtitan_speechlm.config import ConfigError, check_toml, validate_job_config
+    from torchtitan_speechlm.config import (
+        ConfigError,
+        check_toml,
+        is_speechlm,
+        validate_job_config,
+    )
 
     manager = ConfigManager()
     toml_values = manager._maybe_load_toml(args)
+    import_extensions(args, toml_values)
     config_cls = manager._maybe_add_custom_config(args, toml_values)
     if toml_values is not None:
         path = next((args[i + 1] for i, a in enumerate(args[:-1])
@@ -104,7 +124,7 @@ def check_config(args: list[str]):
     except SystemExit as e:  # tyro already printed what is wrong with the command line
         raise ConfigError("invalid command-line override (see above)") from e
     validate_job_config(job_config)
-    if job_config.model.name == "speechlm":
+    if is_speechlm(job_config):
         from torchtitan_speechlm.components.resume import resolve_resume
         from torchtitan_speechlm.data.loader import check_data
 

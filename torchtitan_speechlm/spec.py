@@ -1,5 +1,11 @@
-"""The `speechlm` TrainSpec: torchtitan's own loop, optimizers, LR schedule and checkpointer,
-with our model, parallelize function, data loader, loss, metrics and validator."""
+"""The SpeechLM TrainSpecs: torchtitan's own loop, optimizers, LR schedule and checkpointer,
+with our model, parallelize function, data loader, loss, metrics and validator.
+
+``speechlm`` (flavor ``hf``) runs transformers' decoders. ``register_speechlm_spec`` registers
+a SpeechLM over another decoder family (a registered Backbone): one call, e.g.
+``register_speechlm_spec("speechlm_mine", backbone="mine")`` and ``model.name =
+"speechlm_mine"``, ``model.flavor = "mine"`` in the TOML (docs/extending.md).
+"""
 
 from __future__ import annotations
 
@@ -13,19 +19,21 @@ from torchtitan_speechlm.components.validate import build_speechlm_validator
 from torchtitan_speechlm.data.loader import build_speechlm_dataloader
 from torchtitan_speechlm.infra.parallelize import parallelize_speechlm
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
+from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.model import SpeechLM
 
 SPEC_NAME = "speechlm"
-
-# One flavor: sizes come from the backbone's config.json, not from a table of presets.
-speechlm_flavors = {"hf": SpeechLMModelArgs()}
+SPEECHLM_SPECS: set[str] = set()  # the TrainSpecs [speechlm] sections and checks apply to
 
 
-def get_speechlm_train_spec() -> TrainSpec:
+def speechlm_train_spec(backbone: str = "hf", parallelize_fn=parallelize_speechlm) -> TrainSpec:
+    """A TrainSpec of a SpeechLM over ``backbone``; its one flavor is named after the backbone
+    (sizes come from the backbone's own config, not from a table of presets)."""
+    get_backbone(backbone)  # must be registered
     return TrainSpec(
         model_cls=SpeechLM,
-        model_args=speechlm_flavors,
-        parallelize_fn=parallelize_speechlm,
+        model_args={backbone: SpeechLMModelArgs(backbone=backbone)},
+        parallelize_fn=parallelize_fn,
         pipelining_fn=None,
         build_optimizers_fn=build_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
@@ -37,11 +45,30 @@ def get_speechlm_train_spec() -> TrainSpec:
     )
 
 
-def register() -> TrainSpec:
-    """Register the spec once; importing twice (custom_import + our CLI) is harmless."""
+def register_speechlm_spec(name: str, backbone: str = "hf",
+                           parallelize_fn=parallelize_speechlm) -> TrainSpec:
+    """Register (once; importing twice is harmless) the TrainSpec ``name`` over ``backbone``."""
+    SPEECHLM_SPECS.add(name)
     try:
-        return get_train_spec(SPEC_NAME)
+        return get_train_spec(name)
     except ValueError:
-        spec = get_speechlm_train_spec()
-        register_train_spec(SPEC_NAME, spec)
+        spec = speechlm_train_spec(backbone, parallelize_fn)
+        register_train_spec(name, spec)
         return spec
+
+
+def register() -> TrainSpec:
+    """The built-in ``speechlm`` spec over transformers' decoders."""
+    return register_speechlm_spec(SPEC_NAME, "hf")
+
+
+def backbone_of(job_config) -> Backbone:
+    """The backbone family of the job's spec and flavor."""
+    from torchtitan_speechlm.config import ConfigError
+
+    spec = get_train_spec(job_config.model.name)
+    flavor = job_config.model.flavor
+    if flavor not in spec.model_args:
+        raise ConfigError(f"model.flavor = {flavor!r}: the {job_config.model.name!r} spec has "
+                          f"flavor(s) {sorted(spec.model_args)}")
+    return get_backbone(spec.model_args[flavor].backbone)

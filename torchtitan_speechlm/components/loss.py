@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from torchtitan_speechlm.components.stats import StatsAccumulator
-from torchtitan_speechlm.config import layout_from_config
 from torchtitan_speechlm.data.stream import data_stats_keys
 from torchtitan_speechlm.model.model import SpeechLMOutput
+from torchtitan_speechlm.run_context import run_context
 
 # torchtitan's Trainer builds the metrics processor and the loss function separately and never
 # hands one to the other; this per-process accumulator is their meeting point. One Trainer per
@@ -37,6 +37,6 @@ class SpeechLMLoss:
 
 def build_speechlm_loss(job_config, **kwargs) -> SpeechLMLoss:
     """TrainSpec.build_loss_fn."""
-    TRAIN_STATS.data_stats_keys = data_stats_keys(layout_from_config(job_config).num_streams)
+    TRAIN_STATS.data_stats_keys = data_stats_keys(run_context(job_config).num_streams)
     TRAIN_STATS.reset()
     return SpeechLMLoss(TRAIN_STATS)

@@ -20,7 +20,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.loss import TRAIN_STATS
 from torchtitan_speechlm.components.stats import StatsAccumulator
-from torchtitan_speechlm.config import dataset_metadata
+from torchtitan_speechlm.run_context import run_context
 
 
 class JsonlLogger(BaseLogger):
@@ -45,7 +45,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         # MFU counts the head only on frames that carry loss (where it runs): see
         # num_flops_per_token below and SpeechLMModelArgs.head_flops_per_loss_frame.
         self._head_flops = (model_args.head_flops_per_loss_frame()
-                            if model_args is not None and model_args.hf_config else 0)
+                            if model_args is not None and model_args.backbone_config else 0)
         self._loss_frame_ratio = 1.0
         if job_config.metrics.enable_wandb:
             os.environ.setdefault("WANDB_MODE", "offline")
@@ -61,10 +61,8 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             self.logger = container
 
         self.code_usage_interval = job_config.speechlm.code_usage_interval
-        metas = dataset_metadata(job_config) if job_config.speechlm_data.datasets else {}
-        first = next(iter(metas.values()), None)
-        self.frame_rate = float(first["codec"]["frame_rate"]) if first else 0.0
-        self.num_streams = int(first["codec"]["num_streams"]) if first else 0
+        ctx = run_context(job_config)
+        self.frame_rate, self.num_streams = ctx.frame_rate, ctx.num_streams
 
     @property
     def num_flops_per_token(self) -> float:

@@ -15,39 +15,9 @@ from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.stats import StatsAccumulator
-from torchtitan_speechlm.config import layout_from_config, parse_datasets, parse_mix
 from torchtitan_speechlm.data.loader import build_dataset
 from torchtitan_speechlm.data.stream import SpeechLMDataset, Unit, data_stats_keys
-
-
-def validation_sets(job_config) -> dict[str, tuple[list, str]]:
-    """{set name: ([MixEntry], split)}, split being which items of the dataset are validated.
-
-    Explicit ``valid`` entries: a dataset that training also uses is validated on its held-out
-    part when ``valid_fraction`` > 0 (never on items training sees); with no hold-out it is
-    validated on all its items, with a warning. A dataset training does not use: all items.
-    No ``valid`` entries: every training entry on its held-out part."""
-    data = job_config.speechlm_data
-    names = parse_datasets(data.datasets)
-    train = parse_mix(data.train, "train", names)
-    if not data.valid:
-        if data.valid_fraction > 0:
-            return {f"{e.task}_{e.dataset}_heldout": ([e], "valid") for e in train}
-        return {}
-    trained = {e.dataset for e in train}
-    sets = {}
-    for e in parse_mix(data.valid, "valid", names):
-        split = "all"
-        if e.dataset in trained:
-            if data.valid_fraction > 0:
-                split = "valid"
-            else:
-                logger.warning(
-                    f"validation set {e.task}:{e.dataset} is also training data (valid_fraction "
-                    "= 0): its numbers measure fit, not generalisation; set "
-                    "speechlm_data.valid_fraction > 0 to validate on held-out items")
-        sets[f"{e.task}_{e.dataset}"] = ([e], split)
-    return sets
+from torchtitan_speechlm.run_context import run_context
 
 
 class SpeechLMValidator(BaseValidator):
@@ -59,8 +29,9 @@ class SpeechLMValidator(BaseValidator):
         self.amp = maybe_enable_amp
         self.context = validation_context
         self.metrics_processor = metrics_processor
-        self.stats_keys = data_stats_keys(layout_from_config(job_config).num_streams)
-        self.sets = validation_sets(job_config)
+        ctx = run_context(job_config)
+        self.stats_keys = data_stats_keys(ctx.num_streams)
+        self.sets = ctx.valid
         if not self.sets:
             raise ValueError(
                 "validation.enable = true but there is nothing to validate on: set "

@@ -20,16 +20,11 @@ import numpy as np
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.config import (
-    MixEntry,
-    layout_from_config,
-    normalised_stream_weights,
-    parse_datasets,
-    parse_mix,
-)
+from torchtitan_speechlm.config import MixEntry, normalised_stream_weights
 from torchtitan_speechlm.data.stream import META_KEY, Source, SpeechLMDataset, batch_hash
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
+from torchtitan_speechlm.run_context import run_context
 
 
 class SpeechLMDataLoader(ParallelAwareDataloader):
@@ -149,7 +144,7 @@ def open_prepared(path: str):
 
 
 def build_sources(job_config, entries: list[MixEntry], split: str) -> list[Source]:
-    paths = parse_datasets(job_config.speechlm_data.datasets)
+    paths = run_context(job_config).datasets
     frac = job_config.speechlm_data.valid_fraction
     sources = []
     for e in entries:
@@ -172,7 +167,7 @@ def build_dataset(job_config, entries: list[MixEntry], split: str, *, dp_rank: i
     Training steps hold torchtitan's global batch: ``accumulation`` = global rows / (local rows
     x dp), exactly as torchtitan's Trainer computes its gradient accumulation steps."""
     data = job_config.speechlm_data
-    layout = layout_from_config(job_config)
+    layout = run_context(job_config).layout
     if training:
         seq_len, rows = job_config.training.seq_len, job_config.training.local_batch_size
         accumulation = global_batch_rows(job_config, dp_world_size) // (rows * dp_world_size)
@@ -206,13 +201,10 @@ def check_data(job_config) -> None:
     """Build the training stream and every validation set once, as the ranks will: bad
     mixtures, empty entries and lengths that do not fit ``seq_len`` fail here, before any rank
     starts (see SpeechLMDataset.check_lengths)."""
-    from torchtitan_speechlm.components.validate import validation_sets
-
-    names = parse_datasets(job_config.speechlm_data.datasets)
-    entries = parse_mix(job_config.speechlm_data.train, "train", names)
-    build_dataset(job_config, entries, "train", dp_rank=0, dp_world_size=1, training=True)
+    ctx = run_context(job_config)
+    build_dataset(job_config, ctx.train, "train", dp_rank=0, dp_world_size=1, training=True)
     if job_config.validation.enable:
-        for entries, split in validation_sets(job_config).values():
+        for entries, split in ctx.valid.values():
             build_dataset(job_config, entries, split, dp_rank=0, dp_world_size=1, training=False)
 
 
@@ -220,10 +212,9 @@ def build_speechlm_dataloader(
     dp_world_size: int, dp_rank: int, tokenizer, job_config, **kwargs
 ) -> SpeechLMDataLoader:
     """TrainSpec.build_dataloader_fn."""
-    names = parse_datasets(job_config.speechlm_data.datasets)
-    entries = parse_mix(job_config.speechlm_data.train, "train", names)
-    record_vocab(job_config.job.dump_folder, layout_from_config(job_config))
-    dataset = build_dataset(job_config, entries, "train", dp_rank=dp_rank,
+    ctx = run_context(job_config)
+    record_vocab(job_config.job.dump_folder, ctx.layout)
+    dataset = build_dataset(job_config, ctx.train, "train", dp_rank=dp_rank,
                             dp_world_size=dp_world_size, training=True)
     logger.info("SpeechLM data: " + ", ".join(
         f"{s.task}:{s.name} ({len(s.indices)} items, weight {s.weight})" for s in dataset.sources))

@@ -1,4 +1,5 @@
-"""SpeechLMModelArgs: everything the model needs, resolved from the job config before building."""
+"""SpeechLMModelArgs: everything the model needs, resolved from the job config before building
+(``config.resolve_model_args``); every field is read by the model."""
 
 from __future__ import annotations
 
@@ -7,22 +8,23 @@ from dataclasses import dataclass, field
 from torch import nn
 from torchtitan.protocols import BaseModelArgs
 
+from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.vocab import VocabLayout
 
 
 @dataclass
 class SpeechLMModelArgs(BaseModelArgs):
-    backbone: str = ""
-    hf_config: dict = field(default_factory=dict)
+    backbone: str = "hf"
+    """The decoder family (a registered Backbone); fixed by the TrainSpec's flavor."""
+    hf_assets_path: str = ""
+    """The backbone's checkpoint folder (model.hf_assets_path): its config and weights."""
+    backbone_config: dict = field(default_factory=dict)
     vocab: dict = field(default_factory=dict)
     pattern: str = "delay"
     tie_embeddings: bool = False
     load_weights: bool = True
     attn_implementation: str = "sdpa"
     init_seed: int = 0
-    text_weight: float = 1.0
-    audio_weight: float = 1.0
-    stream_weights: list[float] = field(default_factory=list)
     z_loss_weight: float = 0.0
     load_balance_weight: float = 0.0
     loss_chunk_size: int = 4096
@@ -32,11 +34,13 @@ class SpeechLMModelArgs(BaseModelArgs):
     def layout(self) -> VocabLayout:
         return VocabLayout.from_dict(self.vocab)
 
-    def build_hf_config(self):
-        from transformers import AutoConfig
+    @property
+    def family(self) -> Backbone:
+        return get_backbone(self.backbone)
 
-        d = dict(self.hf_config)
-        return AutoConfig.for_model(d.pop("model_type"), **d)
+    @property
+    def hidden_size(self) -> int:
+        return self.family.hidden_size(self.backbone_config)
 
     # ---- torchtitan protocol ---------------------------------------------------------------
     def update_from_config(self, job_config, **kwargs) -> None:
@@ -57,22 +61,25 @@ class SpeechLMModelArgs(BaseModelArgs):
         embed = model.tok_embeddings.weight.numel()
         head = 0 if self.tie_embeddings else model.head.output.weight.numel()
         dense = nparams - embed - head - model.head.stream_emb.weight.numel()
-        cfg = self.hf_config
-        hidden = cfg["hidden_size"]
-        layers = cfg["num_hidden_layers"]
-        if cfg.get("num_experts") and cfg.get("num_experts_per_tok"):
+        moe = self.family.moe(self.backbone_config)
+        if moe:
             # MoE: only the routed experts' share of expert params is active per token.
             expert = sum(
                 p.numel() for n, p in model.named_parameters() if ".experts." in n
             )
-            dense -= expert - expert * cfg["num_experts_per_tok"] // cfg["num_experts"]
-        flops = 6 * dense + self.head_flops_per_loss_frame() + 12 * layers * hidden * seq_len
+            dense -= expert - expert * moe[1] // moe[0]
+        layers = self.family.num_layers(self.backbone_config)
+        flops = (6 * dense + self.head_flops_per_loss_frame()
+                 + 12 * layers * self.hidden_size * seq_len)
         return nparams, flops
 
     def head_flops_per_loss_frame(self) -> int:
         """Training FLOPs of the output head for one frame that carries loss: it runs on those
         frames only, so the FLOPs of a step are (the above - this) x frames + this x loss
         frames (the metrics processor scales MFU by the interval's loss-frame ratio)."""
-        layout = self.layout
-        head_cols = sum(b - a for a, b in map(layout.stream_range, range(layout.num_streams)))
-        return 6 * int(self.hf_config["hidden_size"]) * head_cols
+        from torchtitan_speechlm.model.patterns import get_pattern
+
+        layout, pattern = self.layout, get_pattern(self.pattern)
+        head_cols = sum(b - a for a, b in (pattern.prediction_range(layout, k)
+                                           for k in range(layout.num_streams)))
+        return 6 * self.hidden_size * head_cols

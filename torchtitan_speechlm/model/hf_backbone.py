@@ -1,4 +1,4 @@
-"""HF model adapter: any local transformers causal-LM directory as the SpeechLM backbone.
+"""The ``hf`` backbone: any local transformers causal-LM directory as the SpeechLM decoder.
 
 We keep transformers' own decoder stack (``AutoModel.from_config``: Llama, Qwen2, Qwen3, Qwen3-MoE,
 ...), so attention variants, RoPE scaling, sliding windows and packed-sequence masks stay exactly
@@ -10,11 +10,14 @@ directory's safetensors; text rows of the embedding / head are copied into the e
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from torchtitan_speechlm.model.backbones import Backbone, register_backbone
 
 HF_EMBED = "model.embed_tokens.weight"
 HF_HEAD = "lm_head.weight"
@@ -24,7 +27,7 @@ def require_backbone_dir(path: str) -> Path:
     p = Path(path).expanduser()
     if not path or not (p / "config.json").is_file():
         raise FileNotFoundError(
-            f"[speechlm] backbone = {path!r}: no config.json there. Point it at a local Hugging Face "
+            f"model.hf_assets_path = {path!r}: no config.json there. Point it at a local Hugging Face "
             "causal-LM directory (config.json, optionally *.safetensors), e.g. one written by "
             "`save_pretrained` or downloaded beforehand with `huggingface-cli download`."
         )
@@ -139,3 +142,53 @@ def hf_name(our_name: str) -> str | None:
     if our_name.startswith("backbone."):
         return "model." + our_name[len("backbone.") :]
     return None
+
+
+class HFBackbone(Backbone):
+    """transformers' decoder stack (``AutoModel.from_config``: Llama, Qwen2, Qwen3, Qwen3-MoE, ...)
+    of a local HF causal-LM folder, called with ``inputs_embeds``."""
+
+    embed_key, head_key = HF_EMBED, HF_HEAD
+
+    def read_config(self, path: str) -> dict:
+        return load_hf_config(path).to_dict()
+
+    def hf_config(self, config: dict):
+        from transformers import AutoConfig
+
+        d = dict(config)
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+
+    def moe(self, config: dict) -> tuple[int, int] | None:
+        # transformers 5 stores num_experts as num_local_experts in to_dict() (attribute_map)
+        e = config.get("num_experts") or config.get("num_local_experts")
+        k = config.get("num_experts_per_tok")
+        return (int(e), int(k)) if e and k else None
+
+    def build(self, config: dict, attn_implementation: str) -> nn.Module:
+        return build_backbone(self.hf_config(config), attn_implementation)
+
+    def run(self, module, inputs_embeds, position_ids, real):
+        moe = self.moe(module.config.to_dict())
+        extra = {"output_router_logits": True} if moe else {}
+        out = module(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False,
+                     **extra)
+        aux = None
+        if moe and getattr(out, "router_logits", None):
+            # transformers' own Switch-style aux loss (E * sum_e f_e P_e), over real frames only
+            lb_fn = sys.modules[type(module).__module__].load_balancing_loss_func
+            aux = lb_fn(tuple(out.router_logits), moe[0], moe[1], real.float())
+        return out.last_hidden_state, aux
+
+    def reset_buffers(self, module, device) -> None:
+        reset_non_persistent_buffers(module, device)
+
+    def weights(self, path: str):
+        reader = PretrainedWeights(path)
+        return reader if reader else None
+
+    def checkpoint_key(self, name: str) -> str | None:
+        return hf_name(name)
+
+
+register_backbone("hf", HFBackbone())

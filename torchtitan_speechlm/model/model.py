@@ -1,4 +1,5 @@
-"""SpeechLM: a transformers decoder stack over summed multi-stream embeddings, with a loss head.
+"""SpeechLM: a decoder (a registered backbone, transformers' by default) over summed multi-stream
+embeddings, with a loss head.
 
 Input  ``inputs`` [B, T, N]: N token streams per frame (stream 0: specials, text or codebook 0;
 stream k > 0: codebook k, or its pad). The input embedding is the sum of the streams' embeddings,
@@ -18,7 +19,6 @@ count of loss frames) plus raw statistic sums for exact count-normalised logging
 
 from __future__ import annotations
 
-import sys
 import zlib
 from dataclasses import dataclass
 
@@ -30,14 +30,6 @@ from torch.utils.checkpoint import checkpoint
 from torchtitan.protocols import ModelProtocol
 
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
-from torchtitan_speechlm.model.hf_backbone import (
-    HF_EMBED,
-    HF_HEAD,
-    PretrainedWeights,
-    build_backbone,
-    hf_name,
-    reset_non_persistent_buffers,
-)
 from torchtitan_speechlm.model.patterns import get_pattern
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -212,27 +204,22 @@ class SpeechLMHead(nn.Module):
 
 
 class SpeechLM(ModelProtocol):
-    """HF decoder stack + StreamEmbedding + SpeechLMHead. Parameter names are stable DCP keys."""
+    """StreamEmbedding + a backbone's decoder + SpeechLMHead. Parameter names are stable DCP keys."""
 
     def __init__(self, args: SpeechLMModelArgs):
         super().__init__(args)
         self.args = args
         self.model_args = args
+        self.family = args.family  # the backbone's adapter (not a module)
         layout = args.layout
-        hf_config = args.build_hf_config()
-        dim = hf_config.hidden_size
+        dim = args.hidden_size
         self.tok_embeddings = StreamEmbedding(
             layout.size, dim, [layout.stream_pad(k) for k in range(layout.num_streams)]
         )
-        self.backbone = build_backbone(hf_config, args.attn_implementation)
+        self.backbone = self.family.build(args.backbone_config, args.attn_implementation)
         self.head = SpeechLMHead(args, dim)
 
     # ---- forward ---------------------------------------------------------------------------
-    @property
-    def is_moe(self) -> bool:
-        cfg = self.backbone.config
-        return bool(getattr(cfg, "num_experts", 0)) and bool(getattr(cfg, "num_experts_per_tok", 0))
-
     def hidden_states(
         self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -245,16 +232,8 @@ class SpeechLM(ModelProtocol):
             position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand(
                 inputs.shape[0], -1
             )
-        extra = {"output_router_logits": True} if self.is_moe else {}
-        out = self.backbone(inputs_embeds=h, position_ids=position_ids, use_cache=False, **extra)
-        aux = None
-        if self.is_moe and getattr(out, "router_logits", None):
-            # transformers' own Switch-style aux loss (E * sum_e f_e P_e), over real frames only
-            lb_fn = sys.modules[type(self.backbone).__module__].load_balancing_loss_func
-            cfg = self.backbone.config
-            real = (inputs[..., 0] != self.args.layout.pad).float()
-            aux = lb_fn(tuple(out.router_logits), cfg.num_experts, cfg.num_experts_per_tok, real)
-        return out.last_hidden_state, aux
+        real = inputs[..., 0] != self.args.layout.pad
+        return self.family.run(self.backbone, h, position_ids, real)
 
     def forward(
         self,
@@ -298,16 +277,16 @@ class SpeechLM(ModelProtocol):
         """
         args = self.args
         device = buffer_device or self.tok_embeddings.weight.device
-        reset_non_persistent_buffers(self.backbone, device)
-        std = float(args.hf_config.get("initializer_range", 0.02))
-        reader = PretrainedWeights(args.backbone) if args.load_weights else None
+        self.family.reset_buffers(self.backbone, device)
+        std = self.family.init_std(args.backbone_config)
+        reader = self.family.weights(args.hf_assets_path) if args.load_weights else None
         text = slice(args.layout.text_offset, args.layout.text_offset + args.layout.text_size)
         with torch.no_grad():
             for raw_name, param in self.named_parameters():
                 name = canonical_name(raw_name)
                 full = _random_init(name, param, std, args.init_seed)
                 if reader:
-                    _load_pretrained(name, full, reader, text, args.tie_embeddings)
+                    _load_pretrained(name, full, reader, text, self.family)
                 _assign(param, full)
 
 
@@ -321,18 +300,17 @@ def _random_init(name: str, param: torch.Tensor, std: float, seed: int) -> torch
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
-def _load_pretrained(
-    name: str, full: torch.Tensor, reader: PretrainedWeights, text: slice, tied: bool
-) -> None:
+def _load_pretrained(name: str, full: torch.Tensor, reader, text: slice, family) -> None:
+    """Copy the checkpoint tensor of parameter ``name`` into its initial value ``full``: the
+    text rows of the embedding and head go to their place in the extended vocabulary."""
     if name == "tok_embeddings.weight":
-        src = reader.get(HF_EMBED)
-        full[text] = src.float()
+        full[text] = reader.get(family.embed_key).float()
         return
     if name == "head.output.weight":
-        src = reader.get(HF_HEAD if HF_HEAD in reader else HF_EMBED)
-        full[text] = src.float()
+        key = family.head_key if family.head_key in reader else family.embed_key
+        full[text] = reader.get(key).float()
         return
-    key = hf_name(name)
+    key = family.checkpoint_key(name)
     if key is None:
         return
     if key not in reader:
