@@ -57,3 +57,25 @@ def test_all_tasks_train_together(tmp_path):
     assert all(np.isfinite(m["train/loss"]) for m in train)
     assert any("val/dialogue_tiny/loss" in m for m in rows)
     assert train[-1]["train/data/padding_ratio"] < 0.5
+
+
+def test_flatten_pattern_trains_end_to_end(tmp_path):
+    """Single-stream models (Orpheus/Llasa style): every codebook in stream 0, which then
+    predicts over the whole vocabulary; only stream 0 carries loss."""
+    assets = make_tiny_run_assets(tmp_path / "assets", n_items=24)
+    dump = tmp_path / "run"
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
+    r = run_train(cfg, "--training.steps", "8", "--speechlm.pattern", "flatten",
+                  "--training.seq_len", "512", "--checkpoint.enable", "false",
+                  "--validation.freq", "8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    train = [m for m in read_metrics(dump) if "train/loss" in m]
+    assert train[-1]["loss_metrics/global_avg_loss"] < 0.8 * train[0][
+        "loss_metrics/global_avg_loss"]
+    for m in train:
+        assert "train/ce_stream0" in m
+        assert not any(f"train/ce_stream{k}" in m for k in (1, 2, 3))
+        # every audio frame's 4 codes were predicted in stream 0, per codebook
+        assert m["train/data/audio_frames"] > 0
+    usage = [m for m in train if "train/codes/stream3/target_usage" in m]
+    assert usage and all(m["train/codes/stream3/target_usage"] > 0 for m in usage)

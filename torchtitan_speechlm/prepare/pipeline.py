@@ -29,7 +29,12 @@ from torchtitan_speechlm.prepare.plan import (
 )
 from torchtitan_speechlm.prepare.run import fit_or_reuse_kmeans, run_shards
 from torchtitan_speechlm.prepare.sources import SOURCES, read_source
-from torchtitan_speechlm.prepare.worker import BadItemError, ShardTask, WorkerConfig
+from torchtitan_speechlm.prepare.worker import (
+    BadItemError,
+    ShardTask,
+    WorkerConfig,
+    import_modules,
+)
 
 
 class NoItemsError(RuntimeError):
@@ -80,6 +85,7 @@ def prepare_dataset(
     seed: int = 0,
     source: tuple[str, str] | None = None,
     source_options: dict | None = None,
+    imports: tuple[str, ...] = (),
 ) -> dict:
     """Prepare (or finish preparing) a dataset in ``out_dir``; return the summary dict.
 
@@ -87,9 +93,11 @@ def prepare_dataset(
     ``text_column``, ``split``) or ``source=(name, path)`` for any registered source (e.g.
     ``("lhotse", "cuts.jsonl.gz")``) with its ``source_options``. Bad items are recorded in
     ``failures.jsonl`` and skipped; ``strict=True`` raises :class:`BadItemError` on the first
-    one instead. Raises :class:`NoItemsError` if no item survives.
+    one instead. Raises :class:`NoItemsError` if no item survives. ``imports``: extension
+    modules (registering codecs or sources) to import here and in every worker process.
     """
     t0 = time.monotonic()
+    import_modules(imports)
     given = [(n, p) for n, p in (("manifest", manifest), ("kaldi", kaldi),
                                  ("hf_dataset", hf_dataset)) if p is not None]
     given += [tuple(source)] if source is not None else []
@@ -125,7 +133,7 @@ def prepare_dataset(
     header = {"codec": plan["codec"], "tokenizer": plan["tokenizer"]}
     cfg = WorkerConfig(os.path.abspath(codec_path), os.path.abspath(tokenizer_path), device,
                        num_streams, hf_reader, allow_audio_only, strict, batch_size,
-                       header)  # fmt: skip
+                       header, tuple(imports))  # fmt: skip
     tasks = [
         ShardTask(s, items[s * shard_size : (s + 1) * shard_size], h)
         for s, h in enumerate(plan["shard_inputs"])
@@ -197,11 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace a non-empty --out that is not this same preparation",
     )
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first (it registers codecs or sources); repeatable")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point for ``torchtitan prepare``; returns the exit status."""
+    # extension modules first: the sources they register become flags of the full parser
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--import", dest="imports", action="append", default=[])
+    imports = pre.parse_known_args(argv)[0].imports
+    import_modules(imports)
     args = build_parser().parse_args(argv)
     given = [name for name, _ in SOURCES.items() if getattr(args, f"source_{name}") is not None]
     if len(given) != 1:
@@ -215,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             None, args.codec, args.tokenizer, args.out, batch_size=args.batch_size,
             device=args.device, progress=not args.no_progress, overwrite=args.overwrite,
             source=(name, getattr(args, f"source_{name}")), source_options=options,
+            imports=tuple(imports),
             workers=args.workers,
             shard_size=args.shard_size, num_streams=args.num_streams, strict=args.strict,
             allow_audio_only=args.allow_audio_only, fit_kmeans_codec=args.fit_kmeans_codec,

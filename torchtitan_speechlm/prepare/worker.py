@@ -46,6 +46,7 @@ class WorkerConfig:
     strict: bool = False
     batch_size: int = 8
     header: dict = field(default_factory=dict)  # codec/tokenizer identity for shard.json
+    imports: tuple[str, ...] = ()  # extension modules (codecs, sources) each worker imports
 
 
 @dataclass
@@ -58,6 +59,14 @@ class ShardTask:
 _state: dict = {}
 
 
+def import_modules(names) -> None:
+    """Import extension modules (they register codecs or sources when imported)."""
+    import importlib
+
+    for name in names:
+        importlib.import_module(name)
+
+
 def init_worker(cfg: WorkerConfig, progress_queue=None, threads: int | None = None) -> None:
     """Load this process' codec, tokenizer and (for HF sources) audio reader."""
     import torch
@@ -66,6 +75,7 @@ def init_worker(cfg: WorkerConfig, progress_queue=None, threads: int | None = No
     from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
     from torchtitan_speechlm.text_tokenizer import load_text_tokenizer
 
+    import_modules(cfg.imports)
     if threads:
         torch.set_num_threads(threads)
     _state.clear()
