@@ -21,78 +21,100 @@ LossRegion = Literal["assistant", "all"]
 
 @dataclass
 class SpeechLM:
+    """[speechlm]: model, vocabulary and loss."""
+
     load_backbone_weights: bool = True
-    """Copy pretrained weights when the backbone directory has safetensors."""
+    """Copy pretrained weights when the backbone folder (`model.hf_assets_path`) has
+    safetensors; a folder with only config.json is a random init."""
     pattern: str = "delay"
-    """Audio interleave pattern (a registered one): `delay` shifts stream n by n frames,
-    `parallel` keeps them aligned, `flatten` serialises all codebooks into stream 0."""
+    """Audio interleave pattern, a registered one: `delay` (stream n shifted by n frames),
+    `parallel` (aligned), `flatten` (every codebook serialised into stream 0, Orpheus/Llasa
+    style)."""
     tie_embeddings: Literal["auto", "true", "false"] = "auto"
-    """Tie the output head to the input embedding; auto = the backbone's tie_word_embeddings."""
+    """Tie the output head to the input embedding (`auto` = the backbone's
+    `tie_word_embeddings`)."""
     attn_implementation: str = "sdpa"
-    """transformers attention implementation (sdpa works on CPU and GPU)."""
+    """transformers attention implementation (`sdpa` works on CPU and GPU;
+    `flash_attention_2` on GPUs uses the packed position ids for varlen attention)."""
     init_seed: int = 0
-    """Seed of the deterministic, world-size-invariant parameter init."""
+    """Seed of the deterministic, world-size-invariant initialisation of new parameters."""
     text_weight: float = 1.0
     """Loss weight of text / special targets (stream 0)."""
     audio_weight: float = 1.0
-    """Loss weight of one audio frame, split over streams by stream_weights."""
+    """Loss weight of one audio frame, split over streams by `stream_weights`."""
     stream_weights: list[float] = field(default_factory=list)
     """Per-stream audio weights (normalised to sum 1); empty = uniform."""
     z_loss_weight: float = 0.0
-    """Weight of the z-loss (logsumexp^2) term; 0 disables it."""
+    """Weight of the z-loss term (logsumexp²); 0 disables it."""
     load_balance_weight: float = 0.0
     """Weight of the MoE load-balance loss (MoE backbones only)."""
     loss_chunk_size: int = 4096
-    """Positions per logits chunk; bounds the memory of the fp32 logits."""
+    """Positions per logits chunk; bounds the memory of the fp32 logits (chunks are
+    recomputed in backward)."""
     code_usage_interval: int = 100
     """Log per-stream codebook usage and perplexity at steps divisible by this (0 = never)."""
     freeze: list[str] = field(default_factory=list)
-    """Parameter-name prefixes to freeze (e.g. backbone.layers.0); each must match something."""
+    """Parameter-name prefixes to freeze (e.g. `backbone.layers.0`); each must match a
+    parameter."""
 
 
 @dataclass
 class SpeechLMData:
+    """[speechlm_data]: datasets, mixture and batching."""
+
     datasets: list[str] = field(default_factory=list)
-    """Prepared datasets as NAME=PATH (made by `torchtitan prepare`)."""
+    """Prepared datasets as `NAME=PATH` (made by `torchtitan prepare`, see data.md)."""
     train: list[str] = field(default_factory=list)
-    """Training mixture as TASK:NAME[:WEIGHT]; TASK a registered task (tts, asr,
-    continuation, text, dialogue, or one of yours)."""
+    """Training mixture as `TASK:NAME[:WEIGHT]`; TASK a registered task (`tts`, `asr`,
+    `continuation`, `text`, `dialogue`, or one of yours)."""
     valid: list[str] = field(default_factory=list)
-    """Validation sets as TASK:NAME; logged as val/{TASK}_{NAME}/*."""
+    """Validation sets as `TASK:NAME`; logged as `val/{TASK}_{NAME}/*`. A dataset that
+    training also uses is validated on its held-out part (`valid_fraction` > 0), never on
+    items training sees; with `valid_fraction = 0` it is validated on all its items (a warning
+    says they overlap the training data). A dataset training does not use: all its items."""
     valid_fraction: float = 0.0
-    """Hold out this fraction of each training dataset's items (by id hash) for validation."""
+    """Hold out this fraction of each training dataset's items (by id hash) from training.
+    With `valid` empty, every training entry is validated on its held-out part
+    (`val/{TASK}_{NAME}_heldout/*`)."""
     seed: int = 0
-    """Shuffling seed (the data order is a pure function of it and the epoch)."""
+    """Data order seed (the order is a pure function of it)."""
     shuffle: bool = True
-    """Shuffle items (per epoch) and units (per window) in training; validation never shuffles."""
+    """Shuffle items (per epoch) and rows / micro-batches (per window) in training;
+    validation never shuffles."""
     batching: Batching = "pack"
-    """pack: several samples per row of training.seq_len frames (document-masked);
-    bucket: one sample per row, length-sorted within a window, padded to the longest."""
+    """`pack`: several samples per row of `training.seq_len` frames, document-masked;
+    `bucket`: one sample per row, length-sorted within a window, padded to the longest."""
     max_tokens: int = 0
-    """bucket only: frames (rows x padded length) per rank per micro-batch; 0 =
-    local_batch_size x seq_len. With pack a micro-batch is local_batch_size rows of seq_len."""
+    """`bucket` only: frames (rows × padded length) per rank per micro-batch; 0 =
+    `local_batch_size × seq_len`. With `pack` a micro-batch is always `local_batch_size` rows
+    of `seq_len` (setting `max_tokens` there is an error)."""
     window: int = 256
-    """Items drawn per packing/bucketing window (larger: less padding, same determinism)."""
+    """Items drawn per packing/bucketing window (larger: less padding; same determinism)."""
     max_too_long_fraction: float = 0.25
     """Stop before the first step if more than this fraction of a training entry's samples
-    are longer than training.seq_len (they would be skipped); 1.0 = only if none fits."""
+    are longer than `training.seq_len` (they would be skipped); the error names the `seq_len`
+    that keeps 99% and all of them. 1.0 = stop only if no sample fits."""
     loss_region: LossRegion = "assistant"
-    """Which turns carry loss: assistant turns only, or every frame after <bos>."""
+    """Which turns carry loss: the task's loss roles (assistant turns), or every frame after
+    `<bos>`."""
     cfg_dropout: float = 0.0
     """TTS classifier-free-guidance dropout: probability of replacing the text prompt by
-    <|cfg_drop|> (training only, never in validation)."""
+    `<|cfg_drop|>` (training only)."""
     log_batch_hashes: bool = False
-    """Write a content hash of every consumed micro-batch to {dump_folder}/batch_hashes/."""
+    """Write a content hash of every consumed micro-batch, and of each sample in it, to
+    `{dump_folder}/batch_hashes/rank{r}.jsonl` (`{"hash": ..., "samples": [...]}`, one line
+    per micro-batch in the order trained)."""
 
 
 @dataclass
 class Checkpoint:
-    """Overrides of torchtitan's [checkpoint] defaults (merged into its section)."""
+    """[checkpoint]: a changed torchtitan default (merged into torchtitan's section)."""
 
     last_save_model_only: bool = False
-    """Save only the weights at the last step (torchtitan's default is true). A full last save
-    lets a rerun with a larger training.steps continue exactly; set true for a smaller final
-    checkpoint (a rerun then resumes from the newest full checkpoint before it)."""
+    """torchtitan's default is `true` (the last checkpoint holds weights only, so a rerun
+    with a larger `training.steps` could not continue). Ours saves the last step in full.
+    With `true`, a rerun resumes from the newest *full* checkpoint before it, with a warning
+    naming both."""
 
 
 @dataclass

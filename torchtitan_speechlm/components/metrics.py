@@ -19,7 +19,7 @@ from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsPr
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.loss import TRAIN_STATS
-from torchtitan_speechlm.components.stats import StatsAccumulator
+from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
 from torchtitan_speechlm.run_context import run_context
 
 
@@ -76,14 +76,10 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
     def num_flops_per_token(self, value: float) -> None:
         self._flops_every_frame = value
 
-    def reduce_group(self):
-        mesh = self.parallel_dims.get_optional_mesh("loss")
-        return mesh.get_group() if mesh is not None else None
-
     def speech_metrics(self, step: int) -> dict[str, float]:
         """The interval's exact statistics, as logged under train/ (reduces over ranks)."""
         elapsed = max(time.perf_counter() - self.time_last_log, 1e-9)
-        stats = self.accumulator.reduce(self.reduce_group())
+        stats = self.accumulator.reduce(loss_group(self.parallel_dims))
         every = self.code_usage_interval
         if not (every > 0 and (step % every == 0 or step == 1)):
             stats = {k: v for k, v in stats.items() if not k.startswith("codes/")}

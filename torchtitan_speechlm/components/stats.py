@@ -28,6 +28,13 @@ NORMALISED_KEYS: dict[str, str] = {
 }
 
 
+def loss_group(parallel_dims) -> dist.ProcessGroup | None:
+    """The group statistics are summed over: torchtitan's "loss" mesh (every data-parallel and
+    context-parallel rank), or None when there is nothing to reduce."""
+    mesh = parallel_dims.get_optional_mesh("loss") if parallel_dims is not None else None
+    return mesh.get_group() if mesh is not None else None
+
+
 def normaliser_of(key: str) -> str | None:
     """The count key that ``key`` is divided by, or None for averaged (data) statistics."""
     if key in NORMALISED_KEYS:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.components.stats import StatsAccumulator
+from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
 from torchtitan_speechlm.data.loader import build_dataset
 from torchtitan_speechlm.data.stream import SpeechLMDataset, Unit, data_stats_keys
 from torchtitan_speechlm.run_context import run_context
@@ -46,13 +46,9 @@ class SpeechLMValidator(BaseValidator):
         return build_dataset(self.job_config, entries, split, dp_rank=self.dp_rank,
                              dp_world_size=self.dp_world_size, training=False)
 
-    def _group(self):
-        mesh = self.parallel_dims.get_optional_mesh("loss")
-        return mesh.get_group() if mesh is not None else None
-
     def _any_rank_has(self, has: bool, device) -> bool:
         flag = torch.tensor([1.0 if has else 0.0], device=device)
-        group = self._group()
+        group = loss_group(self.parallel_dims)
         if group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
@@ -87,7 +83,7 @@ class SpeechLMValidator(BaseValidator):
                 # every rank adds (zeros for a stand-in batch) so all ranks hold the same keys
                 # and meet in the same all-reduce below
                 acc.add(out.stats, count_micro_batch=real)
-            stats = acc.reduce(self._group())
+            stats = acc.reduce(loss_group(self.parallel_dims))
             self.metrics_processor.logger.log({f"val/{name}/{k}": v for k, v in stats.items()}, step)
             logger.info(
                 f"validate step {step} [{name}] loss: {stats.get('loss', float('nan')):.4f}  "

@@ -85,7 +85,3 @@ def register_backbone(name: str, backbone: Backbone) -> Backbone:
 
 def get_backbone(name: str) -> Backbone:
     return BACKBONES.get(name, "backbone")
-
-
-# the built-in family registers itself
-from torchtitan_speechlm.model import hf_backbone  # noqa: E402, F401
