@@ -35,6 +35,7 @@ test: deps
 
 lint: deps
 	$(VENV)/bin/ruff check torchtitan_speechlm tests benchmarks
+	$(VENV)/bin/ruff format --check torchtitan_speechlm tests benchmarks
 
 bench: deps
 	$(PY) benchmarks/run_all.py

@@ -26,8 +26,15 @@ from torchtitan_speechlm.data.loader import SpeechLMDataLoader, build_dataset
 
 
 def job(config: str, *overrides: str):
-    return ConfigManager().parse_args(["--job.config_file", config, "--job.custom_config_module",
-                                       "torchtitan_speechlm.config", *overrides])
+    return ConfigManager().parse_args(
+        [
+            "--job.config_file",
+            config,
+            "--job.custom_config_module",
+            "torchtitan_speechlm.config",
+            *overrides,
+        ]
+    )
 
 
 def dataset(jc, training=True):
@@ -36,8 +43,14 @@ def dataset(jc, training=True):
 
 
 def loader_rate(jc, workers: int, n: int) -> dict:
-    dl = SpeechLMDataLoader(dataset(jc), dp_rank=0, dp_world_size=1, batch_size=None,
-                            num_workers=workers, prefetch_factor=4 if workers else None)
+    dl = SpeechLMDataLoader(
+        dataset(jc),
+        dp_rank=0,
+        dp_world_size=1,
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=4 if workers else None,
+    )
     it = iter(dl)
     next(it)  # worker start-up is not throughput
     t0, tokens = time.perf_counter(), 0
@@ -106,8 +119,10 @@ def main(argv=None) -> int:
         "local_batch_size": jc.training.local_batch_size,
         "train": train,
         "loaders": loaders,
-        "loader_margin": {f"{x['workers']}_workers": x["micro_batches_per_s"] / train["steps_per_s"]
-                          for x in loaders},
+        "loader_margin": {
+            f"{x['workers']}_workers": x["micro_batches_per_s"] / train["steps_per_s"]
+            for x in loaders
+        },
         "padding_ratio": {m: padding(jc, m, 100) for m in ("pack", "bucket")},
     }
     print(json.dumps(result, indent=2))

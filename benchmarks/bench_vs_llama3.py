@@ -42,13 +42,20 @@ def speechlm(size, device):
 
     h, layers, heads, kv, ffn, text, n, c, _, _ = SIZES[size]
     d = tempfile.mkdtemp()
-    cfg = transformers.LlamaConfig(vocab_size=text, hidden_size=h, intermediate_size=ffn,
-                                   num_hidden_layers=layers, num_attention_heads=heads,
-                                   num_key_value_heads=kv, max_position_embeddings=4096)
+    cfg = transformers.LlamaConfig(
+        vocab_size=text,
+        hidden_size=h,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=4096,
+    )
     cfg.save_pretrained(d)
     layout = VocabLayout(text_size=text, num_streams=n, codebook_size=c)
-    args = SpeechLMModelArgs(hf_assets_path=d, backbone_config=cfg.to_dict(), vocab=layout.to_dict(),
-                             load_weights=False)
+    args = SpeechLMModelArgs(
+        hf_assets_path=d, backbone_config=cfg.to_dict(), vocab=layout.to_dict(), load_weights=False
+    )
     with torch.device("meta"):
         model = SpeechLM(args)
     model.to_empty(device=device)
@@ -58,9 +65,16 @@ def speechlm(size, device):
 
 def llama(size, vocab, device):
     h, layers, heads, kv, ffn, *_ = SIZES[size]
-    args = TransformerModelArgs(dim=h, n_layers=layers, n_heads=heads, n_kv_heads=kv,
-                                vocab_size=vocab, multiple_of=ffn, ffn_dim_multiplier=None,
-                                max_seq_len=4096)
+    args = TransformerModelArgs(
+        dim=h,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        vocab_size=vocab,
+        multiple_of=ffn,
+        ffn_dim_multiplier=None,
+        max_seq_len=4096,
+    )
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
@@ -86,11 +100,15 @@ def bench(size, steps, device):
     *_, n, c, b, t = SIZES[size]
     model, layout = speechlm(size, device)
     ref = llama(size, layout.size, device)
-    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda"
-           else torch.autocast("cpu", enabled=False))
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
     g = torch.Generator().manual_seed(0)
-    frames = torch.stack([torch.randint(*layout.stream_range(k), (b, t + 1), generator=g)
-                          for k in range(n)], -1).to(device)
+    frames = torch.stack(
+        [torch.randint(*layout.stream_range(k), (b, t + 1), generator=g) for k in range(n)], -1
+    ).to(device)
     weights = torch.full((b, t, n), 1.0 / n, device=device)
     tokens = frames[..., 0]
     opt_s = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -113,10 +131,15 @@ def bench(size, steps, device):
 
     ts, tl = timed(step_speech, steps), timed(step_llama, steps)
     return {
-        "size": size, "hidden": SIZES[size][0], "layers": SIZES[size][1], "streams": n,
+        "size": size,
+        "hidden": SIZES[size][0],
+        "layers": SIZES[size][1],
+        "streams": n,
         "batch": [b, t],
-        "params": {"speechlm": sum(p.numel() for p in model.parameters()),
-                   "llama3": sum(p.numel() for p in ref.parameters())},
+        "params": {
+            "speechlm": sum(p.numel() for p in model.parameters()),
+            "llama3": sum(p.numel() for p in ref.parameters()),
+        },
         "frames_per_s": {"speechlm": b * t / ts, "llama3": b * t / tl},
         "speechlm_over_llama3": tl / ts,
     }
@@ -129,9 +152,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = [bench(s, a.steps, device) for s in a.sizes.split(",")]
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else
-              f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)",
-              "torch": torch.__version__, "results": rows}
+    result = {
+        "device": torch.cuda.get_device_name()
+        if device == "cuda"
+        else f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "results": rows,
+    }
     print(json.dumps(result, indent=2))
     os.makedirs("benchmarks/results", exist_ok=True)
     name = "vs_llama3_gpu.json" if device == "cuda" else "vs_llama3_cpu.json"

@@ -15,8 +15,13 @@ def save_tiny_backbone(path, family="qwen3", vocab_size=96, tie=False, seed=0, *
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
         tie_word_embeddings=tie,
     )
     common.update(overrides)
@@ -32,11 +37,15 @@ def save_tiny_backbone(path, family="qwen3", vocab_size=96, tie=False, seed=0, *
 
 def build_speechlm(backbone_dir, num_streams=3, codebook_size=16, tie=None, **kw) -> SpeechLM:
     hf = load_hf_config(str(backbone_dir))
-    layout = VocabLayout(text_size=hf.vocab_size, num_streams=num_streams,
-                         codebook_size=codebook_size)
+    layout = VocabLayout(
+        text_size=hf.vocab_size, num_streams=num_streams, codebook_size=codebook_size
+    )
     args = SpeechLMModelArgs(
-        hf_assets_path=str(backbone_dir), backbone_config=hf.to_dict(), vocab=layout.to_dict(),
-        tie_embeddings=hf.tie_word_embeddings if tie is None else tie, **kw,
+        hf_assets_path=str(backbone_dir),
+        backbone_config=hf.to_dict(),
+        vocab=layout.to_dict(),
+        tie_embeddings=hf.tie_word_embeddings if tie is None else tie,
+        **kw,
     )
     with torch.device("meta"):
         model = SpeechLM(args)
@@ -84,9 +93,17 @@ def make_tiny_run_assets(root, n_items=48, seed=0, tie=False) -> dict:
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(paths["tokenizer"]))
-    build_backbone(paths["backbone"], vocab_size=vocab, hidden_size=32, num_layers=2,
-                   num_heads=4, num_kv_heads=2, intermediate_size=64, seed=seed,
-                   tie_word_embeddings=tie)
+    build_backbone(
+        paths["backbone"],
+        vocab_size=vocab,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        seed=seed,
+        tie_word_embeddings=tie,
+    )
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(root, "wavs"), exist_ok=True)
     manifest = os.path.join(root, "manifest.jsonl")
@@ -94,12 +111,13 @@ def make_tiny_run_assets(root, n_items=48, seed=0, tie=False) -> dict:
         for i, text in enumerate(sentences):
             sr, dur = 16000, 0.3 + 0.02 * len(text.split())
             t = np.arange(int(sr * dur)) / sr
-            wav = 0.3 * np.sin(2 * np.pi * (150 + 20 * (i % 7)) * t) + 0.01 * rng.standard_normal(len(t))
+            wav = 0.3 * np.sin(2 * np.pi * (150 + 20 * (i % 7)) * t) + 0.01 * rng.standard_normal(
+                len(t)
+            )
             path = os.path.join(root, "wavs", f"u{i}.wav")
             sf.write(path, wav.astype(np.float32), sr)
             f.write(json.dumps({"id": f"u{i}", "audio": path, "text": text}) + "\n")
-    prepare_dataset(manifest, paths["codec"], paths["tokenizer"], paths["prepared"],
-                    progress=False)
+    prepare_dataset(manifest, paths["codec"], paths["tokenizer"], paths["prepared"], progress=False)
     return paths
 
 
@@ -165,8 +183,17 @@ def run_train(config: str, *extra: str, nproc: int = 1, timeout: int = 300):
     import sys
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # wandb: our offline default
-    cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "train", "--job.config_file", config,
-           "--nproc-per-node", str(nproc), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchtitan_speechlm.cli",
+        "train",
+        "--job.config_file",
+        config,
+        "--nproc-per-node",
+        str(nproc),
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -205,8 +232,17 @@ def make_varied_kaldi_assets(root, n_utts=40, seed=0) -> dict:
     build_tokenizer(paths["tokenizer"], sentences)
     build_codec(paths["codec"], seed=seed)
     vocab = len(AutoTokenizer.from_pretrained(paths["tokenizer"]))
-    build_backbone(paths["backbone"], family="llama", vocab_size=vocab, hidden_size=32,
-                   num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, seed=seed)
+    build_backbone(
+        paths["backbone"],
+        family="llama",
+        vocab_size=vocab,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        seed=seed,
+    )
     rng = random.Random(seed)
     kaldi, wavs = os.path.join(root, "kaldi"), os.path.join(root, "kaldi_wavs")
     os.makedirs(kaldi, exist_ok=True)
@@ -216,15 +252,20 @@ def make_varied_kaldi_assets(root, n_utts=40, seed=0) -> dict:
         words = " ".join(rng.sample(sentences, rng.choice((1, 1, 2, 3)))).split()
         words = words[: rng.choice((1, 2, 4, 8, 16, 40))]
         path = os.path.join(wavs, f"r{i:03d}.wav")
-        subprocess.run(["espeak-ng", "-w", path, "-s", str(rng.choice((140, 175, 210))),
-                        " ".join(words)], check=True, capture_output=True)
+        subprocess.run(
+            ["espeak-ng", "-w", path, "-s", str(rng.choice((140, 175, 210))), " ".join(words)],
+            check=True,
+            capture_output=True,
+        )
         wav = load_audio(path, 16000)
         sf.write(path, (0.9 * wav / (np.abs(wav).max() or 1.0)).astype(np.float32), 16000)
         scp.append(f"r{i:03d} {path}")
         if i % 4 == 3 and len(words) >= 4:  # two segments of one recording
             half = len(wav) / 16000 / 2
-            segments += [f"r{i:03d}-a r{i:03d} 0.00 {half:.2f}",
-                         f"r{i:03d}-b r{i:03d} {half:.2f} -1"]
+            segments += [
+                f"r{i:03d}-a r{i:03d} 0.00 {half:.2f}",
+                f"r{i:03d}-b r{i:03d} {half:.2f} -1",
+            ]
             cut = len(words) // 2
             text += [f"r{i:03d}-a {' '.join(words[:cut])}", f"r{i:03d}-b {' '.join(words[cut:])}"]
         else:
@@ -233,6 +274,7 @@ def make_varied_kaldi_assets(root, n_utts=40, seed=0) -> dict:
     for name, lines in (("wav.scp", scp), ("text", text), ("segments", segments)):
         with open(os.path.join(kaldi, name), "w") as f:
             f.write("\n".join(lines) + "\n")
-    prepare_dataset(None, paths["codec"], paths["tokenizer"], paths["prepared"], kaldi=kaldi,
-                    progress=False)
+    prepare_dataset(
+        None, paths["codec"], paths["tokenizer"], paths["prepared"], kaldi=kaldi, progress=False
+    )
     return paths

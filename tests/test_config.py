@@ -18,8 +18,9 @@ def merged_config_cls():
     from torchtitan.config import ConfigManager
 
     m = ConfigManager()
-    return m._maybe_add_custom_config(["--job.custom_config_module", "torchtitan_speechlm.config"],
-                                      None)
+    return m._maybe_add_custom_config(
+        ["--job.custom_config_module", "torchtitan_speechlm.config"], None
+    )
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob("train_configs/*.toml")))

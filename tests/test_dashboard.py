@@ -9,14 +9,29 @@ from tests.helpers import make_tiny_run_assets, read_metrics, run_train, write_t
 
 pytestmark = pytest.mark.slow
 
-REQUIRED = [
-    "train/loss", "train/ce_loss", "train/z_loss", "train/z_loss_s0", "train/z_loss_mm",
-    "train/load_balance_loss", "train/acc_layer0", "lr", "grad_norm", "throughput(tps)",
-    "throughput/audio_seconds_per_second", "time_metrics/data_loading(%)",
-    "memory/max_reserved(GiB)", "mfu(%)", "train/data/padding_ratio", "train/data/examples",
-] + [f"train/{s}_stream{k}" for s in ("ce", "acc") for k in range(4)] + [
-    f"train/codes/stream{k}/pred_usage" for k in range(4)] + [
-    f"val/asr_tiny/{key}" for key in ("loss", "ce_loss", "acc_layer0", "acc_stream0")]
+REQUIRED = (
+    [
+        "train/loss",
+        "train/ce_loss",
+        "train/z_loss",
+        "train/z_loss_s0",
+        "train/z_loss_mm",
+        "train/load_balance_loss",
+        "train/acc_layer0",
+        "lr",
+        "grad_norm",
+        "throughput(tps)",
+        "throughput/audio_seconds_per_second",
+        "time_metrics/data_loading(%)",
+        "memory/max_reserved(GiB)",
+        "mfu(%)",
+        "train/data/padding_ratio",
+        "train/data/examples",
+    ]
+    + [f"train/{s}_stream{k}" for s in ("ce", "acc") for k in range(4)]
+    + [f"train/codes/stream{k}/pred_usage" for k in range(4)]
+    + [f"val/asr_tiny/{key}" for key in ("loss", "ce_loss", "acc_layer0", "acc_stream0")]
+)
 # ASR validation: the audio streams carry no loss, so they have no mean, in no sink
 ABSENT = [f"val/asr_tiny/{s}_stream{k}" for s in ("ce", "acc") for k in (1, 2, 3)]
 
@@ -27,10 +42,23 @@ def run_dir(tmp_path_factory):
     assets = make_tiny_run_assets(tmp / "assets")
     dump = tmp / "run"
     cfg = write_tiny_config(tmp / "c.toml", assets, dump)
-    r = run_train(cfg, "--training.steps", "4", "--metrics.log_freq", "2",
-                  "--metrics.enable_wandb", "true", "--metrics.enable_tensorboard", "true",
-                  "--speechlm.code_usage_interval", "2", "--validation.freq", "2",
-                  "--checkpoint.enable", "false")
+    r = run_train(
+        cfg,
+        "--training.steps",
+        "4",
+        "--metrics.log_freq",
+        "2",
+        "--metrics.enable_wandb",
+        "true",
+        "--metrics.enable_tensorboard",
+        "true",
+        "--speechlm.code_usage_interval",
+        "2",
+        "--validation.freq",
+        "2",
+        "--checkpoint.enable",
+        "false",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return dump
 
@@ -80,8 +108,17 @@ def test_training_goes_on_when_wandb_cannot_start(tmp_path):
     cfg = write_tiny_config(tmp_path / "c.toml", assets, tmp_path / "run")
     os.environ["WANDB_MODE"] = "not-a-mode"
     try:
-        r = run_train(cfg, "--training.steps", "2", "--metrics.enable_wandb", "true",
-                      "--checkpoint.enable", "false", "--validation.enable", "false")
+        r = run_train(
+            cfg,
+            "--training.steps",
+            "2",
+            "--metrics.enable_wandb",
+            "true",
+            "--checkpoint.enable",
+            "false",
+            "--validation.enable",
+            "false",
+        )
     finally:
         os.environ.pop("WANDB_MODE")
     log = r.stdout + r.stderr

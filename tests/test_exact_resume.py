@@ -16,10 +16,22 @@ def hashes(dump, rank):
         return [json.loads(line)["hash"] for line in f]
 
 
-COMMON = ("--training.local_batch_size", "2", "--training.global_batch_size", "8",
-          "--training.dataloader.num_workers", "2", "--speechlm_data.log_batch_hashes", "true",
-          "--validation.enable", "false", "--checkpoint.interval", "2",
-          "--lr_scheduler.total_steps", "6")
+COMMON = (
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.dataloader.num_workers",
+    "2",
+    "--speechlm_data.log_batch_hashes",
+    "true",
+    "--validation.enable",
+    "false",
+    "--checkpoint.interval",
+    "2",
+    "--lr_scheduler.total_steps",
+    "6",
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +68,16 @@ def test_resume_on_one_rank_from_a_two_rank_checkpoint(assets, tmp_path):
     cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
     r = run_train(cfg, "--training.steps", "2", "--validation.enable", "false", nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_train(cfg, "--training.steps", "3", "--validation.enable", "false",
-                  "--training.local_batch_size", "4", nproc=1)
+    r = run_train(
+        cfg,
+        "--training.steps",
+        "3",
+        "--validation.enable",
+        "false",
+        "--training.local_batch_size",
+        "4",
+        nproc=1,
+    )
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
     assert "saved with 2 data-parallel ranks on 1 ranks" in log

@@ -33,12 +33,20 @@ def toy(tmp_path_factory):
     sentences = load_sentences()
     tok = build_tokenizer(str(root / "tok"), sentences)
     vocab = len(AutoTokenizer.from_pretrained(tok))
-    hf = build_backbone(str(root / "hf"), vocab_size=vocab, hidden_size=32, num_layers=2,
-                        num_heads=4, num_kv_heads=2, intermediate_size=64)
+    hf = build_backbone(
+        str(root / "hf"),
+        vocab_size=vocab,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+    )
     mlp = root / "mlp"
     mlp.mkdir()
-    (mlp / "config.json").write_text(json.dumps(
-        {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2}))
+    (mlp / "config.json").write_text(
+        json.dumps({"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2})
+    )
     os.makedirs(root / "wavs")
     lines = []
     for i in range(32):
@@ -48,13 +56,40 @@ def toy(tmp_path_factory):
     codec = toy_extension.save_tone_codec(str(root / "codec"))
     out = root / "prepared"
     r = subprocess.run(
-        [sys.executable, "-m", "torchtitan_speechlm.cli", "prepare", "--import", EXT, "--tsv",
-         str(root / "corpus.tsv"), "--codec", codec, "--tokenizer", tok, "--out", str(out),
-         "--workers", "2", "--shard-size", "8", "--no-progress"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torchtitan_speechlm.cli",
+            "prepare",
+            "--import",
+            EXT,
+            "--tsv",
+            str(root / "corpus.tsv"),
+            "--codec",
+            codec,
+            "--tokenizer",
+            tok,
+            "--out",
+            str(out),
+            "--workers",
+            "2",
+            "--shard-size",
+            "8",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    return {"root": root, "tok": tok, "hf": hf, "mlp": str(mlp), "prepared": str(out),
-            "codec": codec}
+    return {
+        "root": root,
+        "tok": tok,
+        "hf": hf,
+        "mlp": str(mlp),
+        "prepared": str(out),
+        "codec": codec,
+    }
 
 
 def test_prepared_with_the_toy_source_and_codec(toy):
@@ -82,17 +117,26 @@ def toml(toy, dump, **over) -> str:
 
 
 def losses(dump) -> dict[int, float]:
-    return {m["step"]: m["loss_metrics/global_avg_loss"] for m in read_metrics(dump)
-            if "loss_metrics/global_avg_loss" in m}
+    return {
+        m["step"]: m["loss_metrics/global_avg_loss"]
+        for m in read_metrics(dump)
+        if "loss_metrics/global_avg_loss" in m
+    }
 
 
 def test_toy_pattern_and_task_train(toy, tmp_path):
     dump = tmp_path / "run"
-    cfg = toml(toy, dump, **{'pattern = "delay"': 'pattern = "reverse_delay"',
-                             'train = ["tts:toy:0.5", "asr:toy:0.5"]':
-                             'train = ["asr_then_tts:toy:1", "tts:toy:1"]'})
-    r = run_train(cfg, "--training.steps", "6", "--training.seq_len", "256",
-                  "--checkpoint.enable", "false")
+    cfg = toml(
+        toy,
+        dump,
+        **{
+            'pattern = "delay"': 'pattern = "reverse_delay"',
+            'train = ["tts:toy:0.5", "asr:toy:0.5"]': 'train = ["asr_then_tts:toy:1", "tts:toy:1"]',
+        },
+    )
+    r = run_train(
+        cfg, "--training.steps", "6", "--training.seq_len", "256", "--checkpoint.enable", "false"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_metrics(dump)
     assert sum(m.get("train/data/task_asr_then_tts", 0) for m in rows) > 0
@@ -103,11 +147,25 @@ def test_toy_pattern_and_task_train(toy, tmp_path):
 
 def test_toy_backbone_spec_trains_under_fsdp(toy, tmp_path):
     dump = tmp_path / "run"
-    cfg = toml(toy, dump, **{'name = "speechlm"': 'name = "speechlm_toy"',
-                             'flavor = "hf"': 'flavor = "toy_mlp"',
-                             f'hf_assets_path = "{toy["hf"]}"': f'hf_assets_path = "{toy["mlp"]}"'})
-    r = run_train(cfg, "--training.steps", "6", "--checkpoint.enable", "false",
-                  "--validation.enable", "false", nproc=2)
+    cfg = toml(
+        toy,
+        dump,
+        **{
+            'name = "speechlm"': 'name = "speechlm_toy"',
+            'flavor = "hf"': 'flavor = "toy_mlp"',
+            f'hf_assets_path = "{toy["hf"]}"': f'hf_assets_path = "{toy["mlp"]}"',
+        },
+    )
+    r = run_train(
+        cfg,
+        "--training.steps",
+        "6",
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        nproc=2,
+    )
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
     assert "Model speechlm_toy toy_mlp" in log and "Applied FSDP to the SpeechLM" in log
@@ -121,7 +179,9 @@ def test_unknown_extension_names_fail_before_any_rank_with_the_registered_ones(t
     assert r.returncode == 2
     assert "unknown interleave pattern 'revers_delay'" in r.stderr
     assert "Did you mean 'reverse_delay'?" in r.stderr
-    cfg = toml(toy, tmp_path / "run", **{'train = ["tts:toy:0.5"': 'train = ["tts_then_asr:toy:0.5"'})
+    cfg = toml(
+        toy, tmp_path / "run", **{'train = ["tts:toy:0.5"': 'train = ["tts_then_asr:toy:0.5"'}
+    )
     r = run_train(cfg, "--training.steps", "1")
     assert r.returncode == 2 and "unknown task 'tts_then_asr'" in r.stderr
     assert "asr_then_tts" in r.stderr and not (tmp_path / "run").exists()

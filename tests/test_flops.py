@@ -10,13 +10,14 @@ from torchtitan_speechlm.components.metrics import SpeechLMMetricsProcessor
 
 @pytest.mark.parametrize("loss_share", [1.0, 0.375])
 def test_reported_flops_match_counted_matmul_flops(tmp_path, loss_share):
-    save_tiny_backbone(tmp_path / "bb", vocab_size=500, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=3)
+    save_tiny_backbone(
+        tmp_path / "bb", vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=3
+    )
     model = build_speechlm(tmp_path / "bb", num_streams=4, codebook_size=128)
     t = 256
     inputs, targets, weights = random_batch(model.args.layout, b=1, t=t)
     weights[:] = 0.25
-    weights[0, int(loss_share * t):] = 0.0  # the rest carry no loss: the head skips them
+    weights[0, int(loss_share * t) :] = 0.0  # the rest carry no loss: the head skips them
     with FlopCounterMode(display=False) as counter:
         model(inputs, targets=targets, loss_weights=weights).loss_sum.backward()
     counted = counter.get_flop_counts()["Global"]

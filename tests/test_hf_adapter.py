@@ -6,8 +6,9 @@ import torch
 from tests.helpers import build_speechlm, save_tiny_backbone, text_only_inputs
 
 
-@pytest.mark.parametrize("family,tie", [("qwen3", False), ("llama", False), ("qwen3", True),
-                                        ("qwen2", False)])
+@pytest.mark.parametrize(
+    "family,tie", [("qwen3", False), ("llama", False), ("qwen3", True), ("qwen2", False)]
+)
 def test_text_logits_match_transformers(tmp_path, family, tie):
     hf_model = save_tiny_backbone(tmp_path / "bb", family=family, tie=tie)
     hf_model.eval()
@@ -45,9 +46,15 @@ def test_config_alone_gives_a_random_init(tmp_path):
     """A backbone directory with config.json only (no safetensors): random init, no error."""
     import transformers
 
-    cfg = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=8)
+    cfg = transformers.Qwen3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     cfg.save_pretrained(tmp_path / "cfg_only")
     model = build_speechlm(tmp_path / "cfg_only")
     norm = model.backbone.layers[0].input_layernorm.weight

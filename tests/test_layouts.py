@@ -16,8 +16,10 @@ import pytest
 from tests.data_fixtures import needs_espeak
 from tests.helpers import make_varied_kaldi_assets, read_metrics, run_train, write_tiny_config
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not needs_espeak, reason="espeak-ng binary not installed")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not needs_espeak, reason="espeak-ng binary not installed"),
+]
 
 GLOBAL_ROWS, LOCAL_ROWS = 8, 2
 
@@ -35,18 +37,35 @@ def step_samples(dump, nproc: int, accum: int) -> list[list[str]]:
             logs.append([json.loads(line)["samples"] for line in f])
     n_steps = len(logs[0]) // accum
     assert all(len(log) == n_steps * accum for log in logs)
-    return [sorted(h for log in logs for mb in log[s * accum:(s + 1) * accum] for h in mb)
-            for s in range(n_steps)]
+    return [
+        sorted(h for log in logs for mb in log[s * accum : (s + 1) * accum] for h in mb)
+        for s in range(n_steps)
+    ]
 
 
 def train(assets, tmp_path, name, nproc, batching, steps, *extra):
     dump = tmp_path / name
     cfg = write_tiny_config(tmp_path / f"{name}.toml", assets, dump)
-    r = run_train(cfg, "--training.steps", str(steps), "--training.seq_len", "384",
-                  "--training.local_batch_size", str(LOCAL_ROWS),
-                  "--training.global_batch_size", str(GLOBAL_ROWS),
-                  "--speechlm_data.batching", batching, "--speechlm_data.log_batch_hashes", "true",
-                  "--validation.enable", "false", *extra, nproc=nproc, timeout=400)
+    r = run_train(
+        cfg,
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        "384",
+        "--training.local_batch_size",
+        str(LOCAL_ROWS),
+        "--training.global_batch_size",
+        str(GLOBAL_ROWS),
+        "--speechlm_data.batching",
+        batching,
+        "--speechlm_data.log_batch_hashes",
+        "true",
+        "--validation.enable",
+        "false",
+        *extra,
+        nproc=nproc,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     rows = {m["step"]: m for m in read_metrics(dump) if "grad_norm" in m}
     return dump, rows
@@ -55,7 +74,8 @@ def train(assets, tmp_path, name, nproc, batching, steps, *extra):
 def assert_same_steps(a: dict, b: dict, steps) -> None:
     for s in steps:
         assert b[s]["loss_metrics/global_avg_loss"] == pytest.approx(
-            a[s]["loss_metrics/global_avg_loss"], rel=1e-5), s
+            a[s]["loss_metrics/global_avg_loss"], rel=1e-5
+        ), s
         assert b[s]["grad_norm"] == pytest.approx(a[s]["grad_norm"], rel=1e-5), s
         assert b[s]["train/loss_frames"] == a[s]["train/loss_frames"], s
 
@@ -74,12 +94,19 @@ def test_every_layout_trains_on_the_same_samples(assets, tmp_path, batching):
         samples, rows = runs[nproc]
         assert samples == ref_samples, f"{nproc} processes trained on other samples"
         assert_same_steps(ref_rows, rows, (1, 2, 3))
-    assert ref_rows[3]["loss_metrics/global_avg_loss"] != ref_rows[1][
-        "loss_metrics/global_avg_loss"]
+    assert (
+        ref_rows[3]["loss_metrics/global_avg_loss"] != ref_rows[1]["loss_metrics/global_avg_loss"]
+    )
 
 
-CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "2",
-        "--lr_scheduler.total_steps", "4")
+CKPT = (
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "2",
+    "--lr_scheduler.total_steps",
+    "4",
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +116,9 @@ def two_rank_run(assets, tmp_path_factory):
 
 
 @pytest.mark.parametrize("new_nproc", [1, 4])
-def test_a_two_rank_checkpoint_continues_on_another_degree(assets, tmp_path, two_rank_run,
-                                                           new_nproc):
+def test_a_two_rank_checkpoint_continues_on_another_degree(
+    assets, tmp_path, two_rank_run, new_nproc
+):
     full, full_rows = two_rank_run
     expected = step_samples(full, 2, 2)[2:]
     # the same run, stopped after step 2: keep only its step-2 checkpoint

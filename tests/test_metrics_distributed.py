@@ -26,10 +26,23 @@ def load_params(ckpt_dir, tmp_path) -> dict[str, torch.Tensor]:
 def run(assets, tmp_path, name, nproc, *extra):
     dump = tmp_path / name
     cfg = write_tiny_config(tmp_path / f"{name}.toml", assets, dump)
-    r = run_train(cfg, "--training.steps", "2", "--training.local_batch_size", "2",
-                  "--training.global_batch_size", "8", "--checkpoint.interval", "2",
-                  "--checkpoint.last_save_model_only", "true", "--validation.enable", "false",
-                  *extra, nproc=nproc)
+    r = run_train(
+        cfg,
+        "--training.steps",
+        "2",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "8",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.last_save_model_only",
+        "true",
+        "--validation.enable",
+        "false",
+        *extra,
+        nproc=nproc,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {m["step"]: m for m in read_metrics(dump) if "train/loss" in m}
     return rows, load_params(dump / "checkpoint" / "step-2", tmp_path)
@@ -38,8 +51,16 @@ def run(assets, tmp_path, name, nproc, *extra):
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_two_ranks_with_accumulation_match_one_rank(assets, tmp_path, parallel):
     ref_rows, ref_params = run(assets, tmp_path, "ref", 1)
-    extra = (("--parallelism.data_parallel_replicate_degree", "2",
-              "--parallelism.data_parallel_shard_degree", "1") if parallel == "ddp" else ())
+    extra = (
+        (
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        )
+        if parallel == "ddp"
+        else ()
+    )
     rows, params = run(assets, tmp_path, parallel, 2, *extra)
     for step in (1, 2):
         for key, value in ref_rows[step].items():

@@ -8,8 +8,18 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "torchtitan_speechlm"
-TRAINING_SIDE = ("data", "model", "components", "infra", "spec.py", "run_context.py",
-                 "config.py", "launch.py", "train.py", "compat.py")
+TRAINING_SIDE = (
+    "data",
+    "model",
+    "components",
+    "infra",
+    "spec.py",
+    "run_context.py",
+    "config.py",
+    "launch.py",
+    "train.py",
+    "compat.py",
+)
 OFFLINE = ("torchtitan_speechlm.prepare", "torchtitan_speechlm.codecs")
 
 
@@ -29,8 +39,11 @@ def imports(path: Path, top_level_only: bool) -> set[str]:
             base = node.module
             for alias in node.names:  # `from pkg import submodule` imports the submodule
                 sub = PKG.parent / Path(*f"{base}.{alias.name}".split("."))
-                out.add(f"{base}.{alias.name}" if sub.with_suffix(".py").exists()
-                        or (sub / "__init__.py").exists() else base)
+                out.add(
+                    f"{base}.{alias.name}"
+                    if sub.with_suffix(".py").exists() or (sub / "__init__.py").exists()
+                    else base
+                )
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
     return {m for m in out if m.startswith("torchtitan_speechlm")}
@@ -43,15 +56,18 @@ def test_training_side_never_imports_the_preparation_side():
             bad = {m for m in imports(f, top_level_only=False) if m.startswith(OFFLINE)}
             assert not bad, f"{f.relative_to(PKG)} imports {bad}"
     # and at run time: build the spec, the model args, a model and the data loader's modules
-    code = ("import sys, torchtitan_speechlm\n"
-            "from torchtitan_speechlm.data import loader, stream, reader, tasks\n"
-            "from torchtitan_speechlm.components import loss, metrics, validate, resume\n"
-            "from torchtitan_speechlm.infra import parallelize\n"
-            "from torchtitan_speechlm.model import model\n"
-            f"bad = [m for m in sys.modules if m.startswith({OFFLINE!r})]\n"
-            "assert not bad, bad\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       cwd=PKG.parent, timeout=120)
+    code = (
+        "import sys, torchtitan_speechlm\n"
+        "from torchtitan_speechlm.data import loader, stream, reader, tasks\n"
+        "from torchtitan_speechlm.components import loss, metrics, validate, resume\n"
+        "from torchtitan_speechlm.infra import parallelize\n"
+        "from torchtitan_speechlm.model import model\n"
+        f"bad = [m for m in sys.modules if m.startswith({OFFLINE!r})]\n"
+        "assert not bad, bad\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -63,7 +79,7 @@ def test_no_import_cycles_between_modules():
         state[m] = 1
         for n in sorted(graph.get(m, ())):
             if state.get(n) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n) :] + [n]))
             if n in graph and not state.get(n):
                 visit(n, stack + [n])
         state[m] = 2

@@ -23,10 +23,18 @@ pytestmark = pytest.mark.slow
 
 STEPS = 3  # the tiny data's step-2 batch is harder than step 1; step 3 is reliably below it
 NO_CKPT_NO_VAL = ("--checkpoint.enable", "false", "--validation.enable", "false")
-DDP = ("--parallelism.data_parallel_replicate_degree", "2",
-       "--parallelism.data_parallel_shard_degree", "1")
-HSDP = ("--parallelism.data_parallel_replicate_degree", "2",
-        "--parallelism.data_parallel_shard_degree", "2")
+DDP = (
+    "--parallelism.data_parallel_replicate_degree",
+    "2",
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+)
+HSDP = (
+    "--parallelism.data_parallel_replicate_degree",
+    "2",
+    "--parallelism.data_parallel_shard_degree",
+    "2",
+)
 
 
 @dataclass
@@ -58,8 +66,14 @@ def train(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     cache: dict[tuple, Run] = {}
 
-    def _train(assets: dict, *flags: str, nproc: int = 1, local: int = 4,
-               steps: int = STEPS, checkpoint: bool = False) -> Run:
+    def _train(
+        assets: dict,
+        *flags: str,
+        nproc: int = 1,
+        local: int = 4,
+        steps: int = STEPS,
+        checkpoint: bool = False,
+    ) -> Run:
         key = (assets["backbone"], flags, nproc, local, steps, checkpoint)
         if key in cache:
             return cache[key]
@@ -70,8 +84,17 @@ def train(tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             # Every rank's log, not only rank 0's: a failure on another rank shows its cause.
             mp.setenv("LOG_RANK", ",".join(str(i) for i in range(nproc)))
-            r = run_train(cfg, "--training.steps", str(steps), "--training.local_batch_size",
-                          str(local), *base, *flags, nproc=nproc, timeout=240)
+            r = run_train(
+                cfg,
+                "--training.steps",
+                str(steps),
+                "--training.local_batch_size",
+                str(local),
+                *base,
+                *flags,
+                nproc=nproc,
+                timeout=240,
+            )
         log = r.stdout + r.stderr
         assert r.returncode == 0, f"{flags} nproc={nproc} failed:\n{log[-8000:]}"
         rows = {row["step"]: row for row in read_metrics(dump) if "grad_norm" in row}
@@ -156,42 +179,55 @@ def test_selective_op_checkpointing_is_exact_in_process(assets):
     grads, losses = [], []
     for mode in ("none", "selective"):
         model = build_speechlm(assets["backbone"], num_streams=4, z_loss_weight=1e-3)
-        job = ConfigManager().parse_args([
-            "--job.custom_config_module", "torchtitan_speechlm.config",
-            "--activation_checkpoint.mode", mode,
-            "--activation_checkpoint.selective_ac_option", "op"])
+        job = ConfigManager().parse_args(
+            [
+                "--job.custom_config_module",
+                "torchtitan_speechlm.config",
+                "--activation_checkpoint.mode",
+                mode,
+                "--activation_checkpoint.selective_ac_option",
+                "op",
+            ]
+        )
         model = parallelize_speechlm(model, dims, job)
         wrapped = isinstance(model.backbone.layers[0], CheckpointWrapper)
         assert wrapped == (mode == "selective")
         layout = model.args.layout
         g = torch.Generator().manual_seed(0)
-        ids = [torch.randint(*layout.stream_range(k), (2, 16, 2), generator=g)
-               for k in range(layout.num_streams)]
+        ids = [
+            torch.randint(*layout.stream_range(k), (2, 16, 2), generator=g)
+            for k in range(layout.num_streams)
+        ]
         inputs = torch.stack([i[..., 0] for i in ids], -1)
         targets = torch.stack([i[..., 1] for i in ids], -1)
         out = model(inputs, targets=targets, loss_weights=torch.ones(targets.shape))
         out.loss_sum.backward()
         losses.append(out.loss_sum.detach())
-        grads.append({n.replace("._checkpoint_wrapped_module", ""): p.grad
-                      for n, p in model.named_parameters()})
+        grads.append(
+            {
+                n.replace("._checkpoint_wrapped_module", ""): p.grad
+                for n, p in model.named_parameters()
+            }
+        )
     torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
     assert grads[1].keys() == grads[0].keys()
     for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-7,
-                                   msg=name)
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 # --- e. torch.compile -----------------------------------------------------------------------
-@pytest.mark.parametrize("backend", [
-    "aot_eager",
-    # inductor generates and builds C++ kernels on CPU: ~30-40 s for this model with a cold
-    # cache (measured on 2 cores), a few seconds warm. Worth it: it is the production backend.
-    "inductor",
-])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "aot_eager",
+        # inductor generates and builds C++ kernels on CPU: ~30-40 s for this model with a cold
+        # cache (measured on 2 cores), a few seconds warm. Worth it: it is the production backend.
+        "inductor",
+    ],
+)
 def test_compile_per_layer_matches_eager(assets, train, backend):
     eager = train(assets, nproc=1, local=4)
-    comp = train(assets, "--compile.enable", "true", "--compile.backend", backend,
-                 nproc=1, local=4)
+    comp = train(assets, "--compile.enable", "true", "--compile.backend", backend, nproc=1, local=4)
     assert f"Compiled each decoder layer with torch.compile (backend={backend})" in comp.log
     assert_trains(comp)
     assert_same(comp, eager, steps=[1, 2], loss_abs=1e-4, grad_rel=1e-3)
@@ -211,8 +247,15 @@ def test_tied_embeddings_under_fsdp(tied_assets, train):
 # --- g. bf16 parameters ---------------------------------------------------------------------
 def test_bf16_params_under_fsdp_track_fp32(assets, train):
     fp32 = train(assets, "--activation_checkpoint.mode", "none", nproc=2, local=2)
-    bf16 = train(assets, "--activation_checkpoint.mode", "none",
-                 "--training.mixed_precision_param", "bfloat16", nproc=2, local=2)
+    bf16 = train(
+        assets,
+        "--activation_checkpoint.mode",
+        "none",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        nproc=2,
+        local=2,
+    )
     assert_trains(bf16)
     for s in range(1, STEPS + 1):
         assert bf16.loss(s) == pytest.approx(fp32.loss(s), rel=5e-2)
@@ -230,7 +273,8 @@ def _fresh_init_state(assets: dict, dump: str) -> dict[str, torch.Tensor]:
 
     cfg = write_tiny_config(f"{dump}.init.toml", assets, dump)
     job = ConfigManager().parse_args(
-        ["--job.config_file", cfg, "--job.custom_config_module", "torchtitan_speechlm.config"])
+        ["--job.config_file", cfg, "--job.custom_config_module", "torchtitan_speechlm.config"]
+    )
     args = copy.deepcopy(get_train_spec("speechlm").model_args[job.model.flavor])
     args.update_from_config(job)
     with torch.device("meta"):
@@ -243,8 +287,7 @@ def _fresh_init_state(assets: dict, dump: str) -> dict[str, torch.Tensor]:
 def test_freeze_prefix_keeps_parameters_at_init(assets, train):
     import torch.distributed.checkpoint as dcp
 
-    run = train(assets, "--speechlm.freeze", "backbone.layers.0", nproc=2, local=2,
-                checkpoint=True)
+    run = train(assets, "--speechlm.freeze", "backbone.layers.0", nproc=2, local=2, checkpoint=True)
     assert "Froze 11 parameters under backbone.layers.0" in run.log
     assert_trains(run)
     ckpt = f"{run.dump}/checkpoint/step-{STEPS}"

@@ -34,8 +34,10 @@ def kaldi(tmp_path_factory):
     kdir = os.path.join(a["root"], "kaldi")
     os.makedirs(kdir)
     corpus = os.path.dirname(a["manifest"])
-    with open(os.path.join(kdir, "wav.scp"), "w") as scp, \
-            open(os.path.join(kdir, "text"), "w") as text:
+    with (
+        open(os.path.join(kdir, "wav.scp"), "w") as scp,
+        open(os.path.join(kdir, "text"), "w") as text,
+    ):
         for r in a["rows"]:
             scp.write(f"{r['id']} {os.path.join(corpus, r['audio'])}\n")
             text.write(f"{r['id']} {r['text']}\n")
@@ -49,8 +51,13 @@ def prepare(args, threads: int | None, script: str | None = None, timeout: int =
         env["OMP_NUM_THREADS"] = str(threads)
     exe = shutil.which("torchtitan", path=os.path.dirname(sys.executable))
     cmd = [sys.executable, script] if script else [exe]
-    r = subprocess.run([*cmd, "prepare", *args, "--no-progress"], capture_output=True,
-                       text=True, timeout=timeout, env=env)
+    r = subprocess.run(
+        [*cmd, "prepare", *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -71,13 +78,30 @@ def test_two_workers_after_torch_work_finish_and_match_one_worker(kaldi, tmp_pat
     common = ["--kaldi", kaldi["kaldi"], "--tokenizer", kaldi["tok"], "--shard-size", "2"]
     km = str(tmp_path / "kmeans")
     # the README's command, exactly: the parent fits the codec (torch work), then starts workers
-    prepare([*common, "--fit-kmeans-codec", km, "--codebooks", "2", "--codebook-size", "16",
-             "--out", str(tmp_path / "fit_w2"), "--workers", "2"], threads=None)
+    prepare(
+        [
+            *common,
+            "--fit-kmeans-codec",
+            km,
+            "--codebooks",
+            "2",
+            "--codebook-size",
+            "16",
+            "--out",
+            str(tmp_path / "fit_w2"),
+            "--workers",
+            "2",
+        ],
+        threads=None,
+    )
     for name, codec in (("kmeans", km), ("encodec", kaldi["codec"])):
         ref, two = tmp_path / f"{name}_w1", tmp_path / f"{name}_w2"
         prepare([*common, "--codec", codec, "--out", str(ref), "--workers", "1"], threads)
-        prepare([*common, "--codec", codec, "--out", str(two), "--workers", "2"], None,
-                script=str(script))
+        prepare(
+            [*common, "--codec", codec, "--out", str(two), "--workers", "2"],
+            None,
+            script=str(script),
+        )
         want = shard_bytes(ref)
         assert len(want) == 3 * 4  # 3 shards x (items, failures, 2 arrays)
         assert shard_bytes(two) == want, name

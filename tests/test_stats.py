@@ -28,8 +28,12 @@ def test_logged_stats_equal_an_independent_computation_over_micro_batches(tmp_pa
     acc = StatsAccumulator(("examples",))
     batches = [random_batch(model.args.layout, b=2, t=20, seed=s) for s in (1, 2, 3)]
     for inputs, targets, weights in batches:
-        out = model(inputs, targets=targets, loss_weights=weights,
-                    data_stats=torch.tensor([[float(inputs.shape[0])]]))
+        out = model(
+            inputs,
+            targets=targets,
+            loss_weights=weights,
+            data_stats=torch.tensor([[float(inputs.shape[0])]]),
+        )
         acc.add(out.stats)
     logged = acc.reduce()
 
@@ -43,7 +47,7 @@ def test_logged_stats_equal_an_independent_computation_over_micro_batches(tmp_pa
             count += int((weights > 0).any(-1).sum())
             for k in range(3):
                 a, b = model.args.layout.stream_range(k)
-                logits = ((h + model.head.stream_emb.weight[k]) @ model.head.output.weight[a:b].T)
+                logits = (h + model.head.stream_emb.weight[k]) @ model.head.output.weight[a:b].T
                 tgt = targets[..., k] - a
                 ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none")
                 w = weights[..., k].flatten()
@@ -114,10 +118,21 @@ def test_moe_load_balance_loss_equals_the_switch_formula(tmp_path):
 
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], head_dim=8,
-        max_position_embeddings=128, tie_word_embeddings=False)
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path / "moe")
     model = build_speechlm(tmp_path / "moe", load_balance_weight=0.5).eval()

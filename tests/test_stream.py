@@ -44,21 +44,51 @@ class FakePrepared:
         if i in self.bad:
             raise OSError(f"shard-0/audio_codes.npy truncated at item {i}")
         rng = np.random.default_rng(1000 + i)
-        return Item(self.ids[i], "", rng.integers(0, TEXT, self.text_lengths[i]),
-                    rng.integers(0, CODEBOOK, (self.audio_lengths[i], N_STREAMS)), 1.0)
+        return Item(
+            self.ids[i],
+            "",
+            rng.integers(0, TEXT, self.text_lengths[i]),
+            rng.integers(0, CODEBOOK, (self.audio_lengths[i], N_STREAMS)),
+            1.0,
+        )
 
 
-def make(world=1, rank=0, rows=4, seq_len=256, mode="pack", infinite=True, data=None,
-         cfg=0.0, window=32, loss_region="assistant", tasks=("tts", "asr"), accum=1,
-         max_tokens=0):
+def make(
+    world=1,
+    rank=0,
+    rows=4,
+    seq_len=256,
+    mode="pack",
+    infinite=True,
+    data=None,
+    cfg=0.0,
+    window=32,
+    loss_region="assistant",
+    tasks=("tts", "asr"),
+    accum=1,
+    max_tokens=0,
+):
     data = data or FakePrepared()
     sources = [Source(t, "fake", 1.0, data, np.arange(len(data))) for t in tasks]
-    builder = TemplateBuilder(LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)),
-                              loss_region=loss_region)
-    return SpeechLMDataset(sources, builder, seq_len=seq_len, local_batch_size=rows,
-                           max_tokens=max_tokens, mode=mode, window=window, dp_rank=rank,
-                           dp_world_size=world, accumulation=accum, seed=3, shuffle=infinite,
-                           infinite=infinite, cfg_dropout=cfg)
+    builder = TemplateBuilder(
+        LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)), loss_region=loss_region
+    )
+    return SpeechLMDataset(
+        sources,
+        builder,
+        seq_len=seq_len,
+        local_batch_size=rows,
+        max_tokens=max_tokens,
+        mode=mode,
+        window=window,
+        dp_rank=rank,
+        dp_world_size=world,
+        accumulation=accum,
+        seed=3,
+        shuffle=infinite,
+        infinite=infinite,
+        cfg_dropout=cfg,
+    )
 
 
 def take(ds, n):
@@ -171,7 +201,9 @@ def test_too_long_and_bad_samples_are_skipped_and_counted():
     too_long = sum(stat(ds, b, "skipped_too_long") for b in batches)
     bad = sum(stat(ds, b, "skipped_bad") for b in batches)
     examples = sum(stat(ds, b, "examples") for b in batches)
-    lengths = [ds._length(0, i, False) for i in range(40)] + [ds._length(1, i, False) for i in range(40)]
+    lengths = [ds._length(0, i, False) for i in range(40)] + [
+        ds._length(1, i, False) for i in range(40)
+    ]
     n_long = sum(length - 1 > 120 for length in lengths)
     assert too_long == n_long > 0
     assert bad == sum(1 for s in (0, 1) for i in (3, 7) if ds._length(s, i, False) - 1 <= 120)
@@ -227,11 +259,13 @@ def test_dialogue_template_loss_on_assistant_turns_and_length_from_index():
     from torchtitan_speechlm.dataset_format import Turn
 
     rng = np.random.default_rng(0)
-    turns = [Turn("system", "text", rng.integers(0, TEXT, 4), ""),
-             Turn("user", "audio", rng.integers(0, CODEBOOK, (7, N_STREAMS)), ""),
-             Turn("assistant", "text", rng.integers(0, TEXT, 5), ""),
-             Turn("user", "text", rng.integers(0, TEXT, 3), ""),
-             Turn("assistant", "audio", rng.integers(0, CODEBOOK, (6, N_STREAMS)), "")]
+    turns = [
+        Turn("system", "text", rng.integers(0, TEXT, 4), ""),
+        Turn("user", "audio", rng.integers(0, CODEBOOK, (7, N_STREAMS)), ""),
+        Turn("assistant", "text", rng.integers(0, TEXT, 5), ""),
+        Turn("user", "text", rng.integers(0, TEXT, 3), ""),
+        Turn("assistant", "audio", rng.integers(0, CODEBOOK, (6, N_STREAMS)), ""),
+    ]
     item = Item("d0", "", np.zeros(0, np.int64), np.zeros((0, N_STREAMS), np.int64), 1.0, turns)
     builder = TemplateBuilder(LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)))
     ex = builder.build("dialogue", item)
@@ -247,8 +281,7 @@ def test_dialogue_template_loss_on_assistant_turns_and_length_from_index():
     assert ex.weights[user2 : starts[1] + 1].sum() == 0
     n_text = sum(len(t.tokens) for t in turns if t.modality == "text")
     n_audio = sum(len(t.tokens) for t in turns if t.modality == "audio")
-    assert len(ex.frames) == builder.length("dialogue", n_text, n_audio, n_audio_turns=2,
-                                            n_turns=5)
+    assert len(ex.frames) == builder.length("dialogue", n_text, n_audio, n_audio_turns=2, n_turns=5)
 
 
 def test_bucket_units_respect_the_token_budget():
@@ -261,18 +294,40 @@ def test_bucket_units_respect_the_token_budget():
 def test_mixture_follows_the_weights_and_is_seeded():
     data = FakePrepared(n=100)
     builder = TemplateBuilder(LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)))
-    sources = [Source("tts", "a", 3.0, data, np.arange(100)),
-               Source("asr", "b", 1.0, data, np.arange(100))]
-    ds = SpeechLMDataset(sources, builder, seq_len=512, local_batch_size=4, mode="pack",
-                         window=64, dp_rank=0, dp_world_size=1, seed=5, shuffle=True,
-                         infinite=True)
+    sources = [
+        Source("tts", "a", 3.0, data, np.arange(100)),
+        Source("asr", "b", 1.0, data, np.arange(100)),
+    ]
+    ds = SpeechLMDataset(
+        sources,
+        builder,
+        seq_len=512,
+        local_batch_size=4,
+        mode="pack",
+        window=64,
+        dp_rank=0,
+        dp_world_size=1,
+        seed=5,
+        shuffle=True,
+        infinite=True,
+    )
     batches = take(ds, 40)
     tts = sum(stat(ds, b, "task_tts") for b in batches)
     asr = sum(stat(ds, b, "task_asr") for b in batches)
     assert 0.68 < tts / (tts + asr) < 0.82  # weight 3:1 -> 0.75
-    again = SpeechLMDataset(sources, builder, seq_len=512, local_batch_size=4, mode="pack",
-                            window=64, dp_rank=0, dp_world_size=1, seed=5, shuffle=True,
-                            infinite=True)
+    again = SpeechLMDataset(
+        sources,
+        builder,
+        seq_len=512,
+        local_batch_size=4,
+        mode="pack",
+        window=64,
+        dp_rank=0,
+        dp_world_size=1,
+        seed=5,
+        shuffle=True,
+        infinite=True,
+    )
     assert [batch_hash(b[0]) for b in take(again, 40)] == [batch_hash(b[0]) for b in batches]
 
 
@@ -294,18 +349,32 @@ def test_resume_refuses_another_vocabulary_or_mixture(tmp_path):
 
 
 # ---- one stream for every layout ----------------------------------------------------------------
-def layout_steps(world, accum, mode, n_steps, *, workers=0, max_tokens=0, state=None,
-                 data=None):
+def layout_steps(world, accum, mode, n_steps, *, workers=0, max_tokens=0, state=None, data=None):
     """Run ``world`` ranks x ``accum`` micro-batches per step for ``n_steps`` steps (each rank
     through the real loader, with ``workers`` loader workers); return, per step, the sorted
     content hashes of every sample trained on, and every rank's final loader state."""
     data = data or FakePrepared(n=300, seed=11)
     per_rank, states = [], []
     for r in range(world):
-        ds = make(world=world, rank=r, rows=2, accum=accum, mode=mode, seq_len=256, window=48,
-                  data=data, max_tokens=max_tokens)
-        dl = SpeechLMDataLoader(ds, dp_rank=r, dp_world_size=world, batch_size=None,
-                                num_workers=workers, sample_hashes=True)
+        ds = make(
+            world=world,
+            rank=r,
+            rows=2,
+            accum=accum,
+            mode=mode,
+            seq_len=256,
+            window=48,
+            data=data,
+            max_tokens=max_tokens,
+        )
+        dl = SpeechLMDataLoader(
+            ds,
+            dp_rank=r,
+            dp_world_size=world,
+            batch_size=None,
+            num_workers=workers,
+            sample_hashes=True,
+        )
         if state is not None:
             dl.load_state_dict(state)
         it, mine = iter(dl), []
@@ -318,8 +387,7 @@ def layout_steps(world, accum, mode, n_steps, *, workers=0, max_tokens=0, state=
         del it
     steps = []
     for s in range(n_steps):
-        step = [h for r in range(world) for m in range(accum)
-                for h in per_rank[r][s * accum + m]]
+        step = [h for r in range(world) for m in range(accum) for h in per_rank[r][s * accum + m]]
         steps.append(sorted(step))
     return steps, states
 
@@ -356,13 +424,33 @@ def test_lengths_that_do_not_fit_stop_before_the_first_step():
         make(data=data, seq_len=int(need[0]) - 1)
     median = int(need[len(need) // 2])  # about half the samples are longer
     with pytest.raises(DataLengthError, match="max_too_long_fraction"):
-        SpeechLMDataset([Source("tts", "fake", 1.0, data, np.arange(60))], make().builder,
-                        seq_len=median, local_batch_size=2, mode="pack", window=32, dp_rank=0,
-                        dp_world_size=1, seed=0, shuffle=True, infinite=True,
-                        max_too_long_fraction=0.25)
-    ok = SpeechLMDataset([Source("tts", "fake", 1.0, data, np.arange(60))], make().builder,
-                         seq_len=median, local_batch_size=2, mode="pack", window=32, dp_rank=0,
-                         dp_world_size=1, seed=0, shuffle=True, infinite=True,
-                         max_too_long_fraction=1.0)
+        SpeechLMDataset(
+            [Source("tts", "fake", 1.0, data, np.arange(60))],
+            make().builder,
+            seq_len=median,
+            local_batch_size=2,
+            mode="pack",
+            window=32,
+            dp_rank=0,
+            dp_world_size=1,
+            seed=0,
+            shuffle=True,
+            infinite=True,
+            max_too_long_fraction=0.25,
+        )
+    ok = SpeechLMDataset(
+        [Source("tts", "fake", 1.0, data, np.arange(60))],
+        make().builder,
+        seq_len=median,
+        local_batch_size=2,
+        mode="pack",
+        window=32,
+        dp_rank=0,
+        dp_world_size=1,
+        seed=0,
+        shuffle=True,
+        infinite=True,
+        max_too_long_fraction=1.0,
+    )
     batches = take(ok, 3)
     assert sum(stat(ok, b, "skipped_too_long") for b in batches) > 0

@@ -26,29 +26,50 @@ def test_all_tasks_train_together(tmp_path):
         elif i % 4 == 1:
             lines.append({"id": f"t{i}", "text": f"a text only line number {i}"})
         elif i % 4 == 2:
-            lines.append({"id": f"d{i}", "turns": [
-                {"role": "system", "text": "be brief"},
-                {"role": "user", "audio": str(wav)},
-                {"role": "assistant", "text": "sure thing"},
-                {"role": "user", "text": "say it"},
-                {"role": "assistant", "audio": str(wav)}]})
+            lines.append(
+                {
+                    "id": f"d{i}",
+                    "turns": [
+                        {"role": "system", "text": "be brief"},
+                        {"role": "user", "audio": str(wav)},
+                        {"role": "assistant", "text": "sure thing"},
+                        {"role": "user", "text": "say it"},
+                        {"role": "assistant", "audio": str(wav)},
+                    ],
+                }
+            )
         else:
             lines.append({"id": f"a{i}", "audio": str(wav), "text": "audio and text again"})
     manifest = tmp_path / "mixed.jsonl"
     manifest.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     prepared = tmp_path / "mixed_prepared"
-    prepare_dataset(str(manifest), assets["codec"], assets["tokenizer"], str(prepared),
-                    progress=False)
+    prepare_dataset(
+        str(manifest), assets["codec"], assets["tokenizer"], str(prepared), progress=False
+    )
     dump = tmp_path / "run"
     cfg = write_tiny_config(tmp_path / "c.toml", dict(assets, prepared=str(prepared)), dump)
-    text = open(cfg).read().replace(
-        'train = ["tts:tiny:0.5", "asr:tiny:0.5"]',
-        'train = ["tts:tiny", "asr:tiny", "continuation:tiny", "text:tiny", "dialogue:tiny"]'
-    ).replace('valid = ["asr:tiny"]', 'valid = ["dialogue:tiny"]').replace(
-        "seq_len = 160", "seq_len = 512")
+    text = (
+        open(cfg)
+        .read()
+        .replace(
+            'train = ["tts:tiny:0.5", "asr:tiny:0.5"]',
+            'train = ["tts:tiny", "asr:tiny", "continuation:tiny", "text:tiny", "dialogue:tiny"]',
+        )
+        .replace('valid = ["asr:tiny"]', 'valid = ["dialogue:tiny"]')
+        .replace("seq_len = 160", "seq_len = 512")
+    )
     open(cfg, "w").write(text)
-    r = run_train(cfg, "--training.steps", "4", "--checkpoint.enable", "false",
-                  "--validation.freq", "4", "--speechlm_data.cfg_dropout", "0.5")
+    r = run_train(
+        cfg,
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "false",
+        "--validation.freq",
+        "4",
+        "--speechlm_data.cfg_dropout",
+        "0.5",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_metrics(dump)
     train = [m for m in rows if "train/loss" in m]
@@ -65,13 +86,24 @@ def test_flatten_pattern_trains_end_to_end(tmp_path):
     assets = make_tiny_run_assets(tmp_path / "assets", n_items=24)
     dump = tmp_path / "run"
     cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
-    r = run_train(cfg, "--training.steps", "8", "--speechlm.pattern", "flatten",
-                  "--training.seq_len", "512", "--checkpoint.enable", "false",
-                  "--validation.freq", "8")
+    r = run_train(
+        cfg,
+        "--training.steps",
+        "8",
+        "--speechlm.pattern",
+        "flatten",
+        "--training.seq_len",
+        "512",
+        "--checkpoint.enable",
+        "false",
+        "--validation.freq",
+        "8",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     train = [m for m in read_metrics(dump) if "train/loss" in m]
-    assert train[-1]["loss_metrics/global_avg_loss"] < 0.8 * train[0][
-        "loss_metrics/global_avg_loss"]
+    assert (
+        train[-1]["loss_metrics/global_avg_loss"] < 0.8 * train[0]["loss_metrics/global_avg_loss"]
+    )
     for m in train:
         assert "train/ce_stream0" in m
         assert not any(f"train/ce_stream{k}" in m for k in (1, 2, 3))

@@ -30,8 +30,9 @@ def test_two_process_fsdp_trains_saves_and_resumes(assets, tmp_path):
     assert val
     for r in val:  # ASR: only stream 0 carries loss; the audio streams have no mean to log
         assert r["val/asr_tiny/ce_stream0"] > 0 and "val/asr_tiny/acc_stream0" in r
-        assert not any(f"val/asr_tiny/{s}{k}" in r for s in ("ce_stream", "acc_stream")
-                       for k in (1, 2, 3))
+        assert not any(
+            f"val/asr_tiny/{s}{k}" in r for s in ("ce_stream", "acc_stream") for k in (1, 2, 3)
+        )
     assert all(f"train/ce_stream{k}" in steps[1] for k in range(4))  # TTS trains them
 
     second = run_train(cfg, "--training.steps", "11", nproc=2)
@@ -48,14 +49,25 @@ def test_one_and_two_processes_give_the_same_first_steps(assets, tmp_path):
     for nproc, local in ((1, 4), (2, 2)):
         dump = tmp_path / f"n{nproc}"
         cfg = write_tiny_config(tmp_path / f"c{nproc}.toml", assets, dump)
-        r = run_train(cfg, "--training.steps", "2", "--training.local_batch_size", str(local),
-                      "--checkpoint.enable", "false", "--validation.enable", "false", nproc=nproc)
+        r = run_train(
+            cfg,
+            "--training.steps",
+            "2",
+            "--training.local_batch_size",
+            str(local),
+            "--checkpoint.enable",
+            "false",
+            "--validation.enable",
+            "false",
+            nproc=nproc,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         runs[nproc] = train_steps(read_metrics(dump))
     for step in (1, 2):
         a, b = runs[1][step], runs[2][step]
         assert a["loss_metrics/global_avg_loss"] == pytest.approx(
-            b["loss_metrics/global_avg_loss"], abs=1e-5)
+            b["loss_metrics/global_avg_loss"], abs=1e-5
+        )
         for key in a:
             if key.startswith("train/") and not key.startswith("train/data/"):
                 assert a[key] == pytest.approx(b[key], abs=1e-5), key
@@ -117,11 +129,28 @@ def test_torchtitan_train_inside_torchrun_runs_as_that_rank(assets, tmp_path):
     dump = tmp_path / "run"
     cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
     exe = shutil.which("torchtitan", path=os.path.dirname(sys.executable))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--no-python", exe, "train", "--job.config_file", cfg, "--training.steps", "2",
-           "--checkpoint.enable", "false", "--validation.enable", "false"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-python",
+        exe,
+        "train",
+        "--job.config_file",
+        cfg,
+        "--training.steps",
+        "2",
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+    ]
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Applied FSDP to the SpeechLM" in r.stdout + r.stderr
     assert [m["step"] for m in read_metrics(dump)] == [1, 2]
@@ -129,11 +158,26 @@ def test_torchtitan_train_inside_torchrun_runs_as_that_rank(assets, tmp_path):
     # the README's multi-node form: booleans take true|false there too (one parser path)
     dump2 = tmp_path / "run_m"
     cfg2 = write_tiny_config(tmp_path / "c2.toml", assets, dump2)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "torchtitan_speechlm.train", "--job.config_file", cfg2, "--training.steps", "2",
-           "--checkpoint.enable", "false", "--validation.enable=false"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "torchtitan_speechlm.train",
+        "--job.config_file",
+        cfg2,
+        "--training.steps",
+        "2",
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable=false",
+    ]
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert [m["step"] for m in read_metrics(dump2)] == [1, 2]
     assert not (dump2 / "checkpoint").exists()
@@ -157,8 +201,16 @@ def test_validation_set_smaller_than_the_ranks(assets, tmp_path):
     text = open(cfg).read().replace('datasets = ["tiny=', f'datasets = ["one={one}", "tiny=')
     text = text.replace('valid = ["asr:tiny"]', 'valid = ["asr:one"]')
     open(cfg, "w").write(text)
-    r = run_train(cfg, "--training.steps", "2", "--validation.freq", "2",
-                  "--checkpoint.enable", "false", nproc=2)
+    r = run_train(
+        cfg,
+        "--training.steps",
+        "2",
+        "--validation.freq",
+        "2",
+        "--checkpoint.enable",
+        "false",
+        nproc=2,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     val = [m for m in read_metrics(dump) if "val/asr_one/loss" in m]
     assert [m["step"] for m in val] == [1, 2]  # torchtitan validates at step 1 and every freq
@@ -171,13 +223,30 @@ def test_moe_backbone_trains_under_fsdp_with_load_balance_loss(assets, tmp_path)
     from torchtitan_speechlm.demo.assets import build_backbone
 
     vocab = len(AutoTokenizer.from_pretrained(assets["tokenizer"]))
-    moe = build_backbone(str(tmp_path / "moe"), family="qwen3_moe", vocab_size=vocab,
-                         hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=64)
+    moe = build_backbone(
+        str(tmp_path / "moe"),
+        family="qwen3_moe",
+        vocab_size=vocab,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+    )
     dump = tmp_path / "run"
     cfg = write_tiny_config(tmp_path / "c.toml", dict(assets, backbone=moe), dump)
-    r = run_train(cfg, "--training.steps", "2", "--speechlm.load_balance_weight", "0.01",
-                  "--checkpoint.enable", "false", "--validation.enable", "false", nproc=2)
+    r = run_train(
+        cfg,
+        "--training.steps",
+        "2",
+        "--speechlm.load_balance_weight",
+        "0.01",
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        nproc=2,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for m in read_metrics(dump):
         # Switch aux loss E * sum_e f_e P_e is ~top_k (2) for a near-uniform router at init
@@ -194,8 +263,16 @@ def test_extending_a_run_whose_last_save_is_weights_only(assets, tmp_path):
     only weights-only checkpoints is refused with the fix, never a DCP traceback."""
     dump = tmp_path / "run"
     cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
-    common = ("--validation.enable", "false", "--checkpoint.last_save_model_only", "true",
-              "--checkpoint.interval", "2", "--lr_scheduler.total_steps", "6")
+    common = (
+        "--validation.enable",
+        "false",
+        "--checkpoint.last_save_model_only",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--lr_scheduler.total_steps",
+        "6",
+    )
     first = run_train(cfg, "--training.steps", "4", *common)
     assert first.returncode == 0, first.stderr[-3000:]
     losses = {m["step"]: m["loss_metrics/global_avg_loss"] for m in read_metrics(dump)}
@@ -204,7 +281,7 @@ def test_extending_a_run_whose_last_save_is_weights_only(assets, tmp_path):
     assert second.returncode == 0, log[-3000:]
     assert "step-4 holds model weights only" in log and "resuming from step-2" in log
     assert "Training starts at step 3" in log and "Traceback" not in log
-    rerun = [m for m in read_metrics(dump)][len(losses):]
+    rerun = [m for m in read_metrics(dump)][len(losses) :]
     assert [m["step"] for m in rerun] == [3, 4, 5, 6]
     for m in rerun[:2]:  # steps 3-4 again, from the step-2 state: the same numbers
         assert m["loss_metrics/global_avg_loss"] == pytest.approx(losses[m["step"]], rel=1e-6)

@@ -27,9 +27,15 @@ def job(assets, tmp_path, *overrides, toml_edit=("", "")):
 
 
 def validator(job_config):
-    return SpeechLMValidator(job_config, dp_world_size=1, dp_rank=0, parallel_dims=None,
-                             maybe_enable_amp=None, metrics_processor=None,
-                             validation_context=None)
+    return SpeechLMValidator(
+        job_config,
+        dp_world_size=1,
+        dp_rank=0,
+        parallel_dims=None,
+        maybe_enable_amp=None,
+        metrics_processor=None,
+        validation_context=None,
+    )
 
 
 def train_items(job_config) -> set[int]:
@@ -52,7 +58,8 @@ def test_explicit_valid_set_of_a_training_dataset_reads_only_held_out_items(asse
 
 
 def test_without_hold_out_a_training_dataset_is_validated_whole_with_a_warning(
-        assets, tmp_path, caplog):
+    assets, tmp_path, caplog
+):
     jc = job(assets, tmp_path)
     with caplog.at_level(logging.WARNING):
         items = valid_items(jc, "asr_tiny")
@@ -61,16 +68,28 @@ def test_without_hold_out_a_training_dataset_is_validated_whole_with_a_warning(
 
 
 def test_a_dataset_training_does_not_use_is_validated_whole(assets, tmp_path):
-    jc = job(assets, tmp_path, "--speechlm_data.valid_fraction", "0.3",
-             "--speechlm_data.datasets", f"tiny={assets['prepared']},other={assets['prepared']}",
-             "--speechlm_data.valid", "asr:other")
+    jc = job(
+        assets,
+        tmp_path,
+        "--speechlm_data.valid_fraction",
+        "0.3",
+        "--speechlm_data.datasets",
+        f"tiny={assets['prepared']},other={assets['prepared']}",
+        "--speechlm_data.valid",
+        "asr:other",
+    )
     assert valid_items(jc, "asr_other") == set(range(40))
     assert len(train_items(jc)) < 40
 
 
 def test_held_out_sets_without_explicit_valid(assets, tmp_path):
-    jc = job(assets, tmp_path, "--speechlm_data.valid_fraction", "0.3",
-             toml_edit=('valid = ["asr:tiny"]', ""))
+    jc = job(
+        assets,
+        tmp_path,
+        "--speechlm_data.valid_fraction",
+        "0.3",
+        toml_edit=('valid = ["asr:tiny"]', ""),
+    )
     v = validator(jc)
     assert sorted(v.sets) == ["asr_tiny_heldout", "tts_tiny_heldout"]
     held = valid_items(jc, "tts_tiny_heldout")

@@ -46,7 +46,7 @@ class ToneCodec:
             x = np.zeros(n * 320, np.float32)
             x[: len(w)] = w
             f = x.reshape(n, 320)
-            rms = np.sqrt((f ** 2).mean(1) + 1e-9)
+            rms = np.sqrt((f**2).mean(1) + 1e-9)
             zcr = (np.diff(np.sign(f), axis=1) != 0).mean(1)
             slope = np.abs(np.diff(f, axis=1)).mean(1)
             feats = [np.clip((np.log10(rms) + 4) * 4, 0, 15), zcr * 15 * 4, slope * 60]
@@ -57,8 +57,9 @@ class ToneCodec:
     def decode(self, codes):
         codes = np.asarray(codes)
         t = np.arange(320) / 16000
-        frames = [(10 ** (c[0] / 4 - 4)) * np.sin(2 * np.pi * (100 + 50 * c[-1]) * t)
-                  for c in codes]
+        frames = [
+            (10 ** (c[0] / 4 - 4)) * np.sin(2 * np.pi * (100 + 50 * c[-1]) * t) for c in codes
+        ]
         return np.concatenate(frames).astype(np.float32) if frames else np.zeros(0, np.float32)
 
 
@@ -110,8 +111,13 @@ class ReverseDelay(Pattern):
 
 
 # ---- a task: transcribe, then say it again -------------------------------------------------------
-register_task(Task("asr_then_tts", ("speech",),
-                   (("user", "audio"), ("assistant", "text"), ("assistant", "audio"))))
+register_task(
+    Task(
+        "asr_then_tts",
+        ("speech",),
+        (("user", "audio"), ("assistant", "text"), ("assistant", "audio")),
+    )
+)
 
 
 # ---- a backbone: residual position-wise MLP blocks (causal by construction) ---------------------
@@ -119,8 +125,11 @@ class MLPStack(nn.Module):
     def __init__(self, dim: int, layers: int):
         super().__init__()
         self.layers = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(),
-                          nn.Linear(2 * dim, dim)) for _ in range(layers))
+            nn.Sequential(
+                nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)
+            )
+            for _ in range(layers)
+        )
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, h):
@@ -148,5 +157,3 @@ class MLPBackbone(Backbone):
 
 register_backbone("toy_mlp", MLPBackbone())
 register_speechlm_spec("speechlm_toy", backbone="toy_mlp")
-
-

@@ -181,8 +181,9 @@ def run_torchtitan_main(args: list[str]) -> None:
         os._exit(0)
 
 
-def sync_gradients_on_last_microbatch(model: torch.nn.Module, accumulation_steps: int,
-                                      ddp: bool, hsdp: bool) -> None:
+def sync_gradients_on_last_microbatch(
+    model: torch.nn.Module, accumulation_steps: int, ddp: bool, hsdp: bool
+) -> None:
     """Fix 6: reduce gradients only in the last micro-batch's backward of each step.
 
     Must be registered before ``replicate``'s own pre-hook, which reads the flag at forward.

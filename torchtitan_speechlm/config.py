@@ -137,7 +137,7 @@ REGISTERED_VALUES = {"speechlm.pattern": _patterns}
 # keys that were replaced, with what to do instead
 MOVED_KEYS = {
     "speechlm.backbone": "is now torchtitan's own `model.hf_assets_path` (the backbone's "
-                         "checkpoint folder): move the path there",
+    "checkpoint folder): move the path there",
 }
 
 
@@ -250,7 +250,9 @@ def parse_mix(specs: list[str], key: str, names: dict[str, str]) -> list[MixEntr
         try:
             weight = float(parts[2]) if len(parts) == 3 else 1.0
         except ValueError:
-            raise ConfigError(f"speechlm_data.{key} entry {spec!r}: weight is not a number") from None
+            raise ConfigError(
+                f"speechlm_data.{key} entry {spec!r}: weight is not a number"
+            ) from None
         if weight <= 0:
             raise ConfigError(f"speechlm_data.{key} entry {spec!r}: weight must be > 0")
         entries.append(MixEntry(task, name, weight))
@@ -308,8 +310,8 @@ def validate_job_config(job_config) -> None:
         raise ConfigError("training.seq_len (frames per row) must be >= 8")
     if data.max_tokens and data.batching == "pack":
         raise ConfigError(
-            f"speechlm_data.max_tokens = {data.max_tokens} applies to batching = \"bucket\" only; "
-            "with \"pack\" a micro-batch is training.local_batch_size rows of training.seq_len "
+            f'speechlm_data.max_tokens = {data.max_tokens} applies to batching = "bucket" only; '
+            'with "pack" a micro-batch is training.local_batch_size rows of training.seq_len '
             "frames: set training.local_batch_size instead and remove max_tokens"
         )
     if not 0.0 <= data.max_too_long_fraction <= 1.0:

@@ -32,8 +32,10 @@ def _split_launcher_args(args: list[str]) -> tuple[int, list[str]]:
 
 def with_config_module(args: list[str]) -> list[str]:
     """Make sure torchtitan merges our [speechlm] sections even if the TOML does not say so."""
-    if any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module")
-           for a in args):
+    if any(
+        a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module")
+        for a in args
+    ):
         return args
     return [*args, "--job.custom_config_module", CONFIG_MODULE]
 
@@ -116,8 +118,14 @@ def check_config(args: list[str]):
     import_extensions(args, toml_values)
     config_cls = manager._maybe_add_custom_config(args, toml_values)
     if toml_values is not None:
-        path = next((args[i + 1] for i, a in enumerate(args[:-1])
-                     if a in ("--job.config_file", "--job.config-file")), "config")
+        path = next(
+            (
+                args[i + 1]
+                for i, a in enumerate(args[:-1])
+                if a in ("--job.config_file", "--job.config-file")
+            ),
+            "config",
+        )
         check_toml(toml_values, config_cls, source=path)
     try:
         job_config = manager.parse_args(args)
@@ -141,10 +149,12 @@ def already_complete(job_config) -> str | None:
     if step is None:
         return None
     dump = job_config.job.dump_folder
-    return (f"the run in {dump} is already complete: {checkpoint_folder(job_config)}/step-{step} "
-            f"is at or past training.steps = {job_config.training.steps}, so there is nothing to "
-            f"train. To continue it, raise --training.steps; to start over, delete {dump} (or "
-            "set another job.dump_folder)")
+    return (
+        f"the run in {dump} is already complete: {checkpoint_folder(job_config)}/step-{step} "
+        f"is at or past training.steps = {job_config.training.steps}, so there is nothing to "
+        f"train. To continue it, raise --training.steps; to start over, delete {dump} (or "
+        "set another job.dump_folder)"
+    )
 
 
 def _free_port() -> int:
@@ -170,8 +180,10 @@ def _adopt_slurm_env() -> None:
 
 def train_command(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
-        print("usage: torchtitan train --job.config_file FILE.toml [--nproc-per-node N] "
-              "[--section.key value ...]\n")
+        print(
+            "usage: torchtitan train --job.config_file FILE.toml [--nproc-per-node N] "
+            "[--section.key value ...]\n"
+        )
         from torchtitan.config import ConfigManager  # the package already chose the device
 
         try:  # torchtitan's own option list, with our [speechlm] sections merged in
@@ -198,24 +210,38 @@ def train_command(args: list[str]) -> int:
         os.environ.setdefault("LOCAL_RANK", "0")
         return run_worker(args)
     if nproc == 1:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
         return run_worker(args)
     from torch.distributed.run import get_args_parser, run
 
-    launch = get_args_parser().parse_args([
-        "--standalone", f"--nproc-per-node={nproc}",
-        f"--local-ranks-filter={os.environ.get('LOG_RANK', '0')}", "--role=rank", "--tee=3",
-        "-m", "torchtitan_speechlm.train", *args,
-    ])
+    launch = get_args_parser().parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--local-ranks-filter={os.environ.get('LOG_RANK', '0')}",
+            "--role=rank",
+            "--tee=3",
+            "-m",
+            "torchtitan_speechlm.train",
+            *args,
+        ]
+    )
     try:
         run(launch)
     except Exception as e:  # ChildFailedError already printed the failing rank's traceback
-        print(f"torchtitan train: {type(e).__name__}: a rank failed (see its log above)",
-              file=sys.stderr)
+        print(
+            f"torchtitan train: {type(e).__name__}: a rank failed (see its log above)",
+            file=sys.stderr,
+        )
         return 1
     return 0
-
 
 
 def run_worker(args: list[str]) -> int:

@@ -27,11 +27,14 @@ class Registry(Generic[T]):
         """Register ``obj`` under ``name``; without ``obj``, a decorator. Registering a name
         twice is an error unless ``replace`` (re-importing a module registers the same object,
         which is allowed)."""
+
         def add(o: T) -> T:
             old = self._items.get(name)
             if old is not None and old is not o and not replace and not _same_definition(old, o):
-                raise ValueError(f"{self.what} {name!r} is already registered ({old!r}); "
-                                 "pass replace=True to override it")
+                raise ValueError(
+                    f"{self.what} {name!r} is already registered ({old!r}); "
+                    "pass replace=True to override it"
+                )
             self._items[name] = o
             return o
 
@@ -67,4 +70,6 @@ def _same_definition(a: object, b: object) -> bool:
         return True
     named = (isinstance(a, type) or callable(a)) and (isinstance(b, type) or callable(b))
     return named and (getattr(a, "__module__", None), getattr(a, "__qualname__", None)) == (
-        getattr(b, "__module__", None), getattr(b, "__qualname__", None))
+        getattr(b, "__module__", None),
+        getattr(b, "__qualname__", None),
+    )

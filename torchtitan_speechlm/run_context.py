@@ -93,10 +93,21 @@ def _build(job_config) -> RunContext:
                 "backbone's tokenizer."
             )
     codec = metadata[first]["codec"]
-    layout = VocabLayout(text_size=text, num_streams=int(codec["num_streams"]),
-                         codebook_size=int(codec["codebook_size"]))
-    return RunContext(family, path, backbone_config, datasets, metadata, train,
-                      _validation_sets(data, datasets, train), layout)
+    layout = VocabLayout(
+        text_size=text,
+        num_streams=int(codec["num_streams"]),
+        codebook_size=int(codec["codebook_size"]),
+    )
+    return RunContext(
+        family,
+        path,
+        backbone_config,
+        datasets,
+        metadata,
+        train,
+        _validation_sets(data, datasets, train),
+        layout,
+    )
 
 
 def _validation_sets(data, datasets: dict, train: list[MixEntry]) -> dict:
@@ -119,6 +130,7 @@ def _validation_sets(data, datasets: dict, train: list[MixEntry]) -> dict:
                 logger.warning(
                     f"validation set {e.task}:{e.dataset} is also training data (valid_fraction "
                     "= 0): its numbers measure fit, not generalisation; set "
-                    "speechlm_data.valid_fraction > 0 to validate on held-out items")
+                    "speechlm_data.valid_fraction > 0 to validate on held-out items"
+                )
         sets[f"{e.task}_{e.dataset}"] = ([e], split)
     return sets

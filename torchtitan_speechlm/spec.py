@@ -45,8 +45,9 @@ def speechlm_train_spec(backbone: str = "hf", parallelize_fn=parallelize_speechl
     )
 
 
-def register_speechlm_spec(name: str, backbone: str = "hf",
-                           parallelize_fn=parallelize_speechlm) -> TrainSpec:
+def register_speechlm_spec(
+    name: str, backbone: str = "hf", parallelize_fn=parallelize_speechlm
+) -> TrainSpec:
     """Register (once; importing twice is harmless) the TrainSpec ``name`` over ``backbone``."""
     SPEECHLM_SPECS.add(name)
     try:
@@ -69,6 +70,8 @@ def backbone_of(job_config) -> Backbone:
     spec = get_train_spec(job_config.model.name)
     flavor = job_config.model.flavor
     if flavor not in spec.model_args:
-        raise ConfigError(f"model.flavor = {flavor!r}: the {job_config.model.name!r} spec has "
-                          f"flavor(s) {sorted(spec.model_args)}")
+        raise ConfigError(
+            f"model.flavor = {flavor!r}: the {job_config.model.name!r} spec has "
+            f"flavor(s) {sorted(spec.model_args)}"
+        )
     return get_backbone(spec.model_args[flavor].backbone)

@@ -1,5 +1,5 @@
 """One training rank, for torchrun (multi-node jobs):
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m torchtitan_speechlm.train --job.config_file X
+torchrun --nnodes 2 --nproc-per-node 8 ... -m torchtitan_speechlm.train --job.config_file X
 """
 
 import sys

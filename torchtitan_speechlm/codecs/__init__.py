@@ -41,17 +41,28 @@ def load_codec(path: str, device: str = "cpu", num_streams: int | None = None) -
         config = json.load(f)
     model_type = config.get("model_type")
     if model_type not in CODECS:
-        raise CodecError(f"{path}: unsupported codec model_type {model_type!r}; supported: "
-                         f"{', '.join(CODECS.names())} (register_codec adds one)")
+        raise CodecError(
+            f"{path}: unsupported codec model_type {model_type!r}; supported: "
+            f"{', '.join(CODECS.names())} (register_codec adds one)"
+        )
     codec = CODECS.get(model_type)(path, config, device)
     codec.total_streams = getattr(codec, "total_streams", 0) or codec.num_streams
     if num_streams is not None:
         if not 1 <= num_streams <= codec.total_streams:
-            raise CodecError(f"{path}: num_streams must be in 1..{codec.total_streams} (the "
-                             f"codec's codebooks), got {num_streams}")
+            raise CodecError(
+                f"{path}: num_streams must be in 1..{codec.total_streams} (the "
+                f"codec's codebooks), got {num_streams}"
+            )
         codec.keep_streams(int(num_streams))
     return codec
 
 
-__all__ = ["CODECS", "SUPPORTED_CODECS", "Codec", "CodecError", "config_hash", "load_codec",
-           "register_codec"]
+__all__ = [
+    "CODECS",
+    "SUPPORTED_CODECS",
+    "Codec",
+    "CodecError",
+    "config_hash",
+    "load_codec",
+    "register_codec",
+]

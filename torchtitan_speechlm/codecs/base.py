@@ -77,6 +77,9 @@ def config_hash(config: dict, weights_dir: str | None = None) -> str:
     clean = {k: v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS}
     files = []
     if weights_dir is not None:
-        files = [os.path.join(weights_dir, n) for n in sorted(os.listdir(weights_dir))
-                 if n.endswith((".safetensors", ".bin", ".pt"))]
+        files = [
+            os.path.join(weights_dir, n)
+            for n in sorted(os.listdir(weights_dir))
+            if n.endswith((".safetensors", ".bin", ".pt"))
+        ]
     return json_hash(clean, files=files)

@@ -32,7 +32,9 @@ class JsonlLogger(BaseLogger):
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": step}
-        row.update({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()})
+        row.update(
+            {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+        )
         self._f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
@@ -40,12 +42,21 @@ class JsonlLogger(BaseLogger):
 
 
 class SpeechLMMetricsProcessor(MetricsProcessor):
-    def __init__(self, job_config, parallel_dims, tag: str | None = None,
-                 accumulator: StatsAccumulator = TRAIN_STATS, model_args=None):
+    def __init__(
+        self,
+        job_config,
+        parallel_dims,
+        tag: str | None = None,
+        accumulator: StatsAccumulator = TRAIN_STATS,
+        model_args=None,
+    ):
         # MFU counts the head only on frames that carry loss (where it runs): see
         # num_flops_per_token below and SpeechLMModelArgs.head_flops_per_loss_frame.
-        self._head_flops = (model_args.head_flops_per_loss_frame()
-                            if model_args is not None and model_args.backbone_config else 0)
+        self._head_flops = (
+            model_args.head_flops_per_loss_frame()
+            if model_args is not None and model_args.backbone_config
+            else 0
+        )
         self._loss_frame_ratio = 1.0
         if job_config.metrics.enable_wandb:
             os.environ.setdefault("WANDB_MODE", "offline")
@@ -56,8 +67,9 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             container = LoggerContainer()
             container.add_logger(self.logger)
-            container.add_logger(JsonlLogger(os.path.join(job_config.job.dump_folder,
-                                                          "metrics.jsonl")))
+            container.add_logger(
+                JsonlLogger(os.path.join(job_config.job.dump_folder, "metrics.jsonl"))
+            )
             self.logger = container
 
         self.code_usage_interval = job_config.speechlm.code_usage_interval
@@ -99,12 +111,15 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         stats = self.speech_metrics(step)
         self._loss_frame_ratio = stats.get("data/loss_frame_ratio", 1.0)
         extra = dict(extra_metrics or {})
-        extra.update({(k if k.startswith("throughput/") else f"train/{k}"): v
-                      for k, v in stats.items()})
+        extra.update(
+            {(k if k.startswith("throughput/") else f"train/{k}"): v for k, v in stats.items()}
+        )
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra)
         if stats:
-            accs, ces = stream_values(stats, "acc_stream", self.num_streams), stream_values(
-                stats, "ce_stream", self.num_streams)
+            accs, ces = (
+                stream_values(stats, "acc_stream", self.num_streams),
+                stream_values(stats, "ce_stream", self.num_streams),
+            )
             logger.info(
                 f"{self.color.green}step: {step:2}  ce_loss: {stats.get('ce_loss', nan):.4f}  "
                 f"z_loss: {stats.get('z_loss', nan):.4f}  ce/stream: [{ces}]  acc/stream: [{accs}]  "
@@ -116,8 +131,9 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
 
 def stream_values(stats: dict[str, float], prefix: str, n: int) -> str:
     """'0.123 - 0.456': a stream with nothing to count (key left out) shows as '-'."""
-    return " ".join(f"{stats[f'{prefix}{k}']:.3f}" if f"{prefix}{k}" in stats else "-"
-                    for k in range(n))
+    return " ".join(
+        f"{stats[f'{prefix}{k}']:.3f}" if f"{prefix}{k}" in stats else "-" for k in range(n)
+    )
 
 
 def build_speechlm_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):

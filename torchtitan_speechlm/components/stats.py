@@ -88,7 +88,9 @@ class StatsAccumulator:
         sums, at = {}, 0
         for k, p in zip(keys, parts, strict=True):
             value = flat[at : at + p.numel()]
-            sums[k] = value.item() if self._sums[k].dim() == 0 else value.view_as(self._sums[k]).cpu()
+            sums[k] = (
+                value.item() if self._sums[k].dim() == 0 else value.view_as(self._sums[k]).cpu()
+            )
             at += p.numel()
         micro_batches = flat[-1].item()
         self.reset()

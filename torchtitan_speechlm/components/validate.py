@@ -21,8 +21,17 @@ from torchtitan_speechlm.run_context import run_context
 
 
 class SpeechLMValidator(BaseValidator):
-    def __init__(self, job_config, dp_world_size, dp_rank, parallel_dims, maybe_enable_amp,
-                 metrics_processor, validation_context, **kwargs):
+    def __init__(
+        self,
+        job_config,
+        dp_world_size,
+        dp_rank,
+        parallel_dims,
+        maybe_enable_amp,
+        metrics_processor,
+        validation_context,
+        **kwargs,
+    ):
         super().__init__(job_config)
         self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
         self.parallel_dims = parallel_dims
@@ -43,8 +52,14 @@ class SpeechLMValidator(BaseValidator):
     def _dataset(self, name: str) -> SpeechLMDataset:
         """A fresh iterator each round: the same batches in the same order every time."""
         entries, split = self.sets[name]
-        return build_dataset(self.job_config, entries, split, dp_rank=self.dp_rank,
-                             dp_world_size=self.dp_world_size, training=False)
+        return build_dataset(
+            self.job_config,
+            entries,
+            split,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_world_size,
+            training=False,
+        )
 
     def _any_rank_has(self, has: bool, device) -> bool:
         flag = torch.tensor([1.0 if has else 0.0], device=device)
@@ -84,7 +99,9 @@ class SpeechLMValidator(BaseValidator):
                 # and meet in the same all-reduce below
                 acc.add(out.stats, count_micro_batch=real)
             stats = acc.reduce(loss_group(self.parallel_dims))
-            self.metrics_processor.logger.log({f"val/{name}/{k}": v for k, v in stats.items()}, step)
+            self.metrics_processor.logger.log(
+                {f"val/{name}/{k}": v for k, v in stats.items()}, step
+            )
             logger.info(
                 f"validate step {step} [{name}] loss: {stats.get('loss', float('nan')):.4f}  "
                 f"acc_layer0: {stats.get('acc_layer0', float('nan')):.3f}  "
@@ -93,8 +110,23 @@ class SpeechLMValidator(BaseValidator):
         model.train()
 
 
-def build_speechlm_validator(job_config, dp_world_size, dp_rank, parallel_dims, maybe_enable_amp,
-                             metrics_processor, validation_context, **kwargs) -> SpeechLMValidator:
+def build_speechlm_validator(
+    job_config,
+    dp_world_size,
+    dp_rank,
+    parallel_dims,
+    maybe_enable_amp,
+    metrics_processor,
+    validation_context,
+    **kwargs,
+) -> SpeechLMValidator:
     """TrainSpec.build_validator_fn."""
-    return SpeechLMValidator(job_config, dp_world_size, dp_rank, parallel_dims, maybe_enable_amp,
-                             metrics_processor, validation_context)
+    return SpeechLMValidator(
+        job_config,
+        dp_world_size,
+        dp_rank,
+        parallel_dims,
+        maybe_enable_amp,
+        metrics_processor,
+        validation_context,
+    )

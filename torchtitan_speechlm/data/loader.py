@@ -40,8 +40,9 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
 
     STATE_KEY = "speechlm_stream"
 
-    def __init__(self, dataset, *, hash_log: str | None = None, sample_hashes: bool = False,
-                 **kwargs):
+    def __init__(
+        self, dataset, *, hash_log: str | None = None, sample_hashes: bool = False, **kwargs
+    ):
         # our state comes with the batches; torchdata need not snapshot the workers
         kwargs.setdefault("snapshot_every_n_steps", 1 << 30)
         super().__init__(dataset, **kwargs)
@@ -62,8 +63,10 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
                 self._position = dict(self._position, position=meta["position"])
                 self.last_samples = meta["samples"]
                 if log is not None:
-                    log.write(json.dumps({"hash": batch_hash(batch[0]),
-                                          "samples": meta["samples"]}) + "\n")
+                    log.write(
+                        json.dumps({"hash": batch_hash(batch[0]), "samples": meta["samples"]})
+                        + "\n"
+                    )
                 yield batch
         finally:
             if log is not None:
@@ -149,8 +152,9 @@ def build_sources(job_config, entries: list[MixEntry], split: str) -> list[Sourc
     sources = []
     for e in entries:
         data = open_prepared(os.path.abspath(paths[e.dataset]))
-        sources.append(Source(e.task, e.dataset, e.weight, data,
-                              split_indices(data.ids, frac, split)))
+        sources.append(
+            Source(e.task, e.dataset, e.weight, data, split_indices(data.ids, frac, split))
+        )
     return sources
 
 
@@ -160,8 +164,15 @@ def global_batch_rows(job_config, dp_world_size: int) -> int:
     return t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_world_size
 
 
-def build_dataset(job_config, entries: list[MixEntry], split: str, *, dp_rank: int,
-                  dp_world_size: int, training: bool) -> SpeechLMDataset:
+def build_dataset(
+    job_config,
+    entries: list[MixEntry],
+    split: str,
+    *,
+    dp_rank: int,
+    dp_world_size: int,
+    training: bool,
+) -> SpeechLMDataset:
     """A train (infinite, shuffled, augmented) or validation (finite, ordered, clean) stream.
 
     Training steps hold torchtitan's global batch: ``accumulation`` = global rows / (local rows
@@ -214,13 +225,22 @@ def build_speechlm_dataloader(
     """TrainSpec.build_dataloader_fn."""
     ctx = run_context(job_config)
     record_vocab(job_config.job.dump_folder, ctx.layout)
-    dataset = build_dataset(job_config, ctx.train, "train", dp_rank=dp_rank,
-                            dp_world_size=dp_world_size, training=True)
-    logger.info("SpeechLM data: " + ", ".join(
-        f"{s.task}:{s.name} ({len(s.indices)} items, weight {s.weight})" for s in dataset.sources))
+    dataset = build_dataset(
+        job_config, ctx.train, "train", dp_rank=dp_rank, dp_world_size=dp_world_size, training=True
+    )
+    logger.info(
+        "SpeechLM data: "
+        + ", ".join(
+            f"{s.task}:{s.name} ({len(s.indices)} items, weight {s.weight})"
+            for s in dataset.sources
+        )
+    )
     dl = job_config.training.dataloader
-    hash_log = (os.path.join(job_config.job.dump_folder, "batch_hashes", f"rank{dp_rank}.jsonl")
-                if job_config.speechlm_data.log_batch_hashes else None)
+    hash_log = (
+        os.path.join(job_config.job.dump_folder, "batch_hashes", f"rank{dp_rank}.jsonl")
+        if job_config.speechlm_data.log_batch_hashes
+        else None
+    )
     return SpeechLMDataLoader(
         dataset,
         dp_rank=dp_rank,

@@ -46,14 +46,26 @@ from torchtitan_speechlm.data.tasks import TASKS, TemplateBuilder, get_task
 from torchtitan_speechlm.model.vocab import VocabMismatchError
 
 META_KEY = "_speechlm_meta"  # the batch entry carrying the stream position (see loader.py)
-BASE_STATS = ("examples", "rows", "frames", "pad_frames", "loss_frames", "audio_frames",
-              "skipped_too_long", "skipped_bad", "cfg_dropped")
+BASE_STATS = (
+    "examples",
+    "rows",
+    "frames",
+    "pad_frames",
+    "loss_frames",
+    "audio_frames",
+    "skipped_too_long",
+    "skipped_bad",
+    "cfg_dropped",
+)
 
 
 def data_stats_keys(num_streams: int) -> tuple[str, ...]:
     """Names of the ``data_stats`` vector every micro-batch carries (see DATA statistics docs)."""
-    return (BASE_STATS + tuple(f"task_{t}" for t in TASKS.names())
-            + tuple(f"tokens_stream{k}" for k in range(num_streams)))
+    return (
+        BASE_STATS
+        + tuple(f"task_{t}" for t in TASKS.names())
+        + tuple(f"tokens_stream{k}" for k in range(num_streams))
+    )
 
 
 @dataclass
@@ -105,11 +117,26 @@ class SpeechLMDataset(IterableDataset):
     only decides who computes which slice, never which samples form a step.
     """
 
-    def __init__(self, sources: list[Source], builder: TemplateBuilder, *, seq_len: int,
-                 local_batch_size: int, mode: str, window: int, dp_rank: int,
-                 dp_world_size: int, seed: int, shuffle: bool, infinite: bool,
-                 accumulation: int = 1, max_tokens: int = 0, cfg_dropout: float = 0.0,
-                 max_too_long_fraction: float = 1.0, seq_len_key: str = "training.seq_len"):
+    def __init__(
+        self,
+        sources: list[Source],
+        builder: TemplateBuilder,
+        *,
+        seq_len: int,
+        local_batch_size: int,
+        mode: str,
+        window: int,
+        dp_rank: int,
+        dp_world_size: int,
+        seed: int,
+        shuffle: bool,
+        infinite: bool,
+        accumulation: int = 1,
+        max_tokens: int = 0,
+        cfg_dropout: float = 0.0,
+        max_too_long_fraction: float = 1.0,
+        seq_len_key: str = "training.seq_len",
+    ):
         if mode not in get_args(Batching):
             raise ValueError(f"batching must be one of {get_args(Batching)}, got {mode!r}")
         self.sources, self.builder = sources, builder
@@ -137,8 +164,9 @@ class SpeechLMDataset(IterableDataset):
         self._weights = np.array([s.weight for s in sources], dtype=np.float64)
         self._weights /= self._weights.sum()
         n = self.layout.num_streams
-        self._pad_frame = np.array([self.layout.pad] + [self.layout.stream_pad(k)
-                                                        for k in range(1, n)], dtype=np.int64)
+        self._pad_frame = np.array(
+            [self.layout.pad] + [self.layout.stream_pad(k) for k in range(1, n)], dtype=np.int64
+        )
         self._warned_bad: set[tuple[int, int]] = set()
         self._warned_long: set[int] = set()
         self.emit_meta = False  # set by the loader: attach the stream position to each batch
@@ -157,9 +185,13 @@ class SpeechLMDataset(IterableDataset):
         n_text = np.asarray(data.text_lengths)[idx]
         n_audio = np.asarray(data.audio_lengths)[idx]
         if own_turns:
-            return self.builder.length(s.task, n_text, n_audio,
-                                       n_audio_turns=np.asarray(data.num_audio_turns)[idx],
-                                       n_turns=np.asarray(data.num_turns)[idx])
+            return self.builder.length(
+                s.task,
+                n_text,
+                n_audio,
+                n_audio_turns=np.asarray(data.num_audio_turns)[idx],
+                n_turns=np.asarray(data.num_turns)[idx],
+            )
         return np.asarray(self.builder.length(s.task, n_text, n_audio), dtype=np.int64)
 
     def check_lengths(self, max_fraction: float, key: str) -> None:
@@ -198,9 +230,14 @@ class SpeechLMDataset(IterableDataset):
             "carried": [],
             "window": 0,
         }
-        self._start = {"cursor": {"window": start, "consumed": 0}, "skip_pieces": 0,
-                       "micro_done": 0, "steps": 0, "accumulation": self.accumulation,
-                       "step_pieces": self.step_pieces}
+        self._start = {
+            "cursor": {"window": start, "consumed": 0},
+            "skip_pieces": 0,
+            "micro_done": 0,
+            "steps": 0,
+            "accumulation": self.accumulation,
+            "step_pieces": self.step_pieces,
+        }
         self._position = self._start
         self._perm_cache: dict[int, tuple[int, np.ndarray]] = {}
 
@@ -212,10 +249,12 @@ class SpeechLMDataset(IterableDataset):
     def state_dict(self) -> dict:
         """The position after the last yielded micro-batch (identical on every rank at a step
         boundary), plus what the stream is made of, to refuse an incompatible resume."""
-        return {"position": copy.deepcopy(self._position),
-                "pieces": self.piece_params,
-                "sources": [f"{s.task}:{s.name}" for s in self.sources],
-                "vocab": self.layout.fingerprint()}
+        return {
+            "position": copy.deepcopy(self._position),
+            "pieces": self.piece_params,
+            "sources": [f"{s.task}:{s.name}" for s in self.sources],
+            "vocab": self.layout.fingerprint(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         names = [f"{s.task}:{s.name}" for s in self.sources]
@@ -248,7 +287,9 @@ class SpeechLMDataset(IterableDataset):
                 )
         pos = copy.deepcopy(state["position"])
         if pos["micro_done"] and (pos["accumulation"], pos["step_pieces"]) != (
-                self.accumulation, self.step_pieces):
+            self.accumulation,
+            self.step_pieces,
+        ):
             raise ValueError(
                 "the checkpoint was taken in the middle of an optimizer step and this run has "
                 "another data-parallel layout; resume with the original layout"
@@ -261,7 +302,9 @@ class SpeechLMDataset(IterableDataset):
         if cached is None or cached[0] != epoch:
             idx = self.sources[src].indices
             if self.shuffle:
-                idx = idx[np.random.default_rng([self.seed, src, epoch, 104729]).permutation(len(idx))]
+                idx = idx[
+                    np.random.default_rng([self.seed, src, epoch, 104729]).permutation(len(idx))
+                ]
             cached = self._perm_cache[src] = (epoch, idx)
         return cached[1]
 
@@ -271,12 +314,19 @@ class SpeechLMDataset(IterableDataset):
             turns = getattr(s.data, "num_turns", None)
             if turns is None:  # a reader without turn counts: build the example to measure it
                 return len(self.builder.build(s.task, s.data[item]).frames)
-            return self.builder.length(s.task, int(s.data.text_lengths[item]),
-                                       int(s.data.audio_lengths[item]),
-                                       n_audio_turns=int(s.data.num_audio_turns[item]),
-                                       n_turns=int(turns[item]))
-        return self.builder.length(s.task, int(s.data.text_lengths[item]),
-                                   int(s.data.audio_lengths[item]), cfg_drop=cfg_drop)
+            return self.builder.length(
+                s.task,
+                int(s.data.text_lengths[item]),
+                int(s.data.audio_lengths[item]),
+                n_audio_turns=int(s.data.num_audio_turns[item]),
+                n_turns=int(turns[item]),
+            )
+        return self.builder.length(
+            s.task,
+            int(s.data.text_lengths[item]),
+            int(s.data.audio_lengths[item]),
+            cfg_drop=cfg_drop,
+        )
 
     def _draw(self, st: dict, rng: np.random.Generator) -> Draw | None:
         if self.infinite:
@@ -324,8 +374,11 @@ class SpeechLMDataset(IterableDataset):
             pieces = self._bucket(draws, build["max_tokens"])
             last = pieces[-1] if pieces else None
             if not final and last and len(last.rows) * last.t < 0.75 * build["max_tokens"]:
-                carried = [Draw(d.src, d.item, d.cfg_drop, d.length, d.age + 1)
-                           for row in pieces.pop().rows for d in row]
+                carried = [
+                    Draw(d.src, d.item, d.cfg_drop, d.length, d.age + 1)
+                    for row in pieces.pop().rows
+                    for d in row
+                ]
         if self.shuffle:
             order = np.random.default_rng([self.seed, st["window"], 31337]).permutation(len(pieces))
             pieces = [pieces[i] for i in order]
@@ -335,7 +388,8 @@ class SpeechLMDataset(IterableDataset):
                 logger.warning(
                     f"skipping samples of {self.sources[d.src].task}:{self.sources[d.src].name} "
                     f"longer than seq_len {self.seq_len} (first: item {d.item}, {d.length - 1} "
-                    "frames); all are counted in data/skipped_too_long")
+                    "frames); all are counted in data/skipped_too_long"
+                )
         st["rng"] = rng.bit_generator.state
         st["carried"] = [(d.src, d.item, d.cfg_drop, d.length, d.age) for d in carried]
         st["window"] += 1
@@ -345,9 +399,11 @@ class SpeechLMDataset(IterableDataset):
     def _carry_underfilled(self, rows: list[list[Draw]], window: int) -> tuple[list, list[Draw]]:
         """Keep the well-filled rows; carry the others' samples to the next window (at most
         half a window, so nothing can be carried for ever)."""
+
         def ok(row: list[Draw]) -> bool:  # well filled, or holding a sample carried twice
-            return (sum(d.length - 1 for d in row) >= 0.97 * self.seq_len
-                    or any(d.age >= 2 for d in row))
+            return sum(d.length - 1 for d in row) >= 0.97 * self.seq_len or any(
+                d.age >= 2 for d in row
+            )
 
         good, poor = [r for r in rows if ok(r)], [r for r in rows if not ok(r)]
         carried = [d for row in poor for d in row]
@@ -448,9 +504,13 @@ class SpeechLMDataset(IterableDataset):
                 unit = self.micro_slice(step, m)
                 last = m == self.accumulation - 1
                 self._position = {
-                    "cursor": cursor, "skip_pieces": len(step) if last else 0,
-                    "micro_done": 0 if last else m + 1, "steps": steps + last,
-                    "accumulation": self.accumulation, "step_pieces": self.step_pieces}
+                    "cursor": cursor,
+                    "skip_pieces": len(step) if last else 0,
+                    "micro_done": 0 if last else m + 1,
+                    "steps": steps + last,
+                    "accumulation": self.accumulation,
+                    "step_pieces": self.step_pieces,
+                }
                 if not unit.rows:  # nothing left for this rank in a finite set's last step
                     continue
                 mine = served % n_workers == worker_id
@@ -460,8 +520,9 @@ class SpeechLMDataset(IterableDataset):
                 hashes: list[str] | None = [] if self.emit_meta and self.sample_hashes else None
                 batch = self.collate(unit, skipped if (self.dp_rank, m) == (0, 0) else 0, hashes)
                 if self.emit_meta:  # travels through loader workers with the batch
-                    batch[0][META_KEY] = pickle.dumps({"position": self._position,
-                                                       "samples": hashes})
+                    batch[0][META_KEY] = pickle.dumps(
+                        {"position": self._position, "samples": hashes}
+                    )
                 yield batch
             steps += 1
 
@@ -473,12 +534,15 @@ class SpeechLMDataset(IterableDataset):
         except Exception as e:  # a corrupt item must not kill a multi-day run
             if (d.src, d.item) not in self._warned_bad:
                 self._warned_bad.add((d.src, d.item))
-                logger.warning(f"skipping bad sample {s.name}[{d.item}] for {s.task}: {e} "
-                               "(counted in data/skipped_bad)")
+                logger.warning(
+                    f"skipping bad sample {s.name}[{d.item}] for {s.task}: {e} "
+                    "(counted in data/skipped_bad)"
+                )
             return None
 
-    def collate(self, unit: Unit, skipped_too_long: int = 0,
-                sample_hashes: list[str] | None = None) -> tuple[dict, torch.Tensor]:
+    def collate(
+        self, unit: Unit, skipped_too_long: int = 0, sample_hashes: list[str] | None = None
+    ) -> tuple[dict, torch.Tensor]:
         """Frames, targets, weights and positions of a unit's rows; with ``sample_hashes``, a
         content hash of every sample placed is appended to it."""
         b, t, n = len(unit.rows), unit.t, self.layout.num_streams

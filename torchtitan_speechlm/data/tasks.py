@@ -60,10 +60,13 @@ class Task:
             raise ValueError(f"task {self.name!r}: kinds {self.kinds} must be among {KINDS}")
         for role, modality in self.turns or ():
             if role not in ROLES or modality not in MODALITIES:
-                raise ValueError(f"task {self.name!r}: bad turn ({role!r}, {modality!r}); "
-                                 f"roles {ROLES}, modalities {MODALITIES}")
+                raise ValueError(
+                    f"task {self.name!r}: bad turn ({role!r}, {modality!r}); "
+                    f"roles {ROLES}, modalities {MODALITIES}"
+                )
         if self.cfg_turn is not None and (
-                self.turns is None or self.turns[self.cfg_turn][1] != "text"):
+            self.turns is None or self.turns[self.cfg_turn][1] != "text"
+        ):
             raise ValueError(f"task {self.name!r}: cfg_turn must index a text turn")
 
     def count(self, modality: str) -> int:
@@ -114,8 +117,13 @@ class Segment:
 
 
 class TemplateBuilder:
-    def __init__(self, layout: VocabLayout, pattern: str, weights: LossWeights,
-                 loss_region: str = "assistant"):
+    def __init__(
+        self,
+        layout: VocabLayout,
+        pattern: str,
+        weights: LossWeights,
+        loss_region: str = "assistant",
+    ):
         if loss_region not in LOSS_REGIONS:
             raise ValueError(f"loss_region must be one of {LOSS_REGIONS}, got {loss_region!r}")
         self.layout = layout
@@ -126,7 +134,8 @@ class TemplateBuilder:
         self.pads = np.array([layout.stream_pad(k) for k in range(n)], dtype=np.int64)
         self.code_offsets = np.array([layout.code(k, 0) for k in range(n)], dtype=np.int64)
         self._stream_w = (self.w.audio * np.asarray(self.w.streams, dtype=np.float32)).astype(
-            np.float32)
+            np.float32
+        )
 
     # ---- pieces ----------------------------------------------------------------------------
     def _tokens(self, ids, loss: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -195,8 +204,9 @@ class TemplateBuilder:
             weights=np.concatenate([p[1] for p in parts]),
         )
 
-    def length(self, task: str, n_text, n_audio_frames, n_audio_turns=1, n_turns=2,
-               cfg_drop: bool = False):
+    def length(
+        self, task: str, n_text, n_audio_frames, n_audio_turns=1, n_turns=2, cfg_drop: bool = False
+    ):
         """Frames an example will take, from index lengths alone (for budgeting); ints or numpy
         arrays. ``n_audio_turns``/``n_turns`` are read only for tasks taking the item's turns."""
         spec = get_task(task)

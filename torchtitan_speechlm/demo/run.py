@@ -31,17 +31,26 @@ def build_demo_data(work_dir: str, n_utterances: int = 240, backbone_family: str
 
     os.makedirs(work_dir, exist_ok=True)
     sentences = load_sentences()
-    paths = {k: os.path.join(work_dir, k) for k in ("tokenizer", "codec", "backbone", "corpus",
-                                                     "prepared")}
+    paths = {
+        k: os.path.join(work_dir, k)
+        for k in ("tokenizer", "codec", "backbone", "corpus", "prepared")
+    }
     if not os.path.isfile(os.path.join(paths["tokenizer"], "tokenizer.json")):
         build_tokenizer(paths["tokenizer"], sentences)
     if not os.path.isfile(os.path.join(paths["codec"], "config.json")):
         build_codec(paths["codec"])
     if not os.path.isfile(os.path.join(paths["backbone"], "config.json")):
         vocab = len(AutoTokenizer.from_pretrained(paths["tokenizer"], local_files_only=True))
-        build_backbone(paths["backbone"], family=backbone_family, vocab_size=vocab,
-                       hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                       intermediate_size=384)
+        build_backbone(
+            paths["backbone"],
+            family=backbone_family,
+            vocab_size=vocab,
+            hidden_size=128,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=384,
+        )
     t0 = time.perf_counter()
     manifest = synthesize_corpus(paths["corpus"], sentences, n=n_utterances)
     print(f"[demo] corpus: {manifest} ({time.perf_counter() - t0:.1f}s)", flush=True)
@@ -75,8 +84,12 @@ def plot_loss_curve(dump_folder: str, out_png: str) -> str | None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for tag, points in sorted(series.items()):
         points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if "val" in tag else None,
-                label=tag)
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            marker="." if "val" in tag else None,
+            label=tag,
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss per loss frame")
     ax.set_title("SpeechLM debug demo")
@@ -105,8 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     if complete:
         print(f"\n[demo] nothing trained: {complete} (`make clean` removes it)")
     else:
-        cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "train", "--job.config_file",
-               args.config, "--nproc-per-node", str(args.nproc_per_node), *args.train_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torchtitan_speechlm.cli",
+            "train",
+            "--job.config_file",
+            args.config,
+            "--nproc-per-node",
+            str(args.nproc_per_node),
+            *args.train_args,
+        ]
         print(f"[demo] training: {' '.join(cmd[2:])}", flush=True)
         t1 = time.perf_counter()
         rc = subprocess.call(cmd)
@@ -114,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         if rc != 0:
             print(f"[demo] training failed (exit {rc})", file=sys.stderr)
             return rc
-        print(f"\n[demo] done in {time.perf_counter() - t0:.0f}s (data {t_data:.0f}s, "
-              f"training {t_train:.0f}s)")
+        print(
+            f"\n[demo] done in {time.perf_counter() - t0:.0f}s (data {t_data:.0f}s, "
+            f"training {t_train:.0f}s)"
+        )
     dump = job.job.dump_folder
     png = plot_loss_curve(dump, os.path.join(dump, "loss_curve.png"))
     ckpts = sorted(glob.glob(os.path.join(dump, job.checkpoint.folder, "step-*")))

@@ -40,8 +40,12 @@ from torchtitan_speechlm.compat import (
 
 
 def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
-    for name, enabled in (("tensor", parallel_dims.tp_enabled), ("context", parallel_dims.cp_enabled),
-                          ("pipeline", parallel_dims.pp_enabled), ("expert", parallel_dims.ep_enabled)):
+    for name, enabled in (
+        ("tensor", parallel_dims.tp_enabled),
+        ("context", parallel_dims.cp_enabled),
+        ("pipeline", parallel_dims.pp_enabled),
+        ("expert", parallel_dims.ep_enabled),
+    ):
         if enabled:
             raise ValueError(
                 f"speechlm does not support {name} parallelism yet; set "
@@ -72,8 +76,9 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
             cpu_offload=job_config.training.enable_cpu_offload,
             reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward != "never",
         )
-        logger.info("Applied %s to the SpeechLM",
-                    "HSDP" if parallel_dims.dp_replicate_enabled else "FSDP")
+        logger.info(
+            "Applied %s to the SpeechLM", "HSDP" if parallel_dims.dp_replicate_enabled else "FSDP"
+        )
     elif parallel_dims.dp_replicate_enabled:
         dp_mesh = parallel_dims.get_mesh("dp_replicate")
         apply_ddp(model, dp_mesh, enable_compile=compile_model)

@@ -64,13 +64,12 @@ class SpeechLMModelArgs(BaseModelArgs):
         moe = self.family.moe(self.backbone_config)
         if moe:
             # MoE: only the routed experts' share of expert params is active per token.
-            expert = sum(
-                p.numel() for n, p in model.named_parameters() if ".experts." in n
-            )
+            expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
             dense -= expert - expert * moe[1] // moe[0]
         layers = self.family.num_layers(self.backbone_config)
-        flops = (6 * dense + self.head_flops_per_loss_frame()
-                 + 12 * layers * self.hidden_size * seq_len)
+        flops = (
+            6 * dense + self.head_flops_per_loss_frame() + 12 * layers * self.hidden_size * seq_len
+        )
         return nparams, flops
 
     def head_flops_per_loss_frame(self) -> int:
@@ -80,6 +79,8 @@ class SpeechLMModelArgs(BaseModelArgs):
         from torchtitan_speechlm.model.patterns import get_pattern
 
         layout, pattern = self.layout, get_pattern(self.pattern)
-        head_cols = sum(b - a for a, b in (pattern.prediction_range(layout, k)
-                                           for k in range(layout.num_streams)))
+        head_cols = sum(
+            b - a
+            for a, b in (pattern.prediction_range(layout, k) for k in range(layout.num_streams))
+        )
         return 6 * self.hidden_size * head_cols

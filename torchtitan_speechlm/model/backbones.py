@@ -55,8 +55,13 @@ class Backbone:
         """The decoder module (``.layers`` = its blocks), without a token embedding."""
         raise NotImplementedError
 
-    def run(self, module: nn.Module, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
-            real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(
+        self,
+        module: nn.Module,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        real: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [B, T, D], and the MoE load-balance aux loss over the ``real``
         (non-padding) frames, per frame, or None."""
         raise NotImplementedError

@@ -171,8 +171,9 @@ class HFBackbone(Backbone):
     def run(self, module, inputs_embeds, position_ids, real):
         moe = self.moe(module.config.to_dict())
         extra = {"output_router_logits": True} if moe else {}
-        out = module(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False,
-                     **extra)
+        out = module(
+            inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, **extra
+        )
         aux = None
         if moe and getattr(out, "router_logits", None):
             # transformers' own Switch-style aux loss (E * sum_e f_e P_e), over real frames only

@@ -119,8 +119,9 @@ class SpeechLMHead(nn.Module):
                     [(wk * ce).sum(), (wk * z).sum(), (ce * active).sum(), correct.sum().float()]
                 ).detach()
             )
-            hists.append(torch.stack([self._code_hist(pred + a, active),
-                                      self._code_hist(tgt + a, active)]))
+            hists.append(
+                torch.stack([self._code_hist(pred + a, active), self._code_hist(tgt + a, active)])
+            )
         return loss, torch.stack(stats), torch.stack(hists).sum(0)
 
     def _code_hist(self, ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -133,8 +134,9 @@ class SpeechLMHead(nn.Module):
         flat = torch.bincount((book * c + code)[keep], minlength=n * c)
         return flat.float().detach().view(n, c)
 
-    def _raise_out_of_range(self, bad: torch.Tensor, targets: torch.Tensor,
-                            weights: torch.Tensor) -> None:
+    def _raise_out_of_range(
+        self, bad: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+    ) -> None:
         pos, k = (int(i) for i in bad.nonzero()[0])
         a, b = self.ranges[k]
         raise ValueError(
@@ -174,8 +176,12 @@ class SpeechLMHead(nn.Module):
         loss = h.new_zeros((), dtype=torch.float32)
         parts, hists = [], []
         for s in range(0, h.shape[0], self.chunk):
-            args = (h[s : s + self.chunk], w_out, targets[s : s + self.chunk],
-                    weights[s : s + self.chunk])
+            args = (
+                h[s : s + self.chunk],
+                w_out,
+                targets[s : s + self.chunk],
+                weights[s : s + self.chunk],
+            )
             if h.shape[0] > self.chunk and torch.is_grad_enabled():
                 # Recompute each chunk's logits in backward instead of keeping them all.
                 part, st, hi = checkpoint(self._chunk_loss, *args, use_reentrant=False)

@@ -81,8 +81,9 @@ class Delay(Pattern):
 
     def interleave(self, codes, pads):
         n_frames, n_streams = codes.shape
-        out = np.broadcast_to(np.asarray(pads, dtype=codes.dtype),
-                              (n_frames + n_streams - 1, n_streams)).copy()
+        out = np.broadcast_to(
+            np.asarray(pads, dtype=codes.dtype), (n_frames + n_streams - 1, n_streams)
+        ).copy()
         for k in range(n_streams):
             out[k : k + n_frames, k] = codes[:, k]
         return out
@@ -104,8 +105,9 @@ class Flatten(Pattern):
 
     def interleave(self, codes, pads):
         n_frames, n_streams = codes.shape
-        out = np.broadcast_to(np.asarray(pads, dtype=codes.dtype),
-                              (n_frames * n_streams, n_streams)).copy()
+        out = np.broadcast_to(
+            np.asarray(pads, dtype=codes.dtype), (n_frames * n_streams, n_streams)
+        ).copy()
         out[:, 0] = codes.reshape(-1)  # frame-major: f0c0 f0c1 ... f0cN-1 f1c0 ...
         return out
 

@@ -116,8 +116,15 @@ class VocabLayout:
         return layout
 
     def fingerprint(self) -> str:
-        return json_hash([self.version, list(self.specials), self.text_size, self.num_streams,
-                          self.codebook_size])
+        return json_hash(
+            [
+                self.version,
+                list(self.specials),
+                self.text_size,
+                self.num_streams,
+                self.codebook_size,
+            ]
+        )
 
     def check_same(self, other: VocabLayout, where: str) -> None:
         """Raise a VocabMismatchError naming the first differing field."""

@@ -98,8 +98,11 @@ def prepare_dataset(
     """
     t0 = time.monotonic()
     import_modules(imports)
-    given = [(n, p) for n, p in (("manifest", manifest), ("kaldi", kaldi),
-                                 ("hf_dataset", hf_dataset)) if p is not None]
+    given = [
+        (n, p)
+        for n, p in (("manifest", manifest), ("kaldi", kaldi), ("hf_dataset", hf_dataset))
+        if p is not None
+    ]
     given += [tuple(source)] if source is not None else []
     if len(given) != 1:
         flags = ", ".join(s.flag for _, s in SOURCES.items())
@@ -169,8 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     for _, s in SOURCES.items():
         src.add_argument(s.flag, dest=f"source_{s.name}", metavar=s.metavar, help=s.help)
         for o in s.options:
-            src.add_argument("--" + o.name.replace("_", "-"), dest=f"option_{s.name}_{o.name}",
-                             metavar=o.name.upper(), default=o.default, help=o.help)
+            src.add_argument(
+                "--" + o.name.replace("_", "-"),
+                dest=f"option_{s.name}_{o.name}",
+                metavar=o.name.upper(),
+                default=o.default,
+                help=o.help,
+            )
     p.add_argument("--codec", help="local codec directory (Encodec, Mimi, DAC or k-means)")
     p.add_argument(
         "--fit-kmeans-codec",
@@ -205,8 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace a non-empty --out that is not this same preparation",
     )
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import MODULE first (it registers codecs or sources); repeatable")
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (it registers codecs or sources); repeatable",
+    )
     return p
 
 
@@ -220,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     given = [name for name, _ in SOURCES.items() if getattr(args, f"source_{name}") is not None]
     if len(given) != 1:
-        print(f"error: give exactly one source: {', '.join(s.flag for _, s in SOURCES.items())}",
-              file=sys.stderr)
+        print(
+            f"error: give exactly one source: {', '.join(s.flag for _, s in SOURCES.items())}",
+            file=sys.stderr,
+        )
         return 1
     name = given[0]
     options = {o.name: getattr(args, f"option_{name}_{o.name}") for o in SOURCES.get(name).options}

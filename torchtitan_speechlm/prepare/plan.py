@@ -63,8 +63,10 @@ def build_plan(items, source: dict, codec, tokenizer: dict, shard_size: int,
         "num_streams": codec.num_streams, "total_streams": codec.total_streams,
         "codebook_size": codec.codebook_size, "config_hash": codec.config_hash,
     }  # fmt: skip
-    hashes = [json_hash([_item_key(it) for it in items[s : s + shard_size]])
-              for s in range(0, len(items), shard_size)]
+    hashes = [
+        json_hash([_item_key(it) for it in items[s : s + shard_size]])
+        for s in range(0, len(items), shard_size)
+    ]
     plan = {"format_version": FORMAT_VERSION, "source": source, "codec": codec_meta,
             "tokenizer": tokenizer, "shard_size": shard_size,
             "allow_audio_only": allow_audio_only, "num_inputs": len(items),
@@ -77,8 +79,14 @@ def plan_difference(old: dict, new: dict) -> str | None:
     key = first_difference(old, new)
     if key is not None:
         return key
-    for k in ("format_version", "inputs_hash_version", "source", "shard_size",
-              "allow_audio_only", "num_inputs"):
+    for k in (
+        "format_version",
+        "inputs_hash_version",
+        "source",
+        "shard_size",
+        "allow_audio_only",
+        "num_inputs",
+    ):
         if old.get(k) != new.get(k):
             return k
     for k in ("sample_rate", "total_streams"):

@@ -13,8 +13,11 @@ from dataclasses import MISSING, fields
 
 from torchtitan_speechlm import config
 
-SECTIONS = (("speechlm", config.SpeechLM), ("speechlm_data", config.SpeechLMData),
-            ("checkpoint", config.Checkpoint))
+SECTIONS = (
+    ("speechlm", config.SpeechLM),
+    ("speechlm_data", config.SpeechLMData),
+    ("checkpoint", config.Checkpoint),
+)
 BEGIN, END = "<!-- generated from {name} by tools/config_doc.py -->", "<!-- end generated -->"
 
 
@@ -23,8 +26,12 @@ def field_docs(cls) -> dict[str, str]:
     body = ast.parse(inspect.getsource(cls)).body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 

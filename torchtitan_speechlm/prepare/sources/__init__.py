@@ -21,10 +21,18 @@ def read_source(name: str, path: str, options: dict | None = None) -> SourceRead
     known = {o.name: o.default for o in src.options}
     unknown = set(options or {}) - set(known)
     if unknown:
-        raise ValueError(f"source {name!r} takes no option(s) {sorted(unknown)}; its options: "
-                         f"{sorted(known) or 'none'}")
+        raise ValueError(
+            f"source {name!r} takes no option(s) {sorted(unknown)}; its options: "
+            f"{sorted(known) or 'none'}"
+        )
     return src.read(path, **{**known, **(options or {})})
 
 
-__all__ = ["SOURCES", "PrepareSource", "SourceOption", "SourceRead", "read_source",
-           "register_source"]
+__all__ = [
+    "SOURCES",
+    "PrepareSource",
+    "SourceOption",
+    "SourceRead",
+    "read_source",
+    "register_source",
+]

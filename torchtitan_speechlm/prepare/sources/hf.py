@@ -119,17 +119,32 @@ class HFAudioReader:
         raise BadAudioError(name, "audio cell has neither bytes nor path", "missing_audio")
 
 
-def _read(path: str, audio_column: str = "audio", text_column: str = "text",
-          split: str | None = None) -> SourceRead:
+def _read(
+    path: str, audio_column: str = "audio", text_column: str = "text", split: str | None = None
+) -> SourceRead:
     items = read_hf_items(path, audio_column, text_column, split)
     ds, split = open_hf_dataset(path, split)
-    description = {"type": "hf_dataset", "split": split, "audio_column": audio_column,
-                   "text_column": text_column, "fingerprint": getattr(ds, "_fingerprint", None)}
+    description = {
+        "type": "hf_dataset",
+        "split": split,
+        "audio_column": audio_column,
+        "text_column": text_column,
+        "fingerprint": getattr(ds, "_fingerprint", None),
+    }
     return SourceRead(items, description, (os.path.abspath(path), audio_column, split))
 
 
-register_source(PrepareSource(
-    "hf_dataset", "--hf-dataset", "DIR", "HF datasets folder (save_to_disk)", _read,
-    options=(SourceOption("audio_column", "audio", "HF audio column (default: audio)"),
-             SourceOption("text_column", "text", "HF text column (default: text)"),
-             SourceOption("split", None, "HF split of a saved DatasetDict"))))
+register_source(
+    PrepareSource(
+        "hf_dataset",
+        "--hf-dataset",
+        "DIR",
+        "HF datasets folder (save_to_disk)",
+        _read,
+        options=(
+            SourceOption("audio_column", "audio", "HF audio column (default: audio)"),
+            SourceOption("text_column", "text", "HF text column (default: text)"),
+            SourceOption("split", None, "HF split of a saved DatasetDict"),
+        ),
+    )
+)

@@ -113,6 +113,12 @@ def _read(path: str) -> SourceRead:
     return SourceRead(read_jsonl_manifest(path), {"type": "manifest"})
 
 
-register_source(PrepareSource(
-    "manifest", "--manifest", "M.jsonl",
-    "JSONL: speech, text-only, audio-only or dialogue lines", _read))
+register_source(
+    PrepareSource(
+        "manifest",
+        "--manifest",
+        "M.jsonl",
+        "JSONL: speech, text-only, audio-only or dialogue lines",
+        _read,
+    )
+)

@@ -127,5 +127,6 @@ def _read(path: str) -> SourceRead:
     return SourceRead(read_kaldi_dir(path), {"type": "kaldi"})
 
 
-register_source(PrepareSource(
-    "kaldi", "--kaldi", "DIR", "Kaldi data dir: wav.scp, text, [segments]", _read))
+register_source(
+    PrepareSource("kaldi", "--kaldi", "DIR", "Kaldi data dir: wav.scp, text, [segments]", _read)
+)

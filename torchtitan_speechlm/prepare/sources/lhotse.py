@@ -32,8 +32,11 @@ _CUT_TYPES = (None, "MonoCut", "Cut", "DataCut")
 
 
 def _open(path: str):
-    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(
-        path, encoding="utf-8")
+    return (
+        gzip.open(path, "rt", encoding="utf-8")
+        if path.endswith(".gz")
+        else open(path, encoding="utf-8")
+    )
 
 
 def _number(obj: dict, key: str, where: str) -> float:
@@ -55,7 +58,9 @@ def _audio(recording: dict, channel: int, where: str, base: str) -> tuple[str, i
     """(file path, channel index within that file) of ``channel`` of ``recording``."""
     rid = recording.get("id")
     if recording.get("transforms"):
-        kinds = [t.get("name", "?") if isinstance(t, dict) else "?" for t in recording["transforms"]]
+        kinds = [
+            t.get("name", "?") if isinstance(t, dict) else "?" for t in recording["transforms"]
+        ]
         raise ManifestError(
             f"{where}: recording {rid!r} has transforms {kinds} (speed/volume perturbation, "
             "resampling), which torchtitan prepare does not apply; write the transformed audio "
@@ -78,8 +83,12 @@ def _text(cut: dict, channel: int, where: str) -> str:
     sups = cut.get("supervisions") or []
     if not isinstance(sups, list):
         raise ManifestError(f"{where}: 'supervisions' must be a list")
-    chosen = [s for s in sups if s.get("channel", channel) == channel
-              or (isinstance(s.get("channel"), list) and channel in s["channel"])]
+    chosen = [
+        s
+        for s in sups
+        if s.get("channel", channel) == channel
+        or (isinstance(s.get("channel"), list) and channel in s["channel"])
+    ]
     chosen.sort(key=lambda s: float(s.get("start", 0.0)))
     return " ".join(str(s["text"]).strip() for s in chosen if s.get("text"))
 
@@ -106,18 +115,22 @@ def read_lhotse_cuts(path: str) -> list[ManifestItem]:
             if cut.get("type") not in _CUT_TYPES:
                 raise ManifestError(
                     f"{where}: cut {cid!r} is a {cut['type']}; only single-recording cuts are "
-                    "read (mix or pad cuts to audio files first)")
+                    "read (mix or pad cuts to audio files first)"
+                )
             channel = cut.get("channel", 0)
             if isinstance(channel, list):
                 if len(channel) != 1:
-                    raise ManifestError(f"{where}: cut {cid!r} has channels {channel}; pick one "
-                                        "(e.g. CutSet.to_mono) - codecs here are mono")
+                    raise ManifestError(
+                        f"{where}: cut {cid!r} has channels {channel}; pick one "
+                        "(e.g. CutSet.to_mono) - codecs here are mono"
+                    )
                 channel = channel[0]
             recording = cut.get("recording")
             if not isinstance(recording, dict):
                 raise ManifestError(
                     f"{where}: cut {cid!r} has no attached 'recording' (write the CutSet with "
-                    "its recordings, as lhotse's CutSet.from_manifests(...).to_file() does)")
+                    "its recordings, as lhotse's CutSet.from_manifests(...).to_file() does)"
+                )
             start, duration = _number(cut, "start", where), _number(cut, "duration", where)
             if start < 0 or duration <= 0:
                 raise ManifestError(f"{where}: cut {cid!r} has start {start}, duration {duration}")
@@ -126,8 +139,9 @@ def read_lhotse_cuts(path: str) -> list[ManifestItem]:
             if cid in seen:
                 raise ManifestError(f"{where}: duplicate cut id {cid!r}")
             seen.add(cid)
-            items.append(ManifestItem(cid, audio, _text(cut, int(channel), where), lineno, where,
-                                      ref=ref))
+            items.append(
+                ManifestItem(cid, audio, _text(cut, int(channel), where), lineno, where, ref=ref)
+            )
     return items
 
 
@@ -135,5 +149,8 @@ def _read(path: str) -> SourceRead:
     return SourceRead(read_lhotse_cuts(path), {"type": "lhotse"})
 
 
-register_source(PrepareSource(
-    "lhotse", "--lhotse", "CUTS", "lhotse CutSet manifest (.jsonl / .jsonl.gz)", _read))
+register_source(
+    PrepareSource(
+        "lhotse", "--lhotse", "CUTS", "lhotse CutSet manifest (.jsonl / .jsonl.gz)", _read
+    )
+)
