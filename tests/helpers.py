@@ -67,6 +67,41 @@ def text_only_inputs(layout: VocabLayout, text_ids: torch.Tensor) -> torch.Tenso
 # ---------------------------------------------------------------------------------------------
 # Tiny end-to-end assets and configs for `torchtitan train` tests
 # ---------------------------------------------------------------------------------------------
+TINY_BACKBONE = dict(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+)
+
+
+def tiny_model_assets(root, family="qwen3", seed=0, tie=False) -> dict:
+    """Tokenizer, tiny codec and tiny backbone (``family``, sized TINY_BACKBONE) under
+    ``root``, each saved with save_pretrained; returns their paths (and "prepared", unmade)."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from torchtitan_speechlm.demo.assets import (
+        build_backbone,
+        build_codec,
+        build_tokenizer,
+        load_sentences,
+    )
+
+    root = str(root)
+    paths = {k: os.path.join(root, k) for k in ("tokenizer", "codec", "backbone", "prepared")}
+    build_tokenizer(paths["tokenizer"], load_sentences())
+    build_codec(paths["codec"], seed=seed)
+    vocab = len(AutoTokenizer.from_pretrained(paths["tokenizer"]))
+    build_backbone(
+        paths["backbone"],
+        family=family,
+        vocab_size=vocab,
+        seed=seed,
+        tie_word_embeddings=tie,
+        **TINY_BACKBONE,
+    )
+    return paths
+
+
 def make_tiny_run_assets(root, n_items=48, seed=0, tie=False) -> dict:
     """Tokenizer, codec, backbone (saved with save_pretrained) and a prepared dataset made from
     synthetic tones (deterministic, no espeak needed), through the real prepare code.
@@ -77,33 +112,12 @@ def make_tiny_run_assets(root, n_items=48, seed=0, tie=False) -> dict:
     import numpy as np
     import soundfile as sf
 
-    from torchtitan_speechlm.demo.assets import (
-        build_backbone,
-        build_codec,
-        build_tokenizer,
-        load_sentences,
-    )
+    from torchtitan_speechlm.demo.assets import load_sentences
     from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
+    paths = tiny_model_assets(root, seed=seed, tie=tie)
     root = str(root)
-    paths = {k: os.path.join(root, k) for k in ("tokenizer", "codec", "backbone", "prepared")}
     sentences = load_sentences()[:n_items]
-    build_tokenizer(paths["tokenizer"], load_sentences())
-    build_codec(paths["codec"], seed=seed)
-    from transformers import AutoTokenizer
-
-    vocab = len(AutoTokenizer.from_pretrained(paths["tokenizer"]))
-    build_backbone(
-        paths["backbone"],
-        vocab_size=vocab,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        seed=seed,
-        tie_word_embeddings=tie,
-    )
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(root, "wavs"), exist_ok=True)
     manifest = os.path.join(root, "manifest.jsonl")
@@ -215,34 +229,14 @@ def make_varied_kaldi_assets(root, n_utts=40, seed=0) -> dict:
 
     import numpy as np
     import soundfile as sf
-    from transformers import AutoTokenizer
 
     from torchtitan_speechlm.audio import load_audio
-    from torchtitan_speechlm.demo.assets import (
-        build_backbone,
-        build_codec,
-        build_tokenizer,
-        load_sentences,
-    )
+    from torchtitan_speechlm.demo.assets import load_sentences
     from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
+    paths = tiny_model_assets(root, family="llama", seed=seed)
     root = str(root)
-    paths = {k: os.path.join(root, k) for k in ("tokenizer", "codec", "backbone", "prepared")}
     sentences = load_sentences()
-    build_tokenizer(paths["tokenizer"], sentences)
-    build_codec(paths["codec"], seed=seed)
-    vocab = len(AutoTokenizer.from_pretrained(paths["tokenizer"]))
-    build_backbone(
-        paths["backbone"],
-        family="llama",
-        vocab_size=vocab,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        seed=seed,
-    )
     rng = random.Random(seed)
     kaldi, wavs = os.path.join(root, "kaldi"), os.path.join(root, "kaldi_wavs")
     os.makedirs(kaldi, exist_ok=True)

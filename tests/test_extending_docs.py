@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CHECKS = '''
+CHECKS = """
 import os, tempfile
 import numpy as np, soundfile as sf, torch
 from torchtitan_speechlm.codecs import CODECS
@@ -63,7 +63,7 @@ out.loss_sum.backward()
 grads = [p.grad for p in model.backbone.layers.parameters()]
 assert all(g is not None and torch.isfinite(g).all() for g in grads)
 print("recipes ok")
-'''
+"""
 
 
 def test_every_recipe_runs_as_written(tmp_path):
@@ -72,6 +72,7 @@ def test_every_recipe_runs_as_written(tmp_path):
     assert len(blocks) == 6  # import + codec, pattern, task, source, backbone
     script = tmp_path / "recipes.py"
     script.write_text("\n\n".join(blocks) + CHECKS)
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert r.returncode == 0 and "recipes ok" in r.stdout, r.stderr[-3000:]

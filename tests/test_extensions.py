@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 
 from tests.data_fixtures import tone
-from tests.helpers import TINY_TOML, read_metrics, run_train
+from tests.helpers import TINY_BACKBONE, TINY_TOML, read_metrics, run_train
 from torchtitan_speechlm.audio import load_audio
 from torchtitan_speechlm.data.reader import PreparedDataset
 
@@ -33,15 +33,7 @@ def toy(tmp_path_factory):
     sentences = load_sentences()
     tok = build_tokenizer(str(root / "tok"), sentences)
     vocab = len(AutoTokenizer.from_pretrained(tok))
-    hf = build_backbone(
-        str(root / "hf"),
-        vocab_size=vocab,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-    )
+    hf = build_backbone(str(root / "hf"), vocab_size=vocab, **TINY_BACKBONE)
     mlp = root / "mlp"
     mlp.mkdir()
     (mlp / "config.json").write_text(

@@ -423,8 +423,9 @@ def test_lengths_that_do_not_fit_stop_before_the_first_step():
     with pytest.raises(DataLengthError, match=f"set training.seq_len >= {need[0]}"):
         make(data=data, seq_len=int(need[0]) - 1)
     median = int(need[len(need) // 2])  # about half the samples are longer
-    with pytest.raises(DataLengthError, match="max_too_long_fraction"):
-        SpeechLMDataset(
+
+    def tts_only(limit):
+        return SpeechLMDataset(
             [Source("tts", "fake", 1.0, data, np.arange(60))],
             make().builder,
             seq_len=median,
@@ -436,21 +437,11 @@ def test_lengths_that_do_not_fit_stop_before_the_first_step():
             seed=0,
             shuffle=True,
             infinite=True,
-            max_too_long_fraction=0.25,
+            max_too_long_fraction=limit,
         )
-    ok = SpeechLMDataset(
-        [Source("tts", "fake", 1.0, data, np.arange(60))],
-        make().builder,
-        seq_len=median,
-        local_batch_size=2,
-        mode="pack",
-        window=32,
-        dp_rank=0,
-        dp_world_size=1,
-        seed=0,
-        shuffle=True,
-        infinite=True,
-        max_too_long_fraction=1.0,
-    )
+
+    with pytest.raises(DataLengthError, match="max_too_long_fraction"):
+        tts_only(0.25)
+    ok = tts_only(1.0)
     batches = take(ok, 3)
     assert sum(stat(ok, b, "skipped_too_long") for b in batches) > 0

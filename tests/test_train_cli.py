@@ -2,7 +2,13 @@
 
 import pytest
 
-from tests.helpers import make_tiny_run_assets, read_metrics, run_train, write_tiny_config
+from tests.helpers import (
+    TINY_BACKBONE,
+    make_tiny_run_assets,
+    read_metrics,
+    run_train,
+    write_tiny_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -224,14 +230,7 @@ def test_moe_backbone_trains_under_fsdp_with_load_balance_loss(assets, tmp_path)
 
     vocab = len(AutoTokenizer.from_pretrained(assets["tokenizer"]))
     moe = build_backbone(
-        str(tmp_path / "moe"),
-        family="qwen3_moe",
-        vocab_size=vocab,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
+        str(tmp_path / "moe"), family="qwen3_moe", vocab_size=vocab, **TINY_BACKBONE
     )
     dump = tmp_path / "run"
     cfg = write_tiny_config(tmp_path / "c.toml", dict(assets, backbone=moe), dump)

@@ -110,23 +110,6 @@ class SpeechLMValidator(BaseValidator):
         model.train()
 
 
-def build_speechlm_validator(
-    job_config,
-    dp_world_size,
-    dp_rank,
-    parallel_dims,
-    maybe_enable_amp,
-    metrics_processor,
-    validation_context,
-    **kwargs,
-) -> SpeechLMValidator:
-    """TrainSpec.build_validator_fn."""
-    return SpeechLMValidator(
-        job_config,
-        dp_world_size,
-        dp_rank,
-        parallel_dims,
-        maybe_enable_amp,
-        metrics_processor,
-        validation_context,
-    )
+def build_speechlm_validator(**kwargs) -> SpeechLMValidator:
+    """TrainSpec.build_validator_fn (torchtitan passes everything by keyword)."""
+    return SpeechLMValidator(**kwargs)
