@@ -28,7 +28,8 @@ def reference(model, inputs, targets, weights, z_w):
     out = {"loss": 0.0, "ce_loss": 0.0, "z_loss": 0.0}
     for k in range(inputs.shape[-1]):
         a, b = model.args.layout.stream_range(k)
-        logits = ((h + model.head.stream_emb.weight[k]) @ w_out[a:b].T).float()
+        offset = model.head.stream_emb.weight[k] if k else 0.0  # stream 0: no offset (text LM)
+        logits = ((h + offset) @ w_out[a:b].T).float()
         tgt = targets[..., k] - a
         ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none").view_as(tgt)
         z = z_w * torch.logsumexp(logits, -1) ** 2

@@ -47,7 +47,8 @@ def test_logged_stats_equal_an_independent_computation_over_micro_batches(tmp_pa
             count += int((weights > 0).any(-1).sum())
             for k in range(3):
                 a, b = model.args.layout.stream_range(k)
-                logits = (h + model.head.stream_emb.weight[k]) @ model.head.output.weight[a:b].T
+                offset = model.head.stream_emb.weight[k] if k else 0.0  # no offset on stream 0
+                logits = (h + offset) @ model.head.output.weight[a:b].T
                 tgt = targets[..., k] - a
                 ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none")
                 w = weights[..., k].flatten()

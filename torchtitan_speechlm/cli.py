@@ -8,6 +8,7 @@ import sys
 SUBCOMMANDS = {
     "train": "train a model with torchtitan's loop (torchtitan train --job.config_file X.toml)",
     "prepare": "turn a JSONL manifest, Kaldi folder or HF dataset into a prepared (tokenised) dataset",
+    "export": "write a training checkpoint as a self-contained model folder (and its text LM)",
 }
 
 
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from torchtitan_speechlm.prepare.pipeline import main as prepare_main
 
         return prepare_main(rest) or 0
+    if cmd == "export":
+        from torchtitan_speechlm.export import main as export_main
+
+        return export_main(rest)
     print(f"torchtitan: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
     return 2
 

@@ -350,6 +350,9 @@ def resolve_model_args(args, job_config) -> None:
         else sl.tie_embeddings == "true"
     )
     args.load_weights = sl.load_backbone_weights
+    from torchtitan_speechlm.run_record import record_run
+
+    record_run(job_config, args, ctx)
 
 
 def normalised_stream_weights(weights: list[float], n: int) -> list[float]:

@@ -21,6 +21,7 @@ from torchtitan_speechlm.infra.parallelize import parallelize_speechlm
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.model import SpeechLM
+from torchtitan_speechlm.model.state_dict_adapter import SpeechLMStateDictAdapter
 
 SPEC_NAME = "speechlm"
 SPEECHLM_SPECS: set[str] = set()  # the TrainSpecs [speechlm] sections and checks apply to
@@ -42,6 +43,7 @@ def speechlm_train_spec(backbone: str = "hf", parallelize_fn=parallelize_speechl
         build_loss_fn=build_speechlm_loss,
         build_validator_fn=build_speechlm_validator,
         build_metrics_processor_fn=build_speechlm_metrics_processor,
+        state_dict_adapter=SpeechLMStateDictAdapter,
     )
 
 

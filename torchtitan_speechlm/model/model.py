@@ -6,8 +6,10 @@ stream k > 0: codebook k, or its pad). The input embedding is the sum of the str
 pads contributing zero (so a text-only frame embeds exactly like the text LM it came from).
 
 Output head: *one shared output matrix plus a learned per-stream offset* ``stream_emb[k]`` added
-to the hidden state (zero-initialised). We chose it over N separate heads because (a) it can be
-tied to the input embedding, (b) the pretrained text head is reused unchanged for stream 0, and
+to the hidden state for the audio streams k > 0 (zero-initialised; stream 0's is fixed at zero,
+so the text LM inside is exactly the backbone's). We chose it over N separate heads because (a)
+it can be tied to the input embedding, (b) the pretrained text head is reused unchanged for
+stream 0, and
 (c) each stream only computes logits over its own vocabulary slice (see VocabLayout.stream_range),
 so the per-stream cost is that of N small heads anyway.
 
@@ -31,6 +33,7 @@ from torchtitan.protocols import ModelProtocol
 
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.patterns import get_pattern
+from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -86,11 +89,18 @@ class SpeechLMHead(nn.Module):
         self.codebook_size = layout.codebook_size
         self.chunk = max(1, args.loss_chunk_size)
 
+    def stream_input(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        """What stream ``k``'s logits are computed from: ``h + stream_emb[k]``. Stream 0 (text
+        and specials) takes ``h`` as is: its offset is fixed at zero (row 0 of ``stream_emb``
+        gets no gradient), so the text LM inside is exactly the backbone's causal LM and
+        exports to a plain transformers model with the same text logits."""
+        return h if k == 0 else h + self.stream_emb.weight[k]
+
     def logits(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Per-stream fp32 logits [..., V_k] (for generation and tests; training uses forward)."""
         w = self.output.weight if weight is None else weight
         return [
-            F.linear(h + self.stream_emb.weight[k], w[a:b]).float()
+            F.linear(self.stream_input(h, k), w[a:b]).float()
             for k, (a, b) in enumerate(self.ranges)
         ]
 
@@ -102,7 +112,7 @@ class SpeechLMHead(nn.Module):
         loss = h.new_zeros((), dtype=torch.float32)
         stats, hists = [], []
         for k, (a, b) in enumerate(self.ranges):
-            logits = F.linear(h + self.stream_emb.weight[k], w_out[a:b]).float()
+            logits = F.linear(self.stream_input(h, k), w_out[a:b]).float()
             wk = weights[:, k]
             active = wk > 0
             # forward() verified every positive-weight target is in range; the clamp only keeps
@@ -225,6 +235,13 @@ class SpeechLM(ModelProtocol):
         self.backbone = self.family.build(args.backbone_config, args.attn_implementation)
         self.head = SpeechLMHead(args, dim)
 
+    @classmethod
+    def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype | None = None):
+        """The SpeechLM of a folder written by ``torchtitan export`` (eval mode)."""
+        from torchtitan_speechlm.pretrained import from_pretrained
+
+        return from_pretrained(path, device, dtype)
+
     # ---- forward ---------------------------------------------------------------------------
     def hidden_states(
         self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None
@@ -285,14 +302,22 @@ class SpeechLM(ModelProtocol):
         device = buffer_device or self.tok_embeddings.weight.device
         self.family.reset_buffers(self.backbone, device)
         std = self.family.init_std(args.backbone_config)
+        named = [(canonical_name(n), p) for n, p in self.named_parameters()]
         reader = self.family.weights(args.hf_assets_path) if args.load_weights else None
-        text = slice(args.layout.text_offset, args.layout.text_offset + args.layout.text_size)
+        # our parameter -> (its tensor in the backbone checkpoint, rows of ours it fills)
+        text = (
+            {
+                name: (key, rows)
+                for key, (name, rows) in text_tensor_map(args, [n for n, _ in named]).items()
+            }
+            if reader
+            else {}
+        )
         with torch.no_grad():
-            for raw_name, param in self.named_parameters():
-                name = canonical_name(raw_name)
+            for name, param in named:
                 full = _random_init(name, param, std, args.init_seed)
-                if reader:
-                    _load_pretrained(name, full, reader, text, self.family)
+                if name in text:
+                    _load_pretrained(full, reader, *text[name], self.family, name)
                 _assign(param, full)
 
 
@@ -306,28 +331,26 @@ def _random_init(name: str, param: torch.Tensor, std: float, seed: int) -> torch
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
-def _load_pretrained(name: str, full: torch.Tensor, reader, text: slice, family) -> None:
-    """Copy the checkpoint tensor of parameter ``name`` into its initial value ``full``: the
-    text rows of the embedding and head go to their place in the extended vocabulary."""
-    if name == "tok_embeddings.weight":
-        full[text] = reader.get(family.embed_key).float()
-        return
-    if name == "head.output.weight":
-        key = family.head_key if family.head_key in reader else family.embed_key
-        full[text] = reader.get(key).float()
-        return
-    key = family.checkpoint_key(name)
-    if key is None:
-        return
+def _load_pretrained(
+    full: torch.Tensor, reader, key: str, rows: slice | None, family, name: str
+) -> None:
+    """Copy checkpoint tensor ``key`` into parameter ``name``'s initial value (its text rows
+    only for the embedding and head). A head missing from a tied checkpoint starts as the
+    embedding."""
+    if key not in reader and key == family.head_key and family.embed_key in reader:
+        key = family.embed_key
     if key not in reader:
         raise KeyError(
             f"pretrained backbone {reader.directory} has no tensor {key!r} (needed for {name}); "
             "is config.json from the same checkpoint as the safetensors?"
         )
-    src = reader.get(key)
-    if tuple(src.shape) != tuple(full.shape):
-        raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model {tuple(full.shape)}")
-    full.copy_(src.float())
+    src = reader.get(key).float()
+    target = full if rows is None else full[rows]
+    if tuple(src.shape) != tuple(target.shape):
+        raise ValueError(
+            f"{key}: checkpoint shape {tuple(src.shape)} != model {tuple(target.shape)}"
+        )
+    target.copy_(src)
 
 
 def _assign(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -1,0 +1,234 @@
+"""``torchtitan export``: a training checkpoint -> a self-contained model folder.
+
+    torchtitan export --checkpoint DUMP/checkpoint/step-N --out DIR [--dtype bf16|fp32|fp16]
+                      [--text-only] [--max-shard-size 5GB] [--force]
+
+Reads the DCP checkpoint in one CPU process without a process group (whatever number of ranks
+wrote it), rebuilds the model from the run's ``speechlm_run.json``, checks every parameter is
+there, and writes the folder described in ``pretrained.py`` (or, with ``--text-only``, only the
+text LM inside as a transformers causal-LM folder). The folder is written next to ``DIR`` and
+renamed into place at the end: an existing ``DIR`` is never touched without ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+from torchtitan_speechlm.pretrained import (
+    EXPORT_MODEL_TYPE,
+    EXPORT_VERSION,
+    PretrainedError,
+    args_from_record,
+    build_model,
+    check_keys,
+    write_safetensors,
+)
+from torchtitan_speechlm.run_record import record_for_checkpoint
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+
+def load_checkpoint_state(step_dir: str, keys: set[str]) -> dict[str, torch.Tensor]:
+    """Full tensors of ``keys`` from a DCP checkpoint, in this process, without a process
+    group (DCP reassembles the shards every rank wrote)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    if not os.path.isfile(os.path.join(step_dir, ".metadata")):
+        raise PretrainedError(
+            f"{step_dir} is not a complete checkpoint (no .metadata: missing, or a save that was "
+            "interrupted); choose another step"
+        )
+    reader = FileSystemReader(step_dir)
+    available = set(reader.read_metadata().state_dict_metadata)
+    missing = sorted(keys - available)
+    if missing:
+        raise PretrainedError(
+            f"{step_dir} has no {missing[:6]} ({len(missing)} missing): not a "
+            "checkpoint of the model its run record describes"
+        )
+    state: dict = {}
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=reader,
+            no_dist=True,
+            planner=_EmptyStateDictLoadPlanner(keys=keys),
+        )
+    except Exception as e:  # DCP raises CheckpointException/OSError/... on bad shard files
+        raise PretrainedError(
+            f"{step_dir} is unreadable ({type(e).__name__}: {str(e)[:300]}): a .distcp shard is "
+            "missing or truncated; choose another step"
+        ) from None
+    return state
+
+
+def text_lm_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The text LM inside, under transformers' module names (``model.``, ``lm_head``)."""
+    from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
+
+    out = {}
+    for key, (name, rows) in text_tensor_map(model.args, state).items():
+        out[key] = state[name] if rows is None else state[name][rows]
+    family = model.args.family
+    if family.head_key and family.head_key not in out:  # a tied SpeechLM head: the embedding
+        out[family.head_key] = out[family.embed_key]
+    return out
+
+
+def save_text_lm(model, state, out: str, dtype: torch.dtype, max_shard: int) -> None:
+    """The text LM as a transformers causal-LM folder (``AutoModelForCausalLM`` loads it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(model.args.backbone_config)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    hf.load_state_dict(
+        {k: v.to(dtype) for k, v in text_lm_state(model, state).items()}, strict=True, assign=True
+    )
+    hf.save_pretrained(out, max_shard_size=max_shard)
+
+
+def export(
+    checkpoint: str,
+    out: str,
+    dtype: str = "fp32",
+    text_only: bool = False,
+    max_shard_size: int = 5 << 30,
+    force: bool = False,
+) -> dict:
+    """Export ``checkpoint`` (a ``step-N`` folder) to ``out``; returns what was written."""
+    checkpoint, out = os.path.abspath(checkpoint), os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise PretrainedError(f"{out} exists; pass --force to replace it, or choose another --out")
+    if dtype not in DTYPES:
+        raise PretrainedError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
+    record = record_for_checkpoint(checkpoint)
+    args = args_from_record(record["model_args"], record.get("hf_assets_path", ""))
+    model = build_model(args)
+    names = {n for n, _ in model.named_parameters()}
+    state = load_checkpoint_state(checkpoint, names)
+    check_keys(model, state, checkpoint)
+    model.load_state_dict(state, strict=False)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
+    try:
+        files = _write(
+            model, state, record, checkpoint, tmp, DTYPES[dtype], text_only, max_shard_size
+        )
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": out, "files": files, "parameters": sum(v.numel() for v in state.values())}
+
+
+def _write(model, state, record, checkpoint, out, dtype, text_only, max_shard) -> list[str]:
+    from torchtitan_speechlm.fileio import write_json_atomic
+
+    tok = record["tokenizer"].get("path", "")
+    if text_only:
+        if not model.args.family.embed_key:
+            raise PretrainedError(f"the {model.args.backbone!r} backbone has no HF text model")
+        save_text_lm(model, state, out, dtype, max_shard)
+        _copy_tokenizer(tok, out)
+        return sorted(os.listdir(out))
+    cast = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    write_safetensors(cast, out, max_shard)
+    write_json_atomic(os.path.join(out, "vocab.json"), model.args.vocab, indent=1)
+    codec = dict(record["codec"])
+    if codec.get("path") and os.path.isdir(codec["path"]):
+        shutil.copytree(codec["path"], os.path.join(out, "codec"))
+        codec["folder"] = "codec"
+    config = {
+        "model_type": EXPORT_MODEL_TYPE,
+        "format_version": EXPORT_VERSION,
+        "architectures": ["SpeechLM"],
+        "dtype": str(dtype).replace("torch.", ""),
+        "model_args": record["model_args"],
+        "codec": codec,
+        "tokenizer": record["tokenizer"],
+        "source": {
+            "checkpoint": checkpoint,
+            "model_name": record.get("model_name"),
+            "hf_assets_path": record.get("hf_assets_path"),
+        },
+    }
+    write_json_atomic(os.path.join(out, "config.json"), config)
+    _copy_tokenizer(tok, out, skip=("vocab.json",))  # ours is the SpeechLM vocabulary layout
+    if model.args.family.embed_key:
+        save_text_lm(model, state, os.path.join(out, "text"), dtype, max_shard)
+        _copy_tokenizer(tok, os.path.join(out, "text"))
+    return sorted(os.listdir(out))
+
+
+def _copy_tokenizer(path: str, out: str, skip=()) -> None:
+    if not path or not os.path.isdir(path):
+        return  # the tokenizer's path and hash stay in config.json
+    for name in TOKENIZER_FILES:
+        if name not in skip and os.path.isfile(os.path.join(path, name)):
+            shutil.copy2(os.path.join(path, name), os.path.join(out, name))
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+    for unit, factor in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="torchtitan export", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--checkpoint", required=True, help="a checkpoint folder: DUMP/checkpoint/step-N"
+    )
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--text-only",
+        action="store_true",
+        help="write only the text LM inside, as a transformers causal-LM folder",
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="split weights above this (5GB)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    a = p.parse_args(argv)
+    import torchtitan_speechlm  # noqa: F401  (registrations)
+
+    try:
+        summary = export(
+            a.checkpoint, a.out, a.dtype, a.text_only, parse_size(a.max_shard_size), a.force
+        )
+    except (PretrainedError, ValueError, FileNotFoundError) as e:
+        print(f"torchtitan export: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"exported {summary['parameters']:,} parameters to {summary['out']}: "
+        f"{', '.join(summary['files'])}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
