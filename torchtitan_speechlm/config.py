@@ -23,9 +23,30 @@ LossRegion = Literal["assistant", "all"]
 class SpeechLM:
     """[speechlm]: model, vocabulary and loss."""
 
-    load_backbone_weights: bool = True
-    """Copy pretrained weights when the backbone folder (`model.hf_assets_path`) has
-    safetensors; a folder with only config.json is a random init."""
+    init: Literal["pretrained", "normal"] = "pretrained"
+    """`pretrained`: copy the backbone folder's weights (`model.hf_assets_path`; a folder with
+    only config.json is a random init); `normal`: every weight drawn anew (norms 1, biases 0,
+    others N(0, `init_std`)), identical on every rank (a pure function of `init_seed` and the
+    parameter's name)."""
+    init_std: float = 0.0
+    """Standard deviation of the normal init; 0 = the backbone's `initializer_range`."""
+    init_from: str = ""
+    """Start from these weights instead (applied last): a `torchtitan export` folder, another
+    run's checkpoint `DUMP/checkpoint/step-N` (weights only), or a `.pt` state dict (ESPnet's
+    `{"module": ...}` too). Refused if made with another vocabulary, pattern, backbone or
+    codec (see checkpoints.md)."""
+    init_from_map: list[str] = field(default_factory=list)
+    """`SRC_PREFIX=DST_PREFIX` renames of the `init_from` names (first match wins)."""
+    init_from_allow_missing: list[str] = field(default_factory=list)
+    """Name prefixes of our parameters that `init_from` may lack (they keep their init)."""
+    init_from_allow_unexpected: list[str] = field(default_factory=list)
+    """Name prefixes of `init_from` tensors to ignore."""
+    weight_decay_exclude: list[str] = field(
+        default_factory=lambda: ["embeddings", "norms", "biases"]
+    )
+    """Parameters without weight decay: `embeddings` (token embeddings, stream offsets, a tied
+    head), `norms` (1-D norm weights), `biases`, or shell patterns over parameter names
+    (`backbone.layers.0.*`). Empty = decay everything (torchtitan's default)."""
     pattern: str = "delay"
     """Audio interleave pattern, a registered one: `delay` (stream n shifted by n frames),
     `parallel` (aligned), `flatten` (every codebook serialised into stream 0, Orpheus/Llasa
@@ -136,6 +157,8 @@ REGISTERED_VALUES = {"speechlm.pattern": _patterns}
 
 # keys that were replaced, with what to do instead
 MOVED_KEYS = {
+    "speechlm.load_backbone_weights": 'is now `speechlm.init = "pretrained"` (true) or '
+    '`"normal"` (false)',
     "speechlm.backbone": "is now torchtitan's own `model.hf_assets_path` (the backbone's "
     "checkpoint folder): move the path there",
 }
@@ -349,7 +372,8 @@ def resolve_model_args(args, job_config) -> None:
         if sl.tie_embeddings == "auto"
         else sl.tie_embeddings == "true"
     )
-    args.load_weights = sl.load_backbone_weights
+    args.load_weights = sl.init == "pretrained"
+    args.codec_hash = str(ctx.codec.get("config_hash", ""))
     from torchtitan_speechlm.run_record import record_run
 
     record_run(job_config, args, ctx)

@@ -151,3 +151,40 @@ def from_pretrained(path: str, device: str = "cpu", dtype: torch.dtype | None = 
     if dtype is not None:
         model.to(dtype)
     return model.eval()
+
+
+def load_checkpoint_state(step_dir: str, keys: set[str]) -> dict[str, torch.Tensor]:
+    """Full tensors of ``keys`` from a DCP checkpoint, in this process, without a process
+    group (DCP reassembles the shards every rank wrote)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    if not os.path.isfile(os.path.join(step_dir, ".metadata")):
+        raise PretrainedError(
+            f"{step_dir} is not a complete checkpoint (no .metadata: missing, or a save that was "
+            "interrupted); choose another step"
+        )
+    reader = FileSystemReader(step_dir)
+    available = set(reader.read_metadata().state_dict_metadata)
+    missing = sorted(keys - available)
+    if missing:
+        raise PretrainedError(
+            f"{step_dir} has no {missing[:6]} ({len(missing)} missing): not a "
+            "checkpoint of the model its run record describes"
+        )
+    state: dict = {}
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=reader,
+            no_dist=True,
+            planner=_EmptyStateDictLoadPlanner(keys=keys),
+        )
+    except (Exception, CheckpointException) as e:  # (CheckpointException is a BaseException)
+        raise PretrainedError(
+            f"{step_dir} is unreadable ({type(e).__name__}: {str(e)[:300]}): a .distcp shard is "
+            "missing or truncated; choose another step"
+        ) from None
+    return state

@@ -9,12 +9,14 @@ a SpeechLM over another decoder family (a registered Backbone): one call, e.g.
 
 from __future__ import annotations
 
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from torchtitan_speechlm.components.loss import build_speechlm_loss
 from torchtitan_speechlm.components.metrics import build_speechlm_metrics_processor
+from torchtitan_speechlm.components.optim import (
+    build_speechlm_lr_schedulers,
+    build_speechlm_optimizers,
+)
 from torchtitan_speechlm.components.validate import build_speechlm_validator
 from torchtitan_speechlm.data.loader import build_speechlm_dataloader
 from torchtitan_speechlm.infra.parallelize import parallelize_speechlm
@@ -36,8 +38,8 @@ def speechlm_train_spec(backbone: str = "hf", parallelize_fn=parallelize_speechl
         model_args={backbone: SpeechLMModelArgs(backbone=backbone)},
         parallelize_fn=parallelize_fn,
         pipelining_fn=None,
-        build_optimizers_fn=build_optimizers,
-        build_lr_schedulers_fn=build_lr_schedulers,
+        build_optimizers_fn=build_speechlm_optimizers,
+        build_lr_schedulers_fn=build_speechlm_lr_schedulers,
         build_dataloader_fn=build_speechlm_dataloader,
         build_tokenizer_fn=None,
         build_loss_fn=build_speechlm_loss,

@@ -29,16 +29,24 @@ def checkpoint_folder(job_config) -> str:
     return os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
 
 
-def complete_checkpoints(folder: str) -> list[int]:
+def complete_checkpoints(folder: str, warn: bool = False) -> list[int]:
     """Steps of the checkpoints DCP finished writing (a folder with ``.metadata``), ascending.
-    A half-written ``step-N`` (no ``.metadata``) is not one; torchtitan skips it the same way."""
+    A half-written ``step-N`` (no ``.metadata``: a save that was interrupted) is not one;
+    torchtitan skips it silently, ``warn`` names it."""
     if not os.path.isdir(folder):
         return []
     steps = []
-    for name in os.listdir(folder):
+    for name in sorted(os.listdir(folder)):
         m = _STEP.match(name)
-        if m and os.path.isfile(os.path.join(folder, name, ".metadata")):
+        if not m:
+            continue
+        if os.path.isfile(os.path.join(folder, name, ".metadata")):
             steps.append(int(m.group(1)))
+        elif warn:
+            logger.warning(
+                f"{os.path.join(folder, name)} has no .metadata (a save that was "
+                "interrupted): skipped; delete it once you no longer need it"
+            )
     return sorted(steps)
 
 
@@ -68,7 +76,9 @@ def resolve_resume(job_config) -> None:
     if not ckpt.enable:
         return
     folder = checkpoint_folder(job_config)
-    steps = complete_checkpoints(folder)
+    steps = complete_checkpoints(folder, warn=True)
+    if not steps and ckpt.initial_load_path:
+        check_initial_load(job_config)
     if ckpt.load_step >= 0:
         path = os.path.join(folder, f"step-{ckpt.load_step}")
         if ckpt.load_step in steps and ckpt.load_step > 0 and not is_full(path):
@@ -99,6 +109,29 @@ def resolve_resume(job_config) -> None:
         "false to extend runs from their last step."
     )
     ckpt.load_step = full
+
+
+def check_initial_load(job_config) -> None:
+    """``checkpoint.initial_load_path`` of another run's DCP checkpoint: refuse one made for
+    another vocabulary, pattern, backbone or codec before torchtitan loads it."""
+    path = job_config.checkpoint.initial_load_path
+    if job_config.checkpoint.initial_load_in_hf or not os.path.isdir(path):
+        return
+    from torchtitan_speechlm.model.starting_point import check_same
+    from torchtitan_speechlm.run_context import run_context
+    from torchtitan_speechlm.run_record import RunRecordError, record_for_checkpoint
+
+    try:
+        record = record_for_checkpoint(path)
+    except RunRecordError:
+        return  # not one of our runs: torchtitan's own load reports what does not fit
+    ctx = run_context(job_config)
+    ours = {
+        "vocab": ctx.layout.to_dict(),
+        "pattern": job_config.speechlm.pattern,
+        "backbone_config": ctx.backbone_config,
+    }
+    check_same(record, ours, str(ctx.codec.get("config_hash", "")), path)
 
 
 def completed_run_step(job_config) -> int | None:

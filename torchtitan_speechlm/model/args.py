@@ -25,6 +25,15 @@ class SpeechLMModelArgs(BaseModelArgs):
     load_weights: bool = True
     attn_implementation: str = "sdpa"
     init_seed: int = 0
+    init_std: float = 0.0
+    init_from: str = ""
+    init_from_map: list[str] = field(default_factory=list)
+    init_from_allow_missing: list[str] = field(default_factory=list)
+    init_from_allow_unexpected: list[str] = field(default_factory=list)
+    weight_decay_exclude: list[str] = field(default_factory=list)
+    """Read by the optimizer builder (components/optim.py) from the model it optimises."""
+    codec_hash: str = ""
+    """The codec the data was made with (an ``init_from`` source must share it)."""
     z_loss_weight: float = 0.0
     load_balance_weight: float = 0.0
     loss_chunk_size: int = 4096

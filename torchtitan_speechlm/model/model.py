@@ -301,8 +301,13 @@ class SpeechLM(ModelProtocol):
         args = self.args
         device = buffer_device or self.tok_embeddings.weight.device
         self.family.reset_buffers(self.backbone, device)
-        std = self.family.init_std(args.backbone_config)
+        std = args.init_std or self.family.init_std(args.backbone_config)
         named = [(canonical_name(n), p) for n, p in self.named_parameters()]
+        start = {}
+        if args.init_from:
+            from torchtitan_speechlm.model.starting_point import load_starting_point
+
+            start = load_starting_point(args, {n for n, _ in named}, args.codec_hash)
         reader = self.family.weights(args.hf_assets_path) if args.load_weights else None
         # our parameter -> (its tensor in the backbone checkpoint, rows of ours it fills)
         text = (
@@ -318,6 +323,13 @@ class SpeechLM(ModelProtocol):
                 full = _random_init(name, param, std, args.init_seed)
                 if name in text:
                     _load_pretrained(full, reader, *text[name], self.family, name)
+                if name in start:
+                    if tuple(start[name].shape) != tuple(full.shape):
+                        raise ValueError(
+                            f"speechlm.init_from: {name} has shape "
+                            f"{tuple(start[name].shape)}, the model {tuple(full.shape)}"
+                        )
+                    full = start[name].float()
                 _assign(param, full)
 
 

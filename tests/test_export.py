@@ -1,0 +1,146 @@
+"""Models out of the trainer: a checkpoint written by 2 FSDP ranks is exported in one CPU
+process, loads back with SpeechLM.from_pretrained giving the checkpoint's logits exactly, and
+its text LM loads into transformers' AutoModelForCausalLM with the same text logits; bad input
+is refused with the file and the fix, nothing overwritten."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import make_tiny_run_assets, run_train, text_only_inputs, write_tiny_config
+from torchtitan_speechlm.export import export, main
+from torchtitan_speechlm.model.model import SpeechLM
+from torchtitan_speechlm.pretrained import (
+    PretrainedError,
+    args_from_record,
+    build_model,
+    load_checkpoint_state,
+)
+from torchtitan_speechlm.run_record import record_for_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """3 steps on 2 FSDP ranks (untied head), a full checkpoint at step 3."""
+    root = tmp_path_factory.mktemp("export")
+    assets = make_tiny_run_assets(root / "assets", n_items=24)
+    dump = root / "run"
+    cfg = write_tiny_config(root / "c.toml", assets, dump)
+    r = run_train(cfg, "--training.steps", "3", "--validation.enable", "false", nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {"assets": assets, "step": str(dump / "checkpoint" / "step-3"), "root": root}
+
+
+def checkpoint_model(step: str) -> SpeechLM:
+    """The model exactly as the checkpoint holds it (independent of the export code path)."""
+    record = record_for_checkpoint(step)
+    model = build_model(args_from_record(record["model_args"]))
+    names = {n for n, _ in model.named_parameters()}
+    model.load_state_dict(load_checkpoint_state(step, names), strict=False)
+    return model.eval()
+
+
+def sample_inputs(layout, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.empty(2, 17, layout.num_streams, dtype=torch.long)
+    for k in range(layout.num_streams):
+        a, b = layout.stream_range(k)
+        x[..., k] = torch.randint(a, b, (2, 17), generator=g)
+    return x
+
+
+def test_export_loads_back_with_identical_logits(trained, tmp_path):
+    out = tmp_path / "exported"
+    assert main(["--checkpoint", trained["step"], "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "speechlm" and cfg["codec"]["folder"] == "codec"
+    assert (out / "vocab.json").is_file() and (out / "tokenizer.json").is_file()
+    assert (out / "codec" / "config.json").is_file()
+    ref = checkpoint_model(trained["step"])
+    got = SpeechLM.from_pretrained(str(out))
+    assert not torch.equal(
+        ref.head.stream_emb.weight[1], torch.zeros_like(ref.head.stream_emb.weight[1])
+    )  # really trained
+    x = sample_inputs(ref.args.layout)
+    with torch.no_grad():
+        for a, b in zip(ref.logits(x), got.logits(x), strict=True):
+            assert torch.equal(a, b)
+    # bf16 export: the same values rounded, half the bytes
+    small = tmp_path / "bf16"
+    export(trained["step"], str(small), dtype="bf16")
+    assert os.path.getsize(small / "model.safetensors") < 0.6 * os.path.getsize(
+        out / "model.safetensors"
+    )
+    got16 = SpeechLM.from_pretrained(str(small))
+    for (n, p), (_, q) in zip(ref.named_parameters(), got16.named_parameters(), strict=True):
+        torch.testing.assert_close(q.float(), p.bfloat16().float(), rtol=0, atol=0, msg=n)
+
+
+def test_text_lm_loads_into_transformers_with_the_same_text_logits(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "exported"
+    export(trained["step"], str(out))
+    ours = checkpoint_model(trained["step"])
+    lay = ours.args.layout
+    ids = torch.randint(0, lay.text_size, (2, 13), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        text_rows = slice(lay.text_offset, lay.text_offset + lay.text_size)
+        mine = ours.logits(text_only_inputs(lay, ids))[0][..., text_rows]
+        for folder in (out / "text", tmp_path / "text_only"):
+            if folder.name == "text_only":
+                assert (
+                    main(["--checkpoint", trained["step"], "--out", str(folder), "--text-only"])
+                    == 0
+                )
+            hf = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+            theirs = hf(input_ids=ids).logits
+            torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=1e-5)
+
+
+def test_sharded_export(trained, tmp_path):
+    out = tmp_path / "sharded"
+    export(trained["step"], str(out), max_shard_size=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    ref, got = checkpoint_model(trained["step"]), SpeechLM.from_pretrained(str(out))
+    for (n, p), (_, q) in zip(ref.named_parameters(), got.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+def test_bad_input_is_refused_naming_the_file(trained, tmp_path, capsys):
+    out = tmp_path / "exported"
+    export(trained["step"], str(out))
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    assert main(["--checkpoint", trained["step"], "--out", str(out)]) == 2
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+    # a half-written checkpoint (no .metadata) and a truncated shard
+    half = tmp_path / "run" / "checkpoint" / "step-9"
+    shutil.copytree(trained["step"], half)
+    shutil.copy(
+        os.path.join(os.path.dirname(os.path.dirname(trained["step"])), "speechlm_run.json"),
+        tmp_path / "run",
+    )
+    (half / ".metadata").unlink()
+    with pytest.raises(PretrainedError, match="not a complete checkpoint"):
+        export(str(half), str(tmp_path / "x"))
+    shutil.copy(os.path.join(trained["step"], ".metadata"), half / ".metadata")
+    shard = next(half.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(PretrainedError, match="unreadable"):
+        export(str(half), str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+    # a corrupted safetensors file of an export
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(PretrainedError, match="model.safetensors is unreadable or truncated"):
+        SpeechLM.from_pretrained(str(out))
+    # a folder that is not a SpeechLM export
+    with pytest.raises(PretrainedError, match="model_type is 'qwen3'"):
+        SpeechLM.from_pretrained(trained["assets"]["backbone"])

@@ -1,0 +1,99 @@
+"""torchtitan's optimizers and LR schedules, with the two things fine-tuning recipes need.
+
+- ``build_speechlm_optimizers``: torchtitan's ``build_optimizers``, then each optimizer's
+  parameters split into a decayed group and a group without weight decay
+  (``speechlm.weight_decay_exclude``: embeddings, norms and biases by default, as in ESPnet and
+  most LM recipes).
+- ``build_speechlm_lr_schedulers``: torchtitan's warmup -> stable -> decay schedule, held at its
+  floor after ``lr_scheduler.total_steps``. torchtitan evaluates the decay curve past its end
+  (a cosine rises again, a linear one goes below the floor); here the last value is kept, which
+  gives ESPnet's warmup -> cosine -> constant floor (mapping in docs/checkpoints.md).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+
+from torchtitan_speechlm.model.model import canonical_name
+
+EMBEDDING_PREFIXES = ("tok_embeddings.", "head.stream_emb.")
+
+
+def excluded(name: str, param: nn.Parameter, rules: list[str], tied: bool) -> bool:
+    """Whether parameter ``name`` gets no weight decay under ``rules``."""
+    for rule in rules:
+        if rule == "embeddings":
+            if name.startswith(EMBEDDING_PREFIXES) or (tied and name.startswith("head.output.")):
+                return True
+        elif rule == "norms":
+            if param.ndim == 1 and "norm" in name.lower():
+                return True
+        elif rule == "biases":
+            if name.endswith(".bias"):
+                return True
+        elif fnmatch.fnmatchcase(name, rule):
+            return True
+    return False
+
+
+def split_weight_decay(model_parts: list[nn.Module], optimizers, rules: list[str]) -> None:
+    """Give every optimizer's excluded parameters their own group with weight_decay 0."""
+    names = {}
+    for model in model_parts:
+        tied = bool(getattr(getattr(model, "args", None), "tie_embeddings", False))
+        for raw, p in model.named_parameters():
+            names[id(p)] = (canonical_name(raw), tied)
+    for opt in optimizers:
+        groups = []
+        for group in opt.param_groups:
+            options = {k: v for k, v in group.items() if k != "params"}
+            keep, free = [], []
+            for p in group["params"]:
+                name, tied = names.get(id(p), ("", False))
+                (free if excluded(name, p, rules, tied) else keep).append(p)
+            groups += [dict(options, params=keep)] if keep else []
+            groups += [dict(options, params=free, weight_decay=0.0)] if free else []
+        opt.param_groups.clear()
+        for group in groups:
+            opt.add_param_group(group)
+
+
+def build_speechlm_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):
+    """TrainSpec.build_optimizers_fn."""
+    container = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
+    rules = _weight_decay_rules(model_parts)
+    if rules:
+        split_weight_decay(model_parts, list(container), rules)
+    return container
+
+
+def _weight_decay_rules(model_parts) -> list[str]:
+    for model in model_parts:
+        args = getattr(model, "args", None)
+        if args is not None:
+            return list(args.weight_decay_exclude)
+    return []
+
+
+def build_speechlm_lr_schedulers(optimizers, lr_scheduler_config, training_steps: int):
+    """TrainSpec.build_lr_schedulers_fn."""
+    container = build_lr_schedulers(optimizers, lr_scheduler_config, training_steps)
+    end = (
+        lr_scheduler_config.total_steps
+        if lr_scheduler_config.total_steps is not None
+        else training_steps
+    )
+    for scheduler in container.schedulers:
+        scheduler.lr_lambdas = [_held_after(f, end) for f in scheduler.lr_lambdas]
+    return container
+
+
+def _held_after(lr_lambda, end: int):
+    def held(step: int) -> float:
+        return lr_lambda(min(step, end))
+
+    return held
