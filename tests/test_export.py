@@ -144,3 +144,110 @@ def test_bad_input_is_refused_naming_the_file(trained, tmp_path, capsys):
     # a folder that is not a SpeechLM export
     with pytest.raises(PretrainedError, match="model_type is 'qwen3'"):
         SpeechLM.from_pretrained(trained["assets"]["backbone"])
+
+
+def first_loss(dump) -> float:
+    from tests.helpers import read_metrics
+
+    return next(m for m in read_metrics(dump) if "loss_metrics/global_avg_loss" in m)[
+        "loss_metrics/global_avg_loss"
+    ]
+
+
+def test_new_runs_start_from_an_export_or_a_checkpoint_weights_only(trained, tmp_path):
+    """`speechlm.init_from` an export and torchtitan's `initial_load_path` +
+    `initial_load_model_only` from the DCP checkpoint start from the same weights (fresh
+    optimizer, step 1, data from the start): equal first losses, below a from-scratch run's."""
+    out = tmp_path / "exported"
+    export(trained["step"], str(out))
+    losses = {}
+    runs = {
+        "export": ("--speechlm.init_from", str(out)),
+        "dcp": (
+            "--checkpoint.initial_load_path",
+            trained["step"],
+            "--checkpoint.initial_load_model_only",
+            "true",
+        ),
+        "scratch": (),
+    }
+    for name, flags in runs.items():
+        dump = tmp_path / name
+        cfg = write_tiny_config(tmp_path / f"{name}.toml", trained["assets"], dump)
+        r = run_train(cfg, "--training.steps", "1", "--validation.enable", "false", *flags, nproc=2)
+        log = r.stdout + r.stderr
+        assert r.returncode == 0, log[-3000:]
+        assert "Training starts at step 1" in log
+        losses[name] = first_loss(dump)
+    assert losses["export"] == pytest.approx(losses["dcp"], rel=1e-6)
+    assert losses["export"] < losses["scratch"] - 0.05
+
+
+def test_checkpoint_of_another_pattern_is_refused_before_any_rank(trained, tmp_path):
+    cfg = write_tiny_config(tmp_path / "c.toml", trained["assets"], tmp_path / "run")
+    r = run_train(
+        cfg,
+        "--speechlm.pattern",
+        "parallel",
+        "--checkpoint.initial_load_path",
+        trained["step"],
+        "--checkpoint.initial_load_model_only",
+        "true",
+    )
+    assert r.returncode == 2 and "another pattern" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_torchtitan_hf_load_and_last_save_use_our_adapter(trained, tmp_path):
+    """checkpoint.initial_load_in_hf starts exactly like our own pretrained load;
+    last_save_in_hf writes the text LM inside under transformers' names."""
+    from transformers import AutoModelForCausalLM
+
+    from torchtitan_speechlm.pretrained import read_safetensors
+
+    assets = trained["assets"]
+    runs = {
+        "ours": (),
+        "hf": (
+            "--speechlm.init",
+            "normal",
+            "--checkpoint.initial_load_in_hf",
+            "true",
+            "--checkpoint.initial_load_model_only",
+            "true",
+        ),
+        "hf_out": (
+            "--checkpoint.last_save_model_only",
+            "true",
+            "--checkpoint.last_save_in_hf",
+            "true",
+        ),
+    }
+    for name, flags in runs.items():
+        dump = tmp_path / name
+        cfg = write_tiny_config(tmp_path / f"{name}.toml", assets, dump)
+        r = run_train(
+            cfg,
+            "--training.steps",
+            "2",
+            "--validation.enable",
+            "false",
+            "--checkpoint.interval",
+            "10",
+            *flags,
+            nproc=2,
+        )
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert first_loss(tmp_path / "hf") == pytest.approx(first_loss(tmp_path / "ours"), rel=1e-6)
+    # the HF save holds exactly the text LM of the full save of the same (deterministic) run
+    from torchtitan_speechlm.export import text_lm_state
+
+    full = checkpoint_model(str(tmp_path / "ours" / "checkpoint" / "step-2"))
+    want = text_lm_state(full, dict(full.named_parameters()))
+    got = read_safetensors(str(tmp_path / "hf_out" / "checkpoint" / "step-2"))
+    assert set(got) == set(want) - {"lm_head.weight"} or set(got) == set(want)
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key].detach(), atol=2e-6, rtol=1e-5, msg=key)
+    folder = tmp_path / "hf_out" / "checkpoint" / "step-2"
+    shutil.copy(os.path.join(assets["backbone"], "config.json"), folder)  # torchtitan writes none
+    AutoModelForCausalLM.from_pretrained(str(folder))  # loads with transformers as it is

@@ -148,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] tensorboard : tensorboard --logdir {os.path.join(dump, 'tb')}")
     print(f"[demo] wandb       : {', '.join(wandb_dirs) or 'none'} (offline; `wandb sync DIR`)")
     print(f"[demo] loss curve  : {png or 'not written (no TensorBoard scalars found)'}")
+    if ckpts:
+        print(
+            f"[demo] export      : {os.path.join(os.path.dirname(sys.executable), 'torchtitan')} "
+            f"export --checkpoint {ckpts[-1]} --out exported/"
+        )
     return 0
 
 
