@@ -39,13 +39,13 @@ def assets(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(assets, tmp_path_factory):
-    """4 steps on 2 FSDP ranks, a checkpoint after every step."""
+    """6 steps on 2 FSDP ranks, a checkpoint after every step."""
     root = tmp_path_factory.mktemp("ckpt")
     dump = root / "ref"
     r = run_train(
         write_tiny_config(root / "ref.toml", assets, dump),
         "--training.steps",
-        "4",
+        "6",
         *COMMON,
         nproc=2,
     )
@@ -115,14 +115,11 @@ def test_async_saves_keep_latest_k_and_half_written_checkpoints(assets, referenc
     r = run_train(cfg, "--training.steps", "6", *COMMON, *flags, nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     # torchtitan purges when a save starts, among the saves already complete (an async save
-    # is still being written then), and not at the last step: 1 and 2 went, k=2 + 2 stay
-    assert sorted(d.name for d in (dump / "checkpoint").iterdir()) == [
-        "step-3",
-        "step-4",
-        "step-5",
-        "step-6",
-    ]
-    assert_same_params(reference / "checkpoint" / "step-4", dump / "checkpoint" / "step-4")
+    # may still be in flight), and not at the last step: k=2 plus up to 2 more remain
+    kept = sorted(d.name for d in (dump / "checkpoint").iterdir())
+    assert {"step-5", "step-6"} <= set(kept) and "step-1" not in kept and len(kept) <= 4, kept
+    for step in ("step-5", "step-6"):  # step 5 was saved asynchronously
+        assert_same_params(reference / "checkpoint" / step, dump / "checkpoint" / step)
     # an interrupted save: step-7 without .metadata; the rerun resumes from step-6, says so
     half = dump / "checkpoint" / "step-7"
     shutil.copytree(dump / "checkpoint" / "step-6", half)
