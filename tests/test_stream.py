@@ -230,9 +230,14 @@ def test_loss_region_all_weights_user_turns_too():
     assert np.array_equal(ex_a.frames, ex_b.frames)
     text_end = 3 + len(item.text_tokens)
     assert ex_a.weights[:text_end].sum() == 0 and ex_b.weights[1:text_end, 0].min() == 1.0
-    # audio targets: stream weights; delay pads never carry loss
+    # audio targets: stream weights; delay pads carry no loss, except stream 0's first pad
+    # after codebook 0's last code (where generation ends codebook 0)
     pads = np.array([LAYOUT.stream_pad(k) for k in range(N_STREAMS)])
-    assert (ex_a.weights[ex_a.frames == pads] == 0).all()
+    padded = ex_a.frames == pads
+    end = text_end + 3 + len(item.audio_codes)  # <eot><assistant><audio>, F codes of stream 0
+    assert padded[end, 0] and ex_a.weights[end, 0] == 0.5  # stream 0's weight
+    padded[end, 0] = False
+    assert (ex_a.weights[padded] == 0).all()
     assert len(ex_a.frames) == b_asst.length("tts", len(item.text_tokens), len(item.audio_codes))
 
 

@@ -13,7 +13,9 @@ Chat-style template, one block per turn:  <|role|><|modality|> content <|eot|>
     dialogue:      <bos> [turn] [turn] ... <eos>        (roles and modalities from the data)
 The last turn closes with <eos> instead of <eot>. Loss is on the task's loss roles (assistant:
 from their modality tag through <eot>/<eos>) or, with loss_region = "all", on every frame after
-<bos>. A target that is a stream's pad never carries loss, so pattern padding is never "learned".
+<bos>. A target that is a stream's pad never carries loss, so pattern padding is never "learned",
+except stream 0's first pad after its last code in a delayed segment: it marks the end of
+codebook 0, the one decision about the audio's length generation has to make.
 
 Classifier-free-guidance dropout (TTS, training only): the user text is replaced by a single
 <|cfg_drop|> token, so the model also learns the unconditional distribution.
@@ -116,6 +118,15 @@ class Segment:
     tokens: np.ndarray
 
 
+def end_of_stream0(frames: np.ndarray, pad0: int) -> int | None:
+    """The frame where stream 0 ends a segment with its pad before the segment ends (the delay
+    pattern's tail), or None. That pad is a target with loss: it tells generation where
+    codebook 0 stops (elsewhere the turn's end token, which always carries loss, does)."""
+    codes = np.nonzero(frames[:, 0] != pad0)[0]
+    last = int(codes[-1]) if len(codes) else -1
+    return last + 1 if last + 1 < len(frames) else None
+
+
 class TemplateBuilder:
     def __init__(
         self,
@@ -158,6 +169,9 @@ class TemplateBuilder:
         if loss:  # each code's stream weight moves with the code; pattern padding weighs 0
             w = np.broadcast_to(self._stream_w, codes.shape).astype(np.float32)
             weights = self.pattern.interleave(w, np.zeros(len(self.pads), dtype=np.float32))
+            end = end_of_stream0(frames, self.pads[0])
+            if end is not None:  # the end of codebook 0 is a decision generation must learn
+                weights[end, 0] = self._stream_w[0]
         else:
             weights = np.zeros(frames.shape, dtype=np.float32)
         return frames, weights
@@ -180,6 +194,27 @@ class TemplateBuilder:
                 tokens = drop if cfg_drop and i == spec.cfg_turn else item.text_tokens
             out.append(Segment(role, modality, np.asarray(tokens)))
         return out
+
+    def prefix(self, segments: list[Segment], role: str, modality: str) -> np.ndarray:
+        """Frames of a generation prompt: ``<bos>``, every complete turn, then the opening of
+        the turn to generate (``<|role|><|modality|>``), exactly as ``build`` lays them out."""
+        sp = self.layout.special
+        parts = [self._tokens([sp("<|bos|>")], False)[0]]
+        for seg in segments:
+            parts.append(
+                self._tokens([sp(ROLE_TOKENS[seg.role]), sp(MODALITY_TOKENS[seg.modality])], False)[
+                    0
+                ]
+            )
+            if seg.modality == "text":
+                parts.append(
+                    self._tokens(self.layout.text_offset + np.asarray(seg.tokens), False)[0]
+                )
+            else:
+                parts.append(self._audio(np.asarray(seg.tokens), False)[0])
+            parts.append(self._tokens([sp("<|eot|>")], False)[0])
+        parts.append(self._tokens([sp(ROLE_TOKENS[role]), sp(MODALITY_TOKENS[modality])], False)[0])
+        return np.concatenate(parts)
 
     def build(self, task: str, item, cfg_drop: bool = False) -> Example:
         lay = self.layout

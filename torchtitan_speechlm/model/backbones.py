@@ -66,6 +66,20 @@ class Backbone:
         (non-padding) frames, per frame, or None."""
         raise NotImplementedError
 
+    def decode(
+        self,
+        module: nn.Module,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache,
+    ) -> tuple[torch.Tensor, object]:
+        """One generation step with a KV cache: hidden states of the new positions and the
+        updated cache (``None`` on the first call). ``attention_mask`` [B, past + new] is 0 on
+        left padding. A family without a cache raises NotImplementedError; generation then
+        recomputes each sequence in full with ``run`` (slower, same tokens)."""
+        raise NotImplementedError
+
     def reset_buffers(self, module: nn.Module, device: torch.device) -> None:
         """Recompute non-persistent buffers (e.g. RoPE frequencies) after meta init."""
 

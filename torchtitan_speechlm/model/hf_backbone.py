@@ -181,6 +181,19 @@ class HFBackbone(Backbone):
             aux = lb_fn(tuple(out.router_logits), moe[0], moe[1], real.float())
         return out.last_hidden_state, aux
 
+    def decode(self, module, inputs_embeds, position_ids, attention_mask, cache):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=module.config) if cache is None else cache
+        out = module(
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state, out.past_key_values
+
     def reset_buffers(self, module, device) -> None:
         reset_non_persistent_buffers(module, device)
 

@@ -287,6 +287,17 @@ class SpeechLM(ModelProtocol):
             stats["data_stats"] = data_stats.detach().float().sum(0)
         return SpeechLMOutput(loss, stats)
 
+    @torch.no_grad()
+    def decode_step(
+        self, inputs: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache
+    ):
+        """Generation: per-stream fp32 logits of the new positions, with the backbone's KV
+        cache (``None`` the first time); raises NotImplementedError for a backbone without one."""
+        h = self.tok_embeddings(inputs)
+        hidden, cache = self.family.decode(self.backbone, h, position_ids, attention_mask, cache)
+        tied = self.tok_embeddings.weight if self.args.tie_embeddings else None
+        return self.head.logits(hidden, tied), cache
+
     def logits(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None):
         """Per-stream fp32 logits for every position (inference helper)."""
         return self.forward(inputs, position_ids=position_ids)

@@ -1,0 +1,86 @@
+"""The generation tasks on a loaded model: text -> speech, speech -> text, speech continuation.
+
+Prompts are built with the training template (``TemplateBuilder.prefix``), so generation sees
+exactly what training did: ``<bos><|user|><|text|> text <|eot|><|assistant|><|audio|>`` for TTS,
+``<bos><|user|><|audio|> codes <|eot|><|assistant|><|text|>`` for ASR, and ``<bos><|assistant|>
+<|audio|>`` followed by the prompt's own codes for a continuation. For TTS guidance the
+unconditional prompt replaces the text by ``<|cfg_drop|>``, as CFG dropout did in training.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchtitan_speechlm.data.tasks import Segment
+from torchtitan_speechlm.inference.decode import DecodeConfig, Decoder
+from torchtitan_speechlm.inference.loading import Loaded
+
+TASKS = ("tts", "asr", "continuation")
+
+
+def text_ids(loaded: Loaded, text: str) -> np.ndarray:
+    if not text or not text.strip():
+        raise ValueError("the text to speak is empty")
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max(ids, default=0) >= loaded.layout.text_size:
+        raise ValueError("the tokenizer gives ids outside the model's text vocabulary")
+    return np.asarray(ids, dtype=np.int64)
+
+
+def audio_codes(loaded: Loaded, wav_path: str) -> np.ndarray:
+    """A wav (any rate, any channels: resampled and downmixed) as codes [F, N]."""
+    from torchtitan_speechlm.audio import load_audio
+
+    codec = loaded.codec
+    return codec.encode([load_audio(wav_path, codec.sample_rate)])[0]
+
+
+def tts(loaded: Loaded, texts: list[str], cfg: DecodeConfig) -> list[np.ndarray]:
+    """Codes [F, N] spoken for each text."""
+    b = loaded.builder
+    prompts = [
+        b.prefix([Segment("user", "text", text_ids(loaded, t))], "assistant", "audio")
+        for t in texts
+    ]
+    uncond = None
+    if cfg.cfg_scale != 1.0:
+        drop = np.array([loaded.layout.special("<|cfg_drop|>") - loaded.layout.text_offset])
+        uncond = [b.prefix([Segment("user", "text", drop)], "assistant", "audio")] * len(texts)
+    return Decoder(loaded.model, cfg).audio(_fit(loaded, prompts, cfg), uncond)
+
+
+def asr(loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig) -> list[str]:
+    """The transcript of each utterance's codes."""
+    b = loaded.builder
+    prompts = [b.prefix([Segment("user", "audio", c)], "assistant", "text") for c in codes]
+    ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg))
+    return [loaded.tokenizer.decode(i) for i in ids]
+
+
+def continuation(loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig) -> list[np.ndarray]:
+    """Each prompt's codes continued (the result starts with the prompt)."""
+    prompt = loaded.builder.prefix([], "assistant", "audio")
+    return Decoder(loaded.model, cfg).audio(
+        _fit(loaded, [prompt] * len(codes), cfg), known=list(codes)
+    )
+
+
+def _fit(loaded: Loaded, prompts: list[np.ndarray], cfg: DecodeConfig) -> list[np.ndarray]:
+    """Refuse a prompt that leaves no room in the backbone's context."""
+    ctx = int(loaded.model.args.backbone_config.get("max_position_embeddings") or 0)
+    for p in prompts:
+        if ctx and len(p) + 2 > ctx:
+            raise ValueError(
+                f"the prompt takes {len(p)} frames but the model's context is {ctx}; "
+                "use a shorter text or audio"
+            )
+    return prompts
+
+
+def write_wav(loaded: Loaded, codes: np.ndarray, path: str) -> int:
+    """Decode codes with the data's codec and write a wav at its rate; returns samples."""
+    import soundfile as sf
+
+    wav = loaded.codec.decode(codes)
+    sf.write(path, wav, loaded.codec.sample_rate)
+    return len(wav)
