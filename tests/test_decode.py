@@ -94,6 +94,7 @@ def test_sampled_audio_stays_in_each_streams_codebook(backbone):
     codes = dec.audio(prompts)
     lay = model.args.layout
     for c, seq, p in zip(codes, dec.seqs, prompts, strict=True):
+        assert c.max() < 16
         fed = seq[len(p) :]
         for k in range(3):  # every token of stream k is its pad or a code of codebook k
             col = fed[:, k]
