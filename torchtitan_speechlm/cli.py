@@ -9,6 +9,8 @@ SUBCOMMANDS = {
     "train": "train a model with torchtitan's loop (torchtitan train --job.config_file X.toml)",
     "prepare": "turn a JSONL manifest, Kaldi folder or HF dataset into a prepared (tokenised) dataset",
     "export": "write a training checkpoint as a self-contained model folder (and its text LM)",
+    "generate": "TTS to a wav, ASR to text, speech continuation, from a checkpoint or an export",
+    "eval": "word/character error rates and TTS scores of a model on prepared data",
 }
 
 
@@ -33,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         from torchtitan_speechlm.prepare.pipeline import main as prepare_main
 
         return prepare_main(rest) or 0
+    if cmd in ("generate", "eval"):
+        import torchtitan_speechlm  # noqa: F401  (registrations)
+        from torchtitan_speechlm.inference.command import eval_main, generate_main
+
+        return (generate_main if cmd == "generate" else eval_main)(rest)
     if cmd == "export":
         from torchtitan_speechlm.export import main as export_main
 

@@ -74,6 +74,14 @@ class SpeechLM:
     recomputed in backward)."""
     code_usage_interval: int = 100
     """Log per-stream codebook usage and perplexity at steps divisible by this (0 = never)."""
+    sample_every: int = -1
+    """Decode a small prompt set every this many steps (written under {dump_folder}/samples/,
+    logged as audio and text panels); -1 = at each validation with a GPU, never on CPU;
+    0 = never."""
+    sample_count: int = 2
+    """Prompts of the sample set: the first speech items of the first validation set."""
+    sample_texts: list[str] = field(default_factory=list)
+    """TTS texts of the sample set instead of those items' texts."""
     freeze: list[str] = field(default_factory=list)
     """Parameter-name prefixes to freeze (e.g. `backbone.layers.0`); each must match a
     parameter."""

@@ -19,6 +19,7 @@ from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsPr
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.loss import TRAIN_STATS
+from torchtitan_speechlm.components.samples import TrainingSamples
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
 from torchtitan_speechlm.run_context import run_context
 
@@ -73,6 +74,9 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             self.logger = container
 
         self.code_usage_interval = job_config.speechlm.code_usage_interval
+        from torchtitan_speechlm.compat import accelerator_available
+
+        self.samples = TrainingSamples(job_config, accelerator_available())
         ctx = run_context(job_config)
         self.frame_rate, self.num_streams = ctx.frame_rate, ctx.num_streams
 
@@ -115,6 +119,8 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             {(k if k.startswith("throughput/") else f"train/{k}"): v for k, v in stats.items()}
         )
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra)
+        if self.samples.due(step) and self.model_parts:
+            self.samples.run(step, self.model_parts, self.logger)
         if stats:
             accs, ces = (
                 stream_values(stats, "acc_stream", self.num_streams),

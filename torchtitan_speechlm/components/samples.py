@@ -1,0 +1,140 @@
+"""Samples during training: every ``speechlm.sample_every`` steps a fixed small prompt set is
+decoded and written under ``{dump_folder}/samples/step-N/`` (TTS wavs and their texts, ASR
+transcripts with their references), and logged to TensorBoard and wandb as audio and text.
+
+Every rank takes part in gathering the full weights once (one collective per parameter, the
+same cost as a checkpoint's), then only rank 0 builds an unsharded copy and decodes: the other
+ranks go on and wait at their next collective for at most the decode. The prompt set is the
+first ``sample_count`` speech items of the first validation set (``speechlm.sample_texts``
+replaces the TTS texts).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+
+
+class TrainingSamples:
+    def __init__(self, job_config, accelerator: bool):
+        sl = job_config.speechlm
+        every = sl.sample_every
+        if every < 0:  # auto: with an accelerator at each validation, off on CPU
+            every = job_config.validation.freq if accelerator else 0
+        self.every, self.count, self.texts = every, sl.sample_count, list(sl.sample_texts)
+        self.job_config = job_config
+        self.folder = os.path.join(job_config.job.dump_folder, "samples")
+        self._done_until = 0
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step // self.every > self._done_until
+
+    def run(self, step: int, model_parts, loggers) -> None:
+        """Decode the prompt set at ``step`` (call on every rank)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        self._done_until = step // self.every
+        model = model_parts[0]
+        state = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        try:
+            self._decode(step, model.args, state, loggers)
+        except Exception as e:  # a sample must never stop a training run
+            logger.warning(f"samples at step {step} failed: {type(e).__name__}: {e}")
+
+    def _decode(self, step: int, args, state: dict, loggers) -> None:
+        from torchtitan_speechlm.inference import tasks
+        from torchtitan_speechlm.inference.decode import DecodeConfig
+        from torchtitan_speechlm.inference.loading import Loaded
+        from torchtitan_speechlm.pretrained import build_model
+        from torchtitan_speechlm.run_context import run_context
+        from torchtitan_speechlm.run_record import model_record
+
+        ctx = run_context(self.job_config)
+        copy = build_model(_copy_args(args))
+        copy.load_state_dict(state, strict=False)
+        meta = next(iter(ctx.metadata.values()))
+        loaded = Loaded(
+            copy.eval(),
+            {"model_args": model_record(args), "codec": ctx.codec},
+            meta["tokenizer"]["path"],
+            ctx.codec.get("path", ""),
+            "training",
+        )
+        items = self._items(ctx)
+        texts = self.texts or [it.text for it in items]
+        cfg = DecodeConfig(max_frames=int(20 * ctx.frame_rate) or 500)
+        out = os.path.join(self.folder, f"step-{step}")
+        os.makedirs(out, exist_ok=True)
+        panels = {}
+        for i, (text, codes) in enumerate(zip(texts, tasks.tts(loaded, texts, cfg), strict=True)):
+            path = os.path.join(out, f"tts_{i}.wav")
+            tasks.write_wav(loaded, codes, path)
+            with open(os.path.join(out, f"tts_{i}.txt"), "w") as f:
+                f.write(text + "\n")
+            panels[f"samples/tts_{i}"] = (path, text)
+        if items:
+            for i, (it, hyp) in enumerate(
+                zip(items, tasks.asr(loaded, [it.audio_codes for it in items], cfg), strict=True)
+            ):
+                with open(os.path.join(out, f"asr_{i}.txt"), "w") as f:
+                    f.write(f"ref: {it.text}\nhyp: {hyp}\n")
+                panels[f"samples/asr_{i}"] = (None, f"ref: {it.text}  \nhyp: {hyp}")
+        _log_panels(loggers, panels, step, loaded.codec.sample_rate)
+        logger.info(f"samples at step {step}: {out}")
+
+    def _items(self, ctx) -> list:
+        from torchtitan_speechlm.data.loader import open_prepared, split_indices
+
+        if not ctx.valid:
+            return []
+        entries, split = next(iter(ctx.valid.values()))
+        ds = open_prepared(os.path.abspath(ctx.datasets[entries[0].dataset]))
+        idx = split_indices(ds.ids, self.job_config.speechlm_data.valid_fraction, split)
+        return [ds[int(i)] for i in idx if ds.kinds[int(i)] == "speech"][: self.count]
+
+
+def _copy_args(args):
+    import copy
+
+    args = copy.copy(args)
+    args.load_weights, args.init_from = False, ""
+    return args
+
+
+def _log_panels(loggers, panels: dict, step: int, rate: int) -> None:
+    """Audio and text panels for TensorBoard's writer and wandb, where they are enabled."""
+    import soundfile as sf
+
+    for sink in _leaves(loggers):
+        writer, wandb = getattr(sink, "writer", None), getattr(sink, "wandb", None)
+        for tag, (path, text) in panels.items():
+            if writer is not None:
+                if path:
+                    wav, _ = sf.read(path, dtype="float32")
+                    writer.add_audio(tag, torch.from_numpy(wav)[None], step, sample_rate=rate)
+                writer.add_text(tag, text, step)
+        if wandb is not None and wandb.run is not None:
+            wandb.log(
+                {
+                    tag: (
+                        wandb.Audio(path, sample_rate=rate, caption=text)
+                        if path
+                        else wandb.Html(f"<pre>{text}</pre>")
+                    )
+                    for tag, (path, text) in panels.items()
+                },
+                step=step,
+            )
+
+
+def _leaves(sink) -> list:
+    """The loggers inside (nested) LoggerContainers."""
+    inner = getattr(sink, "_loggers", None)
+    return [sink] if inner is None else [leaf for s in inner for leaf in _leaves(s)]

@@ -1,0 +1,202 @@
+"""``torchtitan generate`` and ``torchtitan eval``.
+
+    torchtitan generate --model DIR --task tts --text "Hello there." --out out.wav
+    torchtitan generate --model DIR --task asr --audio in.wav
+    torchtitan generate --model DIR --task continuation --audio prompt.wav --out out.wav
+    torchtitan generate --model DIR --batch requests.jsonl --out-dir outputs/
+    torchtitan eval --model DIR --valid asr:NAME [--valid tts:NAME] [--valid-fraction F]
+
+DIR is a training checkpoint's step folder (the run's config, vocabulary and codec are found from
+it) or a ``torchtitan export`` folder. A batch file has one JSON object per line: ``{"id": ...,
+"task": "tts", "text": ...}`` or ``{"id": ..., "task": "asr" | "continuation", "audio": ...}``;
+each result is written to ``out-dir/ID.wav`` or ``ID.txt`` and a line of ``results.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from torchtitan_speechlm.inference.decode import DecodeConfig
+from torchtitan_speechlm.inference.sampling import Sampling
+
+
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--temperature", type=float, default=0.0, help="audio sampling (0 = greedy)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--text-temperature", type=float, default=0.0, help="text (0 = greedy)")
+    g.add_argument("--text-top-k", type=int, default=0)
+    g.add_argument("--text-top-p", type=float, default=1.0)
+    g.add_argument("--cfg-scale", type=float, default=1.0, help="TTS guidance (1 = off)")
+    g.add_argument("--min-frames", type=int, default=1)
+    g.add_argument("--max-frames", type=int, default=500)
+    g.add_argument("--max-text-tokens", type=int, default=200)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
+    g.add_argument("--device", default="cpu")
+
+
+def decode_config(a) -> DecodeConfig:
+    return DecodeConfig(
+        text=Sampling(a.text_temperature, a.text_top_k, a.text_top_p),
+        audio=Sampling(a.temperature, a.top_k, a.top_p),
+        cfg_scale=a.cfg_scale,
+        min_frames=a.min_frames,
+        max_frames=a.max_frames,
+        max_text_tokens=a.max_text_tokens,
+        use_cache=not a.no_cache,
+        seed=a.seed,
+    )
+
+
+def run_request(loaded, req: dict, cfg: DecodeConfig, out: str | None) -> dict:
+    """One request: ``task`` plus ``text`` or ``audio``; writes ``out`` (wav or txt)."""
+    from torchtitan_speechlm.inference import tasks
+
+    task = req.get("task")
+    if task not in tasks.TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {tasks.TASKS}")
+    if task == "tts":
+        if not req.get("text"):
+            raise ValueError("task tts needs a text")
+        codes = tasks.tts(loaded, [req["text"]], cfg)[0]
+    else:
+        if not req.get("audio"):
+            raise ValueError(f"task {task} needs an audio file")
+        prompt = tasks.audio_codes(loaded, req["audio"])
+        if task == "asr":
+            text = tasks.asr(loaded, [prompt], cfg)[0]
+            if out:
+                with open(out, "w") as f:
+                    f.write(text + "\n")
+            return {"task": task, "text": text, "out": out}
+        codes = tasks.continuation(loaded, [prompt], cfg)[0]
+    result = {"task": task, "frames": int(len(codes)), "out": out}
+    if out:
+        result["samples"] = tasks.write_wav(loaded, codes, out)
+        result["sample_rate"] = loaded.codec.sample_rate
+    return result
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="torchtitan generate", description="generate with a SpeechLM")
+    p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
+    p.add_argument("--task", help="tts, asr or continuation")
+    p.add_argument("--text", help="tts: the text to speak")
+    p.add_argument("--audio", help="asr / continuation: an audio file (any rate, any channels)")
+    p.add_argument("--out", help="the wav (tts, continuation) or text file (asr) to write")
+    p.add_argument("--batch", help="a JSONL file of requests")
+    p.add_argument("--out-dir", help="with --batch: where outputs and results.jsonl go")
+    add_decoding_args(p)
+    a = p.parse_args(argv)
+    from torchtitan_speechlm.inference.loading import load_model
+
+    try:
+        loaded = load_model(a.model, a.device)
+        cfg = decode_config(a)
+        if a.batch:
+            return _batch(loaded, a.batch, a.out_dir or ".", cfg)
+        result = run_request(loaded, {"task": a.task, "text": a.text, "audio": a.audio}, cfg, a.out)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"torchtitan generate: error: {e}", file=sys.stderr)
+        return 2
+    print(result["text"] if result["task"] == "asr" else json.dumps(result))
+    return 0
+
+
+def _batch(loaded, path: str, out_dir: str, cfg: DecodeConfig) -> int:
+    os.makedirs(out_dir, exist_ok=True)
+    failed = 0
+    with open(path) as f, open(os.path.join(out_dir, "results.jsonl"), "w") as res:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            req = json.loads(line)
+            rid = str(req.get("id", f"line{lineno}"))
+            ext = ".txt" if req.get("task") == "asr" else ".wav"
+            try:
+                row = run_request(loaded, req, cfg, os.path.join(out_dir, rid + ext))
+            except (ValueError, OSError) as e:
+                row, failed = {"error": str(e)}, failed + 1
+            res.write(json.dumps({"id": rid, **row}) + "\n")
+    print(f"wrote {os.path.join(out_dir, 'results.jsonl')} ({failed} failed)")
+    return 1 if failed else 0
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="torchtitan eval", description="score a SpeechLM")
+    p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
+    p.add_argument(
+        "--valid",
+        action="append",
+        required=True,
+        metavar="TASK:DATA",
+        help="asr:NAME or tts:NAME (a dataset of the run, or a prepared folder)",
+    )
+    p.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.0,
+        help="only the items training held out with this fraction (its id hash)",
+    )
+    p.add_argument("--limit", type=int, default=0, help="at most this many items per set")
+    p.add_argument("--out", help="write the results as JSON here")
+    add_decoding_args(p)
+    a = p.parse_args(argv)
+    from torchtitan_speechlm.inference.evaluate import evaluate_asr, evaluate_tts
+    from torchtitan_speechlm.inference.loading import load_model
+
+    try:
+        loaded = load_model(a.model, a.device)
+        cfg, results = decode_config(a), {}
+        for spec in a.valid:
+            task, _, name = spec.partition(":")
+            if task not in ("asr", "tts"):
+                raise ValueError(f"--valid {spec!r}: the task is asr or tts")
+            items = eval_items(loaded, name, a.valid_fraction, a.limit)
+            run = evaluate_asr if task == "asr" else evaluate_tts
+            results[spec] = run(loaded, items, cfg)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"torchtitan eval: error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(results))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def eval_items(loaded, name: str, valid_fraction: float, limit: int) -> list:
+    from torchtitan_speechlm.data.loader import open_prepared, split_indices
+
+    path = loaded.record.get("datasets", {}).get(name, name)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise ValueError(
+            f"{name!r} is neither a dataset of the run "
+            f"({sorted(loaded.record.get('datasets', {}))}) nor a prepared folder"
+        )
+    ds = open_prepared(os.path.abspath(path))
+    split = "valid" if valid_fraction > 0 else "all"
+    idx = [int(i) for i in split_indices(ds.ids, valid_fraction, split) if ds.kinds[i] == "speech"]
+    if not idx:
+        raise ValueError(f"{name}: no speech items to evaluate")
+    return [ds[i] for i in (idx[:limit] if limit else idx)]
+
+
+def format_table(results: dict) -> str:
+    lines = [
+        f"{'set':<24} {'items':>6} {'WER':>8} {'CER':>8} {'tok acc':>8} {'ASR-of-TTS WER':>15}"
+    ]
+    for spec, r in results.items():
+        if spec.startswith("asr"):
+            lines.append(f"{spec:<24} {r['items']:>6} {r['wer']:>8.3f} {r['cer']:>8.3f}")
+        else:
+            lines.append(
+                f"{spec:<24} {r['items']:>6} {'':>8} {'':>8} {r['token_accuracy']:>8.3f}"
+                f" {r['asr_of_tts']['wer']:>15.3f}"
+            )
+    return "\n".join(lines)
