@@ -3,7 +3,8 @@
 # Usage on the GPU machine, from the repo root:  bash benchmarks/gpu_check.sh "$OUT"
 # It installs into a fresh venv with the machine's CUDA torch, then:
 #   1. SpeechLM vs llama3 of the same size (bf16 autocast), frames/s and ratio;
-#   2. the debug demo config on CUDA with bf16 params and per-layer torch.compile, 50 steps.
+#   2. the debug demo config on CUDA with bf16 params and per-layer torch.compile, 50 steps;
+#   3. decode speed of a Qwen3-0.6B-shaped SpeechLM, KV cache vs none (bf16).
 # Results go to $1 (default benchmarks/results/gpu).
 set -euo pipefail
 out=${1:-benchmarks/results/gpu}
@@ -18,3 +19,5 @@ python -m torchtitan_speechlm.demo --utterances 240 -- \
   --training.steps 50 --training.mixed_precision_param bfloat16 --compile.enable true \
   --job.dump_folder outputs/gpu_debug 2>&1 | tail -40 | tee "$out/demo_gpu.log"
 cp outputs/gpu_debug/metrics.jsonl "$out/" || true
+python benchmarks/bench_decode.py --shape qwen3_0.6b --frames 64 --repeats 3 | tee "$out/decode.log"
+cp benchmarks/results/decode_cuda.json "$out/" || true

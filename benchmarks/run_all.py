@@ -7,6 +7,7 @@ BENCHES = [
     ["benchmarks/bench_loader.py"],
     ["benchmarks/bench_vs_llama3.py"],
     ["benchmarks/bench_prepare.py"],
+    ["benchmarks/bench_decode.py"],
 ]
 
 if __name__ == "__main__":

@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     dump = job.job.dump_folder
     png = plot_loss_curve(dump, os.path.join(dump, "loss_curve.png"))
-    ckpts = sorted(glob.glob(os.path.join(dump, job.checkpoint.folder, "step-*")))
+    ckpts = sorted(
+        glob.glob(os.path.join(dump, job.checkpoint.folder, "step-*")),
+        key=lambda p: int(p.rsplit("-", 1)[1]),
+    )
     wandb_dirs = sorted(glob.glob(os.path.join(dump, "tb", "*", "wandb", "offline-run-*")))
     print(f"[demo] checkpoints : {', '.join(ckpts) or 'none'}")
     print(f"[demo] tensorboard : tensorboard --logdir {os.path.join(dump, 'tb')}")
@@ -153,7 +156,63 @@ def main(argv: list[str] | None = None) -> int:
             f"[demo] export      : {os.path.join(os.path.dirname(sys.executable), 'torchtitan')} "
             f"export --checkpoint {ckpts[-1]} --out exported/"
         )
+        listen(ckpts[-1], job, dump)
     return 0
+
+
+def listen(checkpoint: str, job, dump: str) -> None:
+    """Hear and score the demo model: TTS of a held-out sentence (wav + spectrogram PNG), ASR
+    of a held-out utterance, and the ASR word error rate on the held-out set."""
+    import soundfile as sf
+
+    from torchtitan_speechlm.inference import tasks
+    from torchtitan_speechlm.inference.command import eval_items
+    from torchtitan_speechlm.inference.decode import DecodeConfig
+    from torchtitan_speechlm.inference.evaluate import evaluate_asr
+    from torchtitan_speechlm.inference.loading import load_model
+
+    t0 = time.perf_counter()
+    loaded = load_model(checkpoint)
+    held = eval_items(loaded, "demo", job.speechlm_data.valid_fraction, 0)
+    cfg = DecodeConfig(max_frames=400)
+    out = os.path.join(dump, "listen")
+    os.makedirs(out, exist_ok=True)
+    wav_path = os.path.join(out, "tts.wav")
+    tasks.write_wav(loaded, tasks.tts(loaded, [held[0].text], cfg)[0], wav_path)
+    png = plot_spectrogram(wav_path, os.path.join(out, "tts_spectrogram.png"), held[0].text)
+    scores = evaluate_asr(loaded, held, cfg)
+    first = scores["examples"][0]
+    with open(os.path.join(out, "asr.txt"), "w") as f:
+        f.write(f"ref: {first['ref']}\nhyp: {first['hyp']}\n")
+    print(
+        f"[demo] tts wav     : {wav_path} ({len(sf.read(wav_path)[0]) / loaded.codec.sample_rate:.1f}s"
+        f' of "{held[0].text}")'
+    )
+    print(f"[demo] spectrogram : {png}")
+    print(f'[demo] asr         : {os.path.join(out, "asr.txt")} (hyp: "{first["hyp"]}")')
+    print(
+        f"[demo] held-out ASR: WER {scores['wer']:.3f}, CER {scores['cer']:.3f} on "
+        f"{scores['items']} utterances ({time.perf_counter() - t0:.0f}s)"
+    )
+
+
+def plot_spectrogram(wav_path: str, out_png: str, title: str) -> str:
+    import matplotlib
+    import soundfile as sf
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wav, rate = sf.read(wav_path)
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.specgram(wav, NFFT=512, Fs=rate, noverlap=384, cmap="magma")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("Hz")
+    ax.set_title(title[:70])
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
 
 
 if __name__ == "__main__":

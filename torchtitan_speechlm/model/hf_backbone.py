@@ -189,10 +189,10 @@ class HFBackbone(Backbone):
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
         )
-        return out.last_hidden_state, out.past_key_values
+        return out.last_hidden_state, out.cache
 
     def reset_buffers(self, module, device) -> None:
         reset_non_persistent_buffers(module, device)
