@@ -41,4 +41,4 @@ bench: deps
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf outputs demo_work .pytest_cache
+	rm -rf outputs demo_work .pytest_cache exported hello.wav
