@@ -49,9 +49,11 @@ def text_lm_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     """The text LM inside, under transformers' module names (``model.``, ``lm_head``)."""
     from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
 
+    family, config = model.args.family, model.args.backbone_config
     out = {}
     for key, (name, rows) in text_tensor_map(model.args, state).items():
-        out[key] = state[name] if rows is None else state[name][rows]
+        value = state[name] if rows is None else state[name][rows]
+        out[key] = family.to_checkpoint(name, value, config)
     family = model.args.family
     if family.head_key and family.head_key not in out:  # a tied SpeechLM head: the embedding
         out[family.head_key] = out[family.embed_key]

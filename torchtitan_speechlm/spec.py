@@ -29,13 +29,17 @@ SPEC_NAME = "speechlm"
 SPEECHLM_SPECS: set[str] = set()  # the TrainSpecs [speechlm] sections and checks apply to
 
 
-def speechlm_train_spec(backbone: str = "hf", parallelize_fn=parallelize_speechlm) -> TrainSpec:
-    """A TrainSpec of a SpeechLM over ``backbone``; its one flavor is named after the backbone
-    (sizes come from the backbone's own config, not from a table of presets)."""
-    get_backbone(backbone)  # must be registered
+def speechlm_train_spec(
+    backbone: str | tuple[str, ...] = "hf", parallelize_fn=parallelize_speechlm
+) -> TrainSpec:
+    """A TrainSpec of a SpeechLM over ``backbone`` (or several: one flavor each, named after
+    it; sizes come from the backbone's own config, not from a table of presets)."""
+    backbones = (backbone,) if isinstance(backbone, str) else tuple(backbone)
+    for name in backbones:
+        get_backbone(name)  # must be registered
     return TrainSpec(
         model_cls=SpeechLM,
-        model_args={backbone: SpeechLMModelArgs(backbone=backbone)},
+        model_args={name: SpeechLMModelArgs(backbone=name) for name in backbones},
         parallelize_fn=parallelize_fn,
         pipelining_fn=None,
         build_optimizers_fn=build_speechlm_optimizers,
@@ -50,7 +54,7 @@ def speechlm_train_spec(backbone: str = "hf", parallelize_fn=parallelize_speechl
 
 
 def register_speechlm_spec(
-    name: str, backbone: str = "hf", parallelize_fn=parallelize_speechlm
+    name: str, backbone: str | tuple[str, ...] = "hf", parallelize_fn=parallelize_speechlm
 ) -> TrainSpec:
     """Register (once; importing twice is harmless) the TrainSpec ``name`` over ``backbone``."""
     SPEECHLM_SPECS.add(name)
@@ -63,8 +67,9 @@ def register_speechlm_spec(
 
 
 def register() -> TrainSpec:
-    """The built-in ``speechlm`` spec over transformers' decoders."""
-    return register_speechlm_spec(SPEC_NAME, "hf")
+    """The built-in ``speechlm`` spec: flavor ``hf`` (transformers' decoders) and ``native``
+    (torchtitan's llama3 blocks, tensor-parallel)."""
+    return register_speechlm_spec(SPEC_NAME, ("hf", "native"))
 
 
 def backbone_of(job_config) -> Backbone:

@@ -116,6 +116,13 @@ def apply_freeze(model: nn.Module, prefixes: list[str]) -> None:
         logger.info("Froze %d parameters under %s", len(hits), prefix)
 
 
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks (``backbone.layers``: a ModuleList or, for torchtitan's blocks, a
+    ModuleDict)."""
+    layers = model.backbone.layers
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+
+
 def apply_compile(model: nn.Module, backend: str) -> None:
     """Compile each decoder layer separately: repeated structure compiles once."""
     layers = model.backbone.layers
@@ -135,7 +142,7 @@ def apply_fsdp(
     config = {"mesh": dp_mesh, "mp_policy": MixedPrecisionPolicy(param_dtype, reduce_dtype)}
     if cpu_offload:
         config["offload_policy"] = CPUOffloadPolicy()
-    for block in model.backbone.layers:
+    for block in blocks(model):
         fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
     if not model.args.tie_embeddings:
         fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard_after_forward)

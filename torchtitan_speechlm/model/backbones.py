@@ -93,6 +93,15 @@ class Backbone:
         """The checkpoint tensor of our decoder parameter ``name`` (``backbone.<...>``)."""
         return None
 
+    def from_checkpoint(self, name: str, tensor: torch.Tensor, config: dict) -> torch.Tensor:
+        """A checkpoint tensor in our parameter ``name``'s layout (identity unless the layouts
+        differ, e.g. a permuted projection)."""
+        return tensor
+
+    def to_checkpoint(self, name: str, tensor: torch.Tensor, config: dict) -> torch.Tensor:
+        """Inverse of ``from_checkpoint``."""
+        return tensor
+
 
 BACKBONES: Registry[Backbone] = Registry("backbone")
 

@@ -333,7 +333,9 @@ class SpeechLM(ModelProtocol):
             for name, param in named:
                 full = _random_init(name, param, std, args.init_seed)
                 if name in text:
-                    _load_pretrained(full, reader, *text[name], self.family, name)
+                    _load_pretrained(
+                        full, reader, *text[name], self.family, name, args.backbone_config
+                    )
                 if name in start:
                     if tuple(start[name].shape) != tuple(full.shape):
                         raise ValueError(
@@ -355,7 +357,7 @@ def _random_init(name: str, param: torch.Tensor, std: float, seed: int) -> torch
 
 
 def _load_pretrained(
-    full: torch.Tensor, reader, key: str, rows: slice | None, family, name: str
+    full: torch.Tensor, reader, key: str, rows: slice | None, family, name: str, config: dict
 ) -> None:
     """Copy checkpoint tensor ``key`` into parameter ``name``'s initial value (its text rows
     only for the embedding and head). A head missing from a tied checkpoint starts as the
@@ -367,7 +369,7 @@ def _load_pretrained(
             f"pretrained backbone {reader.directory} has no tensor {key!r} (needed for {name}); "
             "is config.json from the same checkpoint as the safetensors?"
         )
-    src = reader.get(key).float()
+    src = family.from_checkpoint(name, reader.get(key).float(), config)
     target = full if rows is None else full[rows]
     if tuple(src.shape) != tuple(target.shape):
         raise ValueError(

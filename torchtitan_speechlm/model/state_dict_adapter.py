@@ -71,10 +71,12 @@ class SpeechLMStateDictAdapter(StateDictAdapter):
                 'with speechlm.init = "pretrained" and write HF folders with `torchtitan export`'
             )
         self._native = state_dict  # from_hf builds on the current values
+        family, config = self.model_args.family, self.model_args.backbone_config
         hf = {}
         for key, (name, rows) in text_tensor_map(self.model_args, state_dict).items():
             value = state_dict[name]
-            hf[key] = value if rows is None else full_value(value)[rows].clone()
+            value = value if rows is None else full_value(value)[rows].clone()
+            hf[key] = family.to_checkpoint(name, value, config)
         return hf
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +85,9 @@ class SpeechLMStateDictAdapter(StateDictAdapter):
         for key, (name, rows) in mapping.items():
             if key not in hf_state_dict:
                 continue
-            value = hf_state_dict[key]
+            value = self.model_args.family.from_checkpoint(
+                name, hf_state_dict[key], self.model_args.backbone_config
+            )
             if rows is None:
                 out[name] = value
                 continue
