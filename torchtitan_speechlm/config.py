@@ -316,10 +316,15 @@ def validate_job_config(job_config) -> None:
     context (backbone config, datasets, mixture, vocabulary) on the way."""
     if not is_speechlm(job_config):
         return
+    from torchtitan_speechlm.infra.parallelize import check_parallelism
     from torchtitan_speechlm.run_context import run_context
 
     sl, data = job_config.speechlm, job_config.speechlm_data
     ctx = run_context(job_config)
+    try:
+        check_parallelism(job_config, ctx.family)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     n_streams = ctx.num_streams
     if sl.stream_weights and len(sl.stream_weights) != n_streams:
         raise ConfigError(

@@ -14,7 +14,8 @@ loss is already ``local loss sum / global loss count``, so gradients must be sum
 not averaged (``compat.sum_gradients_in_ddp``, fix 7). FSDP/HSDP get the same behaviour from
 ``disable_fsdp_gradient_division``.
 
-Tensor, context and pipeline parallelism are not supported yet: asking for them is an error.
+Tensor parallelism (with sequence parallelism) is torchtitan's own llama3 plan on the ``native``
+backbone; context, pipeline and expert parallelism are refused with the reason.
 """
 
 from __future__ import annotations
@@ -40,17 +41,10 @@ from torchtitan_speechlm.compat import (
 
 
 def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
-    for name, enabled in (
-        ("tensor", parallel_dims.tp_enabled),
-        ("context", parallel_dims.cp_enabled),
-        ("pipeline", parallel_dims.pp_enabled),
-        ("expert", parallel_dims.ep_enabled),
-    ):
-        if enabled:
-            raise ValueError(
-                f"speechlm does not support {name} parallelism yet; set "
-                f"parallelism.{name}_parallel_degree = 1 (FSDP/HSDP/DDP are supported)."
-            )
+    check_parallelism(job_config, model.family)
+    if parallel_dims.tp_enabled:
+        apply_tensor_parallel(model, parallel_dims.get_mesh("tp"))
+        logger.info("Applied tensor + sequence parallelism (torchtitan's llama3 plan)")
     apply_freeze(model, job_config.speechlm.freeze)
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
@@ -92,6 +86,58 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
         hsdp=parallel_dims.dp_replicate_enabled and parallel_dims.fsdp_enabled,
     )
     return model
+
+
+UNSUPPORTED = {
+    "context": "packed rows are split into their documents, which context parallelism would "
+    "have to shard again (and torch's CPU SDPA has no context-parallel rule)",
+    "pipeline": "the SpeechLM computes its loss inside forward (so FSDP reduces the head), "
+    "which torchtitan's pipeline schedules do not call",
+    "expert": "the MoE backbones run transformers' experts, which torchtitan cannot shard",
+}
+
+
+def check_parallelism(job_config, family) -> None:
+    """Refuse, naming the reason, what cannot work (called before any rank starts, too)."""
+    p = job_config.parallelism
+    degrees = {
+        "tensor": p.tensor_parallel_degree,
+        "context": p.context_parallel_degree,
+        "pipeline": p.pipeline_parallel_degree,
+        "expert": p.expert_parallel_degree,
+    }
+    for name, degree in degrees.items():
+        if degree > 1 and name in UNSUPPORTED:
+            raise ValueError(
+                f"parallelism.{name}_parallel_degree = {degree}: not supported: "
+                f"{UNSUPPORTED[name]}. FSDP/HSDP/DDP and tensor parallelism "
+                "(flavor native) are"
+            )
+    if degrees["tensor"] > 1 and not family.tensor_parallel:
+        raise ValueError(
+            f"parallelism.tensor_parallel_degree = {degrees['tensor']} needs a backbone with a "
+            f'tensor-parallel plan: set model.flavor = "native" (torchtitan\'s llama3 blocks) '
+            f"instead of {family.name!r}"
+        )
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """torchtitan's own llama3 plan on the decoder (its blocks and final norm, with sequence
+    parallelism; the plan's embedding and output entries have no counterpart here and are
+    skipped), the rest (embeddings, head) replicated on the tensor-parallel mesh, so every
+    parameter lives on one mesh (gradient clipping, FSDP on top). The head then computes the
+    exact loss on the full sequence on every tensor-parallel rank."""
+    import warnings
+
+    from torch.distributed.tensor import distribute_module
+    from torchtitan.models.llama3.infra.parallelize import apply_tp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Parallelize plan key")
+        apply_tp(model.backbone, tp_mesh, loss_parallel=False, enable_float8_tensorwise_tp=False)
+    model.backbone.tp_mesh = tp_mesh
+    for module in (model.tok_embeddings, model.head):
+        distribute_module(module, tp_mesh)
 
 
 def accumulation_steps(job_config, parallel_dims: ParallelDims) -> int:

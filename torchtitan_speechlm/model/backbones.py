@@ -22,6 +22,7 @@ class Backbone:
     """Base class of a decoder family; subclass it and ``register_backbone(name, instance)``."""
 
     name = ""
+    tensor_parallel = False  # its module takes torchtitan's llama3 TP plan (infra/parallelize.py)
     embed_key: str | None = None  # checkpoint tensor of the text embedding (None: no weights)
     head_key: str | None = None  # checkpoint tensor of the text output head (tied: embed_key)
 

@@ -45,6 +45,12 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter as a plain tensor: with tensor parallelism the embeddings and the head are
+    replicated DTensors on the tensor-parallel mesh (infra/parallelize.py), used locally."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @dataclass
 class SpeechLMOutput:
     """What the model hands to the loss function: torchtitan's loss sum plus statistic sums."""
@@ -64,10 +70,10 @@ class StreamEmbedding(nn.Embedding):
         self.stream_pads = stream_pads
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, T, N]
-        h = None
+        h, weight = None, local(self.weight)
         for k, pad in enumerate(self.stream_pads):
             ids_k = ids[..., k]
-            e = F.embedding(ids_k, self.weight) * (ids_k != pad).unsqueeze(-1).to(self.weight.dtype)
+            e = F.embedding(ids_k, weight) * (ids_k != pad).unsqueeze(-1).to(weight.dtype)
             h = e if h is None else h + e
         return h
 
@@ -94,11 +100,11 @@ class SpeechLMHead(nn.Module):
         and specials) takes ``h`` as is: its offset is fixed at zero (row 0 of ``stream_emb``
         gets no gradient), so the text LM inside is exactly the backbone's causal LM and
         exports to a plain transformers model with the same text logits."""
-        return h if k == 0 else h + self.stream_emb.weight[k]
+        return h if k == 0 else h + local(self.stream_emb.weight)[k]
 
     def logits(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Per-stream fp32 logits [..., V_k] (for generation and tests; training uses forward)."""
-        w = self.output.weight if weight is None else weight
+        w = local(self.output.weight if weight is None else weight)
         return [
             F.linear(self.stream_input(h, k), w[a:b]).float()
             for k, (a, b) in enumerate(self.ranges)
@@ -164,7 +170,7 @@ class SpeechLMHead(nn.Module):
         weights: torch.Tensor,
         tied_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        w_out = self.output.weight if tied_weight is None else tied_weight
+        w_out = local(self.output.weight if tied_weight is None else tied_weight)
         n = targets.shape[-1]
         h, targets, weights = h.flatten(0, -2), targets.reshape(-1, n), weights.reshape(-1, n)
         # Only positions that carry loss are projected; keep >= 1 so every rank's head takes

@@ -146,6 +146,7 @@ def regroup(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class NativeLlamaBackbone(Backbone):
     embed_key, head_key = "model.embed_tokens.weight", "lm_head.weight"
+    tensor_parallel = True
 
     def read_config(self, path: str) -> dict:
         config = load_hf_config(path).to_dict()
