@@ -37,7 +37,7 @@ SIZES = {  # hidden, layers, heads, kv heads, ffn, text vocab, streams, codebook
 }
 
 
-def speechlm(size, device):
+def speechlm(size, device, backbone="hf"):
     import transformers
 
     h, layers, heads, kv, ffn, text, n, c, _, _ = SIZES[size]
@@ -54,7 +54,11 @@ def speechlm(size, device):
     cfg.save_pretrained(d)
     layout = VocabLayout(text_size=text, num_streams=n, codebook_size=c)
     args = SpeechLMModelArgs(
-        hf_assets_path=d, backbone_config=cfg.to_dict(), vocab=layout.to_dict(), load_weights=False
+        hf_assets_path=d,
+        backbone_config=cfg.to_dict(),
+        vocab=layout.to_dict(),
+        load_weights=False,
+        backbone=backbone,
     )
     with torch.device("meta"):
         model = SpeechLM(args)
@@ -99,6 +103,7 @@ def timed(step, n):
 def bench(size, steps, device):
     *_, n, c, b, t = SIZES[size]
     model, layout = speechlm(size, device)
+    native, _ = speechlm(size, device, "native")
     ref = llama(size, layout.size, device)
     amp = (
         torch.autocast("cuda", dtype=torch.bfloat16)
@@ -112,14 +117,20 @@ def bench(size, steps, device):
     weights = torch.full((b, t, n), 1.0 / n, device=device)
     tokens = frames[..., 0]
     opt_s = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt_n = torch.optim.AdamW(native.parameters(), lr=1e-4)
     opt_l = torch.optim.AdamW(ref.parameters(), lr=1e-4)
 
-    def step_speech():
-        with amp:
-            out = model(frames[:, :-1], targets=frames[:, 1:], loss_weights=weights)
-        (out.loss_sum / (b * t)).backward()
-        opt_s.step()
-        opt_s.zero_grad(set_to_none=True)
+    def speech_step(m, opt):
+        def step():
+            with amp:
+                out = m(frames[:, :-1], targets=frames[:, 1:], loss_weights=weights)
+            (out.loss_sum / (b * t)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    step_speech, step_native = speech_step(model, opt_s), speech_step(native, opt_n)
 
     def step_llama():
         with amp:
@@ -129,7 +140,7 @@ def bench(size, steps, device):
         opt_l.step()
         opt_l.zero_grad(set_to_none=True)
 
-    ts, tl = timed(step_speech, steps), timed(step_llama, steps)
+    ts, tn, tl = timed(step_speech, steps), timed(step_native, steps), timed(step_llama, steps)
     return {
         "size": size,
         "hidden": SIZES[size][0],
@@ -140,8 +151,13 @@ def bench(size, steps, device):
             "speechlm": sum(p.numel() for p in model.parameters()),
             "llama3": sum(p.numel() for p in ref.parameters()),
         },
-        "frames_per_s": {"speechlm": b * t / ts, "llama3": b * t / tl},
+        "frames_per_s": {
+            "speechlm": b * t / ts,
+            "speechlm_native": b * t / tn,
+            "llama3": b * t / tl,
+        },
         "speechlm_over_llama3": tl / ts,
+        "speechlm_native_over_llama3": tl / tn,
     }
 
 

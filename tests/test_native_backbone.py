@@ -75,3 +75,25 @@ def test_text_lm_export_of_the_native_backbone_loads_in_transformers(tmp_path):
     for (n, p), (_, q) in zip(hf.named_parameters(), src.named_parameters(), strict=True):
         assert torch.equal(p, q), n  # the permutation round-trips exactly
     assert np.isfinite(float(model.head.output.weight.sum()))
+
+
+@pytest.mark.slow
+def test_flex_attention_keeps_packed_documents_apart(tmp_path):
+    """torchtitan's flex path with a BlockMask from the positions (forward only: torch's flex
+    attention has no backward on CPU; training with it is for GPUs)."""
+    save_tiny_backbone(tmp_path / "llama", family="llama")
+    flex = build_speechlm(tmp_path / "llama", backbone="native", attn_implementation="flex").eval()
+    sdpa = build_speechlm(tmp_path / "llama", backbone="native").eval()
+    lay = flex.args.layout
+    g = torch.Generator().manual_seed(2)
+    lengths = [7, 12, 4, 9]
+    inputs = torch.stack([torch.randint(lay.stream_range(k)[0], lay.stream_range(k)[1],
+                                        (sum(lengths),), generator=g) for k in range(3)], -1)[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    assert flex.backbone.args.attn_type == "flex" and sdpa.backbone.args.attn_type == "sdpa"
+    with torch.no_grad():
+        a, b = flex.logits(inputs, position_ids=pos), sdpa.logits(inputs, position_ids=pos)
+        crossing = flex.logits(inputs)  # no positions: one causal sequence, documents mixed
+    assert not torch.allclose(crossing[1][:, 7:], a[1][:, 7:], atol=1e-3)
+    for k in range(3):
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)

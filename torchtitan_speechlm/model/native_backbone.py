@@ -4,9 +4,12 @@ so torchtitan's own tensor-parallel plan (``apply_tp``, with sequence parallelis
 It reads a local HF Llama folder (config.json, optional safetensors) like ``hf`` does and loads
 the same weights; torchtitan's rotary embedding pairs dimensions differently from transformers',
 so q/k projections are permuted on the way in and out (the same permutation as torchtitan's
-``Llama3StateDictAdapter``). Packed rows stay document-masked: the decoder runs on the row's
-documents regrouped into a batch of separate causal sequences (each starting at position 0), then
-scattered back; exact, and cheaper than a dense block mask. With sequence parallelism the
+``Llama3StateDictAdapter``). Packed rows stay document-masked: with SDPA (default; CPU and GPU)
+the decoder runs on the row's documents regrouped into a batch of separate causal sequences (each
+starting at position 0), then scattered back, exact and cheaper than a dense block mask; with
+``speechlm.attn_implementation = "flex"`` (GPU: torch's flex attention has no CPU backward)
+torchtitan's flex path runs the rows as they are under a block-causal BlockMask built from the
+per-sample positions. With sequence parallelism the
 regrouped sequence is split across the tensor-parallel ranks and gathered back after the norm.
 """
 
@@ -37,7 +40,7 @@ HF_NAMES = {
 }
 
 
-def transformer_args(config: dict) -> TransformerModelArgs:
+def transformer_args(config: dict, attn_implementation: str = "sdpa") -> TransformerModelArgs:
     """torchtitan's llama3 args reproducing an HF Llama config exactly."""
     if config.get("model_type") != "llama":
         raise ValueError(
@@ -76,6 +79,7 @@ def transformer_args(config: dict) -> TransformerModelArgs:
         rope_scaling_args=rope,
         max_seq_len=int(config.get("max_position_embeddings", 4096)),
         depth_init=True,
+        attn_type="flex" if attn_implementation in ("flex", "flex_attention") else "sdpa",
     )
 
 
@@ -99,12 +103,21 @@ class NativeDecoder(nn.Module):
             a.dim // a.n_heads, a.max_seq_len, a.rope_theta, a.rope_scaling_args
         )
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """[B, T, D] -> [B, T, D], each row one causal sequence from position 0."""
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, D] -> [B, T, D]. With flex attention, documents (positions restarting at 0)
+        are kept apart by a block-causal BlockMask (torchtitan's flex path); with SDPA each row
+        is one causal sequence (the caller regroups packed rows)."""
+        t = h.shape[1]
         h = self._split(h)
+        masks = None
+        if self.args.attn_type == "flex":
+            masks = document_block_mask(position_ids, t, h.shape[1] * self._tp_size())
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis, attention_masks=None)
-        return self._gather(self.norm(h))
+            h = layer(h, self.freqs_cis, attention_masks=masks)
+        return self._gather(self.norm(h))[:, :t]
+
+    def _tp_size(self) -> int:
+        return 1 if self.tp_mesh is None else self.tp_mesh.size()
 
     def _split(self, h: torch.Tensor) -> torch.Tensor:
         if self.tp_mesh is None:
@@ -127,6 +140,25 @@ class NativeDecoder(nn.Module):
         if isinstance(h, DTensor):
             h = h.redistribute(h.device_mesh, [Replicate()]).to_local()
         return h
+
+
+def document_block_mask(position_ids: torch.Tensor | None, t: int, padded: int):
+    """torchtitan's flex BlockMask: causal, and within one document (a run of positions from
+    0) of each row; a padded tail (sequence parallelism) is a document of its own."""
+    from torch.nn.attention.flex_attention import and_masks
+    from torchtitan.models.attention import create_attention_mask, get_causal_mask_mod
+
+    if position_ids is None:
+        return create_attention_mask(get_causal_mask_mod(), 1, None, padded, padded)
+    doc = (position_ids == 0).cumsum(-1)
+    doc = torch.nn.functional.pad(doc, (0, padded - t), value=int(doc.max()) + 1)
+
+    def same_document(b, h, q, kv):
+        return doc[b, q] == doc[b, kv]
+
+    return create_attention_mask(
+        and_masks(get_causal_mask_mod(), same_document), doc.shape[0], None, padded, padded
+    )
 
 
 def regroup(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,11 +186,11 @@ class NativeLlamaBackbone(Backbone):
         return config
 
     def build(self, config: dict, attn_implementation: str) -> nn.Module:
-        return NativeDecoder(transformer_args(config))
+        return NativeDecoder(transformer_args(config, attn_implementation))
 
     def run(self, module, inputs_embeds, position_ids, real):
-        if position_ids is None:
-            return module(inputs_embeds), None
+        if position_ids is None or module.args.attn_type == "flex":
+            return module(inputs_embeds, position_ids), None
         b, t, d = inputs_embeds.shape
         index, valid = regroup(position_ids)
         docs = inputs_embeds.reshape(b * t, d)[index]  # [D, L, d]
