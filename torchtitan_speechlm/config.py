@@ -54,9 +54,11 @@ class SpeechLM:
     tie_embeddings: Literal["auto", "true", "false"] = "auto"
     """Tie the output head to the input embedding (`auto` = the backbone's
     `tie_word_embeddings`)."""
-    attn_implementation: str = "sdpa"
-    """transformers attention implementation (`sdpa` works on CPU and GPU;
-    `flash_attention_2` on GPUs uses the packed position ids for varlen attention)."""
+    attn_implementation: str = "sdpa_documents"
+    """Attention: `sdpa_documents` (default; CPU and GPU) runs each packed row's documents as
+    separate causal sequences inside SDPA, with no [B, 1, T, T] mask; any transformers
+    implementation (`sdpa`: dense block mask; `flash_attention_2` on GPUs: varlen); `flex`
+    with the native backbone (GPU)."""
     init_seed: int = 0
     """Seed of the deterministic, world-size-invariant initialisation of new parameters."""
     text_weight: float = 1.0

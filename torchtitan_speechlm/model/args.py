@@ -23,7 +23,7 @@ class SpeechLMModelArgs(BaseModelArgs):
     pattern: str = "delay"
     tie_embeddings: bool = False
     load_weights: bool = True
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "sdpa_documents"
     init_seed: int = 0
     init_std: float = 0.0
     init_from: str = ""

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from torchtitan_speechlm.model.backbones import Backbone, register_backbone
+from torchtitan_speechlm.model.documents import NAME as DOCUMENT_ATTENTION
+from torchtitan_speechlm.model.documents import register as register_document_attention
 
 HF_EMBED = "model.embed_tokens.weight"
 HF_HEAD = "lm_head.weight"
@@ -44,6 +46,8 @@ def build_backbone(hf_config, attn_implementation: str = "sdpa") -> nn.Module:
     """The HF base model (decoder layers + final norm + rotary), without its text embedding."""
     from transformers import AutoModel
 
+    if attn_implementation == DOCUMENT_ATTENTION:
+        register_document_attention()
     hf_config._attn_implementation = attn_implementation
     backbone = AutoModel.from_config(hf_config, attn_implementation=attn_implementation)
     for attr in ("layers", "norm"):

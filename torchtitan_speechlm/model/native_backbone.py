@@ -23,6 +23,7 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerMode
 from torchtitan.models.llama3.model.model import TransformerBlock, precompute_freqs_cis
 
 from torchtitan_speechlm.model.backbones import Backbone, register_backbone
+from torchtitan_speechlm.model.documents import regroup
 from torchtitan_speechlm.model.hf_backbone import PretrainedWeights, load_hf_config
 
 # our name inside the decoder -> the HF Llama checkpoint name ({} = layer)
@@ -159,21 +160,6 @@ def document_block_mask(position_ids: torch.Tensor | None, t: int, padded: int):
     return create_attention_mask(
         and_masks(get_causal_mask_mod(), same_document), doc.shape[0], None, padded, padded
     )
-
-
-def regroup(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Documents of packed rows (positions restarting at 0) as rows of their own:
-    (index [D, L] into the flattened [B*T] frames, valid [D, L])."""
-    b, t = position_ids.shape
-    starts = (position_ids == 0).flatten().nonzero().squeeze(-1)  # a row starts at 0 too
-    ends = torch.cat([starts[1:], starts.new_tensor([b * t])])
-    ends = torch.minimum(ends, (starts // t + 1) * t)  # a document never crosses a row
-    lengths = ends - starts
-    width = int(lengths.max())
-    offsets = torch.arange(width, device=position_ids.device)
-    index = starts[:, None] + offsets[None]
-    valid = offsets[None] < lengths[:, None]
-    return torch.where(valid, index, 0), valid
 
 
 class NativeLlamaBackbone(Backbone):
