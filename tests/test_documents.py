@@ -11,8 +11,13 @@ from tests.helpers import build_speechlm, save_tiny_backbone
 def packed_batch(layout, lengths, rows=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     t = sum(lengths)
-    x = torch.stack([torch.randint(*layout.stream_range(k), (rows, t), generator=g)
-                     for k in range(layout.num_streams)], -1)
+    x = torch.stack(
+        [
+            torch.randint(*layout.stream_range(k), (rows, t), generator=g)
+            for k in range(layout.num_streams)
+        ],
+        -1,
+    )
     pos = torch.cat([torch.arange(n) for n in lengths]).expand(rows, -1).contiguous()
     return x, pos
 

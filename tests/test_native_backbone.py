@@ -87,8 +87,15 @@ def test_flex_attention_keeps_packed_documents_apart(tmp_path):
     lay = flex.args.layout
     g = torch.Generator().manual_seed(2)
     lengths = [7, 12, 4, 9]
-    inputs = torch.stack([torch.randint(lay.stream_range(k)[0], lay.stream_range(k)[1],
-                                        (sum(lengths),), generator=g) for k in range(3)], -1)[None]
+    inputs = torch.stack(
+        [
+            torch.randint(
+                lay.stream_range(k)[0], lay.stream_range(k)[1], (sum(lengths),), generator=g
+            )
+            for k in range(3)
+        ],
+        -1,
+    )[None]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     assert flex.backbone.args.attn_type == "flex" and sdpa.backbone.args.attn_type == "sdpa"
     with torch.no_grad():

@@ -46,17 +46,31 @@ def _regrouped(position_ids: torch.Tensor):
     return _last[1]
 
 
-def document_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                       position_ids=None, **kwargs):
+def document_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    position_ids=None,
+    **kwargs,
+):
     """transformers attention interface: q [B, H, T, d], k/v [B, Hkv, T, d] ->
     ([B, T, H, d], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     b, h, t, d = query.shape
-    if (position_ids is None or attention_mask is not None or key.shape[2] != t
-            or position_ids.shape != (b, t)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+    if (
+        position_ids is None
+        or attention_mask is not None
+        or key.shape[2] != t
+        or position_ids.shape != (b, t)
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     index, valid = _regrouped(position_ids)
     n, width = index.shape
 
@@ -66,25 +80,52 @@ def document_attention(module, query, key, value, attention_mask, dropout=0.0, s
         return flat[index].transpose(1, 2)
 
     q, k, v = docs(query), docs(key), docs(value)
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
-                                         is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=True,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     out = out.transpose(1, 2)[valid]  # [real frames, H, d], in document order
     flat = out.new_zeros(b * t, h, d).index_put((index[valid],), out)
     return flat.view(b, t, h, d), None
 
 
-def document_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
-                  attention_mask=None, local_size=None, **kwargs):
+def document_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    attention_mask=None,
+    local_size=None,
+    **kwargs,
+):
     """transformers' mask hook: no mask at all where ``document_attention`` keeps documents
     apart itself (a full sequence, no padding mask, no sliding window); SDPA's mask elsewhere
     (KV-cache steps, left padding in generation, sliding-window layers)."""
     from transformers.masking_utils import sdpa_mask
 
-    if (q_length == kv_length and q_offset == 0 and local_size is None
-            and (attention_mask is None or bool(attention_mask.all()))):
+    if (
+        q_length == kv_length
+        and q_offset == 0
+        and local_size is None
+        and (attention_mask is None or bool(attention_mask.all()))
+    ):
         return None
-    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
-                     attention_mask=attention_mask, local_size=local_size, **kwargs)
+    return sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        **kwargs,
+    )
 
 
 def register() -> None:
