@@ -98,3 +98,31 @@ def test_a_target_outside_its_stream_vocabulary_is_an_error(tmp_path):
     targets[1, 5, 2] = -3
     with pytest.raises(ValueError, match="target id -3 of stream 2"):
         model(inputs, targets=targets, loss_weights=weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_bounded_chunks_equal_plain_pytorch_loss_and_gradients(tmp_path, dtype):
+    """loss_chunk_mb splits each stream by its own vocabulary size (here the text stream into
+    chunks of a few rows, the codebooks into longer ones); loss and every gradient equal the
+    full-logits computation, also with bf16 parameters (fp32 logits and softmax)."""
+    save_tiny_backbone(tmp_path / "bb")
+    mb = 6 * 4 * 300 / 2**20  # about 6 rows of the ~300-wide text stream
+    model = build_speechlm(tmp_path / "bb", loss_chunk_mb=mb, z_loss_weight=1e-3).to(dtype)
+    with torch.no_grad():
+        model.head.stream_emb.weight.normal_(0, 0.1)
+    rows = [model.head.chunk_rows(k) for k in range(3)]
+    assert rows[0] < 12 and rows[1] > rows[0], rows  # text in short chunks, codes in longer
+    inputs, targets, weights = random_batch(model.args.layout, t=40)
+    out = model(inputs, targets=targets, loss_weights=weights)
+    out.loss_sum.backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    ref = reference(model, inputs, targets, weights, 1e-3)
+    ref["loss"].backward()
+    # bf16: equal within two bf16 ulps of the largest value (the reference rounds too)
+    tol = 1e-5 if dtype == torch.float32 else 2 * 2**-8
+    assert abs(float(out.loss_sum) - float(ref["loss"])) <= tol * abs(float(ref["loss"]))
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            scale = float(p.grad.float().abs().max())
+            assert float((grads[n] - p.grad.float()).abs().max()) <= tol * scale, n

@@ -72,8 +72,10 @@ class SpeechLM:
     load_balance_weight: float = 0.0
     """Weight of the MoE load-balance loss (MoE backbones only)."""
     loss_chunk_size: int = 4096
-    """Positions per logits chunk; bounds the memory of the fp32 logits (chunks are
-    recomputed in backward)."""
+    """Most positions per logits chunk of one stream (chunks are recomputed in backward)."""
+    loss_chunk_mb: float = 256.0
+    """Memory bound of one chunk's fp32 logits: a stream with a large vocabulary (the text
+    stream of a 150k tokenizer) takes chunks of fewer positions."""
     code_usage_interval: int = 100
     """Log per-stream codebook usage and perplexity at steps divisible by this (0 = never)."""
     sample_every: int = -1

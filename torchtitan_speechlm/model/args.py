@@ -37,6 +37,7 @@ class SpeechLMModelArgs(BaseModelArgs):
     z_loss_weight: float = 0.0
     load_balance_weight: float = 0.0
     loss_chunk_size: int = 4096
+    loss_chunk_mb: float = 256.0
 
     # ---- derived ---------------------------------------------------------------------------
     @property

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import checkpoint
 from torchtitan.protocols import ModelProtocol
 
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
+from torchtitan_speechlm.model.chunked_loss import chunked_stream_loss
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
 
@@ -94,6 +94,7 @@ class SpeechLMHead(nn.Module):
         self.z_loss_weight = args.z_loss_weight
         self.codebook_size = layout.codebook_size
         self.chunk = max(1, args.loss_chunk_size)
+        self.chunk_bytes = args.loss_chunk_mb * 2**20
 
     def stream_input(self, h: torch.Tensor, k: int) -> torch.Tensor:
         """What stream ``k``'s logits are computed from: ``h + stream_emb[k]``. Stream 0 (text
@@ -110,35 +111,41 @@ class SpeechLMHead(nn.Module):
             for k, (a, b) in enumerate(self.ranges)
         ]
 
-    def _chunk_loss(
-        self, h: torch.Tensor, w_out: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+    def _stream_loss(
+        self,
+        h: torch.Tensor,
+        w_k: torch.Tensor,
+        k: int,
+        targets: torch.Tensor,
+        weights: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Loss sum, stats [N, 4] = (weighted ce, weighted z, ce, correct) per stream, and code
-        histograms [2, N, C] of predicted and target codes (by codebook) at positions with loss."""
-        loss = h.new_zeros((), dtype=torch.float32)
-        stats, hists = [], []
-        for k, (a, b) in enumerate(self.ranges):
-            logits = F.linear(self.stream_input(h, k), w_out[a:b]).float()
-            wk = weights[:, k]
-            active = wk > 0
-            # forward() verified every positive-weight target is in range; the clamp only keeps
-            # gather valid at positions without loss (their value is never used)
-            tgt = (targets[:, k] - a).clamp(0, b - a - 1)
-            lse = torch.logsumexp(logits, dim=-1)
-            ce = lse - logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
-            z = self.z_loss_weight * lse.square()
-            loss = loss + (wk * ce).sum() + (wk * z).sum()
-            pred = logits.argmax(-1)
-            correct = (pred == tgt) & active
-            stats.append(
-                torch.stack(
-                    [(wk * ce).sum(), (wk * z).sum(), (ce * active).sum(), correct.sum().float()]
-                ).detach()
-            )
-            hists.append(
-                torch.stack([self._code_hist(pred + a, active), self._code_hist(tgt + a, active)])
-            )
-        return loss, torch.stack(stats), torch.stack(hists).sum(0)
+        """Stream ``k``'s loss sum over the rows of ``h``, its stats (weighted ce, weighted z,
+        ce, correct) and code histograms [2, N, C] of predicted and target codes at loss
+        positions. ``w_k`` is the stream's slice of the output matrix; logits are computed
+        chunk by chunk, never all at once (model/chunked_loss.py)."""
+        a, b = self.ranges[k]
+        active = weights > 0
+        # forward() verified every positive-weight target is in range; the clamp only keeps
+        # gather valid at positions without loss (their value is never used)
+        tgt = (targets - a).clamp(0, b - a - 1)
+        x = self.stream_input(h, k)
+        loss, ce, lse, pred = chunked_stream_loss(
+            x, w_k, tgt, weights, self.z_loss_weight, self.chunk_rows(k)
+        )
+        correct = (pred == tgt) & active
+        z = self.z_loss_weight * lse.square()
+        stats = torch.stack(
+            [(weights * ce).sum(), (weights * z).sum(), (ce * active).sum(), correct.sum().float()]
+        )
+        hist = torch.stack([self._code_hist(pred + a, active), self._code_hist(tgt + a, active)])
+        return loss, stats, hist
+
+    def chunk_rows(self, k: int) -> int:
+        """Rows per logits chunk of stream ``k``: at most ``loss_chunk_size``, and few enough
+        that the chunk's fp32 logits stay under ``loss_chunk_mb`` (a 150k text vocabulary
+        gets short chunks, a 1k codebook long ones)."""
+        a, b = self.ranges[k]
+        return max(1, min(self.chunk, int(self.chunk_bytes // (4 * (b - a)))))
 
     def _code_hist(self, ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """[N, C] counts of codebook j's code c among vocabulary ``ids`` at loss positions,
@@ -191,22 +198,12 @@ class SpeechLMHead(nn.Module):
             targets, weights = targets.index_select(0, sel), weights.index_select(0, sel)
         loss = h.new_zeros((), dtype=torch.float32)
         parts, hists = [], []
-        for s in range(0, h.shape[0], self.chunk):
-            args = (
-                h[s : s + self.chunk],
-                w_out,
-                targets[s : s + self.chunk],
-                weights[s : s + self.chunk],
-            )
-            if h.shape[0] > self.chunk and torch.is_grad_enabled():
-                # Recompute each chunk's logits in backward instead of keeping them all.
-                part, st, hi = checkpoint(self._chunk_loss, *args, use_reentrant=False)
-            else:
-                part, st, hi = self._chunk_loss(*args)
+        for k, (a, b) in enumerate(self.ranges):
+            part, st, hi = self._stream_loss(h, w_out[a:b], k, targets[:, k], weights[:, k])
             loss = loss + part
             parts.append(st)
             hists.append(hi)
-        st = torch.stack(parts).sum(0)  # [N, 4]
+        st = torch.stack(parts)  # [N, 4]
         hist = torch.stack(hists).sum(0)  # [2, N, C]
         stats = {
             "ce_loss": st[:, 0].sum(),
