@@ -2,16 +2,21 @@
 
 A packed row holds several samples, each with positions restarting at 0. transformers turns such
 ``position_ids`` into a dense [B, 1, T, T] block-diagonal mask for SDPA, which costs more than
-plain causal attention. Here the attention of each layer runs on the row's documents regrouped
-into a batch of short causal sequences ([documents, heads, longest, d], ``is_causal=True``) and
-scattered back; everything else in the layer stays on the packed row. Exact (a right-padded
-causal sequence does not change its real positions), and attention costs the documents' squares
-instead of the row's.
+plain causal attention. Here only the attention of each layer leaves the packed row: its
+documents are gathered into a few batches of similar length (``[documents, heads, longest, d]``,
+``is_causal=True``), attended, and gathered back; projections, MLP and norms stay on the packed
+rows. Exact (a right-padded causal sequence does not change its real positions), and attention
+costs about the documents' squares instead of the row's. Grouping by length keeps padding low
+when lengths vary: one group padded to the longest document would cost ``documents x longest^2``.
 
-Registered with transformers as the attention implementation ``"sdpa_documents"`` (the default
-of ``speechlm.attn_implementation``): the backbone skips transformers' mask construction, and
-any call this cannot serve (a KV-cache step, a padding mask, sliding windows) goes to
-transformers' own SDPA with the mask it would have built.
+Used by both backbones: registered with transformers as the attention implementation
+``"sdpa_documents"`` (the default of ``speechlm.attn_implementation``), whose mask hook returns
+no mask at all; any call this cannot serve (a KV-cache step, a padding mask, sliding windows)
+goes to transformers' own SDPA with the mask it would have built. The native backbone swaps it
+in for torchtitan's SDPA wrapper (model/native_backbone.py).
+
+The grouping needs the document lengths on the host: one device sync per forward (it is cached
+across layers). On GPUs, ``flex_attention`` / the native backbone's ``flex`` avoid it.
 """
 
 from __future__ import annotations
@@ -20,29 +25,109 @@ import torch
 import torch.nn.functional as F
 
 NAME = "sdpa_documents"
+GROUP_RATIO = 1.25  # a group's documents are within this length ratio of its longest ...
+SMALL = 64  # ... except that documents of up to this many frames all share one group
 
 
-def regroup(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Documents of packed rows (positions restarting at 0) as rows of their own:
-    (index [D, L] into the flattened [B*T] frames, valid [D, L])."""
-    b, t = position_ids.shape
-    starts = (position_ids == 0).flatten().nonzero().squeeze(-1)  # a row starts at 0 too
-    ends = torch.cat([starts[1:], starts.new_tensor([b * t])])
-    ends = torch.minimum(ends, (starts // t + 1) * t)  # a document never crosses a row
-    lengths = ends - starts
-    width = int(lengths.max())
-    offsets = torch.arange(width, device=position_ids.device)
-    index = starts[:, None] + offsets[None]
-    valid = offsets[None] < lengths[:, None]
-    return torch.where(valid, index, 0), valid
+class Documents:
+    """The documents of packed rows ([B, T] positions restarting at 0; a row start always starts
+    one), grouped by length, with the indices to gather them and to put the result back."""
+
+    def __init__(self, position_ids: torch.Tensor):
+        b, t = position_ids.shape
+        self.frames = b * t
+        flat_pos = position_ids.reshape(-1)
+        frame = torch.arange(b * t, device=position_ids.device)
+        is_start = (flat_pos == 0) | (frame % t == 0)
+        starts = is_start.nonzero().squeeze(-1)
+        ends = torch.cat([starts[1:], starts.new_tensor([b * t])])
+        lengths = ends - starts
+        self.one_per_row = starts.numel() == b
+        doc_of = is_start.cumsum(0) - 1  # each frame's document
+        offset = frame - starts[doc_of]
+        # groups of similar length, longest first (host-side: one sync)
+        order = lengths.argsort(descending=True)
+        sorted_lengths = lengths[order].tolist()
+        self.groups: list[tuple[torch.Tensor, int, int]] = []  # (gather index, docs, width)
+        slot_of_doc = torch.empty_like(lengths)
+        width_of_doc = torch.empty_like(lengths)
+        base, i = 0, 0
+        while i < len(sorted_lengths):
+            width = sorted_lengths[i]
+            j = i + 1
+            while j < len(sorted_lengths) and (
+                sorted_lengths[j] * GROUP_RATIO >= width or width <= SMALL
+            ):
+                j += 1
+            docs = order[i:j]
+            n = j - i
+            slot_of_doc[docs] = base + torch.arange(n, device=docs.device) * width
+            width_of_doc[docs] = width
+            offs = torch.arange(width, device=docs.device)
+            real = offs[None] < lengths[docs][:, None]
+            # padded slots read the document's first frame: causal attention never lets a real
+            # query see a later (padded) key, and padded queries are dropped below
+            index = starts[docs][:, None] + torch.where(real, offs[None], 0)
+            self.groups.append((index.reshape(-1), n, width))
+            base += n * width
+            i = j
+        self.slot = slot_of_doc[doc_of] + offset  # [B*T]: each frame's row in the groups' output
+        self.widths = [w for _, _, w in self.groups]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+        dropout: float = 0.0,
+    ) -> torch.Tensor:
+        """q [B, H, T, d], k/v [B, Hkv, T, d] (one causal sequence per document) -> [B*T, H, d]."""
+
+        def flat(x):  # [B, H', T, d] -> [B*T, H', d]
+            return x.transpose(1, 2).reshape(self.frames, x.shape[1], x.shape[3])
+
+        if self.one_per_row:  # nothing packed: plain causal attention on the rows
+            o = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                dropout_p=dropout,
+                scale=scale,
+                is_causal=True,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+            return flat(o)
+        fq, fk, fv = flat(q), flat(k), flat(v)
+        outs = []
+        for index, n, width in self.groups:
+
+            def docs(x, index=index, n=n, width=width):  # -> [n, H', width, d]
+                return (
+                    x.index_select(0, index).view(n, width, x.shape[1], x.shape[2]).transpose(1, 2)
+                )
+
+            o = F.scaled_dot_product_attention(
+                docs(fq),
+                docs(fk),
+                docs(fv),
+                dropout_p=dropout,
+                scale=scale,
+                is_causal=True,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+            outs.append(o.transpose(1, 2).reshape(n * width, q.shape[1], q.shape[3]))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.index_select(0, self.slot)
 
 
-_last: list = [None, None]  # (position_ids, regroup of it): one computation per forward
+_last: list = [None, None]  # (position_ids, its Documents): computed once per forward
 
 
-def _regrouped(position_ids: torch.Tensor):
+def documents_of(position_ids: torch.Tensor) -> Documents:
     if _last[0] is not position_ids:
-        _last[0], _last[1] = position_ids, regroup(position_ids)
+        _last[0], _last[1] = position_ids, Documents(position_ids)
     return _last[1]
 
 
@@ -71,27 +156,8 @@ def document_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    index, valid = _regrouped(position_ids)
-    n, width = index.shape
-
-    def docs(x):  # [B, H', T, d] -> [D, H', L, d]
-        hh = x.shape[1]
-        flat = x.transpose(1, 2).reshape(b * t, hh, d)
-        return flat[index].transpose(1, 2)
-
-    q, k, v = docs(query), docs(key), docs(value)
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        dropout_p=dropout,
-        scale=scaling,
-        is_causal=True,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    out = out.transpose(1, 2)[valid]  # [real frames, H, d], in document order
-    flat = out.new_zeros(b * t, h, d).index_put((index[valid],), out)
-    return flat.view(b, t, h, d), None
+    out = documents_of(position_ids).attend(query, key, value, scale=scaling, dropout=dropout)
+    return out.view(b, t, h, d), None
 
 
 def document_mask(

@@ -4,13 +4,14 @@ so torchtitan's own tensor-parallel plan (``apply_tp``, with sequence parallelis
 It reads a local HF Llama folder (config.json, optional safetensors) like ``hf`` does and loads
 the same weights; torchtitan's rotary embedding pairs dimensions differently from transformers',
 so q/k projections are permuted on the way in and out (the same permutation as torchtitan's
-``Llama3StateDictAdapter``). Packed rows stay document-masked: with SDPA (default; CPU and GPU)
-the decoder runs on the row's documents regrouped into a batch of separate causal sequences (each
-starting at position 0), then scattered back, exact and cheaper than a dense block mask; with
-``speechlm.attn_implementation = "flex"`` (GPU: torch's flex attention has no CPU backward)
-torchtitan's flex path runs the rows as they are under a block-causal BlockMask built from the
-per-sample positions. With sequence parallelism the
-regrouped sequence is split across the tensor-parallel ranks and gathered back after the norm.
+``Llama3StateDictAdapter``). Packed rows stay document-masked and take each sample's own
+positions for RoPE (torchtitan's ``positions`` argument): with SDPA (default; CPU and GPU) each
+layer's attention runs on the row's documents grouped by length (``DocumentSDPA``, the same code
+as the hf backbone's ``sdpa_documents``, no mask tensor); with ``speechlm.attn_implementation =
+"flex"`` (GPU: torch's flex attention has no CPU backward) torchtitan's flex path runs the rows
+under a block-causal BlockMask built from the per-sample positions. With sequence parallelism
+the rows are split across the tensor-parallel ranks (a padded tail is a document of its own) and
+gathered back after the norm.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import re
 
 import torch
 from torch import nn
+from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.model.model import TransformerBlock, precompute_freqs_cis
 
 from torchtitan_speechlm.model.backbones import Backbone, register_backbone
-from torchtitan_speechlm.model.documents import regroup
+from torchtitan_speechlm.model.documents import Documents, documents_of
 from torchtitan_speechlm.model.hf_backbone import PretrainedWeights, load_hf_config
 
 # our name inside the decoder -> the HF Llama checkpoint name ({} = layer)
@@ -84,6 +86,23 @@ def transformer_args(config: dict, attn_implementation: str = "sdpa") -> Transfo
     )
 
 
+class DocumentSDPA(ScaledDotProductAttentionWrapper):
+    """torchtitan's SDPA wrapper, attending within the documents of packed rows when the decoder
+    has set them (``holder[0]``; kept until the next forward, so activation checkpointing's
+    recomputation in backward sees the same documents)."""
+
+    def __init__(self, holder: list):
+        super().__init__()
+        self.holder = holder
+
+    def forward(self, q, k, v, *, scale=None, enable_gqa=False, is_causal=True):
+        docs: Documents | None = self.holder[0]
+        if docs is None or not is_causal:
+            return super().forward(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal)
+        b, h, t, d = q.shape
+        return docs.attend(q, k, v, scale=scale).view(b, t, h, d).transpose(1, 2)
+
+
 class NativeDecoder(nn.Module):
     """torchtitan's llama3 blocks + final norm (its ``layers`` / ``norm`` names, so torchtitan's
     ``apply_tp`` applies to this module as it is)."""
@@ -97,6 +116,10 @@ class NativeDecoder(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.register_buffer("freqs_cis", self._freqs(), persistent=False)
         self.tp_mesh = None  # set by the parallelize function with sequence parallelism
+        self._documents: list[Documents | None] = [None]
+        if args.attn_type == "sdpa":
+            for layer in self.layers.values():
+                layer.attention.inner_attention = DocumentSDPA(self._documents)
 
     def _freqs(self) -> torch.Tensor:
         a = self.args
@@ -105,16 +128,26 @@ class NativeDecoder(nn.Module):
         )
 
     def forward(self, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T, D] -> [B, T, D]. With flex attention, documents (positions restarting at 0)
-        are kept apart by a block-causal BlockMask (torchtitan's flex path); with SDPA each row
-        is one causal sequence (the caller regroups packed rows)."""
+        """[B, T, D] -> [B, T, D]. Documents (positions restarting at 0) are kept apart by
+        ``DocumentSDPA`` or by flex's block-causal BlockMask, and rotated by their own
+        positions; without ``position_ids`` each row is one causal sequence."""
         t = h.shape[1]
         h = self._split(h)
-        masks = None
+        padded = h.shape[1] * self._tp_size()
+        masks = positions = None
+        if position_ids is not None:
+            positions = torch.cat(  # a padded tail (sequence parallelism): its own document
+                [position_ids, torch.arange(padded - t, device=h.device).expand(h.shape[0], -1)],
+                dim=1,
+            )
         if self.args.attn_type == "flex":
-            masks = document_block_mask(position_ids, t, h.shape[1] * self._tp_size())
+            masks = document_block_mask(position_ids, t, padded)
+        elif positions is not None:
+            self._documents[0] = documents_of(positions)
+        else:
+            self._documents[0] = None
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis, attention_masks=masks)
+            h = layer(h, self.freqs_cis, attention_masks=masks, positions=positions)
         return self._gather(self.norm(h))[:, :t]
 
     def _tp_size(self) -> int:
@@ -175,14 +208,7 @@ class NativeLlamaBackbone(Backbone):
         return NativeDecoder(transformer_args(config, attn_implementation))
 
     def run(self, module, inputs_embeds, position_ids, real):
-        if position_ids is None or module.args.attn_type == "flex":
-            return module(inputs_embeds, position_ids), None
-        b, t, d = inputs_embeds.shape
-        index, valid = regroup(position_ids)
-        docs = inputs_embeds.reshape(b * t, d)[index]  # [D, L, d]
-        out = module(docs)[:, : index.shape[1]]
-        flat = inputs_embeds.new_zeros(b * t, d).index_put((index[valid],), out[valid])
-        return flat.view(b, t, d), None
+        return module(inputs_embeds, position_ids), None
 
     def reset_buffers(self, module, device) -> None:
         module.freqs_cis = module._freqs().to(device)

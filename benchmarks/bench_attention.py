@@ -1,0 +1,112 @@
+# ruff: noqa: I001  (torchtitan_speechlm must be imported before torchtitan: CPU device selection)
+"""What document masking costs: a packed step vs the same step with plain causal positions.
+
+Same SpeechLM (hidden 512, 8 layers, 8 heads, 8 streams), same [B, T] batch; one training step
+= forward + loss + backward + AdamW. *plain*: no ``position_ids`` (one causal sequence per
+row). *packed*: each row holds D documents of random lengths, positions restarting at 0, with
+each attention path that runs here: ``sdpa_documents`` (our default: SDPA per document, no
+mask tensor), ``sdpa`` (transformers' dense [B, 1, T, T] block mask) and, on a GPU,
+``flex_attention`` (transformers' BlockMask) and the native backbone's flex. Variants run
+interleaved (A, B, C, A, B, C, ...) after a warm-up, so machine noise hits them alike; the
+report has the median and spread of the repeats and packed/plain ratios.
+
+    python benchmarks/bench_attention.py [--shapes 2048x8,8192x16] [--repeats 5]
+Writes benchmarks/results/attention_{cpu,gpu}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+import torchtitan_speechlm  # noqa: F401
+from bench_common import (
+    amp_context,
+    build_speechlm,
+    device_name,
+    interleaved,
+    packed_positions,
+    random_frames,
+)
+
+HIDDEN, LAYERS, HEADS, KV, FFN, TEXT, STREAMS, CODEBOOK = 512, 8, 8, 4, 1536, 4096, 8, 1024
+
+
+def step_fn(model, frames, weights, positions, opt, amp):
+    def step():
+        with amp:
+            out = model(
+                frames[:, :-1], targets=frames[:, 1:], loss_weights=weights, position_ids=positions
+            )
+        (out.loss_sum / weights.shape[0]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def measure(shape: str, repeats: int, device: str) -> dict:
+    t, docs = (int(x) for x in shape.split("x"))
+    b = 2
+    amp = amp_context(device)
+    variants = {"plain": ("hf", "sdpa_documents", False)}
+    variants["packed sdpa_documents"] = ("hf", "sdpa_documents", True)
+    variants["packed sdpa (dense mask)"] = ("hf", "sdpa", True)
+    variants["packed native (regrouped sdpa)"] = ("native", "sdpa_documents", True)
+    if device == "cuda":
+        variants["packed flex_attention"] = ("hf", "flex_attention", True)
+        variants["packed native flex"] = ("native", "flex", True)
+    dims = dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv=KV, ffn=FFN, text=TEXT)
+    steps = {}
+    for name, (backbone, attn, packed) in variants.items():
+        model, layout = build_speechlm(
+            device, backbone=backbone, attn=attn, streams=STREAMS, codebook=CODEBOOK, **dims
+        )
+        frames = random_frames(layout, b, t + 1, device)
+        weights = torch.full((b, t, STREAMS), 1.0 / STREAMS, device=device)
+        pos = packed_positions(b, t, docs, device) if packed else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        steps[name] = step_fn(model, frames, weights, pos, opt, amp)
+    times = interleaved(steps, repeats, device)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    return {
+        "shape": {"batch": b, "seq_len": t, "documents_per_row": docs},
+        "median_s": med,
+        "spread_s": {n: [min(v), max(v)] for n, v in times.items()},
+        "packed_over_plain": {n: med[n] / med["plain"] for n in med if n != "plain"},
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shapes", default="2048x8,8192x16")
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for shape in a.shapes.split(","):
+        rows.append(measure(shape, a.repeats, device))
+        print(json.dumps(rows[-1], indent=2), flush=True)
+    result = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "model": dict(
+            hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=KV, ffn=FFN, streams=STREAMS
+        ),
+        "results": rows,
+    }
+    os.makedirs("benchmarks/results", exist_ok=True)
+    with open(
+        f"benchmarks/results/attention_{'gpu' if device == 'cuda' else 'cpu'}.json", "w"
+    ) as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
