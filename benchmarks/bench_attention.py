@@ -54,13 +54,16 @@ def measure(shape: str, repeats: int, device: str) -> dict:
     t, docs = (int(x) for x in shape.split("x"))
     b = 2
     amp = amp_context(device)
-    variants = {"plain": ("hf", "sdpa_documents", False)}
-    variants["packed sdpa_documents"] = ("hf", "sdpa_documents", True)
-    variants["packed sdpa (dense mask)"] = ("hf", "sdpa", True)
-    variants["packed native (regrouped sdpa)"] = ("native", "sdpa_documents", True)
+    variants = {  # name: (backbone, attention, packed)
+        "hf plain": ("hf", "sdpa_documents", False),
+        "hf packed sdpa_documents": ("hf", "sdpa_documents", True),
+        "hf packed sdpa (dense mask)": ("hf", "sdpa", True),
+        "native plain": ("native", "sdpa_documents", False),
+        "native packed (grouped documents)": ("native", "sdpa_documents", True),
+    }
     if device == "cuda":
-        variants["packed flex_attention"] = ("hf", "flex_attention", True)
-        variants["packed native flex"] = ("native", "flex", True)
+        variants["hf packed flex_attention"] = ("hf", "flex_attention", True)
+        variants["native packed flex"] = ("native", "flex", True)
     dims = dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv=KV, ffn=FFN, text=TEXT)
     steps = {}
     for name, (backbone, attn, packed) in variants.items():
@@ -72,13 +75,15 @@ def measure(shape: str, repeats: int, device: str) -> dict:
         pos = packed_positions(b, t, docs, device) if packed else None
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         steps[name] = step_fn(model, frames, weights, pos, opt, amp)
-    times = interleaved(steps, repeats, device)
+    times = interleaved(steps, repeats, device, warmup=1)
     med = {n: statistics.median(v) for n, v in times.items()}
     return {
         "shape": {"batch": b, "seq_len": t, "documents_per_row": docs},
         "median_s": med,
         "spread_s": {n: [min(v), max(v)] for n, v in times.items()},
-        "packed_over_plain": {n: med[n] / med["plain"] for n in med if n != "plain"},
+        "packed_over_plain": {
+            n: med[n] / med[n.split()[0] + " plain"] for n in med if "packed" in n
+        },
     }
 
 

@@ -1,9 +1,15 @@
 # ruff: noqa: I001  (torchtitan_speechlm must be imported before torchtitan: CPU device selection)
-"""Loader throughput (0 and 2 workers) next to the debug model's training step rate, and padding
-of `pack` vs `bucket`, on the demo corpus (run `make demo` first, or this builds its data).
+"""The data loader's cost: flat in the data-parallel degree, divided among workers.
 
-    python benchmarks/bench_loader.py [--config train_configs/speechlm_debug.toml]
+1. *dp scaling* (one process plays rank 0 of dp = 1 ... 512): a varied-length synthetic corpus
+   (lognormal lengths, 20 to 500 frames), pack, local batch 2, seq_len 512, two tasks; the time
+   rank 0's loader spends per optimizer step. Target: dp = 512 within 1.5x of dp = 8.
+2. *workers*: micro-batches/s through the real ``SpeechLMDataLoader`` with 0 and 2 loader
+   workers on the demo corpus (run ``make demo`` first, or this builds its data). Target: 2
+   workers >= 1.6x 0 workers. The repeats alternate 0 and 2 workers.
+3. padding of ``pack`` vs ``bucket``, and the debug model's training step rate for scale.
 
+    python benchmarks/bench_loader.py [--dps 1,8,64,512] [--repeats 5]
 Writes benchmarks/results/loader.json. Not a test: timings depend on the machine.
 """
 
@@ -12,19 +18,108 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import torchtitan_speechlm  # noqa: F401  (CPU device selection before torchtitan)
 from torchtitan.config import ConfigManager
 
+from bench_common import device_name
 from torchtitan_speechlm.config import parse_datasets, parse_mix
 from torchtitan_speechlm.data.loader import SpeechLMDataLoader, build_dataset
+from torchtitan_speechlm.data.stream import Source, SpeechLMDataset
+from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+from torchtitan_speechlm.model.vocab import VocabLayout
 
 
+# ---- 1. dp scaling on a synthetic corpus ----------------------------------------------------
+@dataclass
+class Item:
+    id: str
+    text: str
+    text_tokens: np.ndarray
+    audio_codes: np.ndarray
+    seconds: float
+    turns: list | None = None
+
+
+class SyntheticCorpus:
+    """The reader API the stream uses, in memory: lognormal text and audio lengths."""
+
+    def __init__(self, n: int, streams: int, codebook: int, text: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.text_lengths = np.clip(rng.lognormal(3.0, 0.6, n), 3, 120).astype(np.int64)
+        self.audio_lengths = np.clip(rng.lognormal(4.5, 0.7, n), 10, 380).astype(np.int64)
+        self.ids = [f"utt{i}" for i in range(n)]
+        self.kinds = ["speech"] * n
+        self.streams, self.codebook, self.text = streams, codebook, text
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> Item:
+        rng = np.random.default_rng(i)
+        return Item(
+            self.ids[i],
+            "",
+            rng.integers(0, self.text, self.text_lengths[i]),
+            rng.integers(0, self.codebook, (self.audio_lengths[i], self.streams)),
+            1.0,
+        )
+
+
+def synthetic_stream(corpus, dp: int) -> SpeechLMDataset:
+    layout = VocabLayout(
+        text_size=corpus.text, num_streams=corpus.streams, codebook_size=corpus.codebook
+    )
+    builder = TemplateBuilder(
+        layout, "delay", LossWeights(1.0, 1.0, (1 / corpus.streams,) * corpus.streams)
+    )
+    idx = np.arange(len(corpus))
+    sources = [Source(t, "synthetic", 1.0, corpus, idx) for t in ("tts", "asr")]
+    return SpeechLMDataset(
+        sources,
+        builder,
+        seq_len=512,
+        local_batch_size=2,
+        mode="pack",
+        window=256,
+        dp_rank=0,
+        dp_world_size=dp,
+        seed=0,
+        shuffle=True,
+        infinite=True,
+    )
+
+
+def dp_scaling(dps: list[int], steps: int, repeats: int) -> dict:
+    corpus = SyntheticCorpus(200_000, streams=8, codebook=1024, text=4096)
+    times: dict[int, list[float]] = {dp: [] for dp in dps}
+    for _ in range(repeats):  # interleaved over dp
+        for dp in dps:
+            it = iter(synthetic_stream(corpus, dp))
+            next(it)  # the first windows are start-up, not steady state
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                next(it)
+            times[dp].append((time.perf_counter() - t0) / steps * 1e3)
+    med = {dp: statistics.median(v) for dp, v in times.items()}
+    ref = 8 if 8 in med else dps[0]
+    return {
+        "corpus": "synthetic, 200k items, lognormal lengths; pack, local batch 2, seq_len 512",
+        "ms_per_step_rank0": {
+            str(dp): {"median": med[dp], "min": min(times[dp]), "max": max(times[dp])} for dp in dps
+        },
+        f"over_dp{ref}": {str(dp): med[dp] / med[ref] for dp in dps},
+    }
+
+
+# ---- 2. workers on the demo corpus ----------------------------------------------------------
 def job(config: str, *overrides: str):
     return ConfigManager().parse_args(
         [
@@ -42,7 +137,7 @@ def dataset(jc, training=True):
     return build_dataset(jc, entries, "train", dp_rank=0, dp_world_size=1, training=training)
 
 
-def loader_rate(jc, workers: int, n: int) -> dict:
+def loader_rate(jc, workers: int, n: int) -> float:
     dl = SpeechLMDataLoader(
         dataset(jc),
         dp_rank=0,
@@ -52,16 +147,32 @@ def loader_rate(jc, workers: int, n: int) -> dict:
         prefetch_factor=4 if workers else None,
     )
     it = iter(dl)
-    next(it)  # worker start-up is not throughput
-    t0, tokens = time.perf_counter(), 0
+    for _ in range(5):  # worker start-up is not throughput
+        next(it)
+    t0 = time.perf_counter()
     for _ in range(n):
-        batch, _ = next(it)
-        tokens += batch["input"].shape[0] * batch["input"].shape[1]
-    dt = time.perf_counter() - t0
-    return {"workers": workers, "micro_batches_per_s": n / dt, "frames_per_s": tokens / dt}
+        next(it)
+    rate = n / (time.perf_counter() - t0)
+    del it
+    return rate
 
 
-def train_step_rate(jc, steps: int) -> dict:
+def workers(jc, n: int, repeats: int) -> dict:
+    rates: dict[int, list[float]] = {0: [], 2: []}
+    for _ in range(repeats):
+        for w in rates:
+            rates[w].append(loader_rate(jc, w, n))
+    med = {w: statistics.median(v) for w, v in rates.items()}
+    return {
+        "micro_batches_per_s": {
+            str(w): {"median": med[w], "min": min(v), "max": max(v)} for w, v in rates.items()
+        },
+        "2_over_0_workers": med[2] / med[0],
+    }
+
+
+# ---- 3. context: padding and the training step rate ------------------------------------------
+def train_step_rate(jc, steps: int) -> float:
     """Forward + backward + AdamW of the debug model on real loader batches (1 process)."""
     from torchtitan_speechlm.model.args import SpeechLMModelArgs
     from torchtitan_speechlm.model.model import SpeechLM
@@ -83,9 +194,7 @@ def train_step_rate(jc, steps: int) -> dict:
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-    dt = sum(times[2:]) / len(times[2:])
-    frames = batches[0][0]["input"].shape[0] * batches[0][0]["input"].shape[1]
-    return {"steps_per_s": 1 / dt, "frames_per_s": frames / dt}
+    return 1 / statistics.median(times[2:])
 
 
 def padding(jc, mode: str, n: int) -> float:
@@ -101,28 +210,30 @@ def padding(jc, mode: str, n: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", default="train_configs/speechlm_debug.toml")
-    p.add_argument("--micro-batches", type=int, default=200)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dps", default="1,8,64,512")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--micro-batches", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
     jc = job(a.config)
     if not os.path.isdir(parse_datasets(jc.speechlm_data.datasets)["demo"]):
         from torchtitan_speechlm.demo.run import build_demo_data
 
         build_demo_data("demo_work")
-    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
-    train = train_step_rate(jc, a.steps)
-    loaders = [loader_rate(jc, w, a.micro_batches) for w in (0, 2)]
+    scaling = dp_scaling([int(x) for x in a.dps.split(",")], a.steps, a.repeats)
+    print(json.dumps(scaling, indent=2), flush=True)
+    rates = workers(jc, a.micro_batches, a.repeats)
+    print(json.dumps(rates, indent=2), flush=True)
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "config": a.config,
-        "seq_len": jc.training.seq_len,
-        "local_batch_size": jc.training.local_batch_size,
-        "train": train,
-        "loaders": loaders,
-        "loader_margin": {
-            f"{x['workers']}_workers": x["micro_batches_per_s"] / train["steps_per_s"]
-            for x in loaders
+        "machine": device_name("cpu"),
+        "dp_scaling": scaling,
+        "workers": {
+            "config": a.config,
+            "seq_len": jc.training.seq_len,
+            "local_batch_size": jc.training.local_batch_size,
+            **rates,
         },
+        "train_steps_per_s": train_step_rate(jc, 20),
         "padding_ratio": {m: padding(jc, m, 100) for m in ("pack", "bucket")},
     }
     print(json.dumps(result, indent=2))

@@ -126,3 +126,29 @@ def test_memory_bounded_chunks_equal_plain_pytorch_loss_and_gradients(tmp_path, 
         if p.grad is not None:
             scale = float(p.grad.float().abs().max())
             assert float((grads[n] - p.grad.float()).abs().max()) <= tol * scale, n
+
+
+def test_streams_with_loss_on_few_frames_equal_plain_pytorch_with_gradients(tmp_path):
+    """A stream with loss on under half the frames projects only those (here stream 1 has
+    none at all: a text-only batch); loss, statistics and every gradient are unchanged."""
+    save_tiny_backbone(tmp_path / "bb")
+    model = build_speechlm(tmp_path / "bb", z_loss_weight=1e-3)
+    with torch.no_grad():
+        model.head.stream_emb.weight.normal_(0, 0.1)
+    inputs, targets, weights = random_batch(model.args.layout, t=30)
+    weights[..., 1] = 0.0
+    weights[..., 2] = 0.0
+    weights[0, 4:7, 2] = 0.7
+    out = model(inputs, targets=targets, loss_weights=weights)
+    out.loss_sum.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    ref = reference(model, inputs, targets, weights, 1e-3)
+    ref["loss"].backward()
+    torch.testing.assert_close(out.loss_sum, ref["loss"], atol=1e-5, rtol=1e-6)
+    for k in range(3):
+        for key in (f"acc_stream{k}", f"ce_stream{k}", f"count_stream{k}"):
+            torch.testing.assert_close(out.stats[key], ref[key].detach(), atol=1e-5, rtol=1e-6)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=1e-5, msg=n)

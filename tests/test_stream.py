@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan_speechlm.data.loader import SpeechLMDataLoader
+from torchtitan_speechlm.data.loader import SpeechLMDataLoader, merge_positions
 from torchtitan_speechlm.data.stream import Source, SpeechLMDataset, batch_hash
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -184,11 +184,15 @@ def test_resume_on_another_data_parallel_degree_continues_the_stream():
             next(it)
     expected = [torch.cat([next(its[0])[0]["input"], next(its[1])[0]["input"]]) for _ in range(4)]
     one = make(world=1, rows=4)
-    state = make(world=2, rank=0, rows=2)
-    it = iter(state)
-    for _ in range(3):
-        next(it)
-    one.load_state_dict(state.state_dict())
+    ranks = [make(world=2, rank=r, rows=2) for r in (0, 1)]
+    for d in ranks:
+        it = iter(d)
+        for _ in range(3):
+            next(it)
+    with pytest.raises(ValueError, match=r"lacks shards \[2, 3\]"):
+        one.load_state_dict(ranks[0].state_dict())  # rank 0 alone knows shards 0 and 1
+    positions = [d.state_dict()["position"] for d in ranks]
+    one.load_state_dict(dict(ranks[0].state_dict(), position=merge_positions(positions)))
     got = [b[0]["input"] for b in take(one, 4)]
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
@@ -415,9 +419,25 @@ def test_resume_on_another_dp_degree_continues_with_the_next_samples(mode, new_w
     steps hold exactly the samples the 2-rank run would have trained on."""
     full, _ = layout_steps(2, 2, mode, 6)
     _, states = layout_steps(2, 2, mode, 3)
-    assert len({pickle.dumps(s) for s in states}) == 1  # the same state on every rank
-    resumed, _ = layout_steps(new_world, 4 // new_world, mode, 3, state=states[0])
+    own = [set(pickle.loads(s["speechlm_stream"])["position"]["shards"]) for s in states]
+    assert not own[0] & own[1]  # each rank builds (and knows) only its own shards
+    resumed, _ = layout_steps(new_world, 4 // new_world, mode, 3, state=merged(states))
     assert resumed == full[3:]
+
+
+def merged(states: list[dict]) -> dict:
+    """What the loader saves in a multi-process run (its state_dict gathers every rank's)."""
+    loaded = [pickle.loads(s["speechlm_stream"]) for s in states]
+    one = dict(loaded[0], position=merge_positions([x["position"] for x in loaded]))
+    return dict(states[0], speechlm_stream=pickle.dumps(one))
+
+
+def test_resume_with_another_global_batch_is_refused_with_the_fix():
+    ds = make(rows=4)
+    it = iter(ds)
+    next(it)
+    with pytest.raises(ValueError, match="4 rows per optimizer step and this run 2"):
+        make(rows=2).load_state_dict(ds.state_dict())
 
 
 def test_lengths_that_do_not_fit_stop_before_the_first_step():

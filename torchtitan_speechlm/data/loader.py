@@ -21,7 +21,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.config import MixEntry, normalised_stream_weights
-from torchtitan_speechlm.data.stream import META_KEY, Source, SpeechLMDataset, batch_hash
+from torchtitan_speechlm.data.stream import Source, SpeechLMDataset, batch_hash, from_wire
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
 from torchtitan_speechlm.run_context import run_context
@@ -32,10 +32,11 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
 
     The stream position travels with each batch (``META_KEY``, also through loader workers) and
     is taken off here, so the saved state is exactly "after the last micro-batch the trainer
-    consumed", whatever the workers prefetched. It is global (identical on every rank at a step
-    boundary) and saved under one rank-free key instead of the parent's ``dp_rank_{r}``: a
-    resume on another data-parallel degree reads the same state and continues the stream.
-    torchdata's own per-worker snapshots are not used.
+    consumed", whatever the workers prefetched. Each rank knows the cursors of its own shards;
+    ``state_dict`` gathers every rank's (a collective: torchtitan's checkpointer calls it on all
+    ranks together) and saves the merged, rank-free state under one key instead of the parent's
+    ``dp_rank_{r}``: a resume on another data-parallel degree reads the same state and each
+    rank takes its shards from it. torchdata's own per-worker snapshots are not used.
     """
 
     STATE_KEY = "speechlm_stream"
@@ -58,8 +59,8 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
             os.makedirs(os.path.dirname(self.hash_log), exist_ok=True)
             log = open(self.hash_log, "a", buffering=1)
         try:
-            for batch in super().__iter__():
-                meta = pickle.loads(batch[0].pop(META_KEY))
+            for wire in super().__iter__():
+                batch, meta = from_wire(wire)
                 self._position = dict(self._position, position=meta["position"])
                 self.last_samples = meta["samples"]
                 if log is not None:
@@ -73,7 +74,8 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
                 log.close()
 
     def state_dict(self) -> dict:
-        return {self.STATE_KEY: pickle.dumps(self._position), "world_size": self.dp_world_size}
+        state = dict(self._position, position=gather_position(self._position["position"]))
+        return {self.STATE_KEY: pickle.dumps(state), "world_size": self.dp_world_size}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not state_dict:
@@ -91,6 +93,29 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
         state = pickle.loads(state_dict[self.STATE_KEY])
         self.dataset.load_state_dict(state)
         self._position = self.dataset.state_dict()
+
+
+def merge_positions(positions: list[dict]) -> dict:
+    """One stream position from the ranks' own ones: the same step everywhere, every shard."""
+    steps = {(p["steps"], p["micro_done"]) for p in positions}
+    if len(steps) != 1:
+        raise RuntimeError(f"data-parallel ranks disagree on the stream's step: {sorted(steps)}")
+    merged = dict(positions[0], shards={})
+    for p in positions:
+        merged["shards"].update(p["shards"])
+    return merged
+
+
+def gather_position(position: dict) -> dict:
+    """Every rank's shard cursors, merged (all ranks of the default process group take part;
+    tensor- and pipeline-parallel peers contribute the same shards twice, which is harmless)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return position
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, position)
+    return merge_positions(parts)
 
 
 def _hash01(s: str) -> float:

@@ -1,30 +1,34 @@
-"""The global, exactly resumable stream of training steps (packed or bucketed).
+"""The global, exactly resumable stream of training steps (packed or bucketed), in shards.
 
-One *global* stream of items, identical on every rank: each (task, dataset) mixture entry walks
-its own seeded permutation, epoch by epoch, and a seeded generator picks the entry of each draw
-by weight. Items are taken ``window`` at a time; a window is turned into *pieces* from item
-lengths alone:
+**The unit of the stream is the optimizer step**: ``S = step_pieces`` pieces (pack: rows of
+``seq_len`` frames, the global batch ``training.global_batch_size``; bucket: ``dp x
+accumulation`` micro-batches under the ``max_tokens`` budget). Piece ``j`` of every step comes
+from *shard* ``j``, an independent sub-stream over its own share of the data: each (task,
+dataset) mixture entry walks a seeded permutation per epoch of which shard ``j`` takes every
+``S``-th item (a source smaller than ``S`` is shared whole), and a seeded generator of the shard
+picks the entry of each draw by weight. A shard takes items ``window`` at a time and turns a
+window into pieces from item lengths alone:
 
 - ``pack``: a piece is a row of ``seq_len`` frames holding several samples, each with its own
-  position ids (transformers turns restarting positions into a block-diagonal causal mask, so
-  attention never crosses samples);
+  position ids (attention stays within a sample: model/documents.py);
 - ``bucket``: a piece is a micro-batch: one sample per row, length-sorted, as many rows as fit
   the ``max_tokens`` budget, padded to the longest.
 
-Samples of under-filled pieces at the end of a window are carried into the next window; piece
-order within a window is shuffled. None of this depends on the data-parallel layout.
+Samples of under-filled pieces at the end of a window are carried into the shard's next window;
+piece order within a window is shuffled.
 
-**The unit of the stream is the optimizer step**: ``step_pieces`` consecutive pieces (pack: the
-global batch, ``training.global_batch_size`` rows; bucket: ``dp x accumulation`` micro-batches).
-Rank ``r``'s micro-batch ``m`` (of ``accumulation``) is slice ``m * dp + r`` of the step (``B``
-rows, or one unit). So 1 process x 4 micro-batches, 2 x 2 and 4 x 1 train on the same samples in
-every step. Loader worker ``w`` of ``n`` serves this rank's micro-batches ``w, w + n, ...``.
+Rank ``r``'s micro-batch ``m`` (of ``accumulation``) is slice ``i = m * dp + r`` of the step:
+pieces (shards) ``i*B .. i*B+B-1`` (pack, ``B`` rows) or ``i`` (bucket). So a rank only ever
+builds its own shards: its data work per step is the same at dp = 8 and dp = 512. And 1 process
+x 4 micro-batches, 2 x 2 and 4 x 1 train on the same samples in every step, since which samples
+form a step depends only on ``S``. Loader worker ``w`` of ``n`` serves this rank's micro-batches
+``w, w + n, ...``.
 
-Position = (cursor of the current step's first piece: its window's start state and index, the
-pieces of a finished step to skip, micro-batches done in an unfinished one). A resume regenerates
-that window and continues exactly, whatever ``training.steps`` is. At a step boundary the
-position is the same on every rank and says nothing about the layout, so a resume on another
-data-parallel degree or global batch continues with exactly the pieces the stream holds next.
+Position = optimizer steps done, micro-batches done in an unfinished step, and each shard's
+cursor (its window's start state and the pieces taken from it). A rank knows its own shards'
+cursors; the loader gathers all of them when a checkpoint is written (loader.py), so a resume
+on another data-parallel degree or accumulation (same global batch) picks up its shards where
+the stream left them.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from torchtitan_speechlm.data.tasks import TASKS, TemplateBuilder, get_task
 from torchtitan_speechlm.model.vocab import VocabMismatchError
 
 META_KEY = "_speechlm_meta"  # the batch entry carrying the stream position (see loader.py)
+WIRE_KEY, LABELS_KEY = "_speechlm_buffer", "_speechlm_labels"  # see to_wire
 BASE_STATS = (
     "examples",
     "rows",
@@ -109,12 +114,12 @@ class DataLengthError(ValueError):
 class SpeechLMDataset(IterableDataset):
     """This rank's share of the global stream; a torchdata-Stateful IterableDataset.
 
-    The stream is a sequence of *pieces* (pack: rows of ``seq_len`` frames; bucket: micro-batches
-    under the ``max_tokens`` budget) that depends only on the data, the seed and the piece
-    parameters. An optimizer step takes ``step_pieces`` consecutive pieces (pack: the global
-    batch in rows; bucket: ``dp x accumulation`` micro-batches) and rank ``r``'s micro-batch
-    ``m`` of the step is the slice ``m * dp + r`` of it: the layout (processes x accumulation)
-    only decides who computes which slice, never which samples form a step.
+    An optimizer step is ``step_pieces`` pieces (pack: the global batch in rows of ``seq_len``
+    frames; bucket: ``dp x accumulation`` micro-batches under the ``max_tokens`` budget), piece
+    ``j`` from shard ``j``. Which samples form a step depends only on the data, the seed, the
+    piece parameters and ``step_pieces``; rank ``r``'s micro-batch ``m`` is the slice
+    ``m * dp + r`` of it, built from that slice's shards only, so the layout (processes x
+    accumulation) decides who computes which slice, never which samples form a step.
     """
 
     def __init__(
@@ -223,23 +228,34 @@ class SpeechLMDataset(IterableDataset):
 
     # ---- state -----------------------------------------------------------------------------
     def reset(self) -> None:
-        start = {
+        self._start = {
+            "steps": 0,
+            "micro_done": 0,
+            "accumulation": self.accumulation,
+            "step_pieces": self.step_pieces,
+            "shards": {j: self._shard_start(j) for j in self.own_shards()},
+        }
+        self._position = self._start
+        self._perm_cache: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
+
+    def _shard_start(self, shard: int) -> dict:
+        window = {
             "epoch": [0] * len(self.sources),
             "pos": [0] * len(self.sources),
-            "rng": np.random.default_rng([self.seed, 7919]).bit_generator.state,
+            "rng": np.random.default_rng([self.seed, 7919, shard]).bit_generator.state,
             "carried": [],
             "window": 0,
         }
-        self._start = {
-            "cursor": {"window": start, "consumed": 0},
-            "skip_pieces": 0,
-            "micro_done": 0,
-            "steps": 0,
-            "accumulation": self.accumulation,
-            "step_pieces": self.step_pieces,
-        }
-        self._position = self._start
-        self._perm_cache: dict[int, tuple[int, np.ndarray]] = {}
+        return {"window": window, "consumed": 0}
+
+    def slice_shards(self, m: int, r: int | None = None) -> list[int]:
+        """The shards (pieces of a step) of rank ``r``'s micro-batch ``m``."""
+        i = m * self.dp_world_size + (self.dp_rank if r is None else r)
+        per_micro = self.local_batch_size if self.mode == "pack" else 1
+        return list(range(i * per_micro, (i + 1) * per_micro))
+
+    def own_shards(self) -> list[int]:
+        return [j for m in range(self.accumulation) for j in self.slice_shards(m)]
 
     @property
     def piece_params(self) -> dict:
@@ -247,8 +263,9 @@ class SpeechLMDataset(IterableDataset):
         return {"mode": self.mode, "seq_len": self.seq_len}
 
     def state_dict(self) -> dict:
-        """The position after the last yielded micro-batch (identical on every rank at a step
-        boundary), plus what the stream is made of, to refuse an incompatible resume."""
+        """The position after the last yielded micro-batch (this rank's shards; the loader
+        merges all ranks' when it saves), plus what the stream is made of, to refuse an
+        incompatible resume."""
         return {
             "position": copy.deepcopy(self._position),
             "pieces": self.piece_params,
@@ -258,7 +275,7 @@ class SpeechLMDataset(IterableDataset):
 
     def load_state_dict(self, state: dict) -> None:
         names = [f"{s.task}:{s.name}" for s in self.sources]
-        if "position" not in state:
+        if "shards" not in state.get("position", {}):
             raise ValueError(
                 "the checkpoint's data position was written by an older torchtitan_speechlm "
                 "stream format; add 'dataloader' to checkpoint.exclude_from_loading to restart "
@@ -286,26 +303,52 @@ class SpeechLMDataset(IterableDataset):
                     "checkpoint.exclude_from_loading to restart the data stream"
                 )
         pos = copy.deepcopy(state["position"])
-        if pos["micro_done"] and (pos["accumulation"], pos["step_pieces"]) != (
-            self.accumulation,
-            self.step_pieces,
-        ):
+        if pos["step_pieces"] != self.step_pieces:
+            unit = "rows" if self.mode == "pack" else "micro-batches"
+            raise ValueError(
+                f"the checkpoint's data stream has {pos['step_pieces']} {unit} per optimizer "
+                f"step and this run {self.step_pieces} (training.global_batch_size, or local "
+                "batch x data-parallel degree x accumulation): the stream is sharded by it and "
+                "cannot continue with another. Keep the global batch, or add 'dataloader' to "
+                "checkpoint.exclude_from_loading to restart the data stream"
+            )
+        if pos["micro_done"] and pos["accumulation"] != self.accumulation:
             raise ValueError(
                 "the checkpoint was taken in the middle of an optimizer step and this run has "
                 "another data-parallel layout; resume with the original layout"
             )
+        missing = [j for j in self.own_shards() if j not in pos["shards"]]
+        if missing:
+            raise ValueError(
+                f"the saved data position lacks shards {missing[:8]} of this rank (a state "
+                "saved by one rank of a multi-rank run without merging; see "
+                "SpeechLMDataLoader.state_dict)"
+            )
+        pos["shards"] = {j: pos["shards"][j] for j in self.own_shards()}
+        pos["accumulation"] = self.accumulation
         self._start = self._position = pos
 
     # ---- drawing items ---------------------------------------------------------------------
-    def _perm(self, src: int, epoch: int) -> np.ndarray:
-        cached = self._perm_cache.get(src)
+    def _perm(self, src: int, epoch: int, shard: int) -> np.ndarray:
+        """Shard ``shard``'s items of source ``src`` in epoch ``epoch``: every S-th item of the
+        epoch's permutation (training), or of the source in order (a finite pass). A training
+        source with fewer items than shards is shared whole, in the shard's own order."""
+        key = (src, shard)
+        cached = self._perm_cache.get(key)
         if cached is None or cached[0] != epoch:
-            idx = self.sources[src].indices
+            idx, n = self.sources[src].indices, self.step_pieces
             if self.shuffle:
-                idx = idx[
-                    np.random.default_rng([self.seed, src, epoch, 104729]).permutation(len(idx))
-                ]
-            cached = self._perm_cache[src] = (epoch, idx)
+                if len(idx) >= n:
+                    perm = np.random.default_rng([self.seed, src, epoch, 104729])
+                    idx = idx[perm.permutation(len(idx))][shard::n]
+                else:
+                    perm = np.random.default_rng([self.seed, src, epoch, shard, 104729])
+                    idx = idx[perm.permutation(len(idx))]
+            elif self.infinite and len(idx) < n:
+                pass  # an unshuffled training source smaller than S: every shard walks it all
+            else:
+                idx = idx[shard::n]
+            cached = self._perm_cache[key] = (epoch, idx)
         return cached[1]
 
     def _length(self, src: int, item: int, cfg_drop: bool) -> int:
@@ -328,14 +371,21 @@ class SpeechLMDataset(IterableDataset):
             cfg_drop=cfg_drop,
         )
 
-    def _draw(self, st: dict, rng: np.random.Generator) -> Draw | None:
+    def _draw(self, st: dict, rng: np.random.Generator, shard: int) -> Draw | None:
         if self.infinite:
             src = int(rng.choice(len(self.sources), p=self._weights))
-        else:  # validation: each source once, in order
-            src = next((i for i in range(len(self.sources)) if st["epoch"][i] == 0), None)
+        else:  # a finite pass: each source's share once, in order
+            src = next(
+                (
+                    i
+                    for i in range(len(self.sources))
+                    if st["epoch"][i] == 0 and len(self._perm(i, 0, shard))
+                ),
+                None,
+            )
             if src is None:
                 return None
-        perm = self._perm(src, st["epoch"][src])
+        perm = self._perm(src, st["epoch"][src], shard)
         item = int(perm[st["pos"][src]])
         st["pos"][src] += 1
         if st["pos"][src] >= len(perm):
@@ -344,8 +394,8 @@ class SpeechLMDataset(IterableDataset):
         return Draw(src, item, drop, self._length(src, item, drop))
 
     # ---- windows -> pieces -----------------------------------------------------------------
-    def _window(self, st: dict) -> tuple[list, list[Draw], bool]:
-        """Turn the window starting at state ``st`` into pieces (pack: rows, bucket: units);
+    def _window(self, st: dict, shard: int) -> tuple[list, list[Draw], bool]:
+        """Turn shard ``shard``'s window starting at state ``st`` into pieces (pack: rows, bucket: units);
         advances ``st`` in place. Returns (pieces, samples skipped as too long, stream done).
 
         Nothing here depends on the data-parallel layout. The window's size and token budget
@@ -357,7 +407,7 @@ class SpeechLMDataset(IterableDataset):
         draws = [Draw(*d) for d in st["carried"]]
         exhausted = False
         while len(draws) < build["window"]:
-            d = self._draw(st, rng)
+            d = self._draw(st, rng, shard)
             if d is None:
                 exhausted = True
                 break
@@ -367,7 +417,7 @@ class SpeechLMDataset(IterableDataset):
         final = exhausted or not self.infinite
         carried: list[Draw] = []
         if self.mode == "pack":
-            pieces = self._pack(draws, st["window"])
+            pieces = self._pack(draws, st["window"], shard)
             if not final:
                 pieces, carried = self._carry_underfilled(pieces, build["window"])
         else:
@@ -380,7 +430,8 @@ class SpeechLMDataset(IterableDataset):
                     for d in row
                 ]
         if self.shuffle:
-            order = np.random.default_rng([self.seed, st["window"], 31337]).permutation(len(pieces))
+            order = np.random.default_rng([self.seed, shard, st["window"], 31337])
+            order = order.permutation(len(pieces))
             pieces = [pieces[i] for i in order]
         for d in too_long:
             if d.src not in self._warned_long:  # once per source; all are counted
@@ -411,13 +462,13 @@ class SpeechLMDataset(IterableDataset):
             return rows, []  # cannot pack better: emit everything
         return good, [Draw(d.src, d.item, d.cfg_drop, d.length, d.age + 1) for d in carried]
 
-    def _pack(self, draws: list[Draw], window: int) -> list[list[Draw]]:
+    def _pack(self, draws: list[Draw], window: int, shard: int) -> list[list[Draw]]:
         """Rows filled by exact subset-sum: each row takes the longest remaining sample, then
         the subset of the others that fills the rest best (bitset DP, O(items) big-int ops).
         The candidates are offered in a seeded random order, so rows mix tasks and lengths
         instead of grouping similar samples. Padding ends up in the last rows of a window,
         which are carried into the next one."""
-        order = np.random.default_rng([self.seed, window, 65537]).permutation(len(draws))
+        order = np.random.default_rng([self.seed, shard, window, 65537]).permutation(len(draws))
         pool = [draws[i] for i in order]
         rows: list[list[Draw]] = []
         while pool:
@@ -444,87 +495,73 @@ class SpeechLMDataset(IterableDataset):
             u.t = min(u.t, self.seq_len)
         return units
 
-    def _pieces(self, cursor: dict):
-        """Yield ``(cursor, piece, skipped)`` from ``cursor`` = the window's start state and the
-        pieces already taken from it; ``skipped`` = samples dropped as too long since the
-        previous piece (a resumed window's were counted before it was interrupted)."""
+    def _pieces(self, shard: int, cursor: dict):
+        """Yield ``(cursor after it, piece, skipped)`` for shard ``shard`` from ``cursor`` =
+        its window's start state and the pieces already taken from it; ``skipped`` = samples
+        dropped as too long since the previous piece (a resumed window's were counted before
+        it was interrupted)."""
         st = copy.deepcopy(cursor["window"])
         skip, skipped = cursor["consumed"], 0
         while True:
             start = copy.deepcopy(st)
-            pieces, too_long, done = self._window(st)
+            pieces, too_long, done = self._window(st, shard)
             if not skip:
                 skipped += len(too_long)
             for i in range(skip, len(pieces)):
-                yield {"window": start, "consumed": i}, pieces[i], skipped
+                yield {"window": start, "consumed": i + 1}, pieces[i], skipped
                 skipped = 0
             skip = max(0, skip - len(pieces))
             if done:
                 return
 
-    def _steps(self, position: dict):
-        """Yield ``(cursor, pieces, skipped)`` per optimizer step, from a saved position."""
-        pieces = self._pieces(position["cursor"])
-        skipped = 0
-        for _ in range(position["skip_pieces"]):  # the pieces of a step already trained on
-            if next(pieces, None) is None:
-                return
-        step: list = []
-        for cursor, piece, sk in pieces:
-            if not step:
-                first = cursor
-            step.append(piece)
-            skipped += sk
-            if len(step) == self.step_pieces:
-                yield first, step, skipped
-                step, skipped = [], 0
-        if step and not self.infinite:
-            yield first, step, skipped  # the last, partial step of a finite set
-
-    def micro_slice(self, step: list, m: int, r: int | None = None) -> Unit:
-        """Rank ``r``'s micro-batch ``m`` of a step: slice ``m * dp + r`` (B rows or a unit)."""
-        i = m * self.dp_world_size + (self.dp_rank if r is None else r)
+    def micro_batch(self, pieces: list) -> Unit:
+        """A micro-batch from its slice's pieces: B rows (pack) or the one unit (bucket)."""
         if self.mode == "pack":
-            b = self.local_batch_size
-            return Unit(step[i * b : (i + 1) * b], t=self.seq_len)
-        return step[i] if i < len(step) else Unit([], t=0)
+            return Unit([p for p in pieces if p is not None], t=self.seq_len)
+        return pieces[0] if pieces and pieces[0] is not None else Unit([], t=0)
 
     # ---- iteration -------------------------------------------------------------------------
     def __iter__(self):
         worker = get_worker_info()
         n_workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
         start = self._start
-        steps, micro_skip = start["steps"], start["micro_done"]
+        shards = {j: self._pieces(j, c) for j, c in start["shards"].items()}
+        cursors = dict(start["shards"])
+        steps, m = start["steps"], start["micro_done"]
         served = 0  # micro-batches of this rank since (re)start: worker w serves w, w+n, ...
-        for cursor, step, skipped in self._steps(start):
-            for m in range(self.accumulation):
-                if micro_skip:  # resumed in the middle of a step (same layout)
-                    micro_skip -= 1
-                    continue
-                unit = self.micro_slice(step, m)
-                last = m == self.accumulation - 1
-                self._position = {
-                    "cursor": cursor,
-                    "skip_pieces": len(step) if last else 0,
-                    "micro_done": 0 if last else m + 1,
-                    "steps": steps + last,
-                    "accumulation": self.accumulation,
-                    "step_pieces": self.step_pieces,
-                }
-                if not unit.rows:  # nothing left for this rank in a finite set's last step
-                    continue
-                mine = served % n_workers == worker_id
-                served += 1
-                if not mine:
-                    continue
-                hashes: list[str] | None = [] if self.emit_meta and self.sample_hashes else None
-                batch = self.collate(unit, skipped if (self.dp_rank, m) == (0, 0) else 0, hashes)
-                if self.emit_meta:  # travels through loader workers with the batch
-                    batch[0][META_KEY] = pickle.dumps(
-                        {"position": self._position, "samples": hashes}
-                    )
+        done: set[int] = set()  # shards at the end of a finite pass
+        while len(done) < len(shards):
+            own = self.slice_shards(m)
+            got = [None if j in done else next(shards[j], None) for j in own]
+            done.update(j for j, g in zip(own, got, strict=True) if g is None)
+            skipped = 0
+            for j, g in zip(own, got, strict=True):
+                if g is not None:
+                    cursors[j] = g[0]
+                    skipped += g[2]
+            unit = self.micro_batch([g[1] if g is not None else None for g in got])
+            last = m == self.accumulation - 1
+            self._position = {
+                "steps": steps + last,
+                "micro_done": 0 if last else m + 1,
+                "accumulation": self.accumulation,
+                "step_pieces": self.step_pieces,
+                "shards": dict(cursors),
+            }
+            steps, m = steps + last, 0 if last else m + 1
+            if not unit.rows:  # nothing left for this slice in a finite pass
+                continue
+            mine = served % n_workers == worker_id
+            served += 1
+            if not mine:
+                continue
+            hashes: list[str] | None = [] if self.emit_meta and self.sample_hashes else None
+            batch = self.collate(unit, skipped, hashes)
+            if self.emit_meta:  # for the loader: one buffer and the position (loader.py)
+                meta = {"position": self._position, "samples": hashes}
+                yield to_wire(batch, meta)
+            else:
                 yield batch
-            steps += 1
 
     # ---- collation -------------------------------------------------------------------------
     def _example(self, d: Draw):
@@ -591,6 +628,35 @@ class SpeechLMDataset(IterableDataset):
             "data_stats": torch.tensor([[stats[k] for k in self.stats_keys]], dtype=torch.float32),
         }
         return batch, torch.from_numpy(np.where(loss_frames, 0, IGNORE_INDEX))
+
+
+def to_wire(batch: tuple[dict, torch.Tensor], meta: dict) -> dict:
+    """A micro-batch as one uint8 tensor plus a pickled header (array offsets, the stream
+    position, sample hashes). A loader worker hands each tensor to the main process through
+    its own shared-memory file descriptor, which costs more than collating a small batch;
+    one buffer costs one."""
+    arrays = {**batch[0], LABELS_KEY: batch[1]}
+    spec, offset = [], 0
+    for key, t in arrays.items():
+        spec.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+        offset += -(-t.numel() * t.element_size() // 8) * 8  # 8-byte aligned
+    buf = torch.empty(offset, dtype=torch.uint8)
+    for (_, _, _, start), t in zip(spec, arrays.values(), strict=True):
+        n = t.numel() * t.element_size()
+        buf[start : start + n] = t.contiguous().view(-1).view(torch.uint8)
+    return {WIRE_KEY: buf, META_KEY: pickle.dumps(dict(meta, spec=spec))}
+
+
+def from_wire(wire: dict) -> tuple[tuple[dict, torch.Tensor], dict]:
+    """``to_wire``'s inverse: ((inputs, labels), meta), the tensors views of the one buffer."""
+    meta = pickle.loads(wire[META_KEY])
+    buf, arrays = wire[WIRE_KEY], {}
+    for key, dtype, shape, start in meta.pop("spec"):
+        dt = getattr(torch, dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
+        arrays[key] = buf[start : start + n].view(dt).view(shape)
+    labels = arrays.pop(LABELS_KEY)
+    return (arrays, labels), meta
 
 
 def _best_subset(sizes: list[int], cap: int) -> list[int]:

@@ -186,7 +186,10 @@ class SpeechLMHead(nn.Module):
         keep = active.any(-1)
         lo, hi = (targets.new_tensor(v) for v in zip(*self.ranges, strict=True))
         bad = active & ((targets < lo) | (targets >= hi))
-        all_kept, any_bad = torch.stack([keep.all(), bad.any()]).tolist()  # one host sync
+        per_stream = active.sum(0)
+        all_kept, any_bad, kept, *counts = torch.cat(  # one host sync
+            [torch.stack([keep.all(), bad.any()]).long(), keep.sum()[None], per_stream]
+        ).tolist()
         if any_bad:
             self._raise_out_of_range(bad, targets, weights)
         if not all_kept:
@@ -199,7 +202,17 @@ class SpeechLMHead(nn.Module):
         loss = h.new_zeros((), dtype=torch.float32)
         parts, hists = [], []
         for k, (a, b) in enumerate(self.ranges):
-            part, st, hi = self._stream_loss(h, w_out[a:b], k, targets[:, k], weights[:, k])
+            hk, tk, wk = h, targets[:, k], weights[:, k]
+            if counts[k] < kept // 2:
+                # a stream with loss on few frames (codebooks on text, or text-only batches):
+                # project those frames only (at least one, so the head joins every backward)
+                sel = (wk > 0).nonzero().squeeze(-1) if counts[k] else wk.new_zeros(1).long()
+                hk, tk, wk = (
+                    h.index_select(0, sel),
+                    tk.index_select(0, sel),
+                    wk.index_select(0, sel),
+                )
+            part, st, hi = self._stream_loss(hk, w_out[a:b], k, tk, wk)
             loss = loss + part
             parts.append(st)
             hists.append(hi)
