@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: demo test deps system-deps lint bench clean
+.PHONY: demo test deps system-deps lint bench gpu-wheels clean
 
 system-deps:
 	@command -v espeak-ng >/dev/null 2>&1 || { \
@@ -39,6 +39,15 @@ lint: deps
 
 bench: deps
 	$(PY) benchmarks/run_all.py
+
+# Pure-Python packages a bare GPU image (Python 3.12, its own CUDA torch + transformers) lacks,
+# for benchmarks/gpu_check.sh (carry .whl to the GPU machine).
+GPU_WHEELS = torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 \
+  typeguard==4.6.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+gpu-wheels: deps
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf outputs demo_work .pytest_cache exported hello.wav

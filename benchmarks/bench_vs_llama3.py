@@ -1,13 +1,29 @@
 # ruff: noqa: I001  (torchtitan_speechlm must be imported before torchtitan: CPU device selection)
-"""SpeechLM vs torchtitan's native llama3 of the same size, in the same run.
+"""SpeechLM vs torchtitan's native llama3 of equal dimensions, on the paths real training takes.
 
-Same hidden size, layers, heads, FFN width and vocabulary rows; same [B, T] batch; one training
-step = forward + loss + backward + AdamW. The SpeechLM adds N summed stream embeddings, the HF
-decoder stack (instead of torchtitan's own), and per-stream heads over vocabulary slices. Reports
-frames/s of both and the ratio. On CPU by default; on a GPU it uses CUDA and bf16 autocast.
+Every variant trains (forward + loss + backward + AdamW) on the same kind of batch: packed rows
+with real position ids (documents of random lengths), ``B x T`` above the loss head's chunk so
+the chunked head runs more than once, and part of the frames carrying no loss. Two configs:
 
-    python benchmarks/bench_vs_llama3.py [--sizes debug,small] [--steps 10]
-Writes benchmarks/results/vs_llama3.json.
+- *speech*: 8 streams (a 1024-code codebook each), 30% of the frames without loss;
+- *text*: the same model on text-only frames (streams 1..7 pads, loss on stream 0 only).
+
+Variants: SpeechLM with each backbone family (``hf`` over a Llama config, ``hf`` over a Qwen3
+config, ``native`` torchtitan blocks), and torchtitan's llama3 ``Transformer`` with the same
+hidden size, layers, heads, FFN width and as many vocabulary rows as the SpeechLM's head
+predicts (speech: the whole layout; text: stream 0's slice), on the same token count. On a GPU
+llama3 uses torchtitan's own document masking (flex, block-causal from the same documents);
+on CPU torch's flex attention has no backward, so llama3 runs its default causal SDPA there
+(more attention work than document masking: the CPU ratio flatters SpeechLM on packed rows;
+the ``speechlm plain`` row, without packing, is the like-for-like CPU comparison).
+
+All variants of a config run interleaved (A, B, C, A, B, C, ...) in one process after a
+warm-up; the report has the median and spread of the repeats, frames/s, ratios to llama3 and
+peak memory (GPU: ``max_memory_allocated`` per variant; CPU: the peak RSS of a separate process
+running two steps of that variant alone, over its RSS after the imports).
+
+    python benchmarks/bench_vs_llama3.py [--shape small] [--repeats 5] [--compile]
+Writes benchmarks/results/vs_llama3_{cpu,gpu}.json (and _compile with --compile).
 """
 
 from __future__ import annotations
@@ -15,10 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import resource
+import statistics
+import subprocess
 import sys
-import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
@@ -27,48 +43,29 @@ import torchtitan_speechlm  # noqa: F401
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
-from torchtitan_speechlm.model.args import SpeechLMModelArgs
-from torchtitan_speechlm.model.model import SpeechLM
-from torchtitan_speechlm.model.vocab import VocabLayout
+from torchtitan_speechlm.infra.parallelize import apply_compile
+from bench_common import (
+    amp_context,
+    build_speechlm,
+    device_name,
+    interleaved,
+    packed_positions,
+    random_frames,
+)
 
-SIZES = {  # hidden, layers, heads, kv heads, ffn, text vocab, streams, codebook, batch, seq
-    "debug": (128, 4, 4, 2, 384, 259, 4, 64, 2, 1024),
-    "small": (512, 8, 8, 4, 1536, 4096, 8, 1024, 2, 1024),
+# hidden, layers, heads, kv heads, ffn, text vocab, batch, seq_len, documents per row
+SHAPES = {
+    "tiny": (64, 2, 4, 2, 192, 512, 2, 512, 4),  # a smoke test of the script itself
+    "small": (512, 8, 8, 4, 1536, 4096, 4, 2048, 8),
+    "qwen3_0.6b": (1024, 28, 16, 8, 3072, 151_936, 4, 4096, 8),
+    "qwen3_1.7b": (2048, 28, 16, 8, 6144, 151_936, 2, 4096, 8),
 }
+STREAMS, CODEBOOK, NO_LOSS = 8, 1024, 0.3
+FLOPS: dict[str, float] = {}  # training FLOPs per frame of each variant (torchtitan's count)
 
 
-def speechlm(size, device, backbone="hf"):
-    import transformers
-
-    h, layers, heads, kv, ffn, text, n, c, _, _ = SIZES[size]
-    d = tempfile.mkdtemp()
-    cfg = transformers.LlamaConfig(
-        vocab_size=text,
-        hidden_size=h,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=4096,
-    )
-    cfg.save_pretrained(d)
-    layout = VocabLayout(text_size=text, num_streams=n, codebook_size=c)
-    args = SpeechLMModelArgs(
-        hf_assets_path=d,
-        backbone_config=cfg.to_dict(),
-        vocab=layout.to_dict(),
-        load_weights=False,
-        backbone=backbone,
-    )
-    with torch.device("meta"):
-        model = SpeechLM(args)
-    model.to_empty(device=device)
-    model.init_weights(buffer_device=torch.device(device))
-    return model, layout
-
-
-def llama(size, vocab, device):
-    h, layers, heads, kv, ffn, *_ = SIZES[size]
+def llama3(shape: str, vocab: int, device: str, flex: bool):
+    h, layers, heads, kv, ffn, *_ = SHAPES[shape]
     args = TransformerModelArgs(
         dim=h,
         n_layers=layers,
@@ -77,7 +74,9 @@ def llama(size, vocab, device):
         vocab_size=vocab,
         multiple_of=ffn,
         ffn_dim_multiplier=None,
-        max_seq_len=4096,
+        max_seq_len=16384,
+        attn_type="flex" if flex else "sdpa",
+        attn_mask_type="block_causal" if flex else "causal",
     )
     with torch.device("meta"):
         model = Transformer(args)
@@ -87,97 +86,203 @@ def llama(size, vocab, device):
     return model
 
 
-def timed(step, n):
-    for _ in range(2):
-        step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n
+def batch(layout, config: str, b: int, t: int, docs: int, device: str):
+    g = torch.Generator().manual_seed(1)
+    frames = random_frames(layout, b, t + 1, device)
+    weights = torch.full((b, t, STREAMS), 1.0 / STREAMS)
+    weights[torch.rand(b, t, generator=g) < NO_LOSS] = 0.0
+    if config == "text":
+        for k in range(1, STREAMS):
+            frames[..., k] = layout.stream_pad(k)
+        weights[..., 1:] = 0.0
+        lo = layout.text_offset
+        frames[..., 0] = torch.randint(lo, lo + layout.text_size, (b, t + 1), generator=g).to(
+            device
+        )
+    return frames, weights.to(device), packed_positions(b, t, docs, device)
 
 
-def bench(size, steps, device):
-    *_, n, c, b, t = SIZES[size]
-    model, layout = speechlm(size, device)
-    native, _ = speechlm(size, device, "native")
-    ref = llama(size, layout.size, device)
-    amp = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device == "cuda"
-        else torch.autocast("cpu", enabled=False)
-    )
-    g = torch.Generator().manual_seed(0)
-    frames = torch.stack(
-        [torch.randint(*layout.stream_range(k), (b, t + 1), generator=g) for k in range(n)], -1
-    ).to(device)
-    weights = torch.full((b, t, n), 1.0 / n, device=device)
-    tokens = frames[..., 0]
-    opt_s = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    opt_n = torch.optim.AdamW(native.parameters(), lr=1e-4)
-    opt_l = torch.optim.AdamW(ref.parameters(), lr=1e-4)
+def variants(shape: str, config: str, device: str, compile_: bool, only: str | None = None):
+    """({name: step function}, frames per step); ``only``: build that variant alone."""
+    h, layers, heads, kv, ffn, text, b, t, docs = SHAPES[shape]
+    dims = dict(hidden=h, layers=layers, heads=heads, kv=kv, ffn=ffn, text=text)
+    dims.update(streams=STREAMS, codebook=CODEBOOK)
+    amp = amp_context(device)
+    out = {}
+    flex_hf = "flex_attention" if device == "cuda" else "sdpa_documents"
+    models = {
+        "speechlm hf-llama": ("hf", "llama", flex_hf, True),
+        "speechlm hf-qwen3": ("hf", "qwen3", flex_hf, True),
+        "speechlm native": (
+            "native",
+            "llama",
+            "flex" if device == "cuda" else "sdpa_documents",
+            True,
+        ),
+        "speechlm hf-llama plain": ("hf", "llama", "sdpa_documents", False),
+    }
+    for name, (backbone, family, attn, packed) in models.items():
+        if only not in (None, name):
+            continue
+        model, layout = build_speechlm(device, backbone=backbone, family=family, attn=attn, **dims)
+        if compile_:
+            apply_compile(model, "inductor")
+        frames, weights, pos = batch(layout, config, b, t, docs, device)
+        pos = pos if packed else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
-    def speech_step(m, opt):
-        def step():
+        def step(model=model, frames=frames, weights=weights, pos=pos, opt=opt):
             with amp:
-                out = m(frames[:, :-1], targets=frames[:, 1:], loss_weights=weights)
-            (out.loss_sum / (b * t)).backward()
+                o = model(
+                    frames[:, :-1], targets=frames[:, 1:], loss_weights=weights, position_ids=pos
+                )
+            (o.loss_sum / weights.shape[0]).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return step
+        out[name] = step
+        nonhead = (
+            model.args.get_nparams_and_flops(model, t)[1] - model.args.head_flops_per_loss_frame()
+        )
+        loss_share = float((weights > 0).any(-1).float().mean())
+        FLOPS[name] = nonhead + model.args.head_flops_per_loss_frame() * loss_share
+    if only not in (None, "llama3 (torchtitan)"):
+        return out, b * t
+    from torchtitan_speechlm.model.vocab import VocabLayout
 
-    step_speech, step_native = speech_step(model, opt_s), speech_step(native, opt_n)
+    layout = VocabLayout(text_size=text, num_streams=STREAMS, codebook_size=CODEBOOK)
+    # llama3 with as many head rows as the SpeechLM predicts for this config
+    vocab = (
+        layout.size if config == "speech" else layout.stream_range(0)[1] - layout.stream_range(0)[0]
+    )
+    ref = llama3(shape, vocab, device, flex=device == "cuda")
+    if compile_:
+        for layer_id, block in ref.layers.named_children():
+            ref.layers.register_module(layer_id, torch.compile(block))
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, vocab, (b, t + 1), generator=g).to(device)
+    keep = (torch.rand(b, t, generator=g) >= NO_LOSS).to(device)
+    labels = torch.where(keep, tokens[:, 1:], -100)
+    pos = packed_positions(b, t, docs, device)
+    opt_l = torch.optim.AdamW(ref.parameters(), lr=1e-4, foreach=True)
 
     def step_llama():
+        masks = None
+        if device == "cuda":  # torchtitan's own block-causal mask over the same documents
+            from torchtitan.models.attention import create_attention_mask
+
+            doc = (pos == 0).cumsum(-1)
+            masks = create_attention_mask(same_document_causal(doc), b, None, t, t)
         with amp:
-            logits = ref(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
+            logits = ref(tokens[:, :-1], attention_masks=masks)
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+            )
+        (loss / b).backward()
         opt_l.step()
         opt_l.zero_grad(set_to_none=True)
 
-    ts, tn, tl = timed(step_speech, steps), timed(step_native, steps), timed(step_llama, steps)
+    out["llama3 (torchtitan)"] = step_llama
+    FLOPS["llama3 (torchtitan)"] = ref.model_args.get_nparams_and_flops(ref, t)[1]
+    return out, b * t
+
+
+def same_document_causal(doc: torch.Tensor):
+    from torch.nn.attention.flex_attention import and_masks
+    from torchtitan.models.attention import get_causal_mask_mod
+
+    def same_document(bi, h, q, kv):
+        return doc[bi, q] == doc[bi, kv]
+
+    return and_masks(get_causal_mask_mod(), same_document)
+
+
+def mfu(med: dict[str, float], frames: int, device: str) -> dict[str, float] | None:
+    """Model FLOPs utilisation: torchtitan's FLOPs count per frame (SpeechLM: the head on loss
+    frames only) x frames/s over the GPU's peak bf16 FLOP/s (torchtitan's table)."""
+    if device != "cuda":
+        return None
+    from torchtitan.tools.utils import get_peak_flops
+
+    peak = get_peak_flops(torch.cuda.get_device_name())
+    return {n: FLOPS[n] * frames / m / peak for n, m in med.items()}
+
+
+def peak_memory(shape: str, config: str, name: str, device: str, compile_: bool) -> float:
+    """MiB: GPU max_memory_allocated of two steps; CPU: the peak RSS of a process running them,
+    over its RSS after the imports (model, optimizer state, activations, workspace)."""
+    if device == "cuda":
+        steps, _ = variants(shape, config, device, compile_, only=name)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(2):
+            steps[name]()
+        return torch.cuda.max_memory_allocated() / 2**20
+    cmd = [sys.executable, __file__, "--shape", shape, "--memory-of", f"{config}:{name}"]
+    return float(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1])
+
+
+def run_config(shape: str, config: str, repeats: int, device: str, compile_: bool) -> dict:
+    steps, frames = variants(shape, config, device, compile_)
+    times = interleaved(steps, repeats, device)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    ref = med["llama3 (torchtitan)"]
     return {
-        "size": size,
-        "hidden": SIZES[size][0],
-        "layers": SIZES[size][1],
-        "streams": n,
-        "batch": [b, t],
-        "params": {
-            "speechlm": sum(p.numel() for p in model.parameters()),
-            "llama3": sum(p.numel() for p in ref.parameters()),
-        },
-        "frames_per_s": {
-            "speechlm": b * t / ts,
-            "speechlm_native": b * t / tn,
-            "llama3": b * t / tl,
-        },
-        "speechlm_over_llama3": tl / ts,
-        "speechlm_native_over_llama3": tl / tn,
+        "config": config,
+        "median_s": med,
+        "spread_s": {n: [min(v), max(v)] for n, v in times.items()},
+        "frames_per_s": {n: frames / m for n, m in med.items()},
+        "mfu": mfu(med, frames, device),
+        "over_llama3": {n: ref / m for n, m in med.items() if n != "llama3 (torchtitan)"},
+        "peak_memory_mib": {n: peak_memory(shape, config, n, device, compile_) for n in steps},
     }
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--sizes", default="debug,small")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    p.add_argument("--configs", default="speech,text")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--memory-of", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = [bench(s, a.steps, device) for s in a.sizes.split(",")]
+    if a.memory_of:  # child: two steps of one variant, print the peak RSS in MiB
+        config, name = a.memory_of.split(":", 1)
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # after the imports
+        steps, _ = variants(a.shape, config, device, a.compile, only=name)
+        for _ in range(2):
+            steps[name]()
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
+        return 0
+    h, layers, heads, kv, ffn, text, b, t, docs = SHAPES[a.shape]
+    rows = []
+    for config in a.configs.split(","):
+        rows.append(run_config(a.shape, config, a.repeats, device, a.compile))
+        print(json.dumps(rows[-1], indent=2), flush=True)
     result = {
-        "device": torch.cuda.get_device_name()
-        if device == "cuda"
-        else f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+        "device": device_name(device),
         "torch": torch.__version__,
+        "shape": dict(
+            hidden=h,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv,
+            ffn=ffn,
+            text_vocab=text,
+            batch=b,
+            seq_len=t,
+            documents_per_row=docs,
+            streams=STREAMS,
+        ),
+        "compile": a.compile,
+        "llama3_attention": "flex block_causal"
+        if device == "cuda"
+        else "causal sdpa (no CPU flex backward)",
         "results": rows,
     }
-    print(json.dumps(result, indent=2))
     os.makedirs("benchmarks/results", exist_ok=True)
-    name = "vs_llama3_gpu.json" if device == "cuda" else "vs_llama3_cpu.json"
+    name = f"vs_llama3_{a.shape}_{'gpu' if device == 'cuda' else 'cpu'}{'_compile' if a.compile else ''}.json"
     with open(os.path.join("benchmarks/results", name), "w") as f:
         json.dump(result, f, indent=2)
     return 0

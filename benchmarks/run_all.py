@@ -3,9 +3,12 @@
 import subprocess
 import sys
 
-BENCHES = [
+BENCHES = [  # each writes its JSON under benchmarks/results/ (docs/performance.md quotes them)
+    ["benchmarks/bench_vs_llama3.py"],  # the representative one: packed, chunked head, no-loss
+    ["benchmarks/bench_attention.py"],
+    ["benchmarks/bench_loss_memory.py"],
     ["benchmarks/bench_loader.py"],
-    ["benchmarks/bench_vs_llama3.py"],
+    ["benchmarks/bench_step_overhead.py"],
     ["benchmarks/bench_prepare.py"],
     ["benchmarks/bench_decode.py"],
 ]
