@@ -93,10 +93,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = f"benchmarks/results/attention_{'gpu' if device == 'cuda' else 'cpu'}.json"
     rows = []
     for shape in a.shapes.split(","):
-        rows.append(measure(shape, a.repeats, device))
+        rows.append(dict(measure(shape, a.repeats, device), repeats=a.repeats))
         print(json.dumps(rows[-1], indent=2), flush=True)
+    rows += kept_rows(path, rows)
     result = {
         "device": device_name(device),
         "torch": torch.__version__,
@@ -106,11 +108,19 @@ def main(argv=None) -> int:
         "results": rows,
     }
     os.makedirs("benchmarks/results", exist_ok=True)
-    with open(
-        f"benchmarks/results/attention_{'gpu' if device == 'cuda' else 'cpu'}.json", "w"
-    ) as f:
+    with open(path, "w") as f:
         json.dump(result, f, indent=2)
     return 0
+
+
+def kept_rows(path: str, new: list[dict]) -> list[dict]:
+    """Earlier results of shapes not measured this time (a long shape can be rerun alone)."""
+    if not os.path.exists(path):
+        return []
+    done = {json.dumps(r["shape"], sort_keys=True) for r in new}
+    with open(path) as f:
+        old = json.load(f)["results"]
+    return [r for r in old if json.dumps(r["shape"], sort_keys=True) not in done]
 
 
 if __name__ == "__main__":

@@ -88,6 +88,10 @@ def main(argv=None) -> int:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
     common = ["--hidden", str(a.hidden), "--seq-len", str(a.seq_len), "--docs", str(a.docs)]
     rows = {}
+    from torchtitan_speechlm.model.vocab import VocabLayout
+
+    head_rows = VocabLayout(text_size=4096, num_streams=8, codebook_size=1024).size
+    head_grad = 4 * a.hidden * head_rows
     for mode in MODES:
         kept = {}
         for depth in (a.layers, 2 * a.layers):
@@ -95,11 +99,14 @@ def main(argv=None) -> int:
             out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
             kept[depth] = int(out.stdout.split()[-1])
         per_layer = (kept[2 * a.layers] - kept[a.layers]) / a.layers / a.seq_len
-        rest = (kept[a.layers] - per_layer * a.layers * a.seq_len) / a.seq_len
+        # the loss head keeps its weight gradient (fp32, summed over chunks) from forward to
+        # backward: a fixed 4 bytes per head parameter, not a per-frame cost
+        rest = (kept[a.layers] - per_layer * a.layers * a.seq_len - head_grad) / a.seq_len
         rows[mode] = {
             "bytes_per_frame_per_layer": per_layer,
             "per_frame_per_layer_in_hidden_units": per_layer / a.hidden,
             "depth_independent_bytes_per_frame": rest,
+            "head_weight_gradient_bytes": head_grad,
             "kept_bytes": kept,
         }
         print(

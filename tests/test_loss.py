@@ -25,7 +25,16 @@ def random_batch(layout, b=2, t=24, seed=0):
 def reference(model, inputs, targets, weights, z_w):
     h = model.hidden_states(inputs)
     w_out = model.tok_embeddings.weight if model.args.tie_embeddings else model.head.output.weight
+    layout = model.args.layout
+    n, c = layout.num_streams, layout.codebook_size
     out = {"loss": 0.0, "ce_loss": 0.0, "z_loss": 0.0}
+    out["codes_pred_hist"], out["codes_target_hist"] = torch.zeros(n, c), torch.zeros(n, c)
+
+    def count_codes(hist, ids):  # codebook j's code i is vocabulary id layout.code(j, i)
+        for j in range(n):
+            rel = ids - layout.code(j, 0)
+            hist[j] += torch.bincount(rel[(rel >= 0) & (rel < c)], minlength=c).float()
+
     for k in range(inputs.shape[-1]):
         a, b = model.args.layout.stream_range(k)
         offset = model.head.stream_emb.weight[k] if k else 0.0  # stream 0: no offset (text LM)
@@ -40,8 +49,21 @@ def reference(model, inputs, targets, weights, z_w):
         out[f"acc_stream{k}"] = ((logits.argmax(-1) == tgt) & (wk > 0)).sum().float()
         out[f"ce_stream{k}"] = (ce * (wk > 0)).sum()
         out[f"count_stream{k}"] = (wk > 0).sum().float()
+        count_codes(out["codes_pred_hist"], (logits.argmax(-1) + a)[wk > 0])
+        count_codes(out["codes_target_hist"], targets[..., k][wk > 0])
     out["loss"] = out["ce_loss"] + out["z_loss"]
     return out
+
+
+def assert_stream_stats_equal(stats, ref):
+    """Per-stream [N] statistics and the code histograms against the reference's."""
+    for name in ("acc_stream", "ce_stream", "count_stream"):
+        for k in range(len(stats[name])):
+            got, want = stats[name][k], ref[f"{name}{k}"].detach()
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6, msg=f"{name}{k}")
+    for name in ("codes_pred_hist", "codes_target_hist"):
+        assert torch.equal(stats[name], ref[name]), name
+        assert ref[name].sum() > 0  # the batch has codes to count
 
 
 @pytest.mark.parametrize("tie,z_w", [(False, 0.0), (False, 1e-3), (True, 1e-2)])
@@ -61,9 +83,7 @@ def test_loss_and_stats_match_plain_pytorch(tmp_path, tie, z_w):
     torch.testing.assert_close(st["z_loss_s0"], ref["z_0"].detach(), atol=1e-5, rtol=1e-6)
     mm = sum(ref[f"z_{k}"] for k in range(1, 3)).detach()
     torch.testing.assert_close(st["z_loss_mm"], mm, atol=1e-5, rtol=1e-6)
-    for k in range(3):
-        for key in (f"acc_stream{k}", f"ce_stream{k}", f"count_stream{k}"):
-            torch.testing.assert_close(st[key], ref[key].detach(), atol=1e-5, rtol=1e-6)
+    assert_stream_stats_equal(st, ref)
     assert st["count"] == (weights > 0).any(-1).sum()
 
 
@@ -146,9 +166,7 @@ def test_streams_with_loss_on_few_frames_equal_plain_pytorch_with_gradients(tmp_
     ref = reference(model, inputs, targets, weights, 1e-3)
     ref["loss"].backward()
     torch.testing.assert_close(out.loss_sum, ref["loss"], atol=1e-5, rtol=1e-6)
-    for k in range(3):
-        for key in (f"acc_stream{k}", f"ce_stream{k}", f"count_stream{k}"):
-            torch.testing.assert_close(out.stats[key], ref[key].detach(), atol=1e-5, rtol=1e-6)
+    assert_stream_stats_equal(out.stats, ref)
     for n, p in model.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=1e-5, msg=n)

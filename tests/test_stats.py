@@ -160,3 +160,25 @@ def test_moe_load_balance_loss_equals_the_switch_formula(tmp_path):
     with torch.no_grad():
         base = lb_free(inputs, targets=targets, loss_weights=weights).loss_sum
     assert float(out.loss_sum - base) == pytest.approx(0.5 * aux * count, rel=1e-4)
+
+
+def test_micro_batches_with_other_keys_are_summed_by_name():
+    """The accumulator sums each micro-batch as one vector; a micro-batch with other keys
+    (or shapes) is folded in by name, and per-stream [N] vectors are logged per stream."""
+    acc = StatsAccumulator(("examples",))
+    first = {
+        "ce_loss": torch.tensor(2.0),
+        "count": torch.tensor(4.0),
+        "ce_stream": torch.tensor([1.0, 3.0]),
+        "count_stream": torch.tensor([2.0, 2.0]),
+    }
+    acc.add(first)
+    acc.add({k: v * 2 for k, v in first.items()})
+    acc.add({"ce_loss": torch.tensor(6.0), "count": torch.tensor(2.0)}, count_micro_batch=False)
+    acc.add({**first, "data_stats": torch.tensor([3.0])})
+    logged = acc.reduce()
+    assert logged["ce_loss"] == pytest.approx((2 + 4 + 6 + 2) / (4 + 8 + 2 + 4))
+    assert logged["ce_stream0"] == pytest.approx((1 + 2 + 1) / (2 + 4 + 2))
+    assert logged["ce_stream1"] == pytest.approx((3 + 6 + 3) / (2 + 4 + 2))
+    assert logged["data/examples"] == pytest.approx(3.0 / 3)  # 3 counted micro-batches
+    assert acc.reduce() == {}  # reset

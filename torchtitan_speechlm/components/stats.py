@@ -1,8 +1,9 @@
 """Exact count-normalised statistics over data-parallel ranks, micro-batches and log intervals.
 
-The model returns raw *sums* (``ce_loss`` = sum of weighted CE, ``acc_stream0`` = number of
-correct stream-0 predictions, ``count`` = loss frames, ...). This accumulator adds them up over
-every micro-batch since the last log, all-reduces the sums once over the loss mesh, and divides
+The model returns raw *sums* (``ce_loss`` = sum of weighted CE, ``acc_stream`` = correct
+predictions per stream as an [N] vector, logged as ``acc_stream0``, ``acc_stream1``, ...,
+``count`` = loss frames, ...). This accumulator adds them up over every micro-batch since the
+last log, all-reduces the sums once over the loss mesh, and divides
 each normalised key by the summed value of *its* count key. That is the exact token-weighted mean
 over ranks, micro-batches and steps (not a mean of per-rank or per-step means).
 
@@ -49,49 +50,79 @@ def normaliser_of(key: str) -> str | None:
 
 
 class StatsAccumulator:
-    """Sums statistic tensors locally; ``reduce`` turns them into logged means."""
+    """Sums statistic tensors locally; ``reduce`` turns them into logged means.
+
+    A micro-batch's statistics (a few dozen small tensors) are concatenated into one vector and
+    added to the running sum with one op, not one op per key: on a GPU each op is a kernel launch
+    and they add up every micro-batch. The vector is named again only when it is reduced.
+    """
 
     def __init__(self, data_stats_keys: tuple[str, ...] = ()):
         self.data_stats_keys = data_stats_keys
         self.reset()
 
     def reset(self) -> None:
-        self._sums: dict[str, torch.Tensor] = {}
+        self._layout: tuple[tuple[str, torch.Size], ...] | None = None
+        self._flat: torch.Tensor | None = None
+        self._named: dict[str, torch.Tensor] = {}  # sums under layouts seen earlier
         self._micro_batches = 0
 
     def add(self, stats: dict[str, torch.Tensor], count_micro_batch: bool = True) -> None:
-        for key, value in stats.items():
-            value = value.detach().float()
+        layout = tuple((key, value.shape) for key, value in stats.items())
+        flat = torch.cat([v.detach().reshape(-1).float() for v in stats.values()])
+        if layout == self._layout:
+            self._flat += flat
+        else:  # first micro-batch, or other keys (e.g. a validation set's): name the old sums
+            self._fold()
+            self._layout, self._flat = layout, flat
+        self._micro_batches += int(count_micro_batch)
+
+    def _fold(self) -> None:
+        """Move the running vector into named sums (``data_stats`` split into data/<name>)."""
+        if self._flat is None:
+            return
+        at = 0
+        for key, shape in self._layout:
+            size = shape.numel()
+            value = self._flat[at : at + size].view(shape)
+            at += size
             if key == "data_stats":
                 for name, v in zip(self.data_stats_keys, value.unbind(-1), strict=True):
                     self._add(f"data/{name}", v)
             else:
                 self._add(key, value)
-        self._micro_batches += int(count_micro_batch)
+        self._layout = self._flat = None
 
     def _add(self, key: str, value: torch.Tensor) -> None:
-        if key in self._sums:
-            self._sums[key] += value
+        if key in self._named:
+            self._named[key] = self._named[key] + value
         else:
-            self._sums[key] = value.clone()
+            self._named[key] = value.clone()
 
     def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """All-reduce the interval's sums (one collective) and normalise; resets the state."""
-        if not self._sums:
+        self._fold()
+        if not self._named:
+            self.reset()
             return {}
-        keys = sorted(self._sums)
-        device = self._sums[keys[0]].device
-        parts = [self._sums[k].reshape(-1) for k in keys]
+        keys = sorted(self._named)
+        device = self._named[keys[0]].device
+        parts = [self._named[k].reshape(-1) for k in keys]
         flat = torch.cat(parts + [torch.tensor([float(self._micro_batches)], device=device)])
         if group is not None and dist.is_initialized():
             dist.all_reduce(flat, group=group)
+        flat = flat.cpu()  # one device-to-host copy for every value
         sums, at = {}, 0
         for k, p in zip(keys, parts, strict=True):
             value = flat[at : at + p.numel()]
-            sums[k] = (
-                value.item() if self._sums[k].dim() == 0 else value.view_as(self._sums[k]).cpu()
-            )
             at += p.numel()
+            shape = self._named[k].shape
+            if len(shape) == 0:
+                sums[k] = value.item()
+            elif k.endswith("_stream"):  # [N] per-stream sums -> ce_stream0, ce_stream1, ...
+                sums.update({f"{k}{i}": v for i, v in enumerate(value.tolist())})
+            else:
+                sums[k] = value.view(shape)
         micro_batches = flat[-1].item()
         self.reset()
         return finalise(sums, micro_batches)

@@ -46,9 +46,9 @@ def evaluate_tts(loaded: Loaded, items: list, cfg: DecodeConfig, batch: int = 8)
         weights = torch.from_numpy(ex.weights)[None, 1:]
         weights[..., 0] *= torch.from_numpy(ex.frames[1:, 0] >= loaded.layout.stream_offset(0))
         out = model(frames[:, :-1], targets=frames[:, 1:], loss_weights=weights)
-        for k in range(n):  # audio targets only: stream 0's text/special targets are left out
-            correct[k] += float(out.stats[f"acc_stream{k}"])
-            count[k] += float(out.stats[f"count_stream{k}"])
+        # audio targets only: stream 0's text/special targets are left out
+        correct += out.stats["acc_stream"].numpy()
+        count += out.stats["count_stream"].numpy()
     refs, hyps = [], []
     for s in range(0, len(items), batch):
         chunk = items[s : s + batch]

@@ -120,9 +120,9 @@ class SpeechLMHead(nn.Module):
         weights: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Stream ``k``'s loss sum over the rows of ``h``, its stats (weighted ce, weighted z,
-        ce, correct) and code histograms [2, N, C] of predicted and target codes at loss
-        positions. ``w_k`` is the stream's slice of the output matrix; logits are computed
-        chunk by chunk, never all at once (model/chunked_loss.py)."""
+        ce, correct) and its predicted vocabulary ids. ``w_k`` is the stream's slice of the
+        output matrix; logits are computed chunk by chunk, never all at once
+        (model/chunked_loss.py)."""
         a, b = self.ranges[k]
         active = weights > 0
         # forward() verified every positive-weight target is in range; the clamp only keeps
@@ -137,8 +137,7 @@ class SpeechLMHead(nn.Module):
         stats = torch.stack(
             [(weights * ce).sum(), (weights * z).sum(), (ce * active).sum(), correct.sum().float()]
         )
-        hist = torch.stack([self._code_hist(pred + a, active), self._code_hist(tgt + a, active)])
-        return loss, stats, hist
+        return loss, stats, pred + a
 
     def chunk_rows(self, k: int) -> int:
         """Rows per logits chunk of stream ``k``: at most ``loss_chunk_size``, and few enough
@@ -147,15 +146,19 @@ class SpeechLMHead(nn.Module):
         a, b = self.ranges[k]
         return max(1, min(self.chunk, int(self.chunk_bytes // (4 * (b - a)))))
 
-    def _code_hist(self, ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """[N, C] counts of codebook j's code c among vocabulary ``ids`` at loss positions,
-        wherever the pattern put them (a stream's own codebook, or all of them in stream 0)."""
+    def _code_hists(
+        self, pred: torch.Tensor, target: torch.Tensor, active: torch.Tensor
+    ) -> torch.Tensor:
+        """[2, N, C] counts of codebook j's code c among the predicted and the target vocabulary
+        ids at loss positions, wherever the pattern put them (a stream's own codebook, or all of
+        them in stream 0): one bincount for every stream and both kinds."""
         c, n = self.codebook_size, self.num_streams
-        rel = ids - self.code_base
+        rel = torch.cat([pred, target]) - self.code_base
         book, code = rel.div(c + 1, rounding_mode="floor"), rel.remainder(c + 1) - 1
-        keep = active & (rel >= 0) & (book < n) & (code >= 0)
-        flat = torch.bincount((book * c + code)[keep], minlength=n * c)
-        return flat.float().detach().view(n, c)
+        keep = torch.cat([active, active]) & (rel >= 0) & (book < n) & (code >= 0)
+        kind = torch.arange(rel.numel(), device=rel.device) >= pred.numel()  # 1 = target
+        flat = torch.bincount((kind * (n * c) + book * c + code)[keep], minlength=2 * n * c)
+        return flat.float().detach().view(2, n, c)
 
     def _raise_out_of_range(
         self, bad: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
@@ -200,7 +203,7 @@ class SpeechLMHead(nn.Module):
             h = h.index_select(0, sel)
             targets, weights = targets.index_select(0, sel), weights.index_select(0, sel)
         loss = h.new_zeros((), dtype=torch.float32)
-        parts, hists = [], []
+        parts, preds, tgts, actives = [], [], [], []
         for k, (a, b) in enumerate(self.ranges):
             hk, tk, wk = h, targets[:, k], weights[:, k]
             if counts[k] < kept // 2:
@@ -212,26 +215,28 @@ class SpeechLMHead(nn.Module):
                     tk.index_select(0, sel),
                     wk.index_select(0, sel),
                 )
-            part, st, hi = self._stream_loss(hk, w_out[a:b], k, tk, wk)
+            part, st, pred = self._stream_loss(hk, w_out[a:b], k, tk, wk)
             loss = loss + part
             parts.append(st)
-            hists.append(hi)
+            preds.append(pred)
+            tgts.append(tk)
+            actives.append(wk > 0)
         st = torch.stack(parts)  # [N, 4]
-        hist = torch.stack(hists).sum(0)  # [2, N, C]
+        hist = self._code_hists(torch.cat(preds), torch.cat(tgts), torch.cat(actives))
+        # Per-stream values stay [N] vectors (one tensor each, not N): the accumulator sums
+        # them as they are and names them ce_stream0, ce_stream1, ... when it logs (stats.py).
         stats = {
             "ce_loss": st[:, 0].sum(),
             "z_loss": st[:, 1].sum(),
             "z_loss_s0": st[0, 1],
             "z_loss_mm": st[1:, 1].sum(),
+            "ce_stream": st[:, 2],
+            "acc_stream": st[:, 3],
+            "count_stream": per_stream.float(),
+            "acc_layer0": st[0, 3],
+            "codes_pred_hist": hist[0],
+            "codes_target_hist": hist[1],
         }
-        for k in range(n):
-            cnt = active[:, k].sum().float()
-            stats[f"ce_stream{k}"] = st[k, 2]
-            stats[f"acc_stream{k}"] = st[k, 3]
-            stats[f"count_stream{k}"] = cnt
-        stats["acc_layer0"] = st[0, 3]
-        stats["codes_pred_hist"] = hist[0]
-        stats["codes_target_hist"] = hist[1]
         return loss, stats
 
 
