@@ -133,8 +133,9 @@ def test_toy_pattern_and_task_train(toy, tmp_path):
     rows = read_metrics(dump)
     assert sum(m.get("train/data/task_asr_then_tts", 0) for m in rows) > 0
     assert any("val/asr_toy/loss" in m for m in rows)
-    loss = losses(dump)
-    assert loss[6] < 0.8 * loss[1]
+    # learning, on the fixed validation set (each training step has other samples)
+    val = [m["val/asr_toy/loss"] for m in rows if "val/asr_toy/loss" in m]
+    assert len(val) >= 2 and val[-1] < val[0], val
 
 
 def test_toy_backbone_spec_trains_under_fsdp(toy, tmp_path):

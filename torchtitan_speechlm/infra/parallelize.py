@@ -194,6 +194,10 @@ def apply_fsdp(
         fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard_after_forward)
         # The head runs last; resharding it right before backward needs it again is waste.
         fully_shard(model.head, **config, reshard_after_forward=False)
-    fully_shard(model, **config)
+    # The root's inputs stay as the loader made them: FSDP would cast the float ones (loss
+    # weights, data statistics such as frame counts) to bf16, which cannot hold 513 exactly.
+    # The embeddings' output is already in the compute dtype; each block casts its input.
+    root_policy = MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)
+    fully_shard(model, **{**config, "mp_policy": root_policy})
     disable_fsdp_gradient_division(model)
     force_sum_reduction_on_cpu(model)

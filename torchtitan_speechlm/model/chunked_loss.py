@@ -69,4 +69,5 @@ def chunked_stream_loss(
     ([R, d] x [V, d], targets in [0, V)), in chunks of ``rows``. Returns (loss, ce [R], lse [R],
     argmax [R]); only the loss is differentiable (with respect to ``x`` and ``w``)."""
     need_grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    weights = weights.float()  # loss weights are always applied in fp32, whatever x's dtype
     return _ChunkedStreamLoss.apply(x, w, targets, weights, z_weight, rows, need_grad)
