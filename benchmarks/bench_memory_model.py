@@ -1,3 +1,4 @@
+# ruff: noqa: I001  (torchtitan_speechlm must be imported before torchtitan: CPU device selection)
 """Activation memory per frame and per decoder layer, with and without activation checkpointing.
 
 The figure behind docs/performance.md's memory model. For each activation-checkpointing mode

@@ -1,3 +1,4 @@
+# ruff: noqa: I001  (torchtitan_speechlm must be imported before torchtitan: CPU device selection)
 """Where a CPU training step of the debug model goes: model math vs everything else.
 
 Runs the real ``torchtitan train`` (one process, in this process) on the demo config under
@@ -19,8 +20,8 @@ import pstats
 import sys
 import tempfile
 
-MATH = {  # (file suffix, function) -> category
-    ("torchtitan_speechlm/model/model.py", "forward"): "forward",
+MATH = {  # (file suffix, function) -> category; nested entries would count twice
+    ("torchtitan_speechlm/model/model.py", "SpeechLM.forward"): "forward",
     ("torch/_tensor.py", "backward"): "backward",
     ("torch/optim/optimizer.py", "wrapper"): "optimizer",
 }
@@ -30,33 +31,91 @@ REST = {
     ("torchtitan_speechlm/components/stats.py", "reduce"): "statistics (reduce)",
     ("torchtitan_speechlm/components/metrics.py", "log"): "metrics (log)",
     ("torchtitan/components/metrics.py", "log"): "metrics (log)",
-    ("torch/nn/utils/clip_grad.py", "_clip_grads_with_norm_"): "grad clipping",
     ("torchtitan/distributed/utils.py", "clip_grad_norm_"): "grad clipping",
 }
 
 
-def run(steps: int, config: str) -> pstats.Stats:
-    from torchtitan_speechlm.cli import main as cli
+def run(steps: int, config: str, profile: bool) -> tuple[pstats.Stats | None, list[float]]:
+    """Train ``steps`` steps in this process; the profile (or None) and each step's seconds."""
+    import time
+
+    from torchtitan_speechlm.cli import main as cli  # first: selects the CPU device
+    from torchtitan.train import Trainer
+
+    original, seconds = Trainer.train_step, []
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - t0)
 
     dump = tempfile.mkdtemp()
     args = ["train", "--job.config_file", config, "--training.steps", str(steps)]
     args += ["--job.dump_folder", dump, "--checkpoint.enable", "false"]
     args += ["--validation.enable", "false", "--metrics.log_freq", "10"]
-    prof = cProfile.Profile()
-    prof.enable()
+    prof = cProfile.Profile() if profile else None
+    Trainer.train_step = timed
+    if prof:
+        prof.enable()
     try:
         cli(args)
     except SystemExit:
         pass
-    prof.disable()
-    return pstats.Stats(prof)
+    finally:
+        if prof:
+            prof.disable()
+        Trainer.train_step = original
+    return (pstats.Stats(prof) if prof else None), seconds
+
+
+def dispatched_ops() -> dict[str, int]:
+    """Aten ops dispatched by one packed forward (8 streams, with its loss and statistics) and
+    by adding its statistics to the accumulator: on a GPU, every non-view op is a kernel
+    launch, which is what per-step overhead there is made of."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_common import build_speechlm, packed_positions, random_frames
+
+    from torchtitan_speechlm.components.stats import StatsAccumulator
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    model, layout = build_speechlm(
+        "cpu", hidden=64, layers=2, heads=4, kv=2, ffn=128, text=512, streams=8, codebook=64
+    )
+    frames = random_frames(layout, 2, 257, "cpu")
+    weights, pos = torch.full((2, 256, 8), 0.125), packed_positions(2, 256, 4, "cpu")
+    acc = StatsAccumulator()
+    acc.add(
+        model(frames[:, :-1], targets=frames[:, 1:], loss_weights=weights, position_ids=pos).stats
+    )
+    with Count() as fwd:
+        out = model(frames[:, :-1], targets=frames[:, 1:], loss_weights=weights, position_ids=pos)
+    with Count() as add:
+        acc.add(out.stats)
+    return {"forward_with_loss_and_stats": fwd.n, "statistics_add": add.n}
 
 
 def cumulative(stats: pstats.Stats, table: dict) -> dict[str, float]:
+    from torchtitan_speechlm.model.model import SpeechLM
+
+    lines = {"SpeechLM.forward": SpeechLM.forward.__code__.co_firstlineno}
     out: dict[str, float] = {}
-    for (file, _, name), (_, _, _, ct, _) in stats.stats.items():
+    for (file, line, name), (_, _, _, ct, _) in stats.stats.items():
         for (suffix, fn), category in table.items():
-            if name == fn and file.endswith(suffix):
+            fn_name = fn.split(".")[-1]
+            if name == fn_name and file.endswith(suffix) and lines.get(fn, line) == line:
                 out[category] = out.get(category, 0.0) + ct
     return out
 
@@ -67,13 +126,18 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--label", default="current")
     a = p.parse_args(argv)
-    stats = run(a.steps, a.config)
+    import statistics
+
+    _, wall = run(a.steps, a.config, profile=False)
+    stats, _ = run(a.steps, a.config, profile=True)
     step = cumulative(stats, {("torchtitan/train.py", "train_step"): "train_step"})["train_step"]
     math = cumulative(stats, MATH)
     rest = cumulative(stats, REST)
     other = step - sum(math.values()) - rest.get("data (loader next)", 0.0)
     row = {
         "steps": a.steps,
+        "median_step_ms_unprofiled": 1e3 * statistics.median(wall[5:]),
+        "dispatched_ops": dispatched_ops(),
         "ms_per_step": 1e3 * step / a.steps,
         "model_math_ms": {k: 1e3 * v / a.steps for k, v in math.items()},
         "named_rest_ms": {k: 1e3 * v / a.steps for k, v in rest.items()},
