@@ -22,6 +22,7 @@ trains.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -259,6 +260,10 @@ class TitanTrainer:
         self.save_interval = int(self.trainer_args.get("save_interval", 0))
         self.log_interval = int(self.trainer_args.get("log_interval", 1))
         use_single_process_env()
+        if not logging.getLogger().handlers:  # torchtitan's console log, unless the caller has one
+            from torchtitan.tools.logging import init_logger
+
+            init_logger()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         plan = resolve_data(train_data_factory, valid_data_factories, self.trainer_args)
         # the mapping is checked before anything is written or saved
