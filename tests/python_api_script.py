@@ -30,7 +30,7 @@ def main(spec: dict) -> None:
         valid = {"dev": FakeFactory(intervals, rank, world, n_batches=2, seed=7)}
     else:
         train = PreparedData({"tiny": assets["prepared"]}, ["tts:tiny:0.5", "asr:tiny:0.5"])
-        valid = {"dev": "asr:tiny"}
+        valid = spec.get("valid", {"dev": "asr:tiny"})
     trainer = TitanTrainer(
         train, valid, model, spec.get("resume_path"), spec["output_dir"], spec["trainer_args"]
     )
