@@ -272,3 +272,15 @@ def test_espnet_batch_conversion():
         data.convert({"input_ids": seqs}, layout)
     with pytest.raises(ConfigError, match="wrap it"):
         resolve_data(FakeFactory(intervals), {}, {})
+
+
+def test_docs_map_every_espnet_key():
+    from torchtitan_speechlm.python_api.args import ESPNET_KEYS, ESPNET_LR_KEYS, TITAN_CONFIG_KEYS
+
+    text = open(os.path.join(ROOT, "docs", "python-api.md")).read()
+    for key in ESPNET_KEYS:
+        assert f"`{key}" in text, key
+    for key in TITAN_CONFIG_KEYS:
+        assert f"`titan_config.{key}" in text, key
+    for key in ESPNET_LR_KEYS:
+        assert f"lr_scheduler.{key}`" in text, key
