@@ -31,9 +31,20 @@ def main(spec: dict) -> None:
     else:
         train = PreparedData({"tiny": assets["prepared"]}, ["tts:tiny:0.5", "asr:tiny:0.5"])
         valid = spec.get("valid", {"dev": "asr:tiny"})
+    dims = None
+    if spec.get("parallel_dims"):  # the caller's own process group and ParallelDims
+        import torch.distributed as dist
+        from torchtitan.distributed import ParallelDims
+
+        dist.init_process_group("gloo")
+        n = dist.get_world_size()
+        dims = ParallelDims(
+            dp_shard=-1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=n
+        )
     trainer = TitanTrainer(
-        train, valid, model, spec.get("resume_path"), spec["output_dir"], spec["trainer_args"]
+        train, valid, model, spec.get("resume_path"), spec["output_dir"], spec["trainer_args"], dims
     )
+    assert dims is None or trainer.trainer.parallel_dims is dims
     steps = []
     for action in spec["actions"]:
         getattr(trainer, action)()
@@ -42,6 +53,10 @@ def main(spec: dict) -> None:
         with open(os.path.join(spec["output_dir"], "actions.json"), "w") as f:
             json.dump(steps, f)
     trainer.close()
+    if dims is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()  # the caller's: the trainer leaves it up
     if spec.get("wandb"):
         import wandb
 

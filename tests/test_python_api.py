@@ -102,7 +102,8 @@ def test_run_equals_torchtitan_train_with_the_written_toml(assets, reference, tm
     else:
         api = tmp_path / "api"
         spec = dict(assets=assets, output_dir=str(api), trainer_args=trainer_args(),
-                    actions=["run"], model_object=True, valid=VALID)  # fmt: skip
+                    actions=["run"], model_object=True, valid=VALID,
+                    parallel_dims=True)  # the caller's ParallelDims is used  # fmt: skip
         log = run_script(spec, nproc=2)
         assert "Applied FSDP to the SpeechLM" in log.stdout + log.stderr
     toml = api / "titan_trainer.toml"
