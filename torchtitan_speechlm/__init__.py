@@ -15,5 +15,18 @@ from torchtitan_speechlm.spec import SPEC_NAME, register  # noqa: E402
 
 register()
 
-__all__ = ["SPEC_NAME", "register"]
+__all__ = ["SPEC_NAME", "EspnetData", "PreparedData", "TitanTrainer", "register"]
+_PYTHON_API = ("EspnetData", "PreparedData", "TitanTrainer")
+
+
+def __getattr__(name: str):
+    """``from torchtitan_speechlm import TitanTrainer``: the Python API is imported on first
+    use only, so importing the package (every rank, every CLI command) stays cheap."""
+    if name in _PYTHON_API:
+        import torchtitan_speechlm.python_api as api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'torchtitan_speechlm' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"

@@ -101,7 +101,8 @@ class SpeechLMData:
     """Training mixture as `TASK:NAME[:WEIGHT]`; TASK a registered task (`tts`, `asr`,
     `continuation`, `text`, `dialogue`, or one of yours)."""
     valid: list[str] = field(default_factory=list)
-    """Validation sets as `TASK:NAME`; logged as `val/{TASK}_{NAME}/*`. A dataset that
+    """Validation sets as `TASK:NAME` or `SET=TASK:NAME`; logged as `val/{SET}/*` (SET
+    defaults to `{TASK}_{NAME}`). A dataset that
     training also uses is validated on its held-out part (`valid_fraction` > 0), never on
     items training sees; with `valid_fraction = 0` it is validated on all its items (a warning
     says they overlap the training data). A dataset training does not use: all its items."""

@@ -19,6 +19,7 @@ from torchtitan_speechlm.config import (
     parse_mix,
     read_dataset_metadata,
 )
+from torchtitan_speechlm.data.external import external_data
 from torchtitan_speechlm.model.backbones import Backbone
 from torchtitan_speechlm.model.vocab import VocabLayout
 
@@ -68,6 +69,9 @@ def _build(job_config) -> RunContext:
         backbone_config = family.read_config(path)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
+    external = external_data(job_config)
+    if external is not None:
+        return _external_context(job_config, family, path, backbone_config, external)
     data = job_config.speechlm_data
     datasets = parse_datasets(data.datasets)
     train = parse_mix(data.train, "train", datasets)
@@ -110,6 +114,26 @@ def _build(job_config) -> RunContext:
     )
 
 
+def _external_context(job_config, family, path, backbone_config, external) -> RunContext:
+    """Data from a Python object (data/external.py): the layout comes from its codec, the
+    validation sets are its named sets, and there are no prepared datasets or mixture."""
+    if job_config.speechlm_data.datasets or job_config.speechlm_data.train:
+        raise ConfigError(
+            "the training data comes from a Python data object, so speechlm_data.datasets and "
+            "speechlm_data.train must be empty (they would be ignored)"
+        )
+    codec = dict(external.codec)
+    text = family.text_vocab_size(backbone_config)
+    layout = VocabLayout(
+        text_size=text,
+        num_streams=int(codec["num_streams"]),
+        codebook_size=int(codec["codebook_size"]),
+    )
+    metadata = {"external": {"codec": codec, "tokenizer": {"vocab_size": text}}}
+    valid = {name: ([], "external") for name in external.valid_names()}
+    return RunContext(family, path, backbone_config, {}, metadata, [], valid, layout)
+
+
 def _validation_sets(data, datasets: dict, train: list[MixEntry]) -> dict:
     """Explicit ``valid`` entries: a dataset that training also uses is validated on its
     held-out part when ``valid_fraction`` > 0 (never on items training sees); with no hold-out
@@ -121,7 +145,17 @@ def _validation_sets(data, datasets: dict, train: list[MixEntry]) -> dict:
         return {}
     trained = {e.dataset for e in train}
     sets = {}
-    for e in parse_mix(data.valid, "valid", datasets):
+    for spec in data.valid:
+        name, eq, rest = spec.partition("=")
+        if not eq or ":" in name:
+            name, rest = "", spec
+        (e,) = parse_mix([rest], "valid", datasets)
+        name = name or f"{e.task}_{e.dataset}"
+        if name in sets:
+            raise ConfigError(
+                f"speechlm_data.valid names the set {name!r} twice; name them apart with "
+                "SET=TASK:NAME entries"
+            )
         split = "all"
         if e.dataset in trained:
             if data.valid_fraction > 0:
@@ -132,5 +166,5 @@ def _validation_sets(data, datasets: dict, train: list[MixEntry]) -> dict:
                     "= 0): its numbers measure fit, not generalisation; set "
                     "speechlm_data.valid_fraction > 0 to validate on held-out items"
                 )
-        sets[f"{e.task}_{e.dataset}"] = ([e], split)
+        sets[name] = ([e], split)
     return sets

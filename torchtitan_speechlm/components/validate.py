@@ -15,6 +15,7 @@ from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
+from torchtitan_speechlm.data.external import external_data
 from torchtitan_speechlm.data.loader import build_dataset
 from torchtitan_speechlm.data.stream import SpeechLMDataset, Unit, data_stats_keys
 from torchtitan_speechlm.run_context import run_context
@@ -51,6 +52,11 @@ class SpeechLMValidator(BaseValidator):
 
     def _dataset(self, name: str) -> SpeechLMDataset:
         """A fresh iterator each round: the same batches in the same order every time."""
+        external = external_data(self.job_config)
+        if external is not None:  # a Python data object (data/external.py)
+            return external.valid_dataset(
+                name, self.job_config, run_context(self.job_config).layout
+            )
         entries, split = self.sets[name]
         return build_dataset(
             self.job_config,

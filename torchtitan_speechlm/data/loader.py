@@ -21,6 +21,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.config import MixEntry, normalised_stream_weights
+from torchtitan_speechlm.data.external import external_data
 from torchtitan_speechlm.data.stream import Source, SpeechLMDataset, batch_hash, from_wire
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -250,6 +251,9 @@ def build_speechlm_dataloader(
     """TrainSpec.build_dataloader_fn."""
     ctx = run_context(job_config)
     record_vocab(job_config.job.dump_folder, ctx.layout)
+    external = external_data(job_config)
+    if external is not None:  # a Python data object (data/external.py)
+        return external.train_loader(job_config, ctx.layout, dp_rank, dp_world_size)
     dataset = build_dataset(
         job_config, ctx.train, "train", dp_rank=dp_rank, dp_world_size=dp_world_size, training=True
     )
