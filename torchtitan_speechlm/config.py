@@ -72,7 +72,8 @@ class SpeechLM:
     load_balance_weight: float = 0.0
     """Weight of the MoE load-balance loss (MoE backbones only)."""
     loss_chunk_size: int = 4096
-    """Most positions per logits chunk of one stream (chunks are recomputed in backward)."""
+    """Most positions per logits chunk of one stream (each chunk's gradient is computed while
+    its logits exist, then they are freed: logits are never all held at once)."""
     loss_chunk_mb: float = 256.0
     """Memory bound of one chunk's fp32 logits: a stream with a large vocabulary (the text
     stream of a 150k tokenizer) takes chunks of fewer positions."""

@@ -21,6 +21,8 @@ from torchtitan_speechlm.model.backbones import Backbone, register_backbone
 from torchtitan_speechlm.model.documents import NAME as DOCUMENT_ATTENTION
 from torchtitan_speechlm.model.documents import register as register_document_attention
 
+# transformers implementations that turn per-document position ids into a dense mask
+DENSE_MASK_ATTENTION = ("sdpa", "eager")
 HF_EMBED = "model.embed_tokens.weight"
 HF_HEAD = "lm_head.weight"
 
@@ -48,6 +50,14 @@ def build_backbone(hf_config, attn_implementation: str = "sdpa") -> nn.Module:
 
     if attn_implementation == DOCUMENT_ATTENTION:
         register_document_attention()
+    elif attn_implementation in DENSE_MASK_ATTENTION:
+        from torchtitan.tools.logging import logger
+
+        logger.warning(
+            f"attn_implementation = {attn_implementation!r}: transformers builds a dense "
+            "[B, 1, T, T] mask for packed rows (memory and time grow with T^2); the default "
+            f"{DOCUMENT_ATTENTION!r} attends within each document without one"
+        )
     hf_config._attn_implementation = attn_implementation
     backbone = AutoModel.from_config(hf_config, attn_implementation=attn_implementation)
     for attr in ("layers", "norm"):
