@@ -157,6 +157,18 @@ def already_complete(job_config) -> str | None:
     )
 
 
+def set_single_process_env() -> None:
+    """This process becomes rank 0 of a world of 1 (torchtitan reads the torchrun variables)."""
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,14 +222,7 @@ def train_command(args: list[str]) -> int:
         os.environ.setdefault("LOCAL_RANK", "0")
         return run_worker(args)
     if nproc == 1:
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
+        set_single_process_env()
         return run_worker(args)
     from torch.distributed.run import get_args_parser, run
 

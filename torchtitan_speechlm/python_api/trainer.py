@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.launch import set_single_process_env
 from torchtitan_speechlm.python_api.args import (
     TOML_NAME,
     check_sections,
@@ -40,12 +40,6 @@ from torchtitan_speechlm.python_api.args import (
 )
 
 BACKBONE_DIR = "backbone"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank() -> int:
@@ -63,14 +57,7 @@ def use_single_process_env() -> None:
     if "RANK" in os.environ or (dist.is_available() and dist.is_initialized()):
         os.environ.setdefault("LOCAL_RANK", "0")
         return
-    os.environ.update(
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-    )
+    set_single_process_env()
 
 
 def backbone_folder(model: Any, output_dir: Path, timeout_s: float = 600.0) -> str:
