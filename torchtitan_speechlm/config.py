@@ -139,6 +139,29 @@ class SpeechLMData:
     per micro-batch in the order trained)."""
 
 
+NonFinitePolicy = Literal["skip", "stop"]
+
+
+@dataclass
+class SpeechLMFaults:
+    """[speechlm_faults]: what a bad step does (docs/errors.md)."""
+
+    nonfinite: NonFinitePolicy = "skip"
+    """A NaN/Inf loss or gradient, caught before the optimizer step: `skip` the step (no
+    update; counted as `reliability/skipped_steps`, logged with the batch's sample ids and
+    written to `{dump_folder}/anomalies.jsonl`) or `stop` with an error naming the step and
+    the samples. The LR schedule still advances with the step number."""
+    max_consecutive_skips: int = 5
+    """With `skip`: stop after this many non-finite steps in a row (the model is broken, not
+    the batch)."""
+    loss_spike_factor: float = 5.0
+    """Log a step whose loss exceeds this many times the running median (with its sample
+    ids, also to anomalies.jsonl); the step is trained. 0 = off."""
+    loss_spike_window: int = 50
+    """Steps in the running median of `loss_spike_factor` (spikes are looked for once 5
+    steps are in it)."""
+
+
 @dataclass
 class Checkpoint:
     """[checkpoint]: a changed torchtitan default (merged into torchtitan's section)."""
@@ -154,6 +177,7 @@ class Checkpoint:
 class JobConfig:
     speechlm: SpeechLM = field(default_factory=SpeechLM)
     speechlm_data: SpeechLMData = field(default_factory=SpeechLMData)
+    speechlm_faults: SpeechLMFaults = field(default_factory=SpeechLMFaults)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
@@ -365,6 +389,19 @@ def validate_job_config(job_config) -> None:
         raise ConfigError("speechlm_data.cfg_dropout must be in [0, 1)")
     if data.window < 1:
         raise ConfigError("speechlm_data.window must be >= 1")
+    faults = job_config.speechlm_faults
+    if faults.max_consecutive_skips < 1:
+        raise ConfigError(
+            f"speechlm_faults.max_consecutive_skips = {faults.max_consecutive_skips}: must be "
+            '>= 1 (to stop at the first non-finite step, set speechlm_faults.nonfinite = "stop")'
+        )
+    if faults.loss_spike_factor != 0 and faults.loss_spike_factor <= 1:
+        raise ConfigError(
+            f"speechlm_faults.loss_spike_factor = {faults.loss_spike_factor}: must be > 1 "
+            "(times the running median loss), or 0 to turn spike logging off"
+        )
+    if faults.loss_spike_window < 1:
+        raise ConfigError("speechlm_faults.loss_spike_window must be >= 1")
 
 
 def resolve_model_args(args, job_config) -> None:

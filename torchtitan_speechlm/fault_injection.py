@@ -44,8 +44,12 @@ def parse(text: str) -> list[Fault]:
     for entry in filter(None, (e.strip() for e in text.split(","))):
         m = re.fullmatch(r"(\w+)@(\d+)(?::(\d+))?", entry)
         if not m or m.group(1) not in KINDS:
-            raise ValueError(f"{ENV}: bad entry {entry!r}; expected KIND@STEP[:RANK], KIND in {KINDS}")
-        faults.append(Fault(m.group(1), int(m.group(2)), None if m.group(3) is None else int(m.group(3))))
+            raise ValueError(
+                f"{ENV}: bad entry {entry!r}; expected KIND@STEP[:RANK], KIND in {KINDS}"
+            )
+        faults.append(
+            Fault(m.group(1), int(m.group(2)), None if m.group(3) is None else int(m.group(3)))
+        )
     return faults
 
 

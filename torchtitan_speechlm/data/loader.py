@@ -42,7 +42,13 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
     STATE_KEY = "speechlm_stream"
 
     def __init__(
-        self, dataset, *, hash_log: str | None = None, sample_hashes: bool = False, **kwargs
+        self,
+        dataset,
+        *,
+        hash_log: str | None = None,
+        sample_hashes: bool = False,
+        on_batch=None,
+        **kwargs,
     ):
         # our state comes with the batches; torchdata need not snapshot the workers
         kwargs.setdefault("snapshot_every_n_steps", 1 << 30)
@@ -51,6 +57,7 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
         dataset.emit_meta = True
         dataset.sample_hashes = bool(hash_log) or sample_hashes
         self.last_samples: list[str] | None = None  # content hashes of the last batch's samples
+        self.on_batch = on_batch  # called with each consumed micro-batch's sample ids
         self._position = dataset.state_dict()
 
     def __iter__(self):
@@ -63,6 +70,8 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
                 batch, meta = from_wire(wire)
                 self._position = dict(self._position, position=meta["position"])
                 self.last_samples = meta["samples"]
+                if self.on_batch is not None:
+                    self.on_batch(meta.get("ids") or [])
                 if log is not None:
                     log.write(
                         json.dumps({"hash": batch_hash(batch[0]), "samples": meta["samples"]})
@@ -266,8 +275,11 @@ def build_speechlm_dataloader(
         if job_config.speechlm_data.log_batch_hashes
         else None
     )
+    from torchtitan_speechlm.components.nonfinite import STEP_GUARD
+
     return SpeechLMDataLoader(
         dataset,
+        on_batch=STEP_GUARD.note_micro_batch,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         hash_log=hash_log,

@@ -558,12 +558,18 @@ class SpeechLMDataset(IterableDataset):
             hashes: list[str] | None = [] if self.emit_meta and self.sample_hashes else None
             batch = self.collate(unit, skipped, hashes)
             if self.emit_meta:  # for the loader: one buffer and the position (loader.py)
-                meta = {"position": self._position, "samples": hashes}
+                ids = [self.sample_id(d) for row in unit.rows for d in row]
+                meta = {"position": self._position, "samples": hashes, "ids": ids}
                 yield to_wire(batch, meta)
             else:
                 yield batch
 
     # ---- collation -------------------------------------------------------------------------
+    def sample_id(self, d: Draw) -> str:
+        """``DATASET:ITEM_ID`` of a draw: what a log of a bad step names."""
+        s = self.sources[d.src]
+        return f"{s.name}:{s.data.ids[d.item]}"
+
     def _example(self, d: Draw):
         s = self.sources[d.src]
         try:
