@@ -8,6 +8,7 @@ backbone vocabulary, datasets sharing one codec layout) is verified before any r
 
 import difflib
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -133,6 +134,11 @@ class SpeechLMData:
     cfg_dropout: float = 0.0
     """TTS classifier-free-guidance dropout: probability of replacing the text prompt by
     `<|cfg_drop|>` (training only)."""
+    verify_shards: Literal["full", "size", "none"] = "full"
+    """What is checked when training opens a prepared dataset, against the file sizes and
+    sha256s `torchtitan prepare` recorded in metadata.json: `full` (a shard modified after
+    preparation is refused; reads each shard once per process at start, about 1 s per GB),
+    `size` (truncated or appended files only: instant, for very large datasets), `none`."""
     log_batch_hashes: bool = False
     """Write a content hash of every consumed micro-batch, and of each sample in it, to
     `{dump_folder}/batch_hashes/rank{r}.jsonl` (`{"hash": ..., "samples": [...]}`, one line
@@ -353,6 +359,11 @@ def validate_job_config(job_config) -> None:
         check_parallelism(job_config, ctx.family)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    from torchtitan_speechlm.preflight import check_conflicts, check_layout
+
+    check_conflicts(job_config)
+    if "WORLD_SIZE" in os.environ:  # a rank (the launcher checks with --nproc-per-node)
+        check_layout(job_config, int(os.environ["WORLD_SIZE"]))
     n_streams = ctx.num_streams
     if sl.stream_weights and len(sl.stream_weights) != n_streams:
         raise ConfigError(
@@ -414,6 +425,16 @@ def resolve_model_args(args, job_config) -> None:
 
     validate_job_config(job_config)
     resolve_resume(job_config)  # before torchtitan's checkpointer picks the step to load
+    fill_model_args(args, job_config)
+    from torchtitan_speechlm.run_record import record_run
+
+    record_run(job_config, args, run_context(job_config))
+
+
+def fill_model_args(args, job_config) -> None:
+    """The model args of the job (no side effects; ``resolve_model_args`` also records them)."""
+    from torchtitan_speechlm.run_context import run_context
+
     sl, ctx = job_config.speechlm, run_context(job_config)
     for f in fields(SpeechLM):
         if f.name in {g.name for g in fields(args)}:
@@ -428,9 +449,6 @@ def resolve_model_args(args, job_config) -> None:
     )
     args.load_weights = sl.init == "pretrained"
     args.codec_hash = str(ctx.codec.get("config_hash", ""))
-    from torchtitan_speechlm.run_record import record_run
-
-    record_run(job_config, args, ctx)
 
 
 def normalised_stream_weights(weights: list[float], n: int) -> list[float]:

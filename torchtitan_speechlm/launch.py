@@ -157,6 +157,14 @@ def already_complete(job_config) -> str | None:
     )
 
 
+def _world_size(nproc: int) -> int:
+    """The ranks the job will have: torchrun's / SLURM's when inside one, else ``nproc``."""
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return nproc
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -193,10 +201,14 @@ def train_command(args: list[str]) -> int:
         return 0
     nproc, args = _split_launcher_args(args)
     args = torchtitan_args(args)
-    from torchtitan_speechlm.config import ConfigError
+    from torchtitan_speechlm.config import ConfigError, is_speechlm
 
     try:
         job_config = check_config(args)
+        if is_speechlm(job_config):
+            from torchtitan_speechlm.preflight import preflight
+
+            preflight(job_config, _world_size(nproc))
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"torchtitan train: config error: {e}", file=sys.stderr)
         return 2

@@ -172,12 +172,12 @@ def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def open_prepared(path: str):
-    """A prepared dataset is immutable once written, so each process opens (and validates) it
-    once, not once per mixture entry or validation round."""
+def open_prepared(path: str, verify: str = "size"):
+    """A prepared dataset is immutable once written, so each process opens (and validates,
+    ``speechlm_data.verify_shards``) it once, not once per mixture entry or validation round."""
     from torchtitan_speechlm.data.reader import PreparedDataset
 
-    return PreparedDataset(path)
+    return PreparedDataset(path, verify=verify)
 
 
 def build_sources(job_config, entries: list[MixEntry], split: str) -> list[Source]:
@@ -185,7 +185,9 @@ def build_sources(job_config, entries: list[MixEntry], split: str) -> list[Sourc
     frac = job_config.speechlm_data.valid_fraction
     sources = []
     for e in entries:
-        data = open_prepared(os.path.abspath(paths[e.dataset]))
+        data = open_prepared(
+            os.path.abspath(paths[e.dataset]), job_config.speechlm_data.verify_shards
+        )
         sources.append(
             Source(e.task, e.dataset, e.weight, data, split_indices(data.ids, frac, split))
         )
