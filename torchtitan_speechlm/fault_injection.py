@@ -7,6 +7,7 @@ without a rank it fires on every rank. Every entry fires once per process.
     kill_in_save   SIGKILL this rank halfway through writing its first file of checkpoint step-STEP
     enospc_in_save a write of checkpoint step-STEP raises OSError(ENOSPC) after writing half its bytes
     nan_loss       the loss of the first micro-batch of step STEP becomes NaN
+    spike_loss     the loss of the first micro-batch of step STEP is multiplied by 50
     inf_grad       one gradient shard becomes +Inf after the backward of step STEP
     sigstop        SIGSTOP this rank at the start of step STEP's optimizer-step check (a hung rank)
     die            SIGKILL this rank at the same point (a dead rank, mid-collective for the others)
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 ENV = "SPEECHLM_FAULTS"
-KINDS = ("kill_in_save", "enospc_in_save", "nan_loss", "inf_grad", "sigstop", "die")
+KINDS = ("kill_in_save", "enospc_in_save", "nan_loss", "spike_loss", "inf_grad", "sigstop", "die")
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 

@@ -71,6 +71,8 @@ class StepGuard:
         if fault_injection.enabled() and self._loss is None:
             if fault_injection.take("nan_loss", self.step()):
                 loss_sum = loss_sum * float("nan")
+            elif fault_injection.take("spike_loss", self.step()):
+                loss_sum = loss_sum * 50.0
         loss = loss_sum.detach().double()
         count = (labels != -100).sum().double()
         self._loss = loss if self._loss is None else self._loss + loss
@@ -164,12 +166,11 @@ class StepGuard:
             return list(ids)
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, list(ids))
-        seen, out = set(), []
-        for part in parts:  # tensor/pipeline peers report the same samples
-            for i in part:
-                if i not in seen:
-                    seen.add(i)
-                    out.append(i)
+        out, seen = [], []
+        for part in parts:  # tensor/pipeline peers of a data-parallel rank report its samples
+            if part not in seen:
+                seen.append(part)
+                out += part
         return out
 
     def _record(self, step: int, kind: str, loss: float, samples: list[str], **extra) -> None:

@@ -566,9 +566,9 @@ class SpeechLMDataset(IterableDataset):
 
     # ---- collation -------------------------------------------------------------------------
     def sample_id(self, d: Draw) -> str:
-        """``DATASET:ITEM_ID`` of a draw: what a log of a bad step names."""
+        """``TASK:DATASET:ITEM_ID`` of a draw: what a log of a bad step names."""
         s = self.sources[d.src]
-        return f"{s.name}:{s.data.ids[d.item]}"
+        return f"{s.task}:{s.name}:{s.data.ids[d.item]}"
 
     def _example(self, d: Draw):
         s = self.sources[d.src]
