@@ -133,9 +133,7 @@ def test_nan_loss_is_skipped_before_the_update_and_named(assets, reference, tmp_
     training goes on; steps before it match the reference bit for bit."""
     dump = tmp_path / "run"
     cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
-    r = run_with_faults(
-        monkeypatch, cfg, "nan_loss@3", "--speechlm_data.log_batch_hashes", "true"
-    )
+    r = run_with_faults(monkeypatch, cfg, "nan_loss@3", "--speechlm_data.log_batch_hashes", "true")
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
     assert "step 3: non-finite loss" in log and "optimizer step skipped" in log
@@ -222,7 +220,9 @@ def test_a_stopped_rank_makes_the_other_exit_within_the_timeout(assets, tmp_path
                         timeout=240)  # fmt: skip
     elapsed = time.monotonic() - start
     assert r.returncode == 1
-    assert "rank 0: RuntimeError: collective all_reduce called from allow_update" in r.stderr, r.stderr[-3000:]
+    assert "rank 0: RuntimeError: collective all_reduce called from allow_update" in r.stderr, (
+        r.stderr[-3000:]
+    )
     assert "rank(s) 1 stopped responding" in r.stderr and "Timed out" in r.stderr
     assert elapsed < 150  # start-up + 3 steps + 5 s timeout + torchrun's 30 s kill grace
     assert complete_steps(dump) == [1, 2]

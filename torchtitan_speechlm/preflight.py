@@ -46,7 +46,7 @@ def check_layout(job_config, world_size: int) -> None:
         if value < 1 and not (key == "data_parallel_shard_degree" and value == -1):
             raise ConfigError(f"parallelism.{key} = {value}: must be >= 1 (shard degree: or -1)")
     fixed = 1
-    for key, value in degrees.items():
+    for value in degrees.values():
         if value != -1:
             fixed *= value
     names = " x ".join(f"{k} ({v})" for k, v in degrees.items() if v != 1)

@@ -19,8 +19,8 @@ from torchtitan_speechlm.dataset_format import (
     METADATA,
     SHARD_META,
     SHARDS_DIR,
-    first_difference,
     fingerprint_shard,
+    first_difference,
     read_json,
     shard_name,
 )
