@@ -52,11 +52,24 @@ def user_fault_types() -> tuple[type[BaseException], ...]:
     """Exceptions whose message already says what happened and what to do."""
     from torchtitan_speechlm.compat import CheckpointSaveError
     from torchtitan_speechlm.components.nonfinite import NonFiniteError
+    from torchtitan_speechlm.components.resume import ResumeError
     from torchtitan_speechlm.config import ConfigError
+    from torchtitan_speechlm.data.stream import DataLengthError, StreamResumeError
     from torchtitan_speechlm.dataset_format import CorruptDatasetError
+    from torchtitan_speechlm.model.vocab import VocabMismatchError
     from torchtitan_speechlm.run_record import RunRecordError
 
-    return (ConfigError, CorruptDatasetError, RunRecordError, NonFiniteError, CheckpointSaveError)
+    return (
+        ConfigError,
+        CorruptDatasetError,
+        RunRecordError,
+        ResumeError,
+        VocabMismatchError,
+        DataLengthError,
+        StreamResumeError,
+        NonFiniteError,
+        CheckpointSaveError,
+    )
 
 
 def is_collective_failure(exc: BaseException) -> bool:
