@@ -9,6 +9,7 @@ docs/errors.md lists each fault with the test that injects it.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 
@@ -54,7 +55,9 @@ def losses(dump) -> dict[int, float]:
     out: dict[int, float] = {}
     for row in read_metrics(dump):
         step, loss = row["step"], row["loss_metrics/global_avg_loss"]
-        assert out.get(step, loss) == loss, f"step {step} trained twice with different losses"
+        before = out.get(step, loss)
+        same = before == loss or (math.isnan(before) and math.isnan(loss))
+        assert same, f"step {step} trained twice with different losses"
         out[step] = loss
     return out
 
@@ -123,14 +126,19 @@ def test_kill_during_save_loses_only_that_save_and_resumes_bit_exactly(
     r = run_with_faults(monkeypatch, cfg, fault, *keep)
     assert r.returncode != 0
     assert "was killed by SIGKILL" in r.stderr, r.stderr[-2000:]
-    assert (dump / "checkpoint" / "step-4").is_dir()  # the partial save is there...
-    assert complete_steps(dump) == [2, 3]  # ...but is not a checkpoint; k = 2 complete kept
+    # the partial step-4 is left (both killed) or removed by rank 0, which saw its peer die
+    # during the save (one killed); either way it is not a checkpoint, and k = 2 complete
+    # ones are kept
+    partial = dump / "checkpoint" / "step-4"
+    assert partial.is_dir() or "CheckpointSaveError" in r.stderr
+    assert complete_steps(dump) == [2, 3]
     assert_same_tensors(reference / "checkpoint" / "step-3", dump / "checkpoint" / "step-3")
 
+    left = partial.is_dir()
     r = run_train(cfg, *COMMON, *keep, nproc=2)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
-    assert "step-4 has no .metadata" in log and "Training starts at step 4" in log
+    assert ("step-4 has no .metadata" in log) == left and "Training starts at step 4" in log
     assert f"Loading the checkpoint from {dump}/checkpoint/step-3" in log
     assert losses(dump) == losses(reference)
     assert_same_tensors(reference / "checkpoint" / "step-5", dump / "checkpoint" / "step-5")

@@ -214,8 +214,12 @@ def install_checkpoint_safety() -> None:
                 if done
                 else "there is no earlier checkpoint, so a rerun starts from step 1"
             )
-            reason = f"{type(cause).__name__}: {cause}"
-            if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0][:300]}"
+            from torchtitan_speechlm.faults import is_collective_failure
+
+            if is_collective_failure(cause):
+                reason = f"a peer rank died or hung during the save ({reason})"
+            elif isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
                 usage = shutil.disk_usage(folder if os.path.isdir(folder) else ".")
                 reason = (
                     f"the disk is full (ENOSPC, {usage.free / 2**30:.2f} GiB free) writing "
