@@ -322,8 +322,9 @@ def _layout_cfg(world_replicate=1, shard=-1, tp=1, pp=1, cp=1, local=2, global_=
         training=SimpleNamespace(local_batch_size=local, global_batch_size=global_, steps=10),
         checkpoint=SimpleNamespace(
             keep_latest_k=ckpt.get("k", 0), last_save_in_hf=ckpt.get("hf", False),
-            last_save_model_only=ckpt.get("model_only", False), initial_load_in_hf=False,
-            initial_load_model_only=True, enable=True, interval=5,
+            last_save_model_only=ckpt.get("model_only", False),
+            initial_load_in_hf=ckpt.get("load_hf", False),
+            initial_load_model_only=ckpt.get("load_model_only", True), enable=True, interval=5,
         ),
     )  # fmt: skip
 
@@ -356,6 +357,9 @@ def test_impossible_layouts_and_batches_are_refused_naming_key_and_fix():
         ConfigError, match="last_save_in_hf = true needs checkpoint.last_save_model_only"
     ):
         check_conflicts(_layout_cfg(hf=True))
+    check_conflicts(_layout_cfg(hf=True, model_only=True))
+    with pytest.raises(ConfigError, match="initial_load_in_hf = true needs"):
+        check_conflicts(_layout_cfg(load_hf=True, load_model_only=False))
 
 
 def test_unwritable_dump_folder_is_refused_and_probing_leaves_nothing(tmp_path):

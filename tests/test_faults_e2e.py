@@ -229,10 +229,12 @@ def test_full_disk_during_a_save_stops_cleanly_and_loses_nothing(
 
 
 # ---- 4. hung or dead rank -----------------------------------------------------------------------
-def test_a_stopped_rank_makes_the_other_exit_within_the_timeout(assets, tmp_path, monkeypatch):
+def test_a_stopped_rank_makes_the_other_exit_within_the_timeout(
+    assets, reference, tmp_path, monkeypatch
+):
     """Proves: rank 1 stopped with SIGSTOP at step 3: rank 0 leaves its collective after
     comm.train_timeout_seconds with a message naming rank 1 and the collective, instead of
-    waiting for ever; the checkpoint of step 2 is intact."""
+    waiting for ever; the checkpoint of step 2 is intact and a rerun continues bit-exactly."""
     dump = tmp_path / "run"
     cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
     start = time.monotonic()
@@ -246,11 +248,22 @@ def test_a_stopped_rank_makes_the_other_exit_within_the_timeout(assets, tmp_path
     assert "rank(s) 1 stopped responding" in r.stderr and "Timed out" in r.stderr
     assert elapsed < 150  # start-up + 3 steps + 5 s timeout + torchrun's 30 s kill grace
     assert complete_steps(dump) == [1, 2]
+    assert_rerun_is_bit_exact(cfg, dump, reference)
 
 
-def test_a_dead_rank_ends_the_run_naming_it(assets, tmp_path, monkeypatch):
+def assert_rerun_is_bit_exact(cfg, dump, reference) -> None:
+    r = run_train(cfg, *COMMON, nproc=2)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    assert "Training starts at step 3" in log
+    assert losses(dump) == losses(reference)
+    assert_same_tensors(reference / "checkpoint" / "step-5", dump / "checkpoint" / "step-5")
+
+
+def test_a_dead_rank_ends_the_run_naming_it(assets, reference, tmp_path, monkeypatch):
     """Proves: rank 1 killed (SIGKILL) at step 3 just before a collective ends the whole run
-    promptly, the launcher naming rank 1 and the signal; checkpoint step-2 is intact."""
+    promptly, the launcher naming rank 1 and the signal; checkpoint step-2 is intact and a
+    rerun continues bit-exactly."""
     dump = tmp_path / "run"
     cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
     start = time.monotonic()
@@ -259,6 +272,7 @@ def test_a_dead_rank_ends_the_run_naming_it(assets, tmp_path, monkeypatch):
     assert r.returncode == 1 and time.monotonic() - start < 120
     assert "rank 1 was killed by SIGKILL" in r.stderr, r.stderr[-3000:]
     assert complete_steps(dump) == [1, 2]
+    assert_rerun_is_bit_exact(cfg, dump, reference)
 
 
 # ---- 5 and 6: inputs and config seen by `torchtitan train` --------------------------------------

@@ -111,6 +111,13 @@ def describe_collective_failure(exc: BaseException) -> str:
     from torchtitan_speechlm.components.heartbeat import HEARTBEAT
 
     rank = os.environ.get("RANK", "0")
+    # said at once: the launcher may end this process while the heartbeats are read
+    print(
+        f"torchtitan train: rank {rank}: collective {collective_of(exc)} failed; looking for "
+        "the silent peer rank",
+        file=sys.stderr,
+        flush=True,
+    )
     stale = HEARTBEAT.silent_ranks()
     if stale:
         who = f"rank(s) {', '.join(map(str, stale))} stopped responding (hung or dead)"
