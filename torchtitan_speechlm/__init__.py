@@ -6,10 +6,19 @@ console script and stock `python -m torchtitan.train --experimental.custom_impor
 torchtitan_speechlm` find it.
 """
 
-from torchtitan_speechlm.compat import install_torchtitan_cpu_patches, use_cpu_when_no_accelerator
+from torchtitan_speechlm.compat import (
+    install_checkpoint_safety,
+    install_torchtitan_cpu_patches,
+    use_cpu_when_no_accelerator,
+)
 
 use_cpu_when_no_accelerator()
 install_torchtitan_cpu_patches()
+install_checkpoint_safety()
+
+from torchtitan_speechlm.fault_injection import install_checkpoint_faults  # noqa: E402
+
+install_checkpoint_faults()  # test hooks: a no-op unless SPEECHLM_FAULTS is set
 
 from torchtitan_speechlm.spec import SPEC_NAME, register  # noqa: E402
 

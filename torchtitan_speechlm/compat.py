@@ -38,11 +38,24 @@ Two more, not about CPUs:
    all-reduce, but the train step backpropagates ``local loss sum / global loss count``, so DDP
    gradients (and grad_norm, clipping) are 1/world_size too small (proposed upstream fix: pytorch/torchtitan PR #2323).
    -> ``sum_gradients_in_ddp`` registers a SUM comm hook. (patches/0007-ddp-sum-gradients.diff)
+
+9. ``torchtitan/components/checkpoint.py::CheckpointManager._purge_stale_checkpoints`` counts
+   every ``step-N`` folder toward ``keep_latest_k``, also half-written ones (a save killed
+   mid-write, an async save in flight), so it could delete the last *complete* checkpoint while
+   no newer one was complete. ``dcp_save`` writes into a folder that may still hold an older
+   ``.metadata`` (a resave after a resume from an earlier step), so a crash mid-write left an old
+   index over new data; and a failed write (a full disk) surfaced as DCP's multi-rank traceback.
+   -> ``install_checkpoint_safety`` purges among complete checkpoints only (plus half-written
+   folders older than the newest complete one), removes a stale ``.metadata`` before the
+   ranks write, and turns a failed save into ``CheckpointSaveError`` naming the folder, the
+   error (ENOSPC...) and the intact checkpoint a rerun resumes from.
+   (patches/0008-checkpoint-purge-complete-only.diff)
 """
 
 from __future__ import annotations
 
 import os
+import re
 import resource
 import sys
 from collections import namedtuple
@@ -147,6 +160,101 @@ def install_torchtitan_cpu_patches() -> None:
     tt_metrics.build_device_memory_monitor = build_cpu_memory_monitor
     tt_dist.set_pg_timeouts = set_pg_timeouts_cpu
     tt_dist._speechlm_cpu_patched = True
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed (e.g. a full disk); the message names the folder and the fix."""
+
+
+def _save_failure(exc: BaseException) -> tuple[list[int], BaseException]:
+    """(failing ranks, first underlying error) of a DCP save exception."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        ranks = sorted(failures)
+        first = failures[ranks[0]]
+        return ranks, first[0] if isinstance(first, tuple) else first
+    return [dist.get_rank() if dist.is_initialized() else 0], exc
+
+
+def install_checkpoint_safety() -> None:
+    """Fix 9 (idempotent; on every device)."""
+    import errno
+    import shutil
+
+    from torchtitan.components import checkpoint as tt_ckpt
+    from torchtitan.tools.logging import logger
+
+    manager = tt_ckpt.CheckpointManager
+    if getattr(manager, "_speechlm_safe", False):
+        return
+    original_save = manager.dcp_save
+    original_purge = manager._purge_stale_checkpoints
+
+    def is_rank0() -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def dcp_save(self, state_dict, checkpoint_id, async_mode, *args, **kwargs):
+        from torchtitan_speechlm.components.resume import complete_checkpoints
+
+        stale = os.path.join(str(checkpoint_id), ".metadata")
+        if is_rank0() and os.path.isfile(stale):
+            # before dcp.save's first collective, hence before any rank writes data
+            logger.warning(f"{checkpoint_id} already holds a checkpoint: overwriting it")
+            os.remove(stale)
+        try:
+            return original_save(self, state_dict, checkpoint_id, async_mode, *args, **kwargs)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            ranks, cause = _save_failure(e)
+            folder = os.path.dirname(str(checkpoint_id))
+            done = complete_checkpoints(folder)
+            intact = (
+                f"{folder}/step-{done[-1]} is intact and a rerun resumes from it"
+                if done
+                else "there is no earlier checkpoint, so a rerun starts from step 1"
+            )
+            reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0][:300]}"
+            from torchtitan_speechlm.faults import is_collective_failure
+
+            if is_collective_failure(cause):
+                reason = f"a peer rank died or hung during the save ({reason})"
+            elif isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+                usage = shutil.disk_usage(folder if os.path.isdir(folder) else ".")
+                reason = (
+                    f"the disk is full (ENOSPC, {usage.free / 2**30:.2f} GiB free) writing "
+                    f"{getattr(cause, 'filename', None) or checkpoint_id}"
+                )
+            if is_rank0():
+                shutil.rmtree(str(checkpoint_id), ignore_errors=True)  # no .metadata: never loaded
+            raise CheckpointSaveError(
+                f"saving checkpoint {checkpoint_id} failed on rank(s) {ranks}: {reason}. "
+                f"Nothing of it is kept (the partial folder was removed); {intact}. Free space "
+                "or point job.dump_folder elsewhere, and lower checkpoint.keep_latest_k if disk "
+                "space is tight"
+            ) from None
+
+    def purge(self) -> None:
+        from torchtitan_speechlm.components.resume import complete_checkpoints
+
+        if getattr(self, "enable_ft_dataloader_checkpoints", False):
+            return original_purge(self)
+        if not (self.keep_latest_k > 0 and is_rank0() and os.path.isdir(self.folder)):
+            return
+        complete = complete_checkpoints(self.folder)
+        doomed = set(complete[: -self.keep_latest_k])
+        newest = complete[-1] if complete else -1
+        for name in os.listdir(self.folder):
+            m = re.fullmatch(r"step-(\d+)", name)
+            if not m:
+                continue
+            step = int(m.group(1))
+            if step in doomed or (step < newest and step not in complete):
+                self.purge_queue.put(os.path.join(self.folder, name))
+
+    manager.dcp_save = dcp_save
+    manager._purge_stale_checkpoints = purge
+    manager._speechlm_safe = True
 
 
 def force_sum_reduction_on_cpu(model: torch.nn.Module) -> None:

@@ -8,6 +8,7 @@ backbone vocabulary, datasets sharing one codec layout) is verified before any r
 
 import difflib
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -135,10 +136,38 @@ class SpeechLMData:
     cfg_dropout: float = 0.0
     """TTS classifier-free-guidance dropout: probability of replacing the text prompt by
     `<|cfg_drop|>` (training only)."""
+    verify_shards: Literal["full", "size", "none"] = "full"
+    """What is checked when training opens a prepared dataset, against the file sizes and
+    sha256s `torchtitan prepare` recorded in metadata.json: `full` (a shard modified after
+    preparation is refused; reads each shard once per process at start, about 1 s per GB),
+    `size` (truncated or appended files only: instant, for very large datasets), `none`."""
     log_batch_hashes: bool = False
     """Write a content hash of every consumed micro-batch, and of each sample in it, to
     `{dump_folder}/batch_hashes/rank{r}.jsonl` (`{"hash": ..., "samples": [...]}`, one line
     per micro-batch in the order trained)."""
+
+
+NonFinitePolicy = Literal["skip", "stop"]
+
+
+@dataclass
+class SpeechLMFaults:
+    """[speechlm_faults]: what a bad step does (docs/errors.md)."""
+
+    nonfinite: NonFinitePolicy = "skip"
+    """A NaN/Inf loss or gradient, caught before the optimizer step: `skip` the step (no
+    update; counted as `reliability/skipped_steps`, logged with the batch's sample ids and
+    written to `{dump_folder}/anomalies.jsonl`) or `stop` with an error naming the step and
+    the samples. The LR schedule still advances with the step number."""
+    max_consecutive_skips: int = 5
+    """With `skip`: stop after this many non-finite steps in a row (the model is broken, not
+    the batch)."""
+    loss_spike_factor: float = 5.0
+    """Log a step whose loss exceeds this many times the running median (with its sample
+    ids, also to anomalies.jsonl); the step is trained. 0 = off."""
+    loss_spike_window: int = 50
+    """Steps in the running median of `loss_spike_factor` (spikes are looked for once 5
+    steps are in it)."""
 
 
 @dataclass
@@ -156,6 +185,7 @@ class Checkpoint:
 class JobConfig:
     speechlm: SpeechLM = field(default_factory=SpeechLM)
     speechlm_data: SpeechLMData = field(default_factory=SpeechLMData)
+    speechlm_faults: SpeechLMFaults = field(default_factory=SpeechLMFaults)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
@@ -331,6 +361,11 @@ def validate_job_config(job_config) -> None:
         check_parallelism(job_config, ctx.family)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    from torchtitan_speechlm.preflight import check_conflicts, check_layout
+
+    check_conflicts(job_config)
+    if "WORLD_SIZE" in os.environ:  # a rank (the launcher checks with --nproc-per-node)
+        check_layout(job_config, int(os.environ["WORLD_SIZE"]))
     n_streams = ctx.num_streams
     if sl.stream_weights and len(sl.stream_weights) != n_streams:
         raise ConfigError(
@@ -367,6 +402,19 @@ def validate_job_config(job_config) -> None:
         raise ConfigError("speechlm_data.cfg_dropout must be in [0, 1)")
     if data.window < 1:
         raise ConfigError("speechlm_data.window must be >= 1")
+    faults = job_config.speechlm_faults
+    if faults.max_consecutive_skips < 1:
+        raise ConfigError(
+            f"speechlm_faults.max_consecutive_skips = {faults.max_consecutive_skips}: must be "
+            '>= 1 (to stop at the first non-finite step, set speechlm_faults.nonfinite = "stop")'
+        )
+    if faults.loss_spike_factor != 0 and faults.loss_spike_factor <= 1:
+        raise ConfigError(
+            f"speechlm_faults.loss_spike_factor = {faults.loss_spike_factor}: must be > 1 "
+            "(times the running median loss), or 0 to turn spike logging off"
+        )
+    if faults.loss_spike_window < 1:
+        raise ConfigError("speechlm_faults.loss_spike_window must be >= 1")
 
 
 def resolve_model_args(args, job_config) -> None:
@@ -379,6 +427,16 @@ def resolve_model_args(args, job_config) -> None:
 
     validate_job_config(job_config)
     resolve_resume(job_config)  # before torchtitan's checkpointer picks the step to load
+    fill_model_args(args, job_config)
+    from torchtitan_speechlm.run_record import record_run
+
+    record_run(job_config, args, run_context(job_config))
+
+
+def fill_model_args(args, job_config) -> None:
+    """The model args of the job (no side effects; ``resolve_model_args`` also records them)."""
+    from torchtitan_speechlm.run_context import run_context
+
     sl, ctx = job_config.speechlm, run_context(job_config)
     for f in fields(SpeechLM):
         if f.name in {g.name for g in fields(args)}:
@@ -393,9 +451,6 @@ def resolve_model_args(args, job_config) -> None:
     )
     args.load_weights = sl.init == "pretrained"
     args.codec_hash = str(ctx.codec.get("config_hash", ""))
-    from torchtitan_speechlm.run_record import record_run
-
-    record_run(job_config, args, ctx)
 
 
 def normalised_stream_weights(weights: list[float], n: int) -> list[float]:

@@ -3,7 +3,8 @@ training. prepare/ writes it and data/ reads it; this module is all they share.
 
 Layout (``FORMAT_VERSION = 2``, described in docs/data.md)::
 
-    metadata.json            codec + tokenizer identity, shard list, totals (written last)
+    metadata.json            codec + tokenizer identity, shard list (each shard's file sizes
+                             and sha256), totals (written last)
     plan.json                what ``torchtitan prepare`` was asked to do (for resuming)
     failures.jsonl, summary.json
     shards/NNNNN/items.jsonl       per item: id, kind, text, source, offsets, lengths, seconds
@@ -19,6 +20,7 @@ opening a dataset costs nothing however large it is.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -102,6 +104,53 @@ def check_compatible(meta_a: dict, meta_b: dict) -> None:
             f"prepared datasets are incompatible: {key} differs "
             f"({metadata_value(meta_a, key)!r} vs {metadata_value(meta_b, key)!r})"
         )
+
+
+# what metadata.json fingerprints (shard.json is checked field by field against metadata.json,
+# which gives a better message: the codec or tokenizer key that differs)
+SHARD_FILES = (ITEMS, TEXT_TOKENS, AUDIO_CODES)
+
+
+def file_digest(path: str) -> str:
+    """sha256 of a file's bytes (hex), read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fingerprint_shard(shard_dir: str) -> dict:
+    """``{file: {"bytes": n, "sha256": hex}}`` of a finished shard, recorded in metadata.json
+    so that a shard truncated or modified afterwards is refused when it is opened."""
+    return {
+        name: {
+            "bytes": os.path.getsize(os.path.join(shard_dir, name)),
+            "sha256": file_digest(os.path.join(shard_dir, name)),
+        }
+        for name in SHARD_FILES
+    }
+
+
+def check_shard_files(shard_dir: str, files: dict, checksums: bool) -> None:
+    """Refuse a shard whose files differ from what metadata.json recorded: a missing file, a
+    size change (truncated, appended) always; a content change too with ``checksums``."""
+    for name, want in files.items():
+        path = os.path.join(shard_dir, name)
+        if not os.path.isfile(path):
+            raise CorruptDatasetError(f"{path} is missing; {REGENERATE}")
+        size = os.path.getsize(path)
+        if size != want.get("bytes"):
+            raise CorruptDatasetError(
+                f"{path} has {size} bytes but metadata.json recorded {want.get('bytes')} "
+                f"(truncated or modified after the dataset was prepared); {REGENERATE}"
+            )
+        if checksums and want.get("sha256") and file_digest(path) != want["sha256"]:
+            raise CorruptDatasetError(
+                f"{path} was modified after metadata.json was written (its sha256 differs from "
+                f"the recorded one); {REGENERATE}, or set speechlm_data.verify_shards = "
+                '"size" only if you changed it on purpose and know it is consistent'
+            )
 
 
 def read_json(path: str, what: str = "") -> dict:

@@ -169,6 +169,14 @@ def set_single_process_env() -> None:
     )
 
 
+def _world_size(nproc: int) -> int:
+    """The ranks the job will have: torchrun's / SLURM's when inside one, else ``nproc``."""
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return nproc
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -205,10 +213,14 @@ def train_command(args: list[str]) -> int:
         return 0
     nproc, args = _split_launcher_args(args)
     args = torchtitan_args(args)
-    from torchtitan_speechlm.config import ConfigError
+    from torchtitan_speechlm.config import ConfigError, is_speechlm
 
     try:
         job_config = check_config(args)
+        if is_speechlm(job_config):
+            from torchtitan_speechlm.preflight import preflight
+
+            preflight(job_config, _world_size(nproc))
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"torchtitan train: config error: {e}", file=sys.stderr)
         return 2
@@ -240,19 +252,43 @@ def train_command(args: list[str]) -> int:
     )
     try:
         run(launch)
-    except Exception as e:  # ChildFailedError already printed the failing rank's traceback
-        print(
-            f"torchtitan train: {type(e).__name__}: a rank failed (see its log above)",
-            file=sys.stderr,
-        )
+    except Exception as e:  # the failing rank already printed why (faults.py)
+        print(f"torchtitan train: {describe_rank_failures(e)}", file=sys.stderr)
         return 1
     return 0
 
 
+def describe_rank_failures(exc: BaseException) -> str:
+    """'rank 1 was killed by SIGKILL; rank 0 exited with status 1' from torch's ChildFailedError."""
+    import signal
+
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return f"{type(exc).__name__}: a rank failed (see its log above)"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        code = getattr(failure, "exitcode", None)
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
+        parts.append(f"rank {rank} {how}")
+    return "; ".join(parts) + " (each rank's own message is above)"
+
+
 def run_worker(args: list[str]) -> int:
-    """One training rank: torchtitan's own ``main(Trainer)`` after our device selection."""
+    """One training rank: torchtitan's own ``main(Trainer)`` after our device selection.
+
+    A fault the user can act on (a config or data error, a non-finite step under
+    ``stop``, a failed checkpoint save, a hung or dead peer) ends the rank with one line naming
+    the rank and the fix instead of a traceback (faults.py decides which)."""
     import torchtitan_speechlm  # noqa: F401  (must precede torchtitan: CPU device selection)
     from torchtitan_speechlm.compat import run_torchtitan_main
+    from torchtitan_speechlm.faults import exit_on_user_fault
 
-    run_torchtitan_main(torchtitan_args(args))  # idempotent on already normalised args
+    with exit_on_user_fault():
+        run_torchtitan_main(torchtitan_args(args))  # idempotent on already normalised args
     return 0

@@ -19,6 +19,7 @@ from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsPr
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.loss import TRAIN_STATS
+from torchtitan_speechlm.components.nonfinite import STEP_GUARD
 from torchtitan_speechlm.components.samples import TrainingSamples
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
 from torchtitan_speechlm.run_context import run_context
@@ -115,6 +116,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         stats = self.speech_metrics(step)
         self._loss_frame_ratio = stats.get("data/loss_frame_ratio", 1.0)
         extra = dict(extra_metrics or {})
+        extra.update(STEP_GUARD.metrics())
         extra.update(
             {(k if k.startswith("throughput/") else f"train/{k}"): v for k, v in stats.items()}
         )

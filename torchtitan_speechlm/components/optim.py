@@ -8,6 +8,8 @@
   floor after ``lr_scheduler.total_steps``. torchtitan evaluates the decay curve past its end
   (a cosine rises again, a linear one goes below the floor); here the last value is kept, which
   gives ESPnet's warmup -> cosine -> constant floor (mapping in docs/checkpoints.md).
+- The optimizers' ``step`` runs only after the step guard found the loss and gradients finite
+  (components/nonfinite.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 
+from torchtitan_speechlm.components.nonfinite import STEP_GUARD, guard_optimizers
 from torchtitan_speechlm.model.model import canonical_name
 
 EMBEDDING_PREFIXES = ("tok_embeddings.", "head.stream_emb.")
@@ -68,6 +71,7 @@ def build_speechlm_optimizers(model_parts, optimizer_config, parallel_dims, ft_m
     rules = _weight_decay_rules(model_parts)
     if rules:
         split_weight_decay(model_parts, list(container), rules)
+    guard_optimizers(container, model_parts)  # no update from a NaN/Inf step
     return container
 
 
@@ -89,6 +93,7 @@ def build_speechlm_lr_schedulers(optimizers, lr_scheduler_config, training_steps
     )
     for scheduler in container.schedulers:
         scheduler.lr_lambdas = [_held_after(f, end) for f in scheduler.lr_lambdas]
+    STEP_GUARD.schedulers = container  # its step count is the trainer's step, also on resume
     return container
 
 

@@ -43,7 +43,13 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
     STATE_KEY = "speechlm_stream"
 
     def __init__(
-        self, dataset, *, hash_log: str | None = None, sample_hashes: bool = False, **kwargs
+        self,
+        dataset,
+        *,
+        hash_log: str | None = None,
+        sample_hashes: bool = False,
+        on_batch=None,
+        **kwargs,
     ):
         # our state comes with the batches; torchdata need not snapshot the workers
         kwargs.setdefault("snapshot_every_n_steps", 1 << 30)
@@ -52,6 +58,7 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
         dataset.emit_meta = True
         dataset.sample_hashes = bool(hash_log) or sample_hashes
         self.last_samples: list[str] | None = None  # content hashes of the last batch's samples
+        self.on_batch = on_batch  # called with each consumed micro-batch's sample ids
         self._position = dataset.state_dict()
 
     def __iter__(self):
@@ -64,6 +71,8 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
                 batch, meta = from_wire(wire)
                 self._position = dict(self._position, position=meta["position"])
                 self.last_samples = meta["samples"]
+                if self.on_batch is not None:
+                    self.on_batch(meta.get("ids") or [])
                 if log is not None:
                     log.write(
                         json.dumps({"hash": batch_hash(batch[0]), "samples": meta["samples"]})
@@ -164,12 +173,12 @@ def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def open_prepared(path: str):
-    """A prepared dataset is immutable once written, so each process opens (and validates) it
-    once, not once per mixture entry or validation round."""
+def open_prepared(path: str, verify: str = "size"):
+    """A prepared dataset is immutable once written, so each process opens (and validates,
+    ``speechlm_data.verify_shards``) it once, not once per mixture entry or validation round."""
     from torchtitan_speechlm.data.reader import PreparedDataset
 
-    return PreparedDataset(path)
+    return PreparedDataset(path, verify=verify)
 
 
 def build_sources(job_config, entries: list[MixEntry], split: str) -> list[Source]:
@@ -177,7 +186,9 @@ def build_sources(job_config, entries: list[MixEntry], split: str) -> list[Sourc
     frac = job_config.speechlm_data.valid_fraction
     sources = []
     for e in entries:
-        data = open_prepared(os.path.abspath(paths[e.dataset]))
+        data = open_prepared(
+            os.path.abspath(paths[e.dataset]), job_config.speechlm_data.verify_shards
+        )
         sources.append(
             Source(e.task, e.dataset, e.weight, data, split_indices(data.ids, frac, split))
         )
@@ -270,8 +281,11 @@ def build_speechlm_dataloader(
         if job_config.speechlm_data.log_batch_hashes
         else None
     )
+    from torchtitan_speechlm.components.nonfinite import STEP_GUARD
+
     return SpeechLMDataLoader(
         dataset,
+        on_batch=STEP_GUARD.note_micro_batch,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         hash_log=hash_log,

@@ -22,6 +22,7 @@ from torchtitan_speechlm.dataset_format import (
     PreparedItem,
     ShardMismatchError,
     Turn,
+    check_shard_files,
     first_difference,
     metadata_value,
     read_json,
@@ -47,8 +48,12 @@ class PreparedDataset:
     in the order ``metadata.json`` lists them, which is input order.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, verify: str = "size"):
+        """``verify``: what is checked against the file sizes and sha256s that metadata.json
+        recorded for each shard: ``"size"`` (cheap: truncated or appended files), ``"full"``
+        (also the checksums: any modification; reads every byte once), ``"none"``."""
         self.path = os.path.abspath(path)
+        self.verify = verify
         if not os.path.isdir(self.path):
             raise CorruptDatasetError(
                 f"prepared dataset {self.path} not found; create it with `torchtitan prepare`"
@@ -94,6 +99,8 @@ class PreparedDataset:
         sdir = os.path.join(self.path, SHARDS_DIR, str(entry.get("name")))
         if not os.path.isdir(sdir):
             raise CorruptDatasetError(f"shard {sdir} is missing; {REGENERATE}")
+        if self.verify != "none" and entry.get("files"):
+            check_shard_files(sdir, entry["files"], checksums=self.verify == "full")
         smeta = read_json(os.path.join(sdir, SHARD_META))
         if smeta.get("format_version") != FORMAT_VERSION:
             raise CorruptDatasetError(

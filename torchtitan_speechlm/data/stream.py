@@ -107,6 +107,10 @@ def eligible(source: Source) -> np.ndarray:
     return np.array([i for i in source.indices if kinds[i] in ok], dtype=np.int64)
 
 
+class StreamResumeError(ValueError):
+    """A checkpoint's data position cannot be continued by this run; the message says why."""
+
+
 class DataLengthError(ValueError):
     """No (or too few) samples fit the configured sequence length."""
 
@@ -276,13 +280,13 @@ class SpeechLMDataset(IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         names = [f"{s.task}:{s.name}" for s in self.sources]
         if "shards" not in state.get("position", {}):
-            raise ValueError(
+            raise StreamResumeError(
                 "the checkpoint's data position was written by an older torchtitan_speechlm "
                 "stream format; add 'dataloader' to checkpoint.exclude_from_loading to restart "
                 "the data stream, or start a new dump_folder"
             )
         if state.get("sources") != names:
-            raise ValueError(
+            raise StreamResumeError(
                 f"checkpointed data mixture {state.get('sources')} differs from the configured "
                 f"{names}; resume with the same speechlm_data.train, or start a new dump_folder"
             )
@@ -296,7 +300,7 @@ class SpeechLMDataset(IterableDataset):
         for key, now in self.piece_params.items():
             if saved.get(key) != now:
                 what = "speechlm_data.batching" if key == "mode" else f"training.{key}"
-                raise ValueError(
+                raise StreamResumeError(
                     f"the checkpoint's data stream was cut with {what} = {saved.get(key)!r}, "
                     f"this run uses {now!r}: the saved position cannot be continued. Keep "
                     f"{what} = {saved.get(key)!r}, or add 'dataloader' to "
@@ -305,7 +309,7 @@ class SpeechLMDataset(IterableDataset):
         pos = copy.deepcopy(state["position"])
         if pos["step_pieces"] != self.step_pieces:
             unit = "rows" if self.mode == "pack" else "micro-batches"
-            raise ValueError(
+            raise StreamResumeError(
                 f"the checkpoint's data stream has {pos['step_pieces']} {unit} per optimizer "
                 f"step and this run {self.step_pieces} (training.global_batch_size, or local "
                 "batch x data-parallel degree x accumulation): the stream is sharded by it and "
@@ -313,13 +317,13 @@ class SpeechLMDataset(IterableDataset):
                 "checkpoint.exclude_from_loading to restart the data stream"
             )
         if pos["micro_done"] and pos["accumulation"] != self.accumulation:
-            raise ValueError(
+            raise StreamResumeError(
                 "the checkpoint was taken in the middle of an optimizer step and this run has "
                 "another data-parallel layout; resume with the original layout"
             )
         missing = [j for j in self.own_shards() if j not in pos["shards"]]
         if missing:
-            raise ValueError(
+            raise StreamResumeError(
                 f"the saved data position lacks shards {missing[:8]} of this rank (a state "
                 "saved by one rank of a multi-rank run without merging; see "
                 "SpeechLMDataLoader.state_dict)"
@@ -558,12 +562,18 @@ class SpeechLMDataset(IterableDataset):
             hashes: list[str] | None = [] if self.emit_meta and self.sample_hashes else None
             batch = self.collate(unit, skipped, hashes)
             if self.emit_meta:  # for the loader: one buffer and the position (loader.py)
-                meta = {"position": self._position, "samples": hashes}
+                ids = [self.sample_id(d) for row in unit.rows for d in row]
+                meta = {"position": self._position, "samples": hashes, "ids": ids}
                 yield to_wire(batch, meta)
             else:
                 yield batch
 
     # ---- collation -------------------------------------------------------------------------
+    def sample_id(self, d: Draw) -> str:
+        """``TASK:DATASET:ITEM_ID`` of a draw: what a log of a bad step names."""
+        s = self.sources[d.src]
+        return f"{s.task}:{s.name}:{s.data.ids[d.item]}"
+
     def _example(self, d: Draw):
         s = self.sources[d.src]
         try:

@@ -19,6 +19,7 @@ from torchtitan_speechlm.dataset_format import (
     METADATA,
     SHARD_META,
     SHARDS_DIR,
+    fingerprint_shard,
     first_difference,
     read_json,
     shard_name,
@@ -165,7 +166,8 @@ def finalize(out_dir: str, plan: dict, run_info: dict) -> dict:
                        "total_audio_seconds": meta["total_audio_seconds"],
                        "total_text_tokens": meta["total_text_tokens"],
                        "total_frames": meta["total_frames"], "kinds": meta["kinds"],
-                       "num_failed": meta["num_failed"]})  # fmt: skip
+                       "num_failed": meta["num_failed"],
+                       "files": fingerprint_shard(sdir)})  # fmt: skip
         with open(os.path.join(sdir, FAILURES), encoding="utf-8") as f:
             failures.extend(f.readlines())
     reasons: dict[str, int] = {}

@@ -16,6 +16,7 @@ from torchtitan_speechlm import config
 SECTIONS = (
     ("speechlm", config.SpeechLM),
     ("speechlm_data", config.SpeechLMData),
+    ("speechlm_faults", config.SpeechLMFaults),
     ("checkpoint", config.Checkpoint),
 )
 BEGIN, END = "<!-- generated from {name} by tools/config_doc.py -->", "<!-- end generated -->"

@@ -1,0 +1,131 @@
+"""Test hooks that inject the faults the fault suite (tests/test_faults.py) proves we survive.
+
+Nothing here runs unless the environment variable ``SPEECHLM_FAULTS`` is set, so production
+runs never pay for it. Each entry is ``KIND@STEP`` or ``KIND@STEP:RANK`` (comma-separated);
+without a rank it fires on every rank. Every entry fires once per process.
+
+    kill_in_save   SIGKILL this rank halfway through writing its first file of checkpoint step-STEP
+    enospc_in_save a write of checkpoint step-STEP raises OSError(ENOSPC) after writing half its bytes
+    nan_loss       the loss of the first micro-batch of step STEP becomes NaN
+    spike_loss     the loss of the first micro-batch of step STEP is multiplied by 50
+    inf_grad       one gradient shard becomes +Inf after the backward of step STEP
+    sigstop        SIGSTOP this rank at the start of step STEP's optimizer-step check (a hung rank)
+    die            SIGKILL this rank at the same point (a dead rank, mid-collective for the others)
+
+Why hooks rather than real faults: a real full disk or a NaN from data needs a tmpfs or a crafted
+model, neither portable nor deterministic; the hooks go through the same code paths (DCP's
+file writer, the loss, the gradients, the collectives) at a chosen step.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+ENV = "SPEECHLM_FAULTS"
+KINDS = ("kill_in_save", "enospc_in_save", "nan_loss", "spike_loss", "inf_grad", "sigstop", "die")
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int
+    rank: int | None
+    fired: bool = False
+
+
+def parse(text: str) -> list[Fault]:
+    """``"kill_in_save@4:1,nan_loss@3"`` -> faults; raises ValueError on a bad entry."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        m = re.fullmatch(r"(\w+)@(\d+)(?::(\d+))?", entry)
+        if not m or m.group(1) not in KINDS:
+            raise ValueError(
+                f"{ENV}: bad entry {entry!r}; expected KIND@STEP[:RANK], KIND in {KINDS}"
+            )
+        faults.append(
+            Fault(m.group(1), int(m.group(2)), None if m.group(3) is None else int(m.group(3)))
+        )
+    return faults
+
+
+_FAULTS: list[Fault] | None = None
+
+
+def _faults() -> list[Fault]:
+    global _FAULTS
+    if _FAULTS is None:
+        _FAULTS = parse(os.environ.get(ENV, ""))
+    return _FAULTS
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def take(kind: str, step: int) -> bool:
+    """True (once) if fault ``kind`` is due at ``step`` on this rank."""
+    for f in _faults():
+        if f.kind == kind and f.step == step and not f.fired and f.rank in (None, _rank()):
+            f.fired = True
+            return True
+    return False
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(ENV))
+
+
+def at_step_check(step: int) -> None:
+    """The optimizer-step check of ``step`` begins (components/nonfinite.py calls this)."""
+    if take("sigstop", step):
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if take("die", step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _FaultyStream:
+    """A file stream that writes half of one write, then dies or reports a full disk."""
+
+    def __init__(self, stream, kind: str, path: str):
+        self._stream, self._kind, self._path = stream, kind, path
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._stream.write(view[: max(1, len(view) // 2)])
+        self._stream.flush()
+        if self._kind == "kill_in_save":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._path)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def install_checkpoint_faults() -> None:
+    """Route DCP's file streams through ``_FaultyStream`` when a save fault is due (idempotent)."""
+    if not enabled():
+        return
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    if getattr(FileSystem, "_speechlm_faults", False):
+        return
+    original = FileSystem.create_stream
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with original(self, path, mode) as stream:
+            m = _STEP_DIR.search(os.path.basename(os.path.dirname(str(path))))
+            kind = None
+            if m and "w" in mode and str(path).endswith(".distcp"):
+                step = int(m.group(1))
+                kind = next((k for k in ("kill_in_save", "enospc_in_save") if take(k, step)), None)
+            yield _FaultyStream(stream, kind, str(path)) if kind else stream
+
+    FileSystem.create_stream = create_stream
+    FileSystem._speechlm_faults = True
