@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -222,6 +221,18 @@ def peak_memory(shape: str, config: str, name: str, device: str, compile_: bool)
     return float(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1])
 
 
+def peak_rss_kib() -> int:
+    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: that one survives
+    fork + exec, so a child would start at its (large) parent's peak."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def result_name(a) -> str:
+    device = "gpu" if torch.cuda.is_available() else "cpu"
+    return f"vs_llama3_{a.shape}_{device}{'_compile' if a.compile else ''}.json"
+
+
 def run_config(shape: str, config: str, repeats: int, device: str, compile_: bool) -> dict:
     steps, frames = variants(shape, config, device, compile_)
     times = interleaved(steps, repeats, device)
@@ -245,15 +256,29 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--memory-of", help=argparse.SUPPRESS)
+    p.add_argument("--memory-only", action="store_true", help="only (re)measure peak memory")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.memory_of:  # child: two steps of one variant, print the peak RSS in MiB
         config, name = a.memory_of.split(":", 1)
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # after the imports
+        base = peak_rss_kib()  # after the imports
         steps, _ = variants(a.shape, config, device, a.compile, only=name)
         for _ in range(2):
             steps[name]()
-        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
+        print((peak_rss_kib() - base) / 1024)
+        return 0
+    if a.memory_only:  # fill in peak memory of an earlier run's results file
+        path = os.path.join("benchmarks/results", result_name(a))
+        with open(path) as f:
+            result = json.load(f)
+        for row in result["results"]:
+            names = list(row["median_s"])
+            row["peak_memory_mib"] = {
+                n: peak_memory(a.shape, row["config"], n, device, a.compile) for n in names
+            }
+            print(row["config"], row["peak_memory_mib"], flush=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
         return 0
     h, layers, heads, kv, ffn, text, b, t, docs = SHAPES[a.shape]
     rows = []
@@ -282,8 +307,7 @@ def main(argv=None) -> int:
         "results": rows,
     }
     os.makedirs("benchmarks/results", exist_ok=True)
-    name = f"vs_llama3_{a.shape}_{'gpu' if device == 'cuda' else 'cpu'}{'_compile' if a.compile else ''}.json"
-    with open(os.path.join("benchmarks/results", name), "w") as f:
+    with open(os.path.join("benchmarks/results", result_name(a)), "w") as f:
         json.dump(result, f, indent=2)
     return 0
 
