@@ -20,6 +20,13 @@ def device_name(device: str) -> str:
     return f"cpu ({cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: that one survives
+    fork + exec, so a child process would start at its parent's peak."""
+    with open("/proc/self/status") as f:
+        return 1024 * next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import torchtitan_speechlm  # noqa: F401
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.model import SpeechLMHead
 from torchtitan_speechlm.model.vocab import VocabLayout
+from bench_common import peak_rss_bytes
 
 TEXT_VOCAB, STREAMS, CODEBOOK = 151_936, 8, 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,7 +40,7 @@ def peak_bytes() -> int:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_rss_bytes()
 
 
 def inputs(frames: int, hidden: int, dtype: torch.dtype):

@@ -44,6 +44,7 @@ from torchtitan.models.llama3.model.model import Transformer
 
 from torchtitan_speechlm.infra.parallelize import apply_compile
 from bench_common import (
+    peak_rss_bytes,
     amp_context,
     build_speechlm,
     device_name,
@@ -221,13 +222,6 @@ def peak_memory(shape: str, config: str, name: str, device: str, compile_: bool)
     return float(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1])
 
 
-def peak_rss_kib() -> int:
-    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: that one survives
-    fork + exec, so a child would start at its (large) parent's peak."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-
-
 def result_name(a) -> str:
     device = "gpu" if torch.cuda.is_available() else "cpu"
     return f"vs_llama3_{a.shape}_{device}{'_compile' if a.compile else ''}.json"
@@ -261,11 +255,11 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.memory_of:  # child: two steps of one variant, print the peak RSS in MiB
         config, name = a.memory_of.split(":", 1)
-        base = peak_rss_kib()  # after the imports
+        base = peak_rss_bytes()  # after the imports
         steps, _ = variants(a.shape, config, device, a.compile, only=name)
         for _ in range(2):
             steps[name]()
-        print((peak_rss_kib() - base) / 1024)
+        print((peak_rss_bytes() - base) / 2**20)
         return 0
     if a.memory_only:  # fill in peak memory of an earlier run's results file
         path = os.path.join("benchmarks/results", result_name(a))
