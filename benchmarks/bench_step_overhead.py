@@ -32,6 +32,7 @@ REST = {
     ("torchtitan_speechlm/components/metrics.py", "log"): "metrics (log)",
     ("torchtitan/components/metrics.py", "log"): "metrics (log)",
     ("torchtitan/distributed/utils.py", "clip_grad_norm_"): "grad clipping",
+    ("torchtitan_speechlm/components/nonfinite.py", "allow_update"): "non-finite guard",
 }
 
 
