@@ -71,6 +71,7 @@ def build_speechlm(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
+        head_dim=hidden // heads,  # Qwen3Config's default is 128 whatever the width
         max_position_embeddings=max(16384, extra.pop("max_positions", 0)),
         tie_word_embeddings=False,
     )

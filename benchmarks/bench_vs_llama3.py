@@ -102,7 +102,14 @@ def batch(layout, config: str, b: int, t: int, docs: int, device: str):
     return frames, weights.to(device), packed_positions(b, t, docs, device)
 
 
-def variants(shape: str, config: str, device: str, compile_: bool, only: str | None = None):
+def variants(
+    shape: str,
+    config: str,
+    device: str,
+    compile_: bool,
+    only: str | None = None,
+    names: tuple[str, ...] | None = None,
+):
     """({name: step function}, frames per step); ``only``: build that variant alone."""
     h, layers, heads, kv, ffn, text, b, t, docs = SHAPES[shape]
     dims = dict(hidden=h, layers=layers, heads=heads, kv=kv, ffn=ffn, text=text)
@@ -122,7 +129,7 @@ def variants(shape: str, config: str, device: str, compile_: bool, only: str | N
         "speechlm hf-llama plain": ("hf", "llama", "sdpa_documents", False),
     }
     for name, (backbone, family, attn, packed) in models.items():
-        if only not in (None, name):
+        if only not in (None, name) or (names is not None and name not in names):
             continue
         model, layout = build_speechlm(device, backbone=backbone, family=family, attn=attn, **dims)
         if compile_:
@@ -224,11 +231,13 @@ def peak_memory(shape: str, config: str, name: str, device: str, compile_: bool)
 
 def result_name(a) -> str:
     device = "gpu" if torch.cuda.is_available() else "cpu"
-    return f"vs_llama3_{a.shape}_{device}{'_compile' if a.compile else ''}.json"
+    return f"vs_llama3_{a.shape}_{device}{'_compile' if a.compile else ''}{a.tag}.json"
 
 
-def run_config(shape: str, config: str, repeats: int, device: str, compile_: bool) -> dict:
-    steps, frames = variants(shape, config, device, compile_)
+def run_config(
+    shape: str, config: str, repeats: int, device: str, compile_: bool, names=None
+) -> dict:
+    steps, frames = variants(shape, config, device, compile_, names=names)
     times = interleaved(steps, repeats, device)
     med = {n: statistics.median(v) for n, v in times.items()}
     ref = med["llama3 (torchtitan)"]
@@ -251,6 +260,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--memory-of", help=argparse.SUPPRESS)
     p.add_argument("--memory-only", action="store_true", help="only (re)measure peak memory")
+    p.add_argument("--variants", help="comma-separated SpeechLM variants (llama3 always runs)")
+    p.add_argument("--tag", default="", help="suffix of the results file name")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.memory_of:  # child: two steps of one variant, print the peak RSS in MiB
@@ -277,7 +288,8 @@ def main(argv=None) -> int:
     h, layers, heads, kv, ffn, text, b, t, docs = SHAPES[a.shape]
     rows = []
     for config in a.configs.split(","):
-        rows.append(run_config(a.shape, config, a.repeats, device, a.compile))
+        names = tuple(a.variants.split(",")) if a.variants else None
+        rows.append(run_config(a.shape, config, a.repeats, device, a.compile, names))
         print(json.dumps(rows[-1], indent=2), flush=True)
     result = {
         "device": device_name(device),
