@@ -32,22 +32,10 @@ from bench_common import (
     interleaved,
     packed_positions,
     random_frames,
+    train_step,
 )
 
 HIDDEN, LAYERS, HEADS, KV, FFN, TEXT, STREAMS, CODEBOOK = 512, 8, 8, 4, 1536, 4096, 8, 1024
-
-
-def step_fn(model, frames, weights, positions, opt, amp):
-    def step():
-        with amp:
-            out = model(
-                frames[:, :-1], targets=frames[:, 1:], loss_weights=weights, position_ids=positions
-            )
-        (out.loss_sum / weights.shape[0]).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 def measure(shape: str, repeats: int, device: str) -> dict:
@@ -74,7 +62,7 @@ def measure(shape: str, repeats: int, device: str) -> dict:
         weights = torch.full((b, t, STREAMS), 1.0 / STREAMS, device=device)
         pos = packed_positions(b, t, docs, device) if packed else None
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        steps[name] = step_fn(model, frames, weights, pos, opt, amp)
+        steps[name] = train_step(model, frames, weights, pos, opt, amp)
     times = interleaved(steps, repeats, device, warmup=1)
     med = {n: statistics.median(v) for n, v in times.items()}
     return {

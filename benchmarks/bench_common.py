@@ -116,6 +116,21 @@ def packed_positions(b: int, t: int, docs: int, device: str, seed: int = 0) -> t
     return torch.stack(rows).to(device)
 
 
+def train_step(model, frames, weights, positions, opt, amp) -> Callable[[], None]:
+    """One SpeechLM training step on a fixed batch: forward with loss, backward, optimizer."""
+
+    def step() -> None:
+        with amp:
+            out = model(
+                frames[:, :-1], targets=frames[:, 1:], loss_weights=weights, position_ids=positions
+            )
+        (out.loss_sum / weights.shape[0]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def interleaved(
     steps: dict[str, Callable[[], None]], repeats: int, device: str, warmup: int = 2
 ) -> dict[str, list[float]]:

@@ -44,6 +44,7 @@ from torchtitan.models.llama3.model.model import Transformer
 
 from torchtitan_speechlm.infra.parallelize import apply_compile
 from bench_common import (
+    train_step,
     peak_rss_bytes,
     amp_context,
     build_speechlm,
@@ -138,16 +139,7 @@ def variants(
         pos = pos if packed else None
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
-        def step(model=model, frames=frames, weights=weights, pos=pos, opt=opt):
-            with amp:
-                o = model(
-                    frames[:, :-1], targets=frames[:, 1:], loss_weights=weights, position_ids=pos
-                )
-            (o.loss_sum / weights.shape[0]).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        out[name] = step
+        out[name] = train_step(model, frames, weights, pos, opt, amp)
         nonhead = (
             model.args.get_nparams_and_flops(model, t)[1] - model.args.head_flops_per_loss_frame()
         )

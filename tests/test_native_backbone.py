@@ -1,5 +1,5 @@
 """The native backbone (torchtitan's llama3 blocks): the same text logits as transformers' Llama
-from the same checkpoint (tied and untied), document masking by regrouping (a packed row equals
+from the same checkpoint (tied and untied), document attention within each sample (a packed row equals
 each sample alone), the same loss as the hf backbone on the same batch, and a text LM export that
 transformers loads with the same logits."""
 
@@ -33,22 +33,22 @@ def test_native_and_hf_backbones_give_the_same_loss(tmp_path):
     torch.testing.assert_close(a.loss_sum, b.loss_sum, atol=1e-4, rtol=1e-5)
 
 
+def packed_row(layout, lengths: list[int], seed: int):
+    """[1, sum(lengths), 3] random frames and their positions, restarting at every sample."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    inputs = torch.stack(
+        [torch.randint(*layout.stream_range(k), (n,), generator=g) for k in range(3)], -1
+    )[None]
+    return inputs, torch.cat([torch.arange(m) for m in lengths])[None]
+
+
 def test_a_packed_row_equals_each_sample_alone(tmp_path):
     save_tiny_backbone(tmp_path / "llama", family="llama")
     model = build_speechlm(tmp_path / "llama", backbone="native").eval()
     lay = model.args.layout
-    g = torch.Generator().manual_seed(1)
     lengths = [5, 11, 3, 9]
-    inputs = torch.stack(
-        [
-            torch.randint(
-                lay.stream_range(k)[0], lay.stream_range(k)[1], (sum(lengths),), generator=g
-            )
-            for k in range(3)
-        ],
-        -1,
-    )[None]
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    inputs, pos = packed_row(lay, lengths, seed=1)
     with torch.no_grad():
         packed = model.logits(inputs, position_ids=pos)
         at = 0
@@ -85,18 +85,8 @@ def test_flex_attention_keeps_packed_documents_apart(tmp_path):
     flex = build_speechlm(tmp_path / "llama", backbone="native", attn_implementation="flex").eval()
     sdpa = build_speechlm(tmp_path / "llama", backbone="native").eval()
     lay = flex.args.layout
-    g = torch.Generator().manual_seed(2)
     lengths = [7, 12, 4, 9]
-    inputs = torch.stack(
-        [
-            torch.randint(
-                lay.stream_range(k)[0], lay.stream_range(k)[1], (sum(lengths),), generator=g
-            )
-            for k in range(3)
-        ],
-        -1,
-    )[None]
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    inputs, pos = packed_row(lay, lengths, seed=2)
     assert flex.backbone.args.attn_type == "flex" and sdpa.backbone.args.attn_type == "sdpa"
     with torch.no_grad():
         a, b = flex.logits(inputs, position_ids=pos), sdpa.logits(inputs, position_ids=pos)
