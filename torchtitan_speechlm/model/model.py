@@ -196,9 +196,8 @@ class SpeechLMHead(nn.Module):
         if any_bad:
             self._raise_out_of_range(bad, targets, weights)
         if not all_kept:
-            sel = keep.nonzero().squeeze(-1)
-            if sel.numel() == 0:
-                sel = sel.new_zeros(1)
+            # the sizes are known from the one sync above: nonzero_static needs no other
+            sel = torch.nonzero_static(keep, size=max(kept, 1), fill_value=0).squeeze(-1)
             # index_select: its backward (index_add) is much cheaper than advanced indexing's
             h = h.index_select(0, sel)
             targets, weights = targets.index_select(0, sel), weights.index_select(0, sel)
@@ -209,7 +208,7 @@ class SpeechLMHead(nn.Module):
             if counts[k] < kept // 2:
                 # a stream with loss on few frames (codebooks on text, or text-only batches):
                 # project those frames only (at least one, so the head joins every backward)
-                sel = (wk > 0).nonzero().squeeze(-1) if counts[k] else wk.new_zeros(1).long()
+                sel = torch.nonzero_static(wk > 0, size=max(counts[k], 1), fill_value=0).squeeze(-1)
                 hk, tk, wk = (
                     h.index_select(0, sel),
                     tk.index_select(0, sel),
