@@ -17,22 +17,57 @@ import os
 import pickle
 
 import numpy as np
+from torch.utils.data import Dataset, Sampler
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.config import MixEntry, normalised_stream_weights
 from torchtitan_speechlm.data.external import external_data
-from torchtitan_speechlm.data.stream import Source, SpeechLMDataset, batch_hash, from_wire
+from torchtitan_speechlm.data.stream import Plan, Source, SpeechLMDataset, batch_hash
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+from torchtitan_speechlm.data.transport import Inbox, Outbox
 from torchtitan_speechlm.model.vocab import VocabLayout
 from torchtitan_speechlm.run_context import run_context
+
+
+class PlanSampler(Sampler):
+    """The stream's plans, computed in the main process (once per rank, however many workers),
+    in bundles of consecutive micro-batches up to ``bundle_bytes``: a worker builds and ships
+    a bundle as one message, so the loader's per-message cost is paid once per bundle."""
+
+    def __init__(self, stream: SpeechLMDataset, bundle_bytes: int = 1 << 20, max_bundle: int = 8):
+        self.stream, self.bundle_bytes, self.max_bundle = stream, bundle_bytes, max_bundle
+
+    def __iter__(self):
+        bundle, size = [], 0
+        for plan in self.stream.plans():
+            bundle.append(plan)
+            size += self.stream.batch_bytes(plan.unit)
+            if size >= self.bundle_bytes or len(bundle) == self.max_bundle:
+                yield bundle
+                bundle, size = [], 0
+        if bundle:
+            yield bundle
+
+
+class BuildPlans(Dataset):
+    """Map-style view of the stream for torch's DataLoader: plans in, the built micro-batches
+    out (in a loader worker, through ``transport``'s shared slots)."""
+
+    def __init__(self, stream: SpeechLMDataset, outbox: Outbox, sample_hashes: bool):
+        self.stream, self.outbox, self.sample_hashes = stream, outbox, sample_hashes
+
+    def __getitem__(self, plans: list[Plan]):
+        return self.outbox.ship([self.stream.fetch(p, self.sample_hashes) for p in plans])
 
 
 class SpeechLMDataLoader(ParallelAwareDataloader):
     """torchtitan's ParallelAwareDataloader over ready-made micro-batches (batch_size=None).
 
-    The stream position travels with each batch (``META_KEY``, also through loader workers) and
-    is taken off here, so the saved state is exactly "after the last micro-batch the trainer
+    The main process plans the stream (``PlanSampler``: which samples form each micro-batch,
+    from lengths alone) and the loader workers only build the planned micro-batches, so no
+    worker repeats another's work. The stream position travels with each plan and comes back
+    with its batch, so the saved state is exactly "after the last micro-batch the trainer
     consumed", whatever the workers prefetched. Each rank knows the cursors of its own shards;
     ``state_dict`` gathers every rank's (a collective: torchtitan's checkpointer calls it on all
     ranks together) and saves the merged, rank-free state under one key instead of the parent's
@@ -44,7 +79,7 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
 
     def __init__(
         self,
-        dataset,
+        dataset: SpeechLMDataset,
         *,
         hash_log: str | None = None,
         sample_hashes: bool = False,
@@ -53,10 +88,16 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
     ):
         # our state comes with the batches; torchdata need not snapshot the workers
         kwargs.setdefault("snapshot_every_n_steps", 1 << 30)
-        super().__init__(dataset, **kwargs)
+        workers = kwargs.get("num_workers", 0)
+        prefetch = kwargs.get("prefetch_factor") or 2
+        self.stream = dataset
+        outbox = Outbox(slots=prefetch + 2, reuse=not kwargs.get("persistent_workers", False))
+        hashes = bool(hash_log) or sample_hashes
+        super().__init__(
+            BuildPlans(dataset, outbox, hashes), sampler=PlanSampler(dataset), **kwargs
+        )
+        self.inbox = Inbox(pin_memory=kwargs.get("pin_memory", False) and workers > 0)
         self.hash_log = hash_log
-        dataset.emit_meta = True
-        dataset.sample_hashes = bool(hash_log) or sample_hashes
         self.last_samples: list[str] | None = None  # content hashes of the last batch's samples
         self.on_batch = on_batch  # called with each consumed micro-batch's sample ids
         self._position = dataset.state_dict()
@@ -66,19 +107,19 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
         if self.hash_log:
             os.makedirs(os.path.dirname(self.hash_log), exist_ok=True)
             log = open(self.hash_log, "a", buffering=1)
+        if not self.persistent_workers:
+            self.inbox.clear()
         try:
-            for wire in super().__iter__():
-                batch, meta = from_wire(wire)
-                self._position = dict(self._position, position=meta["position"])
-                self.last_samples = meta["samples"]
-                if self.on_batch is not None:
-                    self.on_batch(meta.get("ids") or [])
-                if log is not None:
-                    log.write(
-                        json.dumps({"hash": batch_hash(batch[0]), "samples": meta["samples"]})
-                        + "\n"
-                    )
-                yield batch
+            for msg in super().__iter__():
+                for batch, meta in self.inbox.receive(msg):
+                    self._position = dict(self._position, position=meta["position"])
+                    self.last_samples = meta["samples"]
+                    if self.on_batch is not None:
+                        self.on_batch(meta["ids"])
+                    if log is not None:
+                        record = {"hash": batch_hash(batch[0]), "samples": meta["samples"]}
+                        log.write(json.dumps(record) + "\n")
+                    yield batch
         finally:
             if log is not None:
                 log.close()
@@ -101,8 +142,8 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
                 f"data-parallel ranks on {self.dp_world_size} ranks (the stream is global)"
             )
         state = pickle.loads(state_dict[self.STATE_KEY])
-        self.dataset.load_state_dict(state)
-        self._position = self.dataset.state_dict()
+        self.stream.load_state_dict(state)
+        self._position = self.stream.state_dict()
 
 
 def merge_positions(positions: list[dict]) -> dict:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import pickle
 from dataclasses import dataclass
 from typing import get_args
 
@@ -49,8 +48,6 @@ from torchtitan_speechlm.config import Batching
 from torchtitan_speechlm.data.tasks import TASKS, TemplateBuilder, get_task
 from torchtitan_speechlm.model.vocab import VocabMismatchError
 
-META_KEY = "_speechlm_meta"  # the batch entry carrying the stream position (see loader.py)
-WIRE_KEY, LABELS_KEY = "_speechlm_buffer", "_speechlm_labels"  # see to_wire
 BASE_STATS = (
     "examples",
     "rows",
@@ -97,6 +94,16 @@ class Unit:
 
     rows: list[list[Draw]]
     t: int = 0
+
+
+@dataclass
+class Plan:
+    """A micro-batch before it is built: its unit, the samples skipped as too long since the
+    previous one, and the stream position after it."""
+
+    unit: Unit
+    skipped: int
+    position: dict
 
 
 def eligible(source: Source) -> np.ndarray:
@@ -172,14 +179,16 @@ class SpeechLMDataset(IterableDataset):
         self._cfg = [get_task(s.task).cfg_turn is not None for s in sources]  # CFG-droppable
         self._weights = np.array([s.weight for s in sources], dtype=np.float64)
         self._weights /= self._weights.sum()
+        # Generator.choice(n, p=w) is searchsorted(cumsum(w) / its last, random()): the same
+        # draw from the same random double, without choice's per-call validation (~15 us)
+        self._cdf = self._weights.cumsum()
+        self._cdf /= self._cdf[-1]
         n = self.layout.num_streams
         self._pad_frame = np.array(
             [self.layout.pad] + [self.layout.stream_pad(k) for k in range(1, n)], dtype=np.int64
         )
         self._warned_bad: set[tuple[int, int]] = set()
         self._warned_long: set[int] = set()
-        self.emit_meta = False  # set by the loader: attach the stream position to each batch
-        self.sample_hashes = False  # with emit_meta: also each sample's content hash
         self.reset()
 
     # ---- lengths ---------------------------------------------------------------------------
@@ -377,7 +386,7 @@ class SpeechLMDataset(IterableDataset):
 
     def _draw(self, st: dict, rng: np.random.Generator, shard: int) -> Draw | None:
         if self.infinite:
-            src = int(rng.choice(len(self.sources), p=self._weights))
+            src = int(self._cdf.searchsorted(rng.random(), side="right"))
         else:  # a finite pass: each source's share once, in order
             src = next(
                 (
@@ -476,7 +485,8 @@ class SpeechLMDataset(IterableDataset):
         pool = [draws[i] for i in order]
         rows: list[list[Draw]] = []
         while pool:
-            first = max(range(len(pool)), key=lambda i: (pool[i].length, -i))
+            lengths = [d.length for d in pool]
+            first = lengths.index(max(lengths))  # the longest; the first of equals
             head = pool.pop(first)
             chosen = _best_subset([d.length - 1 for d in pool], self.seq_len - head.length + 1)
             rows.append([head] + [pool[i] for i in chosen])
@@ -518,6 +528,11 @@ class SpeechLMDataset(IterableDataset):
             if done:
                 return
 
+    def batch_bytes(self, unit: Unit) -> int:
+        """Bytes of the micro-batch ``collate`` builds from ``unit`` (for the loader's bundles):
+        input and targets int64, weights float32 per frame and stream, positions and labels."""
+        return len(unit.rows) * unit.t * (20 * self.layout.num_streams + 16)
+
     def micro_batch(self, pieces: list) -> Unit:
         """A micro-batch from its slice's pieces: B rows (pack) or the one unit (bucket)."""
         if self.mode == "pack":
@@ -525,14 +540,14 @@ class SpeechLMDataset(IterableDataset):
         return pieces[0] if pieces and pieces[0] is not None else Unit([], t=0)
 
     # ---- iteration -------------------------------------------------------------------------
-    def __iter__(self):
-        worker = get_worker_info()
-        n_workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
+    def plans(self):
+        """This rank's micro-batches as ``Plan``s (which samples go where), without building
+        them: cheap, from item lengths alone. The loader computes them once, in the main
+        process, and hands each to one loader worker to build (loader.py)."""
         start = self._start
         shards = {j: self._pieces(j, c) for j, c in start["shards"].items()}
         cursors = dict(start["shards"])
         steps, m = start["steps"], start["micro_done"]
-        served = 0  # micro-batches of this rank since (re)start: worker w serves w, w+n, ...
         done: set[int] = set()  # shards at the end of a finite pass
         while len(done) < len(shards):
             own = self.slice_shards(m)
@@ -553,20 +568,28 @@ class SpeechLMDataset(IterableDataset):
                 "shards": dict(cursors),
             }
             steps, m = steps + last, 0 if last else m + 1
-            if not unit.rows:  # nothing left for this slice in a finite pass
-                continue
-            mine = served % n_workers == worker_id
-            served += 1
-            if not mine:
-                continue
-            hashes: list[str] | None = [] if self.emit_meta and self.sample_hashes else None
-            batch = self.collate(unit, skipped, hashes)
-            if self.emit_meta:  # for the loader: one buffer and the position (loader.py)
-                ids = [self.sample_id(d) for row in unit.rows for d in row]
-                meta = {"position": self._position, "samples": hashes, "ids": ids}
-                yield to_wire(batch, meta)
-            else:
-                yield batch
+            if unit.rows:  # else nothing is left for this slice in a finite pass
+                yield Plan(unit, skipped, self._position)
+
+    def __iter__(self):
+        """Micro-batches ``(inputs, labels)``; in a plain DataLoader's worker ``w`` of ``n``,
+        micro-batches ``w, w + n, ...`` (SpeechLMDataLoader instead plans once, in the main
+        process, and spreads only the building over its workers)."""
+        worker = get_worker_info()
+        n_workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
+        for i, plan in enumerate(self.plans()):
+            if i % n_workers == worker_id:
+                yield self.collate(plan.unit, plan.skipped)
+
+    def fetch(
+        self, plan: Plan, sample_hashes: bool = False
+    ) -> tuple[tuple[dict, torch.Tensor], dict]:
+        """Build a planned micro-batch: ``(batch, meta)``, meta holding the stream position
+        after it, the sample ids and (``sample_hashes``) each sample's content hash."""
+        hashes: list[str] | None = [] if sample_hashes else None
+        batch = self.collate(plan.unit, plan.skipped, hashes)
+        ids = [self.sample_id(d) for row in plan.unit.rows for d in row]
+        return batch, {"position": plan.position, "samples": hashes, "ids": ids}
 
     # ---- collation -------------------------------------------------------------------------
     def sample_id(self, d: Draw) -> str:
@@ -638,35 +661,6 @@ class SpeechLMDataset(IterableDataset):
             "data_stats": torch.tensor([[stats[k] for k in self.stats_keys]], dtype=torch.float32),
         }
         return batch, torch.from_numpy(np.where(loss_frames, 0, IGNORE_INDEX))
-
-
-def to_wire(batch: tuple[dict, torch.Tensor], meta: dict) -> dict:
-    """A micro-batch as one uint8 tensor plus a pickled header (array offsets, the stream
-    position, sample hashes). A loader worker hands each tensor to the main process through
-    its own shared-memory file descriptor, which costs more than collating a small batch;
-    one buffer costs one."""
-    arrays = {**batch[0], LABELS_KEY: batch[1]}
-    spec, offset = [], 0
-    for key, t in arrays.items():
-        spec.append((key, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
-        offset += -(-t.numel() * t.element_size() // 8) * 8  # 8-byte aligned
-    buf = torch.empty(offset, dtype=torch.uint8)
-    for (_, _, _, start), t in zip(spec, arrays.values(), strict=True):
-        n = t.numel() * t.element_size()
-        buf[start : start + n] = t.contiguous().view(-1).view(torch.uint8)
-    return {WIRE_KEY: buf, META_KEY: pickle.dumps(dict(meta, spec=spec))}
-
-
-def from_wire(wire: dict) -> tuple[tuple[dict, torch.Tensor], dict]:
-    """``to_wire``'s inverse: ((inputs, labels), meta), the tensors views of the one buffer."""
-    meta = pickle.loads(wire[META_KEY])
-    buf, arrays = wire[WIRE_KEY], {}
-    for key, dtype, shape, start in meta.pop("spec"):
-        dt = getattr(torch, dtype)
-        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
-        arrays[key] = buf[start : start + n].view(dt).view(shape)
-    labels = arrays.pop(LABELS_KEY)
-    return (arrays, labels), meta
 
 
 def _best_subset(sizes: list[int], cap: int) -> list[int]:
