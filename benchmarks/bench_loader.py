@@ -4,9 +4,11 @@
 1. *dp scaling* (one process plays rank 0 of dp = 1 ... 512): a varied-length synthetic corpus
    (lognormal lengths, 20 to 500 frames), pack, local batch 2, seq_len 512, two tasks; the time
    rank 0's loader spends per optimizer step. Target: dp = 512 within 1.5x of dp = 8.
-2. *workers*: micro-batches/s through the real ``SpeechLMDataLoader`` with 0 and 2 loader
-   workers on the demo corpus (run ``make demo`` first, or this builds its data). Target: 2
-   workers >= 1.6x 0 workers. The repeats alternate 0 and 2 workers.
+2. *workers*: micro-batches/s through the real ``SpeechLMDataLoader`` with 0, 1 and 2 loader
+   workers on the demo corpus (run ``make demo`` first, or this builds its data), and the CPU
+   time per micro-batch of the main process and of the workers. Target: 2 workers >= 1.6x 0
+   workers. The repeats alternate 0, 1 and 2 workers. ``two_process_ceiling`` is what two
+   processes gain over one on this machine for equal CPU-bound jobs: the most 2 workers can.
 3. padding of ``pack`` vs ``bucket``, and the debug model's training step rate for scale.
 
     python benchmarks/bench_loader.py [--dps 1,8,64,512] [--repeats 5]
@@ -137,7 +139,16 @@ def dataset(jc, training=True):
     return build_dataset(jc, entries, "train", dp_rank=0, dp_world_size=1, training=training)
 
 
-def loader_rate(jc, workers: int, n: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loader_rate(jc, workers: int, n: int) -> tuple[float, float, float]:
+    """Micro-batches/s, and CPU ms per micro-batch of the main process and of all workers."""
+    import multiprocessing
+
     dl = SpeechLMDataLoader(
         dataset(jc),
         dp_rank=0,
@@ -147,28 +158,70 @@ def loader_rate(jc, workers: int, n: int) -> float:
         prefetch_factor=4 if workers else None,
     )
     it = iter(dl)
-    for _ in range(5):  # worker start-up is not throughput
+    for _ in range(20):  # worker start-up is not throughput
         next(it)
+    kids = [p.pid for p in multiprocessing.active_children()] if workers else []
+    main0, kids0 = cpu_seconds(os.getpid()), sum(cpu_seconds(k) for k in kids)
     t0 = time.perf_counter()
     for _ in range(n):
         next(it)
     rate = n / (time.perf_counter() - t0)
+    main_ms = (cpu_seconds(os.getpid()) - main0) / n * 1e3
+    kids_ms = (sum(cpu_seconds(k) for k in kids) - kids0) / n * 1e3
     del it
-    return rate
+    return rate, main_ms, kids_ms
+
+
+def _spin(q) -> None:
+    t0 = time.perf_counter()
+    a, s = np.random.default_rng(0).random(50_000), 0
+    for i in range(4_000_000):
+        s += i * i
+    for _ in range(3000):
+        a.copy()
+    q.put(time.perf_counter() - t0)
+
+
+def two_process_ceiling() -> float:
+    """How much faster 2 processes finish 2 equal CPU-bound jobs than 1 process finishes one
+    job, i.e. the most 2 loader workers can gain on this machine (2.0 on 2 free, full cores)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    times = {}
+    for n in (1, 2):
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_spin, args=(q,)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        times[n] = [q.get() for _ in procs]
+        for p in procs:
+            p.join()
+    return 2 * times[1][0] / max(times[2])
 
 
 def workers(jc, n: int, repeats: int) -> dict:
-    rates: dict[int, list[float]] = {0: [], 2: []}
-    for _ in range(repeats):
-        for w in rates:
-            rates[w].append(loader_rate(jc, w, n))
-    med = {w: statistics.median(v) for w, v in rates.items()}
-    return {
-        "micro_batches_per_s": {
-            str(w): {"median": med[w], "min": min(v), "max": max(v)} for w, v in rates.items()
-        },
-        "2_over_0_workers": med[2] / med[0],
-    }
+    runs: dict[int, list[tuple[float, float, float]]] = {0: [], 1: [], 2: []}
+    for _ in range(repeats):  # interleaved
+        for w in runs:
+            runs[w].append(loader_rate(jc, w, n))
+    out: dict = {"micro_batches_per_s": {}, "cpu_ms_per_micro_batch": {}}
+    for w, v in runs.items():
+        rates = [r for r, _, _ in v]
+        out["micro_batches_per_s"][str(w)] = {
+            "median": statistics.median(rates),
+            "min": min(rates),
+            "max": max(rates),
+        }
+        out["cpu_ms_per_micro_batch"][str(w)] = {
+            "main": statistics.median(m for _, m, _ in v),
+            "workers": statistics.median(k for _, _, k in v),
+        }
+    med = {w: out["micro_batches_per_s"][str(w)]["median"] for w in runs}
+    out["1_over_0_workers"] = med[1] / med[0]
+    out["2_over_0_workers"] = med[2] / med[0]
+    out["two_process_ceiling"] = statistics.median(two_process_ceiling() for _ in range(3))
+    return out
 
 
 # ---- 3. context: padding and the training step rate ------------------------------------------
@@ -212,7 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="train_configs/speechlm_debug.toml")
     p.add_argument("--dps", default="1,8,64,512")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--micro-batches", type=int, default=300)
+    p.add_argument("--micro-batches", type=int, default=1500)
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
     jc = job(a.config)

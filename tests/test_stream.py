@@ -470,3 +470,27 @@ def test_lengths_that_do_not_fit_stop_before_the_first_step():
     ok = tts_only(1.0)
     batches = take(ok, 3)
     assert sum(stat(ok, b, "skipped_too_long") for b in batches) > 0
+
+
+def test_best_subset_fills_a_row_as_well_as_any_subset():
+    """Against brute force over every subset: distinct indices with the largest sum <= cap."""
+    from itertools import combinations
+
+    from torchtitan_speechlm.data.stream import _best_subset
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        sizes = [int(x) for x in rng.integers(1, 60, rng.integers(0, 11))]
+        cap = int(rng.integers(0, 200))
+        chosen = _best_subset(sizes, cap)
+        best = max(
+            (
+                sum(c)
+                for r in range(len(sizes) + 1)
+                for c in combinations(sizes, r)
+                if sum(c) <= cap
+            ),
+            default=0,
+        )
+        assert chosen == sorted(set(chosen))
+        assert sum(sizes[i] for i in chosen) == best

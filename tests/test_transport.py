@@ -103,10 +103,12 @@ def test_a_received_batch_owns_its_memory(monkeypatch):
     class Worker:  # ship as a worker would
         id, num_workers = 0, 1
 
-    batch = ({"x": torch.arange(6).view(2, 3)}, torch.zeros(2))
+    half = torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16)  # a dtype numpy lacks
+    batch = ({"x": torch.arange(6).view(2, 3), "h": half}, torch.zeros(2))
     monkeypatch.setattr(transport, "get_worker_info", lambda: Worker)
     msg = outbox.ship([(batch, {"position": 1})])
     [((inputs, labels), meta)] = inbox.receive(msg)
     assert int(ring.busy[0]) == 0  # released on receipt
     ring.buffers[0].fill_(255)  # the worker writes its next batch into the slot
     assert torch.equal(inputs["x"], torch.arange(6).view(2, 3)) and meta == {"position": 1}
+    assert torch.equal(inputs["h"], half) and torch.equal(labels, torch.zeros(2))

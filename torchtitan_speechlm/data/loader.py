@@ -35,7 +35,7 @@ class PlanSampler(Sampler):
     in bundles of consecutive micro-batches up to ``bundle_bytes``: a worker builds and ships
     a bundle as one message, so the loader's per-message cost is paid once per bundle."""
 
-    def __init__(self, stream: SpeechLMDataset, bundle_bytes: int = 1 << 20, max_bundle: int = 8):
+    def __init__(self, stream: SpeechLMDataset, bundle_bytes: int = 4 << 20, max_bundle: int = 16):
         self.stream, self.bundle_bytes, self.max_bundle = stream, bundle_bytes, max_bundle
 
     def __iter__(self):

@@ -187,6 +187,7 @@ class SpeechLMDataset(IterableDataset):
         self._pad_frame = np.array(
             [self.layout.pad] + [self.layout.stream_pad(k) for k in range(1, n)], dtype=np.int64
         )
+        self._length_tables: dict[tuple[int, bool], np.ndarray | None] = {}
         self._warned_bad: set[tuple[int, int]] = set()
         self._warned_long: set[int] = set()
         self.reset()
@@ -365,6 +366,24 @@ class SpeechLMDataset(IterableDataset):
         return cached[1]
 
     def _length(self, src: int, item: int, cfg_drop: bool) -> int:
+        table = self._length_tables.get((src, cfg_drop))
+        if table is None:
+            table = self._length_tables[(src, cfg_drop)] = self._length_table(src, cfg_drop)
+        if table is not None:
+            return int(table[item])
+        return self._length_of(src, item, cfg_drop)
+
+    def _length_table(self, src: int, cfg_drop: bool) -> np.ndarray | None:
+        """Example lengths of a task-templated source, by item, computed at once from the
+        index (a draw looks its length up); None where only building an example tells."""
+        s = self.sources[src]
+        if get_task(s.task).turns is None:
+            return None
+        n_text, n_audio = np.asarray(s.data.text_lengths), np.asarray(s.data.audio_lengths)
+        lengths = self.builder.length(s.task, n_text, n_audio, cfg_drop=cfg_drop)
+        return np.asarray(lengths, dtype=np.int64)
+
+    def _length_of(self, src: int, item: int, cfg_drop: bool) -> int:
         s = self.sources[src]
         if get_task(s.task).turns is None:  # the item's own turns (dialogue)
             turns = getattr(s.data, "num_turns", None)
@@ -667,13 +686,15 @@ def _best_subset(sizes: list[int], cap: int) -> list[int]:
     """Indices (ascending) of a subset of ``sizes`` with the largest sum <= cap."""
     if cap <= 0 or not sizes:
         return []
-    mask = (1 << (cap + 1)) - 1
-    reach = [1]
+    mask, full = (1 << (cap + 1)) - 1, 1 << cap
+    reach = [1]  # reach[i]: bit s set if some subset of sizes[:i] sums to s
     for w in sizes:
-        reach.append((reach[-1] | (reach[-1] << w)) & mask)
+        if reach[-1] & full:  # cap reached exactly: later items would never be chosen
+            break
+        reach.append((reach[-1] | (reach[-1] << w)) & mask if w <= cap else reach[-1])
     best = reach[-1].bit_length() - 1
     chosen = []
-    for i in range(len(sizes), 0, -1):
+    for i in range(len(reach) - 1, 0, -1):
         if not (reach[i - 1] >> best) & 1:
             chosen.append(i - 1)
             best -= sizes[i - 1]
