@@ -502,15 +502,17 @@ class SpeechLMDataset(IterableDataset):
         which are carried into the next one."""
         order = np.random.default_rng([self.seed, shard, window, 65537]).permutation(len(draws))
         pool = [draws[i] for i in order]
+        need = [d.length - 1 for d in pool]  # input positions of each, in step with pool
         rows: list[list[Draw]] = []
         while pool:
-            lengths = [d.length for d in pool]
-            first = lengths.index(max(lengths))  # the longest; the first of equals
+            first = need.index(max(need))  # the longest; the first of equals
             head = pool.pop(first)
-            chosen = _best_subset([d.length - 1 for d in pool], self.seq_len - head.length + 1)
+            need.pop(first)
+            chosen = _best_subset(need, self.seq_len - head.length + 1)
             rows.append([head] + [pool[i] for i in chosen])
             for i in reversed(chosen):
                 pool.pop(i)
+                need.pop(i)
         return rows
 
     def _bucket(self, draws: list[Draw], max_tokens: int) -> list[Unit]:
