@@ -48,7 +48,7 @@ def test_workers_deliver_exactly_what_the_main_process_builds(mode):
     two, msgs2 = run_loader(make(**kw), 160, num_workers=2, prefetch_factor=2)
     assert [a[:4] for a in alone] == [b[:4] for b in two]
     assert alone[0][4] == two[0][4]  # dtypes survive the byte buffer
-    assert all(isinstance(m, transport.Local) for m in msgs0)
+    assert all(isinstance(m, transport.Local) for m in msgs0) and len(msgs0) == 160
     shipped = [m for m in msgs2 if isinstance(m, transport.Shipped)]
     assert len(shipped) == len(msgs2) and len(shipped) < 160  # bundled: fewer messages
     # each slot's buffer crosses to this process once (or again when it must grow), never per

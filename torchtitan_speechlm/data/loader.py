@@ -94,7 +94,10 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
         outbox = Outbox(slots=prefetch + 2, reuse=not kwargs.get("persistent_workers", False))
         hashes = bool(hash_log) or sample_hashes
         super().__init__(
-            BuildPlans(dataset, outbox, hashes), sampler=PlanSampler(dataset), **kwargs
+            BuildPlans(dataset, outbox, hashes),
+            # without workers a bundle would only build ahead of the trainer: one at a time
+            sampler=PlanSampler(dataset, max_bundle=16 if workers else 1),
+            **kwargs,
         )
         self.inbox = Inbox(pin_memory=kwargs.get("pin_memory", False) and workers > 0)
         self.hash_log = hash_log
