@@ -99,7 +99,9 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
             sampler=PlanSampler(dataset, max_bundle=16 if workers else 1),
             **kwargs,
         )
-        self.inbox = Inbox(pin_memory=kwargs.get("pin_memory", False) and workers > 0)
+        # the batches are opaque to torch's pinning (its pin thread would copy the shared
+        # slots themselves), so the inbox pins what it hands over
+        self.inbox = Inbox(pin_memory=kwargs.get("pin_memory", False))
         self.hash_log = hash_log
         self.last_samples: list[str] | None = None  # content hashes of the last batch's samples
         self.on_batch = on_batch  # called with each consumed micro-batch's sample ids

@@ -175,6 +175,7 @@ class SpeechLMDataset(IterableDataset):
                     f"{s.task}:{s.name} has no items usable for task {s.task!r} (after the "
                     f"validation hold-out; needs items of kind {get_task(s.task).kinds})"
                 )
+        self._length_tables: dict[tuple[int, bool], np.ndarray | None] = {}
         self.check_lengths(max_too_long_fraction, seq_len_key)
         self._cfg = [get_task(s.task).cfg_turn is not None for s in sources]  # CFG-droppable
         self._weights = np.array([s.weight for s in sources], dtype=np.float64)
@@ -187,7 +188,6 @@ class SpeechLMDataset(IterableDataset):
         self._pad_frame = np.array(
             [self.layout.pad] + [self.layout.stream_pad(k) for k in range(1, n)], dtype=np.int64
         )
-        self._length_tables: dict[tuple[int, bool], np.ndarray | None] = {}
         self._warned_bad: set[tuple[int, int]] = set()
         self._warned_long: set[int] = set()
         self.reset()
@@ -196,22 +196,10 @@ class SpeechLMDataset(IterableDataset):
     def lengths(self, src: int) -> np.ndarray:
         """Frames of every eligible item's example (no CFG drop), from the index alone."""
         s = self.sources[src]
-        idx = s.indices
-        own_turns = get_task(s.task).turns is None
-        if own_turns and getattr(s.data, "num_turns", None) is None:
-            return np.array([self._length(src, int(i), False) for i in idx], dtype=np.int64)
-        data = s.data
-        n_text = np.asarray(data.text_lengths)[idx]
-        n_audio = np.asarray(data.audio_lengths)[idx]
-        if own_turns:
-            return self.builder.length(
-                s.task,
-                n_text,
-                n_audio,
-                n_audio_turns=np.asarray(data.num_audio_turns)[idx],
-                n_turns=np.asarray(data.num_turns)[idx],
-            )
-        return np.asarray(self.builder.length(s.task, n_text, n_audio), dtype=np.int64)
+        table = self._length_table(src, False)
+        if table is not None:
+            return table[s.indices]
+        return np.array([self._length(src, int(i), False) for i in s.indices], dtype=np.int64)
 
     def check_lengths(self, max_fraction: float, key: str) -> None:
         """Stop before the first step if no sample (or too large a share) fits ``seq_len``:
@@ -366,42 +354,34 @@ class SpeechLMDataset(IterableDataset):
         return cached[1]
 
     def _length(self, src: int, item: int, cfg_drop: bool) -> int:
-        table = self._length_tables.get((src, cfg_drop))
-        if table is None:
-            table = self._length_tables[(src, cfg_drop)] = self._length_table(src, cfg_drop)
+        table = self._length_table(src, cfg_drop)
         if table is not None:
             return int(table[item])
-        return self._length_of(src, item, cfg_drop)
+        # a dialogue reader without turn counts: build the example to measure it
+        s = self.sources[src]
+        return len(self.builder.build(s.task, s.data[item]).frames)
 
     def _length_table(self, src: int, cfg_drop: bool) -> np.ndarray | None:
-        """Example lengths of a task-templated source, by item, computed at once from the
-        index (a draw looks its length up); None where only building an example tells."""
-        s = self.sources[src]
-        if get_task(s.task).turns is None:
-            return None
-        n_text, n_audio = np.asarray(s.data.text_lengths), np.asarray(s.data.audio_lengths)
-        lengths = self.builder.length(s.task, n_text, n_audio, cfg_drop=cfg_drop)
-        return np.asarray(lengths, dtype=np.int64)
-
-    def _length_of(self, src: int, item: int, cfg_drop: bool) -> int:
-        s = self.sources[src]
-        if get_task(s.task).turns is None:  # the item's own turns (dialogue)
-            turns = getattr(s.data, "num_turns", None)
-            if turns is None:  # a reader without turn counts: build the example to measure it
-                return len(self.builder.build(s.task, s.data[item]).frames)
-            return self.builder.length(
-                s.task,
-                int(s.data.text_lengths[item]),
-                int(s.data.audio_lengths[item]),
-                n_audio_turns=int(s.data.num_audio_turns[item]),
-                n_turns=int(turns[item]),
-            )
-        return self.builder.length(
-            s.task,
-            int(s.data.text_lengths[item]),
-            int(s.data.audio_lengths[item]),
-            cfg_drop=cfg_drop,
-        )
+        """Example lengths of every item of a source, computed once from the index (a draw
+        looks its length up); None for a dialogue reader without turn counts."""
+        key = (src, cfg_drop)
+        if key not in self._length_tables:
+            s, table = self.sources[src], None
+            data, own_turns = s.data, get_task(s.task).turns is None
+            if not own_turns:
+                n_text, n_audio = np.asarray(data.text_lengths), np.asarray(data.audio_lengths)
+                table = self.builder.length(s.task, n_text, n_audio, cfg_drop=cfg_drop)
+            elif getattr(data, "num_turns", None) is not None:
+                table = self.builder.length(
+                    s.task,
+                    np.asarray(data.text_lengths),
+                    np.asarray(data.audio_lengths),
+                    n_audio_turns=np.asarray(data.num_audio_turns),
+                    n_turns=np.asarray(data.num_turns),
+                )
+            # int32: 4 bytes per item of the source (40 MB for 10M items) for every rank
+            self._length_tables[key] = None if table is None else np.asarray(table, np.int32)
+        return self._length_tables[key]
 
     def _draw(self, st: dict, rng: np.random.Generator, shard: int) -> Draw | None:
         if self.infinite:

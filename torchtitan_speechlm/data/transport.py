@@ -90,10 +90,7 @@ class Outbox:
 
     def __init__(self, slots: int, reuse: bool = True):
         self.slots, self.reuse = slots, reuse
-        self._ring: _Ring | None = None  # created in the worker that uses it
-
-    def __getstate__(self) -> dict:  # a worker starts without its parent's ring
-        return dict(self.__dict__, _ring=None)
+        self._ring: _Ring | None = None  # created in the worker that uses it (never in main)
 
     def ship(self, items: list[Item]) -> Local | Shipped:
         if get_worker_info() is None:
@@ -131,7 +128,12 @@ class Inbox:
 
     def receive(self, msg: Local | Shipped) -> list[Item]:
         if isinstance(msg, Local):
-            return msg.items
+            if not self.pin_memory:
+                return msg.items
+            return [
+                ((_pinned(inputs), labels.pin_memory()), meta)
+                for (inputs, labels), meta in msg.items
+            ]
         if msg.slot < 0:  # a buffer of its own
             data = msg.buffer
         else:
@@ -154,6 +156,10 @@ class Inbox:
             labels = arrays.pop(LABELS_KEY)
             items.append(((arrays, labels), meta))
         return items
+
+
+def _pinned(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: value.pin_memory() for key, value in inputs.items()}
 
 
 _NUMPY = {d: np.dtype(d) for d in ("int64", "int32", "float32", "float64", "float16", "bool")}
