@@ -101,8 +101,10 @@ def import_extensions(args: list[str], toml_values: dict | None) -> None:
         importlib.import_module(name)
 
 
-def check_config(args: list[str]):
-    """Parse and validate exactly as the ranks will; raises ConfigError / FileNotFoundError."""
+def check_config(args: list[str], external=None):
+    """Parse and validate exactly as the ranks will; raises ConfigError / FileNotFoundError.
+    ``external``: a Python data object (data/external.py) to train on instead of
+    ``[speechlm_data]`` (the Python API's EspnetData)."""
     from torchtitan.config import ConfigManager
 
     import torchtitan_speechlm  # noqa: F401  (device selection + spec registration)
@@ -131,6 +133,10 @@ def check_config(args: list[str]):
         job_config = manager.parse_args(args)
     except SystemExit as e:  # tyro already printed what is wrong with the command line
         raise ConfigError("invalid command-line override (see above)") from e
+    if external is not None:
+        from torchtitan_speechlm.data.external import attach_external_data
+
+        attach_external_data(job_config, external)
     validate_job_config(job_config)
     if is_speechlm(job_config):
         from torchtitan_speechlm.components.resume import resolve_resume

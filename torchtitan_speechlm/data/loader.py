@@ -295,6 +295,8 @@ def check_data(job_config) -> None:
     """Build the training stream and every validation set once, as the ranks will: bad
     mixtures, empty entries and lengths that do not fit ``seq_len`` fail here, before any rank
     starts (see SpeechLMDataset.check_lengths)."""
+    if external_data(job_config) is not None:  # a Python data object checks its own
+        return
     ctx = run_context(job_config)
     build_dataset(job_config, ctx.train, "train", dp_rank=0, dp_world_size=1, training=True)
     if job_config.validation.enable:

@@ -184,10 +184,7 @@ class SpeechLMDataset(IterableDataset):
         # draw from the same random double, without choice's per-call validation (~15 us)
         self._cdf = self._weights.cumsum()
         self._cdf /= self._cdf[-1]
-        n = self.layout.num_streams
-        self._pad_frame = np.array(
-            [self.layout.pad] + [self.layout.stream_pad(k) for k in range(1, n)], dtype=np.int64
-        )
+        self._pad_frame = np.array(self.layout.pad_frame(), dtype=np.int64)
         self._warned_bad: set[tuple[int, int]] = set()
         self._warned_long: set[int] = set()
         self.reset()

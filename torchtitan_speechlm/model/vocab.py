@@ -78,6 +78,10 @@ class VocabLayout:
     def stream_pad(self, k: int) -> int:
         return self.stream_offset(k)
 
+    def pad_frame(self) -> list[int]:
+        """The all-padding frame: the text pad in stream 0, each codebook's pad in the others."""
+        return [self.pad] + [self.stream_pad(k) for k in range(1, self.num_streams)]
+
     def code(self, k: int, c: int) -> int:
         return self.stream_offset(k) + 1 + c
 

@@ -139,7 +139,7 @@ def _lr_scheduler(lr: Mapping, max_step: int) -> dict:
     return out
 
 
-def _titan_sections(titan: Mapping, max_step: int) -> dict[str, dict]:
+def _titan_sections(titan: Mapping) -> dict[str, dict]:
     for key in titan:
         if key not in TITAN_CONFIG_KEYS:
             raise _unknown(key, list(TITAN_CONFIG_KEYS), "titan_config.")
@@ -222,7 +222,7 @@ def trainer_args_to_sections(
         "lr_scheduler": _lr_scheduler(lr, max_step),
         "speechlm": {"freeze": [map_freeze(p) for p in trainer_args.get("freeze_param") or []]},
     }
-    base = merge(base, _titan_sections(titan, max_step))
+    base = merge(base, _titan_sections(titan))
     if trainer_args.get("model_init") not in (None, "normal"):
         raise ConfigError(
             f"trainer_args: model_init = {trainer_args['model_init']!r}: only 'normal' (or "

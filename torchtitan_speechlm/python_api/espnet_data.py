@@ -45,8 +45,6 @@ from torchtitan_speechlm.data.stream import Unit, data_stats_keys
 from torchtitan_speechlm.model.vocab import SPECIAL_TOKENS, VocabLayout
 
 ESPNET_SHARED_SPECIALS = 9  # <|pad|> .. <|audio|>: same names, same ids as ours
-ESPNET_NUM_SPECIALS = 256
-IGNORED_FIELDS = ("key", "data_stats", "cu_seq_lens", "loss_scale")
 
 
 class EspnetBatchError(ValueError):
@@ -188,7 +186,7 @@ class EspnetData:
                 "eot, system, user, assistant, text, audio) has no place in our vocabulary"
             )
         pad = seqs == 0
-        pads = torch.tensor([layout.pad] + [layout.stream_pad(k) for k in range(1, n)])
+        pads = torch.tensor(layout.pad_frame())
         ids = torch.where(pad, pads.expand_as(ids), ids)
         b, t = seqs.shape[0], seqs.shape[1] - 1
         if batch.get("position_ids") is not None:
@@ -238,7 +236,7 @@ class EspnetData:
     def pad_batch(self, layout: VocabLayout, t: int) -> tuple[dict, torch.Tensor]:
         """One all-padding row of ``t`` frames with no loss (a validation stand-in)."""
         n = layout.num_streams
-        frame = torch.tensor([layout.pad] + [layout.stream_pad(k) for k in range(1, n)])
+        frame = torch.tensor(layout.pad_frame())
         ids = frame.expand(1, t, n).contiguous()
         input_dict = {
             "input": ids,

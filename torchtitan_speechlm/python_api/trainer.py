@@ -243,9 +243,6 @@ class TitanTrainer:
 
         self.output_dir = Path(output_dir).resolve()
         self.trainer_args = dict(trainer_args)
-        self.max_step = int(self.trainer_args.get("max_step", 0))
-        self.save_interval = int(self.trainer_args.get("save_interval", 0))
-        self.log_interval = int(self.trainer_args.get("log_interval", 1))
         use_single_process_env()
         if not logging.getLogger().handlers:  # torchtitan's console log, unless the caller has one
             from torchtitan.tools.logging import init_logger
@@ -287,8 +284,12 @@ class TitanTrainer:
         self.sections = sections
         self.job_config = self._parse(sections, plan.external)
         self._wandb_run = self._choose_wandb()
+        import torch.distributed as dist
+
+        # torchtitan's Trainer creates the process group only when none exists: release it at
+        # close() only then, never a group the caller made
+        self._owns_process_group = parallel_dims is None and not dist.is_initialized()
         self.trainer = chunked_trainer_class()(self.job_config, parallel_dims)
-        self._owns_process_group = parallel_dims is None
         self._attach_wandb()
         self.trainer.checkpointer.load(step=self.job_config.checkpoint.load_step)
         self._closed = False
@@ -299,25 +300,11 @@ class TitanTrainer:
         import tempfile
 
         from torchtitan_speechlm.launch import check_config, torchtitan_args
-        from torchtitan_speechlm.python_api.args import write_toml as write
 
         # every rank parses its own copy (rank 0's file may not be visible yet)
         with tempfile.TemporaryDirectory() as tmp:
-            path = write(os.path.join(tmp, TOML_NAME), sections)
-            args = torchtitan_args(["--job.config_file", path])
-            if external is None:
-                return check_config(args)
-            from torchtitan.config import ConfigManager
-
-            from torchtitan_speechlm.components.resume import resolve_resume
-            from torchtitan_speechlm.config import validate_job_config
-            from torchtitan_speechlm.data.external import attach_external_data
-
-            job_config = ConfigManager().parse_args(args)
-            attach_external_data(job_config, external)
-            validate_job_config(job_config)
-            resolve_resume(job_config)
-            return job_config
+            path = write_toml(os.path.join(tmp, TOML_NAME), sections)
+            return check_config(torchtitan_args(["--job.config_file", path]), external)
 
     def _choose_wandb(self):
         from torchtitan_speechlm.python_api.wandb_run import current_run
@@ -336,6 +323,17 @@ class TitanTrainer:
         self.trainer.metrics_processor.logger.add_logger(RunLogger(self._wandb_run))
 
     # ---- ESPnet's API -----------------------------------------------------------------------
+    @property
+    def max_step(self) -> int:
+        """The last optimizer step: ``training.steps`` of the run's config (ESPnet's
+        ``max_step``, or a ``training`` section that overrides it)."""
+        return self.job_config.training.steps
+
+    @property
+    def save_interval(self) -> int:
+        """Steps per ``train()`` chunk and between saves: ``checkpoint.interval``."""
+        return self.job_config.checkpoint.interval
+
     @property
     def global_step(self) -> int:
         """Optimizer steps done (torchtitan's ``Trainer.step``)."""
