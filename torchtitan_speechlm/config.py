@@ -141,6 +141,13 @@ class SpeechLMData:
     sha256s `torchtitan prepare` recorded in metadata.json: `full` (a shard modified after
     preparation is refused; reads each shard once per process at start, about 1 s per GB),
     `size` (truncated or appended files only: instant, for very large datasets), `none`."""
+    allow_lossy_tokenizer: bool = False
+    """Train on datasets whose text tokenizer does not give back their texts (a warning instead
+    of the error). Before any rank starts, the stored ids of up to 200 items per dataset,
+    spread over it, are decoded with the dataset's tokenizer and compared with the stored
+    texts, whitespace runs aside: a tokenizer that loses spaces or characters (a `Whitespace`
+    pre-tokenizer with a plain BPE decoder) would make every generated text come back the
+    same way (data.md, *Tokenizer requirements*)."""
     log_batch_hashes: bool = False
     """Write a content hash of every consumed micro-batch, and of each sample in it, to
     `{dump_folder}/batch_hashes/rank{r}.jsonl` (`{"hash": ..., "samples": [...]}`, one line

@@ -141,9 +141,11 @@ def check_config(args: list[str], external=None):
     if is_speechlm(job_config):
         from torchtitan_speechlm.components.resume import resolve_resume
         from torchtitan_speechlm.data.loader import check_data
+        from torchtitan_speechlm.tokenizer_check import check_training_data
 
         resolve_resume(job_config)
         check_data(job_config)
+        check_training_data(job_config)
     return job_config
 
 

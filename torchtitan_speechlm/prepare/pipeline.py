@@ -35,6 +35,7 @@ from torchtitan_speechlm.prepare.worker import (
     WorkerConfig,
     import_modules,
 )
+from torchtitan_speechlm.tokenizer_check import LossyTokenizerError
 
 
 class NoItemsError(RuntimeError):
@@ -83,6 +84,7 @@ def prepare_dataset(
     codebook_size: int = 256,
     kmeans_seconds: float = 600.0,
     seed: int = 0,
+    allow_lossy_tokenizer: bool = False,
     source: tuple[str, str] | None = None,
     source_options: dict | None = None,
     imports: tuple[str, ...] = (),
@@ -95,6 +97,8 @@ def prepare_dataset(
     ``failures.jsonl`` and skipped; ``strict=True`` raises :class:`BadItemError` on the first
     one instead. Raises :class:`NoItemsError` if no item survives. ``imports``: extension
     modules (registering codecs or sources) to import here and in every worker process.
+    The tokenizer must give back the input texts (``tokenizer_check``): a lossy one raises
+    :class:`LossyTokenizerError` before any output exists, unless ``allow_lossy_tokenizer``.
     """
     t0 = time.monotonic()
     import_modules(imports)
@@ -121,14 +125,17 @@ def prepare_dataset(
         raise ManifestError(f"{source_path}: no items")
     if strict:
         _strict_precheck(items, allow_audio_only)
+    from torchtitan_speechlm.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
+    from torchtitan_speechlm.tokenizer_check import check_inputs
+
+    tok = load_text_tokenizer(tokenizer_path)  # checked before any output or codec work
+    roundtrip = check_inputs(tok, items, os.path.abspath(tokenizer_path), allow_lossy_tokenizer)
     if fit_kmeans_codec is not None:
         codec_path = fit_or_reuse_kmeans(fit_kmeans_codec, items, codebooks, codebook_size,
                                          kmeans_seconds, seed, overwrite, progress, hf_reader)  # fmt: skip
     from torchtitan_speechlm.codecs import load_codec
-    from torchtitan_speechlm.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
 
     codec = load_codec(codec_path, device if workers == 1 else "cpu", num_streams)
-    tok = load_text_tokenizer(tokenizer_path)
     plan = build_plan(
         items, read.description, codec, tokenizer_fingerprint(tok), shard_size, allow_audio_only
     )
@@ -154,7 +161,7 @@ def prepare_dataset(
     summary = finalize(out_dir, plan, {
         "shards_reused": reused, "shards_written": len(tasks), "elapsed_seconds": round(elapsed, 3),
         "audio_seconds_per_second": round(audio_s / max(elapsed, 1e-9), 2),
-    })  # fmt: skip
+    }, {"tokenizer_roundtrip": roundtrip})  # fmt: skip
     if summary["num_items"] == 0:
         raise NoItemsError(
             f"all {summary['items_skipped']} items failed ({summary['skipped_by_reason']}); "
@@ -208,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--strict", action="store_true", help="stop at the first bad item")
     p.add_argument(
+        "--allow-lossy-tokenizer",
+        action="store_true",
+        help="accept a tokenizer that does not give back the input texts (else refused)",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace a non-empty --out that is not this same preparation",
@@ -252,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             allow_audio_only=args.allow_audio_only, fit_kmeans_codec=args.fit_kmeans_codec,
             codebooks=args.codebooks, codebook_size=args.codebook_size,
             kmeans_seconds=args.kmeans_seconds, seed=args.seed,
+            allow_lossy_tokenizer=args.allow_lossy_tokenizer,
         )  # fmt: skip
     except (OSError, ValueError, CodecError, BadAudioError, CorruptDatasetError,
             PlanMismatchError, NoItemsError) as e:  # fmt: skip
@@ -272,7 +285,7 @@ def format_summary(s: dict) -> str:
     )
 
 
-__all__ = ["BadItemError", "NoItemsError", "main", "prepare_dataset"]
+__all__ = ["BadItemError", "LossyTokenizerError", "NoItemsError", "main", "prepare_dataset"]
 
 if __name__ == "__main__":
     sys.exit(main())

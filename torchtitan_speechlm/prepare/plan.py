@@ -155,9 +155,10 @@ def shard_done(out_dir: str, index: int, inputs_hash: str, plan: dict) -> bool:
             and first_difference(meta, plan) is None)  # fmt: skip
 
 
-def finalize(out_dir: str, plan: dict, run_info: dict) -> dict:
+def finalize(out_dir: str, plan: dict, run_info: dict, checks: dict | None = None) -> dict:
     """Merge shard failures into failures.jsonl, write summary.json and (if any item survived)
-    metadata.json, last; return the summary."""
+    metadata.json, last; return the summary. ``checks``: the outcome of whole-corpus checks
+    (``tokenizer_roundtrip``), recorded in metadata.json for training to read."""
     shards, failures = [], []
     for s in range(len(plan["shard_inputs"])):
         sdir = os.path.join(out_dir, SHARDS_DIR, shard_name(s))
@@ -200,6 +201,6 @@ def finalize(out_dir: str, plan: dict, run_info: dict) -> dict:
         return summary
     meta = {"format_version": FORMAT_VERSION, "codec": plan["codec"], "tokenizer": plan["tokenizer"],
             "source": plan["source"], "shard_size": plan["shard_size"], "shards": shards,
-            "num_failed": len(failures), **totals}  # fmt: skip
+            "num_failed": len(failures), **(checks or {}), **totals}  # fmt: skip
     write_json_atomic(meta_path, meta)
     return summary
