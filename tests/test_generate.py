@@ -112,6 +112,32 @@ def test_generate_command_writes_files_that_read_back(overfit, tmp_path):
     assert "unknown task 'sing'" in rows["d"]["error"]
 
 
+def test_generate_creates_the_out_folder_or_says_in_one_line_why_not(overfit, tmp_path, capsys):
+    step, ds = overfit["step"], overfit["data"]
+    wav = tmp_path / "some" / "new" / "dir" / "out.wav"
+    tts = ["--model", step, "--task", "tts", "--text", ds[0].text, "--max-frames", "200"]
+    assert generate_main([*tts, "--out", str(wav)]) == 0
+    assert len(sf.read(wav)[0]) == len(ds[0].audio_codes) * load_model(step).codec.samples_per_frame
+    manifest = [json.loads(x) for x in open(overfit["root"] / "assets" / "manifest.jsonl")]
+    transcript = tmp_path / "other" / "new" / "asr.txt"
+    asr = ["--model", step, "--task", "asr", "--audio", manifest[0]["audio"]]
+    assert generate_main([*asr, "--out", str(transcript)]) == 0
+    assert transcript.read_text().strip() == ds[0].text
+    capsys.readouterr()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    for args in (tts, asr):
+        out = blocker / "sub" / "out.wav"
+        assert generate_main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"torchtitan generate: error: cannot write {out}: its folder cannot be created "
+            f"because {blocker} is a file\n"
+        )
+    assert generate_main([*tts, "--out", str(tmp_path)]) == 2  # a folder, not a file name
+    assert f"cannot write {tmp_path}: it is a folder" in capsys.readouterr().err
+
+
 def test_eval_scores_wer_zero_on_the_memorised_set(overfit, tmp_path):
     out = tmp_path / "results.json"
     assert (

@@ -60,6 +60,8 @@ def run_request(loaded, req: dict, cfg: DecodeConfig, out: str | None) -> dict:
     task = req.get("task")
     if task not in tasks.TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {tasks.TASKS}")
+    if out:
+        tasks.make_parent_folder(out)  # before generating: a bad --out fails at once
     if task == "tts":
         if not req.get("text"):
             raise ValueError("task tts needs a text")

@@ -77,10 +77,39 @@ def _fit(loaded: Loaded, prompts: list[np.ndarray], cfg: DecodeConfig) -> list[n
     return prompts
 
 
+def make_parent_folder(path: str) -> None:
+    """Create the folder an output file goes in (``--out new/dir/out.wav``), as a user expects:
+    soundfile would otherwise end in a bare ``LibsndfileError: System error``. Raises OSError
+    naming the path when it cannot (a parent is a file, no permission) or ``path`` is a folder."""
+    import os
+
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise IsADirectoryError(f"cannot write {path}: it is a folder; give a file name")
+    existing = os.path.dirname(full)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise NotADirectoryError(
+            f"cannot write {path}: its folder cannot be created because {existing} is a file"
+        )
+    try:
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+    except OSError as e:
+        raise OSError(
+            f"cannot write {path}: its folder cannot be created ({e.strerror or e})"
+        ) from None
+
+
 def write_wav(loaded: Loaded, codes: np.ndarray, path: str) -> int:
-    """Decode codes with the data's codec and write a wav at its rate; returns samples."""
+    """Decode codes with the data's codec and write a wav at its rate (its folder created if
+    missing); returns samples. Raises OSError naming ``path`` if it cannot be written."""
     import soundfile as sf
 
+    make_parent_folder(path)
     wav = loaded.codec.decode(codes)
-    sf.write(path, wav, loaded.codec.sample_rate)
+    try:
+        sf.write(path, wav, loaded.codec.sample_rate)
+    except RuntimeError as e:  # soundfile's LibsndfileError: "System error" and the like
+        raise OSError(f"cannot write {path}: {e}") from None
     return len(wav)
