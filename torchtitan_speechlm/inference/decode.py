@@ -120,7 +120,10 @@ class Decoder:
         known: list[np.ndarray | None] | None = None,
     ) -> list[np.ndarray]:
         """Codes [F, N] generated after each prompt (which ends with ``<|audio|>``); ``uncond``
-        prompts enable guidance; ``known`` codes start each segment (continuation)."""
+        prompts enable guidance; ``known`` codes start each segment (continuation).
+
+        Afterwards ``self.ended[i]`` says whether row i's end was the model's choice (True) or
+        the ``max_frames`` limit's (False): evaluation reports the share that ended by itself."""
         b, n, cfg = len(prompts), self.n, self.cfg
         known = known or [None] * b
         rows = list(prompts) + list(uncond or [])
@@ -131,6 +134,7 @@ class Decoder:
                 "F": None,
                 "map": full,
                 "done": False,
+                "ended": False,
                 "codes": np.zeros((cfg.max_frames, n), dtype=np.int64),
             }
             for _ in range(b)
@@ -141,6 +145,7 @@ class Decoder:
             if all(st["done"] for st in state):
                 break
             logits = self._advance(frames + frames[: len(rows) - b])
+        self.ended = [st["ended"] for st in state]
         return [st["codes"][: st["F"]] for st in state]
 
     def _audio_frame(self, st: dict, logits, i: int, rows: int, known) -> torch.Tensor:
@@ -176,6 +181,7 @@ class Decoder:
             )
             if may_end and token not in ids[: self.layout.codebook_size]:
                 st["F"] = f  # the model ended the audio before code (f, 0)
+                st["ended"] = True
                 st["map"] = index_map(self.pattern, f, n)
                 if token in self.ends or len(st["map"]) <= j:
                     frame[:] = self.pads

@@ -1,4 +1,6 @@
-"""Scoring a model on prepared data with its own tasks (no downloaded models).
+"""Scoring a model on prepared data with its own tasks (no downloaded models): the quick,
+self-referential scores the demo and training samples use; ``torchtitan eval`` scores with
+independent judges (``judged``) and keeps these under ``self``.
 
 - ``asr``: greedy transcripts of each utterance, word and character error rates (jiwer);
 - ``tts``: codec-token accuracy under teacher forcing (the training template, per stream and
@@ -37,7 +39,9 @@ def evaluate_asr(loaded: Loaded, items: list, cfg: DecodeConfig, batch: int = 8)
 
 
 @torch.no_grad()
-def evaluate_tts(loaded: Loaded, items: list, cfg: DecodeConfig, batch: int = 8) -> dict:
+def token_accuracy(loaded: Loaded, items: list) -> dict:
+    """Codec-token accuracy under teacher forcing with the training template: overall and per
+    stream, over audio targets only (stream 0's text/special targets are left out)."""
     model, builder, n = loaded.model, loaded.builder, loaded.layout.num_streams
     correct, count = np.zeros(n), np.zeros(n)
     for it in items:
@@ -49,6 +53,14 @@ def evaluate_tts(loaded: Loaded, items: list, cfg: DecodeConfig, batch: int = 8)
         # audio targets only: stream 0's text/special targets are left out
         correct += out.stats["acc_stream"].numpy()
         count += out.stats["count_stream"].numpy()
+    return {
+        "token_accuracy": float(correct.sum() / max(count.sum(), 1)),
+        "token_accuracy_per_stream": (correct / np.maximum(count, 1)).tolist(),
+    }
+
+
+@torch.no_grad()
+def evaluate_tts(loaded: Loaded, items: list, cfg: DecodeConfig, batch: int = 8) -> dict:
     refs, hyps = [], []
     for s in range(0, len(items), batch):
         chunk = items[s : s + batch]
@@ -56,8 +68,7 @@ def evaluate_tts(loaded: Loaded, items: list, cfg: DecodeConfig, batch: int = 8)
         hyps += tasks.asr(loaded, codes, cfg)
         refs += [it.text for it in chunk]
     return {
-        "token_accuracy": float(correct.sum() / max(count.sum(), 1)),
-        "token_accuracy_per_stream": (correct / np.maximum(count, 1)).tolist(),
+        **token_accuracy(loaded, items),
         "asr_of_tts": error_rates(refs, hyps),
         "items": len(items),
     }

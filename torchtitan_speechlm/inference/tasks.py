@@ -37,6 +37,14 @@ def audio_codes(loaded: Loaded, wav_path: str) -> np.ndarray:
 
 def tts(loaded: Loaded, texts: list[str], cfg: DecodeConfig) -> list[np.ndarray]:
     """Codes [F, N] spoken for each text."""
+    return tts_with_ends(loaded, texts, cfg)[0]
+
+
+def tts_with_ends(
+    loaded: Loaded, texts: list[str], cfg: DecodeConfig
+) -> tuple[list[np.ndarray], list[bool]]:
+    """``tts`` plus, per text, whether the model ended the speech itself (False: the
+    ``max_frames`` limit cut it), which evaluation reports as the end-of-speech rate."""
     b = loaded.builder
     prompts = [
         b.prefix([Segment("user", "text", text_ids(loaded, t))], "assistant", "audio")
@@ -46,7 +54,9 @@ def tts(loaded: Loaded, texts: list[str], cfg: DecodeConfig) -> list[np.ndarray]
     if cfg.cfg_scale != 1.0:
         drop = np.array([loaded.layout.special("<|cfg_drop|>") - loaded.layout.text_offset])
         uncond = [b.prefix([Segment("user", "text", drop)], "assistant", "audio")] * len(texts)
-    return Decoder(loaded.model, cfg).audio(_fit(loaded, prompts, cfg), uncond)
+    decoder = Decoder(loaded.model, cfg)
+    codes = decoder.audio(_fit(loaded, prompts, cfg), uncond)
+    return codes, decoder.ended
 
 
 def asr(loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig) -> list[str]:
