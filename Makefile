@@ -1,5 +1,5 @@
 # `make demo` and `make test` each work on a fresh machine: they create .venv, install the
-# Debian packages (espeak-ng) and every Python dependency, then run.
+# Debian packages (espeak-ng, chromium) and every Python dependency, then run.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -14,6 +14,9 @@ system-deps:
 	@command -v espeak-ng >/dev/null 2>&1 || { \
 	  echo "[make] installing espeak-ng (Debian package)"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng >/dev/null; }
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "[make] installing chromium (Debian package: the eval report's headless-browser test)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
