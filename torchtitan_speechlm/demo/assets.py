@@ -215,10 +215,11 @@ def synthesize_corpus(
     n: int = 200,
     voices: list[str] | None = None,
     sample_rate: int = 16000,
+    speeds: tuple[int, ...] = SPEEDS,
 ) -> str:
     """Speak ``n`` sentences with espeak-ng into ``<out_dir>/wavs`` and write ``manifest.jsonl``.
 
-    Voices and speeds cycle for variety. A manifest with ``n`` lines already present means the
+    Voices and speeds (words per minute) cycle for variety. A manifest with ``n`` lines already present means the
     work is done (the manifest is written last, atomically). Returns the manifest path.
     """
     from torchtitan_speechlm.audio import load_audio
@@ -248,7 +249,7 @@ def synthesize_corpus(
                 "-v",
                 voices[i % len(voices)],
                 "-s",
-                str(SPEEDS[(i // len(voices)) % len(SPEEDS)]),
+                str(speeds[(i // len(voices)) % len(speeds)]),
                 "--stdin",
             ]
             subprocess.run(cmd, input=text.encode(), check=True, capture_output=True)
