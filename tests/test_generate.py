@@ -151,14 +151,19 @@ def test_eval_scores_wer_zero_on_the_memorised_set(overfit, tmp_path):
                 "tts:tiny",
                 "--out",
                 str(out),
+                *("--judge-asr", "none", "--judge-speaker", "none", "--judge-quality", "none"),
             ]
         )
         == 0
-    )
+    )  # (the judges themselves: tests/test_eval_judges.py)
     res = json.loads(out.read_text())
     assert res["asr:tiny"]["wer"] == 0.0 and res["asr:tiny"]["items"] == N_ITEMS
-    assert res["tts:tiny"]["asr_of_tts"]["wer"] == 0.0
-    assert res["tts:tiny"]["token_accuracy"] > 0.95
+    tts = res["tts:tiny"]
+    assert tts["self"]["asr_of_tts"]["wer"] == 0.0
+    assert tts["self"]["token_accuracy"] > 0.95
+    # the memorised codes exactly: each utterance ended by the model at the reference's length
+    assert tts["eos_rate"] == 1.0 and tts["failures"] == []
+    assert all(r["duration_ratio"] == 1.0 and r["ended"] for r in tts["per_item"])
 
 
 def test_generate_from_an_export_and_bad_requests(overfit, tmp_path, capsys):

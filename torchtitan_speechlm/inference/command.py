@@ -5,11 +5,15 @@
     torchtitan generate --model DIR --task continuation --audio prompt.wav --out out.wav
     torchtitan generate --model DIR --batch requests.jsonl --out-dir outputs/
     torchtitan eval --model DIR --valid asr:NAME [--valid tts:NAME] [--valid-fraction F]
+        [--judge-asr pocketsphinx|DIR|none] [--judge-speaker resemblyzer|DIR|none]
+        [--judge-quality dnsmos|none] [--out results.json] [--report DIR]
 
 DIR is a training checkpoint's step folder (the run's config, vocabulary and codec are found from
 it) or a ``torchtitan export`` folder. A batch file has one JSON object per line: ``{"id": ...,
 "task": "tts", "text": ...}`` or ``{"id": ..., "task": "asr" | "continuation", "audio": ...}``;
 each result is written to ``out-dir/ID.wav`` or ``ID.txt`` and a line of ``results.jsonl``.
+``eval`` scores TTS with independent judges (``inference/judged.py``) and writes an HTML report
+with ``--report`` (``inference/report.py``).
 """
 
 from __future__ import annotations
@@ -129,6 +133,30 @@ def _batch(loaded, path: str, out_dir: str, cfg: DecodeConfig) -> int:
     return 1 if failed else 0
 
 
+def add_judge_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("judges (independent models scoring TTS; see docs/generation.md)")
+    g.add_argument(
+        "--judge-asr",
+        default="pocketsphinx",
+        metavar="NAME_OR_DIR",
+        help="ASR judge: a judge name, a transformers ASR model folder, or none",
+    )
+    g.add_argument(
+        "--judge-vocabulary",
+        metavar="eval|open|FILE",
+        help="pocketsphinx: eval (default: a free word loop over the set's words), open (its "
+        "shipped LM) or a file of words",
+    )
+    g.add_argument("--judge-grammar", metavar="FILE.jsgf", help="pocketsphinx: a JSGF grammar")
+    g.add_argument(
+        "--judge-speaker",
+        default="resemblyzer",
+        metavar="NAME_OR_DIR",
+        help="speaker judge (SIM): a judge name, a transformers speaker-verification folder, or none",
+    )
+    g.add_argument("--judge-quality", default="dnsmos", help="quality judge: dnsmos or none")
+
+
 def eval_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="torchtitan eval", description="score a SpeechLM")
     p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
@@ -147,29 +175,59 @@ def eval_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--limit", type=int, default=0, help="at most this many items per set")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument(
+        "--report", metavar="DIR", help="write DIR/index.html with audio and spectrograms"
+    )
+    add_judge_args(p)
     add_decoding_args(p)
     a = p.parse_args(argv)
-    from torchtitan_speechlm.inference.evaluate import evaluate_asr, evaluate_tts
+    from torchtitan_speechlm.inference import judged
     from torchtitan_speechlm.inference.loading import load_model
 
     try:
         loaded = load_model(a.model, a.device)
-        cfg, results = decode_config(a), {}
+        cfg, results, sets = decode_config(a), {}, []
         for spec in a.valid:
             task, _, name = spec.partition(":")
             if task not in ("asr", "tts"):
                 raise ValueError(f"--valid {spec!r}: the task is asr or tts")
-            items = eval_items(loaded, name, a.valid_fraction, a.limit)
-            run = evaluate_asr if task == "asr" else evaluate_tts
-            results[spec] = run(loaded, items, cfg)
+            sets.append((spec, task, eval_items(loaded, name, a.valid_fraction, a.limit)))
+        options = judged.JudgeOptions(
+            a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality
+        )
+        judges = judged.build_judges(
+            options, {s: [it.text for it in items] for s, t, items in sets if t == "tts"}
+        )
+        for i, (spec, task, items) in enumerate(sets):
+            if task == "asr":
+                results[spec] = judged.score_asr(loaded, items, cfg)
+            else:
+                folder = f"{i}-{_slug(spec)}"  # the set's wavs and spectrograms in --report
+                results[spec] = judged.score_tts(loaded, items, cfg, judges[spec], a.report, folder)
+        if a.report:
+            from torchtitan_speechlm.inference.report import write_report
+
+            page = write_report(results, a.report, f"torchtitan eval: {a.model}")
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"torchtitan eval: error: {e}", file=sys.stderr)
+        print(f"torchtitan eval: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    print(format_table(results))
+    print(judged.format_table(results))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=2)
+    if a.report:
+        print(f"report: {page}")
     return 0
+
+
+def _slug(spec: str) -> str:
+    from torchtitan_speechlm.inference.report import slug
+
+    return slug(spec)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 def eval_items(loaded, name: str, valid_fraction: float, limit: int) -> list:
@@ -187,18 +245,3 @@ def eval_items(loaded, name: str, valid_fraction: float, limit: int) -> list:
     if not idx:
         raise ValueError(f"{name}: no speech items to evaluate")
     return [ds[i] for i in (idx[:limit] if limit else idx)]
-
-
-def format_table(results: dict) -> str:
-    lines = [
-        f"{'set':<24} {'items':>6} {'WER':>8} {'CER':>8} {'tok acc':>8} {'ASR-of-TTS WER':>15}"
-    ]
-    for spec, r in results.items():
-        if spec.startswith("asr"):
-            lines.append(f"{spec:<24} {r['items']:>6} {r['wer']:>8.3f} {r['cer']:>8.3f}")
-        else:
-            lines.append(
-                f"{spec:<24} {r['items']:>6} {'':>8} {'':>8} {r['token_accuracy']:>8.3f}"
-                f" {r['asr_of_tts']['wer']:>15.3f}"
-            )
-    return "\n".join(lines)

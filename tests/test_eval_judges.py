@@ -1,0 +1,390 @@
+"""`torchtitan eval` with independent judges, and its HTML report: a tiny model trained two steps
+through `torchtitan train` is scored from its checkpoint and from its export with the same
+numbers, transcripts and report; the report opens in a real headless Chromium without a console
+error, every audio player's duration equal to its wav's; a judge that cannot be built is a
+one-line error before anything is generated; an empty generation or audio a judge refuses is a
+recorded failure of that item. The judges here are small deterministic stand-ins registered
+under test names (functions of the exact waveform, so equal numbers mean equal audio)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tests.helpers import build_speechlm, make_tiny_run_assets, run_train, write_tiny_config
+from torchtitan_speechlm.judges.base import (
+    ASRJudge,
+    JudgeError,
+    QualityJudge,
+    SpeakerJudge,
+    register_judge,
+)
+
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot")
+DECODE = ["--max-frames", "12", "--max-text-tokens", "8", "--limit", "3"]
+JUDGE_FLAGS = ["--judge-asr", "test-asr", "--judge-speaker", "test-speaker"]
+JUDGE_FLAGS += ["--judge-quality", "test-quality"]
+
+
+@register_judge("test-asr")
+class EnergyASR(ASRJudge):
+    """Words picked by each 0.05 s chunk's mean level (a function of the exact samples)."""
+
+    name = "test-asr"
+
+    def transcribe(self, wav: np.ndarray, rate: int) -> str:
+        hop = rate // 20
+        if len(wav) < hop:
+            raise JudgeError("shorter than the test judge's 0.05 s")
+        levels = np.abs(wav[: len(wav) // hop * hop]).reshape(-1, hop).mean(1)
+        return " ".join(WORDS[int(v * 1e5) % len(WORDS)] for v in levels[:6])
+
+
+@register_judge("test-speaker")
+class MomentsSpeaker(SpeakerJudge):
+    name = "test-speaker"
+
+    def embed(self, wav: np.ndarray, rate: int) -> np.ndarray:
+        return np.array([np.abs(wav).mean(), wav.std(), np.abs(wav).max(), 1e-3])
+
+
+@register_judge("test-quality")
+class LevelQuality(QualityJudge):
+    name = "test-quality"
+
+    def score(self, wav: np.ndarray, rate: int) -> dict[str, float]:
+        return {"dnsmos_ovrl": float(1 + 4 * np.tanh(wav.std())), "dnsmos_sig": 3.0}
+
+
+@register_judge("test-refuses")
+class RefusingQuality(QualityJudge):
+    name = "test-refuses"
+
+    def score(self, wav: np.ndarray, rate: int) -> dict[str, float]:
+        raise JudgeError("this judge takes no audio at all")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """Two training steps (a checkpoint at step 2) and the export of that checkpoint."""
+    from torchtitan_speechlm.export import export
+
+    root = tmp_path_factory.mktemp("eval_judges")
+    assets = make_tiny_run_assets(root / "assets", n_items=4)
+    dump = root / "run"
+    cfg = write_tiny_config(root / "c.toml", assets, dump)
+    r = run_train(cfg, "--training.steps", "2", "--validation.enable", "false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    step = str(dump / "checkpoint" / "step-2")
+    exported = str(root / "exported")
+    export(step, exported)
+    return {"step": step, "export": exported, "prepared": assets["prepared"], "root": root}
+
+
+def run_eval(model: dict, kind: str, *extra: str) -> int:
+    """``torchtitan eval`` of ``model[kind]`` on the prepared folder (an export names no run
+    datasets), as sets ``tts`` and ``asr``."""
+    from torchtitan_speechlm.inference.command import eval_main
+
+    data = model["prepared"]
+    args = ["--model", model[kind], "--valid", f"tts:{data}", "--valid", f"asr:{data}", *extra]
+    return eval_main(args)
+
+
+@pytest.fixture(scope="module")
+def evaluated(model):
+    """`torchtitan eval` with a report, on the checkpoint and on the export."""
+    out = {}
+    for kind in ("step", "export"):
+        report, results = model["root"] / f"report-{kind}", model["root"] / f"{kind}.json"
+        rc = run_eval(
+            model, kind, *JUDGE_FLAGS, *DECODE, "--out", str(results), "--report", str(report)
+        )
+        assert rc == 0
+        res = json.loads(results.read_text())
+        out[kind] = {"report": report, "results": {k.split(":")[0]: v for k, v in res.items()}}
+    return out
+
+
+def test_eval_of_the_export_equals_eval_of_its_checkpoint(evaluated):
+    a, b = evaluated["step"]["results"], evaluated["export"]["results"]
+    assert a == b
+    tts, asr = a["tts"], a["asr"]
+    assert tts["items"] == 3 and len(tts["per_item"]) == 3 and asr["items"] == 3
+    assert tts["judges"] == {
+        "asr": "test-asr",
+        "speaker": "test-speaker",
+        "quality": "test-quality",
+    }
+    assert tts["reference_audio"] == "resynthesised"
+    for r in tts["per_item"]:
+        assert (
+            r["transcript"]
+            and r["reference_transcript"]
+            and set(r["transcript"].split()) <= set(WORDS)
+        )
+        assert 0 <= r["wer"] and r["frames"] == 12 and r["ended"] is False  # two steps: no end yet
+        assert r["seconds"] > 0 and r["duration_ratio"] == pytest.approx(
+            r["seconds"] / r["reference_seconds"]
+        )
+        assert -1 <= r["sim"] <= 1 and 1 <= r["dnsmos"]["dnsmos_ovrl"] <= 5 and r["failures"] == []
+        assert "self_transcript" in r and 0 <= r["self_wer"]
+    assert tts["wer"] == pytest.approx(np.mean([r["wer"] for r in tts["per_item"]]))
+    assert tts["floor"]["wer"] == pytest.approx(
+        np.mean([r["reference_wer"] for r in tts["per_item"]])
+    )
+    assert tts["eos_rate"] == 0.0 and tts["failures"] == []
+    assert 0 <= tts["self"]["token_accuracy"] <= 1 and "asr_of_tts" in tts["self"]
+    assert {"id", "text", "transcript", "wer", "cer"} <= set(asr["per_item"][0])
+
+
+def test_report_files_exist_and_link_only_inside(evaluated):
+    report = evaluated["step"]["report"]
+    page = (report / "index.html").read_text()
+    links = re.findall(r'(?:src|href)="([^"]*)"', page)
+    local = [unquote(x) for x in links if not x.startswith("data:")]
+    assert len([x for x in local if x.endswith(".wav")]) == 6  # 3 items x (reference, generated)
+    assert len([x for x in local if x.endswith(".png")]) == 6
+    for rel in local:
+        assert not urlparse(rel).scheme and not rel.startswith("/"), rel
+        assert (report / rel).is_file(), rel
+    assert "http://" not in page and "https://" not in page
+    assert '<span class="sub"' in page or '<span class="del"' in page or '<span class="ins"' in page
+
+
+def test_report_plays_in_headless_chromium(evaluated):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing in CI (the Makefile's system-deps installs it)")
+        pytest.skip("chromium is not installed (`make system-deps` installs it)")
+    report = evaluated["step"]["report"]
+    page = browse(chromium, (report / "index.html").as_uri())
+    assert page["errors"] == [], page["errors"]
+    assert all(u.startswith(("file:", "data:")) for u in page["requests"]), page["requests"]
+    assert len(page["audio"]) == 6 and len(page["images"]) == 6
+    for a in page["audio"]:
+        path = unquote(urlparse(a["src"]).path)
+        assert "error" not in a, a
+        assert a["duration"] == pytest.approx(sf.info(path).duration, abs=0.05), path
+    assert all(img["width"] > 0 for img in page["images"]), page["images"]
+
+
+def test_the_default_judges_score_the_export(model, tmp_path, capsys):
+    """pocketsphinx over the set's words, resemblyzer and DNSMOS (the eval extra): real
+    transcripts within the set's vocabulary, DNSMOS in range, refusals recorded per item."""
+    from torchtitan_speechlm.inference.judged import vocabulary_words
+
+    out = tmp_path / "defaults.json"
+    rc = run_eval(model, "export", *DECODE, "--limit", "2", "--out", str(out))
+    if rc == 2 and "pip install" in (err := capsys.readouterr().err):
+        pytest.skip(f"the eval extra is not installed: {err.strip()}")
+    assert rc == 0
+    tts = next(v for k, v in json.loads(out.read_text()).items() if k.startswith("tts"))
+    assert "pocketsphinx" in tts["judges"]["asr"] and "words" in tts["judges"]["asr"]
+    assert "resemblyzer" in tts["judges"]["speaker"] and "dnsmos" in tts["judges"]["quality"]
+    vocab = set(vocabulary_words([r["text"] for r in tts["per_item"]]))
+    for r in tts["per_item"]:
+        for said in (r["transcript"], r["reference_transcript"]):
+            assert said is not None and set(said.split()) <= vocab
+        assert (
+            1 <= r["dnsmos"]["dnsmos_ovrl"] <= 5 and 1 <= r["reference_dnsmos"]["dnsmos_ovrl"] <= 5
+        )
+        assert r["sim"] is not None or any("speaker judge" in f for f in r["failures"])
+
+
+def test_bad_judge_is_one_line_before_generation(model, tmp_path, capsys, monkeypatch):
+    from torchtitan_speechlm.inference import judged
+
+    def no_generation(*a, **k):
+        raise AssertionError("generated before the judges were checked")
+
+    monkeypatch.setattr(judged.tasks, "tts_with_ends", no_generation)
+    assert run_eval(model, "export", "--judge-asr", "/nonexistent", *DECODE) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "/nonexistent" in err and "no such folder" in err
+    assert run_eval(model, "export", *JUDGE_FLAGS[:4], "--judge-quality", "nosuch") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "nosuch" in err and "test-quality" in err  # lists the registered
+    grammar = ["--judge-grammar", str(tmp_path / "none.jsgf")]
+    assert (
+        run_eval(model, "export", "--judge-speaker", "none", "--judge-quality", "none", *grammar)
+        == 2
+    )
+    assert "none.jsgf: no such file" in capsys.readouterr().err
+    # as a user runs it: the exit status and no traceback
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "eval", "--model", model["export"]]
+    r = subprocess.run(
+        [*cmd, "--valid", f"tts:{model['prepared']}", "--judge-asr", "/nonexistent"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "/nonexistent" in r.stderr
+
+
+def test_empty_generation_and_refused_audio_are_recorded_failures(model, monkeypatch, tmp_path):
+    from torchtitan_speechlm.inference import judged
+    from torchtitan_speechlm.inference.command import eval_items
+    from torchtitan_speechlm.inference.decode import DecodeConfig
+    from torchtitan_speechlm.inference.loading import load_model
+    from torchtitan_speechlm.inference.report import write_report
+
+    loaded = load_model(model["export"])
+    items = eval_items(loaded, model["prepared"], 0.0, 3)
+    real = judged.tasks.tts_with_ends
+
+    def first_empty(loaded, texts, cfg):
+        codes, ended = real(loaded, texts, cfg)
+        return [codes[0][:0]] + codes[1:], [True] + ended[1:]
+
+    monkeypatch.setattr(judged.tasks, "tts_with_ends", first_empty)
+    opts = judged.JudgeOptions("test-asr", None, None, "test-speaker", "test-refuses")
+    judges = judged.build_judges(opts, {"tts:tiny": [it.text for it in items]})["tts:tiny"]
+    cfg = DecodeConfig(max_frames=12, max_text_tokens=8)
+    res = judged.score_tts(loaded, items, cfg, judges, str(tmp_path), "tts")
+    first, second = res["per_item"][0], res["per_item"][1]
+    assert first["frames"] == 0 and first["transcript"] is None and first["sim"] is None
+    assert first["wer"] == 1.0 and first["cer"] == 1.0 and first["self_wer"] == 1.0
+    assert "empty generation (0 frames)" in first["failures"]
+    assert first["reference_transcript"] is not None  # the floor is still measured
+    assert second["transcript"] is not None and second["dnsmos"] is None
+    assert any("takes no audio" in f for f in second["failures"])
+    assert {"id": items[0].id, "failure": "empty generation (0 frames)"} in res["failures"]
+    assert res["wer"] >= 1.0 / 3 and res["eos_rate"] == pytest.approx(1 / 3)
+    row = judged.summary_rows({"tts:tiny": res})[0]
+    assert row["failures"] == "3" and row["DNSMOS"] == "-"  # every item: refused by quality
+    json.dumps(res)  # the JSON --out writes
+    assert first["audio"] == {"generated": None, "reference": "tts/0000-u0.ref.wav"}
+    page = open(write_report({"tts": res}, str(tmp_path))).read()
+    assert "no audio" in page and "(no transcript)" in page and "empty generation" in page
+
+
+def test_decoder_says_which_rows_ended_themselves(tmp_path):
+    """``Decoder.ended``: True exactly where the model chose the end before max_frames."""
+    from tests.helpers import save_tiny_backbone
+    from torchtitan_speechlm.data.tasks import LossWeights, Segment, TemplateBuilder
+    from torchtitan_speechlm.inference.decode import DecodeConfig, Decoder
+    from torchtitan_speechlm.inference.sampling import Sampling
+
+    save_tiny_backbone(tmp_path / "bb", vocab_size=60)
+    seen = set()
+    for pattern in ("delay", "parallel"):
+        model = build_speechlm(tmp_path / "bb", num_streams=3, codebook_size=4, pattern=pattern)
+        builder = TemplateBuilder(model.args.layout, pattern, LossWeights(1.0, 1.0, (1 / 3,) * 3))
+        prompt = builder.prefix([Segment("user", "text", np.arange(3, 7))], "assistant", "audio")
+        for seed in range(4):
+            cfg = DecodeConfig(audio=Sampling(1.0), min_frames=0, max_frames=5, seed=seed)
+            dec = Decoder(model.eval(), cfg)
+            codes = dec.audio([prompt] * 4)
+            assert dec.ended == [len(c) < 5 for c in codes]
+            seen.update(dec.ended)
+    assert seen == {True, False}
+
+
+# ---- Chromium through the DevTools protocol over a pipe (no websocket package needed) -----------
+def browse(chromium: str, url: str, timeout: float = 60.0) -> dict:
+    """Open ``url`` in headless Chromium; returns its console/JS/network errors, every request's
+    URL, each <audio>'s src and duration once its metadata loaded, and each <img>'s width."""
+    profile = tempfile.mkdtemp(prefix="chromium-")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
+             f"--user-data-dir={profile}", "--no-first-run", "--mute-audio", "about:blank"]  # fmt: skip
+    proc = subprocess.Popen(  # the protocol on fds 3 (commands) and 4 (replies)
+        ["bash", "-c", 'exec "$@" 3<&0 4>&1 </dev/null >/dev/null', "_", chromium, *flags],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    cdp = _Pipe(proc, time.time() + timeout)
+    try:
+        target = cdp.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = cdp.call("Target.attachToTarget", {"targetId": target, "flatten": True})
+        cdp.session = session["sessionId"]
+        for domain in ("Runtime", "Log", "Page", "Network"):
+            cdp.call(f"{domain}.enable")
+        cdp.call("Page.navigate", {"url": url})
+        cdp.wait_for("Page.loadEventFired")
+        audio = cdp.call("Runtime.evaluate", {"expression": AUDIO_JS, "awaitPromise": True,
+                                              "returnByValue": True})  # fmt: skip
+        images = cdp.call("Runtime.evaluate", {"expression": IMAGES_JS, "returnByValue": True})
+        errors = [_error(e) for e in cdp.events if _error(e)]
+        requests = [
+            e["params"]["request"]["url"]
+            for e in cdp.events
+            if e.get("method") == "Network.requestWillBeSent"
+        ]
+        return {"errors": errors, "requests": requests, "audio": audio["result"]["value"],
+                "images": images["result"]["value"]}  # fmt: skip
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+AUDIO_JS = """Promise.all([...document.querySelectorAll('audio')].map(a => a.readyState >= 1
+  ? {src: a.currentSrc, duration: a.duration}
+  : new Promise(done => {
+      a.addEventListener('loadedmetadata', () => done({src: a.currentSrc, duration: a.duration}));
+      a.addEventListener('error', () => done({src: a.currentSrc, error: String(a.error && a.error.code)}));
+    })))"""
+IMAGES_JS = "[...document.images].map(i => ({src: i.currentSrc, width: i.naturalWidth}))"
+
+
+def _error(event: dict) -> str | None:
+    method, params = event.get("method"), event.get("params", {})
+    if method == "Runtime.exceptionThrown":
+        return json.dumps(params["exceptionDetails"])[:500]
+    if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+        return json.dumps(params.get("args"))[:500]
+    if method == "Log.entryAdded" and params["entry"].get("level") == "error":
+        return f"{params['entry'].get('text')} {params['entry'].get('url', '')}"
+    return None
+
+
+class _Pipe:
+    """Chrome DevTools Protocol messages: JSON separated by NUL bytes."""
+
+    def __init__(self, proc, deadline: float):
+        self.proc, self.deadline, self.buf = proc, deadline, b""
+        self.next_id, self.session, self.events = 0, None, []
+
+    def _recv(self) -> dict:
+        while b"\0" not in self.buf:
+            ready, _, _ = select.select(
+                [self.proc.stdout], [], [], max(0.0, self.deadline - time.time())
+            )
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16) if ready else b""
+            if not chunk:
+                raise TimeoutError("chromium did not answer in time (or exited)")
+            self.buf += chunk
+        msg, self.buf = self.buf.split(b"\0", 1)
+        return json.loads(msg)
+
+    def call(self, method: str, params: dict | None = None) -> dict:
+        self.next_id += 1
+        msg = {"id": self.next_id, "method": method, "params": params or {}}
+        if self.session and not method.startswith("Target."):
+            msg["sessionId"] = self.session
+        self.proc.stdin.write(json.dumps(msg).encode() + b"\0")
+        self.proc.stdin.flush()
+        while True:
+            reply = self._recv()
+            if reply.get("id") == self.next_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply.get("result", {})
+            self.events.append(reply)
+
+    def wait_for(self, method: str) -> None:
+        while not any(e.get("method") == method for e in self.events):
+            self.events.append(self._recv())

@@ -1,0 +1,471 @@
+"""Scoring a model with *independent judges*: models that are not the model being scored.
+
+The model's own ASR of its own TTS is circular (a model that mumbles consistently understands
+itself), so ``torchtitan eval`` scores TTS the way Seed-TTS-eval does, with other models
+(``torchtitan_speechlm.judges``): per TTS set, the speech generated from each item's text is
+decoded by the data's codec and
+
+- an ASR judge transcribes it: WER / CER against the reference text (after ``normalise_text``);
+- the same judge transcribes the reference audio: the *floor* (what the judge itself gets wrong);
+- a speaker judge compares it with the reference audio: SIM (cosine of embeddings);
+- a quality judge predicts its MOS (DNSMOS), and the reference's;
+- its length against the reference's (duration ratio), and whether the model ended it itself
+  before ``max_frames`` (end-of-speech rate).
+
+The prepared data holds codec codes, not recordings (items.jsonl's ``source`` names the input
+line, not an audio file), so the reference audio is the codec's resynthesis of the reference
+codes, labelled ``reference_audio: "resynthesised"``. The model's own ASR of its TTS and the
+teacher-forced token accuracy are kept under ``self``. An empty generation or audio a judge
+cannot take is a recorded failure of that item (WER and CER 1.0, listed), never a crash.
+
+Set-level WER / CER are means over items (Seed-TTS-eval's figure); ``wer_corpus`` pools edits
+over all reference words.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchtitan_speechlm.inference import tasks
+from torchtitan_speechlm.inference.decode import DecodeConfig
+from torchtitan_speechlm.inference.loading import Loaded
+from torchtitan_speechlm.judges.base import JudgeError
+
+REFERENCE_AUDIO = "resynthesised"  # the codec's decoding of the prepared reference codes
+JUDGE_KINDS = ("asr", "speaker", "quality")
+
+
+# ---- which judges -----------------------------------------------------------------------------
+@dataclass
+class JudgeOptions:
+    """What the ``--judge-*`` flags ask for. ``asr`` / ``speaker``: a judge name, a model
+    folder (``transformers-asr`` / ``transformers-sv``) or ``none``; ``vocabulary`` (pocketsphinx):
+    ``eval`` (None: the words of the evaluated set's texts), ``open`` (its shipped LM) or a
+    word-list file; ``grammar``: a JSGF file for pocketsphinx instead."""
+
+    asr: str = "pocketsphinx"
+    vocabulary: str | None = None
+    grammar: str | None = None
+    speaker: str = "resemblyzer"
+    quality: str = "dnsmos"
+
+
+@dataclass
+class Judges:
+    asr: object | None = None  # judges.base.ASRJudge
+    speaker: object | None = None  # judges.base.SpeakerJudge
+    quality: object | None = None  # judges.base.QualityJudge
+
+    def describe(self) -> dict:
+        return {k: (j.describe() if j is not None else None) for k, j in self._pairs()}
+
+    def _pairs(self):
+        return (("asr", self.asr), ("speaker", self.speaker), ("quality", self.quality))
+
+
+def _resolve(flag: str, value: str, folder_judge: str | None) -> tuple[str, dict] | None:
+    """``none`` -> None; a folder -> (folder_judge, {path}); else a judge name."""
+    if value.strip().lower() == "none":
+        return None
+    looks_like_path = os.sep in value or value.startswith((".", "~"))
+    if folder_judge is not None and os.path.isdir(value):
+        return folder_judge, {"path": os.path.abspath(value)}
+    if folder_judge is not None and looks_like_path:
+        raise JudgeError(
+            f"{flag} {value}: no such folder (give a {folder_judge} model folder, a judge name, "
+            "or none)"
+        )
+    if looks_like_path:
+        raise JudgeError(f"{flag} {value}: give a judge name or none, not a path")
+    return value, {}
+
+
+def _build(flag: str, kind: str, name: str, options: dict):
+    from torchtitan_speechlm.judges import build_judge
+
+    try:
+        judge = build_judge(name, **options)
+    except JudgeError as e:
+        raise JudgeError(f"{flag} {name}: {e}") from e
+    except ValueError as e:  # an unknown name: the registry lists the registered ones
+        raise JudgeError(f"{flag}: {e}") from e
+    if getattr(judge, "kind", None) != kind:
+        raise JudgeError(f"{flag} {name}: that is a {judge.kind or '?'} judge, not an {kind} one")
+    return judge
+
+
+def vocabulary_words(texts: list[str]) -> list[str]:
+    """The distinct words of ``texts`` after ``normalise_text``, sorted: the free word loop a
+    restricted recogniser gets for ``--judge-vocabulary eval``."""
+    from torchtitan_speechlm.judges import normalise_text
+
+    return sorted({w for t in texts for w in normalise_text(t).split()})
+
+
+def _asr_options(opts: JudgeOptions, name: str, texts: list[str]) -> dict:
+    if opts.grammar is not None and opts.vocabulary is not None:
+        raise JudgeError("give --judge-grammar or --judge-vocabulary, not both")
+    if name != "pocketsphinx":
+        if opts.grammar is not None or opts.vocabulary is not None:
+            raise JudgeError(
+                f"--judge-vocabulary / --judge-grammar are pocketsphinx options, not {name}'s"
+            )
+        return {}
+    if opts.grammar is not None:
+        if not os.path.isfile(opts.grammar):
+            raise JudgeError(f"--judge-grammar {opts.grammar}: no such file (a JSGF grammar)")
+        return {"grammar": os.path.abspath(opts.grammar)}
+    vocab = opts.vocabulary or "eval"
+    if vocab == "open":
+        return {}
+    if vocab == "eval":
+        return {"vocabulary": vocabulary_words(texts)}
+    if not os.path.isfile(vocab):
+        raise JudgeError(
+            f"--judge-vocabulary {vocab}: no such file (eval, open, or a file of words)"
+        )
+    with open(vocab, encoding="utf-8") as f:
+        words = vocabulary_words([f.read()])
+    if not words:
+        raise JudgeError(f"--judge-vocabulary {vocab}: the file has no words")
+    return {"vocabulary": words}
+
+
+def build_judges(opts: JudgeOptions, sets: dict[str, list[str]]) -> dict[str, Judges]:
+    """The judges of each TTS set (``{set: its texts}``), all built before anything is
+    generated so that a judge that cannot load fails the command at once. Speaker and quality
+    judges are shared; the ASR judge is one per set with ``--judge-vocabulary eval`` (each set's
+    own words), else shared. Raises ``JudgeError`` (one line: the flag, the fix)."""
+    if not sets:
+        return {}
+    speaker = _resolve("--judge-speaker", opts.speaker, "transformers-sv")
+    quality = _resolve("--judge-quality", opts.quality, None)
+    asr = _resolve("--judge-asr", opts.asr, "transformers-asr")
+    shared = Judges(
+        speaker=_build("--judge-speaker", "speaker", *speaker) if speaker else None,
+        quality=_build("--judge-quality", "quality", *quality) if quality else None,
+    )
+    per_set = asr is not None and asr[0] == "pocketsphinx" and opts.grammar is None
+    per_set = per_set and (opts.vocabulary or "eval") == "eval"
+    out, common = {}, None
+    for name, texts in sets.items():
+        judge = None
+        if asr is not None and (per_set or common is None):
+            options = {**asr[1], **_asr_options(opts, asr[0], texts)}
+            judge = _build("--judge-asr", "asr", asr[0], options)
+            common = common if per_set else judge
+        out[name] = Judges(judge if per_set else common, shared.speaker, shared.quality)
+    return out
+
+
+# ---- scoring ----------------------------------------------------------------------------------
+def _errors(ref: str, hyp: str | None) -> tuple[float, float]:
+    """(WER, CER) of one item; a failure (``hyp`` None) counts 1.0."""
+    from torchtitan_speechlm.judges import item_errors
+
+    if hyp is None:
+        return 1.0, 1.0
+    e = item_errors(ref, hyp)
+    return float(e["wer"]), float(e["cer"])
+
+
+def _corpus(refs: list[str], hyps: list[str | None]) -> dict:
+    """Edits pooled over all reference words; a failure is an empty hypothesis (all deleted)."""
+    from torchtitan_speechlm.judges import error_rates
+
+    rates = error_rates(refs, [h or "" for h in hyps])
+    return {"wer": float(rates["wer"]), "cer": float(rates["cer"])}
+
+
+def _mean(values) -> float | None:
+    kept = [v for v in values if v is not None]
+    return float(np.mean(kept)) if kept else None
+
+
+def _ask(failures: list[str], what: str, fn: Callable, *args):
+    """A judge's answer, or None with the reason appended to ``failures`` (a judge that cannot
+    take an audio is that item's recorded failure, not the end of the evaluation)."""
+    try:
+        return fn(*args)
+    except JudgeError as e:
+        failures.append(f"{what}: {e}")
+    except Exception as e:  # a judge's own library refusing an input (too short, ...)
+        failures.append(f"{what}: {type(e).__name__}: {e}")
+    return None
+
+
+def _safe_name(i: int, item_id: str) -> str:
+    return f"{i:04d}-" + (re.sub(r"[^A-Za-z0-9._-]+", "_", item_id)[:60] or "item")
+
+
+def _write_wav(root: str, rel: str, wav: np.ndarray, rate: int) -> str:
+    import soundfile as sf
+
+    path = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sf.write(path, np.asarray(wav, dtype=np.float32), rate)
+    return rel
+
+
+def score_asr(loaded: Loaded, items: list, cfg: DecodeConfig, batch: int = 8) -> dict:
+    """The model's transcripts of each item's reference codes, WER / CER after
+    ``normalise_text`` (per item, their mean, and pooled)."""
+    refs = [it.text for it in items]
+    hyps: list[str] = []
+    for s in range(0, len(items), batch):
+        hyps += tasks.asr(loaded, [it.audio_codes for it in items[s : s + batch]], cfg)
+    per_item = []
+    for it, hyp in zip(items, hyps, strict=True):
+        wer, cer = _errors(it.text, hyp)
+        per_item.append(
+            {
+                "id": it.id,
+                "text": it.text,
+                "transcript": hyp,
+                "wer": wer,
+                "cer": cer,
+                "failures": [],
+            }
+        )
+    corpus = _corpus(refs, hyps)
+    return {
+        "task": "asr",
+        "items": len(items),
+        "wer": _mean(r["wer"] for r in per_item),
+        "cer": _mean(r["cer"] for r in per_item),
+        "wer_corpus": corpus["wer"],
+        "cer_corpus": corpus["cer"],
+        "failures": [],
+        "per_item": per_item,
+    }
+
+
+def score_tts(
+    loaded: Loaded,
+    items: list,
+    cfg: DecodeConfig,
+    judges: Judges,
+    audio_root: str | None = None,
+    audio_dir: str = "",
+    batch: int = 8,
+) -> dict:
+    """Generate each item's speech from its text and score it with ``judges`` (see the module
+    docstring). With ``audio_root``, the generated and reference wavs are written under
+    ``audio_root/audio_dir`` and each item's ``audio`` gives their paths relative to
+    ``audio_root`` (the report's links)."""
+    from torchtitan_speechlm.inference.evaluate import token_accuracy
+
+    rate = int(loaded.codec.sample_rate)
+    per_item: list[dict] = []
+    for s in range(0, len(items), batch):
+        chunk = items[s : s + batch]
+        codes, ended = tasks.tts_with_ends(loaded, [it.text for it in chunk], cfg)
+        spoken = [i for i, c in enumerate(codes) if len(c)]
+        self_hyps = [""] * len(chunk)
+        for i, text in zip(spoken, tasks.asr(loaded, [codes[i] for i in spoken], cfg), strict=True):
+            self_hyps[i] = text
+        for k, it in enumerate(chunk):
+            rec, wavs = _score_item(loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges)
+            if audio_root is not None:
+                rec["audio"] = _save(audio_root, audio_dir, s + k, it, wavs, rate)
+            per_item.append(rec)
+    return summarise_tts(per_item, judges, token_accuracy(loaded, items))
+
+
+def _score_item(loaded, it, codes, ended: bool, self_hyp: str, judges: Judges):
+    """One item's record and its {generated, reference} waveforms (None where there is none)."""
+    rate, failures = int(loaded.codec.sample_rate), []
+    ref = loaded.codec.decode(it.audio_codes) if len(it.audio_codes) else None
+    gen = loaded.codec.decode(codes) if len(codes) else None
+    if gen is None:
+        failures.append("empty generation (0 frames)")
+    if ref is None:
+        failures.append("the reference has no audio codes")
+    rec = {
+        "id": it.id,
+        "text": it.text,
+        "ended": ended,
+        "frames": int(len(codes)),
+        "reference_frames": int(len(it.audio_codes)),
+        "seconds": len(gen) / rate if gen is not None else 0.0,
+        "reference_seconds": len(ref) / rate if ref is not None else 0.0,
+    }
+    rec["duration_ratio"] = (
+        rec["seconds"] / rec["reference_seconds"] if rec["reference_seconds"] > 0 else None
+    )
+    asr, spk, qual = judges.asr, judges.speaker, judges.quality
+    hyp = ref_hyp = sim = dnsmos = ref_dnsmos = None
+    if asr is not None:
+        if gen is not None:
+            hyp = _ask(failures, "asr judge", asr.transcribe, gen, rate)
+        if ref is not None:
+            ref_hyp = _ask(failures, "asr judge (reference)", asr.transcribe, ref, rate)
+        rec["wer"], rec["cer"] = _errors(it.text, hyp)
+        rec["reference_wer"], rec["reference_cer"] = _errors(it.text, ref_hyp)
+    else:
+        rec["wer"] = rec["cer"] = rec["reference_wer"] = rec["reference_cer"] = None
+    if spk is not None and gen is not None and ref is not None:
+        a = _ask(failures, "speaker judge", spk.embed, gen, rate)
+        b = (
+            _ask(failures, "speaker judge (reference)", spk.embed, ref, rate)
+            if a is not None
+            else None
+        )
+        sim = float(spk.similarity(a, b)) if a is not None and b is not None else None
+    if qual is not None:
+        if gen is not None:
+            dnsmos = _ask(failures, "quality judge", qual.score, gen, rate)
+        if ref is not None:
+            ref_dnsmos = _ask(failures, "quality judge (reference)", qual.score, ref, rate)
+    self_wer, self_cer = _errors(it.text, self_hyp if gen is not None else None)
+    rec.update(
+        transcript=hyp,
+        reference_transcript=ref_hyp,
+        self_transcript=self_hyp,
+        self_wer=self_wer,
+        self_cer=self_cer,
+        sim=sim,
+        dnsmos=_floats(dnsmos),
+        reference_dnsmos=_floats(ref_dnsmos),
+        failures=failures,
+    )
+    return rec, {"generated": gen, "reference": ref}
+
+
+def _floats(d: dict | None) -> dict | None:
+    return None if d is None else {k: float(v) for k, v in d.items()}
+
+
+def _save(root: str, sub: str, i: int, it, wavs: dict, rate: int) -> dict:
+    stem = os.path.join(sub, _safe_name(i, it.id))
+    return {
+        kind: (_write_wav(root, f"{stem}.{kind[:3]}.wav", wav, rate) if wav is not None else None)
+        for kind, wav in wavs.items()
+    }
+
+
+def _dnsmos_means(recs: list[dict], key: str) -> dict:
+    names = sorted({k for r in recs if r.get(key) for k in r[key]})
+    return {k: _mean(r[key].get(k) if r.get(key) else None for r in recs) for k in names}
+
+
+def summarise_tts(per_item: list[dict], judges: Judges, self_acc: dict) -> dict:
+    """A TTS set's numbers from its item records (a failed item counts WER/CER 1.0)."""
+    refs = [r["text"] for r in per_item]
+    judged = judges.asr is not None
+    corpus = _corpus(refs, [r["transcript"] for r in per_item]) if judged else {}
+    floor = _corpus(refs, [r["reference_transcript"] for r in per_item]) if judged else {}
+    self_corpus = _corpus(refs, [r["self_transcript"] if r["frames"] else None for r in per_item])
+    ratios = [r["duration_ratio"] for r in per_item if r["duration_ratio"] is not None]
+    gen_q, ref_q = _dnsmos_means(per_item, "dnsmos"), _dnsmos_means(per_item, "reference_dnsmos")
+    return {
+        "task": "tts",
+        "items": len(per_item),
+        "judges": judges.describe(),
+        "reference_audio": REFERENCE_AUDIO,
+        "wer": _mean(r["wer"] for r in per_item) if judged else None,
+        "cer": _mean(r["cer"] for r in per_item) if judged else None,
+        "wer_corpus": corpus.get("wer"),
+        "cer_corpus": corpus.get("cer"),
+        "sim": _mean(r["sim"] for r in per_item),
+        "dnsmos": gen_q.get("dnsmos_ovrl"),
+        "dnsmos_all": gen_q,
+        "reference_dnsmos": ref_q.get("dnsmos_ovrl"),
+        "reference_dnsmos_all": ref_q,
+        "duration_ratio": {
+            "median": float(np.median(ratios)) if ratios else None,
+            "mean": float(np.mean(ratios)) if ratios else None,
+        },
+        "eos_rate": _mean(float(r["ended"]) for r in per_item),
+        "floor": {
+            "wer": _mean(r["reference_wer"] for r in per_item) if judged else None,
+            "cer": _mean(r["reference_cer"] for r in per_item) if judged else None,
+            "wer_corpus": floor.get("wer"),
+            "cer_corpus": floor.get("cer"),
+        },
+        "self": {
+            "note": "the model's own ASR of its TTS and teacher-forced token accuracy: "
+            "not independent judges",
+            "asr_of_tts": {
+                "wer": _mean(r["self_wer"] for r in per_item),
+                "cer": _mean(r["self_cer"] for r in per_item),
+                "wer_corpus": self_corpus["wer"],
+                "cer_corpus": self_corpus["cer"],
+            },
+            **self_acc,
+        },
+        "failures": [{"id": r["id"], "failure": f} for r in per_item for f in r["failures"]],
+        "per_item": per_item,
+    }
+
+
+# ---- the table --------------------------------------------------------------------------------
+COLUMNS = (
+    ("set", "set"),
+    ("items", "items"),
+    ("WER", "ASR judge's WER of the generated speech (ASR sets: the model's transcripts)"),
+    ("CER", "ASR judge's CER of the generated speech (ASR sets: the model's transcripts)"),
+    ("SIM", "speaker judge: cosine(generated, reference)"),
+    ("DNSMOS", "quality judge: DNSMOS OVRL of the generated speech"),
+    ("dur ratio", "median generated / reference duration"),
+    ("EOS rate", "share of utterances the model ended itself before --max-frames"),
+    ("floor WER", "the ASR judge's WER on the reference audio (resynthesised)"),
+    ("self WER", "self (model's own ASR) of its TTS"),
+    ("tok acc", "self: teacher-forced codec-token accuracy"),
+    ("failures", "items with a recorded failure"),
+)
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def summary_rows(results: dict) -> list[dict[str, str]]:
+    """One row per set, the table's columns (``COLUMNS``) as formatted strings."""
+    rows = []
+    for spec, r in results.items():
+        tts = r.get("task") == "tts"
+        failed = len({f["id"] for f in r.get("failures", [])})
+        rows.append(
+            {
+                "set": spec,
+                "items": str(r["items"]),
+                "WER": _fmt(r["wer"]),
+                "CER": _fmt(r["cer"]),
+                "SIM": _fmt(r["sim"]) if tts else "-",
+                "DNSMOS": _fmt(r["dnsmos"]) if tts else "-",
+                "dur ratio": _fmt(r["duration_ratio"]["median"]) if tts else "-",
+                "EOS rate": _fmt(r["eos_rate"]) if tts else "-",
+                "floor WER": _fmt(r["floor"]["wer"]) if tts else "-",
+                "self WER": _fmt(r["self"]["asr_of_tts"]["wer"]) if tts else "-",
+                "tok acc": _fmt(r["self"]["token_accuracy"]) if tts else "-",
+                "failures": str(failed),
+            }
+        )
+    return rows
+
+
+def format_table(results: dict) -> str:
+    """The per-set table (Seed-TTS-eval's columns, then the model's own scores), with a line
+    naming the judges and what the floor and self columns are."""
+    rows = summary_rows(results)
+    names = [c for c, _ in COLUMNS]
+    width = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in names}
+    line = lambda r: "  ".join(  # noqa: E731
+        (r[c].ljust if c == "set" else r[c].rjust)(width[c]) for c in names
+    )
+    out = [line({c: c for c in names})] + [line(r) for r in rows]
+    for spec, r in results.items():
+        if r.get("task") == "tts":
+            j = r["judges"]
+            out.append(
+                f"{spec}: judges asr={j['asr']} speaker={j['speaker']} quality={j['quality']}; "
+                f"floor = the ASR judge on the reference ({r['reference_audio']}); "
+                "self = the model's own ASR / token accuracy"
+            )
+    return "\n".join(out)
