@@ -205,6 +205,33 @@ def test_the_default_judges_score_the_export(model, tmp_path, capsys):
         assert r["sim"] is not None or any("speaker judge" in f for f in r["failures"])
 
 
+def test_judge_flags_choose_the_judges(tmp_path):
+    """--judge-vocabulary eval (one loop per set, its own words), FILE (shared), open; a model
+    folder that is not one; pocketsphinx options on another judge."""
+    pytest.importorskip("pocketsphinx", reason="the eval extra (pocketsphinx) is not installed")
+    from torchtitan_speechlm.inference.judged import JudgeOptions, build_judges
+
+    sets = {"tts:a": ["The cat saw a dog."], "tts:b": ["A dog!"]}
+    off = {"speaker": "none", "quality": "none"}
+    per_set = build_judges(JudgeOptions(**off), sets)
+    assert per_set["tts:a"].asr is not per_set["tts:b"].asr
+    assert "5 words" in per_set["tts:a"].asr.describe()
+    assert "2 words" in per_set["tts:b"].asr.describe()
+    words = tmp_path / "words.txt"
+    words.write_text("cat dog\nbird\n")
+    shared = build_judges(JudgeOptions(vocabulary=str(words), **off), sets)
+    assert (
+        shared["tts:a"].asr is shared["tts:b"].asr and "3 words" in shared["tts:a"].asr.describe()
+    )
+    assert (
+        "open" in build_judges(JudgeOptions(vocabulary="open", **off), sets)["tts:a"].asr.describe()
+    )
+    with pytest.raises(JudgeError, match="config.json"):
+        build_judges(JudgeOptions(asr=str(tmp_path), **off), sets)  # a folder, not a model's
+    with pytest.raises(JudgeError, match="pocketsphinx options"):
+        build_judges(JudgeOptions(asr="test-asr", vocabulary="open", **off), sets)
+
+
 def test_bad_judge_is_one_line_before_generation(model, tmp_path, capsys, monkeypatch):
     from torchtitan_speechlm.inference import judged
 

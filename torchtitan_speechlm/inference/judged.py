@@ -90,8 +90,8 @@ def _build(flag: str, kind: str, name: str, options: dict):
 
     try:
         judge = build_judge(name, **options)
-    except JudgeError as e:
-        raise JudgeError(f"{flag} {name}: {e}") from e
+    except JudgeError as e:  # its message names the judge
+        raise JudgeError(f"{flag}: {e}") from e
     except ValueError as e:  # an unknown name: the registry lists the registered ones
         raise JudgeError(f"{flag}: {e}") from e
     if getattr(judge, "kind", None) != kind:
@@ -157,7 +157,11 @@ def build_judges(opts: JudgeOptions, sets: dict[str, list[str]]) -> dict[str, Ju
         judge = None
         if asr is not None and (per_set or common is None):
             options = {**asr[1], **_asr_options(opts, asr[0], texts)}
-            judge = _build("--judge-asr", "asr", asr[0], options)
+            try:
+                judge = _build("--judge-asr", "asr", asr[0], options)
+            except JudgeError as e:
+                hint = f" (--judge-vocabulary eval: the words of {name}; give a word file, open, "
+                raise JudgeError(f"{e}{hint}or --judge-grammar)" if per_set else str(e)) from e
             common = common if per_set else judge
         out[name] = Judges(judge if per_set else common, shared.speaker, shared.quality)
     return out
