@@ -154,7 +154,9 @@ def add_judge_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME_OR_DIR",
         help="speaker judge (SIM): a judge name, a transformers speaker-verification folder, or none",
     )
-    g.add_argument("--judge-quality", default="dnsmos", help="quality judge: dnsmos or none")
+    g.add_argument(
+        "--judge-quality", default="dnsmos", metavar="NAME", help="quality judge: dnsmos or none"
+    )
 
 
 def eval_main(argv: list[str] | None = None) -> int:
@@ -174,7 +176,7 @@ def eval_main(argv: list[str] | None = None) -> int:
         help="only the items training held out with this fraction (its id hash)",
     )
     p.add_argument("--limit", type=int, default=0, help="at most this many items per set")
-    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--out", metavar="FILE.json", help="write the results as JSON here")
     p.add_argument(
         "--report", metavar="DIR", help="write DIR/index.html with audio and spectrograms"
     )
