@@ -68,3 +68,19 @@ def split_sentences(n_train: int, n_held_out: int, seed: int = 0) -> tuple[list[
     if set(train) & set(held):
         raise AssertionError("a held-out sentence occurs in training")
     return train, held
+
+
+def jsgf() -> str:
+    """The grammar as JSGF, for a recogniser restricted to the language (not to the sentences):
+    PocketSphinx's ``--judge-grammar``. Any sentence of the grammar is accepted, held-out or not;
+    a word sequence outside it is not, so the judge is sharp on this corpus."""
+    rules, alts = [], []
+    for i, (fmt, slots) in enumerate(_templates()):
+        parts = fmt.split("{}")
+        body = parts[0]
+        for j, slot in enumerate(slots):
+            body += "(" + " | ".join(slot) + ")" + parts[j + 1]
+        rules.append(f"<t{i}> = {' '.join(body.split())};")
+        alts.append(f"<t{i}>")
+    head = ["#JSGF V1.0;", "grammar speechlm_demo;", f"public <sentence> = {' | '.join(alts)};"]
+    return "\n".join(head + rules) + "\n"

@@ -1,0 +1,129 @@
+"""A corpus a small model can learn to speak and hear from, made here: the grammar's sentences
+spoken by espeak-ng, a held-out set of sentences that never occur in training, the assets a user
+would bring (a text tokenizer, a random-init backbone), and the ``torchtitan prepare`` commands
+that turn it into training data with the offline k-means codec fitted on the training audio.
+
+Shared by ``make demo`` (a few minutes on a 2-core CPU) and ``benchmarks/bench_learning.py``
+(a larger corpus and model, learning curves): both run the real console commands, printed as a
+user would type them.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from torchtitan_speechlm.demo import grammar
+
+VOICE = "en-us"  # one voice: TTS has no speaker prompt, so the voice is part of the task
+OTHER_VOICE = "en-gb+f3"  # another speaker saying the same texts: SIM's comparison point
+SPEED = 175  # words per minute, espeak-ng's default
+
+
+@dataclass(frozen=True)
+class CorpusPlan:
+    train: int  # distinct training sentences (one utterance each)
+    held_out: int  # held-out sentences, never in training
+    tokenizer_vocab: int = 512
+    hidden: int = 256
+    layers: int = 6
+    heads: int = 4
+    family: str = "llama"
+    seed: int = 0
+
+
+def console(tool: str) -> str:
+    """The console script next to this interpreter (``.venv/bin/torchtitan``)."""
+    path = os.path.join(os.path.dirname(sys.executable), tool)
+    return path if os.path.exists(path) else tool
+
+
+def run_command(cmd: list[str], log: str | None = None) -> None:
+    """Print and run one command; its output goes to ``log`` (if given) or the terminal."""
+    shown = " ".join(shlex.quote(c) for c in [os.path.basename(cmd[0]), *cmd[1:]])
+    print(f"[demo] $ {shown}" + (f"  (log: {log})" if log else ""), flush=True)
+    if log:
+        with open(log, "w") as f:
+            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    else:
+        rc = subprocess.call(cmd)
+    if rc != 0:
+        tail = ""
+        if log:
+            with open(log) as f:
+                tail = "".join(f.readlines()[-15:])
+        raise RuntimeError(f"command failed (exit {rc}): {shown}\n{tail}")
+
+
+def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
+    """Make (or reuse) everything up to prepared data; returns the paths.
+
+    Layout: ``corpus/{train,heldout,heldout_other_voice}/manifest.jsonl`` (+ wavs),
+    ``tokenizer/``, ``backbone/``, ``vocabulary.txt`` (the grammar's words, for the
+    restricted recogniser judge), ``codec/`` (k-means, fitted on the training audio only) and
+    ``prepared/{train,heldout}``.
+    """
+    from transformers import AutoTokenizer
+
+    from torchtitan_speechlm.demo.assets import build_backbone, build_tokenizer, synthesize_corpus
+
+    os.makedirs(work, exist_ok=True)
+    p = {
+        k: os.path.join(work, k)
+        for k in ("tokenizer", "backbone", "codec", "corpus", "prepared", "vocabulary.txt")
+    }
+    train, held = grammar.split_sentences(plan.train, plan.held_out, plan.seed)
+    t0 = time.perf_counter()
+    manifests = {
+        "train": synthesize_corpus(
+            os.path.join(p["corpus"], "train"), train, len(train), [VOICE], speeds=(SPEED,)
+        ),
+        "heldout": synthesize_corpus(
+            os.path.join(p["corpus"], "heldout"), held, len(held), [VOICE], speeds=(SPEED,)
+        ),
+        "heldout_other_voice": synthesize_corpus(
+            os.path.join(p["corpus"], "heldout_other_voice"),
+            held,
+            len(held),
+            [OTHER_VOICE],
+            speeds=(SPEED,),
+        ),  # fmt: skip
+    }
+    print(
+        f"[demo] corpus: {len(train)} training + {len(held)} held-out sentences of the grammar "
+        f"(none shared), espeak-ng voice {VOICE} ({time.perf_counter() - t0:.0f}s)",
+        flush=True,
+    )
+    with open(p["vocabulary.txt"], "w") as f:
+        f.write("\n".join(grammar.vocabulary()) + "\n")
+    if not os.path.isfile(os.path.join(p["tokenizer"], "tokenizer.json")):
+        build_tokenizer(p["tokenizer"], train, vocab_size=plan.tokenizer_vocab)
+    if not os.path.isfile(os.path.join(p["backbone"], "config.json")):
+        vocab = len(AutoTokenizer.from_pretrained(p["tokenizer"], local_files_only=True))
+        build_backbone(
+            p["backbone"],
+            family=plan.family,
+            vocab_size=vocab,
+            hidden_size=plan.hidden,
+            num_layers=plan.layers,
+            num_heads=plan.heads,
+            num_kv_heads=plan.heads,
+            intermediate_size=3 * plan.hidden,
+            seed=plan.seed,
+        )
+    tool = console("torchtitan")
+    for name, fit in (("train", True), ("heldout", False)):
+        out = os.path.join(p["prepared"], name)
+        if os.path.isfile(os.path.join(out, "metadata.json")):
+            continue
+        codec = ["--fit-kmeans-codec", p["codec"]] if fit else ["--codec", p["codec"]]
+        run_command(
+            [tool, "prepare", "--manifest", manifests[name], *codec, "--tokenizer",
+             p["tokenizer"], "--out", out, "--workers", str(workers), "--no-progress"],
+        )  # fmt: skip
+    p["manifests"] = manifests
+    return p
