@@ -3,7 +3,9 @@ through `torchtitan train` is scored from its checkpoint and from its export wit
 numbers, transcripts and report; the report opens in a real headless Chromium without a console
 error, every audio player's duration equal to its wav's; a judge that cannot be built is a
 one-line error before anything is generated; an empty generation or audio a judge refuses is a
-recorded failure of that item. The judges here are small deterministic stand-ins registered
+recorded failure of that item; the original recordings of a JSONL manifest's items are found
+(relative and absolute paths) and judged beside the resynthesis, and an item whose wav is gone
+falls back to the resynthesis alone. The judges here are small deterministic stand-ins registered
 under test names (functions of the exact waveform, so equal numbers mean equal audio)."""
 
 from __future__ import annotations
@@ -90,7 +92,43 @@ def model(tmp_path_factory):
     step = str(dump / "checkpoint" / "step-2")
     exported = str(root / "exported")
     export(step, exported)
-    return {"step": step, "export": exported, "prepared": assets["prepared"], "root": root}
+    return {
+        "step": step,
+        "export": exported,
+        "prepared": assets["prepared"],
+        "root": root,
+        "assets": assets,
+    }
+
+
+def codec_rate(prepared) -> int:
+    with open(os.path.join(prepared, "metadata.json")) as f:
+        return int(json.load(f)["codec"]["sample_rate"])
+
+
+def check_recording_floor(tts: dict, rate: int) -> None:
+    """Each found item's recording transcript, WER / CER are the test ASR judge's on the file
+    itself (read at the codec's rate), and the set's recording floor their mean / pooled."""
+    from torchtitan_speechlm.audio import load_audio
+    from torchtitan_speechlm.judges import error_rates, item_errors
+
+    found = [r for r in tts["per_item"] if r["recording"] is not None]
+    assert tts["recordings_found"] == len(found) > 0
+    for r in found:
+        wav = load_audio(r["recording"], rate)
+        said = EnergyASR().transcribe(wav, rate)
+        assert r["recording_transcript"] == said
+        e = item_errors(r["text"], said)
+        assert r["recording_wer"] == pytest.approx(e["wer"])
+        assert r["recording_cer"] == pytest.approx(e["cer"])
+        assert r["recording_seconds"] == pytest.approx(len(wav) / rate)
+        assert -1 <= r["sim_recording"] <= 1
+    floor = tts["floor_recording"]
+    assert floor["wer"] == pytest.approx(np.mean([r["recording_wer"] for r in found]))
+    assert floor["cer"] == pytest.approx(np.mean([r["recording_cer"] for r in found]))
+    pooled = error_rates([r["text"] for r in found], [r["recording_transcript"] for r in found])
+    assert floor["wer_corpus"] == pytest.approx(pooled["wer"])
+    assert tts["sim_recording"] == pytest.approx(np.mean([r["sim_recording"] for r in found]))
 
 
 def run_eval(model: dict, kind: str, *extra: str) -> int:
@@ -118,7 +156,7 @@ def evaluated(model):
     return out
 
 
-def test_eval_of_the_export_equals_eval_of_its_checkpoint(evaluated):
+def test_eval_of_the_export_equals_eval_of_its_checkpoint(model, evaluated):
     a, b = evaluated["step"]["results"], evaluated["export"]["results"]
     assert a == b
     tts, asr = a["tts"], a["asr"]
@@ -128,7 +166,11 @@ def test_eval_of_the_export_equals_eval_of_its_checkpoint(evaluated):
         "speaker": "test-speaker",
         "quality": "test-quality",
     }
-    assert tts["reference_audio"] == "resynthesised"
+    assert tts["reference_audio"] == "recording+resynthesised" and tts["recordings_found"] == 3
+    wavs = os.path.join(str(model["root"] / "assets"), "wavs")
+    for r in tts["per_item"]:  # the fixture's manifest names its wavs by absolute paths
+        assert r["recording"] == os.path.join(wavs, f"{r['id']}.wav")
+    check_recording_floor(tts, codec_rate(model["prepared"]))
     for r in tts["per_item"]:
         assert (
             r["transcript"]
@@ -155,8 +197,11 @@ def test_report_files_exist_and_link_only_inside(evaluated):
     page = (report / "index.html").read_text()
     links = re.findall(r'(?:src|href)="([^"]*)"', page)
     local = [unquote(x) for x in links if not x.startswith("data:")]
-    assert len([x for x in local if x.endswith(".wav")]) == 6  # 3 items x (reference, generated)
-    assert len([x for x in local if x.endswith(".png")]) == 6
+    # 3 items x (reference, generated, original recording)
+    assert len([x for x in local if x.endswith(".wav")]) == 9
+    assert len([x for x in local if x.endswith(".png")]) == 9
+    assert len([x for x in local if x.endswith(".rec.wav")]) == 3
+    assert page.count("original recording</figcaption>") == 3
     for rel in local:
         assert not urlparse(rel).scheme and not rel.startswith("/"), rel
         assert (report / rel).is_file(), rel
@@ -174,7 +219,7 @@ def test_report_plays_in_headless_chromium(evaluated):
     page = browse(chromium, (report / "index.html").as_uri())
     assert page["errors"] == [], page["errors"]
     assert all(u.startswith(("file:", "data:")) for u in page["requests"]), page["requests"]
-    assert len(page["audio"]) == 6 and len(page["images"]) == 6
+    assert len(page["audio"]) == 9 and len(page["images"]) == 9
     for a in page["audio"]:
         path = unquote(urlparse(a["src"]).path)
         assert "error" not in a, a
@@ -294,9 +339,124 @@ def test_empty_generation_and_refused_audio_are_recorded_failures(model, monkeyp
     row = judged.summary_rows({"tts:tiny": res})[0]
     assert row["failures"] == "3" and row["DNSMOS"] == "-"  # every item: refused by quality
     json.dumps(res)  # the JSON --out writes
-    assert first["audio"] == {"generated": None, "reference": "tts/0000-u0.ref.wav"}
+    assert first["audio"] == {
+        "generated": None,
+        "reference": "tts/0000-u0.ref.wav",
+        "recording": None,
+    }  # no recordings given: the resynthesis alone
+    assert res["reference_audio"] == "resynthesised" and res["recordings_found"] == 0
+    assert res["floor_recording"]["wer"] is None and res["sim_recording"] is None
     page = open(write_report({"tts": res}, str(tmp_path))).read()
     assert "no audio" in page and "(no transcript)" in page and "empty generation" in page
+
+
+def _tone(path, seconds: float, hz: float) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    t = np.arange(int(16000 * seconds)) / 16000
+    sf.write(path, (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32), 16000)
+
+
+def test_recordings_of_a_manifest_and_a_wav_moved_away(model, tmp_path, capsys):
+    """A manifest with relative and absolute audio paths (and a blank and a text-only line
+    before them): each item's recording is its own wav; one wav moved away after preparing
+    makes that item fall back to the resynthesis, with no failure; the rest are judged on
+    their files and shown as a third player in the report."""
+    from torchtitan_speechlm.demo.assets import load_sentences
+    from torchtitan_speechlm.inference.command import eval_main
+    from torchtitan_speechlm.inference.recordings import find_recordings
+    from torchtitan_speechlm.prepare.pipeline import prepare_dataset
+
+    corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    texts = load_sentences()[:3]
+    wavs = [str(corpus / "wavs" / "r0.wav"), str(corpus / "wavs" / "r1.wav")]
+    wavs.append(str(elsewhere / "r2.wav"))
+    for i, w in enumerate(wavs):
+        _tone(w, 0.4 + 0.05 * i, 170 + 30 * i)
+    lines = [json.dumps({"id": "t0", "text": "only words here"}), ""]
+    lines += [json.dumps({"id": "r0", "audio": "wavs/r0.wav", "text": texts[0]})]
+    lines += [json.dumps({"id": "r1", "audio": "./wavs/../wavs/r1.wav", "text": texts[1]})]
+    lines += [json.dumps({"id": "r2", "audio": wavs[2], "text": texts[2]})]
+    (corpus / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+    prepared = str(tmp_path / "prepared")
+    assets = model["assets"]
+    prepare_dataset(
+        str(corpus / "manifest.jsonl"), assets["codec"], assets["tokenizer"], prepared,
+        progress=False,
+    )  # fmt: skip
+    ids = ["r0", "r1", "r2", "t0", "nosuch"]
+    want = dict(zip(ids, [*wavs, None, None], strict=True))
+    assert find_recordings(prepared, ids) == want
+
+    os.rename(wavs[1], tmp_path / "moved.wav")
+    assert find_recordings(prepared, ids) == {**want, "r1": None}
+    out, report = tmp_path / "rec.json", tmp_path / "report"
+    args = ["--model", model["export"], "--valid", f"tts:{prepared}", *JUDGE_FLAGS, *DECODE]
+    assert eval_main([*args, "--out", str(out), "--report", str(report)]) == 0
+    assert "rec floor" in (table := capsys.readouterr().out) and "2 of 3 found" in table
+    tts = json.loads(out.read_text())[f"tts:{prepared}"]
+    assert tts["reference_audio"] == "recording+resynthesised" and tts["recordings_found"] == 2
+    assert tts["failures"] == []  # a missing recording is no failure
+    items = {r["id"]: r for r in tts["per_item"]}
+    assert [items[i]["recording"] for i in ("r0", "r1", "r2")] == [wavs[0], None, wavs[2]]
+    gone = items["r1"]
+    assert gone["recording_transcript"] is None and gone["recording_wer"] is None
+    assert gone["sim_recording"] is None and gone["audio"]["recording"] is None
+    assert gone["reference_transcript"] is not None and gone["sim"] is not None
+    check_recording_floor(tts, codec_rate(prepared))
+    # the floor stays the resynthesis's, over every item
+    assert tts["floor"]["wer"] == pytest.approx(
+        np.mean([r["reference_wer"] for r in items.values()])
+    )
+    page = (report / "index.html").read_text()
+    assert page.count("original recording</figcaption>") == 2
+    for r in (items["r0"], items["r2"]):
+        rel = r["audio"]["recording"]
+        assert rel.endswith(".rec.wav") and f'src="{rel}"' in page
+        assert sf.info(str(report / rel)).duration == pytest.approx(
+            r["recording_seconds"], abs=1e-3
+        )
+        assert (report / (rel[: -len(".wav")] + ".png")).is_file()
+
+
+def test_only_readable_manifest_lines_name_recordings(tmp_path):
+    """Kaldi and HF sources, a line edited since (another id), past the end, a manifest gone,
+    a dialogue line: no recording. Another source type in metadata.json: none at all. The
+    manifest lines read are cached."""
+    from torchtitan_speechlm.inference.recordings import find_recordings
+
+    _tone(str(tmp_path / "a.wav"), 0.2, 200)
+    manifest, scp = tmp_path / "m.jsonl", tmp_path / "wav.scp"
+    manifest.write_text(
+        json.dumps({"id": "other", "audio": "a.wav", "text": "x"}) + "\n"
+        + json.dumps({"id": "ok", "audio": "a.wav", "text": "x"}) + "\n"
+        + json.dumps({"id": "d1", "turns": [{"role": "user", "audio": "a.wav"}]}) + "\n"
+    )  # fmt: skip
+    scp.write_text(f"k1 {tmp_path / 'a.wav'}\n")
+    sources = {
+        "k1": f"{scp}:1",
+        "h1": f"{tmp_path}/hf[train]:row 3",
+        "e1": f"{manifest}:1",
+        "ok": f"{manifest}:2",
+        "d1": f"{manifest}:3",
+        "g1": f"{manifest}:9",
+        "m1": f"{tmp_path}/gone.jsonl:1",
+    }
+    prepared = tmp_path / "prepared"
+    (prepared / "shards" / "00000").mkdir(parents=True)
+    rows = [{"id": k, "kind": "speech", "source": v} for k, v in sources.items()]
+    (prepared / "shards" / "00000" / "items.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows)
+    )
+    meta = {"source": {"type": "manifest"}, "shards": [{"name": "00000"}]}
+    (prepared / "metadata.json").write_text(json.dumps(meta))
+    cache: dict = {}
+    found = find_recordings(str(prepared), list(sources), cache)
+    assert found == {**dict.fromkeys(sources), "ok": str(tmp_path / "a.wav")}
+    manifest.unlink()  # lines already read come from the cache
+    assert find_recordings(str(prepared), ["ok"], cache) == {"ok": str(tmp_path / "a.wav")}
+    assert find_recordings(str(prepared), ["ok"]) == {"ok": None}
+    (prepared / "metadata.json").write_text(json.dumps({**meta, "source": {"type": "kaldi"}}))
+    assert find_recordings(str(prepared), ["ok"], cache) == {"ok": None}
 
 
 def test_decoder_says_which_rows_ended_themselves(tmp_path):

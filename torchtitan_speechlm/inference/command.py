@@ -193,19 +193,26 @@ def eval_main(argv: list[str] | None = None) -> int:
             task, _, name = spec.partition(":")
             if task not in ("asr", "tts"):
                 raise ValueError(f"--valid {spec!r}: the task is asr or tts")
-            sets.append((spec, task, eval_items(loaded, name, a.valid_fraction, a.limit)))
+            items = eval_items(loaded, name, a.valid_fraction, a.limit)
+            sets.append((spec, task, eval_dataset(loaded, name), items))
         options = judged.JudgeOptions(
             a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality
         )
         judges = judged.build_judges(
-            options, {s: [it.text for it in items] for s, t, items in sets if t == "tts"}
+            options, {s: [it.text for it in items] for s, t, _, items in sets if t == "tts"}
         )
-        for i, (spec, task, items) in enumerate(sets):
+        from torchtitan_speechlm.inference.recordings import find_recordings
+
+        manifests: dict = {}  # manifest lines read, shared by the sets
+        for i, (spec, task, path, items) in enumerate(sets):
             if task == "asr":
                 results[spec] = judged.score_asr(loaded, items, cfg)
             else:
                 folder = f"{i}-{_slug(spec)}"  # the set's wavs and spectrograms in --report
-                results[spec] = judged.score_tts(loaded, items, cfg, judges[spec], a.report, folder)
+                found = find_recordings(path, [it.id for it in items], manifests)
+                results[spec] = judged.score_tts(
+                    loaded, items, cfg, judges[spec], a.report, folder, recordings=found
+                )
         if a.report:
             from torchtitan_speechlm.inference.report import write_report
 
@@ -232,16 +239,23 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def eval_items(loaded, name: str, valid_fraction: float, limit: int) -> list:
-    from torchtitan_speechlm.data.loader import open_prepared, split_indices
-
+def eval_dataset(loaded, name: str) -> str:
+    """The prepared folder (absolute) of ``name``: a dataset of the run, or a folder."""
     path = loaded.record.get("datasets", {}).get(name, name)
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise ValueError(
             f"{name!r} is neither a dataset of the run "
             f"({sorted(loaded.record.get('datasets', {}))}) nor a prepared folder"
         )
-    ds = open_prepared(os.path.abspath(path))
+    return os.path.abspath(path)
+
+
+def eval_items(loaded, name: str, valid_fraction: float, limit: int) -> list:
+    """The speech items of ``name`` (``eval_dataset``) to evaluate: all, or those held out
+    with ``valid_fraction``; at most ``limit``."""
+    from torchtitan_speechlm.data.loader import open_prepared, split_indices
+
+    ds = open_prepared(eval_dataset(loaded, name))
     split = "valid" if valid_fraction > 0 else "all"
     idx = [int(i) for i in split_indices(ds.ids, valid_fraction, split) if ds.kinds[i] == "speech"]
     if not idx:

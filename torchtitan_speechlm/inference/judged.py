@@ -12,9 +12,13 @@ decoded by the data's codec and
 - its length against the reference's (duration ratio), and whether the model ended it itself
   before ``max_frames`` (end-of-speech rate).
 
-The prepared data holds codec codes, not recordings (items.jsonl's ``source`` names the input
-line, not an audio file), so the reference audio is the codec's resynthesis of the reference
-codes, labelled ``reference_audio: "resynthesised"``. The model's own ASR of its TTS and the
+The prepared data holds codec codes, not recordings, so the reference audio is the codec's
+resynthesis of the reference codes: ``floor`` and ``sim`` are against it (the fair floor for
+codec speech: the generated speech goes through the same decoder). Where the original
+recording is found (``inference/recordings.py``: a JSONL manifest line whose audio file still
+exists; ``score_tts(recordings=...)``), the item is also judged against it: ``floor_recording``
+and ``sim_recording`` (over the items that have one; ``recordings_found`` counts them), and
+``reference_audio`` says ``"recording+resynthesised"``. The model's own ASR of its TTS and the
 teacher-forced token accuracy are kept under ``self``. An empty generation or audio a judge
 cannot take is a recorded failure of that item (WER and CER 1.0, listed), never a crash.
 
@@ -37,6 +41,7 @@ from torchtitan_speechlm.inference.loading import Loaded
 from torchtitan_speechlm.judges.base import JudgeError
 
 REFERENCE_AUDIO = "resynthesised"  # the codec's decoding of the prepared reference codes
+WITH_RECORDING = "recording+resynthesised"  # also the original recordings, for some items
 JUDGE_KINDS = ("asr", "speaker", "quality")
 
 
@@ -257,11 +262,14 @@ def score_tts(
     audio_root: str | None = None,
     audio_dir: str = "",
     batch: int = 8,
+    recordings: dict[str, str | None] | None = None,
 ) -> dict:
     """Generate each item's speech from its text and score it with ``judges`` (see the module
-    docstring). With ``audio_root``, the generated and reference wavs are written under
-    ``audio_root/audio_dir`` and each item's ``audio`` gives their paths relative to
-    ``audio_root`` (the report's links)."""
+    docstring). ``recordings``: ``{item id: its original audio file or None}``
+    (``recordings.find_recordings``), read at the codec's rate with ``audio.load_audio``. With
+    ``audio_root``, the generated, reference and recording wavs are written under
+    ``audio_root/audio_dir`` (the recording re-encoded as it was judged) and each item's
+    ``audio`` gives their paths relative to ``audio_root`` (the report's links)."""
     from torchtitan_speechlm.inference.evaluate import token_accuracy
 
     rate = int(loaded.codec.sample_rate)
@@ -274,15 +282,35 @@ def score_tts(
         for i, text in zip(spoken, tasks.asr(loaded, [codes[i] for i in spoken], cfg), strict=True):
             self_hyps[i] = text
         for k, it in enumerate(chunk):
-            rec, wavs = _score_item(loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges)
+            recording = (recordings or {}).get(it.id)
+            rec, wavs = _score_item(
+                loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges, recording
+            )
             if audio_root is not None:
                 rec["audio"] = _save(audio_root, audio_dir, s + k, it, wavs, rate)
             per_item.append(rec)
     return summarise_tts(per_item, judges, token_accuracy(loaded, items))
 
 
-def _score_item(loaded, it, codes, ended: bool, self_hyp: str, judges: Judges):
-    """One item's record and its {generated, reference} waveforms (None where there is none)."""
+def _load_recording(path: str | None, rate: int, failures: list[str]) -> np.ndarray | None:
+    """The original recording at the codec's rate, or None (none found, or unreadable: then
+    the reason is in ``failures`` and the item is judged on the resynthesis alone)."""
+    from torchtitan_speechlm.audio import BadAudioError, load_audio
+
+    if path is None:
+        return None
+    try:
+        return load_audio(path, rate)
+    except BadAudioError as e:
+        failures.append(f"recording: {e}")
+    return None
+
+
+def _score_item(
+    loaded, it, codes, ended: bool, self_hyp: str, judges: Judges, recording: str | None = None
+):
+    """One item's record and its {generated, reference, recording} waveforms (None where there
+    is none); ``recording`` is the item's original audio file, if found."""
     rate, failures = int(loaded.codec.sample_rate), []
     ref = loaded.codec.decode(it.audio_codes) if len(it.audio_codes) else None
     gen = loaded.codec.decode(codes) if len(codes) else None
@@ -290,6 +318,7 @@ def _score_item(loaded, it, codes, ended: bool, self_hyp: str, judges: Judges):
         failures.append("empty generation (0 frames)")
     if ref is None:
         failures.append("the reference has no audio codes")
+    orig = _load_recording(recording, rate, failures)
     rec = {
         "id": it.id,
         "text": it.text,
@@ -298,29 +327,31 @@ def _score_item(loaded, it, codes, ended: bool, self_hyp: str, judges: Judges):
         "reference_frames": int(len(it.audio_codes)),
         "seconds": len(gen) / rate if gen is not None else 0.0,
         "reference_seconds": len(ref) / rate if ref is not None else 0.0,
+        "recording": recording if orig is not None else None,
+        "recording_seconds": len(orig) / rate if orig is not None else None,
     }
     rec["duration_ratio"] = (
         rec["seconds"] / rec["reference_seconds"] if rec["reference_seconds"] > 0 else None
     )
     asr, spk, qual = judges.asr, judges.speaker, judges.quality
-    hyp = ref_hyp = sim = dnsmos = ref_dnsmos = None
+    hyp = ref_hyp = orig_hyp = sim = sim_orig = dnsmos = ref_dnsmos = None
+    rec["recording_wer"] = rec["recording_cer"] = None
     if asr is not None:
         if gen is not None:
             hyp = _ask(failures, "asr judge", asr.transcribe, gen, rate)
         if ref is not None:
             ref_hyp = _ask(failures, "asr judge (reference)", asr.transcribe, ref, rate)
+        if orig is not None:
+            orig_hyp = _ask(failures, "asr judge (recording)", asr.transcribe, orig, rate)
+            rec["recording_wer"], rec["recording_cer"] = _errors(it.text, orig_hyp)
         rec["wer"], rec["cer"] = _errors(it.text, hyp)
         rec["reference_wer"], rec["reference_cer"] = _errors(it.text, ref_hyp)
     else:
         rec["wer"] = rec["cer"] = rec["reference_wer"] = rec["reference_cer"] = None
-    if spk is not None and gen is not None and ref is not None:
+    if spk is not None and gen is not None and (ref is not None or orig is not None):
         a = _ask(failures, "speaker judge", spk.embed, gen, rate)
-        b = (
-            _ask(failures, "speaker judge (reference)", spk.embed, ref, rate)
-            if a is not None
-            else None
-        )
-        sim = float(spk.similarity(a, b)) if a is not None and b is not None else None
+        sim = _similarity(failures, spk, a, ref, rate, "reference")
+        sim_orig = _similarity(failures, spk, a, orig, rate, "recording")
     if qual is not None:
         if gen is not None:
             dnsmos = _ask(failures, "quality judge", qual.score, gen, rate)
@@ -330,15 +361,25 @@ def _score_item(loaded, it, codes, ended: bool, self_hyp: str, judges: Judges):
     rec.update(
         transcript=hyp,
         reference_transcript=ref_hyp,
+        recording_transcript=orig_hyp,
         self_transcript=self_hyp,
         self_wer=self_wer,
         self_cer=self_cer,
         sim=sim,
+        sim_recording=sim_orig,
         dnsmos=_floats(dnsmos),
         reference_dnsmos=_floats(ref_dnsmos),
         failures=failures,
     )
-    return rec, {"generated": gen, "reference": ref}
+    return rec, {"generated": gen, "reference": ref, "recording": orig}
+
+
+def _similarity(failures: list[str], spk, gen_embedding, wav, rate: int, what: str):
+    """cosine(generated, ``wav``) by the speaker judge; None without either."""
+    if gen_embedding is None or wav is None:
+        return None
+    b = _ask(failures, f"speaker judge ({what})", spk.embed, wav, rate)
+    return float(spk.similarity(gen_embedding, b)) if b is not None else None
 
 
 def _floats(d: dict | None) -> dict | None:
@@ -367,16 +408,24 @@ def summarise_tts(per_item: list[dict], judges: Judges, self_acc: dict) -> dict:
     self_corpus = _corpus(refs, [r["self_transcript"] if r["frames"] else None for r in per_item])
     ratios = [r["duration_ratio"] for r in per_item if r["duration_ratio"] is not None]
     gen_q, ref_q = _dnsmos_means(per_item, "dnsmos"), _dnsmos_means(per_item, "reference_dnsmos")
+    found = [r for r in per_item if r.get("recording")]
+    by_rec = (
+        _corpus([r["text"] for r in found], [r["recording_transcript"] for r in found])
+        if judged and found
+        else {}
+    )
     return {
         "task": "tts",
         "items": len(per_item),
         "judges": judges.describe(),
-        "reference_audio": REFERENCE_AUDIO,
+        "reference_audio": WITH_RECORDING if found else REFERENCE_AUDIO,
+        "recordings_found": len(found),
         "wer": _mean(r["wer"] for r in per_item) if judged else None,
         "cer": _mean(r["cer"] for r in per_item) if judged else None,
         "wer_corpus": corpus.get("wer"),
         "cer_corpus": corpus.get("cer"),
         "sim": _mean(r["sim"] for r in per_item),
+        "sim_recording": _mean(r.get("sim_recording") for r in found),
         "dnsmos": gen_q.get("dnsmos_ovrl"),
         "dnsmos_all": gen_q,
         "reference_dnsmos": ref_q.get("dnsmos_ovrl"),
@@ -391,6 +440,12 @@ def summarise_tts(per_item: list[dict], judges: Judges, self_acc: dict) -> dict:
             "cer": _mean(r["reference_cer"] for r in per_item) if judged else None,
             "wer_corpus": floor.get("wer"),
             "cer_corpus": floor.get("cer"),
+        },
+        "floor_recording": {  # the judge on the original recordings, over the items found
+            "wer": _mean(r["recording_wer"] for r in found) if judged else None,
+            "cer": _mean(r["recording_cer"] for r in found) if judged else None,
+            "wer_corpus": by_rec.get("wer"),
+            "cer_corpus": by_rec.get("cer"),
         },
         "self": {
             "note": "the model's own ASR of its TTS and teacher-forced token accuracy: "
@@ -419,6 +474,7 @@ COLUMNS = (
     ("dur ratio", "median generated / reference duration"),
     ("EOS rate", "share of utterances the model ended itself before --max-frames"),
     ("floor WER", "the ASR judge's WER on the reference audio (resynthesised)"),
+    ("rec floor", "the ASR judge's WER on the original recordings (the items that have one)"),
     ("self WER", "self (model's own ASR) of its TTS"),
     ("tok acc", "self: teacher-forced codec-token accuracy"),
     ("failures", "items with a recorded failure"),
@@ -446,6 +502,7 @@ def summary_rows(results: dict) -> list[dict[str, str]]:
                 "dur ratio": _fmt(r["duration_ratio"]["median"]) if tts else "-",
                 "EOS rate": _fmt(r["eos_rate"]) if tts else "-",
                 "floor WER": _fmt(r["floor"]["wer"]) if tts else "-",
+                "rec floor": _fmt((r.get("floor_recording") or {}).get("wer")) if tts else "-",
                 "self WER": _fmt(r["self"]["asr_of_tts"]["wer"]) if tts else "-",
                 "tok acc": _fmt(r["self"]["token_accuracy"]) if tts else "-",
                 "failures": str(failed),
@@ -467,9 +524,11 @@ def format_table(results: dict) -> str:
     for spec, r in results.items():
         if r.get("task") == "tts":
             j = r["judges"]
+            found = r.get("recordings_found", 0)
             out.append(
                 f"{spec}: judges asr={j['asr']} speaker={j['speaker']} quality={j['quality']}; "
-                f"floor = the ASR judge on the reference ({r['reference_audio']}); "
+                "floor = the ASR judge on the reference (resynthesised), rec floor = on the "
+                f"original recordings ({found} of {r['items']} found); "
                 "self = the model's own ASR / token accuracy"
             )
     return "\n".join(out)

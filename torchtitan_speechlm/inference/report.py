@@ -1,14 +1,14 @@
 """``torchtitan eval --report DIR``: one self-contained HTML page to *listen to* an evaluation.
 
 Numbers alone hide what went wrong (a WER of 0.4 may be one dropped word per utterance or
-gibberish half the time), so the page puts, per TTS item, the reference and generated audio
-side by side (players and spectrograms), the reference text and each transcript with its errors
-marked (substitutions, insertions, deletions from ``judges.item_errors``), SIM and DNSMOS; per
+gibberish half the time), so the page puts, per TTS item, the reference (resynthesised) and
+generated audio side by side (players and spectrograms), and the original recording as a third
+where it was found, the reference text and each transcript with its errors marked (substitutions, insertions, deletions from ``judges.item_errors``), SIM and DNSMOS; per
 ASR item, the reference and the model's transcript marked the same way. The summary table
 (``judged.summary_rows``) is on top.
 
 Everything the page uses lies in DIR beside ``index.html`` (wavs written by ``judged.score_tts``,
-spectrogram PNGs written here, ``results.json``) and is linked relatively: no external URL, no
+the recordings re-encoded there as they were judged, spectrogram PNGs written here, ``results.json``) and is linked relatively: no external URL, no
 script, so the folder can be copied or archived and opened anywhere.
 """
 
@@ -130,24 +130,41 @@ def _tts_item(root: str, r: dict) -> str:
     audio = r.get("audio") or {}
     q = (r.get("dnsmos") or {}).get("dnsmos_ovrl")
     rq = (r.get("reference_dnsmos") or {}).get("dnsmos_ovrl")
+    recorded = audio.get("recording") is not None
+    by_rec = (
+        f" · SIM to recording {_fmt(r.get('sim_recording'))} · "
+        f"recording {r.get('recording_seconds') or 0.0:.2f} s · "
+        f"recording floor WER {_fmt(r.get('recording_wer'))}"
+        if recorded
+        else ""
+    )
     meta = (
         f"SIM {_fmt(r['sim'])} · DNSMOS {_fmt(q)} (reference {_fmt(rq)}) · "
         f"{r['seconds']:.2f} s / reference {r['reference_seconds']:.2f} s · "
         f"{'ended by the model' if r['ended'] else 'cut at --max-frames'} · "
         f"WER {_fmt(r['wer'])} · floor WER {_fmt(r['reference_wer'])} · self WER {_fmt(r['self_wer'])}"
+        + by_rec
     )
     fails = "".join(f'<li class="fail">{escape(f)}</li>' for f in r["failures"])
-    text, longest = r["text"], max(r["seconds"], r["reference_seconds"])
+    text = r["text"]
+    longest = max(r["seconds"], r["reference_seconds"], r.get("recording_seconds") or 0.0)
     return (
         f'<div class="item"><h3>{escape(r["id"])}</h3><p class="meta">{escape(meta)}</p>'
         + (f"<ul>{fails}</ul>" if fails else "")
         + '<div class="pair">'
         + _side(root, "reference (resynthesised)", audio.get("reference"), longest)
         + _side(root, "generated", audio.get("generated"), longest)
+        + (_side(root, "original recording", audio["recording"], longest) if recorded else "")
         + "</div><dl>"
         + f"<dt>reference text</dt><dd>{escape(text)}</dd>"
         + f"<dt>ASR judge, generated</dt><dd>{marked(text, r['transcript'])}</dd>"
         + f"<dt>ASR judge, reference (floor)</dt><dd>{marked(text, r['reference_transcript'])}</dd>"
+        + (
+            "<dt>ASR judge, original recording (recording floor)</dt>"
+            f"<dd>{marked(text, r.get('recording_transcript'))}</dd>"
+            if recorded
+            else ""
+        )
         + "<dt>self (model's own ASR), generated</dt>"
         + f"<dd>{marked(text, r['self_transcript'] if r['frames'] else None)}</dd>"
         + "</dl></div>"
@@ -189,7 +206,9 @@ def write_report(results: dict, root: str, title: str = "torchtitan eval") -> st
             j = r["judges"]
             parts.append(
                 f'<p class="meta">judges: asr {escape(str(j["asr"]))}, speaker '
-                f"{escape(str(j['speaker']))}, quality {escape(str(j['quality']))}</p>"
+                f"{escape(str(j['speaker']))}, quality {escape(str(j['quality']))}; "
+                f"original recordings found for {r.get('recordings_found', 0)} of {r['items']} "
+                "items</p>"
             )
             parts += [_tts_item(root, x) for x in r["per_item"]]
         else:
