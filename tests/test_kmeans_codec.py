@@ -109,3 +109,35 @@ def test_prepare_fits_kmeans_codec_then_reuses_it(speech, tmp_path, capsys):
     assert "give exactly one source" in capsys.readouterr().err
     assert main(args + ["--codec", str(km)]) == 1
     assert "exactly one of --codec DIR or --fit-kmeans-codec DIR" in capsys.readouterr().err
+
+
+def test_a_lower_frame_rate_gives_fewer_frames_and_still_round_trips(speech, tmp_path):
+    """``frame_rate=25``: a 640-sample hop (half the frames of 50/s), an FFT twice the hop,
+    and a round trip that stays far closer to the input than another utterance is."""
+    out = fit_kmeans_codec(
+        speech["wavs"][:30], str(tmp_path / "km25"), num_codebooks=4, codebook_size=64,
+        frame_rate=25,
+    )  # fmt: skip
+    codec = load_codec(out)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert (codec.frame_rate, cfg["hop_length"], cfg["n_fft"]) == (25.0, 640, 1280)
+    w, other = speech["wavs"][30], speech["wavs"][31]
+    codes = codec.encode([w])[0]
+    assert codes.shape == (int(np.ceil(len(w) / 640)), 4)
+    back = codec.decode(codes)[: len(w)]
+    n = min(len(w), len(other))
+    assert log_mel_distance(w, back) < 0.5 * log_mel_distance(w[:n], other[:n])
+    with pytest.raises(ValueError, match="frame rate 30"):
+        fit_kmeans_codec(speech["wavs"][:30], str(tmp_path / "bad"), frame_rate=30)
+
+
+def test_prepare_refits_nothing_but_refuses_another_frame_rate(speech, tmp_path):
+    """`--kmeans-frame-rate` reaches the fit, and a codec folder fitted at another rate is
+    not silently reused."""
+    out, codec = str(tmp_path / "p"), str(tmp_path / "codec")
+    tok = demo_assets.build_tokenizer(str(tmp_path / "tok"), demo_assets.load_sentences())
+    args = ["--manifest", speech["manifest"], "--fit-kmeans-codec", codec, "--tokenizer", tok,
+            "--codebook-size", "64", "--no-progress"]  # fmt: skip
+    assert main([*args, "--out", out, "--kmeans-frame-rate", "25"]) == 0
+    assert load_codec(codec).frame_rate == 25.0
+    assert main([*args, "--out", out + "2"]) == 1  # 50/s asked, a 25/s codec there

@@ -124,15 +124,26 @@ def fit_kmeans_codec(
     iters: int = 20,
     max_frames: int = 60000,
     sample_rate: int = 16000,
+    frame_rate: float = 50.0,
 ) -> str:
     """Fit on mono waveforms at ``sample_rate`` and save the codec to ``out_dir``; return it.
 
     At most ``max_frames`` frames (20 minutes at 50 frames/s) are used, drawn with ``seed``.
+    ``frame_rate`` sets the hop (``sample_rate / frame_rate`` samples, an integer); the FFT is
+    at least twice the hop so that Griffin-Lim's frames still overlap. A lower rate means
+    shorter sequences for the LM (25 frames/s halves them) at some cost in detail.
     """
     from safetensors.torch import save_file
 
+    hop = sample_rate / frame_rate
+    if frame_rate <= 0 or hop != int(hop) or hop < 64:
+        raise ValueError(
+            f"k-means codec: frame rate {frame_rate} does not divide the sample rate "
+            f"{sample_rate} into a whole hop of >= 64 samples (try 50 or 25)"
+        )
     cfg = KMeansConfig(sample_rate=sample_rate, num_codebooks=num_codebooks,
-                       codebook_size=codebook_size, seed=seed)  # fmt: skip
+                       codebook_size=codebook_size, seed=seed, hop_length=int(hop),
+                       n_fft=max(KMeansConfig.n_fft, 2 * int(hop)))  # fmt: skip
     feat = LogMel(cfg)
     with torch.inference_mode():
         x = torch.cat([feat(w) for w in wavs if len(w)])

@@ -83,6 +83,7 @@ def prepare_dataset(
     codebooks: int = 4,
     codebook_size: int = 256,
     kmeans_seconds: float = 600.0,
+    kmeans_frame_rate: float = 50.0,
     seed: int = 0,
     allow_lossy_tokenizer: bool = False,
     source: tuple[str, str] | None = None,
@@ -132,7 +133,8 @@ def prepare_dataset(
     roundtrip = check_inputs(tok, items, os.path.abspath(tokenizer_path), allow_lossy_tokenizer)
     if fit_kmeans_codec is not None:
         codec_path = fit_or_reuse_kmeans(fit_kmeans_codec, items, codebooks, codebook_size,
-                                         kmeans_seconds, seed, overwrite, progress, hf_reader)  # fmt: skip
+                                         kmeans_seconds, seed, overwrite, progress, hf_reader,
+                                         kmeans_frame_rate)  # fmt: skip
     from torchtitan_speechlm.codecs import load_codec
 
     codec = load_codec(codec_path, device if workers == 1 else "cpu", num_streams)
@@ -200,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="k-means codec: seconds of audio to fit on (600)",
     )
+    p.add_argument(
+        "--kmeans-frame-rate",
+        type=float,
+        default=50.0,
+        help="k-means codec: frames per second (50; 25 halves the LM's sequences)",
+    )
     p.add_argument("--seed", type=int, default=0, help="k-means codec: seed (0)")
     p.add_argument("--num-streams", type=int, help="keep only the first K codebooks")
     p.add_argument("--tokenizer", required=True, help="local text tokenizer directory")
@@ -263,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             shard_size=args.shard_size, num_streams=args.num_streams, strict=args.strict,
             allow_audio_only=args.allow_audio_only, fit_kmeans_codec=args.fit_kmeans_codec,
             codebooks=args.codebooks, codebook_size=args.codebook_size,
-            kmeans_seconds=args.kmeans_seconds, seed=args.seed,
+            kmeans_seconds=args.kmeans_seconds, kmeans_frame_rate=args.kmeans_frame_rate,
+            seed=args.seed,
             allow_lossy_tokenizer=args.allow_lossy_tokenizer,
         )  # fmt: skip
     except (OSError, ValueError, CodecError, BadAudioError, CorruptDatasetError,

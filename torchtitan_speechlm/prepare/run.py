@@ -111,7 +111,7 @@ def _audio_refs(items) -> list:
 
 def fit_or_reuse_kmeans(out: str, items, codebooks: int, codebook_size: int,
                         seconds: float, seed: int, overwrite: bool, progress: bool,
-                        hf_reader=None) -> str:  # fmt: skip
+                        hf_reader=None, frame_rate: float = 50.0) -> str:  # fmt: skip
     """Return a k-means codec folder: ``out`` as is if it already holds one fitted with these
     settings (so reruns are cheap and stable), else fit one on up to ``seconds`` of randomly
     chosen (``seed``) input audio."""
@@ -125,7 +125,8 @@ def fit_or_reuse_kmeans(out: str, items, codebooks: int, codebook_size: int,
         with open(cfg_file) as f:
             have = json.load(f)
         want = {"model_type": MODEL_TYPE, "num_codebooks": codebooks,
-                "codebook_size": codebook_size, "seed": seed}  # fmt: skip
+                "codebook_size": codebook_size, "seed": seed,
+                "hop_length": int(KMeansConfig.sample_rate / frame_rate)}  # fmt: skip
         if all(have.get(k) == v for k, v in want.items()):
             return out
         if not overwrite:
@@ -149,7 +150,8 @@ def fit_or_reuse_kmeans(out: str, items, codebooks: int, codebook_size: int,
             break
     if not wavs:
         raise CodecError("cannot fit a k-means codec: no readable audio in the input")
-    fit_kmeans_codec(wavs, out, codebooks, codebook_size, seed, sample_rate=sr)
+    fit_kmeans_codec(wavs, out, codebooks, codebook_size, seed, sample_rate=sr,
+                     frame_rate=frame_rate)  # fmt: skip
     if progress:
         print(f"prepare: fitted k-means codec {out} on {total:.0f}s of audio "
               f"({time.monotonic() - t0:.1f}s)", file=sys.stderr, flush=True)  # fmt: skip
