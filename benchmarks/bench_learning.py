@@ -31,7 +31,14 @@ import time
 
 import numpy as np
 
-from torchtitan_speechlm.demo.speaking import CorpusPlan, build_corpus, console, run_command
+from torchtitan_speechlm.demo.speaking import (
+    OTHER_VOICE,
+    VOICE,
+    CorpusPlan,
+    build_corpus,
+    console,
+    run_command,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -56,7 +63,7 @@ z_loss_weight = 1e-4
 
 [speechlm_data]
 datasets = ["train={train}", "heldout={heldout}"]
-train = ["tts:train:0.5", "asr:train:0.5"]
+train = ["tts:train:0.6", "asr:train:0.4"]
 valid = ["tts:heldout", "asr:heldout"]
 cfg_dropout = {cfg_dropout}
 seed = 0
@@ -111,7 +118,7 @@ SWEEP = [
 def evaluate(ckpt: str, paths: dict, out: str, items: int, extra: list[str]) -> dict:
     run_command(
         [console("torchtitan"), "eval", "--model", ckpt, "--valid", "asr:heldout", "--valid",
-         "tts:heldout", "--limit", str(items), "--judge-vocabulary", paths["vocabulary.txt"],
+         "tts:heldout", "--limit", str(items), "--judge-grammar", paths["grammar.jsgf"],
          "--out", out, *extra],
         log=out.replace(".json", ".log"),
     )  # fmt: skip
@@ -119,19 +126,29 @@ def evaluate(ckpt: str, paths: dict, out: str, items: int, extra: list[str]) -> 
         return json.load(f)
 
 
-def other_voice_sim(paths: dict, items: int) -> float:
-    """Mean SIM(another espeak voice saying the held-out text, the reference voice)."""
+def other_voice_sim(paths: dict, items: int) -> dict:
+    """Mean SIM(another espeak voice saying the held-out text, the reference voice): on the
+    recordings, and with both through the codec (as eval's ``sim`` compares generated speech
+    with the codec's resynthesis of the reference)."""
     import soundfile as sf
 
+    from torchtitan_speechlm.codecs import load_codec
     from torchtitan_speechlm.judges import build_judge
 
-    judge = build_judge("resemblyzer")
-    sims = []
-    for name in sorted(os.listdir(os.path.join(paths["corpus"], "heldout", "wavs")))[:items]:
-        ref, rate = sf.read(os.path.join(paths["corpus"], "heldout", "wavs", name))
-        other, rate2 = sf.read(os.path.join(paths["corpus"], "heldout_other_voice", "wavs", name))
-        sims.append(judge.similarity(judge.embed(ref, rate), judge.embed(other, rate2)))
-    return float(np.mean(sims))
+    judge, codec = build_judge("resemblyzer"), load_codec(paths["codec"])
+    raw, coded = [], []
+    folder = os.path.join(paths["corpus"], "heldout", "wavs")
+    for name in sorted(os.listdir(folder))[:items]:
+        ref, rate = sf.read(os.path.join(folder, name), dtype="float32")
+        other, _ = sf.read(
+            os.path.join(paths["corpus"], "heldout_other_voice", "wavs", name), dtype="float32"
+        )
+        raw.append(judge.similarity(judge.embed(ref, rate), judge.embed(other, rate)))
+        ref_c, other_c = (codec.decode(codec.encode([w])[0]) for w in (ref, other))
+        coded.append(
+            judge.similarity(judge.embed(ref_c, codec.sample_rate), judge.embed(other_c, rate))
+        )
+    return {"recordings": float(np.mean(raw)), "resynthesised": float(np.mean(coded))}
 
 
 def val_losses(dump: str) -> dict[int, dict]:
@@ -152,14 +169,17 @@ def summarise(scores: dict) -> dict:
         "tts_wer": tts["wer"],
         "tts_cer": tts["cer"],
         "floor_wer": tts["floor"]["wer"],
+        "floor_recording_wer": (tts.get("floor_recording") or {}).get("wer"),
         "sim": tts.get("sim"),
-        "duration_ratio_median": tts.get("duration_ratio_median"),
-        "eos_rate": tts.get("eos_rate"),
+        "sim_recording": tts.get("sim_recording"),
+        "duration_ratio_median": tts["duration_ratio"]["median"],
+        "eos_rate": tts["eos_rate"],
         "dnsmos": tts.get("dnsmos"),
+        "reference_dnsmos": tts.get("reference_dnsmos"),
     }
 
 
-def plot(curve: list[dict], sim_other: float, png: str) -> None:
+def plot(curve: list[dict], sim_other: dict, png: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,7 +197,9 @@ def plot(curve: list[dict], sim_other: float, png: str) -> None:
     ax[1].set_ylim(0, 1.05)
     ax[1].set_title("word error rate, held-out sentences")
     ax[2].plot(steps, [c["sim"] for c in curve], marker="o", label="SIM(generated, reference)")
-    ax[2].axhline(sim_other, ls="--", color="gray", label="SIM(other voice, reference)")
+    ax[2].axhline(
+        sim_other["resynthesised"], ls="--", color="gray", label="SIM(other voice, reference)"
+    )
     ax[2].set_title("speaker similarity (Resemblyzer)")
     for a in ax:
         a.set_xlabel("step")
@@ -191,12 +213,12 @@ def plot(curve: list[dict], sim_other: float, png: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", default=os.path.join(HERE, "work", "learning"))
-    p.add_argument("--train-sentences", type=int, default=4000)
+    p.add_argument("--train-sentences", type=int, default=3000)
     p.add_argument("--held-out", type=int, default=100)
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--eval-every", type=int, default=300)
-    p.add_argument("--eval-items", type=int, default=60, help="held-out items per evaluation")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--eval-items", type=int, default=50, help="held-out items per evaluation")
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--cfg-dropout", type=float, default=0.1)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)
@@ -249,8 +271,8 @@ def main() -> int:
             "train_sentences": a.train_sentences,
             "held_out_sentences": a.held_out,
             "shared_sentences": 0,
-            "voice": "en-us",
-            "other_voice": "en-gb+f3",
+            "voice": VOICE,
+            "other_voice": OTHER_VOICE,
         },  # fmt: skip
         "model": {"family": "llama", "hidden": a.hidden, "layers": a.layers},
         "train": {"steps": a.steps, "lr": a.lr, "cfg_dropout": a.cfg_dropout},

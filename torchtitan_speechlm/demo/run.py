@@ -1,63 +1,37 @@
-"""`make demo`: synthesise a speech corpus, prepare it, train a tiny SpeechLM, plot its loss.
+"""`make demo`: a tiny SpeechLM that learns to speak and hear, on a 2-core CPU, in minutes.
 
-Every asset is made here from scratch (nothing downloaded): a BPE tokenizer trained on the bundled
-sentences, a tiny random-init (calibrated) codec, a tiny random-init Qwen3 backbone, and 240
-espeak-ng utterances. Each step is skipped when its output already exists.
+Everything is made here (nothing downloaded): sentences of a small grammar spoken by espeak-ng
+(``demo/speaking.py``; held-out sentences never occur in training), a byte-level BPE tokenizer,
+the offline k-means codec fitted on the training audio by ``torchtitan prepare``, and a
+random-init Llama backbone. It then runs the user's own commands: ``torchtitan prepare``,
+``torchtitan train`` (samples every validation, so TensorBoard's audio panel shows speech
+emerging), and ``torchtitan eval`` with independent judges (a recogniser restricted to the
+grammar's words, a speaker encoder, DNSMOS) on the held-out sentences. It prints the held-out
+ASR WER and the TTS intelligibility WER, and writes the wavs, one PNG with the reference and the
+generated spectrogram of the same held-out sentence, and an HTML page to listen to.
+Each step is skipped when its output already exists.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
-import subprocess
 import sys
 import time
 
 DEFAULT_CONFIG = "train_configs/speechlm_debug.toml"
+DEMO_TRAIN, DEMO_HELD_OUT = 2000, 40
 
 
-def build_demo_data(work_dir: str, n_utterances: int = 240, backbone_family: str = "qwen3") -> dict:
-    from transformers import AutoTokenizer
+def build_demo_data(
+    work_dir: str, n_train: int = DEMO_TRAIN, n_held_out: int = DEMO_HELD_OUT, workers: int = 2
+) -> dict:
+    """The demo's corpus, assets and prepared data (``demo/speaking.py``); returns the paths."""
+    from torchtitan_speechlm.demo.speaking import CorpusPlan, build_corpus
 
-    from torchtitan_speechlm.demo.assets import (
-        build_backbone,
-        build_codec,
-        build_tokenizer,
-        load_sentences,
-        synthesize_corpus,
-    )
-    from torchtitan_speechlm.prepare.pipeline import prepare_dataset
-
-    os.makedirs(work_dir, exist_ok=True)
-    sentences = load_sentences()
-    paths = {
-        k: os.path.join(work_dir, k)
-        for k in ("tokenizer", "codec", "backbone", "corpus", "prepared")
-    }
-    if not os.path.isfile(os.path.join(paths["tokenizer"], "tokenizer.json")):
-        build_tokenizer(paths["tokenizer"], sentences)
-    if not os.path.isfile(os.path.join(paths["codec"], "config.json")):
-        build_codec(paths["codec"])
-    if not os.path.isfile(os.path.join(paths["backbone"], "config.json")):
-        vocab = len(AutoTokenizer.from_pretrained(paths["tokenizer"], local_files_only=True))
-        build_backbone(
-            paths["backbone"],
-            family=backbone_family,
-            vocab_size=vocab,
-            hidden_size=128,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            intermediate_size=384,
-        )
-    t0 = time.perf_counter()
-    manifest = synthesize_corpus(paths["corpus"], sentences, n=n_utterances)
-    print(f"[demo] corpus: {manifest} ({time.perf_counter() - t0:.1f}s)", flush=True)
-    if not os.path.isfile(os.path.join(paths["prepared"], "metadata.json")):
-        summary = prepare_dataset(manifest, paths["codec"], paths["tokenizer"], paths["prepared"])
-        print(f"[demo] prepared: {summary}", flush=True)
-    return paths
+    return build_corpus(work_dir, CorpusPlan(train=n_train, held_out=n_held_out), workers)
 
 
 def plot_loss_curve(dump_folder: str, out_png: str) -> str | None:
@@ -105,41 +79,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default="demo_work")
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--nproc-per-node", type=int, default=1)
-    p.add_argument("--utterances", type=int, default=240)
+    p.add_argument("--train-sentences", type=int, default=DEMO_TRAIN)
+    p.add_argument("--held-out-sentences", type=int, default=DEMO_HELD_OUT)
+    p.add_argument("--workers", type=int, default=2, help="torchtitan prepare --workers")
     p.add_argument("train_args", nargs="*", help="extra --section.key value overrides")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    build_demo_data(args.work_dir, args.utterances)
+    paths = build_demo_data(
+        args.work_dir, args.train_sentences, args.held_out_sentences, args.workers
+    )
     t_data = time.perf_counter() - t0
+    from torchtitan_speechlm.demo.speaking import console, run_command
     from torchtitan_speechlm.launch import already_complete, check_config
 
     job = check_config(["--job.config_file", args.config, *args.train_args])
     complete = already_complete(job)
+    t_train = 0.0
     if complete:
         print(f"\n[demo] nothing trained: {complete} (`make clean` removes it)")
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torchtitan_speechlm.cli",
-            "train",
-            "--job.config_file",
-            args.config,
-            "--nproc-per-node",
-            str(args.nproc_per_node),
-            *args.train_args,
-        ]
-        print(f"[demo] training: {' '.join(cmd[2:])}", flush=True)
         t1 = time.perf_counter()
-        rc = subprocess.call(cmd)
+        try:
+            run_command(
+                [console("torchtitan"), "train", "--job.config_file", args.config,
+                 "--nproc-per-node", str(args.nproc_per_node), *args.train_args]
+            )  # fmt: skip
+        except RuntimeError as e:
+            print(f"[demo] training failed: {e}", file=sys.stderr)
+            return 1
         t_train = time.perf_counter() - t1
-        if rc != 0:
-            print(f"[demo] training failed (exit {rc})", file=sys.stderr)
-            return rc
-        print(
-            f"\n[demo] done in {time.perf_counter() - t0:.0f}s (data {t_data:.0f}s, "
-            f"training {t_train:.0f}s)"
-        )
     dump = job.job.dump_folder
     png = plot_loss_curve(dump, os.path.join(dump, "loss_curve.png"))
     ckpts = sorted(
@@ -148,67 +116,93 @@ def main(argv: list[str] | None = None) -> int:
     )
     wandb_dirs = sorted(glob.glob(os.path.join(dump, "tb", "*", "wandb", "offline-run-*")))
     print(f"[demo] checkpoints : {', '.join(ckpts) or 'none'}")
-    print(f"[demo] tensorboard : tensorboard --logdir {os.path.join(dump, 'tb')}")
+    print(f"[demo] tensorboard : tensorboard --logdir {os.path.join(dump, 'tb')} (audio panel)")
     print(f"[demo] wandb       : {', '.join(wandb_dirs) or 'none'} (offline; `wandb sync DIR`)")
     print(f"[demo] loss curve  : {png or 'not written (no TensorBoard scalars found)'}")
-    if ckpts:
-        print(
-            f"[demo] export      : {os.path.join(os.path.dirname(sys.executable), 'torchtitan')} "
-            f"export --checkpoint {ckpts[-1]} --out exported/"
-        )
-        listen(ckpts[-1], job, dump)
+    if not ckpts:
+        return 1
+    print(
+        f"[demo] export      : {console('torchtitan')} export --checkpoint {ckpts[-1]} --out exported/"
+    )
+    t2 = time.perf_counter()
+    listen(ckpts[-1], paths, dump)
+    print(
+        f"[demo] done in {time.perf_counter() - t0:.0f}s (data {t_data:.0f}s, training "
+        f"{t_train:.0f}s, listening {time.perf_counter() - t2:.0f}s)"
+    )
     return 0
 
 
-def listen(checkpoint: str, job, dump: str) -> None:
-    """Hear and score the demo model: TTS of a held-out sentence (wav + spectrogram PNG), ASR
-    of a held-out utterance, and the ASR word error rate on the held-out set."""
-    import soundfile as sf
+def listen(checkpoint: str, paths: dict, dump: str) -> dict:
+    """Hear and score the demo model with ``torchtitan eval`` on the held-out sentences
+    (independent judges, an HTML report), and speak the first held-out sentence with
+    ``torchtitan generate`` next to its reference recording (one PNG, both spectrograms)."""
+    from torchtitan_speechlm.demo.speaking import console, run_command
 
-    from torchtitan_speechlm.inference import tasks
-    from torchtitan_speechlm.inference.command import eval_items
-    from torchtitan_speechlm.inference.decode import DecodeConfig
-    from torchtitan_speechlm.inference.evaluate import evaluate_asr
-    from torchtitan_speechlm.inference.loading import load_model
-
-    t0 = time.perf_counter()
-    loaded = load_model(checkpoint)
-    held = eval_items(loaded, "demo", job.speechlm_data.valid_fraction, 0)
-    cfg = DecodeConfig(max_frames=400)
     out = os.path.join(dump, "listen")
     os.makedirs(out, exist_ok=True)
-    wav_path = os.path.join(out, "tts.wav")
-    tasks.write_wav(loaded, tasks.tts(loaded, [held[0].text], cfg)[0], wav_path)
-    png = plot_spectrogram(wav_path, os.path.join(out, "tts_spectrogram.png"), held[0].text)
-    scores = evaluate_asr(loaded, held, cfg)
-    first = scores["examples"][0]
-    with open(os.path.join(out, "asr.txt"), "w") as f:
-        f.write(f"ref: {first['ref']}\nhyp: {first['hyp']}\n")
+    tool, results = console("torchtitan"), os.path.join(out, "eval.json")
+    run_command(
+        [tool, "eval", "--model", checkpoint, "--valid", "asr:heldout", "--valid", "tts:heldout",
+         "--judge-grammar", paths["grammar.jsgf"], "--report", os.path.join(out, "report"),
+         "--out", results, "--limit", "20"],
+        log=os.path.join(out, "eval.log"),
+    )  # fmt: skip
+    with open(paths["manifests"]["heldout"]) as f:
+        first = json.loads(f.readline())
+    reference = os.path.join(os.path.dirname(paths["manifests"]["heldout"]), first["audio"])
+    generated = os.path.join(out, "tts.wav")
+    run_command(
+        [tool, "generate", "--model", checkpoint, "--task", "tts", "--text", first["text"],
+         "--out", generated],
+        log=os.path.join(out, "generate.log"),
+    )  # fmt: skip
+    png = plot_pair(reference, generated, os.path.join(out, "tts_vs_reference.png"), first["text"])
+    with open(results) as f:
+        scores = json.load(f)
+    asr, tts = scores["asr:heldout"], scores["tts:heldout"]
+    with open(os.path.join(out, "eval.log")) as f:
+        print(f.read().rstrip())
+    print(f"[demo] reference   : {reference}")
+    print(f'[demo] generated   : {generated} ("{first["text"]}")')
+    print(f"[demo] spectrograms: {png}")
+    print(f"[demo] listen      : {os.path.join(out, 'report', 'index.html')}")
     print(
-        f"[demo] tts wav     : {wav_path} ({len(sf.read(wav_path)[0]) / loaded.codec.sample_rate:.1f}s"
-        f' of "{held[0].text}")'
+        f"[demo] held-out ASR WER {asr['wer']:.3f} (the model's transcripts of "
+        f"{asr['items']} unseen sentences); TTS intelligibility WER {tts['wer']:.3f} "
+        f"(an independent recogniser on the model's speech; on the references: "
+        f"{tts['floor']['wer']:.3f})"
     )
-    print(f"[demo] spectrogram : {png}")
-    print(f'[demo] asr         : {os.path.join(out, "asr.txt")} (hyp: "{first["hyp"]}")')
-    print(
-        f"[demo] held-out ASR: WER {scores['wer']:.3f}, CER {scores['cer']:.3f} on "
-        f"{scores['items']} utterances ({time.perf_counter() - t0:.0f}s)"
-    )
+    return scores
 
 
-def plot_spectrogram(wav_path: str, out_png: str, title: str) -> str:
+def plot_pair(reference: str, generated: str, out_png: str, title: str) -> str:
+    """One PNG: the reference recording's and the generated speech's spectrograms side by side,
+    on the same time and frequency axes."""
     import matplotlib
     import soundfile as sf
+
+    from torchtitan_speechlm.inference.report import dithered
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    wav, rate = sf.read(wav_path)
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.specgram(wav, NFFT=512, Fs=rate, noverlap=384, cmap="magma")
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("Hz")
-    ax.set_title(title[:70])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), sharey=True)
+    longest = 0.0
+    for ax, (name, path) in zip(
+        axes, (("reference (espeak-ng)", reference), ("generated (the model)", generated)),
+        strict=True,
+    ):  # fmt: skip
+        wav, rate = sf.read(path)
+        wav = wav.mean(1) if wav.ndim > 1 else wav
+        longest = max(longest, len(wav) / rate)
+        ax.specgram(dithered(wav), NFFT=512, Fs=rate, noverlap=384, cmap="magma")
+        ax.set_title(f"{name}: {len(wav) / rate:.2f} s", fontsize=10)
+        ax.set_xlabel("seconds")
+    for ax in axes:
+        ax.set_xlim(0, longest)
+    axes[0].set_ylabel("Hz")
+    fig.suptitle(title[:90], fontsize=11)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)

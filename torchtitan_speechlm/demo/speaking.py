@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from torchtitan_speechlm.demo import grammar
 
 VOICE = "en-us"  # one voice: TTS has no speaker prompt, so the voice is part of the task
-OTHER_VOICE = "en-gb+f3"  # another speaker saying the same texts: SIM's comparison point
+OTHER_VOICE = "en-us+f3"  # another speaker saying the same texts: SIM's comparison point
 SPEED = 175  # words per minute, espeak-ng's default
 
 
@@ -33,6 +33,7 @@ class CorpusPlan:
     layers: int = 6
     heads: int = 4
     family: str = "llama"
+    frame_rate: int = 25  # k-means codec frames/s: half the default 50, so half the sequence
     seed: int = 0
 
 
@@ -63,8 +64,8 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
     """Make (or reuse) everything up to prepared data; returns the paths.
 
     Layout: ``corpus/{train,heldout,heldout_other_voice}/manifest.jsonl`` (+ wavs),
-    ``tokenizer/``, ``backbone/``, ``vocabulary.txt`` (the grammar's words, for the
-    restricted recogniser judge), ``codec/`` (k-means, fitted on the training audio only) and
+    ``tokenizer/``, ``backbone/``, ``grammar.jsgf`` (the language, for the restricted
+    recogniser judge: it accepts any sentence of the grammar, not just these), ``codec/`` (k-means, fitted on the training audio only) and
     ``prepared/{train,heldout}``.
     """
     from transformers import AutoTokenizer
@@ -74,7 +75,7 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
     os.makedirs(work, exist_ok=True)
     p = {
         k: os.path.join(work, k)
-        for k in ("tokenizer", "backbone", "codec", "corpus", "prepared", "vocabulary.txt")
+        for k in ("tokenizer", "backbone", "codec", "corpus", "prepared", "grammar.jsgf")
     }
     train, held = grammar.split_sentences(plan.train, plan.held_out, plan.seed)
     t0 = time.perf_counter()
@@ -98,8 +99,8 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
         f"(none shared), espeak-ng voice {VOICE} ({time.perf_counter() - t0:.0f}s)",
         flush=True,
     )
-    with open(p["vocabulary.txt"], "w") as f:
-        f.write("\n".join(grammar.vocabulary()) + "\n")
+    with open(p["grammar.jsgf"], "w") as f:
+        f.write(grammar.jsgf())
     if not os.path.isfile(os.path.join(p["tokenizer"], "tokenizer.json")):
         build_tokenizer(p["tokenizer"], train, vocab_size=plan.tokenizer_vocab)
     if not os.path.isfile(os.path.join(p["backbone"], "config.json")):
@@ -120,7 +121,9 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
         out = os.path.join(p["prepared"], name)
         if os.path.isfile(os.path.join(out, "metadata.json")):
             continue
-        codec = ["--fit-kmeans-codec", p["codec"]] if fit else ["--codec", p["codec"]]
+        codec = ["--codec", p["codec"]]
+        if fit:
+            codec = ["--fit-kmeans-codec", p["codec"], "--kmeans-frame-rate", str(plan.frame_rate)]
         run_command(
             [tool, "prepare", "--manifest", manifests[name], *codec, "--tokenizer",
              p["tokenizer"], "--out", out, "--workers", str(workers), "--no-progress"],

@@ -76,6 +76,13 @@ def marked(ref: str, hyp: str | None) -> str:
     return " ".join(p for p in parts if p) or "<i>(empty)</i>"
 
 
+def dithered(wav: np.ndarray) -> np.ndarray:
+    """``wav`` plus seeded noise at -100 dBFS: digitally silent stretches (espeak-ng's pauses)
+    would otherwise have log(0) power, drawn as blank stripes with a divide-by-zero warning."""
+    rng = np.random.default_rng(0)
+    return wav + 1e-5 * rng.standard_normal(len(wav)).astype(wav.dtype)
+
+
 def spectrogram_png(wav_path: str, png_path: str, seconds: float | None = None) -> None:
     """A matplotlib specgram of a wav (no pyplot state: safe in any process); ``seconds`` fixes
     the time axis, so that a pair drawn with the same value compares lengths at a glance."""
@@ -89,7 +96,7 @@ def spectrogram_png(wav_path: str, png_path: str, seconds: float | None = None) 
         wav = np.pad(wav, (0, nfft - len(wav)))
     fig = Figure(figsize=(6, 2.5), dpi=80)
     ax = fig.add_subplot()
-    ax.specgram(wav + 1e-9, NFFT=nfft, Fs=rate, noverlap=nfft * 3 // 4, cmap="magma")
+    ax.specgram(dithered(wav), NFFT=nfft, Fs=rate, noverlap=nfft * 3 // 4, cmap="magma")
     if seconds:
         ax.set_xlim(0, seconds)
     ax.set_xlabel("s")
