@@ -85,9 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("train_args", nargs="*", help="extra --section.key value overrides")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    paths = build_demo_data(
-        args.work_dir, args.train_sentences, args.held_out_sentences, args.workers
-    )
+    try:
+        paths = build_demo_data(
+            args.work_dir, args.train_sentences, args.held_out_sentences, args.workers
+        )
+    except (ValueError, RuntimeError) as e:
+        print(f"[demo] error: {e}", file=sys.stderr)
+        return 1
     t_data = time.perf_counter() - t0
     from torchtitan_speechlm.demo.speaking import console, run_command
     from torchtitan_speechlm.launch import already_complete, check_config
@@ -135,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def listen(checkpoint: str, paths: dict, dump: str) -> dict:
     """Hear and score the demo model with ``torchtitan eval`` on the held-out sentences
-    (independent judges, an HTML report), and speak the first held-out sentence with
-    ``torchtitan generate`` next to its reference recording (one PNG, both spectrograms)."""
+    (independent judges, an HTML report), and draw the first held-out sentence as the model
+    spoke it next to its reference recording (one PNG, both spectrograms)."""
     from torchtitan_speechlm.demo.speaking import console, run_command
 
     out = os.path.join(dump, "listen")
@@ -148,30 +152,28 @@ def listen(checkpoint: str, paths: dict, dump: str) -> dict:
          "--out", results, "--limit", "20"],
         log=os.path.join(out, "eval.log"),
     )  # fmt: skip
-    with open(paths["manifests"]["heldout"]) as f:
-        first = json.loads(f.readline())
-    reference = os.path.join(os.path.dirname(paths["manifests"]["heldout"]), first["audio"])
-    generated = os.path.join(out, "tts.wav")
-    run_command(
-        [tool, "generate", "--model", checkpoint, "--task", "tts", "--text", first["text"],
-         "--out", generated],
-        log=os.path.join(out, "generate.log"),
-    )  # fmt: skip
-    png = plot_pair(reference, generated, os.path.join(out, "tts_vs_reference.png"), first["text"])
     with open(results) as f:
         scores = json.load(f)
     asr, tts = scores["asr:heldout"], scores["tts:heldout"]
-    with open(os.path.join(out, "eval.log")) as f:
-        print(f.read().rstrip())
+    first = tts["per_item"][0]  # the first held-out sentence, as eval spoke and judged it
+    report = os.path.join(out, "report")
+    reference = first["recording"] or os.path.join(report, first["audio"]["reference"])
+    generated = os.path.join(report, first["audio"]["generated"])
+    png = plot_pair(reference, generated, os.path.join(out, "tts_vs_reference.png"), first["text"])
+    with open(os.path.join(out, "eval.log")) as f:  # the table, without library warnings
+        lines = f.read().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("set ")), len(lines))
+    print("\n".join(lines[start:]))
     print(f"[demo] reference   : {reference}")
     print(f'[demo] generated   : {generated} ("{first["text"]}")')
     print(f"[demo] spectrograms: {png}")
-    print(f"[demo] listen      : {os.path.join(out, 'report', 'index.html')}")
+    print(f"[demo] listen      : {os.path.join(report, 'index.html')}")
     print(
         f"[demo] held-out ASR WER {asr['wer']:.3f} (the model's transcripts of "
         f"{asr['items']} unseen sentences); TTS intelligibility WER {tts['wer']:.3f} "
         f"(an independent recogniser on the model's speech; on the references: "
-        f"{tts['floor']['wer']:.3f})"
+        f"{tts['floor']['wer']:.3f}); SIM {tts['sim']:.3f}, duration ratio "
+        f"{tts['duration_ratio']['median']:.2f}, {tts['eos_rate']:.0%} ended by the model"
     )
     return scores
 

@@ -10,12 +10,13 @@ user would type them.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from torchtitan_speechlm.demo import grammar
 
@@ -60,6 +61,26 @@ def run_command(cmd: list[str], log: str | None = None) -> None:
         raise RuntimeError(f"command failed (exit {rc}): {shown}\n{tail}")
 
 
+def _check_plan(work: str, plan: CorpusPlan) -> None:
+    """Everything under ``work`` is reused by later runs, so it must have been made with this
+    plan: another one (more sentences, another model) would mix stale prepared data with a new
+    corpus. The plan is recorded in ``work/plan.json`` on the first run."""
+    record = os.path.join(work, "plan.json")
+    want = asdict(plan)
+    if os.path.isfile(record):
+        with open(record) as f:
+            have = json.load(f)
+        diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+        if diff:
+            raise ValueError(
+                f"{work} was made with another plan ({', '.join(f'{k}: {a} there, {b} now' for k, (a, b) in diff.items())}); "
+                f"remove it (`make clean` for the demo) or choose another work folder"
+            )
+    else:
+        with open(record, "w") as f:
+            json.dump(want, f, indent=2)
+
+
 def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
     """Make (or reuse) everything up to prepared data; returns the paths.
 
@@ -73,6 +94,7 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
     from torchtitan_speechlm.demo.assets import build_backbone, build_tokenizer, synthesize_corpus
 
     os.makedirs(work, exist_ok=True)
+    _check_plan(work, plan)
     p = {
         k: os.path.join(work, k)
         for k in ("tokenizer", "backbone", "codec", "corpus", "prepared", "grammar.jsgf")
