@@ -221,6 +221,11 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--sweep", action="store_true", help="also sweep TTS decoding settings")
+    p.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="skip training: score the checkpoints the work folder already has",
+    )
     p.add_argument("--tag", default="", help="suffix of the result files")
     a = p.parse_args()
     t0 = time.perf_counter()
@@ -243,10 +248,11 @@ def main() -> int:
             )  # fmt: skip
         )
     t1 = time.perf_counter()
-    run_command(
-        [console("torchtitan"), "train", "--job.config_file", toml],
-        log=os.path.join(a.work, "train.log"),
-    )
+    if not a.eval_only:
+        run_command(
+            [console("torchtitan"), "train", "--job.config_file", toml],
+            log=os.path.join(a.work, "train.log"),
+        )
     t_train = time.perf_counter() - t1
     ckpts = sorted(
         glob.glob(os.path.join(dump, "checkpoint", "step-*")), key=lambda s: int(s.split("-")[-1])

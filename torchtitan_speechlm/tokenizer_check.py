@@ -64,8 +64,8 @@ def sample_indices(n: int, k: int = SAMPLE_SIZE) -> list[int]:
 
 def roundtrip_report(tok, samples: Iterable[Sample]) -> dict:
     """``{"checked": N, "failed": K, "ok": K == 0}`` plus ``"first_failure": {"where", "text",
-    "decoded"}`` when K > 0. Texts that are blank or cannot be encoded are not counted (prepare
-    records those items as failures on its own)."""
+    "decoded"}`` when K > 0. Texts that are blank, cannot be encoded or encode to no ids are
+    not counted (prepare records those items as failures on its own)."""
     checked, failed, first = 0, 0, None
     for s in samples:
         ids = s.ids
@@ -75,6 +75,8 @@ def roundtrip_report(tok, samples: Iterable[Sample]) -> dict:
             try:
                 ids = tok(s.text, add_special_tokens=False)["input_ids"]
             except Exception:  # noqa: BLE001  (tokenizers raise assorted errors on odd input)
+                continue
+            if not len(ids):  # no ids at all: an untokenizable item, recorded by prepare
                 continue
         checked += 1
         decoded = tok.decode(list(ids))  # exactly as generate and eval decode
