@@ -52,3 +52,14 @@ def test_the_grammar_judge_reads_held_out_espeak_speech(tmp_path):
     assert error_rates(held, hyps)["wer"] <= 0.1, list(zip(held, hyps, strict=True))
     # a sentence outside the grammar is not forced onto one of its own: silence gives nothing
     assert judge.transcribe(np.zeros(16000, np.float32), 16000) == ""
+
+
+def test_a_work_folder_made_with_another_plan_is_refused(tmp_path):
+    """The demo and bench_learning reuse what a work folder holds; made with another plan (more
+    sentences, another model), it would mix a new corpus with stale prepared data."""
+    from torchtitan_speechlm.demo.speaking import CorpusPlan, _check_plan
+
+    _check_plan(str(tmp_path), CorpusPlan(train=100, held_out=5))
+    _check_plan(str(tmp_path), CorpusPlan(train=100, held_out=5))  # same plan: reused
+    with pytest.raises(ValueError, match="train: 100 there, 200 now"):
+        _check_plan(str(tmp_path), CorpusPlan(train=200, held_out=5))
