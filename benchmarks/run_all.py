@@ -11,6 +11,7 @@ BENCHES = [  # each writes its JSON under benchmarks/results/ (docs/performance.
     ["benchmarks/bench_step_overhead.py"],
     ["benchmarks/bench_prepare.py"],
     ["benchmarks/bench_decode.py"],
+    ["benchmarks/bench_learning.py", "--sweep"],  # ~30 min alone on 2 cores (docs/quality.md)
 ]
 
 if __name__ == "__main__":
