@@ -244,13 +244,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point for ``torchtitan prepare``; returns the exit status."""
-    # extension modules first: the sources they register become flags of the full parser
+def import_extensions(argv: list[str] | None) -> list[str]:
+    """Import the ``--import MODULE`` modules of a ``torchtitan prepare`` command line (first:
+    the sources they register become flags of the full parser); returns their names.
+
+    A module is found as ``python -m`` finds it: in the current directory first. The console
+    script's ``sys.path[0]`` is its own bin/ folder, not the current directory, so that is
+    put on ``sys.path`` here (and stays there: worker processes start with this ``sys.path``
+    and import the modules again)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--import", dest="imports", action="append", default=[])
     imports = pre.parse_known_args(argv)[0].imports
+    if imports:
+        cwd = os.getcwd()
+        if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
+            sys.path.insert(0, cwd)
     import_modules(imports)
+    return imports
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point for ``torchtitan prepare``; returns the exit status."""
+    imports = import_extensions(argv)
     args = build_parser().parse_args(argv)
     given = [name for name, _ in SOURCES.items() if getattr(args, f"source_{name}") is not None]
     if len(given) != 1:
