@@ -11,7 +11,8 @@ interleaved (A, B, C, A, B, C, ...) after a warm-up, so machine noise hits them 
 report has the median and spread of the repeats and packed/plain ratios.
 
     python benchmarks/bench_attention.py [--shapes 2048x8,8192x16] [--repeats 5]
-Writes benchmarks/results/attention_{cpu,gpu}.json.
+Writes benchmarks/results/attention_{cpu,gpu}.json (``--out``). Smallest setting (a smoke test of
+the script, not a measurement): ``--shapes 64x2 --repeats 1 --hidden 64 --layers 1 --out FILE``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from bench_common import (
 HIDDEN, LAYERS, HEADS, KV, FFN, TEXT, STREAMS, CODEBOOK = 512, 8, 8, 4, 1536, 4096, 8, 1024
 
 
-def measure(shape: str, repeats: int, device: str) -> dict:
+def measure(
+    shape: str, repeats: int, device: str, hidden: int = HIDDEN, layers: int = LAYERS
+) -> dict:
     t, docs = (int(x) for x in shape.split("x"))
     b = 2
     amp = amp_context(device)
@@ -52,7 +55,8 @@ def measure(shape: str, repeats: int, device: str) -> dict:
     if device == "cuda":
         variants["hf packed flex_attention"] = ("hf", "flex_attention", True)
         variants["native packed flex"] = ("native", "flex", True)
-    dims = dict(hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv=KV, ffn=FFN, text=TEXT)
+    ffn = FFN * hidden // HIDDEN
+    dims = dict(hidden=hidden, layers=layers, heads=HEADS, kv=KV, ffn=ffn, text=TEXT)
     steps = {}
     for name, (backbone, attn, packed) in variants.items():
         model, layout = build_speechlm(
@@ -75,27 +79,39 @@ def measure(shape: str, repeats: int, device: str) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shapes", default="2048x8,8192x16")
     p.add_argument("--repeats", type=int, default=5)
-    a = p.parse_args(argv)
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="model width (FFN 3x)")
+    p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--out", help="results file (default benchmarks/results/attention_<dev>.json)")
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = f"benchmarks/results/attention_{'gpu' if device == 'cuda' else 'cpu'}.json"
+    path = a.out or f"benchmarks/results/attention_{'gpu' if device == 'cuda' else 'cpu'}.json"
     rows = []
     for shape in a.shapes.split(","):
-        rows.append(dict(measure(shape, a.repeats, device), repeats=a.repeats))
+        rows.append(dict(measure(shape, a.repeats, device, a.hidden, a.layers), repeats=a.repeats))
         print(json.dumps(rows[-1], indent=2), flush=True)
     rows += kept_rows(path, rows)
     result = {
         "device": device_name(device),
         "torch": torch.__version__,
         "model": dict(
-            hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=KV, ffn=FFN, streams=STREAMS
+            hidden=a.hidden,
+            layers=a.layers,
+            heads=HEADS,
+            kv_heads=KV,
+            ffn=FFN * a.hidden // HIDDEN,
+            streams=STREAMS,
         ),
         "results": rows,
     }
-    os.makedirs("benchmarks/results", exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     return 0

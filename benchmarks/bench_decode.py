@@ -4,9 +4,11 @@
 A random-init SpeechLM of a given shape (the demo's on CPU; a Qwen3-0.6B shape on a GPU) speaks
 a fixed prompt for exactly --frames audio frames (the end is never chosen), greedy, batch 1 and
 batch 8; cached and uncached runs alternate (A/B/A/B) after a warm-up and the median of the
-repeats is reported with the ratio. Writes benchmarks/results/decode_<device>.json.
+repeats is reported with the ratio. Writes benchmarks/results/decode_<device>.json (``--out``).
 
     python benchmarks/bench_decode.py [--shape demo|qwen3_0.6b] [--frames 64] [--repeats 3]
+
+Smallest setting (a smoke test of the script): ``--shape demo --frames 4 --repeats 1 --out FILE``.
 """
 
 from __future__ import annotations
@@ -74,13 +76,18 @@ def run(model, prompts, frames: int, cache: bool) -> float:
     return len(prompts) * frames / (time.perf_counter() - t)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default = "qwen3_0.6b" if torch.cuda.is_available() else "demo"
     p.add_argument("--shape", default=default, choices=sorted(SHAPES))
     p.add_argument("--frames", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    a = p.parse_args()
+    p.add_argument("--out", help="results file (default benchmarks/results/decode_<device>.json)")
+    return p
+
+
+def main(argv=None) -> None:
+    a = build_parser().parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model_of(a.shape, device)
     lay = model.args.layout
@@ -110,8 +117,9 @@ def main() -> None:
             "uncached_spread": [min(full), max(full)],
         }
         print(json.dumps({f"batch{batch}": result[f"batch{batch}"]}), flush=True)
-    os.makedirs("benchmarks/results", exist_ok=True)
-    with open(f"benchmarks/results/decode_{device}.json", "w") as f:
+    path = a.out or f"benchmarks/results/decode_{device}.json"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(result, f, indent=2)
 
 

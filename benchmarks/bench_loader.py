@@ -12,7 +12,9 @@
 3. padding of ``pack`` vs ``bucket``, and the debug model's training step rate for scale.
 
     python benchmarks/bench_loader.py [--dps 1,8,64,512] [--repeats 5]
-Writes benchmarks/results/loader.json. Not a test: timings depend on the machine.
+Writes benchmarks/results/loader.json (``--out``). Not a test: timings depend on the machine.
+Smallest setting (a smoke test of the script): ``--dps 1,2 --steps 1 --micro-batches 2
+--repeats 1 --config TINY.toml --out FILE`` (any config whose datasets exist).
 """
 
 from __future__ import annotations
@@ -220,7 +222,9 @@ def workers(jc, n: int, repeats: int) -> dict:
     med = {w: out["micro_batches_per_s"][str(w)]["median"] for w in runs}
     out["1_over_0_workers"] = med[1] / med[0]
     out["2_over_0_workers"] = med[2] / med[0]
-    out["two_process_ceiling"] = statistics.median(two_process_ceiling() for _ in range(3))
+    out["two_process_ceiling"] = statistics.median(
+        two_process_ceiling() for _ in range(min(3, repeats))
+    )
     return out
 
 
@@ -260,19 +264,32 @@ def padding(jc, mode: str, n: int) -> float:
     return pad / (pad + frames)
 
 
-def main(argv=None) -> int:
+DEFAULT_CONFIG = "train_configs/speechlm_debug.toml"
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--config", default="train_configs/speechlm_debug.toml")
+    p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--dps", default="1,8,64,512")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--micro-batches", type=int, default=1500)
     p.add_argument("--repeats", type=int, default=5)
-    a = p.parse_args(argv)
+    p.add_argument("--out", default="benchmarks/results/loader.json", help="results file")
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     jc = job(a.config)
-    if not os.path.isdir(parse_datasets(jc.speechlm_data.datasets)["demo"]):
+    missing = [
+        p for p in parse_datasets(jc.speechlm_data.datasets).values() if not os.path.isdir(p)
+    ]
+    if missing and a.config == DEFAULT_CONFIG:  # the demo's data: build it
         from torchtitan_speechlm.demo.run import build_demo_data
 
         build_demo_data("demo_work")
+    elif missing:
+        raise SystemExit(f"bench_loader: {a.config}: no prepared dataset at {missing}")
     scaling = dp_scaling([int(x) for x in a.dps.split(",")], a.steps, a.repeats)
     print(json.dumps(scaling, indent=2), flush=True)
     rates = workers(jc, a.micro_batches, a.repeats)
@@ -290,8 +307,8 @@ def main(argv=None) -> int:
         "padding_ratio": {m: padding(jc, m, 100) for m in ("pack", "bucket")},
     }
     print(json.dumps(result, indent=2))
-    os.makedirs("benchmarks/results", exist_ok=True)
-    with open("benchmarks/results/loader.json", "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
     return 0
 

@@ -9,8 +9,9 @@ peak is that process's peak memory minus its peak after building the inputs (pea
 ``torch.cuda.max_memory_allocated`` on a GPU). The two must give the same loss and gradients
 (fp32: 1e-5 relative; bf16 parameters: within two bf16 ulps of the largest value).
 
-    python benchmarks/bench_loss_memory.py [--frames 8192] [--hidden 256] [--dtypes fp32,bf16]
-Writes benchmarks/results/loss_memory_{cpu,gpu}.json.
+    python benchmarks/bench_loss_memory.py [--frames 8192] [--hidden 256] [--dtypes float32,bfloat16]
+Writes benchmarks/results/loss_memory_{cpu,gpu}.json (``--results``). Smallest setting (a smoke
+test of the script): ``--frames 64 --hidden 16 --dtypes float32 --results FILE``.
 """
 
 from __future__ import annotations
@@ -126,14 +127,23 @@ def run(frames: int, hidden: int, dtype: str) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--frames", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=1024 if DEVICE == "cuda" else 256)
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--child", choices=["naive", "ours"])
-    p.add_argument("--out")
-    a = p.parse_args(argv)
+    p.add_argument(
+        "--results",
+        default=f"benchmarks/results/loss_memory_{'gpu' if DEVICE == 'cuda' else 'cpu'}.json",
+        help="results file",
+    )
+    p.add_argument("--child", choices=["naive", "ours"], help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)  # the child's output
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     if a.child:
         child(a.child, a.frames, a.hidden, a.dtypes, a.out)
         return 0
@@ -147,10 +157,8 @@ def main(argv=None) -> int:
         "results": rows,
     }
     print(json.dumps(result, indent=2))
-    os.makedirs("benchmarks/results", exist_ok=True)
-    with open(
-        f"benchmarks/results/loss_memory_{'gpu' if DEVICE == 'cuda' else 'cpu'}.json", "w"
-    ) as f:
+    os.makedirs(os.path.dirname(os.path.abspath(a.results)), exist_ok=True)
+    with open(a.results, "w") as f:
         json.dump(result, f, indent=2)
     return 0 if all(r["equal"] for r in rows) else 1
 

@@ -12,7 +12,9 @@ the rest is the depth-independent part (embeddings, the chunked loss head's save
     python benchmarks/bench_memory_model.py [--hidden 1024 --layers 2 --seq-len 4096]
 
 Writes benchmarks/results/memory_model_cpu.json (bytes per frame per layer, also in units of
-the hidden size, so the figure scales to other widths).
+the hidden size, so the figure scales to other widths; ``--out``). Smallest setting (a smoke
+test of the script): ``--hidden 64 --layers 1 --seq-len 64 --docs 2 --modes none
+--out FILE``.
 """
 
 from __future__ import annotations
@@ -74,14 +76,20 @@ def measure(mode: str, hidden: int, layers: int, seq_len: int, docs: int) -> int
     return kept
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--docs", type=int, default=8)
+    p.add_argument("--modes", default=",".join(MODES), help="activation checkpointing modes")
+    p.add_argument("--out", help="results file (default benchmarks/results/memory_model_cpu.json)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # "mode:layers", run in a child process
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     if a.one:
         mode, layers = a.one.split(":")
         print(measure(mode, a.hidden, int(layers), a.seq_len, a.docs))
@@ -93,7 +101,9 @@ def main(argv=None) -> int:
 
     head_rows = VocabLayout(text_size=4096, num_streams=8, codebook_size=1024).size
     head_grad = 4 * a.hidden * head_rows
-    for mode in MODES:
+    for mode in a.modes.split(","):
+        if mode not in MODES:
+            raise SystemExit(f"bench_memory_model: --modes: {mode!r} is not one of {MODES}")
         kept = {}
         for depth in (a.layers, 2 * a.layers):
             cmd = [sys.executable, __file__, *common, "--one", f"{mode}:{depth}"]
@@ -124,7 +134,7 @@ def main(argv=None) -> int:
         "command": "python benchmarks/bench_memory_model.py",
         "modes": rows,
     }
-    path = os.path.join(os.path.dirname(__file__), "results", "memory_model_cpu.json")
+    path = a.out or os.path.join(os.path.dirname(__file__), "results", "memory_model_cpu.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")

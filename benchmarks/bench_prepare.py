@@ -4,8 +4,10 @@ Corpus: espeak-ng speech from ``demo_assets.synthesize_corpus`` (cached). Codecs
 random-init Encodec of the tests (``demo_assets.build_codec``) and a k-means codec fitted on
 the corpus itself (its fit time and round-trip quality are reported too). Each codec is run
 with 1 worker process (all cores' threads, then 1 thread) and 2 worker processes. Wall time
-includes loading the codec, planning and starting workers. Prints a table and writes ``benchmarks/results/prepare.json``.
-Not a test: `python benchmarks/bench_prepare.py [--n 200] [--cache DIR]`.
+includes loading the codec, planning and starting workers. Prints a table and writes ``benchmarks/results/prepare.json``
+(``--out``). Not a test: `python benchmarks/bench_prepare.py [--n 200] [--cache DIR]`. Smallest
+setting (a smoke test of the script): ``--n 8 --held-out 2 --codecs kmeans --cache DIR
+--out FILE``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from torchtitan_speechlm.audio import load_audio
 from torchtitan_speechlm.codecs import load_codec
 from torchtitan_speechlm.codecs.kmeans import fit_kmeans_codec, log_mel_distance
 from torchtitan_speechlm.demo import assets as demo_assets
-from torchtitan_speechlm.prepare.items import read_jsonl_manifest
 from torchtitan_speechlm.prepare.pipeline import prepare_dataset
+from torchtitan_speechlm.prepare.sources.jsonl import read_jsonl_manifest
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "prepare.json")
 
@@ -91,17 +93,24 @@ def run(paths: dict, codec: str, workers: int, shard_size: int, threads: int) ->
             "audio_s_per_s": round(s["total_audio_seconds"] / wall, 1)}  # fmt: skip
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=200, help="utterances (default 200, ~9 min)")
     p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "speechlm_bench_prepare"))
     p.add_argument("--shard-size", type=int, default=25)
-    args = p.parse_args()
+    p.add_argument("--held-out", type=int, default=10, help="k-means codec: utterances not fitted")
+    p.add_argument("--codecs", default="encodec,kmeans", help="the codecs to prepare with")
+    p.add_argument("--out", default=RESULTS, help="results file")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     paths = build_assets(args.cache, args.n)
-    km = kmeans_fit(paths)
+    km = kmeans_fit(paths, args.held_out)
     ncpu = os.cpu_count() or 1
     configs = [(1, ncpu), (1, 1), (2, 1)] if ncpu > 1 else [(1, 1), (2, 1)]
-    rows = [run(paths, paths[c], w, args.shard_size, t) for c in ("encodec", "kmeans")
+    rows = [run(paths, paths[c], w, args.shard_size, t) for c in args.codecs.split(",")
             for w, t in configs]  # fmt: skip
     print(f"{'codec':8} {'workers':>7} {'threads':>7} {'items':>6} {'audio s':>8} {'wall s':>7} "
           f"{'audio s/s':>9}")  # fmt: skip
@@ -121,11 +130,11 @@ def main() -> None:
         "runs": rows,
         "kmeans_codec": km,
     }
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
-    print(f"wrote {RESULTS}", file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ host syncs. Prints the table and writes benchmarks/results/step_overhead.json (`
 names the entry, so a before/after pair lands in one file).
 
     python benchmarks/bench_step_overhead.py [--steps 60] [--label after]
+
+Smallest setting (a smoke test of the script): ``--steps 2 --config TINY.toml --out FILE``.
 """
 
 from __future__ import annotations
@@ -121,12 +123,17 @@ def cumulative(stats: pstats.Stats, table: dict) -> dict[str, float]:
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", default="train_configs/speechlm_debug.toml")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--label", default="current")
-    a = p.parse_args(argv)
+    p.add_argument("--out", default="benchmarks/results/step_overhead.json", help="results file")
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     import statistics
 
     _, wall = run(a.steps, a.config, profile=False)
@@ -137,7 +144,7 @@ def main(argv=None) -> int:
     other = step - sum(math.values()) - rest.get("data (loader next)", 0.0)
     row = {
         "steps": a.steps,
-        "median_step_ms_unprofiled": 1e3 * statistics.median(wall[5:]),
+        "median_step_ms_unprofiled": 1e3 * statistics.median(wall[5:] or wall),  # warm steps
         "dispatched_ops": dispatched_ops(),
         "ms_per_step": 1e3 * step / a.steps,
         "model_math_ms": {k: 1e3 * v / a.steps for k, v in math.items()},
@@ -149,10 +156,10 @@ def main(argv=None) -> int:
         / a.steps,
     }
     print(json.dumps(row, indent=2))
-    path = "benchmarks/results/step_overhead.json"
+    path = a.out
     results = json.load(open(path)) if os.path.exists(path) else {}
     results[a.label] = row
-    os.makedirs("benchmarks/results", exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
     stats.sort_stats("tottime").print_stats(15)

@@ -23,7 +23,9 @@ peak memory (GPU: ``max_memory_allocated`` per variant; CPU: the peak RSS of a s
 running two steps of that variant alone, over its RSS after the imports).
 
     python benchmarks/bench_vs_llama3.py [--shape small] [--repeats 5] [--compile]
-Writes benchmarks/results/vs_llama3_{cpu,gpu}.json (and _compile with --compile).
+Writes benchmarks/results/vs_llama3_<shape>_{cpu,gpu}.json (and _compile with --compile; the
+folder: ``--results-dir``). Smallest setting (a smoke test of the script): ``--shape tiny
+--repeats 1 --configs speech --variants "speechlm hf-llama" --results-dir DIR``.
 """
 
 from __future__ import annotations
@@ -244,7 +246,7 @@ def run_config(
     }
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shape", default="small", choices=sorted(SHAPES))
     p.add_argument("--configs", default="speech,text")
@@ -254,7 +256,12 @@ def main(argv=None) -> int:
     p.add_argument("--memory-only", action="store_true", help="only (re)measure peak memory")
     p.add_argument("--variants", help="comma-separated SpeechLM variants (llama3 always runs)")
     p.add_argument("--tag", default="", help="suffix of the results file name")
-    a = p.parse_args(argv)
+    p.add_argument("--results-dir", default="benchmarks/results", help="where results go")
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.memory_of:  # child: two steps of one variant, print the peak RSS in MiB
         config, name = a.memory_of.split(":", 1)
@@ -265,7 +272,7 @@ def main(argv=None) -> int:
         print((peak_rss_bytes() - base) / 2**20)
         return 0
     if a.memory_only:  # fill in peak memory of an earlier run's results file
-        path = os.path.join("benchmarks/results", result_name(a))
+        path = os.path.join(a.results_dir, result_name(a))
         with open(path) as f:
             result = json.load(f)
         for row in result["results"]:
@@ -304,8 +311,8 @@ def main(argv=None) -> int:
         else "causal sdpa (no CPU flex backward)",
         "results": rows,
     }
-    os.makedirs("benchmarks/results", exist_ok=True)
-    with open(os.path.join("benchmarks/results", result_name(a)), "w") as f:
+    os.makedirs(a.results_dir, exist_ok=True)
+    with open(os.path.join(a.results_dir, result_name(a)), "w") as f:
         json.dump(result, f, indent=2)
     return 0
 

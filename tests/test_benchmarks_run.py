@@ -1,0 +1,198 @@
+"""Every benchmark script still runs, so none rots unseen. Each `benchmarks/*.py` is imported,
+the usage lines of its docstring parse with its own parser, and each one that measures
+something runs as a user runs it (`python benchmarks/X.py ...`, its own process, from the
+repository root) at its smallest setting: a smoke test of the script, nothing timed or
+compared, its results written under tmp_path and never to benchmarks/results/.
+
+Not run: `bench_learning.py` (an espeak-ng corpus, a codec fit, prepare, train, then `torchtitan
+eval` with three judges per checkpoint: minutes even at its smallest, and it writes into
+benchmarks/results/): it is imported, its flags parse at a tiny setting, its TOML template
+goes through torchtitan's ConfigManager, and its pure functions (`val_losses`, `summarise`,
+`plot`) run on fabricated inputs shaped like `torchtitan eval`'s results (the keys it reads
+are ones docs/generation.md documents). `run_all.py` (every benchmark at full size): every
+script it lists exists and its flags parse. `gpu_check.sh`: `bash -n`, and every benchmark
+command it runs parses. `bench_common.py` is the others' library (imported by them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.command_parsing import (
+    BENCHMARKS,
+    ROOT,
+    Shown,
+    bash_syntax_ok,
+    check,
+    load_script,
+    parse,
+    parse_train,
+    script_parser,
+)
+
+RESULTS = BENCHMARKS / "results"
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py"))
+
+# each script's smallest setting (its docstring says so); {tmp}: the test's folder
+SMOKE = {
+    "bench_attention.py": "--shapes 64x2 --repeats 1 --hidden 64 --layers 1 --out {tmp}/a.json",
+    "bench_decode.py": "--shape demo --frames 4 --repeats 1 --out {tmp}/a.json",
+    "bench_loader.py": "--dps 1,2 --steps 1 --micro-batches 2 --repeats 1 --config {toml} "
+    "--out {tmp}/a.json",
+    "bench_loss_memory.py": "--frames 64 --hidden 16 --dtypes float32 --results {tmp}/a.json",
+    "bench_memory_model.py": "--hidden 64 --layers 1 --seq-len 64 --docs 2 --modes none "
+    "--out {tmp}/a.json",
+    "bench_prepare.py": "--n 8 --held-out 2 --codecs kmeans --cache {tmp}/cache --out {tmp}/a.json",
+    "bench_step_overhead.py": "--steps 2 --config {toml} --out {tmp}/a.json",
+    "bench_vs_llama3.py": "--shape tiny --repeats 1 --configs speech --variants "
+    "'speechlm hf-llama' --results-dir {tmp}",
+}
+NOT_RUN = ("bench_common.py", "bench_learning.py", "run_all.py")
+
+
+def test_every_script_is_run_or_said_why_not():
+    assert sorted([*SMOKE, *NOT_RUN]) == SCRIPTS
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_imports_and_its_usage_lines_parse(name):
+    module = load_script(BENCHMARKS / name)
+    doc = module.__doc__ or ""
+    if name == "bench_common.py":
+        return
+    usage = [" ".join(u.split()) for u in re.findall(r"python benchmarks/\w+\.py[^\n`]*", doc)]
+    assert usage or name == "run_all.py", f"{name}: its docstring shows no command"
+    for line in usage:
+        check(Shown(name, line, inline=False))
+
+
+@pytest.fixture(scope="module")
+def tiny_toml(tmp_path_factory):
+    """A tiny prepared dataset, backbone and config (the train tests' own) for the two
+    benchmarks that read a training config."""
+    from tests.helpers import make_tiny_run_assets, write_tiny_config
+
+    root = tmp_path_factory.mktemp("bench_assets")
+    assets = make_tiny_run_assets(root / "assets", n_items=16)
+    return write_tiny_config(root / "tiny.toml", assets, root / "dump")
+
+
+def _results_state() -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir() if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_runs_at_its_smallest_setting(name, tmp_path, request):
+    import shlex
+
+    toml = request.getfixturevalue("tiny_toml") if "{toml}" in SMOKE[name] else ""
+    argv = shlex.split(SMOKE[name].format(tmp=tmp_path, toml=toml))
+    parse(script_parser(BENCHMARKS / name), argv)
+    before = _results_state()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    r = subprocess.run(
+        [sys.executable, f"benchmarks/{name}", *argv],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    written = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert written, f"{name} wrote no results under {tmp_path}"
+    for f in written:
+        json.loads((tmp_path / f).read_text())
+    after = _results_state()
+    changed = [f for f, t in before.items() if after.get(f) != t]
+    assert not changed, f"{name} at its smallest setting rewrote benchmarks/results/{changed}"
+
+
+def test_run_all_lists_existing_scripts_whose_flags_parse():
+    run_all = load_script(BENCHMARKS / "run_all.py")
+    assert run_all.BENCHES
+    for script, *flags in run_all.BENCHES:
+        assert (ROOT / script).is_file(), script
+        parse(script_parser(ROOT / script), flags)
+    listed = {os.path.basename(b[0]) for b in run_all.BENCHES}
+    assert listed == {*SMOKE, "bench_learning.py"}  # `make bench` runs every benchmark
+
+
+def test_gpu_check_script_is_valid_bash_and_its_commands_parse():
+    bash_syntax_ok("benchmarks/gpu_check.sh")
+    text = (BENCHMARKS / "gpu_check.sh").read_text().replace("\\\n", " ")
+    commands = re.findall(r"python3 (benchmarks/\w+\.py[^\n]*)", text)
+    assert len(commands) >= 5, commands
+    for command in commands:
+        check(Shown("gpu_check.sh", "python " + command, inline=False))
+
+
+# ---- bench_learning.py without running it -----------------------------------------------------
+def test_bench_learning_flags_toml_and_pure_functions(tmp_path):
+    learning = load_script(BENCHMARKS / "bench_learning.py")
+    tiny = "--train-sentences 8 --held-out 4 --steps 2 --eval-every 2 --eval-items 2 --tag _x"
+    a = parse(script_parser(BENCHMARKS / "bench_learning.py"), [*tiny.split(), "--sweep"])
+    assert (a.steps, a.eval_every, a.sweep) == (2, 2, True)
+
+    # the TOML it trains with is a valid torchtitan job of our config module
+    toml = tmp_path / "learning.toml"
+    toml.write_text(
+        learning.TOML.format(
+            dump=tmp_path / "run",
+            backbone=tmp_path / "backbone",
+            steps=2,
+            every=2,
+            train=tmp_path / "train",
+            lr=3e-3,
+            heldout=tmp_path / "heldout",
+            cfg_dropout=0.1,
+        )  # fmt: skip
+    )
+    job = parse_train(["--job.config_file", str(toml)])
+    assert (job.training.steps, job.validation.freq, job.checkpoint.interval) == (2, 2, 2)
+    assert job.speechlm_data.valid == ["tts:heldout", "asr:heldout"]
+
+    # val_losses reads the validation losses of metrics.jsonl
+    (tmp_path / "run").mkdir()
+    rows = [
+        {"step": 1, "loss_metrics/global_avg_loss": 5.0},
+        {"step": 2, "val/tts_heldout/loss": 3.0, "val/asr_heldout/loss": 2.0},
+    ]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert learning.val_losses(str(tmp_path / "run")) == {
+        2: {"tts_heldout": 3.0, "asr_heldout": 2.0}
+    }
+
+    # summarise reads `torchtitan eval`'s results: only keys docs/generation.md documents
+    read: set[str] = set()
+
+    class Logged(dict):
+        def __getitem__(self, k):
+            read.add(k)
+            return super().__getitem__(k)
+
+        def get(self, k, default=None):
+            read.add(k)
+            return super().get(k, default)
+
+    tts = Logged(
+        wer=0.2, cer=0.1, floor={"wer": 0.03}, floor_recording={"wer": 0.02}, sim=0.9,
+        sim_recording=0.8, duration_ratio={"median": 1.0, "mean": 1.0}, eos_rate=1.0,
+        dnsmos=3.1, reference_dnsmos=3.2,
+    )  # fmt: skip
+    row = learning.summarise({"asr:heldout": Logged(wer=0.05), "tts:heldout": tts})
+    assert row["tts_wer"] == 0.2 and row["floor_wer"] == 0.03 and row["asr_wer"] == 0.05
+    assert row["duration_ratio_median"] == 1.0 and row["floor_recording_wer"] == 0.02
+    schema = (ROOT / "docs" / "generation.md").read_text()
+    schema = schema[schema.index("TTS set:") : schema.index("ASR item:")]
+    undocumented = sorted(k for k in read if not re.search(rf"\b{k}\b", schema))
+    assert not undocumented, f"bench_learning reads eval keys the docs do not list: {undocumented}"
+
+    # plot draws the curves
+    curve = [dict(step=s, val_loss={"tts_heldout": 3.0 / s, "asr_heldout": 2.0 / s}, **row)
+             for s in (2, 4)]  # fmt: skip
+    png = tmp_path / "learning.png"
+    learning.plot(curve, {"recordings": 0.7, "resynthesised": 0.6}, str(png))
+    assert png.stat().st_size > 10_000
