@@ -34,7 +34,7 @@ import torchtitan_speechlm  # noqa: F401  (CPU device selection before torchtita
 from torchtitan.config import ConfigManager
 
 from bench_common import device_name
-from torchtitan_speechlm.config import parse_datasets, parse_mix
+from torchtitan_speechlm.run_context import parse_datasets, parse_mix
 from torchtitan_speechlm.data.loader import SpeechLMDataLoader, build_dataset
 from torchtitan_speechlm.data.stream import Source, SpeechLMDataset
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
@@ -231,10 +231,10 @@ def workers(jc, n: int, repeats: int) -> dict:
 # ---- 3. context: padding and the training step rate ------------------------------------------
 def train_step_rate(jc, steps: int) -> float:
     """Forward + backward + AdamW of the debug model on real loader batches (1 process)."""
-    from torchtitan_speechlm.model.args import SpeechLMModelArgs
     from torchtitan_speechlm.model.model import SpeechLM
+    from torchtitan_speechlm.spec import SpeechLMJobModelArgs
 
-    args = SpeechLMModelArgs()
+    args = SpeechLMJobModelArgs()  # the model args torchtitan fills from a job config
     args.update_from_config(jc)
     with torch.device("meta"):
         model = SpeechLM(args)

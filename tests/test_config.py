@@ -5,13 +5,8 @@ import glob
 import pytest
 import tomli
 
-from torchtitan_speechlm.config import (
-    ConfigError,
-    check_toml,
-    normalised_stream_weights,
-    parse_datasets,
-    parse_mix,
-)
+from torchtitan_speechlm.config import ConfigError, check_toml, normalised_stream_weights
+from torchtitan_speechlm.run_context import REGISTERED_VALUES, parse_datasets, parse_mix
 
 
 def merged_config_cls():
@@ -42,7 +37,9 @@ def test_unknown_key_suggests_the_right_one():
 def test_wrong_types_are_rejected():
     cls = merged_config_cls()
     with pytest.raises(ConfigError, match="speechlm.pattern"):
-        check_toml({"speechlm": {"pattern": "diagonal"}}, cls, "x.toml")
+        check_toml(
+            {"speechlm": {"pattern": "diagonal"}}, cls, "x.toml", registered=REGISTERED_VALUES
+        )
     with pytest.raises(ConfigError, match="training.steps"):
         check_toml({"training": {"steps": "100"}}, cls, "x.toml")
     check_toml({"speechlm": {"stream_weights": [1, 0.5]}, "training": {"steps": 3}}, cls, "x")

@@ -12,11 +12,10 @@ import torch
 
 from tests.helpers import make_tiny_run_assets, run_train, text_only_inputs, write_tiny_config
 from torchtitan_speechlm.export import export, main
-from torchtitan_speechlm.model.model import SpeechLM
+from torchtitan_speechlm.model.model import SpeechLM, build_model
 from torchtitan_speechlm.pretrained import (
     PretrainedError,
     args_from_record,
-    build_model,
     load_checkpoint_state,
 )
 from torchtitan_speechlm.run_record import record_for_checkpoint

@@ -90,20 +90,15 @@ def _upstream_purge():
 
 @pytest.fixture
 def save_faults(monkeypatch):
-    """SPEECHLM_FAULTS for this test only (the hook is installed for the process)."""
+    """Faults armed for this test only (the hooks are removed afterwards)."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     monkeypatch.setattr(FileSystem, "create_stream", FileSystem.create_stream)
     monkeypatch.delattr(FileSystem, "_speechlm_faults", raising=False)
-    monkeypatch.setattr(fault_injection, "_FAULTS", None)
-
-    def arm(spec: str) -> None:
-        monkeypatch.setenv(fault_injection.ENV, spec)
-        fault_injection._FAULTS = None
-        fault_injection.install_checkpoint_faults()
-
-    yield arm
-    fault_injection._FAULTS = None
+    monkeypatch.setattr(fault_injection, "_FAULTS", [])
+    for hooks in ("loss_hooks", "check_hooks", "grad_hooks"):
+        monkeypatch.setattr(StepGuard, hooks, [])
+    yield fault_injection.install
 
 
 def test_a_save_that_hits_a_full_disk_keeps_the_previous_checkpoint(tmp_path, save_faults):
@@ -135,7 +130,7 @@ def test_a_resave_removes_the_old_index_before_writing(tmp_path, save_faults):
     old index over half-new data)."""
     from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 
-    from torchtitan_speechlm.components.resume import complete_checkpoints
+    from torchtitan_speechlm.checkpoint_folders import complete_checkpoints
 
     folder = tmp_path / "checkpoint"
     CheckpointManager.dcp_save(

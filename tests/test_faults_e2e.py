@@ -105,7 +105,7 @@ def run_with_faults(monkeypatch, cfg, faults: str, *extra, nproc=2, timeout=300)
 
 
 def complete_steps(dump) -> list[int]:
-    from torchtitan_speechlm.components.resume import complete_checkpoints
+    from torchtitan_speechlm.checkpoint_folders import complete_checkpoints
 
     return complete_checkpoints(str(dump / "checkpoint"))
 

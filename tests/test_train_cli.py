@@ -125,6 +125,32 @@ def test_stock_torchtitan_parses_the_same_toml(assets, tmp_path):
     assert args.layout.num_streams == 4
 
 
+def test_the_run_is_resolved_once_and_every_builder_reads_it(assets, tmp_path, monkeypatch):
+    """One resolve step per process: the launcher's checks, the model args torchtitan fills,
+    the data loader and the loss all read the same RunContext, built once."""
+    import copy
+
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_speechlm import run_context as rc
+    from torchtitan_speechlm.components.loss import build_speechlm_loss
+    from torchtitan_speechlm.data.loader import build_speechlm_dataloader
+    from torchtitan_speechlm.launch import check_config, torchtitan_args
+
+    builds = []
+    real = rc._build
+    monkeypatch.setattr(rc, "_build", lambda job: builds.append(job) or real(job))
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, tmp_path / "run")
+    job = check_config(torchtitan_args(["--job.config_file", cfg]))
+    ctx = rc.run_context(job)
+    args = copy.deepcopy(get_train_spec(job.model.name).model_args[job.model.flavor])
+    args.update_from_config(job)
+    build_speechlm_dataloader(1, 0, None, job)
+    build_speechlm_loss(job)
+    assert len(builds) == 1 and rc.run_context(job) is ctx
+    assert args.vocab == ctx.layout.to_dict() and args.backbone_config == ctx.backbone_config
+
+
 def test_torchtitan_train_inside_torchrun_runs_as_that_rank(assets, tmp_path):
     """Multi-node is plain torchrun: `torchtitan train` sees RANK/WORLD_SIZE and just runs."""
     import os

@@ -8,8 +8,8 @@ from torchtitan.config import ConfigManager
 
 from tests.helpers import make_tiny_run_assets, write_tiny_config
 from torchtitan_speechlm.components.validate import SpeechLMValidator
-from torchtitan_speechlm.config import parse_datasets, parse_mix
 from torchtitan_speechlm.data.loader import build_dataset
+from torchtitan_speechlm.run_context import parse_datasets, parse_mix
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,6 @@ use_cpu_when_no_accelerator()
 install_torchtitan_cpu_patches()
 install_checkpoint_safety()
 
-from torchtitan_speechlm.fault_injection import install_checkpoint_faults  # noqa: E402
-
-install_checkpoint_faults()  # test hooks: a no-op unless SPEECHLM_FAULTS is set
-
 from torchtitan_speechlm.spec import SPEC_NAME, register  # noqa: E402
 
 register()

@@ -14,8 +14,6 @@ import math
 import os
 
 import numpy as np
-import soundfile as sf
-from scipy.signal import resample_poly
 
 # Reason codes of BadAudioError, as recorded in failures.jsonl.
 MISSING, UNREADABLE, EMPTY, NONFINITE = (
@@ -45,6 +43,8 @@ def resample(wav: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     if orig_sr == target_sr:
         return wav.astype(np.float32, copy=False)
     g = math.gcd(int(orig_sr), int(target_sr))
+    from scipy.signal import resample_poly  # here: training imports this module, never resamples
+
     out = resample_poly(wav, int(target_sr) // g, int(orig_sr) // g, axis=-1)
     return out.astype(np.float32, copy=False)
 
@@ -80,6 +80,8 @@ def to_codec_audio(
 
 def _read(source, name: str, start: float | None, end: float | None) -> tuple[np.ndarray, int]:
     try:
+        import soundfile as sf  # here: training imports this module, never reads audio
+
         with sf.SoundFile(source) as f:
             sr = f.samplerate
             first = 0 if start is None else min(int(round(start * sr)), f.frames)

@@ -36,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return prepare_main(rest) or 0
     if cmd in ("generate", "eval"):
-        import torchtitan_speechlm  # noqa: F401  (registrations)
         from torchtitan_speechlm.inference.command import eval_main, generate_main
 
         return (generate_main if cmd == "generate" else eval_main)(rest)

@@ -64,6 +64,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchtitan_speechlm.checkpoint_folders import complete_checkpoints
+from torchtitan_speechlm.collective_errors import is_collective_failure
+
 
 def accelerator_available() -> bool:
     """True when CUDA (or another torch accelerator) is usable in this process."""
@@ -194,8 +197,6 @@ def install_checkpoint_safety() -> None:
         return not dist.is_initialized() or dist.get_rank() == 0
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, *args, **kwargs):
-        from torchtitan_speechlm.components.resume import complete_checkpoints
-
         stale = os.path.join(str(checkpoint_id), ".metadata")
         if is_rank0() and os.path.isfile(stale):
             # before dcp.save's first collective, hence before any rank writes data
@@ -215,8 +216,6 @@ def install_checkpoint_safety() -> None:
                 else "there is no earlier checkpoint, so a rerun starts from step 1"
             )
             reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0][:300]}"
-            from torchtitan_speechlm.faults import is_collective_failure
-
             if is_collective_failure(cause):
                 reason = f"a peer rank died or hung during the save ({reason})"
             elif isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
@@ -235,8 +234,6 @@ def install_checkpoint_safety() -> None:
             ) from None
 
     def purge(self) -> None:
-        from torchtitan_speechlm.components.resume import complete_checkpoints
-
         if getattr(self, "enable_ft_dataloader_checkpoints", False):
             return original_purge(self)
         if not (self.keep_latest_k > 0 and is_rank0() and os.path.isdir(self.folder)):

@@ -7,12 +7,9 @@ backbone vocabulary, datasets sharing one codec layout) is verified before any r
 """
 
 import difflib
-import json
-import os
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 # Allowed values typed once: modules that act on them derive their tuples with get_args.
@@ -196,16 +193,6 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
-def _patterns():
-    from torchtitan_speechlm.model.patterns import PATTERNS
-
-    return PATTERNS
-
-
-# keys whose value must name a registered extension (checked with a "did you mean")
-REGISTERED_VALUES = {"speechlm.pattern": _patterns}
-
-
 # keys that were replaced, with what to do instead
 MOVED_KEYS = {
     "speechlm.load_backbone_weights": 'is now `speechlm.init = "pretrained"` (true) or '
@@ -244,8 +231,12 @@ def _type_ok(value: Any, tp: Any) -> bool:
     return True
 
 
-def check_toml(values: dict, config_cls: type, source: str, prefix: str = "") -> None:
-    """Raise ConfigError on an unknown section/key or a value of the wrong type."""
+def check_toml(
+    values: dict, config_cls: type, source: str, prefix: str = "", registered: dict | None = None
+) -> None:
+    """Raise ConfigError on an unknown section/key or a value of the wrong type, and on a value
+    that must name a registered extension but does not (``registered``: ``{"section.key":
+    registry}``, given by the caller, which knows the registries: run_context.REGISTERED_VALUES)."""
     known = {f.name: f for f in fields(config_cls)}
     hints = {name: f.type for name, f in known.items()}
     for key, value in values.items():
@@ -264,132 +255,31 @@ def check_toml(values: dict, config_cls: type, source: str, prefix: str = "") ->
         if is_dataclass(tp):
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: `{dotted}` must be a [{dotted}] table")
-            check_toml(value, tp, source, prefix=f"{dotted}.")
+            check_toml(value, tp, source, prefix=f"{dotted}.", registered=registered)
         elif not _type_ok(value, tp):
             raise ConfigError(
                 f"{source}: `{dotted}` = {value!r} has the wrong type; expected "
                 f"{getattr(tp, '__name__', None) or str(tp).replace('typing.', '')}."
             )
-        elif dotted in REGISTERED_VALUES:
+        elif registered and dotted in registered:
             try:
-                REGISTERED_VALUES[dotted]().get(value, dotted)
+                registered[dotted].get(value, dotted)
             except ValueError as e:
                 raise ConfigError(f"{source}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
-# Dataset specs
+# Value checks of single keys (nothing read from disk or from a registry: that is the resolve
+# step's, run_context.py, and the start-up checks', preflight.py)
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MixEntry:
-    task: str
-    dataset: str
-    weight: float
-
-
-def parse_datasets(specs: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ConfigError(
-                f"speechlm_data.datasets entry {spec!r} must look like NAME=PATH "
-                "(a directory made by `torchtitan prepare`)."
-            )
-        if name in out:
-            raise ConfigError(f"speechlm_data.datasets names {name!r} twice")
-        out[name] = path
-    return out
-
-
-def parse_mix(specs: list[str], key: str, names: dict[str, str]) -> list[MixEntry]:
-    entries = []
-    for spec in specs:
-        parts = spec.split(":")
-        if len(parts) not in (2, 3):
-            raise ConfigError(f"speechlm_data.{key} entry {spec!r} must be TASK:NAME[:WEIGHT]")
-        task, name = parts[0], parts[1]
-        from torchtitan_speechlm.data.tasks import TASKS
-
-        if task not in TASKS:
-            try:
-                TASKS.get(task)
-            except ValueError as e:
-                raise ConfigError(f"speechlm_data.{key} entry {spec!r}: {e}") from None
-        if name not in names:
-            raise ConfigError(
-                f"speechlm_data.{key} entry {spec!r}: no dataset named {name!r}; add "
-                f"`{name}=PATH` to speechlm_data.datasets (known: {sorted(names)})"
-            )
-        try:
-            weight = float(parts[2]) if len(parts) == 3 else 1.0
-        except ValueError:
-            raise ConfigError(
-                f"speechlm_data.{key} entry {spec!r}: weight is not a number"
-            ) from None
-        if weight <= 0:
-            raise ConfigError(f"speechlm_data.{key} entry {spec!r}: weight must be > 0")
-        entries.append(MixEntry(task, name, weight))
-    return entries
-
-
-def read_dataset_metadata(path: str) -> dict:
-    meta = Path(path) / "metadata.json"
-    if not meta.is_file():
-        raise ConfigError(
-            f"prepared dataset {path!r} has no metadata.json; create it with "
-            "`torchtitan prepare --manifest M.jsonl --codec DIR --tokenizer DIR --out "
-            f"{path}`."
-        )
-    return json.loads(meta.read_text())
-
-
-# ---------------------------------------------------------------------------------------------
-# Resolution and validation
-# ---------------------------------------------------------------------------------------------
-def is_speechlm(job_config) -> bool:
-    """The job trains a spec registered through ``spec.register_speechlm_spec``."""
-    from torchtitan_speechlm.spec import SPEECHLM_SPECS
-
-    return job_config.model.name in SPEECHLM_SPECS
-
-
-def validate_job_config(job_config) -> None:
-    """Cross-field checks (raise ConfigError naming the key and the fix); builds the run's
-    context (backbone config, datasets, mixture, vocabulary) on the way."""
-    if not is_speechlm(job_config):
-        return
-    from torchtitan_speechlm.infra.parallelize import check_parallelism
-    from torchtitan_speechlm.run_context import run_context
-
+def check_values(job_config) -> None:
+    """Raise ConfigError naming the key and the fix for a value out of its range."""
     sl, data = job_config.speechlm, job_config.speechlm_data
-    ctx = run_context(job_config)
-    try:
-        check_parallelism(job_config, ctx.family)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    from torchtitan_speechlm.preflight import check_conflicts, check_layout
-
-    check_conflicts(job_config)
-    if "WORLD_SIZE" in os.environ:  # a rank (the launcher checks with --nproc-per-node)
-        check_layout(job_config, int(os.environ["WORLD_SIZE"]))
-    n_streams = ctx.num_streams
-    if sl.stream_weights and len(sl.stream_weights) != n_streams:
-        raise ConfigError(
-            f"speechlm.stream_weights has {len(sl.stream_weights)} values but the codec has "
-            f"{n_streams} streams; give {n_streams} values or leave it empty (uniform)."
-        )
     if any(w < 0 for w in sl.stream_weights) or (sl.stream_weights and sum(sl.stream_weights) <= 0):
         raise ConfigError("speechlm.stream_weights must be >= 0 with a positive sum")
     for key in ("text_weight", "audio_weight", "z_loss_weight", "load_balance_weight"):
         if getattr(sl, key) < 0:
             raise ConfigError(f"speechlm.{key} must be >= 0")
-    for dotted, registry in REGISTERED_VALUES.items():
-        section, key = dotted.split(".")
-        try:
-            registry().get(getattr(getattr(job_config, section), key), dotted)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
     if job_config.training.seq_len < 8:
         raise ConfigError("training.seq_len (frames per row) must be >= 8")
     if data.max_tokens and data.batching == "pack":
@@ -422,42 +312,6 @@ def validate_job_config(job_config) -> None:
         )
     if faults.loss_spike_window < 1:
         raise ConfigError("speechlm_faults.loss_spike_window must be >= 1")
-
-
-def resolve_model_args(args, job_config) -> None:
-    """Fill SpeechLMModelArgs from [speechlm], the backbone config and the datasets' codec.
-
-    Keys with the same name in [speechlm] and the model args are copied as they are; only the
-    derived ones (vocabulary, tie, the backbone folder and config) are computed here."""
-    from torchtitan_speechlm.components.resume import resolve_resume
-    from torchtitan_speechlm.run_context import run_context
-
-    validate_job_config(job_config)
-    resolve_resume(job_config)  # before torchtitan's checkpointer picks the step to load
-    fill_model_args(args, job_config)
-    from torchtitan_speechlm.run_record import record_run
-
-    record_run(job_config, args, run_context(job_config))
-
-
-def fill_model_args(args, job_config) -> None:
-    """The model args of the job (no side effects; ``resolve_model_args`` also records them)."""
-    from torchtitan_speechlm.run_context import run_context
-
-    sl, ctx = job_config.speechlm, run_context(job_config)
-    for f in fields(SpeechLM):
-        if f.name in {g.name for g in fields(args)}:
-            setattr(args, f.name, getattr(sl, f.name))
-    args.hf_assets_path = ctx.backbone_path
-    args.backbone_config = ctx.backbone_config
-    args.vocab = ctx.layout.to_dict()
-    args.tie_embeddings = (
-        ctx.family.tie_word_embeddings(ctx.backbone_config)
-        if sl.tie_embeddings == "auto"
-        else sl.tie_embeddings == "true"
-    )
-    args.load_weights = sl.init == "pretrained"
-    args.codec_hash = str(ctx.codec.get("config_hash", ""))
 
 
 def normalised_stream_weights(weights: list[float], n: int) -> list[float]:

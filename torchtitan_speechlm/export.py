@@ -20,13 +20,14 @@ import tempfile
 
 import torch
 
+from torchtitan_speechlm.fileio import write_json_atomic
+from torchtitan_speechlm.model.model import build_model, check_keys
+from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
 from torchtitan_speechlm.pretrained import (
     EXPORT_MODEL_TYPE,
     EXPORT_VERSION,
     PretrainedError,
     args_from_record,
-    build_model,
-    check_keys,
     load_checkpoint_state,
     write_safetensors,
 )
@@ -47,8 +48,6 @@ TOKENIZER_FILES = (
 
 def text_lm_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The text LM inside, under transformers' module names (``model.``, ``lm_head``)."""
-    from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
-
     family, config = model.args.family, model.args.backbone_config
     out = {}
     for key, (name, rows) in text_tensor_map(model.args, state).items():
@@ -112,8 +111,6 @@ def export(
 
 
 def _write(model, state, record, checkpoint, out, dtype, text_only, max_shard) -> list[str]:
-    from torchtitan_speechlm.fileio import write_json_atomic
-
     tok = record["tokenizer"].get("path", "")
     if text_only:
         if not model.args.family.embed_key:
@@ -181,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default="5GB", help="split weights above this (5GB)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     a = p.parse_args(argv)
-    import torchtitan_speechlm  # noqa: F401  (registrations)
 
     try:
         summary = export(

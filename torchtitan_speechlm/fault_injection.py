@@ -1,7 +1,8 @@
 """Test hooks that inject the faults the fault suite (tests/test_faults.py) proves we survive.
 
-Nothing here runs unless the environment variable ``SPEECHLM_FAULTS`` is set, so production
-runs never pay for it. Each entry is ``KIND@STEP`` or ``KIND@STEP:RANK`` (comma-separated);
+Importing the package installs nothing: ``install()`` does, called by the tests, or by a
+training rank (launch.run_worker) when the environment variable ``SPEECHLM_FAULTS`` is set
+(read there and nowhere else), so production runs never carry the hooks. Each entry is ``KIND@STEP`` or ``KIND@STEP:RANK`` (comma-separated);
 without a rank it fires on every rank. Every entry fires once per process.
 
     kill_in_save   SIGKILL this rank halfway through writing its first file of checkpoint step-STEP
@@ -25,6 +26,10 @@ import re
 import signal
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
+
+from torchtitan_speechlm.components.nonfinite import StepGuard
 
 ENV = "SPEECHLM_FAULTS"
 KINDS = ("kill_in_save", "enospc_in_save", "nan_loss", "spike_loss", "inf_grad", "sigstop", "die")
@@ -54,14 +59,7 @@ def parse(text: str) -> list[Fault]:
     return faults
 
 
-_FAULTS: list[Fault] | None = None
-
-
-def _faults() -> list[Fault]:
-    global _FAULTS
-    if _FAULTS is None:
-        _FAULTS = parse(os.environ.get(ENV, ""))
-    return _FAULTS
+_FAULTS: list[Fault] = []  # armed by install()
 
 
 def _rank() -> int:
@@ -70,23 +68,49 @@ def _rank() -> int:
 
 def take(kind: str, step: int) -> bool:
     """True (once) if fault ``kind`` is due at ``step`` on this rank."""
-    for f in _faults():
+    for f in _FAULTS:
         if f.kind == kind and f.step == step and not f.fired and f.rank in (None, _rank()):
             f.fired = True
             return True
     return False
 
 
-def enabled() -> bool:
-    return bool(os.environ.get(ENV))
-
-
 def at_step_check(step: int) -> None:
-    """The optimizer-step check of ``step`` begins (components/nonfinite.py calls this)."""
+    """The optimizer-step check of ``step`` begins (a StepGuard check hook)."""
     if take("sigstop", step):
         os.kill(os.getpid(), signal.SIGSTOP)
     if take("die", step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def faulty_loss(loss_sum: torch.Tensor, step: int) -> torch.Tensor:
+    """The first micro-batch's loss of ``step``, NaN or x50 when such a fault is due."""
+    if take("nan_loss", step):
+        return loss_sum * float("nan")
+    if take("spike_loss", step):
+        return loss_sum * 50.0
+    return loss_sum
+
+
+def faulty_gradients(local: list[torch.Tensor], step: int) -> None:
+    """One gradient shard becomes +Inf when ``inf_grad`` is due at ``step``."""
+    if local and take("inf_grad", step):
+        local[0].view(-1)[0] = float("inf")
+
+
+def install(spec: str) -> None:
+    """Arm the faults of ``spec`` (``KIND@STEP[:RANK],...``) and install every hook: the step
+    guard's (loss, step check, gradients) and DCP's file streams (idempotent). Called only
+    where a fault is wanted: the tests, or a rank whose environment sets ``SPEECHLM_FAULTS``."""
+    _FAULTS[:] = parse(spec)
+    for hooks, hook in (
+        (StepGuard.loss_hooks, faulty_loss),
+        (StepGuard.check_hooks, at_step_check),
+        (StepGuard.grad_hooks, faulty_gradients),
+    ):
+        if hook not in hooks:
+            hooks.append(hook)
+    install_checkpoint_faults()
 
 
 class _FaultyStream:
@@ -109,8 +133,6 @@ class _FaultyStream:
 
 def install_checkpoint_faults() -> None:
     """Route DCP's file streams through ``_FaultyStream`` when a save fault is due (idempotent)."""
-    if not enabled():
-        return
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     if getattr(FileSystem, "_speechlm_faults", False):

@@ -14,9 +14,24 @@ The device is CUDA + NCCL when a GPU is visible and CPU + gloo otherwise, with n
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import signal
 import socket
 import sys
+from dataclasses import fields, is_dataclass
+
+from torchtitan_speechlm.checkpoint_folders import checkpoint_folder
+from torchtitan_speechlm.compat import run_torchtitan_main
+from torchtitan_speechlm.components.resume import completed_run_step, resolve_resume
+from torchtitan_speechlm.config import ConfigError, check_toml
+from torchtitan_speechlm.data.external import attach_external_data
+from torchtitan_speechlm.data.loader import check_data
+from torchtitan_speechlm.fault_injection import ENV as FAULTS_ENV
+from torchtitan_speechlm.fault_injection import install as install_fault_injection
+from torchtitan_speechlm.faults import exit_on_user_fault
+from torchtitan_speechlm.preflight import check_training_data, preflight, validate_job_config
+from torchtitan_speechlm.run_context import REGISTERED_VALUES, is_speechlm
 
 CONFIG_MODULE = "torchtitan_speechlm.config"
 
@@ -44,8 +59,6 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False,
 
 
 def _bool_fields(config_cls) -> set[str]:
-    from dataclasses import fields, is_dataclass
-
     out = set()
     for section in fields(config_cls):
         if is_dataclass(section.type):
@@ -56,8 +69,6 @@ def _bool_fields(config_cls) -> set[str]:
 def normalise_bool_flags(args: list[str]) -> list[str]:
     """`--section.key false` -> tyro's `--section.no_key` (and `true` -> `--section.key`)."""
     from torchtitan.config import ConfigManager
-
-    import torchtitan_speechlm  # noqa: F401
 
     manager = ConfigManager()
     bools = _bool_fields(manager._maybe_add_custom_config(args, manager._maybe_load_toml(args)))
@@ -90,8 +101,6 @@ def torchtitan_args(args: list[str]) -> list[str]:
 def import_extensions(args: list[str], toml_values: dict | None) -> None:
     """Import ``experimental.custom_import`` here too, as torchtitan does in every rank, so the
     codecs, patterns, tasks, backbones and specs it registers are known to the checks below."""
-    import importlib
-
     name = (toml_values or {}).get("experimental", {}).get("custom_import", "")
     for i, a in enumerate(args):
         key, eq, val = a.partition("=")
@@ -107,14 +116,6 @@ def check_config(args: list[str], external=None):
     ``[speechlm_data]`` (the Python API's EspnetData)."""
     from torchtitan.config import ConfigManager
 
-    import torchtitan_speechlm  # noqa: F401  (device selection + spec registration)
-    from torchtitan_speechlm.config import (
-        ConfigError,
-        check_toml,
-        is_speechlm,
-        validate_job_config,
-    )
-
     manager = ConfigManager()
     toml_values = manager._maybe_load_toml(args)
     import_extensions(args, toml_values)
@@ -128,21 +129,15 @@ def check_config(args: list[str], external=None):
             ),
             "config",
         )
-        check_toml(toml_values, config_cls, source=path)
+        check_toml(toml_values, config_cls, source=path, registered=REGISTERED_VALUES)
     try:
         job_config = manager.parse_args(args)
     except SystemExit as e:  # tyro already printed what is wrong with the command line
         raise ConfigError("invalid command-line override (see above)") from e
     if external is not None:
-        from torchtitan_speechlm.data.external import attach_external_data
-
         attach_external_data(job_config, external)
     validate_job_config(job_config)
     if is_speechlm(job_config):
-        from torchtitan_speechlm.components.resume import resolve_resume
-        from torchtitan_speechlm.data.loader import check_data
-        from torchtitan_speechlm.tokenizer_check import check_training_data
-
         resolve_resume(job_config)
         check_data(job_config)
         check_training_data(job_config)
@@ -151,8 +146,6 @@ def check_config(args: list[str], external=None):
 
 def already_complete(job_config) -> str | None:
     """A message if the dump folder already holds the run's last step, else None."""
-    from torchtitan_speechlm.components.resume import checkpoint_folder, completed_run_step
-
     step = completed_run_step(job_config)
     if step is None:
         return None
@@ -221,13 +214,9 @@ def train_command(args: list[str]) -> int:
         return 0
     nproc, args = _split_launcher_args(args)
     args = torchtitan_args(args)
-    from torchtitan_speechlm.config import ConfigError, is_speechlm
-
     try:
         job_config = check_config(args)
         if is_speechlm(job_config):
-            from torchtitan_speechlm.preflight import preflight
-
             preflight(job_config, _world_size(nproc))
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"torchtitan train: config error: {e}", file=sys.stderr)
@@ -268,8 +257,6 @@ def train_command(args: list[str]) -> int:
 
 def describe_rank_failures(exc: BaseException) -> str:
     """'rank 1 was killed by SIGKILL; rank 0 exited with status 1' from torch's ChildFailedError."""
-    import signal
-
     failures = getattr(exc, "failures", None)
     if not failures:
         return f"{type(exc).__name__}: a rank failed (see its log above)"
@@ -292,11 +279,12 @@ def run_worker(args: list[str]) -> int:
 
     A fault the user can act on (a config or data error, a non-finite step under
     ``stop``, a failed checkpoint save, a hung or dead peer) ends the rank with one line naming
-    the rank and the fix instead of a traceback (faults.py decides which)."""
-    import torchtitan_speechlm  # noqa: F401  (must precede torchtitan: CPU device selection)
-    from torchtitan_speechlm.compat import run_torchtitan_main
-    from torchtitan_speechlm.faults import exit_on_user_fault
+    the rank and the fix instead of a traceback (faults.py decides which).
 
+    The fault suite's hooks (fault_injection.py) are installed here, and only when the
+    environment asks for them (``SPEECHLM_FAULTS``): the one place that switch is read."""
+    if os.environ.get(FAULTS_ENV):
+        install_fault_injection(os.environ[FAULTS_ENV])
     with exit_on_user_fault():
         run_torchtitan_main(torchtitan_args(args))  # idempotent on already normalised args
     return 0

@@ -1,6 +1,9 @@
-"""Start-up checks of the environment and the job layout, before any rank starts.
+"""Start-up checks of the job, before any rank starts: what the config's values meet.
 
-``config.validate_job_config`` checks the config's values; this module checks what they meet:
+``validate_job_config`` (every process: the launcher, each rank, through the spec's model args)
+checks single values (config.check_values), resolves the run once (run_context.py) and checks
+what needs it: the parallel layout against the backbone, keys that contradict each other. The
+rest runs once in the launching process (``preflight``, ``check_training_data``):
 the world size (parallel degrees and batch divisibility, which torchtitan only asserts inside
 every rank), keys that contradict each other (torchtitan asserts those in the middle of a run,
 some at the last save), the dump folder (writable? room for a checkpoint?) and the checkpoints
@@ -8,7 +11,8 @@ already in it (made for this model?). Each error names the key or path and the f
 space check only warns (a checkpoint size is an estimate).
 
 ``torchtitan train`` runs ``preflight`` once in the launching process; ranks started by another
-launcher (torchrun) run ``check_layout`` themselves from ``validate_job_config``.
+launcher (torchrun) run ``check_layout`` themselves from ``validate_job_config``. The text
+tokenizer's round trip on the stored data (``check_training_data``) uses tokenizer_check.py.
 """
 
 from __future__ import annotations
@@ -16,10 +20,54 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Callable
+from copy import deepcopy
 
-from torchtitan_speechlm.config import ConfigError
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torchtitan.protocols.train_spec import get_train_spec
+
+from torchtitan_speechlm.checkpoint_folders import checkpoint_folder, complete_checkpoints
+from torchtitan_speechlm.config import ConfigError, check_values
+from torchtitan_speechlm.data.external import external_data
+from torchtitan_speechlm.data.loader import open_prepared
+from torchtitan_speechlm.infra.parallelize import check_parallelism
+from torchtitan_speechlm.model.model import canonical_name
+from torchtitan_speechlm.run_context import fill_model_args, is_speechlm, run_context
+from torchtitan_speechlm.run_record import (
+    RUN_RECORD,
+    RunRecordError,
+    check_same_model,
+    model_record,
+    read_run_record,
+)
+from torchtitan_speechlm.tokenizer_check import (
+    TRAIN_ACCEPT,
+    LossyTokenizerError,
+    dataset_samples,
+    enforce,
+    find_tokenizer,
+    roundtrip_report,
+)
 
 ADAMW_BYTES_PER_PARAM = 4 + 8  # fp32 weights + AdamW's two fp32 moments
+
+
+def validate_job_config(job_config) -> None:
+    """The checks every process runs (raise ConfigError naming the key and the fix): single
+    values, then the resolved run (built here, once), the parallel layout for its backbone,
+    contradicting keys, and inside a rank the world size."""
+    if not is_speechlm(job_config):
+        return
+    check_values(job_config)
+    ctx = run_context(job_config)
+    try:
+        check_parallelism(job_config, ctx.family)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_conflicts(job_config)
+    if "WORLD_SIZE" in os.environ:  # a rank (the launcher checks with --nproc-per-node)
+        check_layout(job_config, int(os.environ["WORLD_SIZE"]))
 
 
 def data_parallel_degree(job_config, world_size: int) -> int:
@@ -111,8 +159,6 @@ def _nearest_existing(path: str) -> str:
 def check_dump_folder(job_config) -> None:
     """The dump folder (and its checkpoint folder) can be created and written: probe it by
     creating what is missing and a file in it, then removing what the probe made."""
-    from torchtitan_speechlm.components.resume import checkpoint_folder
-
     folders = [job_config.job.dump_folder]
     if job_config.checkpoint.enable:
         folders.append(checkpoint_folder(job_config))
@@ -167,13 +213,6 @@ def _folder_bytes(path: str) -> int:
 
 def _meta_model(job_config):
     """The job's model on the meta device (no memory, no weights read)."""
-    from copy import deepcopy
-
-    import torch
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    from torchtitan_speechlm.config import fill_model_args
-
     spec = get_train_spec(job_config.model.name)
     args = deepcopy(spec.model_args[job_config.model.flavor])
     fill_model_args(args, job_config)
@@ -184,8 +223,6 @@ def _meta_model(job_config):
 def expected_checkpoint_bytes(job_config, model=None) -> int:
     """Size of one checkpoint: the newest complete one if there is one, else an estimate
     (parameters x (fp32 weight + AdamW's two moments))."""
-    from torchtitan_speechlm.components.resume import checkpoint_folder, complete_checkpoints
-
     folder = checkpoint_folder(job_config)
     done = complete_checkpoints(folder)
     if done:
@@ -198,8 +235,6 @@ def expected_checkpoint_bytes(job_config, model=None) -> int:
 def check_free_space(job_config, model=None, warn=None) -> str | None:
     """A warning (returned and passed to ``warn``) if the checkpoint folder's disk has less
     free space than one checkpoint needs; None when there is room or checkpoints are off."""
-    from torchtitan_speechlm.components.resume import checkpoint_folder
-
     if not job_config.checkpoint.enable:
         return None
     folder = checkpoint_folder(job_config)
@@ -221,8 +256,6 @@ def check_free_space(job_config, model=None, warn=None) -> str | None:
 def check_checkpoints_fit(job_config, model) -> None:
     """The newest complete checkpoint holds this model's parameters with these shapes (one
     from another run's vocabulary, pattern or backbone would fail deep inside DCP)."""
-    from torchtitan_speechlm.components.resume import checkpoint_folder, complete_checkpoints
-
     if not job_config.checkpoint.enable:
         return
     folder = checkpoint_folder(job_config)
@@ -237,8 +270,6 @@ def check_checkpoints_fit(job_config, model) -> None:
         return
     step = step if step > 0 else done[-1]
     path = os.path.join(folder, f"step-{step}")
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
         saved = FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as e:
@@ -246,8 +277,6 @@ def check_checkpoints_fit(job_config, model) -> None:
             f"{path} is not a readable checkpoint ({e}); delete it to resume from the one "
             "before, or use another job.dump_folder"
         ) from None
-    from torchtitan_speechlm.model.model import canonical_name
-
     for name, param in model.named_parameters():
         key = canonical_name(name)
         meta = saved.get(key)
@@ -269,14 +298,6 @@ def check_checkpoints_fit(job_config, model) -> None:
 def check_run_record(job_config, args) -> None:
     """The dump folder's speechlm_run.json describes this model (else the rank would refuse
     it, after start-up)."""
-    from torchtitan_speechlm.run_record import (
-        RUN_RECORD,
-        RunRecordError,
-        check_same_model,
-        model_record,
-        read_run_record,
-    )
-
     path = os.path.join(job_config.job.dump_folder, RUN_RECORD)
     if os.path.isfile(path):
         try:
@@ -294,3 +315,41 @@ def preflight(job_config, world_size: int) -> None:
     check_run_record(job_config, args)
     check_checkpoints_fit(job_config, model)
     check_free_space(job_config, model)
+
+
+def check_training_data(job_config, warn: Callable[[str], None] | None = None) -> None:
+    """train's check of every dataset the run reads (before any rank starts): decode stored ids
+    of a sample of items and compare them with the stored texts; raises ``ConfigError``."""
+    if external_data(job_config) is not None:  # a Python data object: no prepared texts
+        return
+    warn = warn or (lambda m: print(f"torchtitan train: warning: {m}", file=sys.stderr))
+    ctx, data = run_context(job_config), job_config.speechlm_data
+    used = {e.dataset for e in ctx.train}
+    used |= {e.dataset for entries, _ in ctx.valid.values() for e in entries}
+    tokenizers: dict[str, tuple] = {}
+    for name, path in ctx.datasets.items():
+        if name not in used:
+            continue
+        meta = ctx.metadata[name]
+        key = str(meta.get("tokenizer", {}).get("hash"))
+        if key not in tokenizers:
+            tokenizers[key] = find_tokenizer(meta, ctx.backbone_path)
+        tok, tok_path = tokenizers[key]
+        label = tok_path
+        if tok is not None:
+            ds = open_prepared(os.path.abspath(path), data.verify_shards)
+            report = roundtrip_report(tok, dataset_samples(ds, f"dataset {name!r}"))
+        else:
+            report = meta.get("tokenizer_roundtrip")
+            if report is None:
+                warn(
+                    f"cannot check that the text tokenizer reproduces dataset {name!r}'s "
+                    f"texts: its tokenizer {tok_path} is not found (nor in model.hf_assets_path) "
+                    "and the dataset was prepared before prepare recorded that check"
+                )
+                continue
+            label = f"{tok_path} (as torchtitan prepare recorded; that folder is not found)"
+        try:
+            enforce(report, label, data.allow_lossy_tokenizer, TRAIN_ACCEPT, warn)
+        except LossyTokenizerError as e:
+            raise ConfigError(f"dataset {name!r}: {e}") from None

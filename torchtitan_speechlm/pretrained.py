@@ -1,4 +1,5 @@
-"""Exported SpeechLM folders: written by ``torchtitan export``, read by ``SpeechLM.from_pretrained``.
+"""Exported SpeechLM folders on disk: written by ``torchtitan export``, read by
+``SpeechLM.from_pretrained`` (model/model.py builds the model; this module reads and writes files).
 
 Layout (docs/checkpoints.md)::
 
@@ -17,6 +18,8 @@ import json
 import os
 
 import torch
+
+from torchtitan_speechlm.model.args import SpeechLMModelArgs
 
 EXPORT_MODEL_TYPE = "speechlm"
 EXPORT_VERSION = 1
@@ -44,24 +47,11 @@ def read_export_config(path: str) -> dict:
     return cfg
 
 
-def args_from_record(model_args: dict, hf_assets_path: str = ""):
-    from torchtitan_speechlm.model.args import SpeechLMModelArgs
-
+def args_from_record(model_args: dict, hf_assets_path: str = "") -> SpeechLMModelArgs:
     fields = SpeechLMModelArgs.__dataclass_fields__
     args = SpeechLMModelArgs(**{k: v for k, v in model_args.items() if k in fields})
     args.hf_assets_path, args.load_weights = hf_assets_path, False
     return args
-
-
-def build_model(args, device: str = "cpu"):
-    """A SpeechLM with ``args`` on ``device``, deterministic init (weights to be loaded)."""
-    from torchtitan_speechlm.model.model import SpeechLM
-
-    with torch.device("meta"):
-        model = SpeechLM(args)
-    model.to_empty(device=device)
-    model.init_weights()
-    return model
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -114,43 +104,6 @@ def write_safetensors(state: dict[str, torch.Tensor], path: str, max_shard_bytes
     with open(os.path.join(path, INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return [*names, INDEX]
-
-
-def check_keys(model, state: dict, where: str, allow_missing=(), allow_unexpected=()) -> None:
-    """Missing and unexpected parameter names are an error (naming them) unless a prefix in
-    ``allow_missing`` / ``allow_unexpected`` covers them."""
-    from torchtitan_speechlm.model.model import canonical_name
-
-    expected = {canonical_name(n) for n, _ in model.named_parameters()}
-    missing = sorted(k for k in expected - set(state) if not k.startswith(tuple(allow_missing)))
-    unexpected = sorted(
-        k for k in set(state) - expected if not k.startswith(tuple(allow_unexpected))
-    )
-    if missing or unexpected:
-        raise PretrainedError(
-            f"{where}: missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)}), "
-            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
-            f"({len(unexpected)}); is it a checkpoint of this model?"
-        )
-    params = dict(model.named_parameters())
-    for name, value in state.items():
-        if name in params and tuple(value.shape) != tuple(params[name].shape):
-            raise PretrainedError(
-                f"{where}: {name} has shape {tuple(value.shape)}, the model "
-                f"{tuple(params[name].shape)}"
-            )
-
-
-def from_pretrained(path: str, device: str = "cpu", dtype: torch.dtype | None = None):
-    """The SpeechLM of an exported folder, in eval mode (``SpeechLM.from_pretrained``)."""
-    cfg = read_export_config(path)
-    model = build_model(args_from_record(cfg["model_args"], path), device)
-    state = read_safetensors(path)
-    check_keys(model, state, path)
-    model.load_state_dict(state, strict=False)  # checked above; buffers are not exported
-    if dtype is not None:
-        model.to(dtype)
-    return model.eval()
 
 
 def load_checkpoint_state(step_dir: str, keys: set[str]) -> dict[str, torch.Tensor]:

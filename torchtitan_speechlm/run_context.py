@@ -1,29 +1,101 @@
-"""What a SpeechLM run is made of, resolved once per process from the job config.
+"""The resolve step: what a SpeechLM run is made of, resolved once per process from the job config.
 
 torchtitan's Trainer hands each of our builders (model args, data loader, loss, metrics,
 validator) only the job config. Instead of each re-reading the backbone config, the datasets'
-metadata and the mixture, they all ask ``run_context(job_config)``, which validates the config
-and builds this once (memoised on the job config object).
+metadata and the mixture, they all ask ``run_context(job_config)``, which builds the RunContext
+once (memoised on the job config object): the backbone family and config, the datasets and
+their metadata (checked to share one codec layout and to fit the backbone's text vocabulary),
+the training mixture, the validation sets, the vocabulary layout, and from them the model args
+(``fill_model_args``). The config schema (config.py) sits below this; the checks that need the
+model, the data, the parallel layout or the checkpoints (preflight.py) sit above it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
 
+from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.config import (
-    ConfigError,
-    MixEntry,
-    parse_datasets,
-    parse_mix,
-    read_dataset_metadata,
-)
+from torchtitan_speechlm.config import ConfigError, SpeechLM
 from torchtitan_speechlm.data.external import external_data
-from torchtitan_speechlm.model.backbones import Backbone
+from torchtitan_speechlm.data.tasks import TASKS
+from torchtitan_speechlm.dataset_format import check_compatible
+from torchtitan_speechlm.model.backbones import Backbone, get_backbone
+from torchtitan_speechlm.model.patterns import PATTERNS
 from torchtitan_speechlm.model.vocab import VocabLayout
 
+# keys whose value must name a registered extension (checked with a "did you mean")
+REGISTERED_VALUES = {"speechlm.pattern": PATTERNS}
+# the TrainSpecs [speechlm] sections, the resolve step and the checks apply to (spec.py adds
+# each one it registers)
+SPEECHLM_SPECS: set[str] = set()
+
 _ATTR = "_speechlm_run_context"
+
+
+@dataclass(frozen=True)
+class MixEntry:
+    task: str
+    dataset: str
+    weight: float
+
+
+def parse_datasets(specs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(
+                f"speechlm_data.datasets entry {spec!r} must look like NAME=PATH "
+                "(a directory made by `torchtitan prepare`)."
+            )
+        if name in out:
+            raise ConfigError(f"speechlm_data.datasets names {name!r} twice")
+        out[name] = path
+    return out
+
+
+def parse_mix(specs: list[str], key: str, names: dict[str, str]) -> list[MixEntry]:
+    entries = []
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) not in (2, 3):
+            raise ConfigError(f"speechlm_data.{key} entry {spec!r} must be TASK:NAME[:WEIGHT]")
+        task, name = parts[0], parts[1]
+        if task not in TASKS:
+            try:
+                TASKS.get(task)
+            except ValueError as e:
+                raise ConfigError(f"speechlm_data.{key} entry {spec!r}: {e}") from None
+        if name not in names:
+            raise ConfigError(
+                f"speechlm_data.{key} entry {spec!r}: no dataset named {name!r}; add "
+                f"`{name}=PATH` to speechlm_data.datasets (known: {sorted(names)})"
+            )
+        try:
+            weight = float(parts[2]) if len(parts) == 3 else 1.0
+        except ValueError:
+            raise ConfigError(
+                f"speechlm_data.{key} entry {spec!r}: weight is not a number"
+            ) from None
+        if weight <= 0:
+            raise ConfigError(f"speechlm_data.{key} entry {spec!r}: weight must be > 0")
+        entries.append(MixEntry(task, name, weight))
+    return entries
+
+
+def read_dataset_metadata(path: str) -> dict:
+    meta = Path(path) / "metadata.json"
+    if not meta.is_file():
+        raise ConfigError(
+            f"prepared dataset {path!r} has no metadata.json; create it with "
+            "`torchtitan prepare --manifest M.jsonl --codec DIR --tokenizer DIR --out "
+            f"{path}`."
+        )
+    return json.loads(meta.read_text())
 
 
 @dataclass
@@ -55,14 +127,49 @@ def run_context(job_config) -> RunContext:
     ctx = getattr(job_config, _ATTR, None)
     if ctx is None:
         ctx = _build(job_config)
+        _check_stream_weights(job_config, ctx)
         object.__setattr__(job_config, _ATTR, ctx)
     return ctx
 
 
-def _build(job_config) -> RunContext:
-    from torchtitan_speechlm.dataset_format import check_compatible
-    from torchtitan_speechlm.spec import backbone_of
+def _check_stream_weights(job_config, ctx: RunContext) -> None:
+    weights, n = job_config.speechlm.stream_weights, ctx.num_streams
+    if weights and len(weights) != n:
+        raise ConfigError(
+            f"speechlm.stream_weights has {len(weights)} values but the codec has "
+            f"{n} streams; give {n} values or leave it empty (uniform)."
+        )
 
+
+def is_speechlm(job_config) -> bool:
+    """The job trains a spec registered through ``spec.register_speechlm_spec``."""
+    return job_config.model.name in SPEECHLM_SPECS
+
+
+def backbone_of(job_config) -> Backbone:
+    """The backbone family of the job's spec and flavor."""
+    spec = get_train_spec(job_config.model.name)
+    flavor = job_config.model.flavor
+    if flavor not in spec.model_args:
+        raise ConfigError(
+            f"model.flavor = {flavor!r}: the {job_config.model.name!r} spec has "
+            f"flavor(s) {sorted(spec.model_args)}"
+        )
+    return get_backbone(spec.model_args[flavor].backbone)
+
+
+def check_registered_values(job_config) -> None:
+    """Each key of ``REGISTERED_VALUES`` names a registered extension (else a "did you mean")."""
+    for dotted, registry in REGISTERED_VALUES.items():
+        section, key = dotted.split(".")
+        try:
+            registry.get(getattr(getattr(job_config, section), key), dotted)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _build(job_config) -> RunContext:
+    check_registered_values(job_config)
     family = backbone_of(job_config)
     path = job_config.model.hf_assets_path
     try:
@@ -168,3 +275,22 @@ def _validation_sets(data, datasets: dict, train: list[MixEntry]) -> dict:
                 )
         sets[name] = ([e], split)
     return sets
+
+
+def fill_model_args(args, job_config) -> None:
+    """The model args of the job, from the resolved run (no side effects; the spec's
+    ``update_from_config`` also checks the job and records the run)."""
+    sl, ctx = job_config.speechlm, run_context(job_config)
+    for f in fields(SpeechLM):
+        if f.name in {g.name for g in fields(args)}:
+            setattr(args, f.name, getattr(sl, f.name))
+    args.hf_assets_path = ctx.backbone_path
+    args.backbone_config = ctx.backbone_config
+    args.vocab = ctx.layout.to_dict()
+    args.tie_embeddings = (
+        ctx.family.tie_word_embeddings(ctx.backbone_config)
+        if sl.tie_embeddings == "auto"
+        else sl.tie_embeddings == "true"
+    )
+    args.load_weights = sl.init == "pretrained"
+    args.codec_hash = str(ctx.codec.get("config_hash", ""))

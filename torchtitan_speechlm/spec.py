@@ -9,6 +9,8 @@ a SpeechLM over another decoder family (a registered Backbone): one call, e.g.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from torchtitan_speechlm.components.loss import build_speechlm_loss
@@ -17,16 +19,32 @@ from torchtitan_speechlm.components.optim import (
     build_speechlm_lr_schedulers,
     build_speechlm_optimizers,
 )
+from torchtitan_speechlm.components.resume import resolve_resume
 from torchtitan_speechlm.components.validate import build_speechlm_validator
 from torchtitan_speechlm.data.loader import build_speechlm_dataloader
 from torchtitan_speechlm.infra.parallelize import parallelize_speechlm
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
-from torchtitan_speechlm.model.backbones import Backbone, get_backbone
+from torchtitan_speechlm.model.backbones import get_backbone
 from torchtitan_speechlm.model.model import SpeechLM
 from torchtitan_speechlm.model.state_dict_adapter import SpeechLMStateDictAdapter
+from torchtitan_speechlm.preflight import validate_job_config
+from torchtitan_speechlm.run_context import SPEECHLM_SPECS, fill_model_args, run_context
+from torchtitan_speechlm.run_record import record_run
 
 SPEC_NAME = "speechlm"
-SPEECHLM_SPECS: set[str] = set()  # the TrainSpecs [speechlm] sections and checks apply to
+
+
+@dataclass
+class SpeechLMJobModelArgs(SpeechLMModelArgs):
+    """The model args torchtitan's Trainer fills from the job config (``update_from_config``):
+    the job's checks, then the resolved run's values. ``SpeechLMModelArgs`` itself (below the
+    run layer) knows nothing of job configs; models rebuilt from a record or an export use it."""
+
+    def update_from_config(self, job_config, **kwargs) -> None:
+        validate_job_config(job_config)  # builds the resolved run (run_context) once
+        resolve_resume(job_config)  # before torchtitan's checkpointer picks the step to load
+        fill_model_args(self, job_config)
+        record_run(job_config, self, run_context(job_config))
 
 
 def speechlm_train_spec(
@@ -39,7 +57,7 @@ def speechlm_train_spec(
         get_backbone(name)  # must be registered
     return TrainSpec(
         model_cls=SpeechLM,
-        model_args={name: SpeechLMModelArgs(backbone=name) for name in backbones},
+        model_args={name: SpeechLMJobModelArgs(backbone=name) for name in backbones},
         parallelize_fn=parallelize_fn,
         pipelining_fn=None,
         build_optimizers_fn=build_speechlm_optimizers,
@@ -70,17 +88,3 @@ def register() -> TrainSpec:
     """The built-in ``speechlm`` spec: flavor ``hf`` (transformers' decoders) and ``native``
     (torchtitan's llama3 blocks, tensor-parallel)."""
     return register_speechlm_spec(SPEC_NAME, ("hf", "native"))
-
-
-def backbone_of(job_config) -> Backbone:
-    """The backbone family of the job's spec and flavor."""
-    from torchtitan_speechlm.config import ConfigError
-
-    spec = get_train_spec(job_config.model.name)
-    flavor = job_config.model.flavor
-    if flavor not in spec.model_args:
-        raise ConfigError(
-            f"model.flavor = {flavor!r}: the {job_config.model.name!r} spec has "
-            f"flavor(s) {sorted(spec.model_args)}"
-        )
-    return get_backbone(spec.model_args[flavor].backbone)

@@ -25,6 +25,8 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from torchtitan_speechlm.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
+
 SAMPLE_SIZE = 200
 FIX = (
     "use a byte-level BPE (pre_tokenizers.ByteLevel + decoders.ByteLevel) or a "
@@ -171,8 +173,6 @@ def find_tokenizer(meta: dict, backbone_path: str = ""):
     """``(tokenizer, path)``: the tokenizer a dataset was prepared with, from the path its
     metadata records or else the backbone folder, if its vocabulary hash is the recorded one;
     ``(None, recorded path)`` when neither holds it."""
-    from torchtitan_speechlm.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
-
     want = meta.get("tokenizer", {})
     for path in dict.fromkeys(p for p in (want.get("path"), backbone_path) if p):
         if not any(os.path.isfile(os.path.join(path, f))
@@ -185,47 +185,3 @@ def find_tokenizer(meta: dict, backbone_path: str = ""):
         if tokenizer_fingerprint(tok)["hash"] == want.get("hash"):
             return tok, path
     return None, want.get("path", "")
-
-
-def check_training_data(job_config, warn: Callable[[str], None] | None = None) -> None:
-    """train's check of every dataset the run reads (before any rank starts): decode stored ids
-    of a sample of items and compare them with the stored texts; raises ``ConfigError``."""
-    from torchtitan_speechlm.config import ConfigError
-    from torchtitan_speechlm.data.external import external_data
-
-    if external_data(job_config) is not None:  # a Python data object: no prepared texts
-        return
-    from torchtitan_speechlm.data.loader import open_prepared
-    from torchtitan_speechlm.run_context import run_context
-
-    warn = warn or (lambda m: print(f"torchtitan train: warning: {m}", file=sys.stderr))
-    ctx, data = run_context(job_config), job_config.speechlm_data
-    used = {e.dataset for e in ctx.train}
-    used |= {e.dataset for entries, _ in ctx.valid.values() for e in entries}
-    tokenizers: dict[str, tuple] = {}
-    for name, path in ctx.datasets.items():
-        if name not in used:
-            continue
-        meta = ctx.metadata[name]
-        key = str(meta.get("tokenizer", {}).get("hash"))
-        if key not in tokenizers:
-            tokenizers[key] = find_tokenizer(meta, ctx.backbone_path)
-        tok, tok_path = tokenizers[key]
-        label = tok_path
-        if tok is not None:
-            ds = open_prepared(os.path.abspath(path), data.verify_shards)
-            report = roundtrip_report(tok, dataset_samples(ds, f"dataset {name!r}"))
-        else:
-            report = meta.get("tokenizer_roundtrip")
-            if report is None:
-                warn(
-                    f"cannot check that the text tokenizer reproduces dataset {name!r}'s "
-                    f"texts: its tokenizer {tok_path} is not found (nor in model.hf_assets_path) "
-                    "and the dataset was prepared before prepare recorded that check"
-                )
-                continue
-            label = f"{tok_path} (as torchtitan prepare recorded; that folder is not found)"
-        try:
-            enforce(report, label, data.allow_lossy_tokenizer, TRAIN_ACCEPT, warn)
-        except LossyTokenizerError as e:
-            raise ConfigError(f"dataset {name!r}: {e}") from None

@@ -18,6 +18,7 @@ import torch
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 from torchtitan.tools.logging import logger
 
+from torchtitan_speechlm.compat import accelerator_available
 from torchtitan_speechlm.components.loss import TRAIN_STATS
 from torchtitan_speechlm.components.nonfinite import STEP_GUARD
 from torchtitan_speechlm.components.samples import TrainingSamples
@@ -75,7 +76,6 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             self.logger = container
 
         self.code_usage_interval = job_config.speechlm.code_usage_interval
-        from torchtitan_speechlm.compat import accelerator_available
 
         self.samples = TrainingSamples(job_config, accelerator_available())
         ctx = run_context(job_config)

@@ -26,12 +26,11 @@ import math
 import os
 import statistics
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
-
-from torchtitan_speechlm import fault_injection
 
 SPIKE_MIN_HISTORY = 5  # steps in the running median before spikes are looked for
 ANOMALIES = "anomalies.jsonl"
@@ -42,6 +41,13 @@ class NonFiniteError(RuntimeError):
 
 
 class StepGuard:
+    # Hook points for the fault suite (fault_injection.install adds to them; a normal run has
+    # none): a loss hook may replace the first micro-batch's loss sum, a check hook runs as the
+    # optimizer-step check of a step begins, a gradient hook may change the local gradients.
+    loss_hooks: list[Callable[[torch.Tensor, int], torch.Tensor]] = []
+    check_hooks: list[Callable[[int], None]] = []
+    grad_hooks: list[Callable[[list[torch.Tensor], int], None]] = []
+
     def __init__(self) -> None:
         self.configure(None)
 
@@ -68,11 +74,9 @@ class StepGuard:
 
     def note_loss(self, loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Record a training micro-batch's loss sum (returned, possibly with an injected NaN)."""
-        if fault_injection.enabled() and self._loss is None:
-            if fault_injection.take("nan_loss", self.step()):
-                loss_sum = loss_sum * float("nan")
-            elif fault_injection.take("spike_loss", self.step()):
-                loss_sum = loss_sum * 50.0
+        if self._loss is None:
+            for hook in self.loss_hooks:
+                loss_sum = hook(loss_sum, self.step())
         loss = loss_sum.detach().double()
         count = (labels != -100).sum().double()
         self._loss = loss if self._loss is None else self._loss + loss
@@ -93,13 +97,13 @@ class StepGuard:
         """True if the optimizer may step; False to skip; raises NonFiniteError to stop."""
         step = self.step()
         self._calls += 1
-        if fault_injection.enabled():
-            fault_injection.at_step_check(step)
+        for hook in self.check_hooks:
+            hook(step)
         grads = [p.grad for p in params if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         local = [g for g in local if g.numel()]
-        if fault_injection.enabled() and local and fault_injection.take("inf_grad", step):
-            local[0].view(-1)[0] = float("inf")
+        for hook in self.grad_hooks:
+            hook(local, step)
         device = local[0].device if local else torch.device("cpu")
         grad_norms = (
             torch.stack(torch._foreach_norm(local)).double().sum()

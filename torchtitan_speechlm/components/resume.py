@@ -13,41 +13,18 @@ error saying what to do; never a DCP traceback.
 from __future__ import annotations
 
 import os
-import re
 from functools import lru_cache
 
 from torchtitan.tools.logging import logger
 
-_STEP = re.compile(r"^step-(\d+)$")
+from torchtitan_speechlm.checkpoint_folders import checkpoint_folder, complete_checkpoints
+from torchtitan_speechlm.model.starting_point import check_same
+from torchtitan_speechlm.run_context import run_context
+from torchtitan_speechlm.run_record import RunRecordError, record_for_checkpoint
 
 
 class ResumeError(ValueError):
     """The checkpoint folder cannot be continued; the message says what to do."""
-
-
-def checkpoint_folder(job_config) -> str:
-    return os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
-
-
-def complete_checkpoints(folder: str, warn: bool = False) -> list[int]:
-    """Steps of the checkpoints DCP finished writing (a folder with ``.metadata``), ascending.
-    A half-written ``step-N`` (no ``.metadata``: a save that was interrupted) is not one;
-    torchtitan skips it silently, ``warn`` names it."""
-    if not os.path.isdir(folder):
-        return []
-    steps = []
-    for name in sorted(os.listdir(folder)):
-        m = _STEP.match(name)
-        if not m:
-            continue
-        if os.path.isfile(os.path.join(folder, name, ".metadata")):
-            steps.append(int(m.group(1)))
-        elif warn:
-            logger.warning(
-                f"{os.path.join(folder, name)} has no .metadata (a save that was "
-                "interrupted): skipped; delete it once you no longer need it"
-            )
-    return sorted(steps)
 
 
 @lru_cache(maxsize=256)
@@ -117,10 +94,6 @@ def check_initial_load(job_config) -> None:
     path = job_config.checkpoint.initial_load_path
     if job_config.checkpoint.initial_load_in_hf or not os.path.isdir(path):
         return
-    from torchtitan_speechlm.model.starting_point import check_same
-    from torchtitan_speechlm.run_context import run_context
-    from torchtitan_speechlm.run_record import RunRecordError, record_for_checkpoint
-
     try:
         record = record_for_checkpoint(path)
     except RunRecordError:

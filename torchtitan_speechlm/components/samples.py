@@ -17,6 +17,14 @@ import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
+from torchtitan_speechlm.data.loader import open_prepared, split_indices
+from torchtitan_speechlm.inference import tasks
+from torchtitan_speechlm.inference.decode import DecodeConfig
+from torchtitan_speechlm.inference.loading import Loaded
+from torchtitan_speechlm.model.model import build_model
+from torchtitan_speechlm.run_context import run_context
+from torchtitan_speechlm.run_record import model_record
+
 
 class TrainingSamples:
     def __init__(self, job_config, accelerator: bool):
@@ -49,13 +57,6 @@ class TrainingSamples:
             logger.warning(f"samples at step {step} failed: {type(e).__name__}: {e}")
 
     def _decode(self, step: int, args, state: dict, loggers) -> None:
-        from torchtitan_speechlm.inference import tasks
-        from torchtitan_speechlm.inference.decode import DecodeConfig
-        from torchtitan_speechlm.inference.loading import Loaded
-        from torchtitan_speechlm.pretrained import build_model
-        from torchtitan_speechlm.run_context import run_context
-        from torchtitan_speechlm.run_record import model_record
-
         ctx = run_context(self.job_config)
         copy = build_model(_copy_args(args))
         copy.load_state_dict(state, strict=False)
@@ -90,8 +91,6 @@ class TrainingSamples:
         logger.info(f"samples at step {step}: {out}")
 
     def _items(self, ctx) -> list:
-        from torchtitan_speechlm.data.loader import open_prepared, split_indices
-
         if not ctx.valid:
             return []
         entries, split = next(iter(ctx.valid.values()))

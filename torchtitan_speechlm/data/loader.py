@@ -21,13 +21,15 @@ from torch.utils.data import Dataset, Sampler
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.config import MixEntry, normalised_stream_weights
+from torchtitan_speechlm.components.nonfinite import STEP_GUARD
+from torchtitan_speechlm.config import normalised_stream_weights
 from torchtitan_speechlm.data.external import external_data
+from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.data.stream import Plan, Source, SpeechLMDataset, batch_hash
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.data.transport import Inbox, Outbox
 from torchtitan_speechlm.model.vocab import VocabLayout
-from torchtitan_speechlm.run_context import run_context
+from torchtitan_speechlm.run_context import MixEntry, run_context
 
 
 class PlanSampler(Sampler):
@@ -222,8 +224,6 @@ def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
 def open_prepared(path: str, verify: str = "size"):
     """A prepared dataset is immutable once written, so each process opens (and validates,
     ``speechlm_data.verify_shards``) it once, not once per mixture entry or validation round."""
-    from torchtitan_speechlm.data.reader import PreparedDataset
-
     return PreparedDataset(path, verify=verify)
 
 
@@ -329,7 +329,6 @@ def build_speechlm_dataloader(
         if job_config.speechlm_data.log_batch_hashes
         else None
     )
-    from torchtitan_speechlm.components.nonfinite import STEP_GUARD
 
     return SpeechLMDataLoader(
         dataset,

@@ -18,6 +18,7 @@ import numpy as np
 import soundfile as sf
 import torch
 
+from torchtitan_speechlm.audio import load_audio
 from torchtitan_speechlm.fileio import write_text_atomic
 
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
@@ -222,8 +223,6 @@ def synthesize_corpus(
     Voices and speeds (words per minute) cycle for variety. A manifest with ``n`` lines already present means the
     work is done (the manifest is written last, atomically). Returns the manifest path.
     """
-    from torchtitan_speechlm.audio import load_audio
-
     manifest = os.path.join(out_dir, "manifest.jsonl")
     if os.path.isfile(manifest) and _count_lines(manifest) == n:
         return manifest

@@ -21,6 +21,10 @@ import os
 import sys
 import time
 
+from torchtitan_speechlm.demo.speaking import CorpusPlan, build_corpus, console, run_command
+from torchtitan_speechlm.inference.report import dithered
+from torchtitan_speechlm.launch import already_complete, check_config
+
 DEFAULT_CONFIG = "train_configs/speechlm_debug.toml"
 DEMO_TRAIN, DEMO_HELD_OUT = 2000, 40
 
@@ -29,8 +33,6 @@ def build_demo_data(
     work_dir: str, n_train: int = DEMO_TRAIN, n_held_out: int = DEMO_HELD_OUT, workers: int = 2
 ) -> dict:
     """The demo's corpus, assets and prepared data (``demo/speaking.py``); returns the paths."""
-    from torchtitan_speechlm.demo.speaking import CorpusPlan, build_corpus
-
     return build_corpus(work_dir, CorpusPlan(train=n_train, held_out=n_held_out), workers)
 
 
@@ -93,9 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] error: {e}", file=sys.stderr)
         return 1
     t_data = time.perf_counter() - t0
-    from torchtitan_speechlm.demo.speaking import console, run_command
-    from torchtitan_speechlm.launch import already_complete, check_config
-
     job = check_config(["--job.config_file", args.config, *args.train_args])
     complete = already_complete(job)
     t_train = 0.0
@@ -141,8 +140,6 @@ def listen(checkpoint: str, paths: dict, dump: str) -> dict:
     """Hear and score the demo model with ``torchtitan eval`` on the held-out sentences
     (independent judges, an HTML report), and draw the first held-out sentence as the model
     spoke it next to its reference recording (one PNG, both spectrograms)."""
-    from torchtitan_speechlm.demo.speaking import console, run_command
-
     out = os.path.join(dump, "listen")
     os.makedirs(out, exist_ok=True)
     tool, results = console("torchtitan"), os.path.join(out, "eval.json")
@@ -183,8 +180,6 @@ def plot_pair(reference: str, generated: str, out_png: str, title: str) -> str:
     on the same time and frequency axes."""
     import matplotlib
     import soundfile as sf
-
-    from torchtitan_speechlm.inference.report import dithered
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from torchtitan_speechlm.demo import grammar
+from torchtitan_speechlm.demo.assets import build_backbone, build_tokenizer, synthesize_corpus
 
 VOICE = "en-us"  # one voice: TTS has no speaker prompt, so the voice is part of the task
 OTHER_VOICE = "en-us+f3"  # another speaker saying the same texts: SIM's comparison point
@@ -90,8 +91,6 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
     ``prepared/{train,heldout}``.
     """
     from transformers import AutoTokenizer
-
-    from torchtitan_speechlm.demo.assets import build_backbone, build_tokenizer, synthesize_corpus
 
     os.makedirs(work, exist_ok=True)
     _check_plan(work, plan)

@@ -23,7 +23,12 @@ import json
 import os
 import sys
 
+from torchtitan_speechlm.data.loader import open_prepared, split_indices
+from torchtitan_speechlm.inference import judged, tasks
 from torchtitan_speechlm.inference.decode import DecodeConfig
+from torchtitan_speechlm.inference.loading import load_model
+from torchtitan_speechlm.inference.recordings import find_recordings
+from torchtitan_speechlm.inference.report import slug, write_report
 from torchtitan_speechlm.inference.sampling import Sampling
 
 
@@ -59,8 +64,6 @@ def decode_config(a) -> DecodeConfig:
 
 def run_request(loaded, req: dict, cfg: DecodeConfig, out: str | None) -> dict:
     """One request: ``task`` plus ``text`` or ``audio``; writes ``out`` (wav or txt)."""
-    from torchtitan_speechlm.inference import tasks
-
     task = req.get("task")
     if task not in tasks.TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {tasks.TASKS}")
@@ -99,7 +102,6 @@ def generate_main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", help="with --batch: where outputs and results.jsonl go")
     add_decoding_args(p)
     a = p.parse_args(argv)
-    from torchtitan_speechlm.inference.loading import load_model
 
     try:
         loaded = load_model(a.model, a.device)
@@ -180,12 +182,15 @@ def eval_main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--report", metavar="DIR", help="write DIR/index.html with audio and spectrograms"
     )
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress lines on stderr (items done, seconds per phase)",
+    )
     add_judge_args(p)
     add_decoding_args(p)
     a = p.parse_args(argv)
-    from torchtitan_speechlm.inference import judged
-    from torchtitan_speechlm.inference.loading import load_model
-
     try:
         loaded = load_model(a.model, a.device)
         cfg, results, sets = decode_config(a), {}, []
@@ -201,21 +206,20 @@ def eval_main(argv: list[str] | None = None) -> int:
         judges = judged.build_judges(
             options, {s: [it.text for it in items] for s, t, _, items in sets if t == "tts"}
         )
-        from torchtitan_speechlm.inference.recordings import find_recordings
 
         manifests: dict = {}  # manifest lines read, shared by the sets
         for i, (spec, task, path, items) in enumerate(sets):
+            progress = _progress(spec) if a.progress else None
             if task == "asr":
-                results[spec] = judged.score_asr(loaded, items, cfg)
+                results[spec] = judged.score_asr(loaded, items, cfg, progress=progress)
             else:
                 folder = f"{i}-{_slug(spec)}"  # the set's wavs and spectrograms in --report
                 found = find_recordings(path, [it.id for it in items], manifests)
                 results[spec] = judged.score_tts(
-                    loaded, items, cfg, judges[spec], a.report, folder, recordings=found
-                )
+                    loaded, items, cfg, judges[spec], a.report, folder, recordings=found,
+                    progress=progress,
+                )  # fmt: skip
         if a.report:
-            from torchtitan_speechlm.inference.report import write_report
-
             page = write_report(results, a.report, f"torchtitan eval: {a.model}")
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"torchtitan eval: error: {_one_line(e)}", file=sys.stderr)
@@ -229,9 +233,16 @@ def eval_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _slug(spec: str) -> str:
-    from torchtitan_speechlm.inference.report import slug
+def _progress(spec: str):
+    """Progress lines on stderr: items done and seconds per phase, after each batch."""
 
+    def say(line: str) -> None:
+        print(f"torchtitan eval: {spec}: {line}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _slug(spec: str) -> str:
     return slug(spec)
 
 
@@ -253,8 +264,6 @@ def eval_dataset(loaded, name: str) -> str:
 def eval_items(loaded, name: str, valid_fraction: float, limit: int) -> list:
     """The speech items of ``name`` (``eval_dataset``) to evaluate: all, or those held out
     with ``valid_fraction``; at most ``limit``."""
-    from torchtitan_speechlm.data.loader import open_prepared, split_indices
-
     ds = open_prepared(eval_dataset(loaded, name))
     split = "valid" if valid_fraction > 0 else "all"
     idx = [int(i) for i in split_indices(ds.ids, valid_fraction, split) if ds.kinds[i] == "speech"]

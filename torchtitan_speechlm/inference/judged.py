@@ -30,14 +30,19 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
+from torchtitan_speechlm.audio import BadAudioError, load_audio
 from torchtitan_speechlm.inference import tasks
 from torchtitan_speechlm.inference.decode import DecodeConfig
+from torchtitan_speechlm.inference.evaluate import token_accuracy
 from torchtitan_speechlm.inference.loading import Loaded
+from torchtitan_speechlm.judges import build_judge, error_rates, item_errors, normalise_text
 from torchtitan_speechlm.judges.base import JudgeError
 
 REFERENCE_AUDIO = "resynthesised"  # the codec's decoding of the prepared reference codes
@@ -91,8 +96,6 @@ def _resolve(flag: str, value: str, folder_judge: str | None) -> tuple[str, dict
 
 
 def _build(flag: str, kind: str, name: str, options: dict):
-    from torchtitan_speechlm.judges import build_judge
-
     try:
         judge = build_judge(name, **options)
     except JudgeError as e:  # its message names the judge
@@ -107,8 +110,6 @@ def _build(flag: str, kind: str, name: str, options: dict):
 def vocabulary_words(texts: list[str]) -> list[str]:
     """The distinct words of ``texts`` after ``normalise_text``, sorted: the free word loop a
     restricted recogniser gets for ``--judge-vocabulary eval``."""
-    from torchtitan_speechlm.judges import normalise_text
-
     return sorted({w for t in texts for w in normalise_text(t).split()})
 
 
@@ -175,8 +176,6 @@ def build_judges(opts: JudgeOptions, sets: dict[str, list[str]]) -> dict[str, Ju
 # ---- scoring ----------------------------------------------------------------------------------
 def _errors(ref: str, hyp: str | None) -> tuple[float, float]:
     """(WER, CER) of one item; a failure (``hyp`` None) counts 1.0."""
-    from torchtitan_speechlm.judges import item_errors
-
     if hyp is None:
         return 1.0, 1.0
     e = item_errors(ref, hyp)
@@ -185,8 +184,6 @@ def _errors(ref: str, hyp: str | None) -> tuple[float, float]:
 
 def _corpus(refs: list[str], hyps: list[str | None]) -> dict:
     """Edits pooled over all reference words; a failure is an empty hypothesis (all deleted)."""
-    from torchtitan_speechlm.judges import error_rates
-
     rates = error_rates(refs, [h or "" for h in hyps])
     return {"wer": float(rates["wer"]), "cer": float(rates["cer"])}
 
@@ -221,13 +218,23 @@ def _write_wav(root: str, rel: str, wav: np.ndarray, rate: int) -> str:
     return rel
 
 
-def score_asr(loaded: Loaded, items: list, cfg: DecodeConfig, batch: int = 8) -> dict:
+def score_asr(
+    loaded: Loaded,
+    items: list,
+    cfg: DecodeConfig,
+    batch: int = 8,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """The model's transcripts of each item's reference codes, WER / CER after
-    ``normalise_text`` (per item, their mean, and pooled)."""
+    ``normalise_text`` (per item, their mean, and pooled); ``progress`` as in ``score_tts``."""
     refs = [it.text for it in items]
     hyps: list[str] = []
+    clock = PhaseClock()
     for s in range(0, len(items), batch):
-        hyps += tasks.asr(loaded, [it.audio_codes for it in items[s : s + batch]], cfg)
+        with clock("generate"):
+            hyps += tasks.asr(loaded, [it.audio_codes for it in items[s : s + batch]], cfg)
+        if progress is not None:
+            progress(clock.line(len(hyps), len(items)))
     per_item = []
     for it, hyp in zip(items, hyps, strict=True):
         wer, cer = _errors(it.text, hyp)
@@ -254,6 +261,27 @@ def score_asr(loaded: Loaded, items: list, cfg: DecodeConfig, batch: int = 8) ->
     }
 
 
+class PhaseClock:
+    """Wall seconds per phase of one set's evaluation, for the progress lines on stderr (not
+    in the results: they are not a property of the model)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.start = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t
+
+    def line(self, done: int, total: int) -> str:
+        parts = ", ".join(f"{k} {v:.0f}s" for k, v in self.seconds.items())
+        return f"{done}/{total} items, {time.perf_counter() - self.start:.0f}s ({parts})"
+
+
 def score_tts(
     loaded: Loaded,
     items: list,
@@ -263,40 +291,44 @@ def score_tts(
     audio_dir: str = "",
     batch: int = 8,
     recordings: dict[str, str | None] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Generate each item's speech from its text and score it with ``judges`` (see the module
     docstring). ``recordings``: ``{item id: its original audio file or None}``
     (``recordings.find_recordings``), read at the codec's rate with ``audio.load_audio``. With
     ``audio_root``, the generated, reference and recording wavs are written under
     ``audio_root/audio_dir`` (the recording re-encoded as it was judged) and each item's
-    ``audio`` gives their paths relative to ``audio_root`` (the report's links)."""
-    from torchtitan_speechlm.inference.evaluate import token_accuracy
-
+    ``audio`` gives their paths relative to ``audio_root`` (the report's links). ``progress``
+    gets a line after each batch (items done, seconds per phase)."""
     rate = int(loaded.codec.sample_rate)
     per_item: list[dict] = []
+    clock = PhaseClock()
     for s in range(0, len(items), batch):
         chunk = items[s : s + batch]
-        codes, ended = tasks.tts_with_ends(loaded, [it.text for it in chunk], cfg)
+        with clock("generate"):
+            codes, ended = tasks.tts_with_ends(loaded, [it.text for it in chunk], cfg)
         spoken = [i for i, c in enumerate(codes) if len(c)]
         self_hyps = [""] * len(chunk)
-        for i, text in zip(spoken, tasks.asr(loaded, [codes[i] for i in spoken], cfg), strict=True):
+        with clock("model's own ASR"):
+            texts = tasks.asr(loaded, [codes[i] for i in spoken], cfg)
+        for i, text in zip(spoken, texts, strict=True):
             self_hyps[i] = text
         for k, it in enumerate(chunk):
             recording = (recordings or {}).get(it.id)
             rec, wavs = _score_item(
-                loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges, recording
+                loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges, recording, clock
             )
             if audio_root is not None:
                 rec["audio"] = _save(audio_root, audio_dir, s + k, it, wavs, rate)
             per_item.append(rec)
+        if progress is not None:
+            progress(clock.line(len(per_item), len(items)))
     return summarise_tts(per_item, judges, token_accuracy(loaded, items))
 
 
 def _load_recording(path: str | None, rate: int, failures: list[str]) -> np.ndarray | None:
     """The original recording at the codec's rate, or None (none found, or unreadable: then
     the reason is in ``failures`` and the item is judged on the resynthesis alone)."""
-    from torchtitan_speechlm.audio import BadAudioError, load_audio
-
     if path is None:
         return None
     try:
@@ -307,13 +339,21 @@ def _load_recording(path: str | None, rate: int, failures: list[str]) -> np.ndar
 
 
 def _score_item(
-    loaded, it, codes, ended: bool, self_hyp: str, judges: Judges, recording: str | None = None
+    loaded,
+    it,
+    codes,
+    ended: bool,
+    self_hyp: str,
+    judges: Judges,
+    recording: str | None = None,
+    clock: PhaseClock | None = None,
 ):
     """One item's record and its {generated, reference, recording} waveforms (None where there
     is none); ``recording`` is the item's original audio file, if found."""
-    rate, failures = int(loaded.codec.sample_rate), []
-    ref = loaded.codec.decode(it.audio_codes) if len(it.audio_codes) else None
-    gen = loaded.codec.decode(codes) if len(codes) else None
+    rate, failures, clock = int(loaded.codec.sample_rate), [], clock or PhaseClock()
+    with clock("codec decode"):
+        ref = loaded.codec.decode(it.audio_codes) if len(it.audio_codes) else None
+        gen = loaded.codec.decode(codes) if len(codes) else None
     if gen is None:
         failures.append("empty generation (0 frames)")
     if ref is None:
@@ -336,27 +376,26 @@ def _score_item(
     asr, spk, qual = judges.asr, judges.speaker, judges.quality
     hyp = ref_hyp = orig_hyp = sim = sim_orig = dnsmos = ref_dnsmos = None
     rec["recording_wer"] = rec["recording_cer"] = None
+    with clock("asr judge"):
+        hyp, ref_hyp, orig_hyp = _transcripts(failures, asr, gen, ref, orig, rate)
     if asr is not None:
-        if gen is not None:
-            hyp = _ask(failures, "asr judge", asr.transcribe, gen, rate)
-        if ref is not None:
-            ref_hyp = _ask(failures, "asr judge (reference)", asr.transcribe, ref, rate)
         if orig is not None:
-            orig_hyp = _ask(failures, "asr judge (recording)", asr.transcribe, orig, rate)
             rec["recording_wer"], rec["recording_cer"] = _errors(it.text, orig_hyp)
         rec["wer"], rec["cer"] = _errors(it.text, hyp)
         rec["reference_wer"], rec["reference_cer"] = _errors(it.text, ref_hyp)
     else:
         rec["wer"] = rec["cer"] = rec["reference_wer"] = rec["reference_cer"] = None
     if spk is not None and gen is not None and (ref is not None or orig is not None):
-        a = _ask(failures, "speaker judge", spk.embed, gen, rate)
-        sim = _similarity(failures, spk, a, ref, rate, "reference")
-        sim_orig = _similarity(failures, spk, a, orig, rate, "recording")
+        with clock("speaker judge"):
+            a = _ask(failures, "speaker judge", spk.embed, gen, rate)
+            sim = _similarity(failures, spk, a, ref, rate, "reference")
+            sim_orig = _similarity(failures, spk, a, orig, rate, "recording")
     if qual is not None:
-        if gen is not None:
-            dnsmos = _ask(failures, "quality judge", qual.score, gen, rate)
-        if ref is not None:
-            ref_dnsmos = _ask(failures, "quality judge (reference)", qual.score, ref, rate)
+        with clock("quality judge"):
+            if gen is not None:
+                dnsmos = _ask(failures, "quality judge", qual.score, gen, rate)
+            if ref is not None:
+                ref_dnsmos = _ask(failures, "quality judge (reference)", qual.score, ref, rate)
     self_wer, self_cer = _errors(it.text, self_hyp if gen is not None else None)
     rec.update(
         transcript=hyp,
@@ -372,6 +411,21 @@ def _score_item(
         failures=failures,
     )
     return rec, {"generated": gen, "reference": ref, "recording": orig}
+
+
+def _transcripts(failures: list[str], asr, gen, ref, orig, rate: int) -> tuple:
+    """The ASR judge's transcripts of the generated speech, the reference's resynthesis and
+    the original recording (None where there is no judge or no such audio)."""
+    if asr is None:
+        return None, None, None
+    return tuple(
+        _ask(failures, what, asr.transcribe, wav, rate) if wav is not None else None
+        for what, wav in (
+            ("asr judge", gen),
+            ("asr judge (reference)", ref),
+            ("asr judge (recording)", orig),
+        )
+    )
 
 
 def _similarity(failures: list[str], spk, gen_embedding, wav, rate: int, what: str):

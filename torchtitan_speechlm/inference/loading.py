@@ -8,14 +8,17 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
+from torchtitan_speechlm.config import normalised_stream_weights
+from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+from torchtitan_speechlm.model.model import SpeechLM, build_model
 from torchtitan_speechlm.pretrained import (
     PretrainedError,
     args_from_record,
-    build_model,
-    from_pretrained,
     load_checkpoint_state,
     read_export_config,
 )
+from torchtitan_speechlm.run_record import record_for_checkpoint
+from torchtitan_speechlm.text_tokenizer import load_text_tokenizer
 
 
 @dataclass
@@ -32,17 +35,12 @@ class Loaded:
 
     @cached_property
     def builder(self):
-        from torchtitan_speechlm.config import normalised_stream_weights
-        from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
-
         n = self.layout.num_streams
         weights = LossWeights(1.0, 1.0, tuple(normalised_stream_weights([], n)))
         return TemplateBuilder(self.layout, self.model.args.pattern, weights)
 
     @cached_property
     def tokenizer(self):
-        from torchtitan_speechlm.text_tokenizer import load_text_tokenizer
-
         if not self.tokenizer_path or not os.path.isdir(self.tokenizer_path):
             raise PretrainedError(
                 f"{self.source}: the tokenizer of its data ({self.tokenizer_path!r}) is not found; "
@@ -71,12 +69,10 @@ class Loaded:
 
 def load_model(path: str, device: str = "cpu") -> Loaded:
     """The model in a ``torchtitan export`` folder or a ``DUMP/checkpoint/step-N`` folder."""
-    from torchtitan_speechlm.run_record import record_for_checkpoint
-
     path = os.path.abspath(path)
     if os.path.isfile(os.path.join(path, "config.json")):
         record = read_export_config(path)
-        model = from_pretrained(path, device)
+        model = SpeechLM.from_pretrained(path, device)
         tok = (
             path
             if os.path.isfile(os.path.join(path, "tokenizer.json"))

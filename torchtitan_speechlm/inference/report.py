@@ -22,6 +22,7 @@ from urllib.parse import quote
 import numpy as np
 
 from torchtitan_speechlm.inference.judged import COLUMNS, summary_rows
+from torchtitan_speechlm.judges import item_errors
 
 STYLE = """
 body { font-family: sans-serif; margin: 1.5em; color: #222; }
@@ -58,8 +59,6 @@ def _words(words) -> str:
 def marked(ref: str, hyp: str | None) -> str:
     """``hyp`` as HTML with its errors against ``ref`` marked: substituted words (their
     reference in the tooltip), inserted words, deleted reference words struck through."""
-    from torchtitan_speechlm.judges import item_errors
-
     if hyp is None:
         return '<span class="fail">(no transcript)</span>'
     parts = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from torchtitan_speechlm.audio import load_audio
 from torchtitan_speechlm.data.tasks import Segment
 from torchtitan_speechlm.inference.decode import DecodeConfig, Decoder
 from torchtitan_speechlm.inference.loading import Loaded
@@ -29,8 +30,6 @@ def text_ids(loaded: Loaded, text: str) -> np.ndarray:
 
 def audio_codes(loaded: Loaded, wav_path: str) -> np.ndarray:
     """A wav (any rate, any channels: resampled and downmixed) as codes [F, N]."""
-    from torchtitan_speechlm.audio import load_audio
-
     codec = loaded.codec
     return codec.encode([load_audio(wav_path, codec.sample_rate)])[0]
 

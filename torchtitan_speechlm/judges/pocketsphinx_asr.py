@@ -23,6 +23,7 @@ from torchtitan_speechlm.judges.base import (
     register_judge,
     require,
 )
+from torchtitan_speechlm.judges.text_scoring import normalise_text
 
 PIP = "pip install pocketsphinx==5.1.1"
 SEARCH = "judge"
@@ -88,8 +89,6 @@ class PocketsphinxJudge(ASRJudge):
         self._lock = threading.Lock()
 
     def _check_vocabulary(self, vocabulary: Iterable[str]) -> list[str]:
-        from torchtitan_speechlm.judges import normalise_text
-
         words = sorted({w for entry in vocabulary for w in normalise_text(str(entry)).split()})
         if not words:
             raise JudgeError("pocketsphinx: the vocabulary is empty")

@@ -1,5 +1,7 @@
-"""SpeechLMModelArgs: everything the model needs, resolved from the job config before building
-(``config.resolve_model_args``); every field is read by the model."""
+"""SpeechLMModelArgs: everything the model needs; every field is read by the model.
+
+Filled from a job config by the spec's subclass (``spec.SpeechLMJobModelArgs``, from the
+resolved run), from a run record or an export (``pretrained.args_from_record``), or by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from torch import nn
 from torchtitan.protocols import BaseModelArgs
 
 from torchtitan_speechlm.model.backbones import Backbone, get_backbone
+from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.vocab import VocabLayout
 
 
@@ -54,10 +57,12 @@ class SpeechLMModelArgs(BaseModelArgs):
 
     # ---- torchtitan protocol ---------------------------------------------------------------
     def update_from_config(self, job_config, **kwargs) -> None:
-        """Fill in from [speechlm] and the datasets' metadata (see config.resolve_model_args)."""
-        from torchtitan_speechlm.config import resolve_model_args
-
-        resolve_model_args(self, job_config)
+        """torchtitan's protocol: the spec's ``SpeechLMJobModelArgs`` fills the args from a job."""
+        raise TypeError(
+            "SpeechLMModelArgs is filled from a job config by the spec's model args "
+            "(get_train_spec(name).model_args[flavor], a spec.SpeechLMJobModelArgs); build "
+            "those, or fill the fields directly"
+        )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameters, and training FLOPs per frame if every frame carries loss (forward +
@@ -86,8 +91,6 @@ class SpeechLMModelArgs(BaseModelArgs):
         """Training FLOPs of the output head for one frame that carries loss: it runs on those
         frames only, so the FLOPs of a step are (the above - this) x frames + this x loss
         frames (the metrics processor scales MFU by the interval's loss-frame ratio)."""
-        from torchtitan_speechlm.model.patterns import get_pattern
-
         layout, pattern = self.layout, get_pattern(self.pattern)
         head_cols = sum(
             b - a

@@ -33,7 +33,14 @@ from torchtitan.protocols import ModelProtocol
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.chunked_loss import chunked_stream_loss
 from torchtitan_speechlm.model.patterns import get_pattern
+from torchtitan_speechlm.model.starting_point import load_starting_point
 from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
+from torchtitan_speechlm.pretrained import (
+    PretrainedError,
+    args_from_record,
+    read_export_config,
+    read_safetensors,
+)
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -258,9 +265,14 @@ class SpeechLM(ModelProtocol):
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype | None = None):
         """The SpeechLM of a folder written by ``torchtitan export`` (eval mode)."""
-        from torchtitan_speechlm.pretrained import from_pretrained
-
-        return from_pretrained(path, device, dtype)
+        cfg = read_export_config(path)
+        model = build_model(args_from_record(cfg["model_args"], path), device)
+        state = read_safetensors(path)
+        check_keys(model, state, path)
+        model.load_state_dict(state, strict=False)  # checked above; buffers are not exported
+        if dtype is not None:
+            model.to(dtype)
+        return model.eval()
 
     # ---- forward ---------------------------------------------------------------------------
     def hidden_states(
@@ -336,8 +348,6 @@ class SpeechLM(ModelProtocol):
         named = [(canonical_name(n), p) for n, p in self.named_parameters()]
         start = {}
         if args.init_from:
-            from torchtitan_speechlm.model.starting_point import load_starting_point
-
             start = load_starting_point(args, {n for n, _ in named}, args.codec_hash)
         reader = self.family.weights(args.hf_assets_path) if args.load_weights else None
         # our parameter -> (its tensor in the backbone checkpoint, rows of ours it fills)
@@ -409,3 +419,35 @@ def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(shard)
     else:
         param.copy_(full.to(param.device, param.dtype))
+
+
+def build_model(args, device: str = "cpu"):
+    """A SpeechLM with ``args`` on ``device``, deterministic init (weights to be loaded)."""
+    with torch.device("meta"):
+        model = SpeechLM(args)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
+
+
+def check_keys(model, state: dict, where: str, allow_missing=(), allow_unexpected=()) -> None:
+    """Missing and unexpected parameter names are an error (naming them) unless a prefix in
+    ``allow_missing`` / ``allow_unexpected`` covers them."""
+    expected = {canonical_name(n) for n, _ in model.named_parameters()}
+    missing = sorted(k for k in expected - set(state) if not k.startswith(tuple(allow_missing)))
+    unexpected = sorted(
+        k for k in set(state) - expected if not k.startswith(tuple(allow_unexpected))
+    )
+    if missing or unexpected:
+        raise PretrainedError(
+            f"{where}: missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)}), "
+            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
+            f"({len(unexpected)}); is it a checkpoint of this model?"
+        )
+    params = dict(model.named_parameters())
+    for name, value in state.items():
+        if name in params and tuple(value.shape) != tuple(params[name].shape):
+            raise PretrainedError(
+                f"{where}: {name} has shape {tuple(value.shape)}, the model "
+                f"{tuple(params[name].shape)}"
+            )

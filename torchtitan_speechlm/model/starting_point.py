@@ -25,6 +25,7 @@ from torchtitan_speechlm.pretrained import (
     read_export_config,
     read_safetensors,
 )
+from torchtitan_speechlm.run_record import record_for_checkpoint
 
 # what must agree between the source's model and ours for its weights to mean the same
 SAME = ("vocab", "pattern", "backbone", "backbone_config", "tie_embeddings")
@@ -83,8 +84,6 @@ def load_starting_point(args, names: set[str], codec_hash: str | None = None) ->
         check_same(read_export_config(path), ours, codec_hash, path)
         state = read_safetensors(path)
     elif os.path.isdir(path):
-        from torchtitan_speechlm.run_record import record_for_checkpoint
-
         check_same(record_for_checkpoint(path), ours, codec_hash, path)
         state = load_checkpoint_state(path, names)
     elif os.path.isfile(path):

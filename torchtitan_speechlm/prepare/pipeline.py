@@ -17,7 +17,7 @@ import sys
 import time
 
 from torchtitan_speechlm.audio import BadAudioError
-from torchtitan_speechlm.codecs import CodecError
+from torchtitan_speechlm.codecs import CodecError, load_codec
 from torchtitan_speechlm.dataset_format import CorruptDatasetError
 from torchtitan_speechlm.prepare.items import ManifestError, ManifestItem
 from torchtitan_speechlm.prepare.plan import (
@@ -35,7 +35,8 @@ from torchtitan_speechlm.prepare.worker import (
     WorkerConfig,
     import_modules,
 )
-from torchtitan_speechlm.tokenizer_check import LossyTokenizerError
+from torchtitan_speechlm.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
+from torchtitan_speechlm.tokenizer_check import LossyTokenizerError, check_inputs
 
 
 class NoItemsError(RuntimeError):
@@ -126,17 +127,12 @@ def prepare_dataset(
         raise ManifestError(f"{source_path}: no items")
     if strict:
         _strict_precheck(items, allow_audio_only)
-    from torchtitan_speechlm.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
-    from torchtitan_speechlm.tokenizer_check import check_inputs
-
     tok = load_text_tokenizer(tokenizer_path)  # checked before any output or codec work
     roundtrip = check_inputs(tok, items, os.path.abspath(tokenizer_path), allow_lossy_tokenizer)
     if fit_kmeans_codec is not None:
         codec_path = fit_or_reuse_kmeans(fit_kmeans_codec, items, codebooks, codebook_size,
                                          kmeans_seconds, seed, overwrite, progress, hf_reader,
                                          kmeans_frame_rate)  # fmt: skip
-    from torchtitan_speechlm.codecs import load_codec
-
     codec = load_codec(codec_path, device if workers == 1 else "cpu", num_streams)
     plan = build_plan(
         items, read.description, codec, tokenizer_fingerprint(tok), shard_size, allow_audio_only

@@ -17,6 +17,10 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 import numpy as np
 
+from torchtitan_speechlm.audio import BadAudioError
+from torchtitan_speechlm.codecs import CodecError
+from torchtitan_speechlm.codecs.kmeans import MODEL_TYPE, KMeansConfig, fit_kmeans_codec
+from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
 from torchtitan_speechlm.prepare.worker import (
     ShardTask,
     WorkerConfig,
@@ -115,11 +119,6 @@ def fit_or_reuse_kmeans(out: str, items, codebooks: int, codebook_size: int,
     """Return a k-means codec folder: ``out`` as is if it already holds one fitted with these
     settings (so reruns are cheap and stable), else fit one on up to ``seconds`` of randomly
     chosen (``seed``) input audio."""
-    from torchtitan_speechlm.audio import BadAudioError
-    from torchtitan_speechlm.codecs import CodecError
-    from torchtitan_speechlm.codecs.kmeans import MODEL_TYPE, KMeansConfig, fit_kmeans_codec
-    from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
-
     cfg_file = os.path.join(out, "config.json")
     if os.path.isfile(cfg_file):
         with open(cfg_file) as f:

@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from torchtitan_speechlm.audio import BadAudioError, load_audio
+from torchtitan_speechlm.codecs import load_codec
 from torchtitan_speechlm.dataset_format import SHARDS_DIR, Turn, shard_name
 from torchtitan_speechlm.prepare.items import AudioRef, ManifestItem
 from torchtitan_speechlm.prepare.shard_writer import ShardWriter
+from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
+from torchtitan_speechlm.text_tokenizer import load_text_tokenizer
 
 FAILURES = "failures.jsonl"
 
@@ -71,10 +74,6 @@ def init_worker(cfg: WorkerConfig, progress_queue=None, threads: int | None = No
     """Load this process' codec, tokenizer and (for HF sources) audio reader."""
     import torch
 
-    from torchtitan_speechlm.codecs import load_codec
-    from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
-    from torchtitan_speechlm.text_tokenizer import load_text_tokenizer
-
     import_modules(cfg.imports)
     if threads:
         torch.set_num_threads(threads)
@@ -87,8 +86,6 @@ def init_worker(cfg: WorkerConfig, progress_queue=None, threads: int | None = No
 
 def use_in_process(cfg: WorkerConfig, codec, tok, callback) -> None:
     """Run shards in this process with an already loaded codec/tokenizer."""
-    from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
-
     _state.clear()
     _state.update(cfg=cfg, queue=None, callback=callback, codec=codec, tok=tok,
                   hf=HFAudioReader(*cfg.hf) if cfg.hf else None)  # fmt: skip

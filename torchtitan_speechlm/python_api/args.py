@@ -17,7 +17,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.compat import accelerator_available
+from torchtitan_speechlm.config import ConfigError, check_toml
+from torchtitan_speechlm.fileio import write_text_atomic
+from torchtitan_speechlm.run_context import REGISTERED_VALUES
 
 CONFIG_MODULE = "torchtitan_speechlm.config"
 TOML_NAME = "titan_trainer.toml"
@@ -98,8 +101,6 @@ def _optimizer(opt: Mapping) -> dict:
     from dataclasses import fields
 
     from torchtitan.config.job_config import Optimizer
-
-    from torchtitan_speechlm.compat import accelerator_available
 
     known = [f.name for f in fields(Optimizer)]
     out = dict(ESPNET_OPTIMIZER_DEFAULTS)
@@ -256,9 +257,7 @@ def global_batch(sections: dict, world_size: int) -> int:
 
 def check_sections(sections: dict, source: str) -> None:
     """Unknown keys and wrong types, exactly as ``torchtitan train`` checks a TOML."""
-    from torchtitan_speechlm.config import check_toml
-
-    check_toml(sections, config_class(), source=source)
+    check_toml(sections, config_class(), source=source, registered=REGISTERED_VALUES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,8 +286,6 @@ def to_toml(sections: dict[str, dict], header: str = "") -> str:
 
 
 def write_toml(path: str, sections: dict[str, dict], header: str = "") -> str:
-    from torchtitan_speechlm.fileio import write_text_atomic
-
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     write_text_atomic(path, to_toml(sections, header))
     return path

@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtitan_speechlm.config import ConfigError, parse_datasets
+from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.python_api.espnet_data import EspnetData, EspnetRunData
+from torchtitan_speechlm.run_context import parse_datasets
 
 
 @dataclass
@@ -57,8 +59,6 @@ def _is_espnet_factory(obj: Any) -> bool:
 def resolve_data(
     train_data_factory: Any, valid_data_factories: Mapping[str, Any] | None, trainer_args: Mapping
 ) -> DataPlan:
-    from torchtitan_speechlm.python_api.espnet_data import EspnetData, EspnetRunData
-
     valid = dict(valid_data_factories or {})
     if _is_espnet_factory(train_data_factory) and not isinstance(train_data_factory, EspnetData):
         raise ConfigError(

@@ -41,7 +41,9 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
 
 from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.data.loader import global_batch_rows
 from torchtitan_speechlm.data.stream import Unit, data_stats_keys
+from torchtitan_speechlm.data.tasks import TASKS
 from torchtitan_speechlm.model.vocab import SPECIAL_TOKENS, VocabLayout
 
 ESPNET_SHARED_SPECIALS = 9  # <|pad|> .. <|audio|>: same names, same ids as ours
@@ -207,8 +209,6 @@ class EspnetData:
 
     def _stats(self, inp, pad, pos, loss_frames, layout, batch) -> torch.Tensor:
         """The ``data_stats`` vector our statistics expect (data/stream.py)."""
-        from torchtitan_speechlm.data.tasks import TASKS
-
         keys = data_stats_keys(layout.num_streams)
         real = ~pad.all(-1)
         stats = dict.fromkeys(keys, 0.0)
@@ -326,8 +326,6 @@ class EspnetRunData:
         return list(self.valid)
 
     def train_loader(self, job_config, layout, dp_rank: int, dp_world_size: int):
-        from torchtitan_speechlm.data.loader import global_batch_rows
-
         local = job_config.training.local_batch_size
         accumulation = max(
             1, global_batch_rows(job_config, dp_world_size) // (local * dp_world_size)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_speechlm.config import ConfigError
-from torchtitan_speechlm.launch import set_single_process_env
+from torchtitan_speechlm.launch import check_config, set_single_process_env, torchtitan_args
 from torchtitan_speechlm.python_api.args import (
     TOML_NAME,
     check_sections,
@@ -38,6 +38,8 @@ from torchtitan_speechlm.python_api.args import (
     trainer_args_to_sections,
     write_toml,
 )
+from torchtitan_speechlm.python_api.data import resolve_data
+from torchtitan_speechlm.python_api.wandb_run import RunLogger, current_run
 
 BACKBONE_DIR = "backbone"
 
@@ -238,9 +240,6 @@ class TitanTrainer:
         trainer_args: Mapping[str, Any],
         parallel_dims: Any = None,
     ):
-        import torchtitan_speechlm  # noqa: F401  (CPU device selection, spec registration)
-        from torchtitan_speechlm.python_api.data import resolve_data
-
         self.output_dir = Path(output_dir).resolve()
         self.trainer_args = dict(trainer_args)
         use_single_process_env()
@@ -299,16 +298,12 @@ class TitanTrainer:
         """The JobConfig of the written TOML, with ``torchtitan train``'s checks."""
         import tempfile
 
-        from torchtitan_speechlm.launch import check_config, torchtitan_args
-
         # every rank parses its own copy (rank 0's file may not be visible yet)
         with tempfile.TemporaryDirectory() as tmp:
             path = write_toml(os.path.join(tmp, TOML_NAME), sections)
             return check_config(torchtitan_args(["--job.config_file", path]), external)
 
     def _choose_wandb(self):
-        from torchtitan_speechlm.python_api.wandb_run import current_run
-
         run = current_run()
         if run is not None and self.job_config.metrics.enable_wandb:
             self.job_config.metrics.enable_wandb = False  # log into the caller's run instead
@@ -318,7 +313,6 @@ class TitanTrainer:
     def _attach_wandb(self) -> None:
         if self._wandb_run is None or _rank() != 0:
             return
-        from torchtitan_speechlm.python_api.wandb_run import RunLogger
 
         self.trainer.metrics_processor.logger.add_logger(RunLogger(self._wandb_run))
 
