@@ -368,11 +368,15 @@ def report(imports: list[Import]) -> list[str]:
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="report problems; do not write")
-    p.add_argument("--out", default=str(PICTURE))
-    a = p.parse_args(argv)
+    p.add_argument("--out", default=str(PICTURE), help="the picture (docs/architecture.svg)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     imports = all_imports()
     problems = report(imports)
     for line in problems:
