@@ -193,9 +193,9 @@ def test_strict_error_in_a_worker_process_stops_the_run(assets, tmp_path):
 
 
 def test_untokenizable_text_is_recorded(assets, tmp_path, monkeypatch):
-    from torchtitan_speechlm import text_tokenizer as tokmod
+    from torchtitan_speechlm.prepare import pipeline, worker
 
-    real_load = tokmod.load_text_tokenizer
+    real_load = worker.load_text_tokenizer
 
     class Picky:
         """The real tokenizer, except that it fails on one text and returns nothing for another."""
@@ -214,7 +214,8 @@ def test_untokenizable_text_is_recorded(assets, tmp_path, monkeypatch):
                 raise ValueError("cannot handle this")
             return {"input_ids": []} if text == "void" else self.tok(text, **kw)
 
-    monkeypatch.setattr(tokmod, "load_text_tokenizer", lambda p: Picky(real_load(p)))
+    for module in (pipeline, worker):  # where prepare looks the loader up
+        monkeypatch.setattr(module, "load_text_tokenizer", lambda p: Picky(real_load(p)))
     m = write_manifest(tmp_path / "m.jsonl", [{"id": "ok", "text": "fine text"},
                                               {"id": "b", "text": "boom"},
                                               {"id": "v", "text": "void"}])  # fmt: skip
