@@ -384,6 +384,44 @@ def test_unwritable_dump_folder_is_refused_and_probing_leaves_nothing(tmp_path):
             check_dump_folder(cfg(ro / "run"))
 
 
+def _probe_as_rank(dump: str, start, out) -> None:
+    """One rank of an 8-rank job: wait for the others, then probe the (missing) dump folder."""
+    from torchtitan_speechlm.preflight import check_dump_folder
+
+    os.environ["WORLD_SIZE"] = "8"
+    cfg = SimpleNamespace(
+        job=SimpleNamespace(dump_folder=dump),
+        checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
+    )
+    start.wait()
+    try:
+        check_dump_folder(cfg)
+        out.put("ok")
+    except ConfigError as e:
+        out.put(str(e))
+
+
+def test_ranks_probing_a_new_dump_folder_together_all_pass_and_keep_it(tmp_path):
+    """Proves: 8 ranks starting at once on a dump folder that does not exist yet (a fresh run
+    folder on shared storage) all pass the probe, 6 rounds in a row, and the folders stay for
+    the run (one rank's clean-up used to delete the folder under another's probe)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for round_ in range(6):
+        dump = str(tmp_path / f"r{round_}" / "run")
+        start, out = ctx.Barrier(8), ctx.Queue()
+        ranks = [ctx.Process(target=_probe_as_rank, args=(dump, start, out)) for _ in range(8)]
+        for p in ranks:
+            p.start()
+        results = [out.get(timeout=60) for _ in ranks]
+        for p in ranks:
+            p.join(timeout=60)
+        assert results == ["ok"] * 8, results
+        assert os.path.isdir(os.path.join(dump, "checkpoint"))
+        assert not [f for f in os.listdir(dump) if f.startswith(".speechlm-write-probe")]
+
+
 def test_low_free_space_warns_with_the_checkpoint_size(tmp_path, monkeypatch):
     """Proves: less free space than one checkpoint (the newest one's size) gives a warning
     naming both sizes; enough space gives none."""

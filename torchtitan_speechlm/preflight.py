@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 from collections.abc import Callable
 from copy import deepcopy
@@ -158,7 +159,14 @@ def _nearest_existing(path: str) -> str:
 
 def check_dump_folder(job_config) -> None:
     """The dump folder (and its checkpoint folder) can be created and written: probe it by
-    creating what is missing and a file in it, then removing what the probe made."""
+    creating what is missing and a file in it.
+
+    The launching process removes what its probe made (a config error found later leaves
+    nothing behind). A rank of a multi-rank job (``WORLD_SIZE`` > 1: torchrun or srun starting
+    ``torchtitan train`` on every rank) keeps the folders: its peers probe the same folders at
+    the same time, and one rank's clean-up removed the folder under another's probe (a fresh run
+    folder on shared storage, the normal case on a cluster, failed "not writable")."""
+    keep = int(os.environ.get("WORLD_SIZE", "1")) > 1
     folders = [job_config.job.dump_folder]
     if job_config.checkpoint.enable:
         folders.append(checkpoint_folder(job_config))
@@ -177,9 +185,14 @@ def check_dump_folder(job_config) -> None:
                 missing.append(path)
                 path = os.path.dirname(path)
             for path in reversed(missing):
-                os.mkdir(path)
-                made.append(path)
-            probe = os.path.join(folder, f".speechlm-write-probe-{os.getpid()}")
+                try:
+                    os.mkdir(path)
+                    made.append(path)
+                except FileExistsError:  # a peer rank made it first
+                    pass
+            probe = os.path.join(
+                folder, f".speechlm-write-probe-{socket.gethostname()}-{os.getpid()}"
+            )
             with open(probe, "w") as f:
                 f.write("ok")
             os.remove(probe)
@@ -190,7 +203,7 @@ def check_dump_folder(job_config) -> None:
                 "(--job.dump_folder PATH)"
             ) from None
         finally:
-            for path in reversed(made):
+            for path in reversed(made if not keep else []):
                 try:
                     os.rmdir(path)
                 except OSError:
