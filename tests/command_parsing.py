@@ -193,7 +193,7 @@ def bash_syntax_ok(path: str | Path) -> None:
 # ---- checking one command as shown ------------------------------------------------------------
 TORCHTITAN = ("torchtitan", ".venv/bin/torchtitan")
 PYTHON = ("python", "python3", ".venv/bin/python")
-PROGRAMS = (*TORCHTITAN, *PYTHON, "make", "bash")
+PROGRAMS = (*TORCHTITAN, *PYTHON, "make", "bash", "sbatch")
 
 
 @dataclass
@@ -299,6 +299,10 @@ def check(shown: Shown) -> None:
             raise CommandError(f"Makefile has no target(s) {missing or words[1:]}")
     elif prog == "bash":
         bash_syntax_ok(words[1])
+    elif prog == "sbatch":  # a batch script of the repo, its config argument a file of the repo
+        bash_syntax_ok(words[1])
+        if len(words) > 2 and words[2].endswith(".toml") and not (ROOT / words[2]).is_file():
+            raise CommandError(f"sbatch: no config file {words[2]}")
     elif prog in PYTHON or prog.startswith("benchmarks/"):
         rest = words[1:] if prog in PYTHON else words
         if rest[:1] == ["-m"]:
