@@ -37,14 +37,15 @@ demo: deps
 	$(PY) -m torchtitan_speechlm.demo
 
 test: deps
-	$(PY) -m pytest -q -m "not faults and not cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not faults and not cluster and not bench_smoke" $(PYTEST_ARGS)
 
 # The slow half of the fault suite (docs/errors.md): ranks killed mid-save, NaN steps, a full
 # disk, hung and dead ranks, each on real 2-process runs compared bit for bit with an
 # uninterrupted one (about 10 minutes on 2 CPU cores). The fast half is in `make test`.
-# Also the cluster launches (tests/test_cluster.py: the SLURM script on two "nodes").
+# Also the cluster launches (tests/test_cluster.py: the SLURM script on two "nodes") and every
+# benchmark script run at its smallest setting (tests/test_benchmarks_run.py, marker bench_smoke).
 faults: deps
-	$(PY) -m pytest -q -m "faults or cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "faults or cluster or bench_smoke" $(PYTEST_ARGS)
 
 lint: deps
 	$(VENV)/bin/ruff check torchtitan_speechlm tests benchmarks

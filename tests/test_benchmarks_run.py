@@ -1,7 +1,8 @@
 """Every benchmark script still runs, so none rots unseen. Each `benchmarks/*.py` is imported,
 the usage lines of its docstring parse with its own parser, and each one that measures
 something runs as a user runs it (`python benchmarks/X.py ...`, its own process, from the
-repository root) at its smallest setting: a smoke test of the script, nothing timed or
+repository root) at its smallest setting (marker `bench_smoke`, run by `make faults`: about two
+minutes of subprocesses that would push `make test` past its budget): a smoke test of the script, nothing timed or
 compared, its results written under tmp_path and never to benchmarks/results/.
 
 Not run: `bench_learning.py` (an espeak-ng corpus, a codec fit, prepare, train, then `torchtitan
@@ -88,6 +89,7 @@ def _results_state() -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.bench_smoke  # about 2 minutes: in `make faults`, beside the other slow launches
 @pytest.mark.parametrize("name", sorted(SMOKE))
 def test_runs_at_its_smallest_setting(name, tmp_path, request):
     import shlex
