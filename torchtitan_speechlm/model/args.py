@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torchtitan.protocols import BaseModelArgs
 
+from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
 from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -41,6 +42,8 @@ class SpeechLMModelArgs(BaseModelArgs):
     load_balance_weight: float = 0.0
     loss_chunk_size: int = 4096
     loss_chunk_mb: float = 256.0
+    audio_encoder: dict = field(default_factory=dict)
+    """The continuous audio input (``AudioEncoderArgs.to_dict()``); empty: none."""
 
     # ---- derived ---------------------------------------------------------------------------
     @property
@@ -50,6 +53,10 @@ class SpeechLMModelArgs(BaseModelArgs):
     @property
     def family(self) -> Backbone:
         return get_backbone(self.backbone)
+
+    @property
+    def audio(self) -> AudioEncoderArgs | None:
+        return AudioEncoderArgs(**self.audio_encoder) if self.audio_encoder else None
 
     @property
     def hidden_size(self) -> int:
@@ -76,6 +83,8 @@ class SpeechLMModelArgs(BaseModelArgs):
         embed = model.tok_embeddings.weight.numel()
         head = 0 if self.tie_embeddings else model.head.output.weight.numel()
         dense = nparams - embed - head - model.head.stream_emb.weight.numel()
+        if model.audio_encoder is not None:  # runs on audio frames, not on every LM frame
+            dense -= sum(p.numel() for p in model.audio_encoder.parameters())
         moe = self.family.moe(self.backbone_config)
         if moe:
             # MoE: only the routed experts' share of expert params is active per token.

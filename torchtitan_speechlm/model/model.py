@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.protocols import ModelProtocol
 
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
+from torchtitan_speechlm.model.audio_tower import AudioTower
 from torchtitan_speechlm.model.chunked_loss import chunked_stream_loss
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.starting_point import load_starting_point
@@ -261,6 +262,8 @@ class SpeechLM(ModelProtocol):
         )
         self.backbone = self.family.build(args.backbone_config, args.attn_implementation)
         self.head = SpeechLMHead(args, dim)
+        # continuous audio input (model/audio_tower.py); None keeps a token-only model's keys
+        self.audio_encoder = AudioTower(args.audio, dim) if args.audio else None
 
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype | None = None):
@@ -276,13 +279,32 @@ class SpeechLM(ModelProtocol):
 
     # ---- forward ---------------------------------------------------------------------------
     def hidden_states(
-        self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None
+        self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, **audio
     ) -> torch.Tensor:
-        return self._backbone(inputs, position_ids)[0]
+        return self._backbone(inputs, position_ids, **audio)[0]
 
-    def _backbone(self, inputs: torch.Tensor, position_ids: torch.Tensor | None):
-        """Hidden states, and the MoE router load-balance loss (None for dense backbones)."""
+    def embed(
+        self,
+        inputs: torch.Tensor,
+        audio_wave: torch.Tensor | None = None,
+        audio_lengths: torch.Tensor | None = None,
+        audio_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Input embeddings [B, T, D]: the streams' token embeddings, continuous segments
+        replaced by the audio encoder's adaptor outputs (model/audio_tower.py)."""
         h = self.tok_embeddings(inputs)
+        if self.audio_encoder is not None:
+            return self.audio_encoder.place(h, audio_wave, audio_lengths, audio_index)
+        if audio_wave is not None and audio_wave.shape[0]:
+            raise ValueError(
+                "the batch holds continuous audio (audio_wave) but the model has no audio "
+                "encoder; set [audio_encoder] path in the config (docs/audio-encoder.md)"
+            )
+        return h
+
+    def _backbone(self, inputs: torch.Tensor, position_ids: torch.Tensor | None, **audio):
+        """Hidden states, and the MoE router load-balance loss (None for dense backbones)."""
+        h = self.embed(inputs, **audio)
         if position_ids is None:
             position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand(
                 inputs.shape[0], -1
@@ -297,9 +319,18 @@ class SpeechLM(ModelProtocol):
         loss_weights: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         data_stats: torch.Tensor | None = None,
+        audio_wave: torch.Tensor | None = None,
+        audio_lengths: torch.Tensor | None = None,
+        audio_index: torch.Tensor | None = None,
         **unused: torch.Tensor,
     ) -> SpeechLMOutput | list[torch.Tensor]:
-        h, aux = self._backbone(inputs, position_ids)
+        h, aux = self._backbone(
+            inputs,
+            position_ids,
+            audio_wave=audio_wave,
+            audio_lengths=audio_lengths,
+            audio_index=audio_index,
+        )
         tied = self.tok_embeddings.weight if self.args.tie_embeddings else None
         if targets is None:
             return self.head.logits(h, tied)
@@ -321,18 +352,24 @@ class SpeechLM(ModelProtocol):
 
     @torch.no_grad()
     def decode_step(
-        self, inputs: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache
+        self,
+        inputs: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache,
+        **audio: torch.Tensor,
     ):
         """Generation: per-stream fp32 logits of the new positions, with the backbone's KV
-        cache (``None`` the first time); raises NotImplementedError for a backbone without one."""
-        h = self.tok_embeddings(inputs)
+        cache (``None`` the first time); raises NotImplementedError for a backbone without one.
+        ``audio``: the prompt's continuous segments (``embed``'s keywords)."""
+        h = self.embed(inputs, **audio)
         hidden, cache = self.family.decode(self.backbone, h, position_ids, attention_mask, cache)
         tied = self.tok_embeddings.weight if self.args.tie_embeddings else None
         return self.head.logits(hidden, tied), cache
 
-    def logits(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None):
+    def logits(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, **audio):
         """Per-stream fp32 logits for every position (inference helper)."""
-        return self.forward(inputs, position_ids=position_ids)
+        return self.forward(inputs, position_ids=position_ids, **audio)
 
     # ---- initialisation --------------------------------------------------------------------
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
@@ -346,6 +383,11 @@ class SpeechLM(ModelProtocol):
         self.family.reset_buffers(self.backbone, device)
         std = args.init_std or self.family.init_std(args.backbone_config)
         named = [(canonical_name(n), p) for n, p in self.named_parameters()]
+        audio = {}
+        if self.audio_encoder is not None:
+            self.audio_encoder.reset_buffers(device)
+            tower = self.audio_encoder.initial_state(std, args.init_seed, args.load_weights)
+            audio = {f"audio_encoder.{k}": v for k, v in tower.items()}
         start = {}
         if args.init_from:
             start = load_starting_point(args, {n for n, _ in named}, args.codec_hash)
@@ -361,7 +403,9 @@ class SpeechLM(ModelProtocol):
         )
         with torch.no_grad():
             for name, param in named:
-                full = _random_init(name, param, std, args.init_seed)
+                full = audio.get(name)
+                if full is None:
+                    full = _random_init(name, param, std, args.init_seed)
                 if name in text:
                     _load_pretrained(
                         full, reader, *text[name], self.family, name, args.backbone_config

@@ -1,0 +1,286 @@
+"""The continuous audio input (model/audio_tower.py, model/hf_audio_encoder.py): features, the
+assembled model against an independent assembly of transformers' parts, padding and packing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import build_speechlm, save_tiny_backbone, text_only_inputs
+
+from torchtitan_speechlm.model.audio_encoders import AudioEncoderError
+from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
+
+SR, WINDOW = 16000, 32000  # the tiny encoder reads 2 s windows (max_source_positions 100)
+
+
+def whisper_config(**kw):
+    from transformers import WhisperConfig
+
+    base = dict(
+        vocab_size=100,
+        num_mel_bins=80,
+        encoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_layers=1,
+        decoder_attention_heads=2,
+        d_model=32,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_source_positions=100,
+        max_target_positions=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
+    return WhisperConfig(**{**base, **kw})
+
+
+def save_tiny_whisper(path, seed=0):
+    from transformers import WhisperModel
+
+    torch.manual_seed(seed)
+    WhisperModel(whisper_config()).save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("audio_encoder")
+    return {
+        "whisper": save_tiny_whisper(root / "whisper"),
+        "backbone": str(root / "backbone"),
+        "hf": save_tiny_backbone(root / "backbone"),
+    }
+
+
+def speechlm(assets, **options):
+    audio = AudioEncoderArgs.from_folder(assets["whisper"], **{"stack": 2, **options})
+    return build_speechlm(assets["backbone"], audio_encoder=audio.to_dict()).eval()
+
+
+def waves(*lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [0.3 * torch.randn(n, generator=g) for n in lengths]
+
+
+def sample(model, text_ids, n_samples, at):
+    """One sample's frames [T, N] (text, a continuous segment at ``at``) and its audio index."""
+    frames_audio = int(model.args.audio.output_frames(n_samples))
+    layout = model.args.layout
+    t = len(text_ids) + frames_audio
+    ids = torch.tensor(text_ids[:at] + [0] * frames_audio + text_ids[at:])
+    inp = text_only_inputs(layout, ids[None])[0]
+    inp[at : at + frames_audio] = torch.tensor(layout.pad_frame())
+    index = torch.full((t,), -1)
+    index[at : at + frames_audio] = torch.arange(frames_audio)
+    return inp, index
+
+
+def test_log_mel_equals_whisper_feature_extractor():
+    from transformers import WhisperFeatureExtractor
+
+    from torchtitan_speechlm.model.hf_audio_encoder import LogMel
+
+    ext = WhisperFeatureExtractor(feature_size=80, chunk_length=WINDOW // SR)
+    fe = {k: int(getattr(ext, k)) for k in ("sampling_rate", "n_fft", "hop_length", "feature_size")}
+    mel = LogMel({**fe, "n_samples": ext.n_samples})
+    for w in waves(WINDOW, 12345, 400):
+        ours = mel(w[None])[0]
+        theirs = ext(w.numpy(), sampling_rate=SR, return_tensors="np").input_features[0]
+        padded = np.pad(w.numpy(), (0, WINDOW - len(w)))
+        numpy_path = ext._np_extract_fbank_features(padded[None], "cpu")[0]
+        assert ours.shape == theirs.shape == (80, WINDOW // 160)
+        torch.testing.assert_close(ours, torch.from_numpy(theirs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours, torch.from_numpy(numpy_path).float(), atol=2e-4, rtol=0)
+
+
+def test_logits_equal_an_independent_assembly(assets):
+    """transformers' feature extractor + Whisper encoder, the adaptor in plain PyTorch and
+    transformers' decoder on inputs_embeds give our logits (fp32, 1e-5)."""
+    from transformers import AutoModelForCausalLM, WhisperFeatureExtractor, WhisperModel
+
+    model = speechlm(assets)
+    (wave,) = waves(9000)
+    text = [5, 17, 3, 40, 41, 42]
+    inp, index = sample(model, text, len(wave), at=2)
+    ours = model.logits(
+        inp[None],
+        audio_wave=wave[None],
+        audio_lengths=torch.tensor([len(wave)]),
+        audio_index=index[None],
+    )[0][0]
+
+    ext = WhisperFeatureExtractor(feature_size=80, chunk_length=WINDOW // SR)
+    feats = ext(wave.numpy(), sampling_rate=SR, return_tensors="pt").input_features
+    enc = WhisperModel.from_pretrained(assets["whisper"]).encoder.eval()
+    with torch.no_grad():
+        states = enc(feats).last_hidden_state[0]  # [100, 32]
+    real = -(-(-(-len(wave) // 160)) // 2)  # ceil(ceil(samples / hop) / 2)
+    states[real:] = 0
+    stacked = states.reshape(-1, 64)  # stack 2
+    p = {k.removeprefix("audio_encoder.adaptor."): v for k, v in model.state_dict().items()}
+    adapted = F.linear(F.gelu(F.linear(stacked, p["proj_in.weight"], p["proj_in.bias"])),
+                       p["proj_out.weight"], p["proj_out.bias"])  # fmt: skip
+    n = int(model.args.audio.output_frames(len(wave)))
+    lm = AutoModelForCausalLM.from_pretrained(assets["backbone"]).eval()
+    ids = torch.tensor(text)
+    emb = lm.get_input_embeddings()(ids)
+    embeds = torch.cat([emb[:2], adapted[:n], emb[2:]])[None]
+    with torch.no_grad():
+        theirs = lm(inputs_embeds=embeds).logits[0]
+    layout = model.args.layout
+    text_logits = ours[:, layout.text_offset : layout.text_offset + layout.text_size]
+    torch.testing.assert_close(text_logits, theirs, atol=1e-5, rtol=0)
+
+
+def test_padded_audio_changes_nothing(assets):
+    """An item padded (with noise) in a batch next to a longer one gives its logits alone."""
+    model = speechlm(assets)
+    a, b = waves(7000, 20000, seed=1)
+    text = [7, 8, 9, 10]
+    inp_a, idx_a = sample(model, text, len(a), at=1)
+    inp_b, idx_b = sample(model, text, len(b), at=1)
+    alone = model.logits(
+        inp_a[None], audio_wave=a[None], audio_lengths=torch.tensor([7000]), audio_index=idx_a[None]
+    )
+    t = max(len(inp_a), len(inp_b))
+    pad = torch.tensor(model.args.layout.pad_frame())
+    rows = torch.stack([torch.cat([x, pad.expand(t - len(x), -1)]) for x in (inp_a, inp_b)])
+    n_a = int(model.args.audio.output_frames(7000))
+    index = torch.full((2, t), -1)
+    index[0, : len(idx_a)] = idx_a
+    index[1, : len(idx_b)] = torch.where(idx_b >= 0, idx_b + n_a, -1)
+    batch_wave = torch.stack([torch.cat([a, torch.randn(20000 - 7000)]), b])
+    both = model.logits(
+        rows, audio_wave=batch_wave, audio_lengths=torch.tensor([7000, 20000]), audio_index=index
+    )
+    for k in range(len(alone)):
+        torch.testing.assert_close(both[k][0, : len(inp_a)], alone[k][0], atol=1e-5, rtol=0)
+
+
+def test_packed_row_with_continuous_segments_equals_each_sample_alone(assets):
+    model = speechlm(assets)
+    w1, w2 = waves(5000, 11000, seed=2)
+    s1 = sample(model, [4, 5, 6, 7, 8], len(w1), at=2)
+    s2 = sample(model, [9, 10, 11], len(w2), at=1)
+    n1 = int(model.args.audio.output_frames(len(w1)))
+    inp = torch.cat([s1[0], s2[0]])[None]
+    index = torch.cat([s1[1], torch.where(s2[1] >= 0, s2[1] + n1, -1)])[None]
+    pos = torch.cat([torch.arange(len(s1[0])), torch.arange(len(s2[0]))])[None]
+    lengths = torch.tensor([len(w1), len(w2)])
+    wave = torch.stack([F.pad(w1, (0, len(w2) - len(w1))), w2])
+    packed = model.logits(
+        inp, position_ids=pos, audio_wave=wave, audio_lengths=lengths, audio_index=index
+    )
+    at = 0
+    for (x, idx), w in ((s1, w1), (s2, w2)):
+        alone = model.logits(
+            x[None], audio_wave=w[None], audio_lengths=torch.tensor([len(w)]), audio_index=idx[None]
+        )
+        for k in range(len(alone)):
+            torch.testing.assert_close(
+                packed[k][0, at : at + len(x)], alone[k][0], atol=1e-5, rtol=0
+            )
+        at += len(x)
+
+
+@pytest.mark.parametrize("freeze_encoder", [True, False])
+def test_freeze_options_and_token_only_batches(assets, freeze_encoder):
+    """Frozen parts get no gradient, trained ones do; a micro-batch without audio still runs
+    the tower in training (every FSDP rank gathers and reduces it) and changes no logits."""
+    model = speechlm(assets, freeze_encoder=freeze_encoder, freeze_adaptor=False).train()
+    layout = model.args.layout
+    (w,) = waves(6000)
+    inp, idx = sample(model, [3, 4, 5, 6], len(w), at=1)
+    tgt = torch.roll(inp, -1, 0)[None]
+    weights = torch.ones(tgt.shape)
+    weights[0, : idx.ge(0).nonzero().max() + 1] = 0  # no loss up to the continuous segment's end
+    out = model(
+        inp[None], tgt, weights, audio_wave=w[None], audio_lengths=torch.tensor([6000]),
+        audio_index=idx[None],
+    )  # fmt: skip
+    out.loss_sum.backward()
+    enc = dict(model.audio_encoder.encoder.named_parameters())
+    trained = [n for n, p in enc.items() if p.grad is not None and p.grad.abs().sum() > 0]
+    assert bool(trained) != freeze_encoder
+    assert "embed_positions.weight" not in trained  # Whisper's sinusoids stay fixed
+    assert all(p.grad.abs().sum() > 0 for p in model.audio_encoder.adaptor.parameters())
+    model.zero_grad()
+    text = text_only_inputs(layout, torch.tensor([[3, 4, 5, 6]]))
+    no_audio = model(text, text, torch.ones(text.shape))
+    no_audio.loss_sum.backward()
+    assert all(p.grad is not None for p in model.audio_encoder.adaptor.parameters())
+    plain = build_speechlm(assets["backbone"])
+    torch.testing.assert_close(model.logits(text)[0], plain.logits(text)[0], atol=1e-6, rtol=0)
+
+
+def test_bad_input_is_named(assets, tmp_path):
+    with pytest.raises(AudioEncoderError, match="has no audio\\s+encoder|no audio encoder"):
+        AudioEncoderArgs.from_folder(assets["backbone"])
+    with pytest.raises(AudioEncoderError, match="no config.json"):
+        AudioEncoderArgs.from_folder(str(tmp_path / "nowhere"))
+    from transformers import WhisperFeatureExtractor
+
+    bad = save_tiny_whisper(tmp_path / "mels")
+    WhisperFeatureExtractor(feature_size=128, chunk_length=2).save_pretrained(bad)
+    with pytest.raises(AudioEncoderError, match="128 mel bins, the encoder reads 80"):
+        AudioEncoderArgs.from_folder(bad)
+    WhisperFeatureExtractor(feature_size=80, chunk_length=30).save_pretrained(bad)
+    with pytest.raises(AudioEncoderError, match="3000 mel frames.*the encoder reads 200"):
+        AudioEncoderArgs.from_folder(bad)
+    model = speechlm(assets)
+    inp, idx = sample(model, [3, 4], WINDOW, at=1)
+    with pytest.raises(ValueError, match="more than the audio encoder's window of 32000 \\(2 s\\)"):
+        model.logits(
+            inp[None], audio_wave=torch.zeros(1, WINDOW + 1),
+            audio_lengths=torch.tensor([WINDOW + 1]), audio_index=idx[None],
+        )  # fmt: skip
+    plain = build_speechlm(assets["backbone"])
+    with pytest.raises(ValueError, match="no audio\\s+encoder"):
+        plain.logits(inp[None], audio_wave=torch.zeros(1, 100), audio_lengths=torch.tensor([100]))
+
+
+def test_weights_come_from_the_folder_and_qwen2_audio_plugs_in(assets, tmp_path):
+    """Our tower's encoder states equal transformers' for a Whisper folder and for the audio
+    tower of a tiny Qwen2-Audio folder (same interface, another family)."""
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioForConditionalGeneration,
+        WhisperFeatureExtractor,
+        WhisperModel,
+    )
+
+    from torchtitan_speechlm.model.audio_tower import AudioTower
+
+    (w,) = waves(WINDOW)
+    ext = WhisperFeatureExtractor(feature_size=80, chunk_length=WINDOW // SR)
+    feats = ext(w.numpy(), sampling_rate=SR, return_tensors="pt").input_features
+    audio = {k: v for k, v in whisper_config().to_dict().items() if k != "model_type"}
+    audio = {**audio, "model_type": "qwen2_audio_encoder"}
+    text = dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    torch.manual_seed(1)
+    qwen = Qwen2AudioForConditionalGeneration(
+        Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=63)
+    )
+    qwen.save_pretrained(str(tmp_path / "qwen2_audio"))
+    cases = [
+        (assets["whisper"], WhisperModel.from_pretrained(assets["whisper"]).encoder),
+        (str(tmp_path / "qwen2_audio"), qwen.model.audio_tower),
+    ]
+    for path, reference in cases:
+        args = AudioEncoderArgs.from_folder(path)
+        assert json.loads(json.dumps(args.to_dict())) == args.to_dict()  # stored in records
+        tower = AudioTower(args, dim=32)
+        state = tower.initial_state(0.02, 0, load=True)
+        tower.load_state_dict(state)
+        with torch.no_grad():
+            ours = args.family.run(tower.encoder, tower.features(w[None]), torch.tensor([100]))
+            theirs = reference.eval()(feats).last_hidden_state
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+        assert ours.shape[1] == int(args.family.encoder_frames(args.config, torch.tensor(WINDOW)))
