@@ -4,12 +4,19 @@ assembled model against an independent assembly of transformers' parts, padding 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import build_speechlm, save_tiny_backbone, text_only_inputs
+from helpers import (
+    build_speechlm,
+    make_tiny_run_assets,
+    save_tiny_backbone,
+    text_only_inputs,
+    write_tiny_config,
+)
 
 from torchtitan_speechlm.model.audio_encoders import AudioEncoderError
 from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
@@ -120,7 +127,7 @@ def test_logits_equal_an_independent_assembly(assets):
     enc = WhisperModel.from_pretrained(assets["whisper"]).encoder.eval()
     with torch.no_grad():
         states = enc(feats).last_hidden_state[0]  # [100, 32]
-    real = -(-(-(-len(wave) // 160)) // 2)  # ceil(ceil(samples / hop) / 2)
+    real = math.ceil(math.ceil(len(wave) / 160) / 2)  # encoder frames of real audio
     states[real:] = 0
     stacked = states.reshape(-1, 64)  # stack 2
     p = {k.removeprefix("audio_encoder.adaptor."): v for k, v in model.state_dict().items()}
@@ -284,3 +291,42 @@ def test_weights_come_from_the_folder_and_qwen2_audio_plugs_in(assets, tmp_path)
             theirs = reference.eval()(feats).last_hidden_state
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
         assert ours.shape[1] == int(args.family.encoder_frames(args.config, torch.tensor(WINDOW)))
+
+
+def test_config_section_builds_the_tower_and_bad_folders_fail_at_validation(assets, tmp_path):
+    """[audio_encoder] reaches the model args through the resolve step; a folder without an
+    audio encoder, or with a feature extractor that does not fit it, is a ConfigError from the
+    start-up checks (before any rank starts)."""
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_speechlm.config import ConfigError
+    from torchtitan_speechlm.model.model import build_model
+    from torchtitan_speechlm.preflight import validate_job_config
+    from torchtitan_speechlm.run_context import fill_model_args
+    from torchtitan_speechlm.spec import SpeechLMJobModelArgs
+
+    run = make_tiny_run_assets(tmp_path / "run", n_items=6)
+    toml = write_tiny_config(tmp_path / "tiny.toml", run, tmp_path / "dump")
+
+    def job(*extra):
+        args = ["--job.config_file", toml, *extra]
+        return ConfigManager().parse_args(args)
+
+    good = job("--audio_encoder.path", assets["whisper"], "--audio_encoder.stack", "5",
+               "--audio_encoder.no-freeze-encoder")  # fmt: skip
+    validate_job_config(good)
+    args = SpeechLMJobModelArgs()
+    fill_model_args(args, good)
+    assert args.audio.stack == 5 and not args.audio.freeze_encoder
+    model = build_model(args)
+    assert all(p.requires_grad for n, p in model.audio_encoder.encoder.named_parameters()
+               if "embed_positions" not in n)  # fmt: skip
+    assert not build_model(
+        SpeechLMJobModelArgs(**{**vars(args), "audio_encoder": {}})
+    ).audio_encoder
+    with pytest.raises(ConfigError, match="has no audio\\s+encoder"):
+        validate_job_config(job("--audio_encoder.path", run["backbone"]))
+    with pytest.raises(ConfigError, match="audio_encoder.stack = 0"):
+        validate_job_config(
+            job("--audio_encoder.path", assets["whisper"], "--audio_encoder.stack", "0")
+        )

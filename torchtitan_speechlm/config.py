@@ -186,10 +186,30 @@ class Checkpoint:
 
 
 @dataclass
+class AudioEncoderConfig:
+    """[audio_encoder]: a continuous speech encoder in front of the LM; its adaptor's outputs
+    replace the input embeddings of continuous audio segments (docs/audio-encoder.md)."""
+
+    path: str = ""
+    """A local transformers folder holding an audio encoder (`model_type` `whisper`: its
+    encoder; `qwen2_audio`: its audio tower); empty: no continuous audio input."""
+    stack: int = 4
+    """Encoder frames the adaptor stacks into one LM frame (Whisper's 50 frames/s become
+    12.5 LM frames/s at 4)."""
+    adaptor_hidden: int = 0
+    """Width of the adaptor's hidden layer; 0: the backbone's hidden size."""
+    freeze_encoder: bool = True
+    """Keep the encoder's weights as loaded; `false` trains them with the LM."""
+    freeze_adaptor: bool = False
+    """Keep the adaptor at its initial weights (e.g. one taken over with `speechlm.init_from`)."""
+
+
+@dataclass
 class JobConfig:
     speechlm: SpeechLM = field(default_factory=SpeechLM)
     speechlm_data: SpeechLMData = field(default_factory=SpeechLMData)
     speechlm_faults: SpeechLMFaults = field(default_factory=SpeechLMFaults)
+    audio_encoder: AudioEncoderConfig = field(default_factory=AudioEncoderConfig)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
@@ -312,6 +332,12 @@ def check_values(job_config) -> None:
         )
     if faults.loss_spike_window < 1:
         raise ConfigError("speechlm_faults.loss_spike_window must be >= 1")
+    audio = job_config.audio_encoder
+    if audio.stack < 1 or audio.adaptor_hidden < 0:
+        raise ConfigError(
+            f"audio_encoder.stack = {audio.stack} must be >= 1 and audio_encoder.adaptor_hidden "
+            f"= {audio.adaptor_hidden} >= 0 (0: the backbone's width)"
+        )
 
 
 def normalised_stream_weights(weights: list[float], n: int) -> list[float]:

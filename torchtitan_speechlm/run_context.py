@@ -23,6 +23,8 @@ from torchtitan_speechlm.config import ConfigError, SpeechLM
 from torchtitan_speechlm.data.external import external_data
 from torchtitan_speechlm.data.tasks import TASKS
 from torchtitan_speechlm.dataset_format import check_compatible
+from torchtitan_speechlm.model.audio_encoders import AudioEncoderError
+from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
 from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.patterns import PATTERNS
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -128,6 +130,7 @@ def run_context(job_config) -> RunContext:
     if ctx is None:
         ctx = _build(job_config)
         _check_stream_weights(job_config, ctx)
+        audio_encoder_args(job_config)  # [audio_encoder]'s folder holds a usable encoder
         object.__setattr__(job_config, _ATTR, ctx)
     return ctx
 
@@ -277,6 +280,20 @@ def _validation_sets(data, datasets: dict, train: list[MixEntry]) -> dict:
     return sets
 
 
+def audio_encoder_args(job_config) -> dict:
+    """[audio_encoder] as the model args' ``audio_encoder`` (the folder's encoder config read
+    and checked against its feature extractor), {} without a path."""
+    a = job_config.audio_encoder
+    if not a.path:
+        return {}
+    options = {k: getattr(a, k) for k in ("stack", "adaptor_hidden")}
+    options.update(freeze_encoder=a.freeze_encoder, freeze_adaptor=a.freeze_adaptor)
+    try:
+        return AudioEncoderArgs.from_folder(a.path, **options).to_dict()
+    except AudioEncoderError as e:
+        raise ConfigError(str(e)) from None
+
+
 def fill_model_args(args, job_config) -> None:
     """The model args of the job, from the resolved run (no side effects; the spec's
     ``update_from_config`` also checks the job and records the run)."""
@@ -294,3 +311,4 @@ def fill_model_args(args, job_config) -> None:
     )
     args.load_weights = sl.init == "pretrained"
     args.codec_hash = str(ctx.codec.get("config_hash", ""))
+    args.audio_encoder = audio_encoder_args(job_config)

@@ -18,6 +18,7 @@ SECTIONS = (
     ("speechlm_data", config.SpeechLMData),
     ("speechlm_faults", config.SpeechLMFaults),
     ("checkpoint", config.Checkpoint),
+    ("audio_encoder", config.AudioEncoderConfig),
 )
 BEGIN, END = "<!-- generated from {name} by tools/config_doc.py -->", "<!-- end generated -->"
 
