@@ -205,8 +205,32 @@ class AudioEncoderConfig:
 
 
 @dataclass
+class Lora:
+    """[lora]: LoRA fine-tuning (PEFT's LoRA layers), applied when `model.converters` lists
+    `"lora"` (docs/checkpoints.md, Parameter-efficient fine-tuning)."""
+
+    rank: int = 8
+    """The adapters' rank r."""
+    alpha: float = 16.0
+    """LoRA's alpha: the adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (PEFT's lora_dropout)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """The decoder's linear layers that get adapters: `"all-linear"`, or names PEFT's way (a
+    module's name or its last parts: `q_proj`, `self_attn.v_proj`, `layers.0.mlp.up_proj`; the
+    `native` backbone's are `attention.wq` ... `feed_forward.w3`). Every other weight is frozen."""
+    train_audio_rows: bool = True
+    """Train the rows the SpeechLM added to the text vocabulary (special tokens and the
+    codebooks' codes) in the embedding and the head, and the per-stream head offsets; the text
+    rows stay as loaded. `false`: only the adapters (and the head, below) train."""
+    train_head: bool = False
+    """Train the whole output head, text rows too (tied embeddings: the whole shared table)."""
+
+
+@dataclass
 class JobConfig:
     speechlm: SpeechLM = field(default_factory=SpeechLM)
+    lora: Lora = field(default_factory=Lora)
     speechlm_data: SpeechLMData = field(default_factory=SpeechLMData)
     speechlm_faults: SpeechLMFaults = field(default_factory=SpeechLMFaults)
     audio_encoder: AudioEncoderConfig = field(default_factory=AudioEncoderConfig)

@@ -1,13 +1,18 @@
 """``torchtitan export``: a training checkpoint -> a self-contained model folder.
 
     torchtitan export --checkpoint DUMP/checkpoint/step-N --out DIR [--dtype bf16|fp32|fp16]
-                      [--text-only] [--max-shard-size 5GB] [--force]
+                      [--text-only] [--adapter] [--max-shard-size 5GB] [--force]
 
 Reads the DCP checkpoint in one CPU process without a process group (whatever number of ranks
 wrote it), rebuilds the model from the run's ``speechlm_run.json``, checks every parameter is
 there, and writes the folder described in ``pretrained.py`` (or, with ``--text-only``, only the
 text LM inside as a transformers causal-LM folder). The folder is written next to ``DIR`` and
 renamed into place at the end: an existing ``DIR`` is never touched without ``--force``.
+
+A LoRA run's adapters (model/lora.py) are merged into the weights: the folder holds a plain
+model. With ``--adapter`` they stay apart: the SpeechLM folder keeps them (``from_pretrained``
+rebuilds the LoRA layers), ``text/`` holds the text LM's base weights and ``adapter/`` a PEFT
+adapter for it (``peft.PeftModel.from_pretrained(text_model, "DIR/adapter")``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,13 @@ import tempfile
 import torch
 
 from torchtitan_speechlm.fileio import write_json_atomic
+from torchtitan_speechlm.model.lora import (
+    adapter_tensors,
+    base_name,
+    is_lora_param,
+    lora_config,
+    merge_lora,
+)
 from torchtitan_speechlm.model.model import build_model, check_keys
 from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
 from torchtitan_speechlm.pretrained import (
@@ -31,7 +43,7 @@ from torchtitan_speechlm.pretrained import (
     load_checkpoint_state,
     write_safetensors,
 )
-from torchtitan_speechlm.run_record import record_for_checkpoint
+from torchtitan_speechlm.run_record import model_record, record_for_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_FILES = (
@@ -73,6 +85,31 @@ def save_text_lm(model, state, out: str, dtype: torch.dtype, max_shard: int) -> 
     hf.save_pretrained(out, max_shard_size=max_shard)
 
 
+def base_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA model's state without its adapters, under the plain layers' names."""
+    return {base_name(k): v for k, v in state.items() if not is_lora_param(k)}
+
+
+def save_peft_adapter(model, out: str, dtype: torch.dtype) -> None:
+    """The LoRA adapters as a PEFT adapter folder for the exported text LM: adapter_config.json
+    and adapter_model.safetensors under PEFT's names (``base_model.model.<module>.lora_A.weight``)."""
+    from safetensors.torch import save_file
+
+    family, config = model.args.family, model.args.backbone_config
+    tensors, targets = {}, []
+    for name, (a, b) in adapter_tensors(model).items():
+        module = family.checkpoint_key(name).removesuffix(".weight")
+        targets.append(module)
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(dtype).contiguous()
+        b = family.to_checkpoint(name, b, config)  # e.g. the native q/k row order
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.to(dtype).contiguous()
+    cfg = lora_config(model.args.lora, targets)
+    cfg.task_type, cfg.base_model_name_or_path = "CAUSAL_LM", "../text"
+    os.makedirs(out, exist_ok=True)
+    cfg.save_pretrained(out)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
 def export(
     checkpoint: str,
     out: str,
@@ -80,6 +117,7 @@ def export(
     text_only: bool = False,
     max_shard_size: int = 5 << 30,
     force: bool = False,
+    adapter: bool = False,
 ) -> dict:
     """Export ``checkpoint`` (a ``step-N`` folder) to ``out``; returns what was written."""
     checkpoint, out = os.path.abspath(checkpoint), os.path.abspath(out)
@@ -94,6 +132,12 @@ def export(
     state = load_checkpoint_state(checkpoint, names)
     check_keys(model, state, checkpoint)
     model.load_state_dict(state, strict=False)
+    if adapter and not args.lora:
+        raise PretrainedError(f"--adapter: {checkpoint} is not from a LoRA run (no adapters)")
+    if args.lora and not adapter:  # the plain model, computing the same
+        merge_lora(model)
+        state = {n: p.detach() for n, p in model.named_parameters()}
+        record = dict(record, model_args=model_record(model.args))
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
@@ -101,6 +145,9 @@ def export(
         files = _write(
             model, state, record, checkpoint, tmp, DTYPES[dtype], text_only, max_shard_size
         )
+        if adapter:
+            save_peft_adapter(model, os.path.join(tmp, "adapter"), DTYPES[dtype])
+            files = sorted(os.listdir(tmp))
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -115,7 +162,7 @@ def _write(model, state, record, checkpoint, out, dtype, text_only, max_shard) -
     if text_only:
         if not model.args.family.embed_key:
             raise PretrainedError(f"the {model.args.backbone!r} backbone has no HF text model")
-        save_text_lm(model, state, out, dtype, max_shard)
+        save_text_lm(model, base_state(state), out, dtype, max_shard)
         _copy_tokenizer(tok, out)
         return sorted(os.listdir(out))
     cast = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
@@ -142,7 +189,7 @@ def _write(model, state, record, checkpoint, out, dtype, text_only, max_shard) -
     write_json_atomic(os.path.join(out, "config.json"), config)
     _copy_tokenizer(tok, out, skip=("vocab.json",))  # ours is the SpeechLM vocabulary layout
     if model.args.family.embed_key:
-        save_text_lm(model, state, os.path.join(out, "text"), dtype, max_shard)
+        save_text_lm(model, base_state(state), os.path.join(out, "text"), dtype, max_shard)
         _copy_tokenizer(tok, os.path.join(out, "text"))
     return sorted(os.listdir(out))
 
@@ -175,13 +222,25 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="write only the text LM inside, as a transformers causal-LM folder",
     )
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: keep the adapters apart (text/ base weights + adapter/, a PEFT "
+        "adapter folder) instead of merging them into the weights",
+    )
     p.add_argument("--max-shard-size", default="5GB", help="split weights above this (5GB)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     a = p.parse_args(argv)
 
     try:
         summary = export(
-            a.checkpoint, a.out, a.dtype, a.text_only, parse_size(a.max_shard_size), a.force
+            a.checkpoint,
+            a.out,
+            a.dtype,
+            a.text_only,
+            parse_size(a.max_shard_size),
+            a.force,
+            a.adapter,
         )
     except (PretrainedError, ValueError, FileNotFoundError) as e:
         print(f"torchtitan export: error: {e}", file=sys.stderr)

@@ -32,9 +32,21 @@ from torchtitan_speechlm.checkpoint_folders import checkpoint_folder, complete_c
 from torchtitan_speechlm.config import ConfigError, check_values
 from torchtitan_speechlm.data.external import external_data
 from torchtitan_speechlm.data.loader import open_prepared
-from torchtitan_speechlm.infra.parallelize import check_parallelism
+from torchtitan_speechlm.infra.parallelize import apply_freeze, check_parallelism
+from torchtitan_speechlm.model.lora import (
+    CONVERTER,
+    LoraError,
+    apply_lora,
+    check_settings,
+    peft_module,
+)
 from torchtitan_speechlm.model.model import canonical_name
-from torchtitan_speechlm.run_context import fill_model_args, is_speechlm, run_context
+from torchtitan_speechlm.run_context import (
+    fill_model_args,
+    is_speechlm,
+    lora_settings,
+    run_context,
+)
 from torchtitan_speechlm.run_record import (
     RUN_RECORD,
     RunRecordError,
@@ -67,6 +79,7 @@ def validate_job_config(job_config) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_conflicts(job_config)
+    check_lora(job_config)
     if "WORLD_SIZE" in os.environ:  # a rank (the launcher checks with --nproc-per-node)
         check_layout(job_config, int(os.environ["WORLD_SIZE"]))
 
@@ -150,6 +163,50 @@ def check_conflicts(job_config) -> None:
         raise ConfigError(f"training.steps = {job_config.training.steps}: must be >= 1")
 
 
+def check_lora(job_config) -> None:
+    """LoRA's settings, PEFT installed, and the options LoRA cannot work with."""
+    converters = list(job_config.model.converters)
+    if CONVERTER not in converters:
+        return
+    try:
+        check_settings(lora_settings(job_config))
+        peft_module()
+    except LoraError as e:
+        raise ConfigError(str(e)) from None
+    others = [c for c in converters if c != CONVERTER]
+    if others:
+        raise ConfigError(
+            f"model.converters = {converters}: LoRA cannot be combined with {others} (they "
+            "replace the same nn.Linear layers LoRA wraps; a float8/MX base layer under PEFT's "
+            'adapters is not supported): keep ["lora"] alone'
+        )
+    c = job_config.checkpoint
+    for key in ("initial_load_in_hf", "last_save_in_hf"):
+        if getattr(c, key):
+            raise ConfigError(
+                f"checkpoint.{key} = true with LoRA: an HF checkpoint has no adapters. Start "
+                "from the backbone (model.hf_assets_path) or an export (speechlm.init_from), "
+                "and write HF folders with `torchtitan export` (merged, or --adapter)"
+            )
+
+
+def check_trainable(job_config, model) -> None:
+    """With LoRA, something must still train after speechlm.freeze."""
+    if CONVERTER not in job_config.model.converters:
+        return
+    try:
+        apply_freeze(model, job_config.speechlm.freeze)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            f"speechlm.freeze = {job_config.speechlm.freeze} freezes every LoRA adapter and "
+            "lora.train_audio_rows / train_head are false: nothing would train. Remove the "
+            "prefixes that cover the adapters (backbone..., the wrapped layers), or narrow "
+            "lora.target_modules instead"
+        )
+
+
 def _nearest_existing(path: str) -> str:
     path = os.path.abspath(path)
     while not os.path.exists(path):
@@ -230,7 +287,13 @@ def _meta_model(job_config):
     args = deepcopy(spec.model_args[job_config.model.flavor])
     fill_model_args(args, job_config)
     with torch.device("meta"):
-        return spec.model_cls(args), args
+        model = spec.model_cls(args)
+    if args.lora:  # what the lora converter does in the ranks
+        try:
+            apply_lora(model, args.lora)
+        except LoraError as e:
+            raise ConfigError(str(e)) from None
+    return model, args
 
 
 def expected_checkpoint_bytes(job_config, model=None) -> int:
@@ -328,6 +391,7 @@ def preflight(job_config, world_size: int) -> None:
     check_run_record(job_config, args)
     check_checkpoints_fit(job_config, model)
     check_free_space(job_config, model)
+    check_trainable(job_config, model)
 
 
 def check_training_data(job_config, warn: Callable[[str], None] | None = None) -> None:

@@ -12,6 +12,7 @@ model, the data, the parallel layout or the checkpoints (preflight.py) sit above
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -26,6 +27,7 @@ from torchtitan_speechlm.dataset_format import check_compatible
 from torchtitan_speechlm.model.audio_encoders import AudioEncoderError
 from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
 from torchtitan_speechlm.model.backbones import Backbone, get_backbone
+from torchtitan_speechlm.model.lora import CONVERTER, SETTING_KEYS
 from torchtitan_speechlm.model.patterns import PATTERNS
 from torchtitan_speechlm.model.vocab import VocabLayout
 
@@ -294,6 +296,14 @@ def audio_encoder_args(job_config) -> dict:
         raise ConfigError(str(e)) from None
 
 
+def lora_settings(job_config) -> dict:
+    """The job's [lora] section as the model args' settings when `model.converters` lists
+    "lora" (components/lora.py), else empty (no LoRA)."""
+    if CONVERTER not in job_config.model.converters:
+        return {}
+    return {key: copy.deepcopy(getattr(job_config.lora, key)) for key in SETTING_KEYS}
+
+
 def fill_model_args(args, job_config) -> None:
     """The model args of the job, from the resolved run (no side effects; the spec's
     ``update_from_config`` also checks the job and records the run)."""
@@ -311,4 +321,5 @@ def fill_model_args(args, job_config) -> None:
     )
     args.load_weights = sl.init == "pretrained"
     args.codec_hash = str(ctx.codec.get("config_hash", ""))
+    args.lora = lora_settings(job_config)
     args.audio_encoder = audio_encoder_args(job_config)

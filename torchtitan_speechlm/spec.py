@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
+from torchtitan_speechlm.components import lora as _lora_converter  # noqa: F401 (registers it)
 from torchtitan_speechlm.components.loss import build_speechlm_loss
 from torchtitan_speechlm.components.metrics import build_speechlm_metrics_processor
 from torchtitan_speechlm.components.optim import (

@@ -43,21 +43,34 @@ def excluded(name: str, param: nn.Parameter, rules: list[str], tied: bool) -> bo
     return False
 
 
+def held_rows(model: nn.Module) -> set[str]:
+    """Parameters with rows that must not change (LoRA's text rows, model/lora.py): their
+    rows get no gradient, so only weight decay could move them; they get none."""
+    held = set()
+    if getattr(getattr(model, "tok_embeddings", None), "frozen_rows", None):
+        held.add("tok_embeddings.weight")
+    if getattr(getattr(model, "head", None), "frozen_rows", None):
+        held.add("tok_embeddings.weight" if model.args.tie_embeddings else "head.output.weight")
+    return held
+
+
 def split_weight_decay(model_parts: list[nn.Module], optimizers, rules: list[str]) -> None:
     """Give every optimizer's excluded parameters their own group with weight_decay 0."""
     names = {}
     for model in model_parts:
         tied = bool(getattr(getattr(model, "args", None), "tie_embeddings", False))
+        held = held_rows(model)
         for raw, p in model.named_parameters():
-            names[id(p)] = (canonical_name(raw), tied)
+            name = canonical_name(raw)
+            names[id(p)] = (name, tied, name in held)
     for opt in optimizers:
         groups = []
         for group in opt.param_groups:
             options = {k: v for k, v in group.items() if k != "params"}
             keep, free = [], []
             for p in group["params"]:
-                name, tied = names.get(id(p), ("", False))
-                (free if excluded(name, p, rules, tied) else keep).append(p)
+                name, tied, held = names.get(id(p), ("", False, False))
+                (free if held or excluded(name, p, rules, tied) else keep).append(p)
             groups += [dict(options, params=keep)] if keep else []
             groups += [dict(options, params=free, weight_decay=0.0)] if free else []
         opt.param_groups.clear()
@@ -69,7 +82,7 @@ def build_speechlm_optimizers(model_parts, optimizer_config, parallel_dims, ft_m
     """TrainSpec.build_optimizers_fn."""
     container = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     rules = _weight_decay_rules(model_parts)
-    if rules:
+    if rules or any(held_rows(m) for m in model_parts):
         split_weight_decay(model_parts, list(container), rules)
     guard_optimizers(container, model_parts)  # no update from a NaN/Inf step
     return container

@@ -38,6 +38,7 @@ from torchtitan_speechlm.compat import (
     sum_gradients_in_ddp,
     sync_gradients_on_last_microbatch,
 )
+from torchtitan_speechlm.model.lora import ADAPTER, lora_layers
 
 
 def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
@@ -132,12 +133,48 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor import distribute_module
     from torchtitan.models.llama3.infra.parallelize import apply_tp
 
+    adapted = unwrap_lora(model)  # torchtitan's plan names the nn.Linears themselves
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Parallelize plan key")
         apply_tp(model.backbone, tp_mesh, loss_parallel=False, enable_float8_tensorwise_tp=False)
+    for name, layer in adapted.items():
+        model.backbone.set_submodule(name, layer)
+        shard_lora(layer, tp_mesh)
     model.backbone.tp_mesh = tp_mesh
     for module in (model.tok_embeddings, model.head):
         distribute_module(module, tp_mesh)
+
+
+def unwrap_lora(model: nn.Module) -> dict[str, nn.Module]:
+    """Put each LoRA layer's base nn.Linear back in its place (for torchtitan's TP plan);
+    returns {name: LoRA layer} to put back after."""
+    layers = lora_layers(model) if model.args.lora else {}
+    for name, layer in layers.items():
+        model.backbone.set_submodule(name, layer.get_base_layer())
+    return layers
+
+
+def shard_lora(layer: nn.Module, tp_mesh) -> None:
+    """Shard a LoRA layer's adapters to match its tensor-parallel base layer (torchtitan's
+    plan, sequence parallel): beside a column-wise base (input replicated, output features
+    sharded) A is replicated and B column-wise; beside a row-wise base (input features sharded,
+    output sharded over the sequence) A is row-wise (its r outputs all-reduced) and B replicated,
+    its output split over the sequence like the base's."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from torchtitan.distributed import NoParallel
+
+    a, b = layer.lora_A[ADAPTER], layer.lora_B[ADAPTER]
+    if layer.get_base_layer().weight.placements[0] == Shard(0):  # column-wise
+        parallelize_module(a, tp_mesh, NoParallel())
+        parallelize_module(b, tp_mesh, ColwiseParallel())
+    else:
+        parallelize_module(a, tp_mesh, RowwiseParallel(output_layouts=Replicate()))
+        parallelize_module(b, tp_mesh, NoParallel(output_layout=Shard(1)))
 
 
 def accumulation_steps(job_config, parallel_dims: ParallelDims) -> int:

@@ -42,6 +42,8 @@ class SpeechLMModelArgs(BaseModelArgs):
     load_balance_weight: float = 0.0
     loss_chunk_size: int = 4096
     loss_chunk_mb: float = 256.0
+    lora: dict = field(default_factory=dict)
+    """LoRA's settings (model/lora.py) when the run converts the model with it; empty: none."""
     audio_encoder: dict = field(default_factory=dict)
     """The continuous audio input (``AudioEncoderArgs.to_dict()``); empty: none."""
 

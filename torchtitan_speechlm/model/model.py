@@ -33,6 +33,7 @@ from torchtitan.protocols import ModelProtocol
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.audio_tower import AudioTower
 from torchtitan_speechlm.model.chunked_loss import chunked_stream_loss
+from torchtitan_speechlm.model.lora import apply_lora, base_name, is_lora_param, lora_init
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.starting_point import load_starting_point
 from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
@@ -59,6 +60,28 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class _HoldRows(torch.autograd.Function):
+    """Identity forward; backward zeroes the gradient of rows ``[a, b)``."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        ctx.rows = (a, b)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.rows
+        keep = torch.ones(grad.shape[0], 1, dtype=grad.dtype, device=grad.device)
+        keep[a:b] = 0
+        return grad * keep, None, None
+
+
+def hold_rows(w: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    """``w`` whose rows ``rows`` get no gradient (None: all train): LoRA keeps the text rows of
+    the embedding and head as loaded while the added rows train (model/lora.py)."""
+    return w if rows is None or not w.requires_grad else _HoldRows.apply(w, *rows)
+
+
 @dataclass
 class SpeechLMOutput:
     """What the model hands to the loss function: torchtitan's loss sum plus statistic sums."""
@@ -76,9 +99,10 @@ class StreamEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, dim: int, stream_pads: list[int]):
         super().__init__(num_embeddings, dim)
         self.stream_pads = stream_pads
+        self.frozen_rows: tuple[int, int] | None = None  # rows without gradient (LoRA)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [B, T, N]
-        h, weight = None, local(self.weight)
+        h, weight = None, hold_rows(local(self.weight), self.frozen_rows)
         for k, pad in enumerate(self.stream_pads):
             ids_k = ids[..., k]
             e = F.embedding(ids_k, weight) * (ids_k != pad).unsqueeze(-1).to(weight.dtype)
@@ -103,6 +127,7 @@ class SpeechLMHead(nn.Module):
         self.codebook_size = layout.codebook_size
         self.chunk = max(1, args.loss_chunk_size)
         self.chunk_bytes = args.loss_chunk_mb * 2**20
+        self.frozen_rows: tuple[int, int] | None = None  # output rows without gradient (LoRA)
 
     def stream_input(self, h: torch.Tensor, k: int) -> torch.Tensor:
         """What stream ``k``'s logits are computed from: ``h + stream_emb[k]``. Stream 0 (text
@@ -113,7 +138,7 @@ class SpeechLMHead(nn.Module):
 
     def logits(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Per-stream fp32 logits [..., V_k] (for generation and tests; training uses forward)."""
-        w = local(self.output.weight if weight is None else weight)
+        w = hold_rows(local(self.output.weight if weight is None else weight), self.frozen_rows)
         return [
             F.linear(self.stream_input(h, k), w[a:b]).float()
             for k, (a, b) in enumerate(self.ranges)
@@ -189,6 +214,7 @@ class SpeechLMHead(nn.Module):
         tied_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         w_out = local(self.output.weight if tied_weight is None else tied_weight)
+        w_out = hold_rows(w_out, self.frozen_rows)
         n = targets.shape[-1]
         h, targets, weights = h.flatten(0, -2), targets.reshape(-1, n), weights.reshape(-1, n)
         # Only positions that carry loss are projected; keep >= 1 so every rank's head takes
@@ -382,7 +408,8 @@ class SpeechLM(ModelProtocol):
         device = buffer_device or self.tok_embeddings.weight.device
         self.family.reset_buffers(self.backbone, device)
         std = args.init_std or self.family.init_std(args.backbone_config)
-        named = [(canonical_name(n), p) for n, p in self.named_parameters()]
+        # a LoRA-wrapped layer's base weight initialises (and loads) as the plain layer's
+        named = [(base_name(canonical_name(n)), p) for n, p in self.named_parameters()]
         audio = {}
         if self.audio_encoder is not None:
             self.audio_encoder.reset_buffers(device)
@@ -390,13 +417,16 @@ class SpeechLM(ModelProtocol):
             audio = {f"audio_encoder.{k}": v for k, v in tower.items()}
         start = {}
         if args.init_from:
-            start = load_starting_point(args, {n for n, _ in named}, args.codec_hash)
+            base = {n for n, _ in named if not is_lora_param(n)}  # adapters always start fresh
+            start = load_starting_point(args, base, args.codec_hash)
         reader = self.family.weights(args.hf_assets_path) if args.load_weights else None
         # our parameter -> (its tensor in the backbone checkpoint, rows of ours it fills)
         text = (
             {
                 name: (key, rows)
-                for key, (name, rows) in text_tensor_map(args, [n for n, _ in named]).items()
+                for key, (name, rows) in text_tensor_map(
+                    args, [n for n, _ in named if not is_lora_param(n)]
+                ).items()
             }
             if reader
             else {}
@@ -423,6 +453,8 @@ class SpeechLM(ModelProtocol):
 def _random_init(name: str, param: torch.Tensor, std: float, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     shape = param.shape
+    if is_lora_param(name):
+        return lora_init(name, shape, gen)
     if name == "head.stream_emb.weight":
         return torch.zeros(shape)
     if len(shape) == 1:
@@ -466,9 +498,12 @@ def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def build_model(args, device: str = "cpu"):
-    """A SpeechLM with ``args`` on ``device``, deterministic init (weights to be loaded)."""
+    """A SpeechLM with ``args`` on ``device``, deterministic init (weights to be loaded); with
+    LoRA (``args.lora``, from a run's record) the same adapter layers as its training."""
     with torch.device("meta"):
         model = SpeechLM(args)
+    if args.lora:
+        apply_lora(model, args.lora)
     model.to_empty(device=device)
     model.init_weights()
     return model

@@ -1,0 +1,328 @@
+"""LoRA through torchtitan's model converters and PEFT's LoRA layers (model/lora.py).
+
+A LoRA step of the SpeechLM's decoder equals PEFT's own LoRA (``get_peft_model``) on the
+transformers model (loss and adapter gradients); the optimizer holds state for the trainable
+tensors only and the text rows stay as loaded; a ``torchtitan train`` run with
+``converters = ["lora"]`` changes only the adapters and the added rows; its export merges the
+adapters (same logits), or writes a PEFT adapter folder that ``PeftModel.from_pretrained``
+loads (same logits); bad settings stop before any rank starts. 2-process FSDP2 (with
+activation checkpointing), resume and TP=2 on the native backbone are in test_lora_parallel.py.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchtitan.config.job_config import Optimizer
+
+from tests.helpers import (
+    build_speechlm,
+    make_tiny_run_assets,
+    run_train,
+    save_tiny_backbone,
+    text_only_inputs,
+    write_tiny_config,
+)
+from tests.test_checkpointing import params
+from torchtitan_speechlm.components.optim import build_speechlm_optimizers
+from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.export import main as export_main
+from torchtitan_speechlm.inference.loading import load_model
+from torchtitan_speechlm.launch import torchtitan_args
+from torchtitan_speechlm.model.lora import is_lora_param
+from torchtitan_speechlm.model.model import SpeechLM, build_model
+from torchtitan_speechlm.preflight import preflight, validate_job_config
+from torchtitan_speechlm.pretrained import args_from_record
+from torchtitan_speechlm.run_record import read_run_record
+
+peft = pytest.importorskip("peft")
+TARGETS = ["q_proj", "v_proj", "mlp.down_proj"]
+
+
+def settings(**kw) -> dict:
+    base = dict(
+        rank=4,
+        alpha=8.0,
+        dropout=0.0,
+        target_modules=list(TARGETS),
+        train_audio_rows=False,
+        train_head=False,
+    )
+    return {**base, **kw}
+
+
+def lora_model(backbone_dir, **kw) -> SpeechLM:
+    args = copy.copy(build_speechlm(backbone_dir).args)
+    args.lora = settings(**kw)
+    return build_model(args)
+
+
+def peft_name(ours: str) -> str:
+    """Our adapter parameter -> the same one in PEFT's model around the transformers LM."""
+    return "base_model.model.model." + ours.removeprefix("backbone.")
+
+
+def random_batch(layout, b: int, t: int, gen: torch.Generator):
+    """Frames of text in stream 0 and codes in the others, every position carrying loss."""
+    n = layout.num_streams
+    ids = torch.empty(b, t + 1, n, dtype=torch.long)
+    ids[..., 0] = layout.text_offset + torch.randint(0, layout.text_size, (b, t + 1), generator=gen)
+    for k in range(1, n):
+        ids[..., k] = torch.randint(
+            layout.code(k, 0), layout.code(k, layout.codebook_size - 1) + 1, (b, t + 1)
+        )
+    return ids[:, :-1], ids[:, 1:], torch.ones(b, t, n)
+
+
+def test_a_lora_step_equals_peft_lora_on_the_transformers_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_backbone(tmp_path / "bb")
+    ours = lora_model(tmp_path / "bb")
+    theirs = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "bb"), dtype=torch.float32),
+        peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS),
+    )
+    mine = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    peft_params = dict(theirs.named_parameters())
+    assert {peft_name(n) for n in mine} == {n for n, p in peft_params.items() if p.requires_grad}
+    assert all(is_lora_param(n) for n in mine) and len(mine) == 2 * 3 * 2  # 3 targets x 2 layers
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B nonzero (PEFT starts it at 0) so that A gets gradients too
+        for name, p in mine.items():
+            if ".lora_B." in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            peft_params[peft_name(name)].copy_(p)
+    layout = ours.args.layout
+    text = slice(layout.text_offset, layout.text_offset + layout.text_size)
+    ids = torch.randint(0, layout.text_size, (2, 12), generator=gen)
+
+    def our_loss():
+        h = ours.hidden_states(text_only_inputs(layout, ids))
+        logits = F.linear(h, ours.head.output.weight[text])
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    def peft_loss():
+        return theirs(input_ids=ids, labels=ids).loss
+
+    opts = [
+        torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        for m in (ours, theirs)
+    ]
+    for step in range(2):
+        a, b = our_loss(), peft_loss()
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"loss at step {step}")
+        a.backward()
+        b.backward()
+        for name, p in mine.items():
+            g = peft_params[peft_name(name)].grad
+            assert g.abs().max() > 0, name
+            torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=0, msg=name)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_optimizer_holds_state_for_trainable_tensors_only(tmp_path):
+    save_tiny_backbone(tmp_path / "bb")
+    model = lora_model(tmp_path / "bb", train_audio_rows=True)
+    layout = model.args.layout
+    text = slice(layout.text_offset, layout.text_offset + layout.text_size)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    container = build_speechlm_optimizers(
+        [model], Optimizer(lr=1e-2, weight_decay=0.1, implementation="for-loop"), None
+    )
+    inputs, targets, weights = random_batch(layout, 2, 10, torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(inputs, targets, weights).loss_sum.backward()
+        container.step()
+        container.zero_grad()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    names = {id(p): n for n, p in model.named_parameters()}
+    with_state = {names[id(p)] for opt in container for p in opt.state}
+    assert with_state == trainable
+    assert trainable == {n for n in before if is_lora_param(n)} | {
+        "tok_embeddings.weight",
+        "head.output.weight",
+        "head.stream_emb.weight",
+    }
+    for name, p in model.named_parameters():
+        now = p.detach()
+        if name in ("tok_embeddings.weight", "head.output.weight"):
+            # weight decay 0.1 would move the text rows: they must stay exactly as loaded
+            assert torch.equal(now[text], before[name][text]), name
+            assert not torch.equal(now[text.stop :], before[name][text.stop :]), name
+        elif name in trainable and ".lora_A." not in name:  # A: no gradient while B = 0
+            assert not torch.equal(now, before[name]), name
+        elif name not in trainable:
+            assert torch.equal(now, before[name]), name
+
+
+def test_train_head_trains_its_text_rows_too(tmp_path):
+    save_tiny_backbone(tmp_path / "bb")
+    model = lora_model(tmp_path / "bb", train_head=True)
+    assert model.head.frozen_rows is None and model.head.output.weight.requires_grad
+    assert not model.tok_embeddings.weight.requires_grad
+    inputs, targets, weights = random_batch(model.args.layout, 2, 8, torch.Generator())
+    model(inputs, targets, weights).loss_sum.backward()
+    text = model.args.layout.text_offset
+    assert model.head.output.weight.grad[text : text + 8].abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# `torchtitan train` with converters = ["lora"], export
+# ---------------------------------------------------------------------------------------------
+LORA = ("--model.converters", "lora", "--lora.rank", "4", "--lora.target_modules", "q_proj,v_proj")
+STEPS = ("--training.steps", "4", "--checkpoint.interval", "2", "--validation.enable", "false")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_tiny_run_assets(tmp_path_factory.mktemp("lora_assets"), n_items=24)
+
+
+@pytest.fixture(scope="module")
+def lora_run(assets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_run")
+    cfg = write_tiny_config(root / "c.toml", assets, root / "dump")
+    r = run_train(cfg, *LORA, *STEPS, "--optimizer.weight_decay", "0.1")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return root / "dump"
+
+
+def initial_state(dump) -> dict[str, torch.Tensor]:
+    """The run's weights before step 1, rebuilt from its record (backbone weights loaded)."""
+    record = read_run_record(str(dump / "speechlm_run.json"))
+    args = args_from_record(record["model_args"], record["hf_assets_path"])
+    args.load_weights = True
+    return {n: p.detach() for n, p in build_model(args).named_parameters()}
+
+
+def test_after_training_only_adapters_and_added_rows_changed(lora_run):
+    start, end = initial_state(lora_run), params(lora_run / "checkpoint" / "step-4")
+    assert set(start) == set(end)
+    record = read_run_record(str(lora_run / "speechlm_run.json"))
+    layout = args_from_record(record["model_args"]).layout
+    text = slice(layout.text_offset, layout.text_offset + layout.text_size)
+    adapters = [n for n in start if is_lora_param(n)]
+    assert len(adapters) == 2 * 2 * 2 and all(("q_proj" in n) or ("v_proj" in n) for n in adapters)
+    for name in start:
+        if ".lora_B." in name or name == "head.stream_emb.weight":
+            assert not torch.equal(start[name], end[name]), name
+        elif name in ("tok_embeddings.weight", "head.output.weight"):
+            assert torch.equal(start[name][text], end[name][text]), name
+            assert not torch.equal(start[name][text.stop :], end[name][text.stop :]), name
+        elif ".lora_A." not in name:  # A moves once B has: checked below
+            assert torch.equal(start[name], end[name]), name
+    assert any(not torch.equal(start[n], end[n]) for n in adapters if ".lora_A." in n)
+
+
+def test_checkpoint_has_optimizer_state_for_trainable_tensors_only(lora_run):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(lora_run / "checkpoint" / "step-4")).read_metadata()
+    moments = {
+        k.removeprefix("optimizer.state.").removesuffix(".exp_avg")
+        for k in keys.state_dict_metadata
+        if k.startswith("optimizer.state.") and k.endswith(".exp_avg")
+    }
+    model = load_model(str(lora_run / "checkpoint" / "step-4")).model
+    assert moments == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "backbone.layers.0.self_attn.q_proj.base_layer.weight" not in moments
+
+
+def test_export_merges_adapters_or_writes_a_peft_adapter(lora_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    step = str(lora_run / "checkpoint" / "step-4")
+    assert export_main(["--checkpoint", step, "--out", str(tmp_path / "merged")]) == 0
+    assert export_main(["--checkpoint", step, "--out", str(tmp_path / "ad"), "--adapter"]) == 0
+    unmerged = load_model(step).model
+    merged = SpeechLM.from_pretrained(str(tmp_path / "merged"))
+    assert not any(is_lora_param(n) for n, _ in merged.named_parameters())
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_args"]["lora"] == {}
+    layout = unmerged.args.layout
+    gen = torch.Generator().manual_seed(0)
+    inputs, _, _ = random_batch(layout, 2, 12, gen)
+    with torch.no_grad():
+        for a, b in zip(unmerged.logits(inputs), merged.logits(inputs), strict=True):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+        for a, b in zip(
+            unmerged.logits(inputs),
+            SpeechLM.from_pretrained(str(tmp_path / "ad")).logits(inputs),
+            strict=True,
+        ):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    files = sorted(p.name for p in (tmp_path / "ad" / "adapter").iterdir())
+    assert files == ["adapter_config.json", "adapter_model.safetensors"]
+    ids = torch.randint(0, layout.text_size, (2, 12), generator=gen)
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ad" / "text"))
+    with torch.no_grad():
+        plain = base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "ad" / "adapter"))(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged" / "text"))(ids).logits
+        text = slice(layout.text_offset, layout.text_offset + layout.text_size)
+        ours = unmerged.logits(text_only_inputs(layout, ids))[0][..., text]
+    torch.testing.assert_close(adapted, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(want, ours, atol=1e-5, rtol=0)
+    assert (plain - want).abs().max() > 1e-4  # the adapter is what makes them equal
+
+
+def test_adapter_export_of_a_run_without_lora_is_refused(tmp_path, capsys, assets):
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, tmp_path / "dump")
+    r = run_train(cfg, "--training.steps", "1", "--validation.enable", "false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    step = str(tmp_path / "dump" / "checkpoint" / "step-1")
+    assert export_main(["--checkpoint", step, "--out", str(tmp_path / "x"), "--adapter"]) == 2
+    assert "not from a LoRA run" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: before any rank starts
+# ---------------------------------------------------------------------------------------------
+def test_a_target_pattern_that_matches_nothing_stops_before_any_rank_starts(assets, tmp_path):
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, tmp_path / "dump")
+    r = run_train(cfg, *LORA, "--lora.target_modules", "q_proj,qkv", "--training.steps", "1")
+    assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
+    assert (
+        "lora.target_modules entry 'qkv' matches no linear layer of the decoder. Its linear "
+        "layers: self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj, "
+        "mlp.gate_proj, mlp.up_proj, mlp.down_proj"
+    ) in r.stderr, r.stderr[-3000:]
+    assert "Building" not in r.stdout + r.stderr  # no rank built a model
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ("--model.converters", "lora,quantize.linear.float8"),
+            "LoRA cannot be combined with ['quantize.linear.float8']",
+        ),
+        (
+            ("--speechlm.freeze", "backbone", "--lora.train_audio_rows", "false"),
+            "freezes every LoRA adapter",
+        ),
+        (
+            ("--checkpoint.last_save_in_hf", "true", "--checkpoint.last_save_model_only", "true"),
+            "checkpoint.last_save_in_hf = true with LoRA",
+        ),
+        (("--lora.rank", "0"), "lora.rank = 0: must be >= 1"),
+        (("--lora.dropout", "1.0"), "lora.dropout = 1.0: must be in [0, 1)"),
+    ],
+)
+def test_options_lora_cannot_work_with_are_refused_by_the_start_up_checks(
+    assets, tmp_path, flags, message
+):
+    """The launcher's checks (``preflight``, as in the test above), called in this process."""
+    from torchtitan.config import ConfigManager
+
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, tmp_path / "dump")
+    args = torchtitan_args(["--job.config_file", cfg, *LORA, *flags])
+    job = ConfigManager().parse_args(args)
+    with pytest.raises(ConfigError) as e:
+        validate_job_config(job)
+        preflight(job, 1)
+    assert message in str(e.value)

@@ -1,0 +1,40 @@
+"""The ``lora`` model converter: torchtitan's seam for changing a built model
+(``[model] converters = ["lora"]``; ``torchtitan.protocols.model_converter``).
+
+torchtitan's Trainer builds the SpeechLM on the meta device, runs the converters listed in
+``model.converters``, then parallelizes (tensor parallelism, activation checkpointing, compile,
+FSDP2) and initialises the weights, and builds the optimizer over the parameters that still
+require grad. This converter wraps the decoder's selected linear layers in PEFT's LoRA layers
+and freezes the rest (model/lora.py), so every later stage sees the adapted model.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torchtitan.protocols.model_converter import register_model_converter
+from torchtitan.tools.logging import logger
+
+from torchtitan_speechlm.model.lora import CONVERTER, apply_lora
+from torchtitan_speechlm.run_context import lora_settings
+
+
+class LoraConverter:
+    """``[lora]``'s LoRA on the SpeechLM's decoder (model/lora.py)."""
+
+    def __init__(self, job_config, parallel_dims) -> None:
+        self.settings = lora_settings(job_config)
+
+    def convert(self, model: nn.Module) -> None:
+        targets = apply_lora(model, self.settings)
+        total = sum(p.numel() for p in model.parameters())
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        logger.info(
+            f"LoRA (rank {self.settings['rank']}, alpha {self.settings['alpha']}) on "
+            f"{len(targets)} linear layers; {trained:,} of {total:,} parameters train"
+        )
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        """Nothing to do after a step (the protocol's optional hook)."""
+
+
+register_model_converter(LoraConverter, CONVERTER)
