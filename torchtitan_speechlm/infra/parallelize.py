@@ -133,6 +133,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor import distribute_module
     from torchtitan.models.llama3.infra.parallelize import apply_tp
 
+    # distributing a parameter makes a new one that requires grad: keep LoRA's frozen ones
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     adapted = unwrap_lora(model)  # torchtitan's plan names the nn.Linears themselves
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Parallelize plan key")
@@ -143,6 +145,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     model.backbone.tp_mesh = tp_mesh
     for module in (model.tok_embeddings, model.head):
         distribute_module(module, tp_mesh)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
 
 
 def unwrap_lora(model: nn.Module) -> dict[str, nn.Module]:
