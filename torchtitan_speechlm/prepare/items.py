@@ -1,9 +1,10 @@
 """Input items for dataset preparation: what every source reader (``prepare/sources/``) returns.
 
-Every source (JSONL manifest, Kaldi folder, HF dataset on disk, lhotse cuts) is turned into the same list of
-:class:`ManifestItem`, so the expensive part of ``torchtitan prepare`` (loading, encoding,
-writing shards) does not care where items came from. An item only *refers* to its audio (a file,
-a segment of a file, or a row of an HF dataset); audio is read by the worker that encodes it.
+Every source (JSONL manifest, Kaldi folder, HF dataset on disk, lhotse cuts or Shar) is turned into
+the same list of :class:`ManifestItem`, so the expensive part of ``torchtitan prepare`` (loading,
+encoding, writing shards) does not care where items came from. An item only *refers* to its audio
+(a file, a segment of a file, a row of an HF dataset, a lhotse cut); audio is read by the worker
+that encodes it.
 
 Errors in the structure of a line (bad JSON, missing or mistyped key, duplicate id) are fatal
 and name the file and line; problems with the audio or text *content* are found later and make
@@ -23,17 +24,22 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class AudioRef:
-    """Where an item's audio is: a file (optionally seconds ``[start, end)``) or an HF dataset row."""
+    """Where an item's audio is: a file (optionally seconds ``[start, end)``), an HF dataset row,
+    or a lhotse cut (``lhotse``: the cut as JSON, loaded by the worker with lhotse; ``path`` is
+    then its first audio file or Shar tar, for the plan's change check)."""
 
     path: str | None = None  # absolute path
     start: float | None = None
     end: float | None = None  # < 0: to the end of the file (Kaldi convention)
     row: int | None = None  # row of the HF dataset given to prepare
     channel: int | None = None  # take this channel of the file (else: average all channels)
+    lhotse: str | None = None  # a lhotse cut (prepare/sources/lhotse.py: cut_ref_json)
 
     def describe(self) -> str:
         if self.row is not None:
             return f"row {self.row}"
+        if self.lhotse is not None:
+            return "lhotse cut" + (f" of {self.path}" if self.path else "")
         where = str(self.path)
         if self.start is not None or self.end is not None:
             where += f"[{self.start}:{self.end}]"

@@ -1,5 +1,5 @@
-"""``torchtitan prepare``: turn a corpus (JSONL manifest, Kaldi dir or HF dataset on disk) into a
-prepared dataset (docs/data.md).
+"""``torchtitan prepare``: turn a corpus (JSONL manifest, Kaldi dir, HF dataset on disk, lhotse cuts
+or Shar) into a prepared dataset (docs/data.md).
 
 Encoding audio with a codec is the expensive step of speech-LM training, so it is done once,
 offline. Items are cut into shards of ``shard_size`` in input order; shards are encoded by one
@@ -174,12 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Encode audio + text into a prepared dataset (formats: docs/data.md).",
     )
     src = p.add_argument_group("source (exactly one; registered sources)")
+    added: set[str] = set()  # an option several sources declare is one shared flag
     for _, s in SOURCES.items():
         src.add_argument(s.flag, dest=f"source_{s.name}", metavar=s.metavar, help=s.help)
         for o in s.options:
+            if o.name in added:
+                continue
+            added.add(o.name)
             src.add_argument(
                 "--" + o.name.replace("_", "-"),
-                dest=f"option_{s.name}_{o.name}",
+                dest=f"option_{o.name}",
                 metavar=o.name.upper(),
                 default=o.default,
                 help=o.help,
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     name = given[0]
-    options = {o.name: getattr(args, f"option_{name}_{o.name}") for o in SOURCES.get(name).options}
+    options = {o.name: getattr(args, f"option_{o.name}") for o in SOURCES.get(name).options}
     try:
         s = prepare_dataset(
             None, args.codec, args.tokenizer, args.out, batch_size=args.batch_size,
@@ -286,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             allow_lossy_tokenizer=args.allow_lossy_tokenizer,
         )  # fmt: skip
-    except (OSError, ValueError, CodecError, BadAudioError, CorruptDatasetError,
+    except (OSError, ValueError, ImportError, CodecError, BadAudioError, CorruptDatasetError,
             PlanMismatchError, NoItemsError) as e:  # fmt: skip
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -50,7 +50,10 @@ INPUTS_HASH_VERSION = 2
 
 def _item_key(it: ManifestItem) -> list:
     def ref(r):
-        return None if r is None else [r.path, r.start, r.end, r.row, r.channel, _size(r.path)]
+        if r is None:
+            return None
+        key = [r.path, r.start, r.end, r.row, r.channel, _size(r.path)]
+        return key if r.lhotse is None else [*key, r.lhotse]  # older plans' keys unchanged
 
     turns = [[t.role, t.text, ref(t.audio)] for t in it.turns] if it.turns is not None else None
     return [it.id, it.kind, it.text, ref(it.ref), turns]

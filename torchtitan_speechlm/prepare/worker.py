@@ -23,6 +23,7 @@ from torchtitan_speechlm.dataset_format import SHARDS_DIR, Turn, shard_name
 from torchtitan_speechlm.prepare.items import AudioRef, ManifestItem
 from torchtitan_speechlm.prepare.shard_writer import ShardWriter
 from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
+from torchtitan_speechlm.prepare.sources.lhotse import load_cut_audio
 from torchtitan_speechlm.text_tokenizer import load_text_tokenizer
 
 FAILURES = "failures.jsonl"
@@ -99,9 +100,11 @@ def _report(items: int, seconds: float) -> None:
 
 
 def load_ref(ref: AudioRef, sample_rate: int, hf_reader=None) -> np.ndarray:
-    """Audio of a reference (file, segment or HF row) at ``sample_rate``, mono."""
+    """Audio of a reference (file, segment, HF row or lhotse cut) at ``sample_rate``, mono."""
     if ref.row is not None:
         return hf_reader.load(ref.row, sample_rate)
+    if ref.lhotse is not None:
+        return load_cut_audio(ref, sample_rate)
     return load_audio(ref.path, sample_rate, start=ref.start, end=ref.end, channel=ref.channel)
 
 

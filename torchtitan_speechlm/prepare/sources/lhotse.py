@@ -1,49 +1,111 @@
-"""lhotse ``CutSet`` manifests as a ``torchtitan prepare`` source (``--lhotse cuts.jsonl.gz``).
+"""lhotse cuts as a ``torchtitan prepare`` source (``--lhotse cuts.jsonl.gz``), read with lhotse.
 
-lhotse is what k2/icefall, NeMo and recent ESPnet recipes write. A cut manifest holds one JSON
-object per line (optionally gzipped), each with its recording and supervisions attached::
+lhotse is what k2/icefall, NeMo and recent ESPnet recipes write, and lhotse itself is the one
+reader that knows every cut it can write: ``url`` / ``command`` / ``memory`` sources,
+recordings with transforms (speed or volume perturbation, resampling), ``MixedCut`` (mixed by
+lhotse, with its offsets and SNRs), ``PaddingCut`` and padded cuts, multi-channel cuts. So the
+manifest is opened with ``CutSet.from_file`` (lazy for ``.jsonl`` / ``.jsonl.gz``: one cut in
+memory at a time while planning) and each item's audio is ``cut.load_audio()``, resampled to the
+codec's rate like every other source (``audio.to_codec_audio``). lhotse is an optional extra
+(``pip install 'torchtitan-speechlm[lhotse]'``), imported where it is used; without it the
+source stops with that line.
 
-    {"id": "c1", "start": 1.5, "duration": 2.25, "channel": 0, "type": "MonoCut",
-     "recording": {"id": "r1", "sampling_rate": 16000, "num_samples": 64000, "duration": 4.0,
-                   "channel_ids": [0, 1],
-                   "sources": [{"type": "file", "channels": [0, 1], "source": "/data/r1.wav"}]},
-     "supervisions": [{"id": "s1", "recording_id": "r1", "start": 0.0, "duration": 2.25,
-                       "channel": 0, "text": "hello there"}]}
+Choices made while planning, in this process, so the cut a worker loads is the final one:
+``--lhotse-padding keep`` (default: the cut as lhotse loads it, padding included) or ``trim``
+(the ``PaddingCut`` tracks of a ``MixedCut`` dropped and the leading/trailing padding cut off;
+a cut that is all padding is recorded as ``empty_audio``); ``--lhotse-channel mix`` (default:
+a multi-channel cut's channels averaged, like the other sources' multi-channel files) or ``N``
+(recording channel ``N`` of every multi-channel cut, via ``cut.with_channels``; a cut without
+that channel is refused while planning). Mixed cuts are always averaged to mono. Text: the
+texts of the cut's supervisions (those on its channels), in time order, joined by a space.
 
-One item per cut: its audio is ``[start, start + duration)`` of the recording (only that part is
-read), its channel only (``channel`` within the source file's ``channels``), and its text the
-texts of the supervisions on that channel, in time order, joined by a space (no text: an audio
-item). The reader does not need the lhotse package. Refused up front, naming the line: other
-source types (``url``, ``command``, ``memory``), recordings with transforms (speed or volume
-perturbation, resampling: export the audio first), mixed/padding cuts and multi-channel cuts.
-Relative paths resolve like Kaldi's: the current directory, else the manifest's folder.
+Workers get the cut itself: each item's ``AudioRef.lhotse`` is the chosen cut's dict as JSON
+(``memory`` sources' bytes as base64), so a worker rebuilds it with lhotse's own
+``deserialize_item`` without opening the manifest. A cut lhotse cannot load becomes a recorded
+failure naming the cut id; a cut it cannot even parse stops the run, naming the line. Relative
+file paths are tried against the current directory, then the manifest's folder (like Kaldi's).
+A ``CutSet`` object can be given from Python (``source=("lhotse", cuts)``), memory cuts
+included.
 """
 
 from __future__ import annotations
 
-import gzip
+import base64
+import dataclasses
 import json
 import os
 
+import numpy as np
+
+from torchtitan_speechlm.audio import EMPTY, MISSING, BadAudioError, to_codec_audio
 from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem
-from torchtitan_speechlm.prepare.sources.base import PrepareSource, SourceRead, register_source
+from torchtitan_speechlm.prepare.sources.base import (
+    PrepareSource,
+    SourceOption,
+    SourceRead,
+    register_source,
+)
 
-_CUT_TYPES = (None, "MonoCut", "Cut", "DataCut")
+INSTALL = "pip install 'torchtitan-speechlm[lhotse]'"
+PADDING = ("keep", "trim")
+_BYTES = "__bytes_b64__"
 
 
-def _open(path: str):
-    return (
-        gzip.open(path, "rt", encoding="utf-8")
-        if path.endswith(".gz")
-        else open(path, encoding="utf-8")
-    )
+def require_lhotse():
+    """The lhotse module, or an ImportError naming the install line."""
+    try:
+        import lhotse  # optional dependency: only lhotse sources need it
+    except ImportError as e:
+        raise ImportError(f"reading lhotse cuts needs the lhotse package: {INSTALL}") from e
+    return lhotse
 
 
-def _number(obj: dict, key: str, where: str) -> float:
-    value = obj.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ManifestError(f"{where}: {key!r} must be a number, got {value!r}")
-    return float(value)
+def check_options(padding: str, channel) -> tuple[str, int | None]:
+    """(padding, channel or None for a downmix) from the option values, or a ValueError."""
+    if padding not in PADDING:
+        raise ValueError(f"--lhotse-padding must be keep or trim, got {padding!r}")
+    if channel is None or channel == "mix":
+        return padding, None
+    try:
+        number = int(channel)
+    except (TypeError, ValueError):
+        number = -1
+    if number < 0 or isinstance(channel, bool):
+        raise ValueError(
+            f"--lhotse-channel must be 'mix' or a channel number >= 0, got {channel!r}"
+        )
+    return padding, number
+
+
+def _encode_bytes(obj):
+    if isinstance(obj, bytes):
+        return {_BYTES: base64.b64encode(obj).decode("ascii")}
+    if isinstance(obj, dict):
+        return {k: _encode_bytes(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode_bytes(v) for v in obj]
+    return obj
+
+
+def _decode_bytes(obj):
+    if isinstance(obj, dict):
+        if set(obj) == {_BYTES}:
+            return base64.b64decode(obj[_BYTES])
+        return {k: _decode_bytes(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_bytes(v) for v in obj]
+    return obj
+
+
+def file_sources(obj) -> list[dict]:
+    """Every ``file`` audio source in a cut's dict (nested recordings of mixed cuts too)."""
+    if isinstance(obj, list):
+        return [s for v in obj for s in file_sources(v)]
+    if not isinstance(obj, dict):
+        return []
+    if obj.get("type") == "file" and "channels" in obj and isinstance(obj.get("source"), str):
+        return [obj]
+    return [s for v in obj.values() for s in file_sources(v)]
 
 
 def _resolve(path: str, base: str) -> str:
@@ -54,103 +116,190 @@ def _resolve(path: str, base: str) -> str:
     return cwd_path if os.path.exists(cwd_path) else os.path.normpath(os.path.join(base, path))
 
 
-def _audio(recording: dict, channel: int, where: str, base: str) -> tuple[str, int]:
-    """(file path, channel index within that file) of ``channel`` of ``recording``."""
-    rid = recording.get("id")
-    if recording.get("transforms"):
-        kinds = [
-            t.get("name", "?") if isinstance(t, dict) else "?" for t in recording["transforms"]
-        ]
-        raise ManifestError(
-            f"{where}: recording {rid!r} has transforms {kinds} (speed/volume perturbation, "
-            "resampling), which torchtitan prepare does not apply; write the transformed audio "
-            "to files first (e.g. lhotse's `Recording.load_audio` + soundfile) and list those"
-        )
-    for src in recording.get("sources") or []:
-        if channel not in (src.get("channels") or []):
-            continue
-        kind = src.get("type")
-        if kind != "file":
+def _trim(cut):
+    """A MixedCut without its padding tracks, starting at its first non-padding track (None if
+    nothing but padding is left)."""
+    from lhotse.cut import MixedCut, PaddingCut
+
+    if isinstance(cut, PaddingCut):
+        return None
+    if not isinstance(cut, MixedCut):
+        return cut
+    kept = [t for t in cut.tracks if not isinstance(t.cut, PaddingCut)]
+    if not kept:
+        return None
+    first = min(t.offset for t in kept)
+    tracks = [dataclasses.replace(t, offset=t.offset - first) for t in kept]
+    return dataclasses.replace(cut, tracks=tracks)
+
+
+def choose(cut, padding: str, channel: int | None, where: str):
+    """The cut to load under the padding/channel choices (None: trimmed to nothing)."""
+    from lhotse.cut import MultiCut
+
+    if padding == "trim":
+        cut = _trim(cut)
+    if cut is not None and channel is not None and isinstance(cut, MultiCut):
+        if channel not in cut.channel:
             raise ManifestError(
-                f"{where}: recording {rid!r} channel {channel} has a {kind!r} source; only "
-                "'file' sources are read (convert url/command/memory audio to files)"
+                f"{where}: cut {cut.id!r} has channels {cut.channel}, not --lhotse-channel "
+                f"{channel}; choose one of them or mix"
             )
-        return _resolve(str(src.get("source", "")), base), src["channels"].index(channel)
-    raise ManifestError(f"{where}: recording {rid!r} has no source for channel {channel}")
+        cut = cut.with_channels(channel)
+    return cut
 
 
-def _text(cut: dict, channel: int, where: str) -> str:
-    sups = cut.get("supervisions") or []
-    if not isinstance(sups, list):
-        raise ManifestError(f"{where}: 'supervisions' must be a list")
-    chosen = [
-        s
-        for s in sups
-        if s.get("channel", channel) == channel
-        or (isinstance(s.get("channel"), list) and channel in s["channel"])
-    ]
-    chosen.sort(key=lambda s: float(s.get("start", 0.0)))
-    return " ".join(str(s["text"]).strip() for s in chosen if s.get("text"))
+def cut_text(cut) -> str:
+    """Supervision texts on the cut's channels, in time order, joined by a space."""
+    from lhotse.cut.data import DataCut
+
+    sups = list(cut.supervisions)
+    if isinstance(cut, DataCut):
+        mine = set(cut.channel if isinstance(cut.channel, list) else [cut.channel])
+        sups = [
+            s
+            for s in sups
+            if s.channel is None
+            or bool(mine & set(s.channel if isinstance(s.channel, list) else [s.channel]))
+        ]
+    sups.sort(key=lambda s: s.start)
+    return " ".join(s.text.strip() for s in sups if s.text and s.text.strip())
 
 
-def read_lhotse_cuts(path: str) -> list[ManifestItem]:
-    """Items of a lhotse cut manifest (``.jsonl`` or ``.jsonl.gz``), in file order."""
-    path = os.path.abspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"lhotse cut manifest {path} not found")
-    base = os.path.dirname(path)
-    items, seen = [], set()
-    with _open(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                cut = json.loads(line)
-            except ValueError as e:
-                raise ManifestError(f"{where}: not valid JSON ({e})") from None
-            if not isinstance(cut, dict) or not isinstance(cut.get("id"), str) or not cut["id"]:
-                raise ManifestError(f"{where}: a cut needs a non-empty string 'id'")
-            cid = cut["id"]
-            if cut.get("type") not in _CUT_TYPES:
-                raise ManifestError(
-                    f"{where}: cut {cid!r} is a {cut['type']}; only single-recording cuts are "
-                    "read (mix or pad cuts to audio files first)"
-                )
-            channel = cut.get("channel", 0)
-            if isinstance(channel, list):
-                if len(channel) != 1:
-                    raise ManifestError(
-                        f"{where}: cut {cid!r} has channels {channel}; pick one "
-                        "(e.g. CutSet.to_mono) - codecs here are mono"
-                    )
-                channel = channel[0]
-            recording = cut.get("recording")
-            if not isinstance(recording, dict):
-                raise ManifestError(
-                    f"{where}: cut {cid!r} has no attached 'recording' (write the CutSet with "
-                    "its recordings, as lhotse's CutSet.from_manifests(...).to_file() does)"
-                )
-            start, duration = _number(cut, "start", where), _number(cut, "duration", where)
-            if start < 0 or duration <= 0:
-                raise ManifestError(f"{where}: cut {cid!r} has start {start}, duration {duration}")
-            audio, index = _audio(recording, int(channel), where, base)
-            ref = AudioRef(path=audio, start=start, end=start + duration, channel=index)
-            if cid in seen:
-                raise ManifestError(f"{where}: duplicate cut id {cid!r}")
-            seen.add(cid)
-            items.append(
-                ManifestItem(cid, audio, _text(cut, int(channel), where), lineno, where, ref=ref)
+def cut_item(cut, where: str, line: int, options: tuple[str, int | None], base: str,
+             seen: set[str], shar: dict | None = None) -> ManifestItem:  # fmt: skip
+    """The item of one cut (``seen``: the ids so far, to refuse a duplicate); ``shar``: where
+    its audio lies in a Shar tar (``lhotse_shar``)."""
+    if cut.id in seen:
+        raise ManifestError(f"{where}: duplicate cut id {cut.id!r}")
+    seen.add(cut.id)
+    chosen = choose(cut, *options, where)
+    if chosen is None:
+        ref = AudioRef(lhotse=json.dumps({"empty": "all padding (--lhotse-padding trim)"}))
+        return ManifestItem(cut.id, None, "", line, where, ref=ref)
+    data = _encode_bytes(chosen.to_dict())
+    files = file_sources(data)
+    for src in files:
+        src["source"] = _resolve(src["source"], base)
+    record = {"cut": data, **({"shar": shar} if shar is not None else {})}
+    path = shar["tar"] if shar is not None else (files[0]["source"] if files else None)
+    ref = AudioRef(path=path, lhotse=json.dumps(record, ensure_ascii=False, separators=(",", ":")))
+    return ManifestItem(cut.id, path, cut_text(chosen), line, where, ref=ref)
+
+
+def _shar_recording(shar: dict, name: str):
+    """The cut's Recording from its Shar tar, audio bytes attached (lhotse's own placeholder
+    filling, as its TarIterator does)."""
+    from lhotse.serialization import decode_json_line, deserialize_item
+    from lhotse.shar.utils import fill_shar_placeholder
+
+    if shar.get("data") is None:
+        raise BadAudioError(name, "the Shar holds no recording for this cut", MISSING)
+    if not os.path.isfile(shar["tar"]):
+        raise BadAudioError(shar["tar"], "Shar tar not found", MISSING)
+    with open(shar["tar"], "rb") as f:
+        (d_off, d_size), (m_off, m_size) = shar["data"], shar["meta"]
+        f.seek(d_off)
+        data = f.read(d_size)
+        f.seek(m_off)
+        meta = f.read(m_size)
+    if len(data) != d_size or len(meta) != m_size:
+        raise BadAudioError(name, "Shar tar is shorter than when the run was planned")
+    recording = deserialize_item(decode_json_line(meta.decode("utf-8")))
+    fill_shar_placeholder(manifest=recording, data=data, tarpath=shar["member"])
+    return recording
+
+
+def load_cut_audio(ref: AudioRef, target_sr: int) -> np.ndarray:
+    """``cut.load_audio()`` of an item's cut, channels averaged, at ``target_sr``.
+
+    Raises :class:`BadAudioError` (naming the cut) for whatever lhotse cannot load."""
+    record = json.loads(ref.lhotse)
+    if "empty" in record:
+        raise BadAudioError(ref.describe(), record["empty"], EMPTY)
+    require_lhotse()
+    from lhotse.serialization import deserialize_item
+
+    data = _decode_bytes(record["cut"])
+    name = f"lhotse cut {data.get('id')!r}" + (f" ({ref.path})" if ref.path else "")
+    for src in file_sources(data):
+        if not os.path.isfile(src["source"]):
+            raise BadAudioError(src["source"], f"file not found ({name})", MISSING)
+    try:
+        cut = deserialize_item(data)
+        if "shar" in record:
+            cut.recording = _shar_recording(record["shar"], name)
+        audio = cut.load_audio()
+    except BadAudioError:
+        raise
+    except Exception as e:  # lhotse raises AudioLoadingError, AssertionError, OSError ...
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise BadAudioError(name, f"lhotse cannot load it ({type(e).__name__}: {detail})") from e
+    if audio is None:
+        raise BadAudioError(name, "the cut has no recording", MISSING)
+    return to_codec_audio(np.asarray(audio).T, int(cut.sampling_rate), target_sr, name=name)
+
+
+def read_lhotse_cuts(cuts, padding: str = "keep", channel="mix") -> list[ManifestItem]:
+    """Items of a lhotse cut manifest (any file ``CutSet.from_file`` reads) or a ``CutSet``,
+    in order."""
+    lhotse = require_lhotse()
+    options = check_options(padding, channel)
+    if isinstance(cuts, (str, os.PathLike)):
+        label = os.path.abspath(cuts)
+        if not os.path.isfile(label):
+            raise FileNotFoundError(f"lhotse cut manifest {label} not found")
+        base = os.path.dirname(label)
+        try:
+            cuts = lhotse.CutSet.from_file(label)
+        except Exception as e:
+            raise ManifestError(f"{label}: lhotse cannot open it ({type(e).__name__}: {e})") from e
+    else:
+        label, base = "<CutSet>", os.getcwd()
+    items, seen, stream = [], set(), iter(cuts)
+    while True:
+        line = len(items) + 1
+        try:
+            cut = next(stream)
+        except StopIteration:
+            break
+        except Exception as e:  # a line that is not JSON, or not a cut lhotse knows
+            raise ManifestError(
+                f"{label}:{line}: lhotse cannot read this cut ({type(e).__name__}: {e})"
+            ) from e
+        if not isinstance(cut, lhotse.cut.Cut):
+            raise ManifestError(
+                f"{label}:{line}: a {type(cut).__name__}, not a cut (build cuts with "
+                "CutSet.from_manifests(recordings, supervisions))"
             )
+        items.append(cut_item(cut, f"{label}:{line}", line, options, base, seen))
     return items
 
 
-def _read(path: str) -> SourceRead:
-    return SourceRead(read_lhotse_cuts(path), {"type": "lhotse"})
+def _read(path, lhotse_padding: str = "keep", lhotse_channel="mix") -> SourceRead:
+    items = read_lhotse_cuts(path, lhotse_padding, lhotse_channel)
+    padding, channel = check_options(lhotse_padding, lhotse_channel)
+    return SourceRead(items, {"type": "lhotse", "padding": padding, "channel": channel})
 
+
+CHANNEL_OPTION = SourceOption(
+    "lhotse_channel",
+    "mix",
+    "lhotse: multi-channel cuts: 'mix' (average, default) or channel N of each",
+)
 
 register_source(
     PrepareSource(
-        "lhotse", "--lhotse", "CUTS", "lhotse CutSet manifest (.jsonl / .jsonl.gz)", _read
+        "lhotse",
+        "--lhotse",
+        "CUTS",
+        "lhotse CutSet manifest (.jsonl / .jsonl.gz / .json), read with lhotse",
+        _read,
+        options=(
+            SourceOption(
+                "lhotse_padding", "keep", "lhotse: padding of padded cuts: keep (default) or trim"
+            ),
+            CHANNEL_OPTION,
+        ),
     )
 )

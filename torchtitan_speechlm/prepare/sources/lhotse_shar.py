@@ -1,0 +1,171 @@
+"""Lhotse Shar directories as a ``torchtitan prepare`` source (``--lhotse-shar DIR``).
+
+Shar (``CutSet.to_shar``) is how large lhotse corpora are shipped and streamed: numbered shards,
+each a cut manifest ``cuts.NNNNNN.jsonl.gz`` plus one tar per field, ``recording.NNNNNN.tar``
+holding every cut's audio (``<cut id>.<format>``, then its Recording as ``<cut id>.json``). The
+audio is read from those tars, never from the files the Shar was written from.
+
+How the work is split: planning reads only the cut manifests (lhotse's ``CutSet.from_shar``
+with the ``cuts`` field alone) and the tars' headers (``tarfile``: one 512-byte header per
+member, the audio skipped), and records in each item's reference where its audio and its
+Recording lie in its tar (byte offsets). A worker then reads exactly its items' bytes with one
+seek each, fills lhotse's Shar placeholder with them (``fill_shar_placeholder``, what lhotse's
+own ``TarIterator`` does) and calls ``cut.load_audio()``. So ``--workers N`` read their shards
+in parallel, any prepare shard can be redone alone (resume), and the planning process never
+holds audio: putting each cut's audio bytes into its item instead would keep the whole
+corpus's audio in the main process until the end and copy it to the workers (the benchmark,
+``benchmarks/bench_prepare.py --shar``, measures this source against the same cuts as JSONL +
+wav files). The tars must be plain (uncompressed) tars, as lhotse writes them.
+
+Bad input, found while planning, before any worker starts: a directory without cut manifests
+or without ``recording`` tars, a manifest whose tar is missing (or the reverse), a tar that is
+unreadable, truncated (its last member cut off, or fewer members than cuts) or whose members do
+not match the manifest's cut ids: each error names the file. A cut whose audio lhotse cannot
+decode is a recorded failure naming the cut id. ``--lhotse-channel`` applies as for
+``--lhotse`` (Shar cuts are never mixed or padded: lhotse writes their audio as loaded).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tarfile
+
+from torchtitan_speechlm.prepare.items import ManifestError, ManifestItem
+from torchtitan_speechlm.prepare.sources.base import PrepareSource, SourceRead, register_source
+from torchtitan_speechlm.prepare.sources.lhotse import (
+    CHANNEL_OPTION,
+    check_options,
+    cut_item,
+    require_lhotse,
+)
+
+_SHARD = re.compile(r"^(?P<field>[A-Za-z_]+)\.(?P<n>\d+)\.(?P<ext>jsonl\.gz|jsonl|tar.*)$")
+
+
+def shar_shards(directory: str) -> list[tuple[str, str]]:
+    """``(cuts manifest, recording tar)`` of every shard of a Shar directory, in order."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"Lhotse Shar directory {directory} not found")
+    cuts, tars = {}, {}
+    for name in sorted(os.listdir(directory)):
+        m = _SHARD.match(name)
+        if m is None:
+            continue
+        path, n = os.path.join(directory, name), int(m["n"])
+        if m["field"] == "cuts" and m["ext"].startswith("jsonl"):
+            cuts[n] = path
+        elif m["field"] == "recording":
+            if m["ext"] != "tar":
+                raise ManifestError(
+                    f"{path}: a compressed tar; prepare reads audio at byte offsets of plain "
+                    "tars (CutSet.to_shar writes those): unpack it to recording.NNNNNN.tar"
+                )
+            tars[n] = path
+    if not cuts:
+        raise ManifestError(
+            f"{directory}: no cuts.NNNNNN.jsonl.gz: not a Lhotse Shar directory "
+            "(write one with CutSet.to_shar(dir, fields={'recording': 'flac'}))"
+        )
+    if not tars:
+        raise ManifestError(
+            f"{directory}: no recording.NNNNNN.tar: this Shar holds no audio (write it with "
+            "fields={'recording': 'flac'})"
+        )
+    for n in sorted(set(cuts) | set(tars)):
+        if n not in tars:
+            raise ManifestError(
+                f"{os.path.join(directory, f'recording.{n:06d}.tar')} is missing (the audio of "
+                f"{cuts[n]}); copy it, or remove that manifest"
+            )
+        if n not in cuts:
+            raise ManifestError(
+                f"{os.path.join(directory, f'cuts.{n:06d}.jsonl.gz')} is missing (the cuts of "
+                f"{tars[n]}); copy it, or remove that tar"
+            )
+    return [(cuts[n], tars[n]) for n in sorted(cuts)]
+
+
+def tar_index(tar: str) -> list[tuple[tarfile.TarInfo, tarfile.TarInfo]]:
+    """(data member, metadata member) pairs of a Shar tar, from its headers only; a truncated
+    or unreadable tar is a ManifestError naming it."""
+    size = os.path.getsize(tar)
+    try:
+        with tarfile.open(tar, "r:") as t:
+            members = t.getmembers()
+    except (tarfile.TarError, OSError) as e:
+        raise ManifestError(f"{tar}: truncated or not a tar ({e}); copy it again") from e
+    for m in members:
+        if m.offset_data + m.size > size:
+            raise ManifestError(
+                f"{tar}: truncated (member {m.name} needs {m.offset_data + m.size} bytes, the "
+                f"file has {size}); copy it again"
+            )
+    if len(members) % 2:
+        raise ManifestError(
+            f"{tar}: truncated or not a Shar tar ({len(members)} members; Shar stores pairs of "
+            "audio + metadata); copy it again"
+        )
+    return list(zip(members[0::2], members[1::2], strict=True))
+
+
+def _shar_ref(tar: str, data: tarfile.TarInfo, meta: tarfile.TarInfo) -> dict:
+    if data.name.endswith(".nodata"):
+        return {"tar": tar, "member": data.name, "data": None, "meta": None}
+    return {"tar": tar, "member": data.name, "data": [data.offset_data, data.size],
+            "meta": [meta.offset_data, meta.size]}  # fmt: skip
+
+
+def read_shar_items(directory: str, channel="mix") -> list[ManifestItem]:
+    """One item per cut of a Shar directory, in shard order."""
+    lhotse = require_lhotse()
+    options = check_options("keep", channel)
+    directory = os.path.abspath(directory)
+    items, seen = [], set()
+    for cuts_file, tar in shar_shards(directory):
+        pairs = tar_index(tar)
+        try:
+            cuts = list(lhotse.CutSet.from_shar(fields={"cuts": [cuts_file]}))
+        except Exception as e:
+            raise ManifestError(
+                f"{cuts_file}: lhotse cannot read it ({type(e).__name__}: {e})"
+            ) from e
+        if len(pairs) < len(cuts):
+            raise ManifestError(
+                f"{tar}: truncated: holds audio for {len(pairs)} of the {len(cuts)} cuts of "
+                f"{cuts_file} (first missing: cut {cuts[len(pairs)].id!r}); copy it again"
+            )
+        if len(pairs) > len(cuts):
+            raise ManifestError(
+                f"{tar}: {len(pairs)} members for the {len(cuts)} cuts of {cuts_file}"
+            )
+        for line, (cut, (data, meta)) in enumerate(zip(cuts, pairs, strict=True), start=1):
+            where = f"{cuts_file}:{line}"
+            for key in ("shard_origin", "shar_epoch"):  # set by lhotse's reader, not the cut's
+                (cut.custom or {}).pop(key, None)
+            if os.path.splitext(data.name)[0] != cut.id:
+                raise ManifestError(
+                    f"{where}: cut {cut.id!r} but {tar} holds {data.name} at its place; the "
+                    "tar belongs to another manifest"
+                )
+            shar = _shar_ref(tar, data, meta)
+            items.append(cut_item(cut, where, line, options, directory, seen, shar))
+    return items
+
+
+def _read(path: str, lhotse_channel="mix") -> SourceRead:
+    items = read_shar_items(path, lhotse_channel)
+    channel = check_options("keep", lhotse_channel)[1]
+    return SourceRead(items, {"type": "lhotse_shar", "channel": channel})
+
+
+register_source(
+    PrepareSource(
+        "lhotse_shar",
+        "--lhotse-shar",
+        "DIR",
+        "Lhotse Shar directory (CutSet.to_shar: cuts + audio in tars)",
+        _read,
+        options=(CHANNEL_OPTION,),
+    )
+)
