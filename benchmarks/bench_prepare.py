@@ -8,6 +8,13 @@ includes loading the codec, planning and starting workers. Prints a table and wr
 (``--out``). Not a test: `python benchmarks/bench_prepare.py [--n 200] [--cache DIR]`. Smallest
 setting (a smoke test of the script): ``--n 8 --held-out 2 --codecs kmeans --cache DIR
 --out FILE``.
+
+``--lhotse``: the same corpus three ways, the JSONL manifest of wav files (``--manifest``, our
+own reader), lhotse cuts of those wavs (``--lhotse cuts.jsonl.gz``) and a Shar directory of the
+cuts (``--lhotse-shar``, flac in tars), prepared with the tiny Encodec, interleaved
+(``--repeats``), with 1 and 2 workers of 1 thread; reports each run's wall time and planning
+time (reading the source: for Shar the tar headers too), the median throughputs and their
+ratios; writes ``benchmarks/results/prepare_lhotse.json``.
 """
 
 from __future__ import annotations
@@ -71,17 +78,18 @@ def kmeans_fit(paths: dict, held_out: int = 10) -> dict:
     }
 
 
-def run(paths: dict, codec: str, workers: int, shard_size: int, threads: int) -> dict:
-    """One preparation; ``threads`` = torch intra-op threads of the in-process worker (worker
-    processes get cpu_count // workers each)."""
+def run(paths: dict, codec: str, workers: int, shard_size: int, threads: int,
+        source: tuple[str, str] | None = None) -> dict:  # fmt: skip
+    """One preparation (of the JSONL manifest, or of ``source``); ``threads`` = torch intra-op
+    threads of the in-process worker (worker processes get cpu_count // workers each)."""
     out = tempfile.mkdtemp(prefix="bench_prepare_")
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         t0 = time.perf_counter()
-        s = prepare_dataset(paths["manifest"], codec, paths["tok"], os.path.join(out, "ds"),
-                            batch_size=8, progress=False, workers=workers,
-                            shard_size=shard_size)  # fmt: skip
+        s = prepare_dataset(None if source else paths["manifest"], codec, paths["tok"],
+                            os.path.join(out, "ds"), batch_size=8, progress=False,
+                            workers=workers, shard_size=shard_size, source=source)  # fmt: skip
         wall = time.perf_counter() - t0
     finally:
         torch.set_num_threads(default_threads)
@@ -100,41 +108,122 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=25)
     p.add_argument("--held-out", type=int, default=10, help="k-means codec: utterances not fitted")
     p.add_argument("--codecs", default="encodec,kmeans", help="the codecs to prepare with")
-    p.add_argument("--out", default=RESULTS, help="results file")
+    p.add_argument("--out", default=None, help="results file (default: results/prepare.json, "
+                   "with --lhotse results/prepare_lhotse.json)")  # fmt: skip
+    p.add_argument("--lhotse", action="store_true",
+                   help="compare lhotse Shar with the same cuts as JSONL + wav files")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=2, help="--lhotse: runs of each source")
     return p
+
+
+def lhotse_corpus(paths: dict) -> dict:
+    """The corpus as a lhotse cut manifest (of the wav files) and as a Shar directory (flac)."""
+    from lhotse import CutSet, Recording, SupervisionSegment
+
+    root = os.path.join(os.path.dirname(paths["manifest"]), "lhotse")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(os.path.join(root, "shar"))
+    cuts = []
+    for it in read_jsonl_manifest(paths["manifest"]):
+        rec = Recording.from_file(it.audio, recording_id=it.id)
+        cut = rec.to_cut()
+        cut.supervisions = [SupervisionSegment(it.id, it.id, 0.0, rec.duration, text=it.text)]
+        cuts.append(cut)
+    cuts = CutSet.from_cuts(cuts)
+    cuts.to_file(os.path.join(root, "cuts.jsonl.gz"))
+    cuts.to_shar(os.path.join(root, "shar"), fields={"recording": "flac"}, shard_size=100)
+    return {
+        "lhotse": os.path.join(root, "cuts.jsonl.gz"),
+        "lhotse_shar": os.path.join(root, "shar"),
+    }
+
+
+def lhotse_main(args, paths: dict) -> dict:
+    from torchtitan_speechlm.prepare.sources import read_source
+
+    sources = {"manifest": paths["manifest"], **lhotse_corpus(paths)}
+    rows = []
+    for _ in range(args.repeats):
+        for workers, threads in ((1, 1), (2, 1)):
+            for name, path in sources.items():  # alternated: both see the same machine load
+                t0 = time.perf_counter()
+                read_source(name, path)
+                plan_s = time.perf_counter() - t0
+                r = run(paths, paths["encodec"], workers, args.shard_size, threads, (name, path))
+                rows.append(dict(r, source=name, plan_seconds=round(plan_s, 3)))
+    medians, ratios = {}, {}
+    for workers in (1, 2):
+        med = {n: float(np.median([r["audio_s_per_s"] for r in rows if r["source"] == n
+                                   and r["workers"] == workers])) for n in sources}  # fmt: skip
+        medians[f"workers_{workers}"] = med
+        ratios[f"workers_{workers}"] = {
+            "shar_over_lhotse_jsonl": round(med["lhotse_shar"] / med["lhotse"], 3),
+            "lhotse_jsonl_over_manifest": round(med["lhotse"] / med["manifest"], 3),
+        }
+    print_table(rows, ("source", "workers", "items", "audio_seconds", "plan_seconds",
+                       "wall_seconds", "audio_s_per_s"))  # fmt: skip
+    print("median audio s/s:", json.dumps(medians))
+    print("ratios of medians:", json.dumps(ratios))
+    return {"runs": rows, "median_audio_s_per_s": medians, "ratios": ratios}
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     paths = build_assets(args.cache, args.n)
+    if args.lhotse:
+        results = lhotse_main(args, paths)
+        corpus = {"utterances": args.n, "shard_size": args.shard_size, "batch_size": 8,
+                  "codec": "tiny encodec (tests)", "shar_audio": "flac"}  # fmt: skip
+        write_results(args.out or RESULTS.replace("prepare.json", "prepare_lhotse.json"),
+                      dict(machine=machine(), corpus=corpus, **results))  # fmt: skip
+        return
     km = kmeans_fit(paths, args.held_out)
     ncpu = os.cpu_count() or 1
     configs = [(1, ncpu), (1, 1), (2, 1)] if ncpu > 1 else [(1, 1), (2, 1)]
     rows = [run(paths, paths[c], w, args.shard_size, t) for c in args.codecs.split(",")
             for w, t in configs]  # fmt: skip
-    print(f"{'codec':8} {'workers':>7} {'threads':>7} {'items':>6} {'audio s':>8} {'wall s':>7} "
-          f"{'audio s/s':>9}")  # fmt: skip
-    for r in rows:
-        print(f"{r['codec']:8} {r['workers']:>7} {r['threads_per_worker']:>7} {r['items']:>6} "
-              f"{r['audio_seconds']:>8.1f} {r['wall_seconds']:>7.2f} {r['audio_s_per_s']:>9.1f}")  # fmt: skip
+    print_table(rows, ("codec", "workers", "threads_per_worker", "items", "audio_seconds",
+                       "wall_seconds", "audio_s_per_s"))  # fmt: skip
     print("k-means codec:", json.dumps(km))
     result = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_avg_1m": round(os.getloadavg()[0], 2),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },  # fmt: skip
+        "machine": machine(),
         "corpus": {"utterances": args.n, "shard_size": args.shard_size, "batch_size": 8},
         "runs": rows,
         "kmeans_codec": km,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    write_results(args.out or RESULTS, result)
+
+
+def print_table(rows: list[dict], keys: tuple[str, ...]) -> None:
+    """One column per key (the first left-aligned), floats with 2 decimals."""
+    widths = [max(len(k), *(len(_cell(r[k])) for r in rows)) for k in keys]
+    print(" ".join(k.ljust(w) if i == 0 else k.rjust(w)
+                   for i, (k, w) in enumerate(zip(keys, widths, strict=True))))  # fmt: skip
+    for r in rows:
+        print(" ".join(_cell(r[k]).ljust(w) if i == 0 else _cell(r[k]).rjust(w)
+                       for i, (k, w) in enumerate(zip(keys, widths, strict=True))))  # fmt: skip
+
+
+def _cell(value) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def machine() -> dict:
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def write_results(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
