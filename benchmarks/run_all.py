@@ -11,6 +11,7 @@ BENCHES = [  # each writes its JSON under benchmarks/results/ (docs/performance.
     ["benchmarks/bench_step_overhead.py"],
     ["benchmarks/bench_prepare.py"],
     ["benchmarks/bench_decode.py"],
+    ["benchmarks/bench_wave_store.py"],  # prepared forms for a continuous audio encoder
     ["benchmarks/bench_memory_model.py"],  # activation memory per frame and layer (performance.md)
     ["benchmarks/bench_learning.py", "--sweep"],  # ~30 min alone on 2 cores (docs/quality.md)
 ]

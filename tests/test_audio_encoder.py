@@ -330,3 +330,88 @@ def test_config_section_builds_the_tower_and_bad_folders_fail_at_validation(asse
         validate_job_config(
             job("--audio_encoder.path", assets["whisper"], "--audio_encoder.stack", "0")
         )
+
+
+def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp_path):
+    """A prepared dataset with waveforms (prepare/waveforms.py) feeds `asr_wave` mixed with
+    `tts` through the real loader: continuous segments are placeholder frames without loss
+    whose audio_index rows match the adaptor's frames, the waveforms are the items', the model
+    trains on the batch, and a loader restored from its state continues with the same batches.
+    Missing encoder or waveforms are ConfigErrors first."""
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_speechlm.audio import load_audio
+    from torchtitan_speechlm.config import ConfigError
+    from torchtitan_speechlm.data.loader import build_speechlm_dataloader
+    from torchtitan_speechlm.data.reader import PreparedDataset
+    from torchtitan_speechlm.model.model import build_model
+    from torchtitan_speechlm.preflight import validate_job_config
+    from torchtitan_speechlm.prepare.waveforms import add_waveforms, read_manifest, to_int16
+    from torchtitan_speechlm.run_context import fill_model_args
+    from torchtitan_speechlm.spec import SpeechLMJobModelArgs
+
+    run = make_tiny_run_assets(tmp_path / "run", n_items=12)
+    toml = write_tiny_config(tmp_path / "tiny.toml", run, tmp_path / "dump")
+    mix = ["--speechlm_data.train", "asr_wave:tiny:0.5,tts:tiny:0.5"]
+
+    def job(*extra):
+        return ConfigManager().parse_args(["--job.config_file", toml, *mix, *extra])
+
+    with pytest.raises(ConfigError, match="asr_wave:tiny takes continuous audio.*no audio encoder"):
+        validate_job_config(job())
+    with_encoder = ("--audio_encoder.path", assets["whisper"], "--audio_encoder.stack", "2")
+    with pytest.raises(ConfigError, match="holds no waveforms"):
+        validate_job_config(job(*with_encoder))
+    manifest = str(tmp_path / "run" / "manifest.jsonl")
+    add_waveforms(run["prepared"], manifest)
+    data = PreparedDataset(run["prepared"], verify="full")
+    paths = read_manifest(manifest)
+    for i in (0, 5):
+        want = to_int16(load_audio(paths[data.ids[i]], SR))
+        np.testing.assert_array_equal(data[i].wave, want)
+        assert data.wave_samples[i] == len(want)
+
+    good = job(*with_encoder)
+    validate_job_config(good)
+    args = SpeechLMJobModelArgs()
+    fill_model_args(args, good)
+    frames_of = args.audio.frames_of
+    pad = torch.tensor(args.layout.pad_frame())
+    waves = [data[i].wave for i in range(len(data))]
+
+    def batches(loader, n):
+        it = iter(loader)
+        return [next(it)[0] for _ in range(n)]
+
+    loader = build_speechlm_dataloader(1, 0, None, good)
+    first = batches(loader, 3)
+    seen = 0
+    for b in first:
+        index, lengths = b["audio_index"], b["audio_lengths"]
+        cont = index >= 0
+        assert int(cont.sum()) == sum(frames_of(int(n)) for n in lengths)
+        assert (b["input"][cont] == pad).all() and (b["loss_weights"][cont] == 0).all()
+        # the targets that are placeholder frames carry no loss either
+        predicts = torch.zeros_like(cont)
+        predicts[:, :-1] = cont[:, 1:]
+        assert (b["loss_weights"][predicts] == 0).all()
+        for w, n in zip(b["audio_wave"], lengths, strict=True):
+            assert any(np.array_equal(w[:n].numpy(), x) for x in waves)  # an item's waveform
+            assert not w[n:].any()
+        seen += len(lengths)
+    assert seen > 0
+    model = build_model(args).train()
+    out = model(first[0]["input"], **{k: v for k, v in first[0].items() if k != "input"})
+    out.loss_sum.backward()
+    assert torch.isfinite(out.loss_sum)
+    assert all(p.grad is not None for p in model.audio_encoder.adaptor.parameters())
+
+    loader = build_speechlm_dataloader(1, 0, None, good)
+    batches(loader, 1)
+    state = loader.state_dict()
+    resumed = build_speechlm_dataloader(1, 0, None, good)
+    resumed.load_state_dict(state)
+    for a, b in zip(first[1:], batches(resumed, 2), strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)

@@ -53,6 +53,7 @@ SMOKE = {
     "bench_step_overhead.py": "--steps 2 --config {toml} --out {tmp}/a.json",
     "bench_vs_llama3.py": "--shape tiny --repeats 1 --configs speech --variants "
     "'speechlm hf-llama' --results-dir {tmp}",
+    "bench_wave_store.py": "--n 4 --repeats 1 --work {tmp}/work --out {tmp}/a.json",
 }
 NOT_RUN = ("bench_common.py", "bench_learning.py", "run_all.py")
 

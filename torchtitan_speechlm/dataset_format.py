@@ -35,6 +35,12 @@ ITEMS = "items.jsonl"
 TEXT_TOKENS = "text_tokens.npy"
 AUDIO_CODES = "audio_codes.npy"
 TEXT_DTYPE = np.dtype("<i4")
+# optional, for a continuous audio encoder (prepare/waveforms.py, docs/audio-encoder.md): each
+# shard's items' waveforms, mono int16 at metadata["waveform"]["sample_rate"], one flat array,
+# and per item (in items.jsonl order) its offset and length in samples
+AUDIO_WAVE = "audio_wave.npy"
+WAVE_INDEX = "waves.jsonl"
+WAVE_DTYPE = np.dtype("<i2")
 INDEX_COLUMNS = ("text_offset", "text_len", "audio_offset", "audio_frames", "seconds")
 KINDS = ("speech", "text", "audio", "dialogue")  # what an item holds (items.jsonl "kind")
 ROLES = ("system", "user", "assistant")  # dialogue turn roles
@@ -77,6 +83,7 @@ class PreparedItem:
     audio_codes: np.ndarray  # int64 [F, N]; empty for text-only and dialogue items
     seconds: float
     turns: list[Turn] | None = None  # dialogue items only
+    wave: np.ndarray | None = None  # int16 [samples] where the dataset carries waveforms
 
 
 def first_difference(a: dict, b: dict) -> str | None:

@@ -22,7 +22,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.config import ConfigError, SpeechLM
 from torchtitan_speechlm.data.external import external_data
-from torchtitan_speechlm.data.tasks import TASKS
+from torchtitan_speechlm.data.tasks import TASKS, get_task
 from torchtitan_speechlm.dataset_format import check_compatible
 from torchtitan_speechlm.model.audio_encoders import AudioEncoderError
 from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
@@ -132,7 +132,7 @@ def run_context(job_config) -> RunContext:
     if ctx is None:
         ctx = _build(job_config)
         _check_stream_weights(job_config, ctx)
-        audio_encoder_args(job_config)  # [audio_encoder]'s folder holds a usable encoder
+        _check_continuous(job_config, ctx, audio_encoder_args(job_config))
         object.__setattr__(job_config, _ATTR, ctx)
     return ctx
 
@@ -302,6 +302,41 @@ def lora_settings(job_config) -> dict:
     if CONVERTER not in job_config.model.converters:
         return {}
     return {key: copy.deepcopy(getattr(job_config.lora, key)) for key in SETTING_KEYS}
+
+
+def _check_continuous(job_config, ctx: RunContext, audio: dict) -> None:
+    """Continuous-audio tasks need an audio encoder and datasets with waveforms at its rate, no
+    longer than its window (longer audio is refused, not chunked: docs/audio-encoder.md)."""
+    entries = list(ctx.train) + [e for es, _ in ctx.valid.values() for e in es]
+    for e in entries:
+        if not get_task(e.task).continuous:
+            continue
+        where = f"speechlm_data: {e.task}:{e.dataset}"
+        if not audio:
+            raise ConfigError(
+                f"{where} takes continuous audio, but the run has no audio encoder: set "
+                "[audio_encoder] path to a local speech-encoder folder (docs/audio-encoder.md)"
+            )
+        wave = ctx.metadata.get(e.dataset, {}).get("waveform")
+        if not wave:
+            raise ConfigError(
+                f"{where}: dataset {ctx.datasets.get(e.dataset)!r} holds no waveforms; add them "
+                "with `python -m torchtitan_speechlm.prepare.waveforms PREPARED MANIFEST`"
+            )
+        args = AudioEncoderArgs(**audio)
+        if int(wave["sample_rate"]) != args.sample_rate:
+            raise ConfigError(
+                f"{where}: its waveforms are at {wave['sample_rate']} Hz, the audio encoder "
+                f"{args.path!r} reads {args.sample_rate} Hz; add them again with "
+                f"--sample-rate {args.sample_rate}"
+            )
+        if int(wave.get("max_samples", 0)) > args.window_samples:
+            raise ConfigError(
+                f"{where}: its longest item is {int(wave['max_samples']) / args.sample_rate:.2f} "
+                f"s, longer than the audio encoder's window of "
+                f"{args.window_samples / args.sample_rate:g} s; cut the audio (e.g. Kaldi "
+                "segments) before preparing it"
+            )
 
 
 def fill_model_args(args, job_config) -> None:

@@ -28,8 +28,9 @@ from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.data.stream import Plan, Source, SpeechLMDataset, batch_hash
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.data.transport import Inbox, Outbox
+from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
 from torchtitan_speechlm.model.vocab import VocabLayout
-from torchtitan_speechlm.run_context import MixEntry, run_context
+from torchtitan_speechlm.run_context import MixEntry, audio_encoder_args, run_context
 
 
 class PlanSampler(Sampler):
@@ -194,6 +195,8 @@ def split_indices(ids: list[str], valid_fraction: float, split: str) -> np.ndarr
 
 def build_template_builder(job_config, layout: VocabLayout) -> TemplateBuilder:
     sl = job_config.speechlm
+    audio = audio_encoder_args(job_config)
+    frames = AudioEncoderArgs(**audio).frames_of if audio else None
     return TemplateBuilder(
         layout,
         sl.pattern,
@@ -203,6 +206,7 @@ def build_template_builder(job_config, layout: VocabLayout) -> TemplateBuilder:
             streams=tuple(normalised_stream_weights(sl.stream_weights, layout.num_streams)),
         ),
         loss_region=job_config.speechlm_data.loss_region,
+        continuous_frames=frames,
     )
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from torchtitan_speechlm.dataset_format import (
     AUDIO_CODES,
+    AUDIO_WAVE,
     FORMAT_VERSION,
     INDEX_COLUMNS,
     ITEMS,
@@ -18,6 +19,7 @@ from torchtitan_speechlm.dataset_format import (
     SHARD_META,
     SHARDS_DIR,
     TEXT_TOKENS,
+    WAVE_INDEX,
     CorruptDatasetError,
     PreparedItem,
     ShardMismatchError,
@@ -94,6 +96,14 @@ class PreparedDataset:
                 f"{meta_path} says {self.metadata.get('num_items')} items but its shards hold "
                 f"{len(self.ids)}; {REGENERATE}"
             )
+        self.waveform: dict | None = self.metadata.get("waveform")
+        self._wave_arrays: list[np.ndarray] = []
+        self._wave_index = np.zeros((0, 2), dtype=np.int64)  # per item: offset, samples
+        if self.waveform:
+            self._wave_index = np.concatenate(
+                [np.zeros((0, 2), dtype=np.int64)]
+                + [self._open_waves(s, e) for s, e in enumerate(self.metadata["shards"])]
+            )
 
     def _open_shard(self, entry: dict) -> np.ndarray:
         sdir = os.path.join(self.path, SHARDS_DIR, str(entry.get("name")))
@@ -148,6 +158,35 @@ class PreparedDataset:
         self._code_arrays.append(codes)
         return rows
 
+    def _open_waves(self, s: int, entry: dict) -> np.ndarray:
+        """Shard ``s``'s waveforms (prepare/waveforms.py): checked against metadata.json's
+        record and the shard's items; returns its items' [offset, samples]."""
+        sdir, fix = self.shard_paths[s], "add them again with prepare/waveforms.py"
+        files = self.waveform.get("files", {}).get(str(entry.get("name")))
+        if files is None:
+            raise CorruptDatasetError(f"{sdir}: metadata.json records no waveforms; {fix}")
+        if self.verify != "none":
+            check_shard_files(sdir, files, checksums=self.verify == "full")
+        wave = _open_array(os.path.join(sdir, AUDIO_WAVE), "i", 1)
+        first = int(np.searchsorted(self._shard, s))
+        rows = []
+        with open(os.path.join(sdir, WAVE_INDEX), encoding="utf-8") as f:
+            for k, line in enumerate(f):
+                r = json.loads(line)
+                if first + k >= len(self.ids) or r["id"] != self.ids[first + k]:
+                    raise CorruptDatasetError(
+                        f"{sdir}/{WAVE_INDEX}:{k + 1}: not the shard's item order; {fix}"
+                    )
+                rows.append((int(r["offset"]), int(r["samples"])))
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
+        n = int((self._shard == s).sum())
+        if len(rows) != n or (len(rows) and (rows.sum(1) > len(wave)).any()):
+            raise CorruptDatasetError(
+                f"{sdir}/{WAVE_INDEX}: does not index the shard's {n} items; {fix}"
+            )
+        self._wave_arrays.append(wave)
+        return rows
+
     def _read_index(self, items_path: str, base: int) -> np.ndarray:
         if not os.path.isfile(items_path):
             raise CorruptDatasetError(f"{items_path} is missing; {REGENERATE}")
@@ -197,6 +236,17 @@ class PreparedDataset:
         """Audio turns per dialogue item (0 for other kinds), from the index."""
         return self._num_turns[:, 1]
 
+    @property
+    def wave_samples(self) -> np.ndarray | None:
+        """Waveform samples per item (datasets with waveforms), else None."""
+        return self._wave_index[:, 1] if self.waveform else None
+
+    def wave(self, i: int) -> np.ndarray | None:
+        if not self.waveform:
+            return None
+        off, n = self._wave_index[i]
+        return np.array(self._wave_arrays[self._shard[i]][off : off + n])
+
     def __len__(self) -> int:
         return len(self.ids)
 
@@ -224,7 +274,7 @@ class PreparedDataset:
             ]
             return PreparedItem(self.ids[i], self.texts[i], np.zeros(0, dtype=np.int64),
                                 np.zeros((0, self.num_streams), dtype=np.int64),
-                                float(self._seconds[i]), turns)  # fmt: skip
+                                float(self._seconds[i]), turns, self.wave(i))  # fmt: skip
         t0, a0 = self._text_off[i], self._audio_off[i]
         return PreparedItem(
             id=self.ids[i],
@@ -232,4 +282,5 @@ class PreparedDataset:
             text_tokens=np.array(text[t0 : t0 + self._text_len[i]], dtype=np.int64),
             audio_codes=np.array(codes[a0 : a0 + self._audio_frames[i]], dtype=np.int64),
             seconds=float(self._seconds[i]),
+            wave=self.wave(i),
         )

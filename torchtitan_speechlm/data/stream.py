@@ -48,6 +48,7 @@ from torchtitan_speechlm.config import Batching
 from torchtitan_speechlm.data.tasks import TASKS, TemplateBuilder, get_task
 from torchtitan_speechlm.model.vocab import VocabMismatchError
 
+CONTINUOUS_KEYS = ("audio_wave", "audio_lengths", "audio_index")
 BASE_STATS = (
     "examples",
     "rows",
@@ -185,6 +186,8 @@ class SpeechLMDataset(IterableDataset):
         self._cdf = self._weights.cumsum()
         self._cdf /= self._cdf[-1]
         self._pad_frame = np.array(self.layout.pad_frame(), dtype=np.int64)
+        # batches carry audio_wave / audio_lengths / audio_index (model/audio_tower.py)
+        self.continuous = any(get_task(s.task).continuous for s in sources)
         self._warned_bad: set[tuple[int, int]] = set()
         self._warned_long: set[int] = set()
         self.reset()
@@ -367,6 +370,8 @@ class SpeechLMDataset(IterableDataset):
             data, own_turns = s.data, get_task(s.task).turns is None
             if not own_turns:
                 n_text, n_audio = np.asarray(data.text_lengths), np.asarray(data.audio_lengths)
+                if get_task(s.task).continuous:
+                    n_audio = np.asarray(getattr(data, "wave_samples", None))
                 table = self.builder.length(s.task, n_text, n_audio, cfg_drop=cfg_drop)
             elif getattr(data, "num_turns", None) is not None:
                 table = self.builder.length(
@@ -620,6 +625,7 @@ class SpeechLMDataset(IterableDataset):
         pos = np.zeros((b, t), dtype=np.int64)
         stats = dict.fromkeys(self.stats_keys, 0.0)
         stats["rows"], stats["skipped_too_long"] = b, skipped_too_long
+        continuous = []  # (row, first frame, frames, waveform) of each continuous segment
         for r, row in enumerate(unit.rows):
             at = 0
             for d in row:
@@ -628,6 +634,9 @@ class SpeechLMDataset(IterableDataset):
                     stats["skipped_bad"] += 1
                     continue
                 length = len(ex.frames) - 1
+                for first, wave in ex.continuous:
+                    frames = int(self.builder.continuous_frames(len(wave)))
+                    continuous.append((r, at + first, frames, wave))
                 if sample_hashes is not None:
                     sample_hashes.append(example_hash(ex))
                 inp[r, at : at + length] = ex.frames[:-1]
@@ -658,7 +667,28 @@ class SpeechLMDataset(IterableDataset):
             "position_ids": torch.from_numpy(pos),
             "data_stats": torch.tensor([[stats[k] for k in self.stats_keys]], dtype=torch.float32),
         }
+        if self.continuous:
+            batch.update(continuous_batch(continuous, b, t))
         return batch, torch.from_numpy(np.where(loss_frames, 0, IGNORE_INDEX))
+
+
+def continuous_batch(segments: list[tuple[int, int, int, np.ndarray]], b: int, t: int) -> dict:
+    """The model's continuous inputs (model/audio_tower.py) of ``(row, first frame, frames,
+    int16 waveform)`` segments: waveforms zero-padded to the longest, their lengths, and each
+    frame's row in the concatenation of the segments' adaptor frames (-1 elsewhere)."""
+    longest = max((len(s[3]) for s in segments), default=0)
+    wave = np.zeros((len(segments), longest), dtype=np.int16)
+    index = np.full((b, t), -1, dtype=np.int64)
+    done = 0
+    for i, (r, first, n, w) in enumerate(segments):
+        wave[i, : len(w)] = w
+        index[r, first : first + n] = done + np.arange(n)
+        done += n
+    return {
+        "audio_wave": torch.from_numpy(wave),
+        "audio_lengths": torch.tensor([len(s[3]) for s in segments], dtype=torch.int64),
+        "audio_index": torch.from_numpy(index),
+    }
 
 
 def _best_subset(sizes: list[int], cap: int) -> list[int]:
@@ -695,6 +725,7 @@ def example_hash(ex) -> str:
 def batch_hash(batch: dict) -> str:
     """Content hash of a micro-batch (inputs, targets, weights, positions)."""
     h = hashlib.blake2b(digest_size=12)
-    for key in ("input", "targets", "loss_weights", "position_ids"):
-        h.update(batch[key].numpy().tobytes())
+    for key in ("input", "targets", "loss_weights", "position_ids", *CONTINUOUS_KEYS):
+        if key in batch:  # the continuous keys only in runs with continuous tasks
+            h.update(batch[key].numpy().tobytes())
     return h.hexdigest()

@@ -25,7 +25,8 @@ A task is one ``Task`` row registered with ``register_task`` (docs/extending.md)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import get_args
 
 import numpy as np
@@ -55,6 +56,9 @@ class Task:
     turns: tuple[tuple[str, str], ...] | None
     cfg_turn: int | None = None
     loss_roles: tuple[str, ...] = ("assistant",)
+    continuous: bool = False
+    """Audio turns are the item's waveform through the audio encoder (model/audio_tower.py):
+    placeholder frames whose embeddings the adaptor replaces, never with loss."""
 
     def __post_init__(self) -> None:
         bad = [k for k in self.kinds if k not in KINDS]
@@ -88,6 +92,7 @@ for _task in (
     Task("continuation", ("speech", "audio"), (("assistant", "audio"),)),
     Task("text", ("speech", "text"), (("assistant", "text"),)),
     Task("dialogue", ("dialogue",), None),
+    Task("asr_wave", ("speech",), (("user", "audio"), ("assistant", "text")), continuous=True),
 ):
     register_task(_task)
 
@@ -107,6 +112,8 @@ class LossWeights:
 class Example:
     frames: np.ndarray  # int64 [L, N]
     weights: np.ndarray  # float32 [L, N]: weight of predicting frames[j] from frames[:j]
+    continuous: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    """(first frame, int16 waveform) of each continuous segment (its frames are placeholders)."""
 
 
 @dataclass(frozen=True)
@@ -134,13 +141,17 @@ class TemplateBuilder:
         pattern: str,
         weights: LossWeights,
         loss_region: str = "assistant",
+        continuous_frames: Callable | None = None,
     ):
+        """``continuous_frames``: LM frames of a continuous segment of ``n`` samples (ints or
+        numpy arrays; the run's AudioEncoderArgs.output_frames), None without an encoder."""
         if loss_region not in LOSS_REGIONS:
             raise ValueError(f"loss_region must be one of {LOSS_REGIONS}, got {loss_region!r}")
         self.layout = layout
         self.pattern = get_pattern(pattern)
         self.w = weights
         self.loss_region = loss_region
+        self.continuous_frames = continuous_frames
         n = layout.num_streams
         self.pads = np.array([layout.stream_pad(k) for k in range(n)], dtype=np.int64)
         self.code_offsets = np.array([layout.code(k, 0) for k in range(n)], dtype=np.int64)
@@ -189,7 +200,14 @@ class TemplateBuilder:
         drop = np.array([self.layout.special("<|cfg_drop|>") - self.layout.text_offset])
         out = []
         for i, (role, modality) in enumerate(spec.turns):
-            if modality == "audio":
+            if modality == "audio" and spec.continuous:
+                if getattr(item, "wave", None) is None:
+                    raise ValueError(
+                        f"item {item.id!r}: task {task!r} needs its waveform, and its dataset "
+                        "has none (add them: python -m torchtitan_speechlm.prepare.waveforms)"
+                    )
+                tokens = item.wave
+            elif modality == "audio":
                 tokens = item.audio_codes
             else:
                 tokens = drop if cfg_drop and i == spec.cfg_turn else item.text_tokens
@@ -223,6 +241,7 @@ class TemplateBuilder:
         spec = get_task(task)
         segs = self.segments(task, item, cfg_drop)
         parts = [self._tokens([sp("<|bos|>")], False)]
+        continuous = []
         for i, seg in enumerate(segs):
             if seg.role not in ROLE_TOKENS or seg.modality not in MODALITY_TOKENS:
                 raise ValueError(f"bad turn role/modality {seg.role!r}/{seg.modality!r}")
@@ -231,6 +250,9 @@ class TemplateBuilder:
             parts.append(self._tokens([sp(MODALITY_TOKENS[seg.modality])], loss))
             if seg.modality == "text":
                 parts.append(self._tokens(lay.text_offset + np.asarray(seg.tokens), loss))
+            elif spec.continuous:
+                continuous.append((sum(len(p[0]) for p in parts), seg.tokens))
+                parts.append(self._placeholders(len(seg.tokens)))
             else:
                 parts.append(self._audio(np.asarray(seg.tokens), loss))
             end = "<|eos|>" if i == len(segs) - 1 else "<|eot|>"
@@ -238,7 +260,21 @@ class TemplateBuilder:
         return Example(
             frames=np.concatenate([p[0] for p in parts]),
             weights=np.concatenate([p[1] for p in parts]),
+            continuous=continuous,
         )
+
+    def _placeholders(self, samples: int) -> tuple[np.ndarray, np.ndarray]:
+        """A continuous segment's frames: the pad frame (the model replaces their embeddings),
+        no loss."""
+        if self.continuous_frames is None:
+            raise ValueError(
+                "a continuous-audio task in a run without an audio encoder: set "
+                "[audio_encoder] path (docs/audio-encoder.md)"
+            )
+        n = int(self.continuous_frames(samples))
+        frames = np.broadcast_to(self.pads, (n, len(self.pads))).copy()
+        frames[:, 0] = self.layout.pad
+        return frames, np.zeros(frames.shape, dtype=np.float32)
 
     def length(
         self, task: str, n_text, n_audio_frames, n_audio_turns=1, n_turns=2, cfg_drop: bool = False
@@ -254,5 +290,11 @@ class TemplateBuilder:
             n_audio_frames = n_audio_turns * n_audio_frames
         else:
             n_text_total = n_text
-        audio = self.pattern.num_frames(n_audio_frames, n_audio_turns, self.layout.num_streams)
+        if spec.continuous:  # n_audio_frames: waveform samples of the (one) audio turn
+            if self.continuous_frames is None:
+                self._placeholders(0)  # the error
+            audio = np.asarray(self.continuous_frames(n_audio_frames), dtype=np.int64)
+            audio = int(audio) if audio.ndim == 0 else audio
+        else:
+            audio = self.pattern.num_frames(n_audio_frames, n_audio_turns, self.layout.num_streams)
         return 1 + 3 * n_turns + n_text_total + audio

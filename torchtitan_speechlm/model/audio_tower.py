@@ -23,6 +23,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -72,6 +73,12 @@ class AudioEncoderArgs:
         """LM frames of a continuous segment of ``samples`` samples (what the data budgets)."""
         enc = self.family.encoder_frames(self.config, torch.as_tensor(samples))
         return (enc + self.stack - 1).div(self.stack, rounding_mode="floor")
+
+    def frames_of(self, samples):
+        """``output_frames`` of an int or a numpy array, as an int or a numpy array (what the
+        data side budgets and lays out, data/tasks.py)."""
+        out = self.output_frames(torch.as_tensor(np.asarray(samples, dtype=np.int64))).numpy()
+        return int(out) if out.ndim == 0 else out
 
 
 class Adaptor(nn.Module):
