@@ -181,9 +181,11 @@ def cut_item(cut, where: str, line: int, options: tuple[str, int | None], base: 
     files = file_sources(data)
     for src in files:
         src["source"] = _resolve(src["source"], base)
-    record = {"cut": data, **({"shar": shar} if shar is not None else {})}
+    record = {"id": cut.id, "cut": data, **({"shar": shar} if shar is not None else {})}
     path = shar["tar"] if shar is not None else (files[0]["source"] if files else None)
-    ref = AudioRef(path=path, lhotse=json.dumps(record, ensure_ascii=False, separators=(",", ":")))
+    # default=str: a custom field JSON cannot hold (a Path ...) is not needed to load the audio
+    text = json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=str)
+    ref = AudioRef(path=path, lhotse=text)
     return ManifestItem(cut.id, path, cut_text(chosen), line, where, ref=ref)
 
 
@@ -221,7 +223,7 @@ def load_cut_audio(ref: AudioRef, target_sr: int) -> np.ndarray:
     from lhotse.serialization import deserialize_item
 
     data = _decode_bytes(record["cut"])
-    name = f"lhotse cut {data.get('id')!r}" + (f" ({ref.path})" if ref.path else "")
+    name = f"lhotse cut {record['id']!r}" + (f" ({ref.path})" if ref.path else "")
     for src in file_sources(data):
         if not os.path.isfile(src["source"]):
             raise BadAudioError(src["source"], f"file not found ({name})", MISSING)
