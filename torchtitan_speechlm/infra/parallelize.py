@@ -5,6 +5,9 @@ Everything reuses torchtitan's own helpers (``apply_ac``, ``apply_ddp``,
 SpeechLM's modules:
 
 - one FSDP unit per decoder layer (``backbone.layers[i]``);
+- an audio encoder (model/audio_tower.py): one unit per encoder layer and one for the rest of
+  the tower (convolutions, positions, adaptor), which keeps its inputs as they are (waveforms,
+  lengths); its layers are activation-checkpointed like the decoder's;
 - untied: the embedding and the head are units of their own (like llama3's);
 - tied: the embedding and the head share one Parameter, which torch 2.13's FSDP2 refuses to put
   in two groups, so both stay in the root unit.
@@ -59,6 +62,14 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
             op_sac_save_list=_op_sac_save_list,
             base_folder=job_config.job.dump_folder,
         )
+        if model.audio_encoder is not None:
+            apply_ac(
+                model.audio_encoder.encoder,
+                job_config.activation_checkpoint,
+                model_compile_enabled=compile_model,
+                op_sac_save_list=_op_sac_save_list,
+                base_folder=job_config.job.dump_folder,
+            )
     if compile_model:
         apply_compile(model, job_config.compile.backend)
     if parallel_dims.fsdp_enabled:
@@ -231,14 +242,20 @@ def apply_fsdp(
         config["offload_policy"] = CPUOffloadPolicy()
     for block in blocks(model):
         fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
-    if not model.args.tie_embeddings:
-        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard_after_forward)
-        # The head runs last; resharding it right before backward needs it again is waste.
-        fully_shard(model.head, **config, reshard_after_forward=False)
     # The root's inputs stay as the loader made them: FSDP would cast the float ones (loss
     # weights, data statistics such as frame counts) to bf16, which cannot hold 513 exactly.
     # The embeddings' output is already in the compute dtype; each block casts its input.
     root_policy = MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)
+    if model.audio_encoder is not None:
+        for layer in model.audio_encoder.encoder.layers:
+            fully_shard(layer, **config, reshard_after_forward=reshard_after_forward)
+        # its inputs: the embeddings (already in the compute dtype) and fp32/int16 waveforms,
+        # whose log-mel is computed in fp32 before the first convolution casts it
+        fully_shard(model.audio_encoder, **{**config, "mp_policy": root_policy})
+    if not model.args.tie_embeddings:
+        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard_after_forward)
+        # The head runs last; resharding it right before backward needs it again is waste.
+        fully_shard(model.head, **config, reshard_after_forward=False)
     fully_shard(model, **{**config, "mp_policy": root_policy})
     disable_fsdp_gradient_division(model)
     force_sum_reduction_on_cpu(model)

@@ -31,7 +31,6 @@ from torch import nn
 
 from torchtitan_speechlm.model.audio_encoders import (
     AudioEncoder,
-    AudioEncoderError,
     get_audio_encoder,
     load_audio_encoder_config,
 )
@@ -131,16 +130,10 @@ class AudioTower(nn.Module):
 
     def initial_state(self, std: float, seed: int, load: bool) -> dict[str, torch.Tensor]:
         """Full initial values by parameter name (``encoder.`` from the folder when ``load``,
-        else the family's own init; ``adaptor.`` its own init)."""
+        else the family's own init; ``adaptor.`` its own init). The caller checks that every
+        parameter got one (SpeechLM.init_weights, under wrapper-free names)."""
         enc = self.args.family.initial_state(self.args.config, self.args.path if load else "", seed)
-        names = {n for n, _ in self.encoder.named_parameters()}
-        missing = sorted(names - set(enc))
-        if missing:
-            raise AudioEncoderError(
-                f"audio_encoder.path = {self.args.path!r}: its weights lack {missing[:4]} "
-                f"({len(missing)} tensors); is config.json from the same checkpoint?"
-            )
-        out = {f"encoder.{k}": v for k, v in enc.items() if k in names}
+        out = {f"encoder.{k}": v for k, v in enc.items()}
         out.update({f"adaptor.{k}": v for k, v in self.adaptor.initial_state(std, seed).items()})
         return out
 
@@ -164,14 +157,15 @@ class AudioTower(nn.Module):
         real = torch.arange(h.shape[1], device=h.device) < frames[:, None]
         return self.adaptor(h, real), self.args.output_frames(lengths)
 
-    def place(
+    def forward(
         self,
         h: torch.Tensor,
         wave: torch.Tensor | None,
         lengths: torch.Tensor | None,
         index: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``h`` [B, T, D] with the continuous frames' embeddings replaced (module docstring)."""
+        """``h`` [B, T, D] with the continuous frames' embeddings replaced (module docstring).
+        The tower's entry point is ``forward``: FSDP gathers its parameters there."""
         if wave is None or wave.shape[0] == 0:
             if self.training or (dist.is_available() and dist.is_initialized()):
                 # every rank runs the tower (FSDP gathers its shards; backward reduces them)

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.protocols import ModelProtocol
 
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
+from torchtitan_speechlm.model.audio_encoders import AudioEncoderError
 from torchtitan_speechlm.model.audio_tower import AudioTower
 from torchtitan_speechlm.model.chunked_loss import chunked_stream_loss
 from torchtitan_speechlm.model.lora import apply_lora, base_name, is_lora_param, lora_init
@@ -320,7 +321,7 @@ class SpeechLM(ModelProtocol):
         replaced by the audio encoder's adaptor outputs (model/audio_tower.py)."""
         h = self.tok_embeddings(inputs)
         if self.audio_encoder is not None:
-            return self.audio_encoder.place(h, audio_wave, audio_lengths, audio_index)
+            return self.audio_encoder(h, audio_wave, audio_lengths, audio_index)
         if audio_wave is not None and audio_wave.shape[0]:
             raise ValueError(
                 "the batch holds continuous audio (audio_wave) but the model has no audio "
@@ -415,6 +416,12 @@ class SpeechLM(ModelProtocol):
             self.audio_encoder.reset_buffers(device)
             tower = self.audio_encoder.initial_state(std, args.init_seed, args.load_weights)
             audio = {f"audio_encoder.{k}": v for k, v in tower.items()}
+            missing = [n for n, _ in named if n.startswith("audio_encoder.") and n not in audio]
+            if missing:
+                raise AudioEncoderError(
+                    f"audio_encoder.path = {args.audio.path!r}: its weights lack {missing[:4]} "
+                    f"({len(missing)} tensors); is config.json from the same checkpoint?"
+                )
         start = {}
         if args.init_from:
             base = {n for n, _ in named if not is_lora_param(n)}  # adapters always start fresh

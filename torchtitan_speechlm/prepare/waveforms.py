@@ -105,12 +105,16 @@ def add_waveforms(prepared: str, manifest: str, sample_rate: int = 16000) -> dic
     return meta
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("prepared", help="a dataset written by `torchtitan prepare`")
     p.add_argument("manifest", help="the JSONL manifest it was prepared from")
     p.add_argument("--sample-rate", type=int, default=16000, help="the audio encoder's rate")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
     meta = add_waveforms(a.prepared, a.manifest, a.sample_rate)
     w = meta["waveform"]
     print(f"{a.prepared}: waveforms of {meta.get('num_items')} items at {w['sample_rate']} Hz, "
