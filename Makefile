@@ -57,7 +57,8 @@ bench: deps
 # Pure-Python packages a bare GPU image (Python 3.12, its own CUDA torch + transformers) lacks,
 # for benchmarks/gpu_check.sh (carry .whl to the GPU machine).
 GPU_WHEELS = torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 \
-  typeguard==4.6.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+  typeguard==4.6.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+  peft==0.21.2 accelerate==1.15.0 psutil==7.2.2
 gpu-wheels: deps
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

@@ -8,14 +8,15 @@
 #
 # Budget: under 8 minutes on one H100/H200. Each step has its own time limit and a failed step
 # does not stop the next; the results land in $1 (default benchmarks/results/gpu): gpu.txt,
-# steps.log (every step's output) and each benchmark's JSON (7 files: the device tool returns 8):
+# steps.log (every step's output) and each benchmark's JSON (8 files, lora_cuda.json among them):
 #   1. attention paths at T=8192, 16 documents per row (plain, sdpa_documents, dense mask,
 #      flex_attention, native flex, native grouped SDPA), packed/plain step-time ratios;
 #   2. SpeechLM (hf-llama, hf-qwen3, native) vs torchtitan's llama3 with its own flex
 #      block-causal attention, Qwen3-0.6B shape, bf16, eager and torch.compile, speech and
 #      text-only configs: frames/s, MFU, peak memory, ratios;
 #   3. the same at the Qwen3-1.7B shape (speech, compiled);
-#   4. loss-side memory at a 151,936-word vocabulary x 8 streams x 8k frames vs naive logits.
+#   4. loss-side memory at a 151,936-word vocabulary x 8 streams x 8k frames vs naive logits;
+#   5. LoRA vs full fine-tuning at the Qwen3-0.6B shape: step time, peak memory (lora_cuda.json).
 set -uo pipefail
 out=${1:-benchmarks/results/gpu}
 mkdir -p "$out"
@@ -47,5 +48,6 @@ step vs_llama3_0.6b_compile 150 python3 benchmarks/bench_vs_llama3.py --shape qw
 step vs_llama3_1.7b_compile 110 python3 benchmarks/bench_vs_llama3.py --shape qwen3_1.7b \
   --repeats 3 --compile --configs speech
 step loss_memory 40 python3 benchmarks/bench_loss_memory.py
+step lora 90 python3 benchmarks/bench_lora.py --device cuda --shape qwen3_0.6b --repeats 5
 cp benchmarks/results/*gpu*.json "$out/" 2>/dev/null
 ls -la "$out"

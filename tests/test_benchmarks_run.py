@@ -47,6 +47,7 @@ SMOKE = {
     "bench_loader.py": "--dps 1,2 --steps 1 --micro-batches 2 --repeats 1 --config {toml} "
     "--out {tmp}/a.json",
     "bench_loss_memory.py": "--frames 64 --hidden 16 --dtypes float32 --results {tmp}/a.json",
+    "bench_lora.py": "--shape tiny --repeats 1 --out {tmp}/a.json",
     "bench_memory_model.py": "--hidden 64 --layers 1 --seq-len 64 --docs 2 --modes none "
     "--out {tmp}/a.json",
     "bench_prepare.py": "--n 8 --held-out 2 --codecs kmeans --cache {tmp}/cache --out {tmp}/a.json",
