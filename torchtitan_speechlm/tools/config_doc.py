@@ -19,6 +19,7 @@ SECTIONS = (
     ("speechlm_faults", config.SpeechLMFaults),
     ("checkpoint", config.Checkpoint),
     ("audio_encoder", config.AudioEncoderConfig),
+    ("lora", config.Lora),
 )
 BEGIN, END = "<!-- generated from {name} by tools/config_doc.py -->", "<!-- end generated -->"
 
