@@ -415,3 +415,43 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_espnet_conti_feats_map_onto_the_audio_encoder(assets):
+    """ESPnet's conti_feats ({io: [(row, start, length)...], (waves, lengths)}) become our
+    continuous inputs, and the converted batch gives the logits of the same sample built here;
+    a segment length our encoder would not make is named."""
+    from tests.espnet_fake import FakeFactory, vocab_intervals
+    from torchtitan_speechlm.python_api import EspnetData
+    from torchtitan_speechlm.python_api.espnet_data import EspnetBatchError
+
+    model = speechlm(assets)
+    layout = model.args.layout
+    intervals = vocab_intervals(layout.text_size)
+    intervals["codec"] = [(a, a + layout.codebook_size) for a, _ in intervals["codec"]]
+    data = EspnetData(FakeFactory(intervals), intervals)
+    data.continuous_frames = model.args.audio.frames_of
+    (w,) = waves(6000)
+    n = int(model.args.audio.output_frames(6000))
+    text = [3, 4, 5]
+    espnet_ids = [1, 5, 8] + [0] * n + [256 + x for x in text]  # bos user audio [conti] text
+    seqs = np.zeros((1, len(espnet_ids), layout.num_streams), dtype=np.int64)
+    seqs[0, :, 0] = espnet_ids
+    masks = np.zeros(seqs.shape, dtype=np.float32)
+    conti = {"audio_in": [[(0, 3, n)], (w[None].numpy(), np.array([6000]))]}
+    batch, _ = data.convert({"seqs": seqs, "loss_masks": masks, "conti_feats": conti}, layout)
+    ours = model.logits(batch.pop("input"), **{k: batch[k] for k in batch if k.startswith("audio")})
+    inp, idx = sample(model, [0, 0, 0] + text, 6000, at=3)  # the same frames built here
+    inp[:3, 0] = torch.tensor([layout.special(s) for s in ("<|bos|>", "<|user|>", "<|audio|>")])
+    inp = inp[:-1]
+    alone = model.logits(
+        inp[None],
+        audio_wave=w[None],
+        audio_lengths=torch.tensor([6000]),
+        audio_index=idx[None, :-1],
+    )
+    for k in range(len(alone)):
+        torch.testing.assert_close(ours[k], alone[k], atol=1e-6, rtol=0)
+    conti["audio_in"][0] = [(0, 3, n + 1)]
+    with pytest.raises(EspnetBatchError, match=f"has {n + 1} frames.*makes {n}"):
+        data.convert({"seqs": seqs, "loss_masks": masks, "conti_feats": conti}, layout)

@@ -267,7 +267,9 @@ def test_espnet_batch_conversion():
     assert torch.equal(inputs["loss_weights"], torch.from_numpy(masks[:, 1:]))
     assert labels.tolist() == [[-100, 0, 0]]  # the shifted mask: frame 1 carries no loss
 
-    with pytest.raises(EspnetBatchError, match="tokenise the audio offline"):
+    with pytest.raises(EspnetBatchError, match="tokenise that audio offline"):
+        data.convert({"seqs": seqs, "loss_masks": masks, "speech_feats": [1]}, layout)
+    with pytest.raises(EspnetBatchError, match="conti_feats.*no audio\s+encoder"):
         data.convert({"seqs": seqs, "loss_masks": masks, "conti_feats": {"a": [1]}}, layout)
     with pytest.raises(EspnetBatchError, match="has no place"):
         data.convert({"seqs": np.full_like(seqs, 11), "loss_masks": masks}, layout)

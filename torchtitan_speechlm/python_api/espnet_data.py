@@ -11,7 +11,9 @@ ESPnet batch (dict)                           ours (``(input_dict, labels)``, da
 ``position_ids`` [B, T] (packed; optional)    ``position_ids`` = position_ids[:, :-1] (else 0..T-2)
 ``key`` [(task, name, id), ...] (optional)    counted in ``data/task_{task}``
 ``data_stats``, ``cu_seq_lens`` (optional)    ignored (ours are recomputed from the batch)
-``conti_feats`` / ``{io}_feats`` (raw audio)  refused: tokenise the audio offline first
+``conti_feats`` {io: [segments, (wave, lens)]} ``audio_wave``, ``audio_lengths``, ``audio_index``
+                                              (one continuous io, through ``[audio_encoder]``)
+other ``{io}_feats``                          refused: tokenise that audio offline first
 
 ESPnet shifts inside its model (``seqs[:, 1:]`` are the targets); ours expects shifted
 inputs, so the shift happens here. Token ids are remapped by ``vocab_intervals`` (ESPnet's
@@ -27,6 +29,13 @@ The training loader asks the factory for ``checkpoint.interval`` x accumulation 
 time, as ESPnet does, and saves (chunk start, batches taken) per rank: a resume rebuilds the
 same chunk (ESPnet shuffles within a chunk by its start) and skips what was trained, so it
 continues exactly; it needs the same number of data-parallel ranks (the factory shards).
+
+ESPnet's ``conti_feats`` (``ContinuousAudioIO``: a waveform the model encodes) map onto the run's
+audio encoder (docs/audio-encoder.md): each segment ``(row, start, length)`` of the one continuous
+io becomes ``audio_index`` rows ``[start, start + length)`` (the shift leaves input positions
+where they are), its waveform an ``audio_wave`` row. ``length`` must be what our encoder and
+adaptor make of the waveform (``[audio_encoder] stack`` as ESPnet's adaptor), else an error
+names both.
 """
 
 from __future__ import annotations
@@ -44,7 +53,9 @@ from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.loader import global_batch_rows
 from torchtitan_speechlm.data.stream import Unit, data_stats_keys
 from torchtitan_speechlm.data.tasks import TASKS
+from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
 from torchtitan_speechlm.model.vocab import SPECIAL_TOKENS, VocabLayout
+from torchtitan_speechlm.run_context import audio_encoder_args
 
 ESPNET_SHARED_SPECIALS = 9  # <|pad|> .. <|audio|>: same names, same ids as ours
 
@@ -103,6 +114,8 @@ class EspnetData:
         self.streams = streams
         self.codebook_size = sizes.pop()
         self._lut: dict[int, torch.Tensor] = {}
+        # LM frames of n waveform samples: the run's audio encoder (set by EspnetExternal)
+        self.continuous_frames = None
 
     @property
     def codec(self) -> dict:
@@ -157,13 +170,14 @@ class EspnetData:
         feats = [
             k
             for k, v in batch.items()
-            if (k == "conti_feats" or k.endswith("_feats")) and v is not None and len(v) > 0
+            if k != "conti_feats" and k.endswith("_feats") and v is not None and len(v) > 0
         ]
         if feats:
             raise EspnetBatchError(
                 f"the batch carries raw features ({feats}) that ESPnet encodes inside its model; "
-                "this trainer takes token ids only: tokenise the audio offline (ESPnet's "
-                "offline codec tokens, or `torchtitan prepare` and PreparedData)"
+                "this trainer maps only `conti_feats` (one continuous io) onto [audio_encoder]: "
+                "tokenise that audio offline (ESPnet's offline codec tokens, or `torchtitan "
+                "prepare` and PreparedData)"
             )
         seqs = torch.as_tensor(np.asarray(batch["seqs"])).long()
         masks = torch.as_tensor(np.asarray(batch["loss_masks"])).float()
@@ -205,7 +219,40 @@ class EspnetData:
             "position_ids": pos.contiguous(),
             "data_stats": stats,
         }
+        if batch.get("conti_feats"):
+            input_dict.update(self.continuous(batch["conti_feats"], b, t))
         return input_dict, torch.where(loss_frames, 0, IGNORE_INDEX)
+
+    def continuous(self, conti: Mapping, b: int, t: int) -> dict[str, torch.Tensor]:
+        """ESPnet's ``conti_feats`` -> our continuous inputs (the module docstring)."""
+        if self.continuous_frames is None:
+            raise EspnetBatchError(
+                f"the batch carries conti_feats ({sorted(conti)}) but the run has no audio "
+                "encoder: set [audio_encoder] path (docs/audio-encoder.md)"
+            )
+        if len(conti) != 1:
+            raise EspnetBatchError(
+                f"conti_feats has the continuous ios {sorted(conti)}; one maps onto "
+                "[audio_encoder], tokenise the others offline"
+            )
+        ((io, (segments, padded)),) = conti.items()
+        wave, lengths = padded
+        wave = torch.as_tensor(np.asarray(wave), dtype=torch.float32)
+        wave = wave.squeeze(-1) if wave.ndim == 3 and wave.shape[-1] == 1 else wave
+        lengths = torch.as_tensor(np.asarray(lengths)).long()
+        index, done = torch.full((b, t), -1, dtype=torch.long), 0
+        for (row, start, length), n in zip(segments, lengths.tolist(), strict=True):
+            ours = int(self.continuous_frames(n))
+            if ours != int(length) or start + length > t:
+                raise EspnetBatchError(
+                    f"conti_feats[{io!r}]: a segment of row {row} at frame {start} has {length} "
+                    f"frames in ESPnet's sequence, our audio encoder makes {ours} of its {n} "
+                    f"samples (sequence of {t + 1} frames); match [audio_encoder] stack to "
+                    "ESPnet's adaptor"
+                )
+            index[int(row), int(start) : int(start) + ours] = done + torch.arange(ours)
+            done += ours
+        return {"audio_wave": wave, "audio_lengths": lengths, "audio_index": index}
 
     def _stats(self, inp, pad, pos, loss_frames, layout, batch) -> torch.Tensor:
         """The ``data_stats`` vector our statistics expect (data/stream.py)."""
@@ -331,7 +378,15 @@ class EspnetRunData:
             1, global_batch_rows(job_config, dp_world_size) // (local * dp_world_size)
         )
         chunk = job_config.checkpoint.interval * accumulation
+        self.train.continuous_frames = continuous_frames(job_config)
         return EspnetTrainLoader(self.train, layout, chunk, dp_rank, dp_world_size)
 
     def valid_dataset(self, name: str, job_config, layout) -> EspnetValidSet:
+        self.valid[name].continuous_frames = continuous_frames(job_config)
         return EspnetValidSet(self.valid[name], layout)
+
+
+def continuous_frames(job_config):
+    """LM frames of n waveform samples under the job's [audio_encoder], None without one."""
+    audio = audio_encoder_args(job_config)
+    return AudioEncoderArgs(**audio).frames_of if audio else None
