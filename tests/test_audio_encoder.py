@@ -455,3 +455,41 @@ def test_espnet_conti_feats_map_onto_the_audio_encoder(assets):
     conti["audio_in"][0] = [(0, 3, n + 1)]
     with pytest.raises(EspnetBatchError, match=f"has {n + 1} frames.*makes {n}"):
         data.convert({"seqs": seqs, "loss_masks": masks, "conti_feats": conti}, layout)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_asr_generation_encodes_the_prompts_audio(assets, use_cache):
+    """Greedy ASR on continuous prompts (two lengths, so left padding shifts one): the first
+    token is the argmax of the model's own logits of each prompt alone, and the KV-cache and
+    full-recompute paths give the same tokens."""
+    from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+    from torchtitan_speechlm.dataset_format import to_int16
+    from torchtitan_speechlm.inference.decode import DecodeConfig, Decoder
+
+    model = speechlm(assets)
+    layout = model.args.layout
+    builder = TemplateBuilder(layout, "delay", LossWeights(1.0, 1.0, (1 / 3,) * 3),
+                              continuous_frames=model.args.audio.frames_of)  # fmt: skip
+    pairs = [builder.continuous_prefix(to_int16(w), "assistant", "text") for w in waves(9000, 3000)]
+    prompts, audio = [p for p, _ in pairs], [a for _, a in pairs]
+    assert len(prompts[0]) != len(prompts[1])
+    cfg = DecodeConfig(max_text_tokens=3, use_cache=use_cache)
+    tokens = Decoder(model, cfg).text(prompts, audio)
+    other = Decoder(model, DecodeConfig(max_text_tokens=3, use_cache=not use_cache))
+    assert other.text(prompts, audio) == tokens
+    allowed = list(range(layout.text_offset, layout.text_offset + layout.text_size))
+    allowed += [layout.special("<|eos|>"), layout.special("<|eot|>")]
+    for prompt, ((first, wave),), got in zip(prompts, audio, tokens, strict=True):
+        n = int(model.args.audio.frames_of(len(wave)))
+        index = torch.full((1, len(prompt)), -1)
+        index[0, first : first + n] = torch.arange(n)
+        logits = model.logits(
+            torch.as_tensor(prompt)[None],
+            audio_wave=torch.from_numpy(wave)[None],
+            audio_lengths=torch.tensor([len(wave)]),
+            audio_index=index,
+        )[0][0, -1]
+        best = allowed[int(logits[allowed].argmax())]
+        assert (got[0] + layout.text_offset if got else layout.special("<|eos|>")) == best or (
+            not got and best == layout.special("<|eot|>")
+        )

@@ -41,6 +41,15 @@ TEXT_DTYPE = np.dtype("<i4")
 AUDIO_WAVE = "audio_wave.npy"
 WAVE_INDEX = "waves.jsonl"
 WAVE_DTYPE = np.dtype("<i2")
+
+
+def to_int16(wav: np.ndarray) -> np.ndarray:
+    """A float waveform in [-1, 1] as the stored int16 samples (rounded, clipped)."""
+    return np.clip(np.round(np.asarray(wav, np.float32) * 32767.0), -32768, 32767).astype(
+        WAVE_DTYPE
+    )
+
+
 INDEX_COLUMNS = ("text_offset", "text_len", "audio_offset", "audio_frames", "seconds")
 KINDS = ("speech", "text", "audio", "dialogue")  # what an item holds (items.jsonl "kind")
 ROLES = ("system", "user", "assistant")  # dialogue turn roles

@@ -235,6 +235,17 @@ class TemplateBuilder:
         parts.append(self._tokens([sp(ROLE_TOKENS[role]), sp(MODALITY_TOKENS[modality])], False)[0])
         return np.concatenate(parts)
 
+    def continuous_prefix(
+        self, wave: np.ndarray, role: str, modality: str
+    ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+        """A generation prompt whose one user turn is continuous audio (``asr_wave``), laid out
+        as ``build`` does, and its segment ``(first frame, wave)``."""
+        sp = self.layout.special
+        head = self._tokens([sp("<|bos|>"), sp("<|user|>"), sp("<|audio|>")], False)[0]
+        tail = [sp("<|eot|>"), sp(ROLE_TOKENS[role]), sp(MODALITY_TOKENS[modality])]
+        frames = [head, self._placeholders(len(wave))[0], self._tokens(tail, False)[0]]
+        return np.concatenate(frames), [(len(head), wave)]
+
     def build(self, task: str, item, cfg_drop: bool = False) -> Example:
         lay = self.layout
         sp = lay.special

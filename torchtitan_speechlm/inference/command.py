@@ -76,14 +76,13 @@ def run_request(loaded, req: dict, cfg: DecodeConfig, out: str | None) -> dict:
     else:
         if not req.get("audio"):
             raise ValueError(f"task {task} needs an audio file")
-        prompt = tasks.audio_codes(loaded, req["audio"])
         if task == "asr":
-            text = tasks.asr(loaded, [prompt], cfg)[0]
+            text = tasks.transcribe(loaded, req["audio"], cfg)
             if out:
                 with open(out, "w") as f:
                     f.write(text + "\n")
             return {"task": task, "text": text, "out": out}
-        codes = tasks.continuation(loaded, [prompt], cfg)[0]
+        codes = tasks.continuation(loaded, [tasks.audio_codes(loaded, req["audio"])], cfg)[0]
     result = {"task": task, "frames": int(len(codes)), "out": out}
     if out:
         result["samples"] = tasks.write_wav(loaded, codes, out)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from torchtitan_speechlm.data.stream import continuous_batch
 from torchtitan_speechlm.data.tasks import end_of_stream0
 from torchtitan_speechlm.inference.sampling import Sampling, guided, pick
 from torchtitan_speechlm.model.patterns import get_pattern
@@ -70,8 +71,11 @@ class Decoder:
 
     # ---- the model ---------------------------------------------------------------------------
     @torch.no_grad()
-    def _start(self, rows: list[np.ndarray]):
+    def _start(self, rows: list[np.ndarray], audio: list[list] | None = None):
+        """``audio``: per row, its prompt's continuous segments ``(first frame, int16 wave)``
+        (model/audio_tower.py), encoded with the prompt."""
         self.seqs = [torch.as_tensor(r, dtype=torch.long) for r in rows]
+        self.audio = audio or [[] for _ in rows]
         if not self.cfg.use_cache:
             return self._full()
         width = max(len(r) for r in self.seqs)
@@ -81,21 +85,38 @@ class Decoder:
             inputs[i, width - len(r) :] = r
             mask[i, width - len(r) :] = 1
         self.mask, self.cache = mask, None
+        shifts = [width - len(r) for r in self.seqs]
         try:
-            return self._cached(inputs)
+            return self._cached(inputs, **self._audio_inputs(range(len(rows)), shifts, width))
         except NotImplementedError:  # this backbone has no cache: recompute in full
             self.cfg.use_cache = False
             return self._full()
 
-    def _cached(self, new: torch.Tensor):
+    def _audio_inputs(self, rows, shifts, width: int) -> dict:
+        """The model's continuous inputs of ``rows`` (their frames shifted right by ``shifts``,
+        left padding), none when their prompts have no continuous segment."""
+        segments = [
+            (j, first + shift, int(self.model.args.audio.frames_of(len(wave))), wave)
+            for j, (i, shift) in enumerate(zip(rows, shifts, strict=True))
+            for first, wave in self.audio[i]
+        ]
+        if not segments:
+            return {}
+        batch = continuous_batch(segments, len(shifts), width)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def _cached(self, new: torch.Tensor, **audio):
         pos = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -new.shape[1] :]
         logits, self.cache = self.model.decode_step(
-            new.to(self.device), pos.to(self.device), self.mask.to(self.device), self.cache
+            new.to(self.device), pos.to(self.device), self.mask.to(self.device), self.cache, **audio
         )
         return [x[:, -1].float().cpu() for x in logits]
 
     def _full(self):
-        outs = [self.model.logits(r[None].to(self.device)) for r in self.seqs]
+        outs = [
+            self.model.logits(r[None].to(self.device), **self._audio_inputs([i], [0], len(r)))
+            for i, r in enumerate(self.seqs)
+        ]
         return [torch.cat([o[s][:, -1] for o in outs]).float().cpu() for s in range(self.n)]
 
     @torch.no_grad()
@@ -200,14 +221,15 @@ class Decoder:
         return frame
 
     # ---- text ----------------------------------------------------------------------------------
-    def text(self, prompts: list[np.ndarray]) -> list[list[int]]:
-        """Text token ids (the tokenizer's) generated after each prompt (ending ``<|text|>``)."""
+    def text(self, prompts: list[np.ndarray], audio: list[list] | None = None) -> list[list[int]]:
+        """Text token ids (the tokenizer's) generated after each prompt (ending ``<|text|>``);
+        ``audio``: the prompts' continuous segments (``_start``)."""
         lay, b = self.layout, len(prompts)
         ids = list(range(lay.text_offset, lay.text_offset + lay.text_size)) + list(self.ends)
         mask = self.allowed(0, ids)
         out: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
-        logits = self._start(list(prompts))
+        logits = self._start(list(prompts), audio)
         for _ in range(self.cfg.max_text_tokens):
             frames = []
             for i in range(b):

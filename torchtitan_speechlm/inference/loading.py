@@ -37,7 +37,11 @@ class Loaded:
     def builder(self):
         n = self.layout.num_streams
         weights = LossWeights(1.0, 1.0, tuple(normalised_stream_weights([], n)))
-        return TemplateBuilder(self.layout, self.model.args.pattern, weights)
+        audio = self.model.args.audio  # a continuous audio encoder: its prompts' frame counts
+        frames = audio.frames_of if audio else None
+        return TemplateBuilder(
+            self.layout, self.model.args.pattern, weights, continuous_frames=frames
+        )
 
     @cached_property
     def tokenizer(self):

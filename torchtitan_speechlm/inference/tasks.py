@@ -13,6 +13,7 @@ import numpy as np
 
 from torchtitan_speechlm.audio import load_audio
 from torchtitan_speechlm.data.tasks import Segment
+from torchtitan_speechlm.dataset_format import to_int16
 from torchtitan_speechlm.inference.decode import DecodeConfig, Decoder
 from torchtitan_speechlm.inference.loading import Loaded
 
@@ -64,6 +65,24 @@ def asr(loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig) -> list[str]
     prompts = [b.prefix([Segment("user", "audio", c)], "assistant", "text") for c in codes]
     ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg))
     return [loaded.tokenizer.decode(i) for i in ids]
+
+
+def asr_wave(loaded: Loaded, waves: list[np.ndarray], cfg: DecodeConfig) -> list[str]:
+    """The transcript of each waveform (float, at the audio encoder's rate) through the model's
+    continuous audio encoder (the ``asr_wave`` template)."""
+    pairs = [loaded.builder.continuous_prefix(to_int16(w), "assistant", "text") for w in waves]
+    prompts = _fit(loaded, [p for p, _ in pairs], cfg)
+    ids = Decoder(loaded.model, cfg).text(prompts, [a for _, a in pairs])
+    return [loaded.tokenizer.decode(i) for i in ids]
+
+
+def transcribe(loaded: Loaded, wav_path: str, cfg: DecodeConfig) -> str:
+    """``generate --task asr``: a wav through the model's continuous audio encoder when it has
+    one (docs/audio-encoder.md), else as the data codec's codes."""
+    audio = loaded.model.args.audio
+    if audio is not None:
+        return asr_wave(loaded, [load_audio(wav_path, audio.sample_rate)], cfg)[0]
+    return asr(loaded, [audio_codes(loaded, wav_path)], cfg)[0]
 
 
 def continuation(loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig) -> list[np.ndarray]:

@@ -30,18 +30,13 @@ from torchtitan_speechlm.dataset_format import (
     WAVE_INDEX,
     file_digest,
     read_json,
+    to_int16,
 )
 from torchtitan_speechlm.fileio import write_json_atomic, write_text_atomic
 
 
 class WaveformError(ValueError):
     """An item of the dataset has no audio in the manifest; the message names it."""
-
-
-def to_int16(wav: np.ndarray) -> np.ndarray:
-    return np.clip(np.round(np.asarray(wav, np.float32) * 32767.0), -32768, 32767).astype(
-        WAVE_DTYPE
-    )
 
 
 def read_manifest(manifest: str) -> dict[str, str]:
