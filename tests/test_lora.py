@@ -125,9 +125,11 @@ def test_a_lora_step_equals_peft_lora_on_the_transformers_model(tmp_path):
             opt.zero_grad()
 
 
-def test_optimizer_holds_state_for_trainable_tensors_only(tmp_path):
-    save_tiny_backbone(tmp_path / "bb")
+@pytest.mark.parametrize("tie", [False, True])
+def test_optimizer_holds_state_for_trainable_tensors_only(tmp_path, tie):
+    save_tiny_backbone(tmp_path / "bb", tie=tie)
     model = lora_model(tmp_path / "bb", train_audio_rows=True)
+    head = "tok_embeddings.weight" if tie else "head.output.weight"
     layout = model.args.layout
     text = slice(layout.text_offset, layout.text_offset + layout.text_size)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -145,12 +147,12 @@ def test_optimizer_holds_state_for_trainable_tensors_only(tmp_path):
     assert with_state == trainable
     assert trainable == {n for n in before if is_lora_param(n)} | {
         "tok_embeddings.weight",
-        "head.output.weight",
+        head,
         "head.stream_emb.weight",
     }
     for name, p in model.named_parameters():
         now = p.detach()
-        if name in ("tok_embeddings.weight", "head.output.weight"):
+        if name in ("tok_embeddings.weight", head):
             # weight decay 0.1 would move the text rows: they must stay exactly as loaded
             assert torch.equal(now[text], before[name][text]), name
             assert not torch.equal(now[text.stop :], before[name][text.stop :]), name
