@@ -328,3 +328,13 @@ def test_options_lora_cannot_work_with_are_refused_by_the_start_up_checks(
         validate_job_config(job)
         preflight(job, 1)
     assert message in str(e.value)
+
+
+def test_without_peft_the_error_names_the_extra(monkeypatch):
+    import sys
+
+    from torchtitan_speechlm.model.lora import LoraError, peft_module
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
+    with pytest.raises(LoraError, match=r'pip install "torchtitan-speechlm\[lora\]"'):
+        peft_module()
