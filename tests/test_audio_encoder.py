@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -247,6 +248,15 @@ def test_bad_input_is_named(assets, tmp_path):
             inp[None], audio_wave=torch.zeros(1, WINDOW + 1),
             audio_lengths=torch.tensor([WINDOW + 1]), audio_index=idx[None],
         )  # fmt: skip
+    from safetensors.torch import load_file, save_file
+
+    partial = save_tiny_whisper(tmp_path / "partial")
+    state = load_file(f"{partial}/model.safetensors")
+    del state["encoder.layer_norm.weight"]
+    save_file(state, f"{partial}/model.safetensors", metadata={"format": "pt"})
+    audio = AudioEncoderArgs.from_folder(partial).to_dict()
+    with pytest.raises(AudioEncoderError, match="weights lack.*layer_norm.weight"):
+        build_speechlm(assets["backbone"], audio_encoder=audio)
     plain = build_speechlm(assets["backbone"])
     with pytest.raises(ValueError, match="no audio\\s+encoder"):
         plain.logits(inp[None], audio_wave=torch.zeros(1, 100), audio_lengths=torch.tensor([100]))
@@ -363,7 +373,18 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
     with pytest.raises(ConfigError, match="holds no waveforms"):
         validate_job_config(job(*with_encoder))
     manifest = str(tmp_path / "run" / "manifest.jsonl")
-    add_waveforms(run["prepared"], manifest)
+    meta = add_waveforms(run["prepared"], manifest)
+    meta_path = os.path.join(run["prepared"], "metadata.json")
+    for change, error in (
+        ({"sample_rate": 8000}, "at 8000 Hz, the audio encoder .* reads 16000 Hz"),
+        ({"max_samples": WINDOW + 1}, "longer than the audio encoder's window of 2 s"),
+    ):
+        with open(meta_path, "w") as f:
+            json.dump({**meta, "waveform": {**meta["waveform"], **change}}, f)
+        with pytest.raises(ConfigError, match=error):
+            validate_job_config(job(*with_encoder))
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
     data = PreparedDataset(run["prepared"], verify="full")
     paths = read_manifest(manifest)
     for i in (0, 5):
