@@ -236,9 +236,14 @@ def test_checkpoint_has_optimizer_state_for_trainable_tensors_only(lora_run):
 
 
 def test_export_merges_adapters_or_writes_a_peft_adapter(lora_run, tmp_path):
+    assert_exports_agree(str(lora_run / "checkpoint" / "step-4"), tmp_path)
+
+
+def assert_exports_agree(step: str, tmp_path) -> None:
+    """The merged export and the ``--adapter`` export of LoRA checkpoint ``step`` compute what
+    the LoRA model computes; the PEFT adapter on ``text/`` equals the merged ``text/``."""
     from transformers import AutoModelForCausalLM
 
-    step = str(lora_run / "checkpoint" / "step-4")
     assert export_main(["--checkpoint", step, "--out", str(tmp_path / "merged")]) == 0
     assert export_main(["--checkpoint", step, "--out", str(tmp_path / "ad"), "--adapter"]) == 0
     unmerged = load_model(step).model

@@ -1,7 +1,8 @@
 """LoRA (``converters = ["lora"]``) under torchtitan's parallelisms, end to end on gloo, against
 one process with the same global batch: 2-process FSDP2 with activation checkpointing, DDP, TP=2 on
 the native backbone (the adapters sharded beside their base layers), per-layer torch.compile,
-and an exact resume from the DCP checkpoint (which holds the adapters and the frozen base)."""
+and an exact resume from the DCP checkpoint (which holds the adapters and the frozen base); a
+native run's merged and PEFT-adapter exports agree with it (q/k rows permuted to HF's order)."""
 
 import shutil
 
@@ -10,6 +11,7 @@ import torch
 
 from tests.helpers import make_tiny_run_assets, read_metrics, run_train, write_tiny_config
 from tests.test_checkpointing import params
+from tests.test_lora import assert_exports_agree
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
@@ -130,3 +132,5 @@ def test_tensor_parallel_on_native_equals_one_process(tmp_path_factory):
         start["backbone.layers.0.attention.wq.base_layer.weight"],
         end["backbone.layers.0.attention.wq.base_layer.weight"],
     )
+    # the native q/k rows are permuted on the way to HF names: the adapter's B rows too
+    assert_exports_agree(str(one / "checkpoint" / "step-3"), root / "exports")
