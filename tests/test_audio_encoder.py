@@ -427,6 +427,18 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
     assert torch.isfinite(out.loss_sum)
     assert all(p.grad is not None for p in model.audio_encoder.adaptor.parameters())
 
+    # eval's ASR reads the stored waveforms; generate reads the wav: the same transcripts
+    from torchtitan_speechlm.inference import tasks
+    from torchtitan_speechlm.inference.decode import DecodeConfig
+    from torchtitan_speechlm.inference.evaluate import evaluate_asr
+    from torchtitan_speechlm.inference.loading import Loaded
+
+    loaded = Loaded(model.eval(), {}, run["tokenizer"], run["codec"], "test")
+    cfg = DecodeConfig(max_text_tokens=3)
+    scored = evaluate_asr(loaded, [data[0], data[1]], cfg)
+    heard = [tasks.transcribe(loaded, paths[data.ids[i]], cfg) for i in (0, 1)]
+    assert [e["hyp"] for e in scored["examples"]] == heard and "wer" in scored
+
     loader = build_speechlm_dataloader(1, 0, None, good)
     batches(loader, 1)
     state = loader.state_dict()

@@ -28,7 +28,7 @@ def evaluate_asr(loaded: Loaded, items: list, cfg: DecodeConfig, batch: int = 8)
     refs, hyps = [], []
     for s in range(0, len(items), batch):
         chunk = items[s : s + batch]
-        hyps += tasks.asr(loaded, [it.audio_codes for it in chunk], cfg)
+        hyps += tasks.transcribe_items(loaded, chunk, cfg)
         refs += [it.text for it in chunk]
     out = error_rates(refs, hyps)
     out.update(

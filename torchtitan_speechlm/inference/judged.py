@@ -232,7 +232,7 @@ def score_asr(
     clock = PhaseClock()
     for s in range(0, len(items), batch):
         with clock("generate"):
-            hyps += tasks.asr(loaded, [it.audio_codes for it in items[s : s + batch]], cfg)
+            hyps += tasks.transcribe_items(loaded, items[s : s + batch], cfg)
         if progress is not None:
             progress(clock.line(len(hyps), len(items)))
     per_item = []

@@ -68,12 +68,26 @@ def asr(loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig) -> list[str]
 
 
 def asr_wave(loaded: Loaded, waves: list[np.ndarray], cfg: DecodeConfig) -> list[str]:
-    """The transcript of each waveform (float, at the audio encoder's rate) through the model's
-    continuous audio encoder (the ``asr_wave`` template)."""
-    pairs = [loaded.builder.continuous_prefix(to_int16(w), "assistant", "text") for w in waves]
+    """The transcript of each waveform (float, or int16 as stored, at the audio encoder's rate)
+    through the model's continuous audio encoder (the ``asr_wave`` template)."""
+    waves = [w if w.dtype == np.int16 else to_int16(w) for w in waves]
+    pairs = [loaded.builder.continuous_prefix(w, "assistant", "text") for w in waves]
     prompts = _fit(loaded, [p for p, _ in pairs], cfg)
     ids = Decoder(loaded.model, cfg).text(prompts, [a for _, a in pairs])
     return [loaded.tokenizer.decode(i) for i in ids]
+
+
+def transcribe_items(loaded: Loaded, items: list, cfg: DecodeConfig) -> list[str]:
+    """The model's transcripts of prepared items (``eval``'s ASR): their waveforms through the
+    audio encoder when the model has one, else their codes."""
+    if loaded.model.args.audio is None:
+        return asr(loaded, [it.audio_codes for it in items], cfg)
+    if any(getattr(it, "wave", None) is None for it in items):
+        raise ValueError(
+            "the model reads audio through its encoder and these items carry no waveforms; "
+            "add them: python -m torchtitan_speechlm.prepare.waveforms PREPARED MANIFEST"
+        )
+    return asr_wave(loaded, [it.wave for it in items], cfg)
 
 
 def transcribe(loaded: Loaded, wav_path: str, cfg: DecodeConfig) -> str:
