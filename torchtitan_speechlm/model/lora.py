@@ -2,7 +2,8 @@
 
 ``apply_lora`` wraps the matching ``nn.Linear`` modules of ``model.backbone`` in
 ``peft.tuners.lora.Linear`` (the frozen layer becomes ``<name>.base_layer``, the adapters
-``<name>.lora_A.default`` / ``lora_B.default``) and freezes every other parameter, except, by
+``<name>.lora_A.default`` / ``lora_B.default``) and freezes every other parameter of the LM
+(an audio encoder in front keeps its own ``[audio_encoder]`` freeze settings), except, by
 the settings, the rows the SpeechLM added to the text vocabulary (special tokens and codebook
 codes, in the embedding and the head, and the per-stream head offsets) and the whole head.
 The added rows train while the text rows stay exactly as loaded: the embedding and head are
@@ -140,8 +141,9 @@ def apply_lora(model: nn.Module, settings: dict) -> list[str]:
     peft = peft_module()
     targets = match_targets(model.backbone, list(settings["target_modules"]))
     peft.inject_adapter_in_model(lora_config(settings, targets), model.backbone, ADAPTER)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    for module in (model.tok_embeddings, model.backbone, model.head):  # the LM; other parts
+        for p in module.parameters():  # (an audio encoder) keep their own freeze settings
+            p.requires_grad_(False)
     for name, p in model.backbone.named_parameters():
         p.requires_grad_(is_lora_param("." + name))
     layout = model.args.layout
