@@ -11,6 +11,7 @@ activation checkpointing), resume and TP=2 on the native backbone are in test_lo
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -343,3 +344,30 @@ def test_without_peft_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
     with pytest.raises(LoraError, match=r'pip install "torchtitan-speechlm\[lora\]"'):
         peft_module()
+
+
+def test_resuming_with_other_lora_settings_is_refused(lora_run, tmp_path):
+    """The run record keeps the [lora] settings an export rebuilds the adapters with."""
+    from torchtitan.config import ConfigManager
+
+    dump = tmp_path / "dump"
+    shutil.copytree(lora_run, dump)
+    assets = json.loads((dump / "speechlm_run.json").read_text())
+    cfg = write_tiny_config(
+        tmp_path / "c.toml",
+        {
+            "backbone": assets["hf_assets_path"],
+            "prepared": assets["datasets"]["tiny"],
+        },
+        dump,
+    )
+    for flags, shown in (
+        (("--lora.alpha", "4.0"), '"alpha": 4.0'),  # same shapes, another function
+        ((), "empty: no LoRA"),  # converters dropped
+    ):
+        lora = LORA if flags else ()
+        job = ConfigManager().parse_args(torchtitan_args(["--job.config_file", cfg, *lora, *flags]))
+        with pytest.raises(ConfigError) as e:
+            validate_job_config(job)
+            preflight(job, 1)
+        assert "was made with other LoRA settings" in str(e.value) and shown in str(e.value)

@@ -71,6 +71,15 @@ def check_same_model(record: dict, model_args: dict, where: str) -> None:
                 f"{_short(model_args.get(key))}); use a new dump_folder (or the original "
                 "backbone, datasets and [speechlm] settings)"
             )
+    # LoRA's settings (empty: none) define the adapters and what they compute (alpha / rank):
+    # an export rebuilds them from the record, so a resumed run may not change them
+    if (old.get("lora") or {}) != (model_args.get("lora") or {}):
+        raise RunRecordError(
+            f"{where} was made with other LoRA settings ({_short(old.get('lora') or {})} vs "
+            f"{_short(model_args.get('lora') or {})}; empty: no LoRA); resume with the same "
+            "model.converters and [lora] values, or use a new dump_folder (start from this run "
+            "with speechlm.init_from = a merged `torchtitan export` of it)"
+        )
 
 
 def _short(value) -> str:
