@@ -222,11 +222,17 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_compile(model: nn.Module, backend: str) -> None:
-    """Compile each decoder layer separately: repeated structure compiles once."""
-    layers = model.backbone.layers
-    for layer_id, block in layers.named_children():
-        layers.register_module(layer_id, torch.compile(block, backend=backend))
+    """Compile each decoder layer separately: repeated structure compiles once (and each audio
+    encoder layer, the same way)."""
+    stacks = [model.backbone.layers]
+    if model.audio_encoder is not None:
+        stacks.append(model.audio_encoder.encoder.layers)
+    for layers in stacks:
+        for layer_id, block in layers.named_children():
+            layers.register_module(layer_id, torch.compile(block, backend=backend))
     logger.info("Compiled each decoder layer with torch.compile (backend=%s)", backend)
+    if model.audio_encoder is not None:
+        logger.info("Compiled each audio encoder layer with torch.compile (backend=%s)", backend)
 
 
 def apply_fsdp(
