@@ -5,7 +5,8 @@ repository root) at its smallest setting (marker `bench_smoke`, run by `make fau
 minutes of subprocesses that would push `make test` past its budget): a smoke test of the script, nothing timed or
 compared, its results written under tmp_path and never to benchmarks/results/.
 
-Not run: `bench_learning.py` (an espeak-ng corpus, a codec fit, prepare, train, then `torchtitan
+Not run: `bench_audio_learning.py` (two trainings of the demo's model on its espeak-ng corpus,
+minutes on 2 cores; imported and its usage lines parse), `bench_learning.py` (an espeak-ng corpus, a codec fit, prepare, train, then `torchtitan
 eval` with three judges per checkpoint: 96 s even at its smallest, `--train-sentences 8
 --held-out 4 --steps 2 --eval-every 2 --eval-items 2 --hidden 32 --layers 1`, on 2 busy cores,
 where it ran to the end; and it writes into benchmarks/results/): it is imported, its flags parse at a tiny setting, its TOML template
@@ -57,7 +58,7 @@ SMOKE = {
     "'speechlm hf-llama' --results-dir {tmp}",
     "bench_wave_store.py": "--n 4 --repeats 1 --work {tmp}/work --out {tmp}/a.json",
 }
-NOT_RUN = ("bench_common.py", "bench_learning.py", "run_all.py")
+NOT_RUN = ("bench_audio_learning.py", "bench_common.py", "bench_learning.py", "run_all.py")
 
 
 def test_every_script_is_run_or_said_why_not():

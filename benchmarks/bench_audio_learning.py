@@ -1,0 +1,125 @@
+"""Does ASR learn through a continuous audio encoder as it does from codec tokens? The same
+backbone, data, optimizer and step budget two ways, scored on held-out sentences.
+
+Data: the demo's espeak-ng grammar corpus (``demo/speaking.py``: 2,000 training sentences, 40
+held-out ones never in training; built under ``demo_work/`` if missing), its prepared datasets
+copied here and given waveforms (``prepare/waveforms.py``). ``codec``: task ``asr`` on the
+k-means codec's tokens (25 frames/s). ``continuous``: task ``asr_wave`` through a random-init
+Whisper-shaped encoder (128 wide, 2 layers, 3 s windows, trained with the LM) and an adaptor
+stacking 2 frames (25 LM frames/s, the codec's rate). Both: the demo's 256-wide 6-layer Llama
+(train_configs/speechlm_debug.toml), ``--steps`` steps; then greedy transcripts of the held-out
+set, WER and CER (jiwer).
+
+    python benchmarks/bench_audio_learning.py [--steps 200] [--work benchmarks/work/audio_learning]
+
+Writes benchmarks/results/audio_learning.json (``--out``). Not run by the smoke tests (two
+trainings: minutes on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+from torchtitan_speechlm.data.reader import PreparedDataset
+from torchtitan_speechlm.demo.run import build_demo_data
+from torchtitan_speechlm.demo.speaking import console
+from torchtitan_speechlm.export import export
+from torchtitan_speechlm.inference.decode import DecodeConfig
+from torchtitan_speechlm.inference.evaluate import evaluate_asr
+from torchtitan_speechlm.inference.loading import load_model
+from torchtitan_speechlm.prepare.waveforms import add_waveforms
+
+CONFIG = "train_configs/speechlm_debug.toml"
+
+
+def encoder_folder(path: str, seed: int = 0) -> str:
+    from transformers import WhisperConfig, WhisperModel
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        torch.manual_seed(seed)
+        cfg = WhisperConfig(
+            d_model=128, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=512,
+            decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=512,
+            max_source_positions=150, vocab_size=64, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, decoder_start_token_id=1,
+        )  # fmt: skip
+        WhisperModel(cfg).save_pretrained(path)
+    return path
+
+
+def data(work: str, demo: str) -> dict:
+    """The demo's prepared sets copied under ``work``, with their waveforms."""
+    paths = build_demo_data(demo)
+    out = {}
+    for name in ("train", "heldout"):
+        dst = os.path.join(work, name)
+        if not os.path.isfile(os.path.join(dst, "metadata.json")):
+            shutil.copytree(os.path.join(paths["prepared"], name), dst, dirs_exist_ok=True)
+        with open(os.path.join(dst, "metadata.json")) as f:
+            if "waveform" not in json.load(f):
+                manifest = os.path.join(paths["corpus"], name, "manifest.jsonl")
+                add_waveforms(dst, manifest)
+        out[name] = dst
+    return out
+
+
+def train(mode: str, work: str, sets: dict, steps: int, encoder: str) -> tuple[str, float]:
+    dump = os.path.join(work, mode)
+    task = "asr_wave" if mode == "continuous" else "asr"
+    flags = [
+        "--job.config_file", CONFIG, "--job.dump_folder", dump,
+        "--speechlm_data.datasets", f"train={sets['train']},heldout={sets['heldout']}",
+        "--speechlm_data.train", f"{task}:train", "--speechlm_data.valid", f"{task}:heldout",
+        "--training.steps", str(steps), "--checkpoint.interval", str(steps),
+        "--validation.enable", "false", "--speechlm.sample_every", "-1",
+        "--metrics.no-enable-wandb", "--metrics.no-enable-tensorboard",
+    ]  # fmt: skip
+    if mode == "continuous":
+        flags += ["--audio_encoder.path", encoder, "--audio_encoder.stack", "2",
+                  "--audio_encoder.no-freeze-encoder"]  # fmt: skip
+    t0 = time.perf_counter()
+    log = os.path.join(work, f"{mode}.log")
+    with open(log, "w") as f:
+        rc = subprocess.call([console("torchtitan"), "train", *flags], stdout=f, stderr=f)
+    if rc != 0:
+        raise RuntimeError(f"{mode} training failed (exit {rc}); see {log}")
+    return os.path.join(dump, "checkpoint", f"step-{steps}"), time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--work", default="benchmarks/work/audio_learning")
+    p.add_argument("--demo-work", default="demo_work")
+    p.add_argument("--out", default="benchmarks/results/audio_learning.json")
+    a = p.parse_args(argv)
+    os.makedirs(a.work, exist_ok=True)
+    sets = data(a.work, a.demo_work)
+    encoder = encoder_folder(os.path.join(a.work, "encoder"))
+    held = PreparedDataset(sets["heldout"])
+    items = [held[i] for i in range(len(held))]
+    result = {"command": f"python benchmarks/bench_audio_learning.py --steps {a.steps}",
+              "steps": a.steps, "held_out": len(items), "modes": {}}  # fmt: skip
+    for mode in ("codec", "continuous"):
+        ckpt, seconds = train(mode, a.work, sets, a.steps, encoder)
+        out = os.path.join(a.work, f"{mode}_export")
+        export(ckpt, out, force=True)
+        scored = evaluate_asr(load_model(out, "cpu"), items, DecodeConfig(max_text_tokens=40))
+        result["modes"][mode] = {"train_s": seconds, **scored}
+        print(f"{mode:>10}: WER {scored['wer']:.3f} CER {scored['cer']:.3f} ({seconds:.0f} s)")
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
