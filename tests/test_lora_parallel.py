@@ -1,5 +1,5 @@
 """LoRA (``converters = ["lora"]``) under torchtitan's parallelisms, end to end on gloo, against
-one process with the same global batch: 2-process FSDP2 with activation checkpointing, DDP, TP=2 on
+one process with the same global batch: 2-process FSDP2 with activation checkpointing, TP=2 on
 the native backbone (the adapters sharded beside their base layers), per-layer torch.compile,
 and an exact resume from the DCP checkpoint (which holds the adapters and the frozen base); a
 native run's merged and PEFT-adapter exports agree with it (q/k rows permuted to HF's order)."""
@@ -73,19 +73,6 @@ def test_fsdp2_with_activation_checkpointing_equals_one_process(hf_runs):
     fsdp, log = train(assets, root, "fsdp", "--activation_checkpoint.mode", "full", nproc=2)
     assert "Applied FSDP to the SpeechLM" in log and "LoRA (rank 4" in log
     assert_same_run(fsdp, one)
-
-
-def test_ddp_equals_one_process(hf_runs):
-    """Replicate only: DDP buckets the trainable parameters alone."""
-    assets, root, one = hf_runs
-    flags = (
-        "--parallelism.data_parallel_replicate_degree",
-        "2",
-        "--parallelism.data_parallel_shard_degree",
-        "1",
-    )
-    ddp, _ = train(assets, root, "ddp", *flags, nproc=2)
-    assert_same_run(ddp, one)
 
 
 def test_compiled_layers_equal_eager(hf_runs):

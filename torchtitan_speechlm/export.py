@@ -127,13 +127,13 @@ def export(
         raise PretrainedError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     record = record_for_checkpoint(checkpoint)
     args = args_from_record(record["model_args"], record.get("hf_assets_path", ""))
+    if adapter and not args.lora:
+        raise PretrainedError(f"--adapter: {checkpoint} is not from a LoRA run (no adapters)")
     model = build_model(args)
     names = {n for n, _ in model.named_parameters()}
     state = load_checkpoint_state(checkpoint, names)
     check_keys(model, state, checkpoint)
     model.load_state_dict(state, strict=False)
-    if adapter and not args.lora:
-        raise PretrainedError(f"--adapter: {checkpoint} is not from a LoRA run (no adapters)")
     if args.lora and not adapter:  # the plain model, computing the same
         merge_lora(model)
         state = {n: p.detach() for n, p in model.named_parameters()}
