@@ -124,13 +124,6 @@ class AudioTower(nn.Module):
         ):
             if frozen:
                 part.requires_grad_(False)
-        self.trainable = {n for n, p in self.named_parameters() if p.requires_grad}
-
-    def restore_trainable(self) -> None:
-        """Put back which parameters train (the freeze options, the family's own fixed ones)
-        after something froze the whole model (LoRA, model/lora.py)."""
-        for name, p in self.named_parameters():
-            p.requires_grad_(name in self.trainable)
 
     def reset_buffers(self, device: torch.device) -> None:
         self.features.reset_buffers(device)

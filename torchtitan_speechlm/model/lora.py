@@ -161,8 +161,6 @@ def apply_lora(model: nn.Module, settings: dict) -> list[str]:
             model.tok_embeddings.frozen_rows = None
     if not audio and not head:
         model.head.frozen_rows = model.tok_embeddings.frozen_rows = None
-    if getattr(model, "audio_encoder", None) is not None:  # [audio_encoder]'s freeze options
-        model.audio_encoder.restore_trainable()
     return targets
 
 
