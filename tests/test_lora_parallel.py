@@ -14,7 +14,7 @@ from tests.test_checkpointing import params
 from tests.test_lora import assert_exports_agree
 
 pytest.importorskip("peft")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # about 100 s of 2-process runs: make faults
 COMMON = (
     "--model.converters",
     "lora",
