@@ -10,7 +10,7 @@ stacking 2 frames (25 LM frames/s, the codec's rate). Both: the demo's 256-wide 
 (train_configs/speechlm_debug.toml), ``--steps`` steps; then greedy transcripts of the held-out
 set, WER and CER (jiwer).
 
-    python benchmarks/bench_audio_learning.py [--steps 200] [--work benchmarks/work/audio_learning]
+    python benchmarks/bench_audio_learning.py [--steps 200] [--modes codec,continuous]
 
 Writes benchmarks/results/audio_learning.json (``--out``). Not run by the smoke tests (two
 trainings: minutes on a 2-core CPU).
@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--work", default="benchmarks/work/audio_learning")
     p.add_argument("--demo-work", default="demo_work")
+    p.add_argument("--modes", default="codec,continuous", help="which of codec,continuous")
     p.add_argument("--out", default="benchmarks/results/audio_learning.json")
     a = p.parse_args(argv)
     os.makedirs(a.work, exist_ok=True)
@@ -106,9 +107,10 @@ def main(argv=None) -> int:
     encoder = encoder_folder(os.path.join(a.work, "encoder"))
     held = PreparedDataset(sets["heldout"])
     items = [held[i] for i in range(len(held))]
-    result = {"command": f"python benchmarks/bench_audio_learning.py --steps {a.steps}",
+    result = {"command": f"python benchmarks/bench_audio_learning.py --steps {a.steps} "
+              f"--modes {a.modes}",
               "steps": a.steps, "held_out": len(items), "modes": {}}  # fmt: skip
-    for mode in ("codec", "continuous"):
+    for mode in a.modes.split(","):
         ckpt, seconds = train(mode, a.work, sets, a.steps, encoder)
         out = os.path.join(a.work, f"{mode}_export")
         export(ckpt, out, force=True)
