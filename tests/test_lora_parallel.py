@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import make_tiny_run_assets, read_metrics, run_train, write_tiny_config
-from tests.test_checkpointing import params
+from tests.test_checkpointing import HSDP, params
 from tests.test_lora import assert_exports_agree
 
 pytest.importorskip("peft")
@@ -73,6 +73,15 @@ def test_fsdp2_with_activation_checkpointing_equals_one_process(hf_runs):
     fsdp, log = train(assets, root, "fsdp", "--activation_checkpoint.mode", "full", nproc=2)
     assert "Applied FSDP to the SpeechLM" in log and "LoRA (rank 4" in log
     assert_same_run(fsdp, one)
+
+
+def test_hsdp_on_four_ranks_equals_one_process(hf_runs):
+    # 2 replicas x 2 shards: the adapters are sharded within a replica and their gradients
+    # averaged across replicas; the frozen base must stay out of both
+    assets, root, one = hf_runs
+    hsdp, log = train(assets, root, "hsdp", *HSDP, "--training.local_batch_size", "1", nproc=4)
+    assert "Applied HSDP to the SpeechLM" in log, log[-3000:]
+    assert_same_run(hsdp, one)
 
 
 def test_compiled_layers_equal_eager(hf_runs):
