@@ -16,7 +16,7 @@ from torchtitan_speechlm.model.model import SpeechLM
 from torchtitan_speechlm.prepare.waveforms import add_waveforms
 from torchtitan_speechlm.pretrained import read_safetensors
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # 2-process runs, 71-113 s: make faults
 STEPS = 3
 
 
