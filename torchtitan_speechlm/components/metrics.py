@@ -45,6 +45,9 @@ class JsonlLogger(BaseLogger):
 
 
 class SpeechLMMetricsProcessor(MetricsProcessor):
+    _audio_flops = 0  # no audio tower (set in __init__ from the model args)
+    _audio_clips_per_frame = 0.0
+
     def __init__(
         self,
         job_config,
@@ -61,6 +64,14 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             else 0
         )
         self._loss_frame_ratio = 1.0
+        # the audio tower runs per clip: num_flops_per_token adds it x the interval's clips per
+        # frame (SpeechLMModelArgs.audio_flops_per_clip; 0 without an encoder)
+        self._audio_flops = (
+            model_args.audio_flops_per_clip()
+            if model_args is not None and model_args.audio_encoder and model_args.backbone_config
+            else 0
+        )
+        self._audio_clips_per_frame = 0.0
         if job_config.metrics.enable_wandb:
             os.environ.setdefault("WANDB_MODE", "offline")
             os.environ.setdefault("WANDB_PROJECT", "torchtitan-speechlm")
@@ -84,10 +95,14 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
     @property
     def num_flops_per_token(self) -> float:
         """FLOPs per frame of the last log interval: the body on every frame, the head on the
-        interval's share of loss frames (torchtitan sets the every-frame figure)."""
+        interval's share of loss frames (torchtitan sets the every-frame figure), and the audio
+        tower's FLOPs per clip x the interval's clips per frame."""
         if self._flops_every_frame <= 0:
             return self._flops_every_frame
-        return self._flops_every_frame - self._head_flops * (1.0 - self._loss_frame_ratio)
+        flops = self._flops_every_frame - self._head_flops * (1.0 - self._loss_frame_ratio)
+        if self._audio_flops:
+            flops += self._audio_flops * self._audio_clips_per_frame
+        return flops
 
     @num_flops_per_token.setter
     def num_flops_per_token(self, value: float) -> None:
@@ -105,6 +120,12 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             stats["throughput/audio_seconds_per_second"] = audio / self.frame_rate / elapsed
         return stats
 
+    def read_interval(self, stats: dict[str, float]) -> None:
+        """What num_flops_per_token needs from the interval's statistics (pops the clips per
+        frame, which is not logged)."""
+        self._loss_frame_ratio = stats.get("data/loss_frame_ratio", 1.0)
+        self._audio_clips_per_frame = stats.pop("data/audio_clips_per_frame", 0.0)
+
     def log(
         self,
         step: int,
@@ -114,7 +135,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         extra_metrics: dict[str, Any] | None = None,
     ) -> None:
         stats = self.speech_metrics(step)
-        self._loss_frame_ratio = stats.get("data/loss_frame_ratio", 1.0)
+        self.read_interval(stats)
         extra = dict(extra_metrics or {})
         extra.update(STEP_GUARD.metrics())
         extra.update(

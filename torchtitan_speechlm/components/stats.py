@@ -149,6 +149,8 @@ def finalise(sums: dict[str, float], micro_batches: float) -> dict[str, float]:
         if total:
             out["data/padding_ratio"] = sums["data/pad_frames"] / total
             out["data/loss_frame_ratio"] = sums.get("count", 0.0) / total
+            if "data/audio_clips" in sums:  # runs with an audio encoder: MFU's tower share
+                out["data/audio_clips_per_frame"] = sums["data/audio_clips"] / total
     for key in ("data/skipped_too_long", "data/skipped_bad", "data/cfg_dropped"):
         if key in sums:
             out[key] = sums[key]  # counts over the interval, not means

@@ -101,10 +101,13 @@ class SpeechLMValidator(BaseValidator):
                     inputs["data_stats"] = torch.zeros_like(inputs["data_stats"])
                 with self.context(), self.amp:
                     out = model(inputs.pop("input"), **inputs)
+                if not real and "data/audio_clips" in out.stats:  # a stand-in's clips count 0
+                    out.stats["data/audio_clips"] = torch.zeros_like(out.stats["data/audio_clips"])
                 # every rank adds (zeros for a stand-in batch) so all ranks hold the same keys
                 # and meet in the same all-reduce below
                 acc.add(out.stats, count_micro_batch=real)
             stats = acc.reduce(loss_group(self.parallel_dims))
+            stats.pop("data/audio_clips_per_frame", None)  # MFU's, not a validation metric
             self.metrics_processor.logger.log(
                 {f"val/{name}/{k}": v for k, v in stats.items()}, step
             )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torchtitan.protocols import BaseModelArgs
 
-from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
+from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs, training_flops_per_clip
 from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -80,12 +80,15 @@ class SpeechLMModelArgs(BaseModelArgs):
         Counts the decoder matmuls (6 x non-embedding, non-head params), attention scores
         (12 x layers x hidden x seq_len), and the head as it really runs: each stream's logits
         over its own vocabulary slice only (see ``head_flops_per_loss_frame``).
+
+        The audio tower is left out here: it runs per clip, not per frame; the metrics
+        processor adds ``audio_flops_per_clip`` x the interval's clips / frames.
         """
         nparams = sum(p.numel() for p in model.parameters())
         embed = model.tok_embeddings.weight.numel()
         head = 0 if self.tie_embeddings else model.head.output.weight.numel()
         dense = nparams - embed - head - model.head.stream_emb.weight.numel()
-        if model.audio_encoder is not None:  # runs on audio frames, not on every LM frame
+        if model.audio_encoder is not None:  # runs per clip: see audio_flops_per_clip
             dense -= sum(p.numel() for p in model.audio_encoder.parameters())
         moe = self.family.moe(self.backbone_config)
         if moe:
@@ -108,3 +111,10 @@ class SpeechLMModelArgs(BaseModelArgs):
             for a, b in (pattern.prediction_range(layout, k) for k in range(layout.num_streams))
         )
         return 6 * self.hidden_size * head_cols
+
+    def audio_flops_per_clip(self) -> int:
+        """Training FLOPs of one clip through the audio tower (``training_flops_per_clip``:
+        counted on a meta-device tower, backward only where it trains); 0 without one. MFU
+        adds it x the interval's clips (``data/audio_clips``) / frames."""
+        audio = self.audio
+        return training_flops_per_clip(audio, self.hidden_size) if audio else 0

@@ -16,6 +16,9 @@ The adaptor stacks ``stack`` consecutive encoder frames (the last group zero-fil
 them with Linear -> GELU -> Linear to the backbone width. Its own init: the first layer
 N(0, 1/fan_in) (keeps the encoder's scale), the second N(0, init_std) like the text embedding, so
 continuous frames start at the scale of token embeddings; biases zero.
+
+MFU counts the tower per clip (``training_flops_per_clip``): the encoder always runs on the
+full window, so every clip costs the same, whatever its length.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from torchtitan_speechlm.model.audio_encoders import (
     AudioEncoder,
@@ -182,3 +186,31 @@ class AudioTower(nn.Module):
         rows = emb[item, frame].to(h.dtype)
         out = torch.where((flat >= 0).unsqueeze(-1), rows, h.reshape(-1, h.shape[-1]))
         return out.view_as(h)
+
+
+def training_flops_per_clip(args: AudioEncoderArgs, dim: int) -> int:
+    """Training FLOPs of one clip through the tower (features, encoder, adaptor), counted by
+    torch's ``FlopCounterMode`` over one forward and the backward that training really runs, on
+    a tower built on the meta device (no memory, no compute; works for any registered family).
+
+    Forward counts once. The backward is autograd's own, to the parameters that train: a
+    trained part costs ~2x its forward again; a frozen encoder runs forward only, because
+    nothing before it trains (the features have no parameters and the waveform needs no
+    gradient), so the backward stops at the adaptor's input (no input gradient for its first
+    layer). Attention is counted as the matmuls it is (on meta, SDPA runs as the math path's
+    bmm). The clip is a full window: the encoder pads every clip to it (Whisper: 30 s), so the
+    count is exact for any length. Not counted: the STFT (an FFT: FlopCounterMode has no rule
+    for it; well under 0.1% of a Whisper encoder) and what ``speechlm.freeze`` freezes later (as for the
+    decoder, the count follows the model's own settings, here ``freeze_encoder`` and
+    ``freeze_adaptor``)."""
+    with torch.device("meta"):
+        tower = AudioTower(args, dim)
+    window = args.window_samples
+    wave = torch.zeros(1, window, device="meta")
+    lengths = torch.full((1,), window, dtype=torch.long, device="meta")
+    trained = [p for p in tower.parameters() if p.requires_grad]
+    with FlopCounterMode(display=False) as counter, torch.enable_grad():
+        out, _ = tower.encode(wave, lengths)
+        if trained:
+            torch.autograd.grad(out, trained, torch.ones_like(out))
+    return int(counter.get_total_flops())

@@ -375,6 +375,9 @@ class SpeechLM(ModelProtocol):
         stats["loss"] = loss.detach()
         if data_stats is not None:
             stats["data_stats"] = data_stats.detach().float().sum(0)
+        if self.audio_encoder is not None:  # clips the tower ran on (MFU counts them)
+            clips = 0 if audio_wave is None else audio_wave.shape[0]
+            stats["data/audio_clips"] = loss.new_tensor(float(clips)).float()
         return SpeechLMOutput(loss, stats)
 
     @torch.no_grad()
