@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU wheel on the dev/CI machines; GPU users pre-install their CUDA torch in .venv (kept as is).
 TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=20
 
 .PHONY: demo test faults deps system-deps lint bench gpu-wheels clean
 
