@@ -44,8 +44,10 @@ test: deps
 # uninterrupted one (about 10 minutes on 2 CPU cores). The fast half is in `make test`.
 # Also the cluster launches (tests/test_cluster.py: the SLURM script on two "nodes") and every
 # benchmark script run at its smallest setting (tests/test_benchmarks_run.py, marker bench_smoke),
-# and the long multi-process runs of LoRA and the audio encoder (marker long): together they
-# would push `make test` past its 25 minutes; CI runs both targets.
+# and the long multi-process runs (marker long): those of LoRA and the audio encoder, and the
+# second variant of an equivalence `make test` proves once (DDP beside FSDP2, selective beside
+# full activation checkpointing, 4 ranks beside 1). Together they would push `make test` past
+# its 25 minutes; CI runs both targets.
 faults: deps
 	$(PY) -m pytest -q -m "faults or cluster or bench_smoke or long" $(PYTEST_ARGS)
 

@@ -13,11 +13,13 @@ saying the same held-out texts gives the SIM any other speaker would get.
 Writes ``benchmarks/results/learning.json`` and ``learning.png`` (curves against steps).
 ``--sweep`` then scores the last checkpoint's TTS under a grid of decoding settings (the
 ``sweep`` of the JSON): the decoding defaults of ``torchtitan generate`` / ``eval`` come from
-it. Never in CI; about 35 minutes on a 2-core CPU (data 3, training 15, three scored
-checkpoints 2.5 each, the sweep 6):
+it. Never in CI; about 25 minutes on a 2-core CPU (data 3, training 15-20, three scored
+checkpoints 1.3 each with DNSMOS on 10 of their 50 items; the sweep another 6):
 
     python benchmarks/bench_learning.py            # corpus, train, curves
     python benchmarks/bench_learning.py --sweep    # + the decoding sweep on the last checkpoint
+    python benchmarks/bench_learning.py --steps 2400 --eval-every 800 --tts-share 0.85 \
+        --tag _2400                                # longer (40 minutes): docs/quality.md
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ z_loss_weight = 1e-4
 
 [speechlm_data]
 datasets = ["train={train}", "heldout={heldout}"]
-train = ["tts:train:0.6", "asr:train:0.4"]
+train = ["tts:train:{tts_share}", "asr:train:{asr_share}"]
 valid = ["tts:heldout", "asr:heldout"]
 cfg_dropout = {cfg_dropout}
 seed = 0
@@ -217,6 +219,16 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--eval-items", type=int, default=50, help="held-out items per evaluation")
+    p.add_argument(
+        "--quality-items",
+        type=int,
+        default=10,
+        help="items per evaluation DNSMOS scores (torchtitan eval --judge-quality-items; "
+        "DNSMOS is most of an evaluation's time)",
+    )
+    p.add_argument(
+        "--tts-share", type=float, default=0.6, help="TTS weight of the mixture (ASR: the rest)"
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--cfg-dropout", type=float, default=0.1)
     p.add_argument("--hidden", type=int, default=256)
@@ -246,6 +258,8 @@ def main() -> int:
                 lr=a.lr,
                 heldout=os.path.join(paths["prepared"], "heldout"),
                 cfg_dropout=a.cfg_dropout,
+                tts_share=a.tts_share,
+                asr_share=round(1.0 - a.tts_share, 6),
             )  # fmt: skip
         )
     t1 = time.perf_counter()
@@ -262,7 +276,7 @@ def main() -> int:
     for ckpt in ckpts:
         step = int(ckpt.split("-")[-1])
         scores = evaluate(ckpt, paths, os.path.join(a.work, f"eval_step{step}.json"),
-                          a.eval_items, [])  # fmt: skip
+                          a.eval_items, ["--judge-quality-items", str(a.quality_items)])  # fmt: skip
         row = {"step": step, **summarise(scores), "val_loss": losses.get(step, {})}
         curve.append(row)
         print(f"[bench] step {step}: {json.dumps({k: v for k, v in row.items()})}", flush=True)
@@ -280,8 +294,14 @@ def main() -> int:
             "other_voice": OTHER_VOICE,
         },  # fmt: skip
         "model": {"family": "llama", "hidden": a.hidden, "layers": a.layers},
-        "train": {"steps": a.steps, "lr": a.lr, "cfg_dropout": a.cfg_dropout},
+        "train": {
+            "steps": a.steps,
+            "lr": a.lr,
+            "cfg_dropout": a.cfg_dropout,
+            "tts_share": a.tts_share,
+        },  # fmt: skip
         "eval_items": a.eval_items,
+        "quality_items": a.quality_items,
         "sim_other_voice_vs_reference": sim_other,
         "curve": curve,
         "seconds": {"data": t_data, "train": t_train, "eval": t_eval},

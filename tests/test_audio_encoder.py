@@ -546,3 +546,41 @@ def test_lora_keeps_the_towers_freeze_options(assets):
         assert any(encoder.values()) != freeze_encoder
         assert not any(p.requires_grad for n, p in model.backbone.named_parameters()
                        if "lora_" not in n)  # fmt: skip
+
+
+def test_prepare_writes_the_waveforms_in_the_same_command(tmp_path, capsys):
+    """``torchtitan prepare --manifest M --waveforms 16000`` gives the dataset the separate
+    step gives it (same int16 samples, index and metadata); other sources are refused with
+    the way to do it."""
+    from torchtitan_speechlm.dataset_format import AUDIO_WAVE, WAVE_INDEX
+    from torchtitan_speechlm.prepare.pipeline import main as prepare_main
+    from torchtitan_speechlm.prepare.waveforms import add_waveforms
+
+    run = make_tiny_run_assets(tmp_path / "run", n_items=6)
+    manifest = str(tmp_path / "run" / "manifest.jsonl")
+    out = str(tmp_path / "one_command")
+    common = ["--codec", run["codec"], "--tokenizer", run["tokenizer"], "--no-progress"]
+    assert (
+        prepare_main(["--manifest", manifest, *common, "--out", out, "--waveforms", "16000"]) == 0
+    )
+    assert "waveforms of 6 items at 16000 Hz" in capsys.readouterr().out
+    two_steps = add_waveforms(run["prepared"], manifest, 16000)["waveform"]
+    with open(os.path.join(out, "metadata.json")) as f:
+        one = json.load(f)["waveform"]
+    assert one == two_steps  # rate, dtype, longest item, every file's size and sha256
+    shard = sorted(os.listdir(os.path.join(out, "shards")))[0]
+    a = np.load(os.path.join(out, "shards", shard, AUDIO_WAVE))
+    b = np.load(os.path.join(run["prepared"], "shards", shard, AUDIO_WAVE))
+    assert a.dtype == np.int16 and len(a) > 0
+    np.testing.assert_array_equal(a, b)
+    index = [
+        open(os.path.join(d, "shards", shard, WAVE_INDEX)).read() for d in (out, run["prepared"])
+    ]
+    assert index[0] == index[1] and index[0].count("\n") == 6
+    kaldi = tmp_path / "kaldi"
+    kaldi.mkdir()
+    rc = prepare_main(["--kaldi", str(kaldi), *common, "--out", str(tmp_path / "k"),
+                       "--waveforms", "16000"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 1 and "--waveforms reads the audio again from a JSONL manifest" in err
+    assert "python -m torchtitan_speechlm.prepare.waveforms" in err

@@ -155,11 +155,14 @@ def test_bench_learning_flags_toml_and_pure_functions(tmp_path):
             lr=3e-3,
             heldout=tmp_path / "heldout",
             cfg_dropout=0.1,
+            tts_share=a.tts_share,
+            asr_share=round(1 - a.tts_share, 6),
         )  # fmt: skip
     )
     job = parse_train(["--job.config_file", str(toml)])
     assert (job.training.steps, job.validation.freq, job.checkpoint.interval) == (2, 2, 2)
     assert job.speechlm_data.valid == ["tts:heldout", "asr:heldout"]
+    assert job.speechlm_data.train == ["tts:train:0.6", "asr:train:0.4"]
 
     # val_losses reads the validation losses of metrics.jsonl
     (tmp_path / "run").mkdir()

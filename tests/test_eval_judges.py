@@ -575,3 +575,33 @@ class _Pipe:
     def wait_for(self, method: str) -> None:
         while not any(e.get("method") == method for e in self.events):
             self.events.append(self._recv())
+
+
+def test_quality_judge_on_the_first_items_only(model, tmp_path):
+    """``--judge-quality-items 2``: DNSMOS-like scores for items 0 and 1 (generated and
+    reference), none after; the set's mean is theirs and the table says how many."""
+    from torchtitan_speechlm.inference import judged
+    from torchtitan_speechlm.inference.command import eval_items
+    from torchtitan_speechlm.inference.decode import DecodeConfig
+    from torchtitan_speechlm.inference.loading import load_model
+
+    loaded = load_model(model["export"])
+    items = eval_items(loaded, model["prepared"], 0.0, 3)
+    assert len(items) == 3
+    sets = {"tts:tiny": [it.text for it in items]}
+    opts = judged.JudgeOptions("test-asr", None, None, "none", "test-quality", quality_items=2)
+    judges = judged.build_judges(opts, sets)["tts:tiny"]
+    cfg = DecodeConfig(max_frames=12, max_text_tokens=8)
+    res = judged.score_tts(loaded, items, cfg, judges)
+    scored = [r["dnsmos"] for r in res["per_item"]]
+    refs = [r["reference_dnsmos"] for r in res["per_item"]]
+    assert scored[0] and scored[1] and scored[2] is None
+    assert refs[0] and refs[1] and refs[2] is None
+    assert res["dnsmos_items"] == 2
+    assert res["dnsmos"] == pytest.approx(np.mean([s["dnsmos_ovrl"] for s in scored[:2]]))
+    assert "quality=test-quality (2 items)" in judged.format_table({"tts:tiny": res})
+    with pytest.raises(judged.JudgeError, match="--judge-quality-items -1"):
+        judged.build_judges(
+            judged.JudgeOptions("test-asr", None, None, "none", "test-quality", quality_items=-1),
+            sets,
+        )

@@ -48,7 +48,7 @@ def run(assets, tmp_path, name, nproc, *extra):
     return rows, load_params(dump / "checkpoint" / "step-2", tmp_path)
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+@pytest.mark.parametrize("parallel", ["fsdp", pytest.param("ddp", marks=pytest.mark.long)])
 def test_two_ranks_with_accumulation_match_one_rank(assets, tmp_path, parallel):
     ref_rows, ref_params = run(assets, tmp_path, "ref", 1)
     extra = (

@@ -122,6 +122,7 @@ def assert_same(a: Run, b: Run, steps, loss_abs=1e-5, grad_rel=1e-4, grad_abs=No
 
 
 # --- a. DDP ---------------------------------------------------------------------------------
+@pytest.mark.long  # FSDP's equivalence stays in make test; DDP is the second path
 def test_ddp_matches_one_process(assets, train):
     """2 x 2 rows with DDP == 1 x 4 rows. grad_norm too: DDP must SUM gradients, not average
     them (torchtitan's loss is already divided by the global count; see parallelize.py)."""
@@ -158,7 +159,11 @@ def test_gradient_accumulation_matches_one_big_batch(assets, train):
 
 
 # --- d. activation checkpointing ------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["full", "selective"])  # selective: torchtitan's default "2"
+# selective in 2 processes: make faults (test_selective_op_checkpointing_is_exact_in_process
+# covers it in make test)
+@pytest.mark.parametrize(
+    "mode", ["full", pytest.param("selective", marks=pytest.mark.long)]
+)  # selective: torchtitan's default "2"
 def test_activation_checkpointing_is_exact(assets, train, mode):
     none = train(assets, "--activation_checkpoint.mode", "none", nproc=2, local=2)
     ac = train(assets, "--activation_checkpoint.mode", mode, nproc=2, local=2)

@@ -49,6 +49,7 @@ def test_two_process_fsdp_trains_saves_and_resumes(assets, tmp_path):
     assert sorted(train_steps(read_metrics(dump))) == list(range(1, 12))
 
 
+@pytest.mark.long  # make test: test_metrics_distributed's fsdp variant proves the same
 def test_one_and_two_processes_give_the_same_first_steps(assets, tmp_path):
     """Same global batch (1 x 4 rows vs 2 x 2 rows): same losses and statistics (fp32)."""
     runs = {}

@@ -146,7 +146,7 @@ def listen(checkpoint: str, paths: dict, dump: str) -> dict:
     run_command(
         [tool, "eval", "--model", checkpoint, "--valid", "asr:heldout", "--valid", "tts:heldout",
          "--judge-grammar", paths["grammar.jsgf"], "--report", os.path.join(out, "report"),
-         "--out", results, "--limit", "20"],
+         "--out", results, "--limit", "20", "--judge-quality-items", "3"],
         log=os.path.join(out, "eval.log"),
     )  # fmt: skip
     with open(results) as f:

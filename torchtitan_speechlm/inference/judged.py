@@ -63,6 +63,7 @@ class JudgeOptions:
     grammar: str | None = None
     speaker: str = "resemblyzer"
     quality: str = "dnsmos"
+    quality_items: int = 0  # the quality judge scores the first N items of a set; 0: all
 
 
 @dataclass
@@ -70,6 +71,14 @@ class Judges:
     asr: object | None = None  # judges.base.ASRJudge
     speaker: object | None = None  # judges.base.SpeakerJudge
     quality: object | None = None  # judges.base.QualityJudge
+    quality_items: int = 0  # score quality on the first N items only (0: every item)
+
+    def for_item(self, index: int) -> Judges:
+        """The judges of a set's ``index``-th item: without the quality judge past
+        ``quality_items`` (DNSMOS is the slowest judge by far: about 1.5 s per short clip)."""
+        if self.quality is None or not self.quality_items or index < self.quality_items:
+            return self
+        return Judges(self.asr, self.speaker, None, self.quality_items)
 
     def describe(self) -> dict:
         return {k: (j.describe() if j is not None else None) for k, j in self._pairs()}
@@ -152,9 +161,12 @@ def build_judges(opts: JudgeOptions, sets: dict[str, list[str]]) -> dict[str, Ju
     speaker = _resolve("--judge-speaker", opts.speaker, "transformers-sv")
     quality = _resolve("--judge-quality", opts.quality, None)
     asr = _resolve("--judge-asr", opts.asr, "transformers-asr")
+    if opts.quality_items < 0:
+        raise JudgeError(f"--judge-quality-items {opts.quality_items}: give 0 (all) or more")
     shared = Judges(
         speaker=_build("--judge-speaker", "speaker", *speaker) if speaker else None,
         quality=_build("--judge-quality", "quality", *quality) if quality else None,
+        quality_items=opts.quality_items,
     )
     per_set = asr is not None and asr[0] == "pocketsphinx" and opts.grammar is None
     per_set = per_set and (opts.vocabulary or "eval") == "eval"
@@ -169,7 +181,9 @@ def build_judges(opts: JudgeOptions, sets: dict[str, list[str]]) -> dict[str, Ju
                 hint = f" (--judge-vocabulary eval: the words of {name}; give a word file, open, "
                 raise JudgeError(f"{e}{hint}or --judge-grammar)" if per_set else str(e)) from e
             common = common if per_set else judge
-        out[name] = Judges(judge if per_set else common, shared.speaker, shared.quality)
+        out[name] = Judges(
+            judge if per_set else common, shared.speaker, shared.quality, shared.quality_items
+        )
     return out
 
 
@@ -316,8 +330,9 @@ def score_tts(
         for k, it in enumerate(chunk):
             recording = (recordings or {}).get(it.id)
             rec, wavs = _score_item(
-                loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges, recording, clock
-            )
+                loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges.for_item(s + k),
+                recording, clock,
+            )  # fmt: skip
             if audio_root is not None:
                 rec["audio"] = _save(audio_root, audio_dir, s + k, it, wavs, rate)
             per_item.append(rec)
@@ -481,6 +496,7 @@ def summarise_tts(per_item: list[dict], judges: Judges, self_acc: dict) -> dict:
         "sim": _mean(r["sim"] for r in per_item),
         "sim_recording": _mean(r.get("sim_recording") for r in found),
         "dnsmos": gen_q.get("dnsmos_ovrl"),
+        "dnsmos_items": sum(1 for r in per_item if r.get("dnsmos")),
         "dnsmos_all": gen_q,
         "reference_dnsmos": ref_q.get("dnsmos_ovrl"),
         "reference_dnsmos_all": ref_q,
@@ -524,7 +540,7 @@ COLUMNS = (
     ("WER", "ASR judge's WER of the generated speech (ASR sets: the model's transcripts)"),
     ("CER", "ASR judge's CER of the generated speech (ASR sets: the model's transcripts)"),
     ("SIM", "speaker judge: cosine(generated, reference)"),
-    ("DNSMOS", "quality judge: DNSMOS OVRL of the generated speech"),
+    ("DNSMOS", "quality judge: DNSMOS OVRL of the generated speech (over dnsmos_items)"),
     ("dur ratio", "median generated / reference duration"),
     ("EOS rate", "share of utterances the model ended itself before --max-frames"),
     ("floor WER", "the ASR judge's WER on the reference audio (resynthesised)"),
@@ -579,8 +595,10 @@ def format_table(results: dict) -> str:
         if r.get("task") == "tts":
             j = r["judges"]
             found = r.get("recordings_found", 0)
+            scored = r.get("dnsmos_items", r["items"])
+            quality = j["quality"] if scored == r["items"] else f"{j['quality']} ({scored} items)"
             out.append(
-                f"{spec}: judges asr={j['asr']} speaker={j['speaker']} quality={j['quality']}; "
+                f"{spec}: judges asr={j['asr']} speaker={j['speaker']} quality={quality}; "
                 "floor = the ASR judge on the reference (resynthesised), rec floor = on the "
                 f"original recordings ({found} of {r['items']} found); "
                 "self = the model's own ASR / token accuracy"

@@ -234,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
+        "--waveforms",
+        type=int,
+        default=0,
+        metavar="RATE",
+        help="also store each item's waveform (mono int16 at RATE Hz) for a continuous audio "
+        "encoder (docs/audio-encoder.md); --manifest only",
+    )
+    p.add_argument(
         "--import",
         dest="imports",
         action="append",
@@ -276,6 +284,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     name = given[0]
     options = {o.name: getattr(args, f"option_{o.name}") for o in SOURCES.get(name).options}
+    if args.waveforms and name != "manifest":
+        print(
+            f"error: --waveforms reads the audio again from a JSONL manifest (--manifest); "
+            f"with {SOURCES.get(name).flag}, write one with each item's id and audio path and "
+            "run python -m torchtitan_speechlm.prepare.waveforms OUT MANIFEST",
+            file=sys.stderr,
+        )
+        return 1
+    if args.waveforms < 0:
+        print(f"error: --waveforms {args.waveforms}: give a sample rate in Hz", file=sys.stderr)
+        return 1
     try:
         s = prepare_dataset(
             None, args.codec, args.tokenizer, args.out, batch_size=args.batch_size,
@@ -290,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             allow_lossy_tokenizer=args.allow_lossy_tokenizer,
         )  # fmt: skip
+        if args.waveforms:
+            from torchtitan_speechlm.prepare.waveforms import add_waveforms, describe
+
+            print(describe(args.out, add_waveforms(args.out, args.source_manifest, args.waveforms)))
     except (OSError, ValueError, ImportError, CodecError, BadAudioError, CorruptDatasetError,
             PlanMismatchError, NoItemsError) as e:  # fmt: skip
         print(f"error: {e}", file=sys.stderr)

@@ -10,6 +10,9 @@ The audio is read again from the manifest the dataset was prepared from (JSONL l
 are the same recording.
 
     python -m torchtitan_speechlm.prepare.waveforms PREPARED MANIFEST [--sample-rate 16000]
+
+or, in one command with the preparation: ``torchtitan prepare --manifest M.jsonl ...
+--waveforms 16000``.
 """
 
 from __future__ import annotations
@@ -40,13 +43,15 @@ class WaveformError(ValueError):
 
 
 def read_manifest(manifest: str) -> dict[str, str]:
-    """``id -> audio path`` of a JSONL manifest (paths relative to its folder)."""
+    """``id -> audio path`` of a JSONL manifest (paths relative to its folder); lines without
+    one ``audio`` path (text-only, dialogue) are left out."""
     base, out = os.path.dirname(os.path.abspath(manifest)), {}
     with open(manifest, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 r = json.loads(line)
-                out[str(r["id"])] = os.path.join(base, r["audio"])
+                if isinstance(r.get("audio"), str) and "id" in r:
+                    out[str(r["id"])] = os.path.join(base, r["audio"])
     return out
 
 
@@ -58,8 +63,9 @@ def write_shard_waves(sdir: str, paths: dict[str, str], sample_rate: int) -> tup
     missing = [i for i in ids if i not in paths]
     if missing:
         raise WaveformError(
-            f"{sdir}: items {missing[:4]} ({len(missing)}) have no line in the manifest; add the "
-            "waveforms from the manifest the dataset was prepared from"
+            f"{sdir}: items {missing[:4]} ({len(missing)}) have no audio path in the manifest "
+            "(text-only or dialogue lines have no waveform; a continuous encoder takes speech "
+            "items): add the waveforms from the manifest the dataset was prepared from"
         )
     waves = [to_int16(load_audio(paths[i], sample_rate)) for i in ids]
     lengths = [len(w) for w in waves]
@@ -108,12 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def describe(prepared: str, meta: dict) -> str:
+    """One line on the waveforms ``add_waveforms`` wrote."""
+    w = meta["waveform"]
+    return (f"{prepared}: waveforms of {meta.get('num_items')} items at {w['sample_rate']} Hz, "
+            f"longest {w['max_samples'] / w['sample_rate']:.2f} s")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
-    meta = add_waveforms(a.prepared, a.manifest, a.sample_rate)
-    w = meta["waveform"]
-    print(f"{a.prepared}: waveforms of {meta.get('num_items')} items at {w['sample_rate']} Hz, "
-          f"longest {w['max_samples'] / w['sample_rate']:.2f} s")  # fmt: skip
+    print(describe(a.prepared, add_waveforms(a.prepared, a.manifest, a.sample_rate)))
 
 
 if __name__ == "__main__":
