@@ -29,6 +29,7 @@ from torchtitan_speechlm.prepare.plan import (
 )
 from torchtitan_speechlm.prepare.run import fit_or_reuse_kmeans, run_shards
 from torchtitan_speechlm.prepare.sources import SOURCES, read_source
+from torchtitan_speechlm.prepare.waveforms import add_waveforms, describe
 from torchtitan_speechlm.prepare.worker import (
     BadItemError,
     ShardTask,
@@ -310,8 +311,6 @@ def main(argv: list[str] | None = None) -> int:
             allow_lossy_tokenizer=args.allow_lossy_tokenizer,
         )  # fmt: skip
         if args.waveforms:
-            from torchtitan_speechlm.prepare.waveforms import add_waveforms, describe
-
             print(describe(args.out, add_waveforms(args.out, args.source_manifest, args.waveforms)))
     except (OSError, ValueError, ImportError, CodecError, BadAudioError, CorruptDatasetError,
             PlanMismatchError, NoItemsError) as e:  # fmt: skip
