@@ -33,7 +33,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -78,7 +78,7 @@ class Judges:
         ``quality_items`` (DNSMOS is the slowest judge by far: about 1.5 s per short clip)."""
         if self.quality is None or not self.quality_items or index < self.quality_items:
             return self
-        return Judges(self.asr, self.speaker, None, self.quality_items)
+        return replace(self, quality=None)
 
     def describe(self) -> dict:
         return {k: (j.describe() if j is not None else None) for k, j in self._pairs()}
