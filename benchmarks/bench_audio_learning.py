@@ -12,6 +12,17 @@ set, WER and CER (jiwer).
 
     python benchmarks/bench_audio_learning.py [--steps 200] [--modes codec,continuous]
 
+``--spoken-qa``: spoken question answering besides ASR, half of the draws each. Every sentence
+becomes two dialogues, ``[user audio: the sentence] [user text: "Who?" | "Whom?"] ->
+[assistant text: the subject | the object]`` (``qa_pairs``; e.g. "Peter saw a sleepy dog." ->
+"Peter." / "A sleepy dog."), prepared by ``torchtitan prepare --waveforms 16000``: task
+``dialogue`` (codec tokens) or ``dialogue_wave`` (the encoder). Scored on the held-out
+sentences' dialogues: the share of answers exactly right and their WER, against the grammar's
+own parse (no model involved).
+
+    python benchmarks/bench_audio_learning.py --steps 600 --spoken-qa \
+        --out benchmarks/results/spoken_qa.json
+
 Writes benchmarks/results/audio_learning.json (``--out``). Not run by the smoke tests (two
 trainings: minutes on a 2-core CPU).
 """
@@ -29,11 +40,13 @@ import time
 import torch
 
 from torchtitan_speechlm.data.reader import PreparedDataset
+from torchtitan_speechlm.demo import grammar
 from torchtitan_speechlm.demo.run import build_demo_data
-from torchtitan_speechlm.demo.speaking import console
+from torchtitan_speechlm.demo.speaking import console, run_command
 from torchtitan_speechlm.export import export
 from torchtitan_speechlm.inference.decode import DecodeConfig
 from torchtitan_speechlm.inference.evaluate import evaluate_asr
+from torchtitan_speechlm.inference.judged import score_answers
 from torchtitan_speechlm.inference.loading import load_model
 from torchtitan_speechlm.prepare.waveforms import add_waveforms
 
@@ -71,13 +84,65 @@ def data(work: str, demo: str) -> dict:
     return out
 
 
-def train(mode: str, work: str, sets: dict, steps: int, encoder: str) -> tuple[str, float]:
+def qa_pairs(sentence: str) -> list[tuple[str, str]]:
+    """(question, answer) pairs of a sentence of the grammar (``demo/grammar.py``): who did it
+    (the subject) and to whom (the object), read off the sentence's template."""
+    w = sentence.rstrip(".").lower().split()
+
+    def cap(words: list[str]) -> str:
+        s = " ".join(words)
+        return s[0].upper() + s[1:] + "."
+
+    if w[0] == "the" and w[1] in grammar.ADJECTIVES:  # the ADJ NOUN VERB the NOUN
+        who, whom = w[:3], w[4:]
+    elif w[0] == "the":  # the NOUN VERB NAME TIME
+        who, whom = w[:2], w[3:4]
+    else:  # NAME VERB a ADJ NOUN
+        who, whom = w[:1], w[2:]
+    return [("Who?", cap(who)), ("Whom?", cap(whom))]
+
+
+def qa_data(work: str, demo: dict) -> dict:
+    """Spoken-QA dialogues of the demo corpus' recordings, prepared with their waveforms."""
+    out = {}
+    for name in ("train", "heldout"):
+        dst = os.path.join(work, f"qa_{name}")
+        out[f"qa_{name}"] = dst
+        if os.path.isfile(os.path.join(dst, "metadata.json")):
+            continue
+        src = os.path.join(demo["corpus"], name, "manifest.jsonl")
+        manifest = os.path.join(work, f"qa_{name}.jsonl")
+        with open(src) as f, open(manifest, "w") as g:
+            for line in f:
+                r = json.loads(line)
+                audio = os.path.join(os.path.dirname(src), r["audio"])
+                for k, (question, answer) in enumerate(qa_pairs(r["text"])):
+                    turns = [{"role": "user", "audio": os.path.relpath(audio, work)},
+                             {"role": "user", "text": question},
+                             {"role": "assistant", "text": answer}]  # fmt: skip
+                    g.write(json.dumps({"id": f"{r['id']}_q{k}", "turns": turns}) + "\n")
+        run_command(
+            [console("torchtitan"), "prepare", "--manifest", manifest, "--codec", demo["codec"],
+             "--tokenizer", demo["tokenizer"], "--out", dst, "--workers", "2", "--no-progress",
+             "--waveforms", "16000"],
+        )  # fmt: skip
+    return out
+
+
+def train(
+    mode: str, work: str, sets: dict, steps: int, encoder: str, spoken_qa: bool = False
+) -> tuple[str, float]:
     dump = os.path.join(work, mode)
     task = "asr_wave" if mode == "continuous" else "asr"
+    datasets = ",".join(f"{k}={v}" for k, v in sets.items())
+    mix = f"{task}:train"
+    if spoken_qa:
+        qa = "dialogue_wave" if mode == "continuous" else "dialogue"
+        mix = f"{task}:train:0.5,{qa}:qa_train:0.5"
     flags = [
         "--job.config_file", CONFIG, "--job.dump_folder", dump,
-        "--speechlm_data.datasets", f"train={sets['train']},heldout={sets['heldout']}",
-        "--speechlm_data.train", f"{task}:train", "--speechlm_data.valid", f"{task}:heldout",
+        "--speechlm_data.datasets", datasets,
+        "--speechlm_data.train", mix, "--speechlm_data.valid", f"{task}:heldout",
         "--training.steps", str(steps), "--checkpoint.interval", str(steps),
         "--validation.enable", "false", "--speechlm.sample_every", "-1",
         "--metrics.no-enable-wandb", "--metrics.no-enable-tensorboard",
@@ -101,22 +166,33 @@ def main(argv=None) -> int:
     p.add_argument("--demo-work", default="demo_work")
     p.add_argument("--modes", default="codec,continuous", help="which of codec,continuous")
     p.add_argument("--out", default="benchmarks/results/audio_learning.json")
+    p.add_argument("--spoken-qa", action="store_true", help="spoken QA besides ASR (above)")
     a = p.parse_args(argv)
     os.makedirs(a.work, exist_ok=True)
     sets = data(a.work, a.demo_work)
+    if a.spoken_qa:
+        sets.update(qa_data(a.work, build_demo_data(a.demo_work)))
     encoder = encoder_folder(os.path.join(a.work, "encoder"))
     held = PreparedDataset(sets["heldout"])
     items = [held[i] for i in range(len(held))]
-    result = {"command": f"python benchmarks/bench_audio_learning.py --steps {a.steps} "
-              f"--modes {a.modes}",
+    command = f"python benchmarks/bench_audio_learning.py --steps {a.steps} --modes {a.modes}"
+    result = {"command": command + (" --spoken-qa" if a.spoken_qa else ""),
               "steps": a.steps, "held_out": len(items), "modes": {}}  # fmt: skip
     for mode in a.modes.split(","):
-        ckpt, seconds = train(mode, a.work, sets, a.steps, encoder)
+        ckpt, seconds = train(mode, a.work, sets, a.steps, encoder, a.spoken_qa)
         out = os.path.join(a.work, f"{mode}_export")
         export(ckpt, out, force=True)
-        scored = evaluate_asr(load_model(out, "cpu"), items, DecodeConfig(max_text_tokens=40))
+        loaded, cfg = load_model(out, "cpu"), DecodeConfig(max_text_tokens=40)
+        scored = evaluate_asr(loaded, items, cfg)
         result["modes"][mode] = {"train_s": seconds, **scored}
-        print(f"{mode:>10}: WER {scored['wer']:.3f} CER {scored['cer']:.3f} ({seconds:.0f} s)")
+        line = f"{mode:>10}: WER {scored['wer']:.3f} CER {scored['cer']:.3f} ({seconds:.0f} s)"
+        if a.spoken_qa:
+            qa = PreparedDataset(sets["qa_heldout"])
+            answers = score_answers(loaded, [qa[i] for i in range(len(qa))], cfg)
+            answers["examples"] = answers.pop("per_item")[:6]
+            result["modes"][mode]["spoken_qa"] = answers
+            line += f"; spoken QA exact {answers['exact']:.3f} WER {answers['wer']:.3f}"
+        print(line)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -584,3 +584,144 @@ def test_prepare_writes_the_waveforms_in_the_same_command(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and "--waveforms reads the audio again from a JSONL manifest" in err
     assert "python -m torchtitan_speechlm.prepare.waveforms" in err
+
+
+def spoken_qa_dataset(tmp_path, run) -> tuple[str, str]:
+    """Dialogues ``[user audio] [user text: question] -> [assistant text: answer]`` of the
+    tiny run's recordings (spoken QA), prepared with their waveforms; manifest and folder."""
+    from torchtitan_speechlm.prepare.pipeline import main as prepare_main
+
+    manifest = str(tmp_path / "qa.jsonl")
+    with open(os.path.join(os.path.dirname(run["prepared"]), "manifest.jsonl")) as f:
+        speech = [json.loads(line) for line in f][:6]
+    with open(manifest, "w") as f:
+        for k, r in enumerate(speech):
+            question = ("Who?", "Whom?")[k % 2]
+            turns = [{"role": "user", "audio": r["audio"]}, {"role": "user", "text": question},
+                     {"role": "assistant", "text": r["text"].split()[0]}]  # fmt: skip
+            f.write(json.dumps({"id": f"qa{k}", "turns": turns}) + "\n")
+    out = str(tmp_path / "qa")
+    common = ["--codec", run["codec"], "--tokenizer", run["tokenizer"], "--no-progress"]
+    assert (
+        prepare_main(["--manifest", manifest, *common, "--out", out, "--waveforms", "16000"]) == 0
+    )
+    return manifest, out
+
+
+def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, tmp_path):
+    """Task ``dialogue_wave``: a dialogue's one audio turn is its stored waveform, laid out as
+    placeholder frames where ``dialogue`` puts codes, without loss; the other turns and their
+    losses are those of ``dialogue``; the index-only length is the built length; the loader
+    feeds it mixed with a token task. ``eval``'s answer for each dialogue (from the stored
+    waveform) equals ``generate --task answer`` on the wav file, and the scores are jiwer's.
+    Dialogues with other than one (user) audio turn are refused, naming the item."""
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_speechlm.audio import load_audio
+    from torchtitan_speechlm.data.loader import build_speechlm_dataloader
+    from torchtitan_speechlm.data.reader import PreparedDataset
+    from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+    from torchtitan_speechlm.inference import judged, tasks
+    from torchtitan_speechlm.inference.decode import DecodeConfig
+    from torchtitan_speechlm.inference.loading import Loaded
+    from torchtitan_speechlm.model.model import build_model
+    from torchtitan_speechlm.preflight import validate_job_config
+    from torchtitan_speechlm.prepare.waveforms import WaveformError, add_waveforms, to_int16
+    from torchtitan_speechlm.run_context import fill_model_args
+    from torchtitan_speechlm.spec import SpeechLMJobModelArgs
+
+    run = make_tiny_run_assets(tmp_path / "run", n_items=8)
+    manifest, qa_dir = spoken_qa_dataset(tmp_path, run)
+    qa = PreparedDataset(qa_dir, verify="full")
+    toml = write_tiny_config(tmp_path / "tiny.toml", run, tmp_path / "dump")
+    job = ConfigManager().parse_args([
+        "--job.config_file", toml, "--speechlm_data.datasets", f"tiny={run['prepared']},qa={qa_dir}",
+        "--speechlm_data.train", "dialogue_wave:qa:0.5,tts:tiny:0.5",
+        "--speechlm_data.valid", "dialogue_wave:qa",
+        "--audio_encoder.path", assets["whisper"], "--audio_encoder.stack", "2",
+    ])  # fmt: skip
+    validate_job_config(job)
+    args = SpeechLMJobModelArgs()
+    fill_model_args(args, job)
+    layout, frames_of = args.layout, args.audio.frames_of
+    weights = LossWeights(1.0, 1.0, (1 / 3,) * layout.num_streams)
+    builder = TemplateBuilder(layout, "delay", weights, continuous_frames=frames_of)
+    sp, off = layout.special, layout.text_offset
+    for i in range(len(qa)):
+        item = qa[i]
+        (audio, question, answer) = item.turns
+        ex = builder.build("dialogue_wave", item)
+        codec_ex = builder.build("dialogue", item)
+        n = int(frames_of(len(item.wave)))
+        # the layout written out: <bos> <|user|><|audio|> placeholders <|eot|> <|user|><|text|>
+        # question <|eot|> <|assistant|><|text|> answer <|eos|>
+        want = [sp("<|bos|>"), sp("<|user|>"), sp("<|audio|>")] + [layout.pad] * n
+        want += [sp("<|eot|>"), sp("<|user|>"), sp("<|text|>"), *(off + question.tokens)]
+        want += [sp("<|eot|>"), sp("<|assistant|>"), sp("<|text|>"), *(off + answer.tokens)]
+        want += [sp("<|eos|>")]
+        np.testing.assert_array_equal(ex.frames[:, 0], want)
+        assert len(ex.continuous) == 1 and ex.continuous[0][0] == 3
+        np.testing.assert_array_equal(ex.continuous[0][1], item.wave)
+        np.testing.assert_array_equal(item.wave, to_int16(load_audio(
+            json.loads(open(manifest).readlines()[i])["turns"][0]["audio"], SR)))  # fmt: skip
+        assert not ex.weights[: 3 + n + 1].any()  # the question carries no loss
+        # the text turns' losses are those of the codec-token dialogue, shifted by the frames
+        shift = len(codec_ex.frames) - len(ex.frames)
+        np.testing.assert_array_equal(ex.weights[3 + n :], codec_ex.weights[3 + n + shift :])
+        assert ex.weights[-len(answer.tokens) - 2 :, 0].all()  # <|text|> answer <|eos|>
+        assert len(ex.frames) == builder.length(
+            "dialogue_wave", qa.text_lengths[i], qa.wave_samples[i], n_audio_turns=1, n_turns=3
+        )
+        # the generation prompt is the training layout up to the answer's opening
+        prompt, waves = builder.prompt(tasks.question_turns(item, True), "assistant", "text", True)
+        np.testing.assert_array_equal(prompt, ex.frames[: len(prompt)])
+        assert len(prompt) == len(ex.frames) - len(answer.tokens) - 1
+        assert len(waves) == 1 and waves[0][0] == 3
+
+    loader = build_speechlm_dataloader(1, 0, None, job)
+    it = iter(loader)
+    dialogues = 0
+    for _ in range(3):
+        b = next(it)[0]
+        cont = b["audio_index"] >= 0
+        assert int(cont.sum()) == sum(frames_of(int(n)) for n in b["audio_lengths"])
+        assert (b["loss_weights"][cont] == 0).all()
+        dialogues += len(b["audio_lengths"])
+    assert dialogues > 0
+
+    model = build_model(args).eval()
+    loaded = Loaded(model, {}, run["tokenizer"], run["codec"], "test")
+    cfg = DecodeConfig(max_text_tokens=3)
+    items = [qa[0], qa[1]]
+    scored = judged.score_answers(loaded, items, cfg)
+    paths = [json.loads(line)["turns"][0]["audio"] for line in open(manifest)]
+    heard = [tasks.answer(loaded, paths[i], ("Who?", "Whom?")[i], cfg) for i in (0, 1)]
+    assert [r["transcript"] for r in scored["per_item"]] == heard
+    import jiwer
+
+    refs = [qa[i].turns[-1].text for i in (0, 1)]
+    assert scored["task"] == "dialogue" and [r["text"] for r in scored["per_item"]] == refs
+    want_wer = [jiwer.wer(judged.normalise_text(r), judged.normalise_text(h) or "<empty>")
+                for r, h in zip(refs, heard, strict=True)]  # fmt: skip
+    np.testing.assert_allclose([r["wer"] for r in scored["per_item"]], want_wer)
+    assert scored["exact"] == np.mean([w == 0 for w in want_wer])
+    assert "answers exactly right" in judged.format_table({"dialogue:qa": scored})
+
+    # bad dialogues: two audio turns have no one waveform; an assistant audio turn is no input
+    bad = tmp_path / "bad.jsonl"
+    two = [{"role": "user", "audio": paths[0]}, {"role": "user", "audio": paths[1]},
+           {"role": "assistant", "text": "Hi."}]  # fmt: skip
+    bad.write_text(json.dumps({"id": "two", "turns": two}) + "\n")
+    from torchtitan_speechlm.prepare.pipeline import prepare_dataset
+
+    prepare_dataset(str(bad), run["codec"], run["tokenizer"], str(tmp_path / "bad"), progress=False)
+    with pytest.raises(WaveformError, match=r"\['two'\].*exactly one audio turn"):
+        add_waveforms(str(tmp_path / "bad"), str(bad))
+    spoken = qa[0]
+    spoken.turns = [
+        spoken.turns[1],
+        type(spoken.turns[0])("assistant", "audio", spoken.turns[0].tokens),
+    ]
+    with pytest.raises(ValueError, match="'qa0'.*exactly one audio turn, a user or system turn.*"
+                       "spoken by the assistant"):  # fmt: skip
+        builder.build("dialogue_wave", spoken)

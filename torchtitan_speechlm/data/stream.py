@@ -368,16 +368,18 @@ class SpeechLMDataset(IterableDataset):
         if key not in self._length_tables:
             s, table = self.sources[src], None
             data, own_turns = s.data, get_task(s.task).turns is None
+            continuous = get_task(s.task).continuous  # audio: the (one) turn's wave samples
+
+            def lengths():
+                audio = getattr(data, "wave_samples", None) if continuous else data.audio_lengths
+                return np.asarray(data.text_lengths), np.asarray(audio)
+
             if not own_turns:
-                n_text, n_audio = np.asarray(data.text_lengths), np.asarray(data.audio_lengths)
-                if get_task(s.task).continuous:
-                    n_audio = np.asarray(getattr(data, "wave_samples", None))
-                table = self.builder.length(s.task, n_text, n_audio, cfg_drop=cfg_drop)
+                table = self.builder.length(s.task, *lengths(), cfg_drop=cfg_drop)
             elif getattr(data, "num_turns", None) is not None:
                 table = self.builder.length(
                     s.task,
-                    np.asarray(data.text_lengths),
-                    np.asarray(data.audio_lengths),
+                    *lengths(),
                     n_audio_turns=np.asarray(data.num_audio_turns),
                     n_turns=np.asarray(data.num_turns),
                 )

@@ -11,6 +11,9 @@ Chat-style template, one block per turn:  <|role|><|modality|> content <|eot|>
     continuation:  <bos> [assistant audio] <eos>        (speech LM on audio alone)
     text:          <bos> [assistant text] <eos>         (text LM)
     dialogue:      <bos> [turn] [turn] ... <eos>        (roles and modalities from the data)
+    asr_wave:      asr, its audio the waveform through the audio encoder (continuous)
+    dialogue_wave: dialogue, its one (user/system) audio turn the waveform (continuous): spoken
+                   question answering and other audio-conditioned text tasks
 The last turn closes with <eos> instead of <eot>. Loss is on the task's loss roles (assistant:
 from their modality tag through <eot>/<eos>) or, with loss_region = "all", on every frame after
 <bos>. A target that is a stream's pad never carries loss, so pattern padding is never "learned",
@@ -93,6 +96,7 @@ for _task in (
     Task("text", ("speech", "text"), (("assistant", "text"),)),
     Task("dialogue", ("dialogue",), None),
     Task("asr_wave", ("speech",), (("user", "audio"), ("assistant", "text")), continuous=True),
+    Task("dialogue_wave", ("dialogue",), None, continuous=True),
 ):
     register_task(_task)
 
@@ -132,6 +136,33 @@ def end_of_stream0(frames: np.ndarray, pad0: int) -> int | None:
     codes = np.nonzero(frames[:, 0] != pad0)[0]
     last = int(codes[-1]) if len(codes) else -1
     return last + 1 if last + 1 < len(frames) else None
+
+
+def item_wave(item, task: str) -> np.ndarray:
+    """The item's stored waveform, which a continuous task reads instead of its codes."""
+    if getattr(item, "wave", None) is None:
+        raise ValueError(
+            f"item {item.id!r}: task {task!r} needs its waveform, and its dataset has none "
+            "(add them: python -m torchtitan_speechlm.prepare.waveforms)"
+        )
+    return item.wave
+
+
+def continuous_turn(segs: list[Segment], item, task: str) -> list[Segment]:
+    """A dialogue's turns with its one audio turn read as the item's waveform (the waveform
+    store keeps one recording per item, so a continuous dialogue has exactly one audio turn,
+    and it is an input: a user or system turn, as the question of spoken QA is)."""
+    audio = [i for i, s in enumerate(segs) if s.modality == "audio"]
+    if len(audio) != 1 or segs[audio[0]].role == "assistant":
+        raise ValueError(
+            f"item {item.id!r}: task {task!r} takes dialogues with exactly one audio turn, a "
+            f"user or system turn (its input); this one has {len(audio)} audio turns"
+            + (", spoken by the assistant" if audio and segs[audio[0]].role == "assistant" else "")
+            + " (use task 'dialogue' for codec-token audio turns)"
+        )
+    out = list(segs)
+    out[audio[0]] = Segment(segs[audio[0]].role, "audio", item_wave(item, task))
+    return out
 
 
 class TemplateBuilder:
@@ -196,17 +227,13 @@ class TemplateBuilder:
             turns = getattr(item, "turns", None)
             if not turns:
                 raise ValueError(f"item {item.id!r} has no dialogue turns")
-            return [Segment(t.role, t.modality, t.tokens) for t in turns]
+            segs = [Segment(t.role, t.modality, t.tokens) for t in turns]
+            return continuous_turn(segs, item, task) if spec.continuous else segs
         drop = np.array([self.layout.special("<|cfg_drop|>") - self.layout.text_offset])
         out = []
         for i, (role, modality) in enumerate(spec.turns):
             if modality == "audio" and spec.continuous:
-                if getattr(item, "wave", None) is None:
-                    raise ValueError(
-                        f"item {item.id!r}: task {task!r} needs its waveform, and its dataset "
-                        "has none (add them: python -m torchtitan_speechlm.prepare.waveforms)"
-                    )
-                tokens = item.wave
+                tokens = item_wave(item, task)
             elif modality == "audio":
                 tokens = item.audio_codes
             else:
@@ -217,34 +244,39 @@ class TemplateBuilder:
     def prefix(self, segments: list[Segment], role: str, modality: str) -> np.ndarray:
         """Frames of a generation prompt: ``<bos>``, every complete turn, then the opening of
         the turn to generate (``<|role|><|modality|>``), exactly as ``build`` lays them out."""
-        sp = self.layout.special
-        parts = [self._tokens([sp("<|bos|>")], False)[0]]
-        for seg in segments:
-            parts.append(
-                self._tokens([sp(ROLE_TOKENS[seg.role]), sp(MODALITY_TOKENS[seg.modality])], False)[
-                    0
-                ]
-            )
-            if seg.modality == "text":
-                parts.append(
-                    self._tokens(self.layout.text_offset + np.asarray(seg.tokens), False)[0]
-                )
-            else:
-                parts.append(self._audio(np.asarray(seg.tokens), False)[0])
-            parts.append(self._tokens([sp("<|eot|>")], False)[0])
-        parts.append(self._tokens([sp(ROLE_TOKENS[role]), sp(MODALITY_TOKENS[modality])], False)[0])
-        return np.concatenate(parts)
+        return self.prompt(segments, role, modality)[0]
 
     def continuous_prefix(
         self, wave: np.ndarray, role: str, modality: str
     ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
         """A generation prompt whose one user turn is continuous audio (``asr_wave``), laid out
         as ``build`` does, and its segment ``(first frame, wave)``."""
+        return self.prompt([Segment("user", "audio", wave)], role, modality, continuous=True)
+
+    def prompt(
+        self, segments: list[Segment], role: str, modality: str, continuous: bool = False
+    ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+        """``prefix`` for any turns; with ``continuous`` the audio turns are waveforms (laid
+        out as placeholder frames) and their segments ``(first frame, wave)`` come with it."""
         sp = self.layout.special
-        head = self._tokens([sp("<|bos|>"), sp("<|user|>"), sp("<|audio|>")], False)[0]
-        tail = [sp("<|eot|>"), sp(ROLE_TOKENS[role]), sp(MODALITY_TOKENS[modality])]
-        frames = [head, self._placeholders(len(wave))[0], self._tokens(tail, False)[0]]
-        return np.concatenate(frames), [(len(head), wave)]
+        parts, waves, at = [self._tokens([sp("<|bos|>")], False)[0]], [], 1
+        for seg in segments:
+            opening = [sp(ROLE_TOKENS[seg.role]), sp(MODALITY_TOKENS[seg.modality])]
+            parts.append(self._tokens(opening, False)[0])
+            tokens = np.asarray(seg.tokens)
+            if seg.modality == "text":
+                parts.append(self._tokens(self.layout.text_offset + tokens, False)[0])
+            elif continuous:
+                if tokens.ndim != 1:
+                    raise ValueError("a continuous audio turn is a waveform [samples], not codes")
+                waves.append((at + 2, tokens))
+                parts.append(self._placeholders(len(tokens))[0])
+            else:
+                parts.append(self._audio(tokens, False)[0])
+            parts.append(self._tokens([sp("<|eot|>")], False)[0])
+            at += sum(len(p) for p in parts[-3:])
+        parts.append(self._tokens([sp(ROLE_TOKENS[role]), sp(MODALITY_TOKENS[modality])], False)[0])
+        return np.concatenate(parts), waves
 
     def build(self, task: str, item, cfg_drop: bool = False) -> Example:
         lay = self.layout

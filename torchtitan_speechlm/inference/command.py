@@ -3,14 +3,17 @@
     torchtitan generate --model DIR --task tts --text "Hello there." --out out.wav
     torchtitan generate --model DIR --task asr --audio in.wav
     torchtitan generate --model DIR --task continuation --audio prompt.wav --out out.wav
+    torchtitan generate --model DIR --task answer --audio question.wav [--text "Who?"]
     torchtitan generate --model DIR --batch requests.jsonl --out-dir outputs/
-    torchtitan eval --model DIR --valid asr:NAME [--valid tts:NAME] [--valid-fraction F]
+    torchtitan eval --model DIR --valid asr:NAME [--valid tts:NAME] [--valid dialogue:NAME]
+        [--valid-fraction F]
         [--judge-asr pocketsphinx|DIR|none] [--judge-speaker resemblyzer|DIR|none]
         [--judge-quality dnsmos|none] [--out results.json] [--report DIR]
 
 DIR is a training checkpoint's step folder (the run's config, vocabulary and codec are found from
 it) or a ``torchtitan export`` folder. A batch file has one JSON object per line: ``{"id": ...,
-"task": "tts", "text": ...}`` or ``{"id": ..., "task": "asr" | "continuation", "audio": ...}``;
+"task": "tts", "text": ...}`` or ``{"id": ..., "task": "asr" | "continuation" | "answer",
+"audio": ...}`` (``answer``: and an optional ``text`` instruction);
 each result is written to ``out-dir/ID.wav`` or ``ID.txt`` and a line of ``results.jsonl``.
 ``eval`` scores TTS with independent judges (``inference/judged.py``) and writes an HTML report
 with ``--report`` (``inference/report.py``).
@@ -76,8 +79,11 @@ def run_request(loaded, req: dict, cfg: DecodeConfig, out: str | None) -> dict:
     else:
         if not req.get("audio"):
             raise ValueError(f"task {task} needs an audio file")
-        if task == "asr":
-            text = tasks.transcribe(loaded, req["audio"], cfg)
+        if task in ("asr", "answer"):
+            if task == "asr":
+                text = tasks.transcribe(loaded, req["audio"], cfg)
+            else:
+                text = tasks.answer(loaded, req["audio"], req.get("text"), cfg)
             if out:
                 with open(out, "w") as f:
                     f.write(text + "\n")
@@ -93,10 +99,12 @@ def run_request(loaded, req: dict, cfg: DecodeConfig, out: str | None) -> dict:
 def generate_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="torchtitan generate", description="generate with a SpeechLM")
     p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
-    p.add_argument("--task", help="tts, asr or continuation")
-    p.add_argument("--text", help="tts: the text to speak")
-    p.add_argument("--audio", help="asr / continuation: an audio file (any rate, any channels)")
-    p.add_argument("--out", help="the wav (tts, continuation) or text file (asr) to write")
+    p.add_argument("--task", help="tts, asr, continuation or answer (spoken QA)")
+    p.add_argument("--text", help="tts: the text to speak; answer: an instruction (optional)")
+    p.add_argument(
+        "--audio", help="asr / continuation / answer: an audio file (any rate, any channels)"
+    )
+    p.add_argument("--out", help="the wav (tts, continuation) or text file (asr, answer)")
     p.add_argument("--batch", help="a JSONL file of requests")
     p.add_argument("--out-dir", help="with --batch: where outputs and results.jsonl go")
     add_decoding_args(p)
@@ -111,7 +119,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"torchtitan generate: error: {e}", file=sys.stderr)
         return 2
-    print(result["text"] if result["task"] == "asr" else json.dumps(result))
+    print(result["text"] if result["task"] in ("asr", "answer") else json.dumps(result))
     return 0
 
 
@@ -124,7 +132,7 @@ def _batch(loaded, path: str, out_dir: str, cfg: DecodeConfig) -> int:
                 continue
             req = json.loads(line)
             rid = str(req.get("id", f"line{lineno}"))
-            ext = ".txt" if req.get("task") == "asr" else ".wav"
+            ext = ".txt" if req.get("task") in ("asr", "answer") else ".wav"
             try:
                 row = run_request(loaded, req, cfg, os.path.join(out_dir, rid + ext))
             except (ValueError, OSError) as e:
@@ -176,7 +184,8 @@ def eval_main(argv: list[str] | None = None) -> int:
         action="append",
         required=True,
         metavar="TASK:DATA",
-        help="asr:NAME or tts:NAME (a dataset of the run, or a prepared folder)",
+        help="asr:NAME, tts:NAME or dialogue:NAME (a dataset of the run, or a prepared "
+        "folder; dialogue: the answer each dialogue ends in, e.g. spoken QA)",
     )
     p.add_argument(
         "--valid-fraction",
@@ -203,9 +212,9 @@ def eval_main(argv: list[str] | None = None) -> int:
         cfg, results, sets = decode_config(a), {}, []
         for spec in a.valid:
             task, _, name = spec.partition(":")
-            if task not in ("asr", "tts"):
-                raise ValueError(f"--valid {spec!r}: the task is asr or tts")
-            items = eval_items(loaded, name, a.valid_fraction, a.limit)
+            if task not in EVAL_KINDS:
+                raise ValueError(f"--valid {spec!r}: the task is asr, tts or dialogue")
+            items = eval_items(loaded, name, a.valid_fraction, a.limit, EVAL_KINDS[task])
             sets.append((spec, task, eval_dataset(loaded, name), items))
         options = judged.JudgeOptions(
             a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality,
@@ -220,6 +229,8 @@ def eval_main(argv: list[str] | None = None) -> int:
             progress = _progress(spec) if a.progress else None
             if task == "asr":
                 results[spec] = judged.score_asr(loaded, items, cfg, progress=progress)
+            elif task == "dialogue":
+                results[spec] = judged.score_answers(loaded, items, cfg, progress=progress)
             else:
                 folder = f"{i}-{_slug(spec)}"  # the set's wavs and spectrograms in --report
                 found = find_recordings(path, [it.id for it in items], manifests)
@@ -269,12 +280,15 @@ def eval_dataset(loaded, name: str) -> str:
     return os.path.abspath(path)
 
 
-def eval_items(loaded, name: str, valid_fraction: float, limit: int) -> list:
-    """The speech items of ``name`` (``eval_dataset``) to evaluate: all, or those held out
-    with ``valid_fraction``; at most ``limit``."""
+EVAL_KINDS = {"asr": "speech", "tts": "speech", "dialogue": "dialogue"}  # set -> item kind
+
+
+def eval_items(loaded, name: str, valid_fraction: float, limit: int, kind: str = "speech") -> list:
+    """The items of ``kind`` of ``name`` (``eval_dataset``) to evaluate: all, or those held
+    out with ``valid_fraction``; at most ``limit``."""
     ds = open_prepared(eval_dataset(loaded, name))
     split = "valid" if valid_fraction > 0 else "all"
-    idx = [int(i) for i in split_indices(ds.ids, valid_fraction, split) if ds.kinds[i] == "speech"]
+    idx = [int(i) for i in split_indices(ds.ids, valid_fraction, split) if ds.kinds[i] == kind]
     if not idx:
-        raise ValueError(f"{name}: no speech items to evaluate")
+        raise ValueError(f"{name}: no {kind} items to evaluate")
     return [ds[i] for i in (idx[:limit] if limit else idx)]

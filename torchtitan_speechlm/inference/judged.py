@@ -242,29 +242,45 @@ def score_asr(
     """The model's transcripts of each item's reference codes, WER / CER after
     ``normalise_text`` (per item, their mean, and pooled); ``progress`` as in ``score_tts``."""
     refs = [it.text for it in items]
+    return _score_text("asr", items, refs, tasks.transcribe_items, loaded, cfg, batch, progress)
+
+
+def score_answers(
+    loaded: Loaded,
+    items: list,
+    cfg: DecodeConfig,
+    batch: int = 8,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Dialogue sets (spoken question answering and other audio-conditioned text tasks): the
+    model's answer to each dialogue (its last turn, assistant text, generated from the turns
+    before it) against the reference answer: WER / CER as ``score_asr``, and the share of
+    answers exactly right after normalisation (``exact``)."""
+    refs = [tasks.reference_answer(it) for it in items]
+    out = _score_text("dialogue", items, refs, tasks.answer_items, loaded, cfg, batch, progress)
+    out["exact"] = _mean(float(r["wer"] == 0.0) for r in out["per_item"])
+    return out
+
+
+def _score_text(task: str, items, refs, generate, loaded, cfg, batch, progress) -> dict:
+    """Text the model generates per item (``generate(loaded, items, cfg)``) scored against
+    ``refs``: per item, the mean, and pooled."""
     hyps: list[str] = []
     clock = PhaseClock()
     for s in range(0, len(items), batch):
         with clock("generate"):
-            hyps += tasks.transcribe_items(loaded, items[s : s + batch], cfg)
+            hyps += generate(loaded, items[s : s + batch], cfg)
         if progress is not None:
             progress(clock.line(len(hyps), len(items)))
     per_item = []
-    for it, hyp in zip(items, hyps, strict=True):
-        wer, cer = _errors(it.text, hyp)
+    for it, ref, hyp in zip(items, refs, hyps, strict=True):
+        wer, cer = _errors(ref, hyp)
         per_item.append(
-            {
-                "id": it.id,
-                "text": it.text,
-                "transcript": hyp,
-                "wer": wer,
-                "cer": cer,
-                "failures": [],
-            }
+            {"id": it.id, "text": ref, "transcript": hyp, "wer": wer, "cer": cer, "failures": []}
         )
     corpus = _corpus(refs, hyps)
     return {
-        "task": "asr",
+        "task": task,
         "items": len(items),
         "wer": _mean(r["wer"] for r in per_item),
         "cer": _mean(r["cer"] for r in per_item),
@@ -537,8 +553,12 @@ def summarise_tts(per_item: list[dict], judges: Judges, self_acc: dict) -> dict:
 COLUMNS = (
     ("set", "set"),
     ("items", "items"),
-    ("WER", "ASR judge's WER of the generated speech (ASR sets: the model's transcripts)"),
-    ("CER", "ASR judge's CER of the generated speech (ASR sets: the model's transcripts)"),
+    (
+        "WER",
+        "ASR judge's WER of the generated speech (ASR sets: of the model's transcripts, "
+        "dialogue sets: of its answers)",
+    ),
+    ("CER", "ASR judge's CER of the generated speech (ASR, dialogue sets: as WER)"),
     ("SIM", "speaker judge: cosine(generated, reference)"),
     ("DNSMOS", "quality judge: DNSMOS OVRL of the generated speech (over dnsmos_items)"),
     ("dur ratio", "median generated / reference duration"),
@@ -602,5 +622,10 @@ def format_table(results: dict) -> str:
                 "floor = the ASR judge on the reference (resynthesised), rec floor = on the "
                 f"original recordings ({found} of {r['items']} found); "
                 "self = the model's own ASR / token accuracy"
+            )
+        elif r.get("task") == "dialogue":
+            out.append(
+                f"{spec}: answers exactly right (after normalisation) {_fmt(r['exact'])}; "
+                "WER/CER = the model's answers against the dialogues' last turns"
             )
     return "\n".join(out)

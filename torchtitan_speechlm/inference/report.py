@@ -183,9 +183,10 @@ def _asr_items(r: dict) -> str:
         f"<td>{marked(x['text'], x['transcript'])}</td><td>{_fmt(x['wer'])}</td></tr>"
         for x in r["per_item"]
     )
+    what = "model's answer" if r.get("task") == "dialogue" else "model's transcript"
     return (
         '<table class="summary"><tr><th>id</th><th>reference</th>'
-        f"<th>model's transcript</th><th>WER</th></tr>{rows}</table>"
+        f"<th>{what}</th><th>WER</th></tr>{rows}</table>"
     )
 
 

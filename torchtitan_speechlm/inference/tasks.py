@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from torchtitan_speechlm.audio import load_audio
-from torchtitan_speechlm.data.tasks import Segment
+from torchtitan_speechlm.data.tasks import Segment, continuous_turn
 from torchtitan_speechlm.dataset_format import to_int16
 from torchtitan_speechlm.inference.decode import DecodeConfig, Decoder
 from torchtitan_speechlm.inference.loading import Loaded
 
-TASKS = ("tts", "asr", "continuation")
+TASKS = ("tts", "asr", "continuation", "answer")
 
 
 def text_ids(loaded: Loaded, text: str) -> np.ndarray:
@@ -88,6 +88,58 @@ def transcribe_items(loaded: Loaded, items: list, cfg: DecodeConfig) -> list[str
             "add them: python -m torchtitan_speechlm.prepare.waveforms PREPARED MANIFEST"
         )
     return asr_wave(loaded, [it.wave for it in items], cfg)
+
+
+def question_turns(item, continuous: bool = False) -> list[Segment]:
+    """A dialogue item's turns before its answer: the last turn, which must be assistant
+    text (the answer ``eval`` scores). ``continuous``: the audio turn is the item's waveform
+    (task ``dialogue_wave``), else its codes."""
+    turns = getattr(item, "turns", None) or []
+    if not turns or (turns[-1].role, turns[-1].modality) != ("assistant", "text"):
+        raise ValueError(
+            f"dialogue {item.id!r}: an answer set's dialogues end in an assistant text turn "
+            "(the answer to score)"
+        )
+    segs = [Segment(t.role, t.modality, t.tokens) for t in turns[:-1]]
+    return continuous_turn(segs, item, "dialogue_wave") if continuous else segs
+
+
+def reference_answer(item) -> str:
+    question_turns(item)  # the checks
+    return item.turns[-1].text
+
+
+def answer_items(loaded: Loaded, items: list, cfg: DecodeConfig) -> list[str]:
+    """The model's answer to each dialogue (``eval``'s dialogue sets): its last turn, assistant
+    text, generated after the turns before it. Audio turns are read as the item's waveform
+    through the audio encoder when the model has one (task ``dialogue_wave``), else as codes
+    (task ``dialogue``)."""
+    continuous = loaded.model.args.audio is not None
+    prompts, audio = [], []
+    for it in items:
+        segs = question_turns(it, continuous)
+        frames, waves = loaded.builder.prompt(segs, "assistant", "text", continuous)
+        prompts.append(frames)
+        audio.append(waves)
+    ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg), audio)
+    return [loaded.tokenizer.decode(i) for i in ids]
+
+
+def answer(loaded: Loaded, wav_path: str, instruction: str | None, cfg: DecodeConfig) -> str:
+    """``generate --task answer``: the text answer to a spoken question (the dialogue layout
+    ``[user audio] [user text: instruction, optional] -> [assistant text]``); the audio read
+    through the model's audio encoder when it has one, else as the data codec's codes."""
+    encoder = loaded.model.args.audio
+    if encoder is not None:
+        audio = to_int16(load_audio(wav_path, encoder.sample_rate))
+    else:
+        audio = audio_codes(loaded, wav_path)
+    segs = [Segment("user", "audio", audio)]
+    if instruction:
+        segs.append(Segment("user", "text", text_ids(loaded, instruction)))
+    frames, waves = loaded.builder.prompt(segs, "assistant", "text", encoder is not None)
+    ids = Decoder(loaded.model, cfg).text(_fit(loaded, [frames], cfg), [waves])
+    return loaded.tokenizer.decode(ids[0])
 
 
 def transcribe(loaded: Loaded, wav_path: str, cfg: DecodeConfig) -> str:

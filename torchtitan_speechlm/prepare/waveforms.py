@@ -43,15 +43,21 @@ class WaveformError(ValueError):
 
 
 def read_manifest(manifest: str) -> dict[str, str]:
-    """``id -> audio path`` of a JSONL manifest (paths relative to its folder); lines without
-    one ``audio`` path (text-only, dialogue) are left out."""
+    """``id -> audio path`` of a JSONL manifest (paths relative to its folder): a speech
+    line's ``audio``, or a dialogue's one audio turn (the input of task ``dialogue_wave``).
+    Lines without exactly one audio path (text-only, dialogues with none or several audio
+    turns) are left out."""
     base, out = os.path.dirname(os.path.abspath(manifest)), {}
     with open(manifest, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 r = json.loads(line)
-                if isinstance(r.get("audio"), str) and "id" in r:
-                    out[str(r["id"])] = os.path.join(base, r["audio"])
+                turns = r.get("turns") if isinstance(r.get("turns"), list) else []
+                audio = [t["audio"] for t in turns if isinstance(t, dict) and "audio" in t]
+                if isinstance(r.get("audio"), str):
+                    audio = [r["audio"]]
+                if len(audio) == 1 and isinstance(audio[0], str) and "id" in r:
+                    out[str(r["id"])] = os.path.join(base, audio[0])
     return out
 
 
@@ -64,8 +70,9 @@ def write_shard_waves(sdir: str, paths: dict[str, str], sample_rate: int) -> tup
     if missing:
         raise WaveformError(
             f"{sdir}: items {missing[:4]} ({len(missing)}) have no audio path in the manifest "
-            "(text-only or dialogue lines have no waveform; a continuous encoder takes speech "
-            "items): add the waveforms from the manifest the dataset was prepared from"
+            "(text-only lines and dialogues without exactly one audio turn have no waveform; a "
+            "continuous encoder takes speech items and one-audio-turn dialogues): add the "
+            "waveforms from the manifest the dataset was prepared from"
         )
     waves = [to_int16(load_audio(paths[i], sample_rate)) for i in ids]
     lengths = [len(w) for w in waves]
