@@ -231,6 +231,13 @@ def main() -> int:
     )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--cfg-dropout", type=float, default=0.1)
+    p.add_argument(
+        "--kmeans-seconds",
+        type=float,
+        default=2400.0,
+        help="audio the k-means codec is fitted on (torchtitan prepare --kmeans-seconds; "
+        "2400 s = the fit's 60,000-frame budget at 25 frames/s: docs/quality.md)",
+    )
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--sweep", action="store_true", help="also sweep TTS decoding settings")
@@ -242,7 +249,8 @@ def main() -> int:
     p.add_argument("--tag", default="", help="suffix of the result files")
     a = p.parse_args()
     t0 = time.perf_counter()
-    plan = CorpusPlan(a.train_sentences, a.held_out, hidden=a.hidden, layers=a.layers)
+    plan = CorpusPlan(a.train_sentences, a.held_out, hidden=a.hidden, layers=a.layers,
+                      kmeans_seconds=a.kmeans_seconds)  # fmt: skip
     paths = build_corpus(a.work, plan, workers=2)
     t_data = time.perf_counter() - t0
     dump = os.path.join(a.work, "run")
@@ -292,6 +300,7 @@ def main() -> int:
             "shared_sentences": 0,
             "voice": VOICE,
             "other_voice": OTHER_VOICE,
+            "kmeans_seconds": a.kmeans_seconds,
         },  # fmt: skip
         "model": {"family": "llama", "hidden": a.hidden, "layers": a.layers},
         "train": {

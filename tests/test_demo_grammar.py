@@ -4,6 +4,7 @@ sentences it was never given."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -63,3 +64,11 @@ def test_a_work_folder_made_with_another_plan_is_refused(tmp_path):
     _check_plan(str(tmp_path), CorpusPlan(train=100, held_out=5))  # same plan: reused
     with pytest.raises(ValueError, match="train: 100 there, 200 now"):
         _check_plan(str(tmp_path), CorpusPlan(train=200, held_out=5))
+    # a record written before a key was added to the plan reads that key as its default
+    record = tmp_path / "plan.json"
+    old = json.loads(record.read_text())
+    del old["kmeans_seconds"]
+    record.write_text(json.dumps(old))
+    _check_plan(str(tmp_path), CorpusPlan(train=100, held_out=5))
+    with pytest.raises(ValueError, match="kmeans_seconds: 600.0 there, 2400 now"):
+        _check_plan(str(tmp_path), CorpusPlan(train=100, held_out=5, kmeans_seconds=2400))

@@ -16,7 +16,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from torchtitan_speechlm.demo import grammar
 from torchtitan_speechlm.demo.assets import build_backbone, build_tokenizer, synthesize_corpus
@@ -37,6 +37,7 @@ class CorpusPlan:
     family: str = "llama"
     frame_rate: int = 25  # k-means codec frames/s: half the default 50, so half the sequence
     seed: int = 0
+    kmeans_seconds: float = 600.0  # audio the codec is fitted on (docs/quality.md: its floor)
 
 
 def console(tool: str) -> str:
@@ -71,6 +72,8 @@ def _check_plan(work: str, plan: CorpusPlan) -> None:
     if os.path.isfile(record):
         with open(record) as f:
             have = json.load(f)
+        # a key added to the plan later reads as its default in older records
+        have = {**{f.name: f.default for f in fields(CorpusPlan)}, **have}
         diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
         if diff:
             raise ValueError(
@@ -144,7 +147,8 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
             continue
         codec = ["--codec", p["codec"]]
         if fit:
-            codec = ["--fit-kmeans-codec", p["codec"], "--kmeans-frame-rate", str(plan.frame_rate)]
+            codec = ["--fit-kmeans-codec", p["codec"], "--kmeans-frame-rate", str(plan.frame_rate),
+                     "--kmeans-seconds", f"{plan.kmeans_seconds:g}"]  # fmt: skip
         run_command(
             [tool, "prepare", "--manifest", manifests[name], *codec, "--tokenizer",
              p["tokenizer"], "--out", out, "--workers", str(workers), "--no-progress"],
