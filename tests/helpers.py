@@ -272,3 +272,28 @@ def make_varied_kaldi_assets(root, n_utts=40, seed=0) -> dict:
         None, paths["codec"], paths["tokenizer"], paths["prepared"], kaldi=kaldi, progress=False
     )
     return paths
+
+
+def spoken_qa_dataset(tmp_path, run, n: int = 6) -> tuple[str, str]:
+    """Dialogues ``[user audio] [user text: question] -> [assistant text: answer]`` of the
+    tiny run's recordings (spoken QA), prepared with their waveforms; manifest and folder."""
+    import json
+    import os
+
+    from torchtitan_speechlm.prepare.pipeline import main as prepare_main
+
+    manifest = str(tmp_path / "qa.jsonl")
+    with open(os.path.join(os.path.dirname(run["prepared"]), "manifest.jsonl")) as f:
+        speech = [json.loads(line) for line in f][:n]
+    with open(manifest, "w") as f:
+        for k, r in enumerate(speech):
+            question = ("Who?", "Whom?")[k % 2]
+            turns = [{"role": "user", "audio": r["audio"]}, {"role": "user", "text": question},
+                     {"role": "assistant", "text": r["text"].split()[0]}]  # fmt: skip
+            f.write(json.dumps({"id": f"qa{k}", "turns": turns}) + "\n")
+    out = str(tmp_path / "qa")
+    common = ["--codec", run["codec"], "--tokenizer", run["tokenizer"], "--no-progress"]
+    assert (
+        prepare_main(["--manifest", manifest, *common, "--out", out, "--waveforms", "16000"]) == 0
+    )
+    return manifest, out

@@ -15,6 +15,7 @@ from helpers import (
     build_speechlm,
     make_tiny_run_assets,
     save_tiny_backbone,
+    spoken_qa_dataset,
     text_only_inputs,
     write_tiny_config,
 )
@@ -584,28 +585,6 @@ def test_prepare_writes_the_waveforms_in_the_same_command(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and "--waveforms reads the audio again from a JSONL manifest" in err
     assert "python -m torchtitan_speechlm.prepare.waveforms" in err
-
-
-def spoken_qa_dataset(tmp_path, run) -> tuple[str, str]:
-    """Dialogues ``[user audio] [user text: question] -> [assistant text: answer]`` of the
-    tiny run's recordings (spoken QA), prepared with their waveforms; manifest and folder."""
-    from torchtitan_speechlm.prepare.pipeline import main as prepare_main
-
-    manifest = str(tmp_path / "qa.jsonl")
-    with open(os.path.join(os.path.dirname(run["prepared"]), "manifest.jsonl")) as f:
-        speech = [json.loads(line) for line in f][:6]
-    with open(manifest, "w") as f:
-        for k, r in enumerate(speech):
-            question = ("Who?", "Whom?")[k % 2]
-            turns = [{"role": "user", "audio": r["audio"]}, {"role": "user", "text": question},
-                     {"role": "assistant", "text": r["text"].split()[0]}]  # fmt: skip
-            f.write(json.dumps({"id": f"qa{k}", "turns": turns}) + "\n")
-    out = str(tmp_path / "qa")
-    common = ["--codec", run["codec"], "--tokenizer", run["tokenizer"], "--no-progress"]
-    assert (
-        prepare_main(["--manifest", manifest, *common, "--out", out, "--waveforms", "16000"]) == 0
-    )
-    return manifest, out
 
 
 def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, tmp_path):

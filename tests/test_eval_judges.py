@@ -25,7 +25,13 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.helpers import build_speechlm, make_tiny_run_assets, run_train, write_tiny_config
+from tests.helpers import (
+    build_speechlm,
+    make_tiny_run_assets,
+    run_train,
+    spoken_qa_dataset,
+    write_tiny_config,
+)
 from torchtitan_speechlm.judges.base import (
     ASRJudge,
     JudgeError,
@@ -190,6 +196,48 @@ def test_eval_of_the_export_equals_eval_of_its_checkpoint(model, evaluated):
     assert tts["eos_rate"] == 0.0 and tts["failures"] == []
     assert 0 <= tts["self"]["token_accuracy"] <= 1 and "asr_of_tts" in tts["self"]
     assert {"id", "text", "transcript", "wer", "cer"} <= set(asr["per_item"][0])
+
+
+def test_dialogue_sets_score_the_answers_on_checkpoint_and_export(model, tmp_path, capsys):
+    """``--valid dialogue:QA`` (spoken QA on codec tokens): the answers of the checkpoint and
+    of its export are the same, each is what ``torchtitan generate --task answer`` prints for
+    the dialogue's wav and question, and WER / exact are computed from them against the
+    dialogues' last turns. A set of another kind has no dialogue to score."""
+    from torchtitan_speechlm.inference.command import eval_main, generate_main
+    from torchtitan_speechlm.judges import item_errors
+
+    manifest, qa = spoken_qa_dataset(tmp_path, model["assets"], n=3)
+    dialogues = [json.loads(line) for line in open(manifest)]
+    decode = ["--max-text-tokens", "4"]
+    results = {}
+    for kind in ("step", "export"):
+        out = tmp_path / f"{kind}.json"
+        args = ["--model", model[kind], "--valid", f"dialogue:{qa}", *decode, "--out", str(out)]
+        assert eval_main([*args, "--report", str(tmp_path / f"report-{kind}")]) == 0
+        assert "answers exactly right" in capsys.readouterr().out
+        results[kind] = json.loads(out.read_text())[f"dialogue:{qa}"]
+    r = results["step"]
+    assert results["export"] == r and r["task"] == "dialogue" and r["items"] == 3
+    for d, x in zip(dialogues, r["per_item"], strict=True):
+        audio, question, answer = (t.get("audio") or t.get("text") for t in d["turns"])
+        assert x["id"] == d["id"] and x["text"] == answer
+        argv = [
+            "--model",
+            model["export"],
+            "--task",
+            "answer",
+            "--audio",
+            audio,
+            "--text",
+            question,
+        ]
+        assert generate_main([*argv, *decode]) == 0
+        assert capsys.readouterr().out.rstrip("\n") == x["transcript"]
+        assert x["wer"] == pytest.approx(item_errors(answer, x["transcript"])["wer"])
+    assert r["exact"] == pytest.approx(np.mean([x["wer"] == 0 for x in r["per_item"]]))
+    assert "model's answer" in (tmp_path / "report-step" / "index.html").read_text()
+    rc = eval_main(["--model", model["export"], "--valid", f"dialogue:{model['prepared']}"])
+    assert rc == 2 and "no dialogue items to evaluate" in capsys.readouterr().err
 
 
 def test_report_files_exist_and_link_only_inside(evaluated):
