@@ -129,15 +129,22 @@ def qa_data(work: str, demo: dict) -> dict:
     return out
 
 
+CONTINUOUS = {  # mode -> the encoder's freeze flag
+    "continuous": "no-freeze-encoder",  # the random-init encoder trains with the LM
+    "continuous_frozen": "freeze-encoder",  # it stays random: only the adaptor and LM learn
+}
+
+
 def train(
     mode: str, work: str, sets: dict, steps: int, encoder: str, spoken_qa: bool = False
 ) -> tuple[str, float]:
     dump = os.path.join(work, mode)
-    task = "asr_wave" if mode == "continuous" else "asr"
+    continuous = mode in CONTINUOUS
+    task = "asr_wave" if continuous else "asr"
     datasets = ",".join(f"{k}={v}" for k, v in sets.items())
     mix = f"{task}:train"
     if spoken_qa:
-        qa = "dialogue_wave" if mode == "continuous" else "dialogue"
+        qa = "dialogue_wave" if continuous else "dialogue"
         mix = f"{task}:train:0.5,{qa}:qa_train:0.5"
     flags = [
         "--job.config_file", CONFIG, "--job.dump_folder", dump,
@@ -147,9 +154,10 @@ def train(
         "--validation.enable", "false", "--speechlm.sample_every", "-1",
         "--metrics.no-enable-wandb", "--metrics.no-enable-tensorboard",
     ]  # fmt: skip
-    if mode == "continuous":
+    if continuous:
+        freeze = CONTINUOUS[mode]
         flags += ["--audio_encoder.path", encoder, "--audio_encoder.stack", "2",
-                  "--audio_encoder.no-freeze-encoder"]  # fmt: skip
+                  f"--audio_encoder.{freeze}"]  # fmt: skip
     t0 = time.perf_counter()
     log = os.path.join(work, f"{mode}.log")
     with open(log, "w") as f:
@@ -164,7 +172,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--work", default="benchmarks/work/audio_learning")
     p.add_argument("--demo-work", default="demo_work")
-    p.add_argument("--modes", default="codec,continuous", help="which of codec,continuous")
+    p.add_argument(
+        "--modes",
+        default="codec,continuous",
+        help="which of codec,continuous,continuous_frozen (the encoder trained or frozen)",
+    )
     p.add_argument("--out", default="benchmarks/results/audio_learning.json")
     p.add_argument("--spoken-qa", action="store_true", help="spoken QA besides ASR (above)")
     a = p.parse_args(argv)
