@@ -158,6 +158,8 @@ def train(
         freeze = CONTINUOUS[mode]
         flags += ["--audio_encoder.path", encoder, "--audio_encoder.stack", "2",
                   f"--audio_encoder.{freeze}"]  # fmt: skip
+    # a fresh run: torchtitan would resume from a checkpoint an earlier run left there
+    shutil.rmtree(dump, ignore_errors=True)
     t0 = time.perf_counter()
     log = os.path.join(work, f"{mode}.log")
     with open(log, "w") as f:
