@@ -37,7 +37,8 @@ class CorpusPlan:
     family: str = "llama"
     frame_rate: int = 25  # k-means codec frames/s: half the default 50, so half the sequence
     seed: int = 0
-    kmeans_seconds: float = 600.0  # audio the codec is fitted on (docs/quality.md: its floor)
+    kmeans_seconds: float = 600.0  # audio the codec is fitted on (torchtitan prepare's default;
+    # bench_learning fits on 2400 s: docs/quality.md)
 
 
 def console(tool: str) -> str:
@@ -147,8 +148,9 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
             continue
         codec = ["--codec", p["codec"]]
         if fit:
-            codec = ["--fit-kmeans-codec", p["codec"], "--kmeans-frame-rate", str(plan.frame_rate),
-                     "--kmeans-seconds", f"{plan.kmeans_seconds:g}"]  # fmt: skip
+            codec = ["--fit-kmeans-codec", p["codec"], "--kmeans-frame-rate", str(plan.frame_rate)]
+            if plan.kmeans_seconds != CorpusPlan.kmeans_seconds:  # that one: prepare's default
+                codec += ["--kmeans-seconds", f"{plan.kmeans_seconds:g}"]
         run_command(
             [tool, "prepare", "--manifest", manifests[name], *codec, "--tokenizer",
              p["tokenizer"], "--out", out, "--workers", str(workers), "--no-progress"],
