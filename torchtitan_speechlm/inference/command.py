@@ -82,7 +82,7 @@ def run_request(loaded, req: dict, cfg: DecodeConfig, out: str | None) -> dict:
         if task in ("asr", "answer"):
             if task == "asr":
                 text = tasks.transcribe(loaded, req["audio"], cfg)
-            else:
+            else:  # spoken QA: the optional text is the instruction after the audio
                 text = tasks.answer(loaded, req["audio"], req.get("text"), cfg)
             if out:
                 with open(out, "w") as f:

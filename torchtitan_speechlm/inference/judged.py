@@ -245,17 +245,18 @@ def score_asr(
     return _score_text("asr", items, refs, tasks.transcribe_items, loaded, cfg, batch, progress)
 
 
-def score_answers(loaded: Loaded, items: list, cfg: DecodeConfig, **options) -> dict:
+def score_answers(
+    loaded: Loaded,
+    items: list,
+    cfg: DecodeConfig,
+    batch: int = 8,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
     """Dialogue sets (spoken question answering and other audio-conditioned text tasks): the
     model's answer to each dialogue (its last turn, assistant text, generated from the turns
-    before it) against the reference answer: WER / CER as ``score_asr`` (whose ``batch`` and
-    ``progress`` ``options`` are), and the share of answers exactly right after normalisation
-    (``exact``)."""
-    unknown = set(options) - {"batch", "progress"}
-    if unknown:
-        raise TypeError(f"score_answers: unknown options {sorted(unknown)}")
+    before it) against the reference answer: WER / CER as ``score_asr``, and the share of
+    answers exactly right after normalisation (``exact``)."""
     refs = [tasks.reference_answer(it) for it in items]
-    batch, progress = options.get("batch", 8), options.get("progress")
     out = _score_text("dialogue", items, refs, tasks.answer_items, loaded, cfg, batch, progress)
     out["exact"] = _mean(float(r["wer"] == 0.0) for r in out["per_item"])
     return out
