@@ -110,7 +110,7 @@ def batch(layout, mode: str, shape: str, audio, device: str) -> dict:
 def measure(mode: str, shape: str, device: str, repeats: int) -> dict:
     """One mode's step time and peak memory (run in a fresh process)."""
     import torchtitan_speechlm  # noqa: F401  (selects the CPU device before torchtitan)
-    from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
+    from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs
 
     (h, layers, heads, kv, ffn, text), enc, *_ = SHAPES[shape]
     audio = None

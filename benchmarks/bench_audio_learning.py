@@ -39,15 +39,15 @@ import time
 
 import torch
 
+from torchtitan_speechlm.commands.export import export
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.demo import grammar
 from torchtitan_speechlm.demo.run import build_demo_data
 from torchtitan_speechlm.demo.speaking import console, run_command
-from torchtitan_speechlm.export import export
-from torchtitan_speechlm.inference.decode import DecodeConfig
-from torchtitan_speechlm.inference.evaluate import evaluate_asr
-from torchtitan_speechlm.inference.judged import score_answers
-from torchtitan_speechlm.inference.loading import load_model
+from torchtitan_speechlm.evaluation.evaluate import evaluate_asr
+from torchtitan_speechlm.evaluation.judged import score_answers
+from torchtitan_speechlm.generation.decode import DecodeConfig
+from torchtitan_speechlm.generation.loading import load_model
 from torchtitan_speechlm.prepare.waveforms import add_waveforms
 
 CONFIG = "train_configs/speechlm_debug.toml"

@@ -26,7 +26,7 @@ import torch
 
 import torchtitan_speechlm  # noqa: F401
 from torchtitan_speechlm.data.tasks import LossWeights, Segment, TemplateBuilder
-from torchtitan_speechlm.inference.decode import DecodeConfig, Decoder
+from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.model import SpeechLM
 from torchtitan_speechlm.model.vocab import VocabLayout

@@ -34,8 +34,8 @@ import torchtitan_speechlm  # noqa: F401  (CPU device selection before torchtita
 from torchtitan.config import ConfigManager
 
 from bench_common import device_name
-from torchtitan_speechlm.run_context import parse_datasets, parse_mix
-from torchtitan_speechlm.data.loader import SpeechLMDataLoader, build_dataset
+from torchtitan_speechlm.trainer.run_context import parse_datasets, parse_mix
+from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader, build_dataset
 from torchtitan_speechlm.data.stream import Source, SpeechLMDataset
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -232,7 +232,7 @@ def workers(jc, n: int, repeats: int) -> dict:
 def train_step_rate(jc, steps: int) -> float:
     """Forward + backward + AdamW of the debug model on real loader batches (1 process)."""
     from torchtitan_speechlm.model.model import SpeechLM
-    from torchtitan_speechlm.spec import SpeechLMJobModelArgs
+    from torchtitan_speechlm.trainer.spec import SpeechLMJobModelArgs
 
     args = SpeechLMJobModelArgs()  # the model args torchtitan fills from a job config
     args.update_from_config(jc)

@@ -31,12 +31,12 @@ import time
 import numpy as np
 import torch
 
-from torchtitan_speechlm.audio import load_audio
 from torchtitan_speechlm.codecs import load_codec
 from torchtitan_speechlm.codecs.kmeans import fit_kmeans_codec, log_mel_distance
 from torchtitan_speechlm.demo import assets as demo_assets
 from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 from torchtitan_speechlm.prepare.sources.jsonl import read_jsonl_manifest
+from torchtitan_speechlm.utils.audio import load_audio
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "prepare.json")
 

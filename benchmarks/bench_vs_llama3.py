@@ -44,7 +44,7 @@ import torchtitan_speechlm  # noqa: F401
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 
-from torchtitan_speechlm.infra.parallelize import apply_compile
+from torchtitan_speechlm.distributed.parallelize import apply_compile
 from bench_common import (
     train_step,
     peak_rss_bytes,

@@ -27,7 +27,7 @@ import soundfile as sf
 import torch
 
 from torchtitan_speechlm.demo.assets import load_sentences, synthesize_corpus
-from torchtitan_speechlm.model.hf_audio_encoder import LogMel
+from torchtitan_speechlm.model.audio.hf_encoder import LogMel
 
 SR = 16000
 FE = {"sampling_rate": SR, "n_fft": 400, "hop_length": 160, "feature_size": 80}

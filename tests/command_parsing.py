@@ -1,5 +1,5 @@
 """Parse a command line with the parser of the program it names, without running the program:
-the `torchtitan` subcommands, `python benchmarks/X.py`, `python -m torchtitan_speechlm.tools.X`,
+the `torchtitan` subcommands, `python benchmarks/X.py`, `python tools/X.py`,
 `make X` and `bash X.sh` (``check``; the rules are in test_doc_commands.py's docstring). Used by
 test_doc_commands.py (the commands README.md and docs/ show) and test_benchmarks_run.py (the
 benchmarks' own usage lines, run_all.py's list, gpu_check.sh's steps)."""
@@ -129,11 +129,11 @@ def subcommand_parser(sub: str, argv: list[str]) -> argparse.ArgumentParser:
         pipeline.import_extensions(argv)
         return pipeline.build_parser()
     if sub in ("generate", "eval"):
-        from torchtitan_speechlm.inference import command
+        from torchtitan_speechlm.commands import generate as command
 
         return captured_parser(command.generate_main if sub == "generate" else command.eval_main)
     if sub == "export":
-        from torchtitan_speechlm.export import main
+        from torchtitan_speechlm.commands.export import main
 
         return captured_parser(main)
     raise CommandError(f"torchtitan {sub}: no argparse parser (train: use parse_train)")
@@ -147,8 +147,8 @@ def parse_train(argv: list[str], relaxed: bool = False):
     debug config, so that the overrides are still checked."""
     from torchtitan.config import ConfigManager
 
+    from torchtitan_speechlm.commands.train import _split_launcher_args, torchtitan_args
     from torchtitan_speechlm.config import check_toml
-    from torchtitan_speechlm.launch import _split_launcher_args, torchtitan_args
 
     _, args = _split_launcher_args(argv)
     keys = ("--job.config_file", "--job.config-file")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
-from torchtitan_speechlm.model.hf_backbone import load_hf_config
+from torchtitan_speechlm.model.backbones.hf import load_hf_config
 from torchtitan_speechlm.model.model import SpeechLM
 from torchtitan_speechlm.model.vocab import VocabLayout
 
@@ -230,9 +230,9 @@ def make_varied_kaldi_assets(root, n_utts=40, seed=0) -> dict:
     import numpy as np
     import soundfile as sf
 
-    from torchtitan_speechlm.audio import load_audio
     from torchtitan_speechlm.demo.assets import load_sentences
     from torchtitan_speechlm.prepare.pipeline import prepare_dataset
+    from torchtitan_speechlm.utils.audio import load_audio
 
     paths = tiny_model_assets(root, family="llama", seed=seed)
     root = str(root)

@@ -1,4 +1,4 @@
-"""The continuous audio input (model/audio_tower.py, model/hf_audio_encoder.py): features, the
+"""The continuous audio input (model/audio/tower.py, model/audio/hf_encoder.py): features, the
 assembled model against an independent assembly of transformers' parts, padding and packing."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from helpers import (
     write_tiny_config,
 )
 
-from torchtitan_speechlm.model.audio_encoders import AudioEncoderError
-from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
+from torchtitan_speechlm.model.audio.encoders import AudioEncoderError
+from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs
 
 SR, WINDOW = 16000, 32000  # the tiny encoder reads 2 s windows (max_source_positions 100)
 
@@ -93,7 +93,7 @@ def sample(model, text_ids, n_samples, at):
 def test_log_mel_equals_whisper_feature_extractor():
     from transformers import WhisperFeatureExtractor
 
-    from torchtitan_speechlm.model.hf_audio_encoder import LogMel
+    from torchtitan_speechlm.model.audio.hf_encoder import LogMel
 
     ext = WhisperFeatureExtractor(feature_size=80, chunk_length=WINDOW // SR)
     fe = {k: int(getattr(ext, k)) for k in ("sampling_rate", "n_fft", "hop_length", "feature_size")}
@@ -273,7 +273,7 @@ def test_weights_come_from_the_folder_and_qwen2_audio_plugs_in(assets, tmp_path)
         WhisperModel,
     )
 
-    from torchtitan_speechlm.model.audio_tower import AudioTower
+    from torchtitan_speechlm.model.audio.tower import AudioTower
 
     (w,) = waves(WINDOW)
     ext = WhisperFeatureExtractor(feature_size=80, chunk_length=WINDOW // SR)
@@ -312,9 +312,9 @@ def test_config_section_builds_the_tower_and_bad_folders_fail_at_validation(asse
 
     from torchtitan_speechlm.config import ConfigError
     from torchtitan_speechlm.model.model import build_model
-    from torchtitan_speechlm.preflight import validate_job_config
-    from torchtitan_speechlm.run_context import fill_model_args
-    from torchtitan_speechlm.spec import SpeechLMJobModelArgs
+    from torchtitan_speechlm.trainer.preflight import validate_job_config
+    from torchtitan_speechlm.trainer.run_context import fill_model_args
+    from torchtitan_speechlm.trainer.spec import SpeechLMJobModelArgs
 
     run = make_tiny_run_assets(tmp_path / "run", n_items=6)
     toml = write_tiny_config(tmp_path / "tiny.toml", run, tmp_path / "dump")
@@ -351,15 +351,15 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
     Missing encoder or waveforms are ConfigErrors first."""
     from torchtitan.config import ConfigManager
 
-    from torchtitan_speechlm.audio import load_audio
+    from torchtitan_speechlm.components.dataloader import build_speechlm_dataloader
     from torchtitan_speechlm.config import ConfigError
-    from torchtitan_speechlm.data.loader import build_speechlm_dataloader
     from torchtitan_speechlm.data.reader import PreparedDataset
     from torchtitan_speechlm.model.model import build_model
-    from torchtitan_speechlm.preflight import validate_job_config
     from torchtitan_speechlm.prepare.waveforms import add_waveforms, read_manifest, to_int16
-    from torchtitan_speechlm.run_context import fill_model_args
-    from torchtitan_speechlm.spec import SpeechLMJobModelArgs
+    from torchtitan_speechlm.trainer.preflight import validate_job_config
+    from torchtitan_speechlm.trainer.run_context import fill_model_args
+    from torchtitan_speechlm.trainer.spec import SpeechLMJobModelArgs
+    from torchtitan_speechlm.utils.audio import load_audio
 
     run = make_tiny_run_assets(tmp_path / "run", n_items=12)
     toml = write_tiny_config(tmp_path / "tiny.toml", run, tmp_path / "dump")
@@ -429,10 +429,10 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
     assert all(p.grad is not None for p in model.audio_encoder.adaptor.parameters())
 
     # eval's ASR reads the stored waveforms; generate reads the wav: the same transcripts
-    from torchtitan_speechlm.inference import tasks
-    from torchtitan_speechlm.inference.decode import DecodeConfig
-    from torchtitan_speechlm.inference.evaluate import evaluate_asr
-    from torchtitan_speechlm.inference.loading import Loaded
+    from torchtitan_speechlm.evaluation.evaluate import evaluate_asr
+    from torchtitan_speechlm.generation import tasks
+    from torchtitan_speechlm.generation.decode import DecodeConfig
+    from torchtitan_speechlm.generation.loading import Loaded
 
     loaded = Loaded(model.eval(), {}, run["tokenizer"], run["codec"], "test")
     cfg = DecodeConfig(max_text_tokens=3)
@@ -496,9 +496,9 @@ def test_asr_generation_encodes_the_prompts_audio(assets, use_cache):
     """Greedy ASR on continuous prompts (two lengths, so left padding shifts one): the first
     token is the argmax of the model's own logits of each prompt alone, and the KV-cache and
     full-recompute paths give the same tokens."""
+    from torchtitan_speechlm.data.format import to_int16
     from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
-    from torchtitan_speechlm.dataset_format import to_int16
-    from torchtitan_speechlm.inference.decode import DecodeConfig, Decoder
+    from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
 
     model = speechlm(assets)
     layout = model.args.layout
@@ -553,7 +553,7 @@ def test_prepare_writes_the_waveforms_in_the_same_command(tmp_path, capsys):
     """``torchtitan prepare --manifest M --waveforms 16000`` gives the dataset the separate
     step gives it (same int16 samples, index and metadata); other sources are refused with
     the way to do it."""
-    from torchtitan_speechlm.dataset_format import AUDIO_WAVE, WAVE_INDEX
+    from torchtitan_speechlm.data.format import AUDIO_WAVE, WAVE_INDEX
     from torchtitan_speechlm.prepare.pipeline import main as prepare_main
     from torchtitan_speechlm.prepare.waveforms import add_waveforms
 
@@ -596,18 +596,19 @@ def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, t
     Dialogues with other than one (user) audio turn are refused, naming the item."""
     from torchtitan.config import ConfigManager
 
-    from torchtitan_speechlm.audio import load_audio
-    from torchtitan_speechlm.data.loader import build_speechlm_dataloader
+    from torchtitan_speechlm.components.dataloader import build_speechlm_dataloader
     from torchtitan_speechlm.data.reader import PreparedDataset
     from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
-    from torchtitan_speechlm.inference import judged, tasks
-    from torchtitan_speechlm.inference.decode import DecodeConfig
-    from torchtitan_speechlm.inference.loading import Loaded
+    from torchtitan_speechlm.evaluation import judged
+    from torchtitan_speechlm.generation import tasks
+    from torchtitan_speechlm.generation.decode import DecodeConfig
+    from torchtitan_speechlm.generation.loading import Loaded
     from torchtitan_speechlm.model.model import build_model
-    from torchtitan_speechlm.preflight import validate_job_config
     from torchtitan_speechlm.prepare.waveforms import WaveformError, add_waveforms, to_int16
-    from torchtitan_speechlm.run_context import fill_model_args
-    from torchtitan_speechlm.spec import SpeechLMJobModelArgs
+    from torchtitan_speechlm.trainer.preflight import validate_job_config
+    from torchtitan_speechlm.trainer.run_context import fill_model_args
+    from torchtitan_speechlm.trainer.spec import SpeechLMJobModelArgs
+    from torchtitan_speechlm.utils.audio import load_audio
 
     run = make_tiny_run_assets(tmp_path / "run", n_items=8)
     manifest, qa_dir = spoken_qa_dataset(tmp_path, run)

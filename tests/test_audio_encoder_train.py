@@ -11,10 +11,10 @@ import torch
 from helpers import make_tiny_run_assets, read_metrics, run_train, write_tiny_config
 from test_audio_encoder import save_tiny_whisper
 
-from torchtitan_speechlm.export import export
+from torchtitan_speechlm.commands.export import export
 from torchtitan_speechlm.model.model import SpeechLM
+from torchtitan_speechlm.model.pretrained import read_safetensors
 from torchtitan_speechlm.prepare.waveforms import add_waveforms
-from torchtitan_speechlm.pretrained import read_safetensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # 2-process runs, 71-113 s: make faults
 STEPS = 3

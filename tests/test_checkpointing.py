@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import make_tiny_run_assets, read_metrics, run_train, write_tiny_config
-from torchtitan_speechlm.export import load_checkpoint_state
+from torchtitan_speechlm.commands.export import load_checkpoint_state
 
 pytestmark = pytest.mark.slow
 COMMON = (

@@ -6,7 +6,7 @@ import pytest
 import tomli
 
 from torchtitan_speechlm.config import ConfigError, check_toml, normalised_stream_weights
-from torchtitan_speechlm.run_context import REGISTERED_VALUES, parse_datasets, parse_mix
+from torchtitan_speechlm.trainer.run_context import REGISTERED_VALUES, parse_datasets, parse_mix
 
 
 def merged_config_cls():
@@ -64,11 +64,11 @@ def test_dataset_and_mixture_specs():
 def test_config_docs_are_generated_from_the_field_docstrings():
     from dataclasses import fields
 
+    from tools.config_doc import field_docs, render
     from torchtitan_speechlm.config import Checkpoint, SpeechLM, SpeechLMData
-    from torchtitan_speechlm.tools.config_doc import field_docs, render
 
     text = open("docs/config.md").read()
-    assert render(text) == text, "run `python -m torchtitan_speechlm.tools.config_doc`"
+    assert render(text) == text, "run `python tools/config_doc.py`"
     for cls in (SpeechLM, SpeechLMData, Checkpoint):
         docs = field_docs(cls)
         for f in fields(cls):

@@ -71,7 +71,7 @@ def merged(rows):
 
 
 def test_offline_wandb_run_reads_back_with_every_key(run_dir):
-    from torchtitan_speechlm.tools.wandb_offline import read_history
+    from torchtitan_speechlm.commands.wandb_offline import read_history
 
     runs = glob.glob(os.path.join(run_dir, "tb", "*", "wandb", "offline-run-*"))
     assert len(runs) == 1, "wandb must default to offline files under the dump folder"

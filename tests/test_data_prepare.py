@@ -11,20 +11,20 @@ import pytest
 import soundfile as sf
 
 from tests.data_fixtures import SR, build_assets, needs_espeak, sine
-from torchtitan_speechlm.audio import BadAudioError, decode_audio_bytes, load_audio
 from torchtitan_speechlm.codecs import CodecError, load_codec
-from torchtitan_speechlm.data.reader import PreparedDataset
-from torchtitan_speechlm.dataset_format import (
+from torchtitan_speechlm.data.format import (
     AUDIO_CODES,
     TEXT_TOKENS,
     CorruptDatasetError,
     check_compatible,
 )
+from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.demo import assets as demo_assets
 from torchtitan_speechlm.prepare.items import ManifestError
 from torchtitan_speechlm.prepare.pipeline import BadItemError, main, prepare_dataset
 from torchtitan_speechlm.prepare.sources.jsonl import read_jsonl_manifest
-from torchtitan_speechlm.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
+from torchtitan_speechlm.utils.audio import BadAudioError, decode_audio_bytes, load_audio
+from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
 
 
 def dominant_freq(wav: np.ndarray, sr: int) -> float:

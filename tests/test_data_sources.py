@@ -12,13 +12,13 @@ import pytest
 import soundfile as sf
 
 from tests.data_fixtures import SR, build_assets, sine, tone, write_manifest
-from torchtitan_speechlm.audio import load_audio
 from torchtitan_speechlm.codecs import load_codec
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.prepare.items import ManifestError
 from torchtitan_speechlm.prepare.pipeline import main, prepare_dataset
 from torchtitan_speechlm.prepare.sources.kaldi import read_kaldi_dir
-from torchtitan_speechlm.text_tokenizer import load_text_tokenizer
+from torchtitan_speechlm.utils.audio import load_audio
+from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_hf_dataset_saved_to_disk(assets, tmp_path):
         w = waves[i].mean(1) if waves[i].ndim == 2 else waves[i]
         ref = load_audio(str(tmp_path / "c.wav"), SR) if i == 2 else None
         if ref is None:
-            from torchtitan_speechlm.audio import decode_audio_bytes
+            from torchtitan_speechlm.utils.audio import decode_audio_bytes
 
             ref = decode_audio_bytes(cells[i]["bytes"], SR, "x")
         assert len(ref) == pytest.approx(len(w) * SR / sr[i], abs=1)

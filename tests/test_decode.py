@@ -7,8 +7,8 @@ import torch
 
 from tests.helpers import build_speechlm, save_tiny_backbone
 from torchtitan_speechlm.data.tasks import LossWeights, Segment, TemplateBuilder
-from torchtitan_speechlm.inference.decode import DecodeConfig, Decoder, index_map
-from torchtitan_speechlm.inference.sampling import Sampling, pick
+from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder, index_map
+from torchtitan_speechlm.generation.sampling import Sampling, pick
 from torchtitan_speechlm.model.patterns import get_pattern
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.data_fixtures import needs_espeak
-from torchtitan_speechlm.audio import load_audio
 from torchtitan_speechlm.demo import grammar
+from torchtitan_speechlm.utils.audio import load_audio
 
 
 def test_split_is_disjoint_reproducible_and_covers_the_vocabulary():

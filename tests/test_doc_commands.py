@@ -5,7 +5,7 @@ continuation lines) and the inline `code` spans that start with a command.
 - `torchtitan SUB ...` / `.venv/bin/torchtitan SUB ...`: SUB is one of cli.py's subcommands and
   the arguments parse with SUB's own parser (prepare: after importing its `--import` modules,
   as it does; the docs' `my_module` is docs/extending.md's codec and source recipes). `train`:
-  through torchtitan's ConfigManager with our config module (cli -> launch.py's path), the TOML
+  through torchtitan's ConfigManager with our config module (cli -> commands/train.py's path), the TOML
   must exist and its keys are checked (a placeholder name such as X.toml stands for the debug
   config, so the overrides are still parsed);
 - `python benchmarks/X.py ...` (or `benchmarks/X.py ...` in a table): the script's parser;
@@ -140,7 +140,7 @@ def test_a_broken_command_is_caught():
         "torchtitan train --job.config_file X.toml --training.no_such_key 3",
         "torchtitan serve --model DIR",
         "make no-such-target",
-        "python -m torchtitan_speechlm.tools.wandb_offline",  # RUN_DIR missing
+        "python -m torchtitan_speechlm.commands.wandb_offline",  # RUN_DIR missing
         "torchtitan generate --model DIR [--temperature-typo 0.7]",  # synopsis, bad flag
     ]
     for text in bad:

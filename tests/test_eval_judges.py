@@ -87,7 +87,7 @@ class RefusingQuality(QualityJudge):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """Two training steps (a checkpoint at step 2) and the export of that checkpoint."""
-    from torchtitan_speechlm.export import export
+    from torchtitan_speechlm.commands.export import export
 
     root = tmp_path_factory.mktemp("eval_judges")
     assets = make_tiny_run_assets(root / "assets", n_items=4)
@@ -115,8 +115,8 @@ def codec_rate(prepared) -> int:
 def check_recording_floor(tts: dict, rate: int) -> None:
     """Each found item's recording transcript, WER / CER are the test ASR judge's on the file
     itself (read at the codec's rate), and the set's recording floor their mean / pooled."""
-    from torchtitan_speechlm.audio import load_audio
     from torchtitan_speechlm.judges import error_rates, item_errors
+    from torchtitan_speechlm.utils.audio import load_audio
 
     found = [r for r in tts["per_item"] if r["recording"] is not None]
     assert tts["recordings_found"] == len(found) > 0
@@ -140,7 +140,7 @@ def check_recording_floor(tts: dict, rate: int) -> None:
 def run_eval(model: dict, kind: str, *extra: str) -> int:
     """``torchtitan eval`` of ``model[kind]`` on the prepared folder (an export names no run
     datasets), as sets ``tts`` and ``asr``."""
-    from torchtitan_speechlm.inference.command import eval_main
+    from torchtitan_speechlm.commands.generate import eval_main
 
     data = model["prepared"]
     args = ["--model", model[kind], "--valid", f"tts:{data}", "--valid", f"asr:{data}", *extra]
@@ -203,7 +203,7 @@ def test_dialogue_sets_score_the_answers_on_checkpoint_and_export(model, tmp_pat
     of its export are the same, each is what ``torchtitan generate --task answer`` prints for
     the dialogue's wav and question, and WER / exact are computed from them against the
     dialogues' last turns. A set of another kind has no dialogue to score."""
-    from torchtitan_speechlm.inference.command import eval_main, generate_main
+    from torchtitan_speechlm.commands.generate import eval_main, generate_main
     from torchtitan_speechlm.judges import item_errors
 
     manifest, qa = spoken_qa_dataset(tmp_path, model["assets"], n=3)
@@ -278,7 +278,7 @@ def test_report_plays_in_headless_chromium(evaluated):
 def test_the_default_judges_score_the_export(model, tmp_path, capsys):
     """pocketsphinx over the set's words, resemblyzer and DNSMOS (the eval extra): real
     transcripts within the set's vocabulary, DNSMOS in range, refusals recorded per item."""
-    from torchtitan_speechlm.inference.judged import vocabulary_words
+    from torchtitan_speechlm.evaluation.judged import vocabulary_words
 
     out = tmp_path / "defaults.json"
     rc = run_eval(model, "export", *DECODE, "--limit", "2", "--out", str(out))
@@ -302,7 +302,7 @@ def test_judge_flags_choose_the_judges(tmp_path):
     """--judge-vocabulary eval (one loop per set, its own words), FILE (shared), open; a model
     folder that is not one; pocketsphinx options on another judge."""
     pytest.importorskip("pocketsphinx", reason="the eval extra (pocketsphinx) is not installed")
-    from torchtitan_speechlm.inference.judged import JudgeOptions, build_judges
+    from torchtitan_speechlm.evaluation.judged import JudgeOptions, build_judges
 
     sets = {"tts:a": ["The cat saw a dog."], "tts:b": ["A dog!"]}
     off = {"speaker": "none", "quality": "none"}
@@ -326,7 +326,7 @@ def test_judge_flags_choose_the_judges(tmp_path):
 
 
 def test_bad_judge_is_one_line_before_generation(model, tmp_path, capsys, monkeypatch):
-    from torchtitan_speechlm.inference import judged
+    from torchtitan_speechlm.evaluation import judged
 
     def no_generation(*a, **k):
         raise AssertionError("generated before the judges were checked")
@@ -356,11 +356,11 @@ def test_bad_judge_is_one_line_before_generation(model, tmp_path, capsys, monkey
 
 
 def test_empty_generation_and_refused_audio_are_recorded_failures(model, monkeypatch, tmp_path):
-    from torchtitan_speechlm.inference import judged
-    from torchtitan_speechlm.inference.command import eval_items
-    from torchtitan_speechlm.inference.decode import DecodeConfig
-    from torchtitan_speechlm.inference.loading import load_model
-    from torchtitan_speechlm.inference.report import write_report
+    from torchtitan_speechlm.commands.generate import eval_items
+    from torchtitan_speechlm.evaluation import judged
+    from torchtitan_speechlm.evaluation.report import write_report
+    from torchtitan_speechlm.generation.decode import DecodeConfig
+    from torchtitan_speechlm.generation.loading import load_model
 
     loaded = load_model(model["export"])
     items = eval_items(loaded, model["prepared"], 0.0, 3)
@@ -409,9 +409,9 @@ def test_recordings_of_a_manifest_and_a_wav_moved_away(model, tmp_path, capsys):
     before them): each item's recording is its own wav; one wav moved away after preparing
     makes that item fall back to the resynthesis, with no failure; the rest are judged on
     their files and shown as a third player in the report."""
+    from torchtitan_speechlm.commands.generate import eval_main
     from torchtitan_speechlm.demo.assets import load_sentences
-    from torchtitan_speechlm.inference.command import eval_main
-    from torchtitan_speechlm.inference.recordings import find_recordings
+    from torchtitan_speechlm.evaluation.recordings import find_recordings
     from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
     corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
@@ -470,7 +470,7 @@ def test_only_readable_manifest_lines_name_recordings(tmp_path):
     """Kaldi and HF sources, a line edited since (another id), past the end, a manifest gone,
     a dialogue line: no recording. Another source type in metadata.json: none at all. The
     manifest lines read are cached."""
-    from torchtitan_speechlm.inference.recordings import find_recordings
+    from torchtitan_speechlm.evaluation.recordings import find_recordings
 
     _tone(str(tmp_path / "a.wav"), 0.2, 200)
     manifest, scp = tmp_path / "m.jsonl", tmp_path / "wav.scp"
@@ -511,8 +511,8 @@ def test_decoder_says_which_rows_ended_themselves(tmp_path):
     """``Decoder.ended``: True exactly where the model chose the end before max_frames."""
     from tests.helpers import save_tiny_backbone
     from torchtitan_speechlm.data.tasks import LossWeights, Segment, TemplateBuilder
-    from torchtitan_speechlm.inference.decode import DecodeConfig, Decoder
-    from torchtitan_speechlm.inference.sampling import Sampling
+    from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
+    from torchtitan_speechlm.generation.sampling import Sampling
 
     save_tiny_backbone(tmp_path / "bb", vocab_size=60)
     seen = set()
@@ -628,10 +628,10 @@ class _Pipe:
 def test_quality_judge_on_the_first_items_only(model, tmp_path):
     """``--judge-quality-items 2``: DNSMOS-like scores for items 0 and 1 (generated and
     reference), none after; the set's mean is theirs and the table says how many."""
-    from torchtitan_speechlm.inference import judged
-    from torchtitan_speechlm.inference.command import eval_items
-    from torchtitan_speechlm.inference.decode import DecodeConfig
-    from torchtitan_speechlm.inference.loading import load_model
+    from torchtitan_speechlm.commands.generate import eval_items
+    from torchtitan_speechlm.evaluation import judged
+    from torchtitan_speechlm.generation.decode import DecodeConfig
+    from torchtitan_speechlm.generation.loading import load_model
 
     loaded = load_model(model["export"])
     items = eval_items(loaded, model["prepared"], 0.0, 3)

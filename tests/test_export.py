@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from tests.helpers import make_tiny_run_assets, run_train, text_only_inputs, write_tiny_config
-from torchtitan_speechlm.export import export, main
+from torchtitan_speechlm.commands.export import export, main
 from torchtitan_speechlm.model.model import SpeechLM, build_model
-from torchtitan_speechlm.pretrained import (
+from torchtitan_speechlm.model.pretrained import (
     PretrainedError,
     args_from_record,
     load_checkpoint_state,
 )
-from torchtitan_speechlm.run_record import record_for_checkpoint
+from torchtitan_speechlm.model.run_record import record_for_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -202,7 +202,7 @@ def test_torchtitan_hf_load_and_last_save_use_our_adapter(trained, tmp_path):
     last_save_in_hf writes the text LM inside under transformers' names."""
     from transformers import AutoModelForCausalLM
 
-    from torchtitan_speechlm.pretrained import read_safetensors
+    from torchtitan_speechlm.model.pretrained import read_safetensors
 
     assets = trained["assets"]
     runs = {
@@ -239,7 +239,7 @@ def test_torchtitan_hf_load_and_last_save_use_our_adapter(trained, tmp_path):
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert first_loss(tmp_path / "hf") == pytest.approx(first_loss(tmp_path / "ours"), rel=1e-6)
     # the HF save holds exactly the text LM of the full save of the same (deterministic) run
-    from torchtitan_speechlm.export import text_lm_state
+    from torchtitan_speechlm.commands.export import text_lm_state
 
     full = checkpoint_model(str(tmp_path / "ours" / "checkpoint" / "step-2"))
     want = text_lm_state(full, dict(full.named_parameters()))

@@ -13,8 +13,8 @@ import soundfile as sf
 
 from tests.data_fixtures import tone
 from tests.helpers import TINY_BACKBONE, TINY_TOML, read_metrics, run_train
-from torchtitan_speechlm.audio import load_audio
 from torchtitan_speechlm.data.reader import PreparedDataset
+from torchtitan_speechlm.utils.audio import load_audio
 
 pytestmark = pytest.mark.slow
 EXT = "tests.toy_extension"

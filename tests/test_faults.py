@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from tests.data_fixtures import build_assets
-from torchtitan_speechlm import fault_injection
 from torchtitan_speechlm.components.nonfinite import NonFiniteError, StepGuard
 from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.data.format import AUDIO_CODES, ITEMS, CorruptDatasetError
 from torchtitan_speechlm.data.reader import PreparedDataset
-from torchtitan_speechlm.dataset_format import AUDIO_CODES, ITEMS, CorruptDatasetError
 from torchtitan_speechlm.prepare.pipeline import prepare_dataset
+from torchtitan_speechlm.trainer import fault_injection
 
 
 # ---- 1. checkpoints ---------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def test_keep_latest_k_never_deletes_the_last_complete_checkpoint(tmp_path, monk
     while torchtitan's own purge deletes it."""
     from torchtitan.components.checkpoint import CheckpointManager
 
-    import torchtitan_speechlm.compat as compat  # noqa: F401  (fix 9 installed on import)
+    import torchtitan_speechlm.utils.compat as compat  # noqa: F401  (fix 9 installed on import)
 
     folder = tmp_path / "checkpoint"
     _step_dirs(folder, complete=[1, 2], partial=[3, 4])
@@ -107,7 +107,7 @@ def test_a_save_that_hits_a_full_disk_keeps_the_previous_checkpoint(tmp_path, sa
     import torch.distributed.checkpoint as dcp
     from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 
-    import torchtitan_speechlm.compat as compat
+    import torchtitan_speechlm.utils.compat as compat
 
     folder = tmp_path / "checkpoint"
     state = {"w": torch.arange(1000, dtype=torch.float32)}
@@ -130,7 +130,7 @@ def test_a_resave_removes_the_old_index_before_writing(tmp_path, save_faults):
     old index over half-new data)."""
     from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 
-    from torchtitan_speechlm.checkpoint_folders import complete_checkpoints
+    from torchtitan_speechlm.utils.checkpoint_folders import complete_checkpoints
 
     folder = tmp_path / "checkpoint"
     CheckpointManager.dcp_save(
@@ -263,8 +263,8 @@ def test_a_rank_ends_on_a_user_fault_with_one_line_and_no_traceback(tmp_path):
     """Proves: inside a rank, a user fault (here a corrupt shard) ends the process with status
     1 and one line naming the rank and the file, not a traceback; a bug keeps its traceback."""
     code = (
-        "from torchtitan_speechlm.faults import exit_on_user_fault\n"
-        "from torchtitan_speechlm.dataset_format import CorruptDatasetError\n"
+        "from torchtitan_speechlm.trainer.faults import exit_on_user_fault\n"
+        "from torchtitan_speechlm.data.format import CorruptDatasetError\n"
         "with exit_on_user_fault():\n"
         f"    raise CorruptDatasetError({str(tmp_path / 'shards/00001/audio_codes.npy')!r} + ' is missing')\n"
     )
@@ -327,7 +327,7 @@ def _layout_cfg(world_replicate=1, shard=-1, tp=1, pp=1, cp=1, local=2, global_=
 def test_impossible_layouts_and_batches_are_refused_naming_key_and_fix():
     """Proves: degrees that do not fit the world size and a global batch that does not split
     into local x dp micro-batches are refused with the keys and a fix."""
-    from torchtitan_speechlm.preflight import check_conflicts, check_layout
+    from torchtitan_speechlm.trainer.preflight import check_conflicts, check_layout
 
     check_layout(_layout_cfg(), 4)
     check_layout(_layout_cfg(world_replicate=2, shard=2), 4)
@@ -360,7 +360,7 @@ def test_impossible_layouts_and_batches_are_refused_naming_key_and_fix():
 def test_unwritable_dump_folder_is_refused_and_probing_leaves_nothing(tmp_path):
     """Proves: a dump folder that cannot be created or written is refused naming it; a
     writable one is probed without leaving folders behind."""
-    from torchtitan_speechlm.preflight import check_dump_folder
+    from torchtitan_speechlm.trainer.preflight import check_dump_folder
 
     def cfg(dump):
         return SimpleNamespace(
@@ -386,7 +386,7 @@ def test_unwritable_dump_folder_is_refused_and_probing_leaves_nothing(tmp_path):
 
 def _probe_as_rank(dump: str, start, out) -> None:
     """One rank of an 8-rank job: wait for the others, then probe the (missing) dump folder."""
-    from torchtitan_speechlm.preflight import check_dump_folder
+    from torchtitan_speechlm.trainer.preflight import check_dump_folder
 
     os.environ["WORLD_SIZE"] = "8"
     cfg = SimpleNamespace(
@@ -425,7 +425,7 @@ def test_ranks_probing_a_new_dump_folder_together_all_pass_and_keep_it(tmp_path)
 def test_low_free_space_warns_with_the_checkpoint_size(tmp_path, monkeypatch):
     """Proves: less free space than one checkpoint (the newest one's size) gives a warning
     naming both sizes; enough space gives none."""
-    from torchtitan_speechlm import preflight
+    from torchtitan_speechlm.trainer import preflight
 
     ckpt = tmp_path / "checkpoint" / "step-2"
     ckpt.mkdir(parents=True)

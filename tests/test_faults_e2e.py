@@ -1,6 +1,6 @@
 """The fault suite's slow half (`make faults`, also run by CI): real `torchtitan train` runs on
 2 gloo ranks, with faults injected at a chosen step through SPEECHLM_FAULTS
-(torchtitan_speechlm/fault_injection.py): processes really killed or stopped mid-save or
+(torchtitan_speechlm/trainer/fault_injection.py): processes really killed or stopped mid-save or
 mid-collective, NaN/Inf numbers, a full disk. After each, what survives is compared with an
 uninterrupted run: the losses of every step bit for bit, and the checkpoints' tensors.
 docs/errors.md lists each fault with the test that injects it.
@@ -67,7 +67,7 @@ def tensors(step_dir) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from torchtitan_speechlm.export import load_checkpoint_state
+    from torchtitan_speechlm.commands.export import load_checkpoint_state
 
     meta = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     keys = {k for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
@@ -105,7 +105,7 @@ def run_with_faults(monkeypatch, cfg, faults: str, *extra, nproc=2, timeout=300)
 
 
 def complete_steps(dump) -> list[int]:
-    from torchtitan_speechlm.checkpoint_folders import complete_checkpoints
+    from torchtitan_speechlm.utils.checkpoint_folders import complete_checkpoints
 
     return complete_checkpoints(str(dump / "checkpoint"))
 

@@ -12,7 +12,7 @@ from torchtitan_speechlm.components.optim import (
     build_speechlm_lr_schedulers,
     build_speechlm_optimizers,
 )
-from torchtitan_speechlm.pretrained import PretrainedError, write_safetensors
+from torchtitan_speechlm.model.pretrained import PretrainedError, write_safetensors
 
 
 def test_no_weight_decay_on_embeddings_norms_and_biases(tmp_path):

@@ -47,7 +47,7 @@ def test_audio_tower_flops_are_counted_per_clip(tmp_path, freeze_encoder):
     from tests.test_audio_encoder import save_tiny_whisper, whisper_config
     from torchtitan_speechlm.components.stats import StatsAccumulator
     from torchtitan_speechlm.data.stream import data_stats_keys
-    from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
+    from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs
 
     save_tiny_backbone(
         tmp_path / "bb", vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=3

@@ -10,11 +10,11 @@ import pytest
 import soundfile as sf
 
 from tests.helpers import make_tiny_run_assets, run_train, write_tiny_config
+from torchtitan_speechlm.commands.generate import eval_main, generate_main
 from torchtitan_speechlm.data.reader import PreparedDataset
-from torchtitan_speechlm.inference import tasks
-from torchtitan_speechlm.inference.command import eval_main, generate_main
-from torchtitan_speechlm.inference.decode import DecodeConfig
-from torchtitan_speechlm.inference.loading import load_model
+from torchtitan_speechlm.generation import tasks
+from torchtitan_speechlm.generation.decode import DecodeConfig
+from torchtitan_speechlm.generation.loading import load_model
 
 pytestmark = pytest.mark.slow
 N_ITEMS = 4
@@ -167,7 +167,7 @@ def test_eval_scores_wer_zero_on_the_memorised_set(overfit, tmp_path):
 
 
 def test_generate_from_an_export_and_bad_requests(overfit, tmp_path, capsys):
-    from torchtitan_speechlm.export import export
+    from torchtitan_speechlm.commands.export import export
 
     folder = tmp_path / "exported"
     export(overfit["step"], str(folder))

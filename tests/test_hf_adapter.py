@@ -24,7 +24,7 @@ def test_text_logits_match_transformers(tmp_path, family, tie):
 
 
 def test_missing_backbone_dir_is_named(tmp_path):
-    from torchtitan_speechlm.model.hf_backbone import load_hf_config
+    from torchtitan_speechlm.model.backbones.hf import load_hf_config
 
     with pytest.raises(FileNotFoundError, match="nope"):
         load_hf_config(str(tmp_path / "nope"))

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from torchtitan_speechlm.audio import resample
 from torchtitan_speechlm.demo.assets import build_backbone, load_sentences
 from torchtitan_speechlm.judges import (
     JUDGES,
@@ -31,7 +30,8 @@ from torchtitan_speechlm.judges import (
     item_errors,
     normalise_text,
 )
-from torchtitan_speechlm.registry import UnknownNameError
+from torchtitan_speechlm.utils.audio import resample
+from torchtitan_speechlm.utils.registry import UnknownNameError
 
 needs_espeak = pytest.mark.skipif(
     shutil.which("espeak-ng") is None, reason="espeak-ng binary not installed"

@@ -27,16 +27,16 @@ from tests.helpers import (
     write_tiny_config,
 )
 from tests.test_checkpointing import params
+from torchtitan_speechlm.commands.export import main as export_main
+from torchtitan_speechlm.commands.train import torchtitan_args
 from torchtitan_speechlm.components.optim import build_speechlm_optimizers
 from torchtitan_speechlm.config import ConfigError
-from torchtitan_speechlm.export import main as export_main
-from torchtitan_speechlm.inference.loading import load_model
-from torchtitan_speechlm.launch import torchtitan_args
+from torchtitan_speechlm.generation.loading import load_model
 from torchtitan_speechlm.model.lora import is_lora_param
 from torchtitan_speechlm.model.model import SpeechLM, build_model
-from torchtitan_speechlm.preflight import preflight, validate_job_config
-from torchtitan_speechlm.pretrained import args_from_record
-from torchtitan_speechlm.run_record import read_run_record
+from torchtitan_speechlm.model.pretrained import args_from_record
+from torchtitan_speechlm.model.run_record import read_run_record
+from torchtitan_speechlm.trainer.preflight import preflight, validate_job_config
 
 peft = pytest.importorskip("peft")
 TARGETS = ["q_proj", "v_proj", "mlp.down_proj"]

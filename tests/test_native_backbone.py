@@ -64,7 +64,7 @@ def test_a_packed_row_equals_each_sample_alone(tmp_path):
 def test_text_lm_export_of_the_native_backbone_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from torchtitan_speechlm.export import save_text_lm
+    from torchtitan_speechlm.commands.export import save_text_lm
 
     save_tiny_backbone(tmp_path / "llama", family="llama")
     model = build_speechlm(tmp_path / "llama", backbone="native").eval()

@@ -7,20 +7,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torchtitan_speechlm.tools import import_graph
+from tools import import_graph
 
 PKG = Path(__file__).resolve().parent.parent / "torchtitan_speechlm"
 TRAINING_SIDE = (
-    "data",
+    "utils",
+    "config",
     "model",
+    "data",
     "components",
-    "infra",
-    "spec.py",
-    "run_context.py",
-    "config.py",
-    "launch.py",
+    "distributed",
+    "trainer",
+    "commands/train.py",
     "train.py",
-    "compat.py",
 )
 OFFLINE = ("torchtitan_speechlm.prepare", "torchtitan_speechlm.codecs")
 
@@ -60,9 +59,9 @@ def test_training_side_never_imports_the_preparation_side():
     # and at run time: build the spec, the model args, a model and the data loader's modules
     code = (
         "import sys, torchtitan_speechlm\n"
-        "from torchtitan_speechlm.data import loader, stream, reader, tasks\n"
-        "from torchtitan_speechlm.components import loss, metrics, validate, resume\n"
-        "from torchtitan_speechlm.infra import parallelize\n"
+        "from torchtitan_speechlm.data import stream, reader, tasks\n"
+        "from torchtitan_speechlm.components import dataloader, loss, metrics, validate, resume\n"
+        "from torchtitan_speechlm.distributed import parallelize\n"
         "from torchtitan_speechlm.model import model\n"
         f"bad = [m for m in sys.modules if m.startswith({OFFLINE!r})]\n"
         "assert not bad, bad\n"
@@ -78,13 +77,13 @@ def test_training_side_never_imports_the_preparation_side():
 LAZY_IMPORTS = {
     ("", "python_api"): "`from torchtitan_speechlm import TitanTrainer`: the Python API loads on "
     "first use, so importing the package (every rank, every command) does not load it",
-    ("cli", "launch"): "`torchtitan --help` start-up: each subcommand's modules load only when "
+    ("cli", "commands.train"): "`torchtitan --help` start-up: each subcommand's modules load only when "
     "that subcommand runs",
     ("cli", "prepare.pipeline"): "as above (prepare: codecs, sources)",
-    ("cli", "inference.command"): "as above (generate / eval: judges, the report page)",
-    ("cli", "export"): "as above (export)",
-    ("inference.loading", "codecs"): "a codec loads only when audio is decoded: training imports "
-    "inference.loading for its samples and must never import a codec (test above)",
+    ("cli", "commands.generate"): "as above (generate / eval: judges, the report page)",
+    ("cli", "commands.export"): "as above (export)",
+    ("generation.loading", "codecs"): "a codec loads only when audio is decoded: training imports "
+    "generation.loading for its samples and must never import a codec (test above)",
 }
 
 
@@ -106,7 +105,7 @@ def test_imports_inside_functions_are_only_the_listed_ones():
 
 
 def test_the_committed_import_picture_and_layer_table_are_current():
-    fix = "run `python -m torchtitan_speechlm.tools.import_graph`"
+    fix = "run `python tools/import_graph.py`"
     fresh = import_graph.render_svg(import_graph.all_imports())
     assert import_graph.PICTURE.read_text() == fresh, fix
     doc = import_graph.DOC.read_text()
@@ -135,12 +134,12 @@ def test_the_graph_reader_sees_function_level_imports_and_cycles(tmp_path, monke
 
 def test_importing_the_package_installs_no_test_hooks():
     """The fault suite's hooks are installed by the tests or by a rank whose environment sets
-    SPEECHLM_FAULTS (launch.run_worker), never by importing the package."""
+    SPEECHLM_FAULTS (commands.train.run_worker), never by importing the package."""
     code = (
         "import sys, torchtitan_speechlm\n"
         "from torch.distributed.checkpoint.filesystem import FileSystem\n"
         "from torchtitan_speechlm.components.nonfinite import StepGuard\n"
-        "assert 'torchtitan_speechlm.fault_injection' not in sys.modules\n"
+        "assert 'torchtitan_speechlm.trainer.fault_injection' not in sys.modules\n"
         "assert not getattr(FileSystem, '_speechlm_faults', False)\n"
         "assert not (StepGuard.loss_hooks or StepGuard.check_hooks or StepGuard.grad_hooks)\n"
     )

@@ -181,7 +181,7 @@ def test_selective_op_checkpointing_is_exact_in_process(assets):
     from torchtitan.distributed import ParallelDims
 
     from tests.helpers import build_speechlm
-    from torchtitan_speechlm.infra.parallelize import parallelize_speechlm
+    from torchtitan_speechlm.distributed.parallelize import parallelize_speechlm
 
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     grads, losses = [], []

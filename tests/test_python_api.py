@@ -158,7 +158,7 @@ def test_train_chunks_save_valid_and_resume(assets, reference, tmp_path):
 
 
 def test_espnet_factory_trains_logs_into_the_callers_wandb_run_and_resumes(assets, tmp_path):
-    from torchtitan_speechlm.tools.wandb_offline import read_history
+    from torchtitan_speechlm.commands.wandb_offline import read_history
 
     out = tmp_path / "run"
     args = trainer_args(metrics={"log_freq": 1})  # wandb on: the caller's run is used

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan_speechlm.data.loader import SpeechLMDataLoader, merge_positions
+from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader, merge_positions
 from torchtitan_speechlm.data.stream import Source, SpeechLMDataset, batch_hash
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -265,7 +265,7 @@ def test_packed_row_logits_equal_each_sample_run_alone(tmp_path):
 
 
 def test_dialogue_template_loss_on_assistant_turns_and_length_from_index():
-    from torchtitan_speechlm.dataset_format import Turn
+    from torchtitan_speechlm.data.format import Turn
 
     rng = np.random.default_rng(0)
     turns = [
@@ -341,7 +341,7 @@ def test_mixture_follows_the_weights_and_is_seeded():
 
 
 def test_resume_refuses_another_vocabulary_or_mixture(tmp_path):
-    from torchtitan_speechlm.data.loader import record_vocab
+    from torchtitan_speechlm.components.dataloader import record_vocab
     from torchtitan_speechlm.model.vocab import VocabMismatchError
 
     state = make().state_dict()

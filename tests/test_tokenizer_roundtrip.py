@@ -14,16 +14,16 @@ import pytest
 
 from tests.data_fixtures import build_assets
 from tests.helpers import TINY_BACKBONE, write_tiny_config
-from torchtitan_speechlm.demo.assets import SPECIAL_TOKENS, build_backbone
-from torchtitan_speechlm.prepare.pipeline import main as prepare_main
-from torchtitan_speechlm.prepare.pipeline import prepare_dataset
-from torchtitan_speechlm.text_tokenizer import load_text_tokenizer
-from torchtitan_speechlm.tokenizer_check import (
+from torchtitan_speechlm.data.tokenizer_check import (
     LossyTokenizerError,
     Sample,
     roundtrip_report,
     sample_indices,
 )
+from torchtitan_speechlm.demo.assets import SPECIAL_TOKENS, build_backbone
+from torchtitan_speechlm.prepare.pipeline import main as prepare_main
+from torchtitan_speechlm.prepare.pipeline import prepare_dataset
+from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer
 
 FIRST = "The quick brown fox jumps over the lazy dog."  # the corpus' first text (line 1, a0)
 
@@ -158,13 +158,13 @@ def train_config(assets, dataset: str, tmp_path) -> str:
 
 
 def checked(cfg: str, *extra: str):
-    from torchtitan_speechlm.launch import check_config, torchtitan_args
+    from torchtitan_speechlm.commands.train import check_config, torchtitan_args
 
     return check_config(torchtitan_args(["--job.config_file", cfg, *extra]))
 
 
 def test_train_refuses_a_lossy_dataset_before_any_rank_starts(assets, prepared, tmp_path, capsys):
-    from torchtitan_speechlm.launch import train_command
+    from torchtitan_speechlm.commands.train import train_command
 
     cfg = train_config(assets, prepared["lossy"], tmp_path)
     assert train_command(["--job.config_file", cfg]) == 2
@@ -211,7 +211,7 @@ def test_train_without_the_tokenizer_folder_reads_what_prepare_recorded(
 
 def test_dialogue_text_turns_are_checked_at_prepare_and_train(assets, tmp_path):
     from torchtitan_speechlm.data.reader import PreparedDataset
-    from torchtitan_speechlm.tokenizer_check import dataset_samples
+    from torchtitan_speechlm.data.tokenizer_check import dataset_samples
 
     corpus = os.path.dirname(assets["manifest"])
     manifest = tmp_path / "dialogue.jsonl"

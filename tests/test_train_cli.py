@@ -133,10 +133,10 @@ def test_the_run_is_resolved_once_and_every_builder_reads_it(assets, tmp_path, m
 
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from torchtitan_speechlm import run_context as rc
+    from torchtitan_speechlm.commands.train import check_config, torchtitan_args
+    from torchtitan_speechlm.components.dataloader import build_speechlm_dataloader
     from torchtitan_speechlm.components.loss import build_speechlm_loss
-    from torchtitan_speechlm.data.loader import build_speechlm_dataloader
-    from torchtitan_speechlm.launch import check_config, torchtitan_args
+    from torchtitan_speechlm.trainer import run_context as rc
 
     builds = []
     real = rc._build

@@ -7,8 +7,8 @@ import pytest
 import torch
 from test_stream import FakePrepared, make
 
+from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader
 from torchtitan_speechlm.data import transport
-from torchtitan_speechlm.data.loader import SpeechLMDataLoader
 from torchtitan_speechlm.data.stream import SpeechLMDataset, batch_hash
 
 

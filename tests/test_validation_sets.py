@@ -7,9 +7,9 @@ import pytest
 from torchtitan.config import ConfigManager
 
 from tests.helpers import make_tiny_run_assets, write_tiny_config
+from torchtitan_speechlm.components.dataloader import build_dataset
 from torchtitan_speechlm.components.validate import SpeechLMValidator
-from torchtitan_speechlm.data.loader import build_dataset
-from torchtitan_speechlm.run_context import parse_datasets, parse_mix
+from torchtitan_speechlm.trainer.run_context import parse_datasets, parse_mix
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`python -m torchtitan_speechlm.tools.wandb_offline RUN_DIR` takes what docs/metrics.md calls
+"""`python -m torchtitan_speechlm.commands.wandb_offline RUN_DIR` takes what docs/metrics.md calls
 RUN_DIR in any of its forms: the `offline-run-*` folder, its `run-*.wandb` file, or a folder
 above them such as the dump folder (runs under `tb/<time>/wandb/`; several when the job was
 started more than once: each is read, oldest first). The run files here are written in
@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 
-from torchtitan_speechlm.tools.wandb_offline import find_runs, main, read_history
+from torchtitan_speechlm.commands.wandb_offline import find_runs, main, read_history
 
 
 def write_run(folder, steps: dict[int, dict]) -> str:
@@ -73,7 +73,7 @@ def test_a_dump_folder_with_several_runs_reads_each_oldest_first(dump, capsys):
 
 def test_a_folder_without_runs_is_an_error_not_a_traceback(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "torchtitan_speechlm.tools.wandb_offline", str(tmp_path)],
+        [sys.executable, "-m", "torchtitan_speechlm.commands.wandb_offline", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -19,7 +19,7 @@ from torchtitan_speechlm.model.backbones import Backbone, register_backbone
 from torchtitan_speechlm.model.patterns import Pattern, register_pattern
 from torchtitan_speechlm.prepare.items import ManifestError, ManifestItem
 from torchtitan_speechlm.prepare.sources import PrepareSource, SourceRead, register_source
-from torchtitan_speechlm.spec import register_speechlm_spec
+from torchtitan_speechlm.trainer.spec import register_speechlm_spec
 
 
 # ---- a codec: loudness, zero-crossing rate and slope of each 20 ms frame ------------------------

@@ -248,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--utts", type=int, default=40)
     r = sub.add_parser("run")
     r.add_argument("--assets", required=True)
-    r.add_argument("--demo", action="store_true", help="also the demo config (run where make demo's demo_work/ is)")
+    r.add_argument(
+        "--demo",
+        action="store_true",
+        help="also the demo config (run where make demo's demo_work/ is)",
+    )
     r.add_argument("--only", nargs="*", default=[])
     r.add_argument("--out", required=True)
     c = sub.add_parser("compare")

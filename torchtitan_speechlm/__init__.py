@@ -1,12 +1,12 @@
 """torchtitan-speechlm: train speech language models with torchtitan's own train loop.
 
 Importing the package selects the CPU device when no accelerator exists (before torchtitan is
-imported, see compat.py) and registers the `speechlm` TrainSpec, so both our `torchtitan train`
+imported, see utils/compat.py) and registers the `speechlm` TrainSpec, so both our `torchtitan train`
 console script and stock `python -m torchtitan.train --experimental.custom_import
 torchtitan_speechlm` find it.
 """
 
-from torchtitan_speechlm.compat import (
+from torchtitan_speechlm.utils.compat import (
     install_checkpoint_safety,
     install_torchtitan_cpu_patches,
     use_cpu_when_no_accelerator,
@@ -16,7 +16,7 @@ use_cpu_when_no_accelerator()
 install_torchtitan_cpu_patches()
 install_checkpoint_safety()
 
-from torchtitan_speechlm.spec import SPEC_NAME, register  # noqa: E402
+from torchtitan_speechlm.trainer.spec import SPEC_NAME, register  # noqa: E402
 
 register()
 

@@ -1,5 +1,5 @@
 """The `torchtitan` console script: one subcommand per job (`train`, `prepare`, ...), each
-implemented in its own module (launch.py, prepare/)."""
+implemented in its own module (commands/train.py, prepare/)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
-        from torchtitan_speechlm.launch import train_command
+        from torchtitan_speechlm.commands.train import train_command
 
         return train_command(rest)
     if cmd == "prepare":
@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return prepare_main(rest) or 0
     if cmd in ("generate", "eval"):
-        from torchtitan_speechlm.inference.command import eval_main, generate_main
+        from torchtitan_speechlm.commands.generate import eval_main, generate_main
 
         return (generate_main if cmd == "generate" else eval_main)(rest)
     if cmd == "export":
-        from torchtitan_speechlm.export import main as export_main
+        from torchtitan_speechlm.commands.export import main as export_main
 
         return export_main(rest)
     print(f"torchtitan: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)

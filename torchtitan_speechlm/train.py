@@ -4,7 +4,7 @@ torchrun --nnodes 2 --nproc-per-node 8 ... -m torchtitan_speechlm.train --job.co
 
 import sys
 
-from torchtitan_speechlm.launch import run_worker
+from torchtitan_speechlm.commands.train import run_worker
 
 if __name__ == "__main__":
     sys.exit(run_worker(sys.argv[1:]))

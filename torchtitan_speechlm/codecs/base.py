@@ -15,8 +15,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from torchtitan_speechlm.fileio import json_hash
-from torchtitan_speechlm.registry import Registry
+from torchtitan_speechlm.utils.fileio import json_hash
+from torchtitan_speechlm.utils.registry import Registry
 
 # Keys that change with the tool that wrote config.json, not with the codec itself.
 _VOLATILE_CONFIG_KEYS = (

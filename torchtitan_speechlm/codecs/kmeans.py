@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from torchtitan_speechlm.codecs.base import config_hash, register_codec
-from torchtitan_speechlm.fileio import write_json_atomic
+from torchtitan_speechlm.utils.fileio import write_json_atomic
 
 MODEL_TYPE = "speechlm_kmeans"
 WEIGHTS = "model.safetensors"

@@ -5,7 +5,7 @@ runs a daemon thread that bumps its counter ``speechlm/heartbeat/{rank}`` in the
 rendezvous store once per ``PERIOD`` seconds. A rank stopped with SIGSTOP or killed stops
 bumping (all of its threads stop). When a collective fails, ``silent_ranks`` reads every
 counter twice, ``3 x PERIOD`` apart: the ranks whose counter did not move are the ones
-named in the error (faults.py). Counters, not clocks, so hosts need not agree on the time.
+named in the error (trainer/faults.py). Counters, not clocks, so hosts need not agree on the time.
 
 The store is torchrun's (in its agent process), so it outlives a dead rank 0.
 """

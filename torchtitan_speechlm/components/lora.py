@@ -15,7 +15,7 @@ from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.model.lora import CONVERTER, apply_lora
-from torchtitan_speechlm.run_context import lora_settings
+from torchtitan_speechlm.trainer.run_context import lora_settings
 
 
 class LoraConverter:

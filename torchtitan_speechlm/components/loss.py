@@ -15,7 +15,7 @@ from torchtitan_speechlm.components.nonfinite import STEP_GUARD, StepGuard
 from torchtitan_speechlm.components.stats import StatsAccumulator
 from torchtitan_speechlm.data.stream import data_stats_keys
 from torchtitan_speechlm.model.model import SpeechLMOutput
-from torchtitan_speechlm.run_context import run_context
+from torchtitan_speechlm.trainer.run_context import run_context
 
 # torchtitan's Trainer builds the metrics processor and the loss function separately and never
 # hands one to the other; this per-process accumulator is their meeting point. One Trainer per

@@ -18,12 +18,12 @@ import torch
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.compat import accelerator_available
 from torchtitan_speechlm.components.loss import TRAIN_STATS
 from torchtitan_speechlm.components.nonfinite import STEP_GUARD
 from torchtitan_speechlm.components.samples import TrainingSamples
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
-from torchtitan_speechlm.run_context import run_context
+from torchtitan_speechlm.trainer.run_context import run_context
+from torchtitan_speechlm.utils.compat import accelerator_available
 
 
 class JsonlLogger(BaseLogger):

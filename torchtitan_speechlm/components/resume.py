@@ -17,10 +17,10 @@ from functools import lru_cache
 
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.checkpoint_folders import checkpoint_folder, complete_checkpoints
+from torchtitan_speechlm.model.run_record import RunRecordError, record_for_checkpoint
 from torchtitan_speechlm.model.starting_point import check_same
-from torchtitan_speechlm.run_context import run_context
-from torchtitan_speechlm.run_record import RunRecordError, record_for_checkpoint
+from torchtitan_speechlm.trainer.run_context import run_context
+from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
 
 
 class ResumeError(ValueError):

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.data.loader import open_prepared, split_indices
-from torchtitan_speechlm.inference import tasks
-from torchtitan_speechlm.inference.decode import DecodeConfig
-from torchtitan_speechlm.inference.loading import Loaded
+from torchtitan_speechlm.components.dataloader import open_prepared, split_indices
+from torchtitan_speechlm.generation import tasks
+from torchtitan_speechlm.generation.decode import DecodeConfig
+from torchtitan_speechlm.generation.loading import Loaded
 from torchtitan_speechlm.model.model import build_model
-from torchtitan_speechlm.run_context import run_context
-from torchtitan_speechlm.run_record import model_record
+from torchtitan_speechlm.model.run_record import model_record
+from torchtitan_speechlm.trainer.run_context import run_context
 
 
 class TrainingSamples:

@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
+from torchtitan_speechlm.components.dataloader import build_dataset
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
 from torchtitan_speechlm.data.external import external_data
-from torchtitan_speechlm.data.loader import build_dataset
 from torchtitan_speechlm.data.stream import SpeechLMDataset, Unit, data_stats_keys
-from torchtitan_speechlm.run_context import run_context
+from torchtitan_speechlm.trainer.run_context import run_context
 
 
 class SpeechLMValidator(BaseValidator):

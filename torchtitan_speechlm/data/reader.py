@@ -1,5 +1,5 @@
 """Reading prepared datasets at training time: a memory-mapped, validated view of every shard
-(the format itself is ``torchtitan_speechlm.dataset_format``)."""
+(the format itself is ``torchtitan_speechlm.data.format``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from torchtitan_speechlm.dataset_format import (
+from torchtitan_speechlm.data.format import (
     AUDIO_CODES,
     AUDIO_WAVE,
     FORMAT_VERSION,

@@ -186,7 +186,7 @@ class SpeechLMDataset(IterableDataset):
         self._cdf = self._weights.cumsum()
         self._cdf /= self._cdf[-1]
         self._pad_frame = np.array(self.layout.pad_frame(), dtype=np.int64)
-        # batches carry audio_wave / audio_lengths / audio_index (model/audio_tower.py)
+        # batches carry audio_wave / audio_lengths / audio_index (model/audio/tower.py)
         self.continuous = any(get_task(s.task).continuous for s in sources)
         self._warned_bad: set[tuple[int, int]] = set()
         self._warned_long: set[int] = set()
@@ -675,7 +675,7 @@ class SpeechLMDataset(IterableDataset):
 
 
 def continuous_batch(segments: list[tuple[int, int, int, np.ndarray]], b: int, t: int) -> dict:
-    """The model's continuous inputs (model/audio_tower.py) of ``(row, first frame, frames,
+    """The model's continuous inputs (model/audio/tower.py) of ``(row, first frame, frames,
     int16 waveform)`` segments: waveforms zero-padded to the longest, their lengths, and each
     frame's row in the concatenation of the segments' adaptor frames (-1 elsewhere)."""
     longest = max((len(s[3]) for s in segments), default=0)

@@ -35,10 +35,10 @@ from typing import get_args
 import numpy as np
 
 from torchtitan_speechlm.config import LossRegion
-from torchtitan_speechlm.dataset_format import KINDS, MODALITIES, ROLES
+from torchtitan_speechlm.data.format import KINDS, MODALITIES, ROLES
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.vocab import VocabLayout
-from torchtitan_speechlm.registry import Registry
+from torchtitan_speechlm.utils.registry import Registry
 
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 MODALITY_TOKENS = {"text": "<|text|>", "audio": "<|audio|>"}
@@ -60,7 +60,7 @@ class Task:
     cfg_turn: int | None = None
     loss_roles: tuple[str, ...] = ("assistant",)
     continuous: bool = False
-    """Audio turns are the item's waveform through the audio encoder (model/audio_tower.py):
+    """Audio turns are the item's waveform through the audio encoder (model/audio/tower.py):
     placeholder frames whose embeddings the adaptor replaces, never with loss."""
 
     def __post_init__(self) -> None:

@@ -18,8 +18,8 @@ import numpy as np
 import soundfile as sf
 import torch
 
-from torchtitan_speechlm.audio import load_audio
-from torchtitan_speechlm.fileio import write_text_atomic
+from torchtitan_speechlm.utils.audio import load_audio
+from torchtitan_speechlm.utils.fileio import write_text_atomic
 
 SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
 

@@ -21,9 +21,9 @@ import os
 import sys
 import time
 
+from torchtitan_speechlm.commands.train import already_complete, check_config
 from torchtitan_speechlm.demo.speaking import CorpusPlan, build_corpus, console, run_command
-from torchtitan_speechlm.inference.report import dithered
-from torchtitan_speechlm.launch import already_complete, check_config
+from torchtitan_speechlm.evaluation.report import dithered
 
 DEFAULT_CONFIG = "train_configs/speechlm_debug.toml"
 DEMO_TRAIN, DEMO_HELD_OUT = 2000, 40

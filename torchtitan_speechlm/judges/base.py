@@ -20,8 +20,8 @@ from types import ModuleType
 
 import numpy as np
 
-from torchtitan_speechlm.audio import resample
-from torchtitan_speechlm.registry import Registry
+from torchtitan_speechlm.utils.audio import resample
+from torchtitan_speechlm.utils.registry import Registry
 
 EVAL_EXTRA = "pip install 'torchtitan-speechlm[eval]'"
 

@@ -1,4 +1,7 @@
-"""The SpeechLM model: vocabulary layout, interleave patterns, backbones and the loss head."""
+"""The SpeechLM model: vocabulary layout, interleave patterns, backbones (``backbones/``), the
+continuous audio input (``audio/``), the loss head, and the run record and export folder formats
+a model is rebuilt from."""
 
-# the built-in backbone families register themselves
-from torchtitan_speechlm.model import hf_audio_encoder, hf_backbone, native_backbone  # noqa: F401
+# the built-in backbone families and audio encoders register themselves
+from torchtitan_speechlm.model.audio import hf_encoder  # noqa: F401
+from torchtitan_speechlm.model.backbones import hf, native  # noqa: F401

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torchtitan.protocols import BaseModelArgs
 
-from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs, training_flops_per_clip
+from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs, training_flops_per_clip
 from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.vocab import VocabLayout

@@ -13,7 +13,7 @@ Used by both backbones: registered with transformers as the attention implementa
 ``"sdpa_documents"`` (the default of ``speechlm.attn_implementation``), whose mask hook returns
 no mask at all; any call this cannot serve (a KV-cache step, a padding mask, sliding windows)
 goes to transformers' own SDPA with the mask it would have built. The native backbone swaps it
-in for torchtitan's SDPA wrapper (model/native_backbone.py).
+in for torchtitan's SDPA wrapper (model/backbones/native.py).
 
 The grouping needs the document lengths on the host: one device sync per forward (it is cached
 across layers). On GPUs, ``flex_attention`` / the native backbone's ``flex`` avoid it.

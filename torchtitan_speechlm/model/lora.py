@@ -12,7 +12,7 @@ single tensors, so their text rows are held by a gradient mask (``StreamEmbeddin
 
 PEFT's layers are plain modules around ``nn.Linear``s, so FSDP2, activation checkpointing,
 per-layer compile and DCP see ordinary parameters; tensor parallelism shards the base layers
-with torchtitan's plan and the adapters around them (infra/parallelize.py). The adapters start
+with torchtitan's plan and the adapters around them (distributed/parallelize.py). The adapters start
 as PEFT's do (A: Kaiming-uniform, B: zeros: the model starts as the base model), drawn from
 (init_seed, name) like every other parameter so any world size starts identically.
 

@@ -31,19 +31,19 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.protocols import ModelProtocol
 
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
-from torchtitan_speechlm.model.audio_encoders import AudioEncoderError
-from torchtitan_speechlm.model.audio_tower import AudioTower
+from torchtitan_speechlm.model.audio.encoders import AudioEncoderError
+from torchtitan_speechlm.model.audio.tower import AudioTower
 from torchtitan_speechlm.model.chunked_loss import chunked_stream_loss
 from torchtitan_speechlm.model.lora import apply_lora, base_name, is_lora_param, lora_init
 from torchtitan_speechlm.model.patterns import get_pattern
-from torchtitan_speechlm.model.starting_point import load_starting_point
-from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
-from torchtitan_speechlm.pretrained import (
+from torchtitan_speechlm.model.pretrained import (
     PretrainedError,
     args_from_record,
     read_export_config,
     read_safetensors,
 )
+from torchtitan_speechlm.model.starting_point import load_starting_point
+from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -57,7 +57,7 @@ def canonical_name(name: str) -> str:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """A parameter as a plain tensor: with tensor parallelism the embeddings and the head are
-    replicated DTensors on the tensor-parallel mesh (infra/parallelize.py), used locally."""
+    replicated DTensors on the tensor-parallel mesh (distributed/parallelize.py), used locally."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -289,7 +289,7 @@ class SpeechLM(ModelProtocol):
         )
         self.backbone = self.family.build(args.backbone_config, args.attn_implementation)
         self.head = SpeechLMHead(args, dim)
-        # continuous audio input (model/audio_tower.py); None keeps a token-only model's keys
+        # continuous audio input (model/audio/tower.py); None keeps a token-only model's keys
         self.audio_encoder = AudioTower(args.audio, dim) if args.audio else None
 
     @classmethod
@@ -318,7 +318,7 @@ class SpeechLM(ModelProtocol):
         audio_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Input embeddings [B, T, D]: the streams' token embeddings, continuous segments
-        replaced by the audio encoder's adaptor outputs (model/audio_tower.py)."""
+        replaced by the audio encoder's adaptor outputs (model/audio/tower.py)."""
         h = self.tok_embeddings(inputs)
         if self.audio_encoder is not None:
             return self.audio_encoder(h, audio_wave, audio_lengths, audio_index)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from torchtitan_speechlm.registry import Registry
+from torchtitan_speechlm.utils.registry import Registry
 
 
 class Pattern:

@@ -19,13 +19,13 @@ import os
 
 import torch
 
-from torchtitan_speechlm.pretrained import (
+from torchtitan_speechlm.model.pretrained import (
     PretrainedError,
     load_checkpoint_state,
     read_export_config,
     read_safetensors,
 )
-from torchtitan_speechlm.run_record import record_for_checkpoint
+from torchtitan_speechlm.model.run_record import record_for_checkpoint
 
 # what must agree between the source's model and ours for its weights to mean the same
 SAME = ("vocab", "pattern", "backbone", "backbone_config", "tie_embeddings")

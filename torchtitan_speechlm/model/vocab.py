@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from torchtitan_speechlm.fileio import json_hash, write_json_atomic
+from torchtitan_speechlm.utils.fileio import json_hash, write_json_atomic
 
 NUM_SPECIAL = 64
 _NAMED_SPECIALS = (

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan_speechlm.dataset_format import KINDS, ROLES  # noqa: F401  (re-exported)
+from torchtitan_speechlm.data.format import KINDS, ROLES  # noqa: F401  (re-exported)
 
 
 class ManifestError(ValueError):

@@ -16,9 +16,9 @@ import shutil
 import sys
 import time
 
-from torchtitan_speechlm.audio import BadAudioError
 from torchtitan_speechlm.codecs import CodecError, load_codec
-from torchtitan_speechlm.dataset_format import CorruptDatasetError
+from torchtitan_speechlm.data.format import CorruptDatasetError
+from torchtitan_speechlm.data.tokenizer_check import LossyTokenizerError, check_inputs
 from torchtitan_speechlm.prepare.items import ManifestError, ManifestItem
 from torchtitan_speechlm.prepare.plan import (
     PlanMismatchError,
@@ -36,8 +36,8 @@ from torchtitan_speechlm.prepare.worker import (
     WorkerConfig,
     import_modules,
 )
-from torchtitan_speechlm.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
-from torchtitan_speechlm.tokenizer_check import LossyTokenizerError, check_inputs
+from torchtitan_speechlm.utils.audio import BadAudioError
+from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
 
 
 class NoItemsError(RuntimeError):

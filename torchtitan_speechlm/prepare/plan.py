@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 
-from torchtitan_speechlm.dataset_format import (
+from torchtitan_speechlm.data.format import (
     FORMAT_VERSION,
     METADATA,
     SHARD_META,
@@ -24,9 +24,9 @@ from torchtitan_speechlm.dataset_format import (
     read_json,
     shard_name,
 )
-from torchtitan_speechlm.fileio import json_hash, write_json_atomic, write_text_atomic
 from torchtitan_speechlm.prepare.items import ManifestItem
 from torchtitan_speechlm.prepare.worker import FAILURES
+from torchtitan_speechlm.utils.fileio import json_hash, write_json_atomic, write_text_atomic
 
 PLAN = "plan.json"
 SUMMARY = "summary.json"

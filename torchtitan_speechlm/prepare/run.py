@@ -17,7 +17,6 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 import numpy as np
 
-from torchtitan_speechlm.audio import BadAudioError
 from torchtitan_speechlm.codecs import CodecError
 from torchtitan_speechlm.codecs.kmeans import MODEL_TYPE, KMeansConfig, fit_kmeans_codec
 from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
@@ -29,6 +28,7 @@ from torchtitan_speechlm.prepare.worker import (
     run_shard,
     use_in_process,
 )
+from torchtitan_speechlm.utils.audio import BadAudioError
 
 
 class Progress:

@@ -14,7 +14,7 @@ import shutil
 
 import numpy as np
 
-from torchtitan_speechlm.dataset_format import (
+from torchtitan_speechlm.data.format import (
     AUDIO_CODES,
     FORMAT_VERSION,
     ITEMS,
@@ -24,7 +24,7 @@ from torchtitan_speechlm.dataset_format import (
     Turn,
     codes_dtype,
 )
-from torchtitan_speechlm.fileio import write_json_atomic
+from torchtitan_speechlm.utils.fileio import write_json_atomic
 
 
 class ShardWriter:

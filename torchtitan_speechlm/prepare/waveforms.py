@@ -23,8 +23,7 @@ import os
 
 import numpy as np
 
-from torchtitan_speechlm.audio import load_audio
-from torchtitan_speechlm.dataset_format import (
+from torchtitan_speechlm.data.format import (
     AUDIO_WAVE,
     ITEMS,
     METADATA,
@@ -35,7 +34,8 @@ from torchtitan_speechlm.dataset_format import (
     read_json,
     to_int16,
 )
-from torchtitan_speechlm.fileio import write_json_atomic, write_text_atomic
+from torchtitan_speechlm.utils.audio import load_audio
+from torchtitan_speechlm.utils.fileio import write_json_atomic, write_text_atomic
 
 
 class WaveformError(ValueError):

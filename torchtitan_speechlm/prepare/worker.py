@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from torchtitan_speechlm.audio import BadAudioError, load_audio
 from torchtitan_speechlm.codecs import load_codec
-from torchtitan_speechlm.dataset_format import SHARDS_DIR, Turn, shard_name
+from torchtitan_speechlm.data.format import SHARDS_DIR, Turn, shard_name
 from torchtitan_speechlm.prepare.items import AudioRef, ManifestItem
 from torchtitan_speechlm.prepare.shard_writer import ShardWriter
 from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
 from torchtitan_speechlm.prepare.sources.lhotse import load_cut_audio
-from torchtitan_speechlm.text_tokenizer import load_text_tokenizer
+from torchtitan_speechlm.utils.audio import BadAudioError, load_audio
+from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer
 
 FAILURES = "failures.jsonl"
 

@@ -17,10 +17,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from torchtitan_speechlm.compat import accelerator_available
 from torchtitan_speechlm.config import ConfigError, check_toml
-from torchtitan_speechlm.fileio import write_text_atomic
-from torchtitan_speechlm.run_context import REGISTERED_VALUES
+from torchtitan_speechlm.trainer.run_context import REGISTERED_VALUES
+from torchtitan_speechlm.utils.compat import accelerator_available
+from torchtitan_speechlm.utils.fileio import write_text_atomic
 
 CONFIG_MODULE = "torchtitan_speechlm.config"
 TOML_NAME = "titan_trainer.toml"
@@ -148,7 +148,7 @@ def _titan_sections(titan: Mapping) -> dict[str, dict]:
     if strategy != "qwen3":
         raise ConfigError(
             f"trainer_args: titan_config.parallel_strategy = {strategy!r}: there is no per-model "
-            "plan to choose here (every backbone is parallelised by infra/parallelize.py); "
+            "plan to choose here (every backbone is parallelised by distributed/parallelize.py); "
             "remove the key"
         )
     storage = titan.get("optimizer_storage_dtype", "float32")

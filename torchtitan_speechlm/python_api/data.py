@@ -18,7 +18,7 @@ from typing import Any
 
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.python_api.espnet_data import EspnetData, EspnetRunData
-from torchtitan_speechlm.run_context import parse_datasets
+from torchtitan_speechlm.trainer.run_context import parse_datasets
 
 
 @dataclass

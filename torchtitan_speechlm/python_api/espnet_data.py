@@ -5,7 +5,7 @@ DataLoader of this rank's next ``length`` batches, ``global_step`` counting batc
 validation factory for ``build_iter()``; each rank builds its own factory, which shards the data
 by rank. ``EspnetData`` wraps such a factory and converts every batch to ours:
 
-ESPnet batch (dict)                           ours (``(input_dict, labels)``, data/loader.py)
+ESPnet batch (dict)                           ours (``(input_dict, labels)``, components/dataloader.py)
 ``seqs`` int64 [B, T, N], ESPnet vocabulary   ``input`` = ids[:, :-1], ``targets`` = ids[:, 1:]
 ``loss_masks`` float [B, T, N]                ``loss_weights`` = loss_masks[:, 1:]
 ``position_ids`` [B, T] (packed; optional)    ``position_ids`` = position_ids[:, :-1] (else 0..T-2)
@@ -49,13 +49,13 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
 
+from torchtitan_speechlm.components.dataloader import global_batch_rows
 from torchtitan_speechlm.config import ConfigError
-from torchtitan_speechlm.data.loader import global_batch_rows
 from torchtitan_speechlm.data.stream import Unit, data_stats_keys
 from torchtitan_speechlm.data.tasks import TASKS
-from torchtitan_speechlm.model.audio_tower import AudioEncoderArgs
+from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs
 from torchtitan_speechlm.model.vocab import SPECIAL_TOKENS, VocabLayout
-from torchtitan_speechlm.run_context import audio_encoder_args
+from torchtitan_speechlm.trainer.run_context import audio_encoder_args
 
 ESPNET_SHARED_SPECIALS = 9  # <|pad|> .. <|audio|>: same names, same ids as ours
 

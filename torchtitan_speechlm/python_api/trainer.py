@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from torchtitan_speechlm.commands.train import check_config, set_single_process_env, torchtitan_args
 from torchtitan_speechlm.config import ConfigError
-from torchtitan_speechlm.launch import check_config, set_single_process_env, torchtitan_args
 from torchtitan_speechlm.python_api.args import (
     TOML_NAME,
     check_sections,

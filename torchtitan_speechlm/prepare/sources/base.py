@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torchtitan_speechlm.prepare.items import ManifestItem
-from torchtitan_speechlm.registry import Registry
+from torchtitan_speechlm.utils.registry import Registry
 
 
 @dataclass

@@ -14,18 +14,18 @@ import os
 
 import numpy as np
 
-from torchtitan_speechlm.audio import (
-    BadAudioError,
-    decode_audio_bytes,
-    load_audio,
-    to_codec_audio,
-)
 from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem
 from torchtitan_speechlm.prepare.sources.base import (
     PrepareSource,
     SourceOption,
     SourceRead,
     register_source,
+)
+from torchtitan_speechlm.utils.audio import (
+    BadAudioError,
+    decode_audio_bytes,
+    load_audio,
+    to_codec_audio,
 )
 
 

@@ -37,7 +37,6 @@ import os
 
 import numpy as np
 
-from torchtitan_speechlm.audio import EMPTY, MISSING, BadAudioError, to_codec_audio
 from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem
 from torchtitan_speechlm.prepare.sources.base import (
     PrepareSource,
@@ -45,6 +44,7 @@ from torchtitan_speechlm.prepare.sources.base import (
     SourceRead,
     register_source,
 )
+from torchtitan_speechlm.utils.audio import EMPTY, MISSING, BadAudioError, to_codec_audio
 
 INSTALL = "pip install 'torchtitan-speechlm[lhotse]'"
 PADDING = ("keep", "trim")

@@ -1,0 +1,295 @@
+"""``torchtitan generate`` and ``torchtitan eval``.
+
+    torchtitan generate --model DIR --task tts --text "Hello there." --out out.wav
+    torchtitan generate --model DIR --task asr --audio in.wav
+    torchtitan generate --model DIR --task continuation --audio prompt.wav --out out.wav
+    torchtitan generate --model DIR --task answer --audio question.wav [--text "Who?"]
+    torchtitan generate --model DIR --batch requests.jsonl --out-dir outputs/
+    torchtitan eval --model DIR --valid asr:NAME [--valid tts:NAME] [--valid dialogue:NAME]
+        [--valid-fraction F]
+        [--judge-asr pocketsphinx|DIR|none] [--judge-speaker resemblyzer|DIR|none]
+        [--judge-quality dnsmos|none] [--out results.json] [--report DIR]
+
+DIR is a training checkpoint's step folder (the run's config, vocabulary and codec are found from
+it) or a ``torchtitan export`` folder. A batch file has one JSON object per line: ``{"id": ...,
+"task": "tts", "text": ...}`` or ``{"id": ..., "task": "asr" | "continuation" | "answer",
+"audio": ...}`` (``answer``: and an optional ``text`` instruction);
+each result is written to ``out-dir/ID.wav`` or ``ID.txt`` and a line of ``results.jsonl``.
+``eval`` scores TTS with independent judges (``evaluation/judged.py``) and writes an HTML report
+with ``--report`` (``evaluation/report.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from torchtitan_speechlm.components.dataloader import open_prepared, split_indices
+from torchtitan_speechlm.evaluation import judged
+from torchtitan_speechlm.evaluation.recordings import find_recordings
+from torchtitan_speechlm.evaluation.report import slug, write_report
+from torchtitan_speechlm.generation import tasks
+from torchtitan_speechlm.generation.decode import DecodeConfig
+from torchtitan_speechlm.generation.loading import load_model
+from torchtitan_speechlm.generation.sampling import Sampling
+
+
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--temperature", type=float, default=0.0, help="audio sampling (0 = greedy)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--text-temperature", type=float, default=0.0, help="text (0 = greedy)")
+    g.add_argument("--text-top-k", type=int, default=0)
+    g.add_argument("--text-top-p", type=float, default=1.0)
+    g.add_argument("--cfg-scale", type=float, default=1.0, help="TTS guidance (1 = off)")
+    g.add_argument("--min-frames", type=int, default=1)
+    g.add_argument("--max-frames", type=int, default=500)
+    g.add_argument("--max-text-tokens", type=int, default=200)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
+    g.add_argument("--device", default="cpu")
+
+
+def decode_config(a) -> DecodeConfig:
+    return DecodeConfig(
+        text=Sampling(a.text_temperature, a.text_top_k, a.text_top_p),
+        audio=Sampling(a.temperature, a.top_k, a.top_p),
+        cfg_scale=a.cfg_scale,
+        min_frames=a.min_frames,
+        max_frames=a.max_frames,
+        max_text_tokens=a.max_text_tokens,
+        use_cache=not a.no_cache,
+        seed=a.seed,
+    )
+
+
+def run_request(loaded, req: dict, cfg: DecodeConfig, out: str | None) -> dict:
+    """One request: ``task`` plus ``text`` or ``audio``; writes ``out`` (wav or txt)."""
+    task = req.get("task")
+    if task not in tasks.TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {tasks.TASKS}")
+    if out:
+        tasks.make_parent_folder(out)  # before generating: a bad --out fails at once
+    if task == "tts":
+        if not req.get("text"):
+            raise ValueError("task tts needs a text")
+        codes = tasks.tts(loaded, [req["text"]], cfg)[0]
+    else:
+        if not req.get("audio"):
+            raise ValueError(f"task {task} needs an audio file")
+        if task in ("asr", "answer"):
+            if task == "asr":
+                text = tasks.transcribe(loaded, req["audio"], cfg)
+            else:  # spoken QA: the optional text is the instruction after the audio
+                text = tasks.answer(loaded, req["audio"], req.get("text"), cfg)
+            if out:
+                with open(out, "w") as f:
+                    f.write(text + "\n")
+            return {"task": task, "text": text, "out": out}
+        codes = tasks.continuation(loaded, [tasks.audio_codes(loaded, req["audio"])], cfg)[0]
+    result = {"task": task, "frames": int(len(codes)), "out": out}
+    if out:
+        result["samples"] = tasks.write_wav(loaded, codes, out)
+        result["sample_rate"] = loaded.codec.sample_rate
+    return result
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="torchtitan generate", description="generate with a SpeechLM")
+    p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
+    p.add_argument("--task", help="tts, asr, continuation or answer (spoken QA)")
+    p.add_argument("--text", help="tts: the text to speak; answer: an instruction (optional)")
+    p.add_argument(
+        "--audio", help="asr / continuation / answer: an audio file (any rate, any channels)"
+    )
+    p.add_argument("--out", help="the wav (tts, continuation) or text file (asr, answer)")
+    p.add_argument("--batch", help="a JSONL file of requests")
+    p.add_argument("--out-dir", help="with --batch: where outputs and results.jsonl go")
+    add_decoding_args(p)
+    a = p.parse_args(argv)
+
+    try:
+        loaded = load_model(a.model, a.device)
+        cfg = decode_config(a)
+        if a.batch:
+            return _batch(loaded, a.batch, a.out_dir or ".", cfg)
+        result = run_request(loaded, {"task": a.task, "text": a.text, "audio": a.audio}, cfg, a.out)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"torchtitan generate: error: {e}", file=sys.stderr)
+        return 2
+    print(result["text"] if result["task"] in ("asr", "answer") else json.dumps(result))
+    return 0
+
+
+def _batch(loaded, path: str, out_dir: str, cfg: DecodeConfig) -> int:
+    os.makedirs(out_dir, exist_ok=True)
+    failed = 0
+    with open(path) as f, open(os.path.join(out_dir, "results.jsonl"), "w") as res:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            req = json.loads(line)
+            rid = str(req.get("id", f"line{lineno}"))
+            ext = ".txt" if req.get("task") in ("asr", "answer") else ".wav"
+            try:
+                row = run_request(loaded, req, cfg, os.path.join(out_dir, rid + ext))
+            except (ValueError, OSError) as e:
+                row, failed = {"error": str(e)}, failed + 1
+            res.write(json.dumps({"id": rid, **row}) + "\n")
+    print(f"wrote {os.path.join(out_dir, 'results.jsonl')} ({failed} failed)")
+    return 1 if failed else 0
+
+
+def add_judge_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("judges (independent models scoring TTS; see docs/generation.md)")
+    g.add_argument(
+        "--judge-asr",
+        default="pocketsphinx",
+        metavar="NAME_OR_DIR",
+        help="ASR judge: a judge name, a transformers ASR model folder, or none",
+    )
+    g.add_argument(
+        "--judge-vocabulary",
+        metavar="eval|open|FILE",
+        help="pocketsphinx: eval (default: a free word loop over the set's words), open (its "
+        "shipped LM) or a file of words",
+    )
+    g.add_argument("--judge-grammar", metavar="FILE.jsgf", help="pocketsphinx: a JSGF grammar")
+    g.add_argument(
+        "--judge-speaker",
+        default="resemblyzer",
+        metavar="NAME_OR_DIR",
+        help="speaker judge (SIM): a judge name, a transformers speaker-verification folder, or none",
+    )
+    g.add_argument(
+        "--judge-quality", default="dnsmos", metavar="NAME", help="quality judge: dnsmos or none"
+    )
+    g.add_argument(
+        "--judge-quality-items",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the quality judge scores only the first N items of each TTS set (0: all); "
+        "DNSMOS costs about 1.5 s per short clip, for the generated and the reference audio",
+    )
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="torchtitan eval", description="score a SpeechLM")
+    p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
+    p.add_argument(
+        "--valid",
+        action="append",
+        required=True,
+        metavar="TASK:DATA",
+        help="asr:NAME, tts:NAME or dialogue:NAME (a dataset of the run, or a prepared "
+        "folder; dialogue: the answer each dialogue ends in, e.g. spoken QA)",
+    )
+    p.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.0,
+        help="only the items training held out with this fraction (its id hash)",
+    )
+    p.add_argument("--limit", type=int, default=0, help="at most this many items per set")
+    p.add_argument("--out", metavar="FILE.json", help="write the results as JSON here")
+    p.add_argument(
+        "--report", metavar="DIR", help="write DIR/index.html with audio and spectrograms"
+    )
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress lines on stderr (items done, seconds per phase)",
+    )
+    add_judge_args(p)
+    add_decoding_args(p)
+    a = p.parse_args(argv)
+    try:
+        loaded = load_model(a.model, a.device)
+        cfg, results, sets = decode_config(a), {}, []
+        for spec in a.valid:
+            task, _, name = spec.partition(":")
+            if task not in EVAL_KINDS:
+                raise ValueError(f"--valid {spec!r}: the task is asr, tts or dialogue")
+            items = eval_items(loaded, name, a.valid_fraction, a.limit, EVAL_KINDS[task])
+            sets.append((spec, task, eval_dataset(loaded, name), items))
+        options = judged.JudgeOptions(
+            a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality,
+            a.judge_quality_items,
+        )  # fmt: skip
+        judges = judged.build_judges(
+            options, {s: [it.text for it in items] for s, t, _, items in sets if t == "tts"}
+        )
+
+        manifests: dict = {}  # manifest lines read, shared by the sets
+        for i, (spec, task, path, items) in enumerate(sets):
+            progress = _progress(spec) if a.progress else None
+            if task == "asr":
+                results[spec] = judged.score_asr(loaded, items, cfg, progress=progress)
+            elif task == "dialogue":
+                results[spec] = judged.score_answers(loaded, items, cfg, progress=progress)
+            else:
+                folder = f"{i}-{_slug(spec)}"  # the set's wavs and spectrograms in --report
+                found = find_recordings(path, [it.id for it in items], manifests)
+                results[spec] = judged.score_tts(
+                    loaded, items, cfg, judges[spec], a.report, folder, recordings=found,
+                    progress=progress,
+                )  # fmt: skip
+        if a.report:
+            page = write_report(results, a.report, f"torchtitan eval: {a.model}")
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"torchtitan eval: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    print(judged.format_table(results))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=2)
+    if a.report:
+        print(f"report: {page}")
+    return 0
+
+
+def _progress(spec: str):
+    """Progress lines on stderr: items done and seconds per phase, after each batch."""
+
+    def say(line: str) -> None:
+        print(f"torchtitan eval: {spec}: {line}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def _slug(spec: str) -> str:
+    return slug(spec)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def eval_dataset(loaded, name: str) -> str:
+    """The prepared folder (absolute) of ``name``: a dataset of the run, or a folder."""
+    path = loaded.record.get("datasets", {}).get(name, name)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise ValueError(
+            f"{name!r} is neither a dataset of the run "
+            f"({sorted(loaded.record.get('datasets', {}))}) nor a prepared folder"
+        )
+    return os.path.abspath(path)
+
+
+EVAL_KINDS = {"asr": "speech", "tts": "speech", "dialogue": "dialogue"}  # set -> item kind
+
+
+def eval_items(loaded, name: str, valid_fraction: float, limit: int, kind: str = "speech") -> list:
+    """The items of ``kind`` of ``name`` (``eval_dataset``) to evaluate: all, or those held
+    out with ``valid_fraction``; at most ``limit``."""
+    ds = open_prepared(eval_dataset(loaded, name))
+    split = "valid" if valid_fraction > 0 else "all"
+    idx = [int(i) for i in split_indices(ds.ids, valid_fraction, split) if ds.kinds[i] == kind]
+    if not idx:
+        raise ValueError(f"{name}: no {kind} items to evaluate")
+    return [ds[i] for i in (idx[:limit] if limit else idx)]

@@ -1,0 +1,294 @@
+"""`torchtitan train`: parse and check the config once, then run as this rank, as N local
+ranks (torch's elastic launcher), or as one process.
+
+Every entry point goes through ``torchtitan_args`` (our config module merged, booleans as
+``--section.key true|false``): the console script, ``-m torchtitan_speechlm.train`` under
+torchrun, and the demo. The whole config is validated in the launching process, before any rank
+starts (so a typo costs a second, not a cluster allocation):
+- inside torchrun / SLURM (RANK or SLURM_PROCID set): runs as that rank;
+- with `--nproc-per-node N > 1`: starts N local ranks through torch's own elastic launcher;
+- otherwise: runs one process.
+The device is CUDA + NCCL when a GPU is visible and CPU + gloo otherwise, with no flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import socket
+import sys
+from dataclasses import fields, is_dataclass
+
+from torchtitan_speechlm.components.dataloader import check_data
+from torchtitan_speechlm.components.resume import completed_run_step, resolve_resume
+from torchtitan_speechlm.config import ConfigError, check_toml
+from torchtitan_speechlm.data.external import attach_external_data
+from torchtitan_speechlm.trainer.fault_injection import ENV as FAULTS_ENV
+from torchtitan_speechlm.trainer.fault_injection import install as install_fault_injection
+from torchtitan_speechlm.trainer.faults import exit_on_user_fault
+from torchtitan_speechlm.trainer.preflight import (
+    check_training_data,
+    preflight,
+    validate_job_config,
+)
+from torchtitan_speechlm.trainer.run_context import REGISTERED_VALUES, is_speechlm
+from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
+from torchtitan_speechlm.utils.compat import run_torchtitan_main
+
+CONFIG_MODULE = "torchtitan_speechlm.config"
+
+
+def _split_launcher_args(args: list[str]) -> tuple[int, list[str]]:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    known, rest = parser.parse_known_args(args)
+    if known.nproc_per_node < 1:
+        raise SystemExit("torchtitan train: --nproc-per-node must be >= 1")
+    return known.nproc_per_node, rest
+
+
+def with_config_module(args: list[str]) -> list[str]:
+    """Make sure torchtitan merges our [speechlm] sections even if the TOML does not say so."""
+    if any(
+        a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module")
+        for a in args
+    ):
+        return args
+    return [*args, "--job.custom_config_module", CONFIG_MODULE]
+
+
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _bool_fields(config_cls) -> set[str]:
+    out = set()
+    for section in fields(config_cls):
+        if is_dataclass(section.type):
+            out |= {f"{section.name}.{f.name}" for f in fields(section.type) if f.type is bool}
+    return out
+
+
+def normalise_bool_flags(args: list[str]) -> list[str]:
+    """`--section.key false` -> tyro's `--section.no_key` (and `true` -> `--section.key`)."""
+    from torchtitan.config import ConfigManager
+
+    manager = ConfigManager()
+    bools = _bool_fields(manager._maybe_add_custom_config(args, manager._maybe_load_toml(args)))
+    out, i = [], 0
+    while i < len(args):
+        key, eq, val = args[i].partition("=")
+        name = key[2:].replace("-", "_") if key.startswith("--") else ""
+        if name in bools:
+            if not eq and i + 1 < len(args) and args[i + 1].lower() in _BOOL_WORDS:
+                val, i = args[i + 1], i + 1
+            if val:
+                if val.lower() not in _BOOL_WORDS:
+                    raise SystemExit(f"torchtitan train: {key} takes true or false, not {val!r}")
+                section, _, field = name.partition(".")
+                key = f"--{name}" if _BOOL_WORDS[val.lower()] else f"--{section}.no_{field}"
+            out.append(key)
+        else:
+            out.append(args[i])
+        i += 1
+    return out
+
+
+def torchtitan_args(args: list[str]) -> list[str]:
+    """The one parser path of every entry point (``torchtitan train``, ``-m
+    torchtitan_speechlm.train`` under torchrun, the demo): our config module merged, and
+    ``--section.flag true|false`` turned into tyro's form."""
+    return normalise_bool_flags(with_config_module(args))
+
+
+def import_extensions(args: list[str], toml_values: dict | None) -> None:
+    """Import ``experimental.custom_import`` here too, as torchtitan does in every rank, so the
+    codecs, patterns, tasks, backbones and specs it registers are known to the checks below."""
+    name = (toml_values or {}).get("experimental", {}).get("custom_import", "")
+    for i, a in enumerate(args):
+        key, eq, val = a.partition("=")
+        if key in ("--experimental.custom_import", "--experimental.custom-import"):
+            name = val if eq else (args[i + 1] if i + 1 < len(args) else "")
+    if name:
+        importlib.import_module(name)
+
+
+def check_config(args: list[str], external=None):
+    """Parse and validate exactly as the ranks will; raises ConfigError / FileNotFoundError.
+    ``external``: a Python data object (data/external.py) to train on instead of
+    ``[speechlm_data]`` (the Python API's EspnetData)."""
+    from torchtitan.config import ConfigManager
+
+    manager = ConfigManager()
+    toml_values = manager._maybe_load_toml(args)
+    import_extensions(args, toml_values)
+    config_cls = manager._maybe_add_custom_config(args, toml_values)
+    if toml_values is not None:
+        path = next(
+            (
+                args[i + 1]
+                for i, a in enumerate(args[:-1])
+                if a in ("--job.config_file", "--job.config-file")
+            ),
+            "config",
+        )
+        check_toml(toml_values, config_cls, source=path, registered=REGISTERED_VALUES)
+    try:
+        job_config = manager.parse_args(args)
+    except SystemExit as e:  # tyro already printed what is wrong with the command line
+        raise ConfigError("invalid command-line override (see above)") from e
+    if external is not None:
+        attach_external_data(job_config, external)
+    validate_job_config(job_config)
+    if is_speechlm(job_config):
+        resolve_resume(job_config)
+        check_data(job_config)
+        check_training_data(job_config)
+    return job_config
+
+
+def already_complete(job_config) -> str | None:
+    """A message if the dump folder already holds the run's last step, else None."""
+    step = completed_run_step(job_config)
+    if step is None:
+        return None
+    dump = job_config.job.dump_folder
+    return (
+        f"the run in {dump} is already complete: {checkpoint_folder(job_config)}/step-{step} "
+        f"is at or past training.steps = {job_config.training.steps}, so there is nothing to "
+        f"train. To continue it, raise --training.steps; to start over, delete {dump} (or "
+        "set another job.dump_folder)"
+    )
+
+
+def set_single_process_env() -> None:
+    """This process becomes rank 0 of a world of 1 (torchtitan reads the torchrun variables)."""
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
+
+
+def _world_size(nproc: int) -> int:
+    """The ranks the job will have: torchrun's / SLURM's when inside one, else ``nproc``."""
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return nproc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _adopt_slurm_env() -> None:
+    """srun without torchrun: map SLURM's variables to torch.distributed's."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        raise SystemExit(
+            "torchtitan train under SLURM needs MASTER_ADDR and MASTER_PORT (e.g. "
+            "MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1))"
+        )
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+
+
+def train_command(args: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in args):
+        print(
+            "usage: torchtitan train --job.config_file FILE.toml [--nproc-per-node N] "
+            "[--section.key value ...]\n"
+        )
+        from torchtitan.config import ConfigManager  # the package already chose the device
+
+        try:  # torchtitan's own option list, with our [speechlm] sections merged in
+            ConfigManager().parse_args(with_config_module(["--help"]))
+        except SystemExit:
+            pass
+        return 0
+    nproc, args = _split_launcher_args(args)
+    args = torchtitan_args(args)
+    try:
+        job_config = check_config(args)
+        if is_speechlm(job_config):
+            preflight(job_config, _world_size(nproc))
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"torchtitan train: config error: {e}", file=sys.stderr)
+        return 2
+    done = already_complete(job_config)
+    if done:
+        print(f"torchtitan train: {done}", file=sys.stderr)
+        return 0
+
+    _adopt_slurm_env()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        return run_worker(args)
+    if nproc == 1:
+        set_single_process_env()
+        return run_worker(args)
+    from torch.distributed.run import get_args_parser, run
+
+    launch = get_args_parser().parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--local-ranks-filter={os.environ.get('LOG_RANK', '0')}",
+            "--role=rank",
+            "--tee=3",
+            "-m",
+            "torchtitan_speechlm.train",
+            *args,
+        ]
+    )
+    try:
+        run(launch)
+    except Exception as e:  # the failing rank already printed why (trainer/faults.py)
+        print(f"torchtitan train: {describe_rank_failures(e)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def describe_rank_failures(exc: BaseException) -> str:
+    """'rank 1 was killed by SIGKILL; rank 0 exited with status 1' from torch's ChildFailedError."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return f"{type(exc).__name__}: a rank failed (see its log above)"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        code = getattr(failure, "exitcode", None)
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
+        parts.append(f"rank {rank} {how}")
+    return "; ".join(parts) + " (each rank's own message is above)"
+
+
+def run_worker(args: list[str]) -> int:
+    """One training rank: torchtitan's own ``main(Trainer)`` after our device selection.
+
+    A fault the user can act on (a config or data error, a non-finite step under
+    ``stop``, a failed checkpoint save, a hung or dead peer) ends the rank with one line naming
+    the rank and the fix instead of a traceback (trainer/faults.py decides which).
+
+    The fault suite's hooks (trainer/fault_injection.py) are installed here, and only when the
+    environment asks for them (``SPEECHLM_FAULTS``): the one place that switch is read."""
+    if os.environ.get(FAULTS_ENV):
+        install_fault_injection(os.environ[FAULTS_ENV])
+    with exit_on_user_fault():
+        run_torchtitan_main(torchtitan_args(args))  # idempotent on already normalised args
+    return 0

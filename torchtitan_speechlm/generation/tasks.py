@@ -1,0 +1,209 @@
+"""The generation tasks on a loaded model: text -> speech, speech -> text, speech continuation.
+
+Prompts are built with the training template (``TemplateBuilder.prefix``), so generation sees
+exactly what training did: ``<bos><|user|><|text|> text <|eot|><|assistant|><|audio|>`` for TTS,
+``<bos><|user|><|audio|> codes <|eot|><|assistant|><|text|>`` for ASR, and ``<bos><|assistant|>
+<|audio|>`` followed by the prompt's own codes for a continuation. For TTS guidance the
+unconditional prompt replaces the text by ``<|cfg_drop|>``, as CFG dropout did in training.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchtitan_speechlm.data.format import to_int16
+from torchtitan_speechlm.data.tasks import Segment, continuous_turn
+from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
+from torchtitan_speechlm.generation.loading import Loaded
+from torchtitan_speechlm.utils.audio import load_audio
+
+TASKS = ("tts", "asr", "continuation", "answer")
+
+
+def text_ids(loaded: Loaded, text: str) -> np.ndarray:
+    if not text or not text.strip():
+        raise ValueError("the text to speak is empty")
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max(ids, default=0) >= loaded.layout.text_size:
+        raise ValueError("the tokenizer gives ids outside the model's text vocabulary")
+    return np.asarray(ids, dtype=np.int64)
+
+
+def audio_codes(loaded: Loaded, wav_path: str) -> np.ndarray:
+    """A wav (any rate, any channels: resampled and downmixed) as codes [F, N]."""
+    codec = loaded.codec
+    return codec.encode([load_audio(wav_path, codec.sample_rate)])[0]
+
+
+def tts(loaded: Loaded, texts: list[str], cfg: DecodeConfig) -> list[np.ndarray]:
+    """Codes [F, N] spoken for each text."""
+    return tts_with_ends(loaded, texts, cfg)[0]
+
+
+def tts_with_ends(
+    loaded: Loaded, texts: list[str], cfg: DecodeConfig
+) -> tuple[list[np.ndarray], list[bool]]:
+    """``tts`` plus, per text, whether the model ended the speech itself (False: the
+    ``max_frames`` limit cut it), which evaluation reports as the end-of-speech rate."""
+    b = loaded.builder
+    prompts = [
+        b.prefix([Segment("user", "text", text_ids(loaded, t))], "assistant", "audio")
+        for t in texts
+    ]
+    uncond = None
+    if cfg.cfg_scale != 1.0:
+        drop = np.array([loaded.layout.special("<|cfg_drop|>") - loaded.layout.text_offset])
+        uncond = [b.prefix([Segment("user", "text", drop)], "assistant", "audio")] * len(texts)
+    decoder = Decoder(loaded.model, cfg)
+    codes = decoder.audio(_fit(loaded, prompts, cfg), uncond)
+    return codes, decoder.ended
+
+
+def asr(loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig) -> list[str]:
+    """The transcript of each utterance's codes."""
+    b = loaded.builder
+    prompts = [b.prefix([Segment("user", "audio", c)], "assistant", "text") for c in codes]
+    ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg))
+    return [loaded.tokenizer.decode(i) for i in ids]
+
+
+def asr_wave(loaded: Loaded, waves: list[np.ndarray], cfg: DecodeConfig) -> list[str]:
+    """The transcript of each waveform (float, or int16 as stored, at the audio encoder's rate)
+    through the model's continuous audio encoder (the ``asr_wave`` template)."""
+    waves = [w if w.dtype == np.int16 else to_int16(w) for w in waves]
+    pairs = [loaded.builder.continuous_prefix(w, "assistant", "text") for w in waves]
+    prompts = _fit(loaded, [p for p, _ in pairs], cfg)
+    ids = Decoder(loaded.model, cfg).text(prompts, [a for _, a in pairs])
+    return [loaded.tokenizer.decode(i) for i in ids]
+
+
+def transcribe_items(loaded: Loaded, items: list, cfg: DecodeConfig) -> list[str]:
+    """The model's transcripts of prepared items (``eval``'s ASR): their waveforms through the
+    audio encoder when the model has one, else their codes."""
+    if loaded.model.args.audio is None:
+        return asr(loaded, [it.audio_codes for it in items], cfg)
+    if any(getattr(it, "wave", None) is None for it in items):
+        raise ValueError(
+            "the model reads audio through its encoder and these items carry no waveforms; "
+            "add them: python -m torchtitan_speechlm.prepare.waveforms PREPARED MANIFEST"
+        )
+    return asr_wave(loaded, [it.wave for it in items], cfg)
+
+
+def question_turns(item, continuous: bool = False) -> list[Segment]:
+    """A dialogue item's turns before its answer: the last turn, which must be assistant
+    text (the answer ``eval`` scores). ``continuous``: the audio turn is the item's waveform
+    (task ``dialogue_wave``), else its codes."""
+    turns = getattr(item, "turns", None) or []
+    if not turns or (turns[-1].role, turns[-1].modality) != ("assistant", "text"):
+        raise ValueError(
+            f"dialogue {item.id!r}: an answer set's dialogues end in an assistant text turn "
+            "(the answer to score)"
+        )
+    segs = [Segment(t.role, t.modality, t.tokens) for t in turns[:-1]]
+    return continuous_turn(segs, item, "dialogue_wave") if continuous else segs
+
+
+def reference_answer(item) -> str:
+    question_turns(item)  # the checks
+    return item.turns[-1].text
+
+
+def answer_items(loaded: Loaded, items: list, cfg: DecodeConfig) -> list[str]:
+    """The model's answer to each dialogue (``eval``'s dialogue sets): its last turn, assistant
+    text, generated after the turns before it. Audio turns are read as the item's waveform
+    through the audio encoder when the model has one (task ``dialogue_wave``), else as codes
+    (task ``dialogue``)."""
+    continuous = loaded.model.args.audio is not None
+    prompts, audio = [], []
+    for it in items:
+        segs = question_turns(it, continuous)
+        frames, waves = loaded.builder.prompt(segs, "assistant", "text", continuous)
+        prompts.append(frames)
+        audio.append(waves)
+    ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg), audio)
+    return [loaded.tokenizer.decode(i) for i in ids]
+
+
+def answer(loaded: Loaded, wav_path: str, instruction: str | None, cfg: DecodeConfig) -> str:
+    """``generate --task answer``: the text answer to a spoken question (the dialogue layout
+    ``[user audio] [user text: instruction, optional] -> [assistant text]``); the audio read
+    through the model's audio encoder when it has one, else as the data codec's codes."""
+    encoder = loaded.model.args.audio
+    if encoder is not None:
+        audio = to_int16(load_audio(wav_path, encoder.sample_rate))
+    else:
+        audio = audio_codes(loaded, wav_path)
+    segs = [Segment("user", "audio", audio)]
+    if instruction:
+        segs.append(Segment("user", "text", text_ids(loaded, instruction)))
+    frames, waves = loaded.builder.prompt(segs, "assistant", "text", encoder is not None)
+    ids = Decoder(loaded.model, cfg).text(_fit(loaded, [frames], cfg), [waves])
+    return loaded.tokenizer.decode(ids[0])
+
+
+def transcribe(loaded: Loaded, wav_path: str, cfg: DecodeConfig) -> str:
+    """``generate --task asr``: a wav through the model's continuous audio encoder when it has
+    one (docs/audio-encoder.md), else as the data codec's codes."""
+    audio = loaded.model.args.audio
+    if audio is not None:
+        return asr_wave(loaded, [load_audio(wav_path, audio.sample_rate)], cfg)[0]
+    return asr(loaded, [audio_codes(loaded, wav_path)], cfg)[0]
+
+
+def continuation(loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig) -> list[np.ndarray]:
+    """Each prompt's codes continued (the result starts with the prompt)."""
+    prompt = loaded.builder.prefix([], "assistant", "audio")
+    return Decoder(loaded.model, cfg).audio(
+        _fit(loaded, [prompt] * len(codes), cfg), known=list(codes)
+    )
+
+
+def _fit(loaded: Loaded, prompts: list[np.ndarray], cfg: DecodeConfig) -> list[np.ndarray]:
+    """Refuse a prompt that leaves no room in the backbone's context."""
+    ctx = int(loaded.model.args.backbone_config.get("max_position_embeddings") or 0)
+    for p in prompts:
+        if ctx and len(p) + 2 > ctx:
+            raise ValueError(
+                f"the prompt takes {len(p)} frames but the model's context is {ctx}; "
+                "use a shorter text or audio"
+            )
+    return prompts
+
+
+def make_parent_folder(path: str) -> None:
+    """Create the folder an output file goes in (``--out new/dir/out.wav``), as a user expects:
+    soundfile would otherwise end in a bare ``LibsndfileError: System error``. Raises OSError
+    naming the path when it cannot (a parent is a file, no permission) or ``path`` is a folder."""
+    import os
+
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise IsADirectoryError(f"cannot write {path}: it is a folder; give a file name")
+    existing = os.path.dirname(full)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise NotADirectoryError(
+            f"cannot write {path}: its folder cannot be created because {existing} is a file"
+        )
+    try:
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+    except OSError as e:
+        raise OSError(
+            f"cannot write {path}: its folder cannot be created ({e.strerror or e})"
+        ) from None
+
+
+def write_wav(loaded: Loaded, codes: np.ndarray, path: str) -> int:
+    """Decode codes with the data's codec and write a wav at its rate (its folder created if
+    missing); returns samples. Raises OSError naming ``path`` if it cannot be written."""
+    import soundfile as sf
+
+    make_parent_folder(path)
+    wav = loaded.codec.decode(codes)
+    try:
+        sf.write(path, wav, loaded.codec.sample_rate)
+    except RuntimeError as e:  # soundfile's LibsndfileError: "System error" and the like
+        raise OSError(f"cannot write {path}: {e}") from None
+    return len(wav)

@@ -1,0 +1,118 @@
+"""Backbones: the decoder families a SpeechLM can run on, behind one small interface.
+
+The SpeechLM owns the multi-stream embedding and the loss head; the backbone is the decoder in
+between (``inputs_embeds`` -> hidden states). A family says how its config is read from a
+checkpoint folder, how the module is built and run, and where its pretrained tensors are. The
+module must expose its decoder blocks as ``.layers`` (FSDP units, activation checkpointing and
+per-layer compile act on them) and be built on the meta device without reading any file.
+
+``hf`` (``hf_backbone.py``) runs transformers' own decoder stacks. Register another family with
+``register_backbone`` and a spec over it with ``spec.register_speechlm_spec`` (docs/extending.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchtitan_speechlm.utils.registry import Registry
+
+
+class Backbone:
+    """Base class of a decoder family; subclass it and ``register_backbone(name, instance)``."""
+
+    name = ""
+    tensor_parallel = (
+        False  # its module takes torchtitan's llama3 TP plan (distributed/parallelize.py)
+    )
+    embed_key: str | None = None  # checkpoint tensor of the text embedding (None: no weights)
+    head_key: str | None = None  # checkpoint tensor of the text output head (tied: embed_key)
+
+    # ---- config ----------------------------------------------------------------------------
+    def read_config(self, path: str) -> dict:
+        """The decoder's config from a checkpoint folder (a JSON-able dict, stored in the model
+        args and the run's checkpoints). Raise FileNotFoundError naming the folder if absent."""
+        raise NotImplementedError
+
+    def text_vocab_size(self, config: dict) -> int:
+        return int(config["vocab_size"])
+
+    def hidden_size(self, config: dict) -> int:
+        return int(config["hidden_size"])
+
+    def num_layers(self, config: dict) -> int:
+        return int(config["num_hidden_layers"])
+
+    def tie_word_embeddings(self, config: dict) -> bool:
+        return bool(config.get("tie_word_embeddings", False))
+
+    def init_std(self, config: dict) -> float:
+        return float(config.get("initializer_range", 0.02))
+
+    def moe(self, config: dict) -> tuple[int, int] | None:
+        """(experts, experts per token) of a mixture-of-experts decoder, else None."""
+        return None
+
+    # ---- module ----------------------------------------------------------------------------
+    def build(self, config: dict, attn_implementation: str) -> nn.Module:
+        """The decoder module (``.layers`` = its blocks), without a token embedding."""
+        raise NotImplementedError
+
+    def run(
+        self,
+        module: nn.Module,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        real: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states [B, T, D], and the MoE load-balance aux loss over the ``real``
+        (non-padding) frames, per frame, or None."""
+        raise NotImplementedError
+
+    def decode(
+        self,
+        module: nn.Module,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache,
+    ) -> tuple[torch.Tensor, object]:
+        """One generation step with a KV cache: hidden states of the new positions and the
+        updated cache (``None`` on the first call). ``attention_mask`` [B, past + new] is 0 on
+        left padding. A family without a cache raises NotImplementedError; generation then
+        recomputes each sequence in full with ``run`` (slower, same tokens)."""
+        raise NotImplementedError
+
+    def reset_buffers(self, module: nn.Module, device: torch.device) -> None:
+        """Recompute non-persistent buffers (e.g. RoPE frequencies) after meta init."""
+
+    # ---- pretrained weights ----------------------------------------------------------------
+    def weights(self, path: str):
+        """A reader of the folder's tensors (``name in reader``, ``reader.get(name)``), or None
+        when the folder has no weights (random init)."""
+        return None
+
+    def checkpoint_key(self, name: str) -> str | None:
+        """The checkpoint tensor of our decoder parameter ``name`` (``backbone.<...>``)."""
+        return None
+
+    def from_checkpoint(self, name: str, tensor: torch.Tensor, config: dict) -> torch.Tensor:
+        """A checkpoint tensor in our parameter ``name``'s layout (identity unless the layouts
+        differ, e.g. a permuted projection)."""
+        return tensor
+
+    def to_checkpoint(self, name: str, tensor: torch.Tensor, config: dict) -> torch.Tensor:
+        """Inverse of ``from_checkpoint``."""
+        return tensor
+
+
+BACKBONES: Registry[Backbone] = Registry("backbone")
+
+
+def register_backbone(name: str, backbone: Backbone) -> Backbone:
+    backbone.name = name
+    return BACKBONES.register(name, backbone)
+
+
+def get_backbone(name: str) -> Backbone:
+    return BACKBONES.get(name, "backbone")

@@ -1,0 +1,93 @@
+"""``{dump_folder}/speechlm_run.json``: what a run's checkpoints hold, written at training start.
+
+A DCP checkpoint holds tensors only. Exporting it, generating from it or starting another run
+from its weights needs the model's shape and meaning: the resolved model args (backbone family
+and config, vocabulary layout, pattern, tied head), the codec and tokenizer the data was made
+with, and the backbone folder. Rank 0 writes them next to ``vocab.json``; a rerun refuses a
+record of another model (the same rule as vocab.json), so a dump folder never mixes two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+
+from torchtitan_speechlm.utils.fileio import write_json_atomic
+
+RUN_RECORD = "speechlm_run.json"
+RECORD_VERSION = 1
+# the model args that define the parameters and what they mean (others may change on resume)
+IDENTITY_KEYS = ("backbone", "backbone_config", "vocab", "pattern", "tie_embeddings")
+
+
+class RunRecordError(ValueError):
+    """A run record is missing or belongs to another model; the message says what to do."""
+
+
+def model_record(args) -> dict:
+    """The model args as JSON would give them back (lists, not tuples)."""
+    return json.loads(json.dumps({k: v for k, v in asdict(args).items() if k != "hf_assets_path"}))
+
+
+def record_run(job_config, args, ctx) -> dict:
+    """Write (rank 0) or check the record of this run's model; returns it."""
+    record = {
+        "version": RECORD_VERSION,
+        "model_name": job_config.model.name,
+        "flavor": job_config.model.flavor,
+        "model_args": model_record(args),
+        "hf_assets_path": os.path.abspath(ctx.backbone_path),
+        "codec": ctx.codec,
+        "tokenizer": next(iter(ctx.metadata.values()))["tokenizer"],
+        "datasets": {name: os.path.abspath(p) for name, p in ctx.datasets.items()},
+    }
+    path = os.path.join(job_config.job.dump_folder, RUN_RECORD)
+    if os.path.isfile(path):
+        check_same_model(read_run_record(path), record["model_args"], path)
+    elif int(os.environ.get("RANK", "0")) == 0:
+        os.makedirs(job_config.job.dump_folder, exist_ok=True)
+        write_json_atomic(path, record)
+    return record
+
+
+def read_run_record(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise RunRecordError(
+            f"{path} not found: it is written by `torchtitan train` when a run starts; the "
+            "checkpoint must sit in {dump_folder}/{checkpoint.folder}/step-N of such a run"
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_same_model(record: dict, model_args: dict, where: str) -> None:
+    """Raise naming the first identity key that differs (vocabulary, pattern, streams...)."""
+    old = record.get("model_args", record)
+    for key in IDENTITY_KEYS:
+        if old.get(key) != model_args.get(key):
+            raise RunRecordError(
+                f"{where} was made with another model: {key} differs ({_short(old.get(key))} vs "
+                f"{_short(model_args.get(key))}); use a new dump_folder (or the original "
+                "backbone, datasets and [speechlm] settings)"
+            )
+    # LoRA's settings (empty: none) define the adapters and what they compute (alpha / rank):
+    # an export rebuilds them from the record, so a resumed run may not change them
+    if (old.get("lora") or {}) != (model_args.get("lora") or {}):
+        raise RunRecordError(
+            f"{where} was made with other LoRA settings ({_short(old.get('lora') or {})} vs "
+            f"{_short(model_args.get('lora') or {})}; empty: no LoRA); resume with the same "
+            "model.converters and [lora] values, or use a new dump_folder (start from this run "
+            "with speechlm.init_from = a merged `torchtitan export` of it)"
+        )
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) < 120 else text[:117] + "..."
+
+
+def record_for_checkpoint(step_dir: str) -> dict:
+    """The run record of a ``{dump}/{folder}/step-N`` checkpoint."""
+    dump = os.path.dirname(os.path.dirname(os.path.abspath(step_dir)))
+    return read_run_record(os.path.join(dump, RUN_RECORD))

@@ -1,1 +1,0 @@
-"""Small standalone tools (reading offline wandb runs back without syncing)."""

@@ -1,0 +1,90 @@
+"""How a training rank ends on a fault the user can act on: one line, no traceback.
+
+A multi-day run that stops should say why in words a user can act on: which file, key, step,
+sample or rank, and what to do. Tracebacks stay for what is a bug (an exception not listed
+here). ``exit_on_user_fault`` wraps a rank's run (launch.run_worker): it prints
+``torchtitan train: rank R: <message>`` and ends the process with status 1 without
+interpreter teardown (gloo threads may still be blocked in a collective with a dead peer).
+
+Collective failures (a peer hung past ``comm.*_timeout_seconds``, or dead) are rewritten to
+name the collective (from the stack) and the peer ranks that stopped beating
+(components/heartbeat.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+
+from torchtitan_speechlm.components.heartbeat import HEARTBEAT
+from torchtitan_speechlm.components.nonfinite import NonFiniteError
+from torchtitan_speechlm.components.resume import ResumeError
+from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.data.format import CorruptDatasetError
+from torchtitan_speechlm.data.stream import DataLengthError, StreamResumeError
+from torchtitan_speechlm.model.run_record import RunRecordError
+from torchtitan_speechlm.model.vocab import VocabMismatchError
+from torchtitan_speechlm.utils.collective_errors import collective_of, is_collective_failure
+from torchtitan_speechlm.utils.compat import CheckpointSaveError
+
+
+def user_fault_types() -> tuple[type[BaseException], ...]:
+    """Exceptions whose message already says what happened and what to do."""
+    return (
+        ConfigError,
+        CorruptDatasetError,
+        RunRecordError,
+        ResumeError,
+        VocabMismatchError,
+        DataLengthError,
+        StreamResumeError,
+        NonFiniteError,
+        CheckpointSaveError,
+    )
+
+
+def describe_collective_failure(exc: BaseException) -> str:
+    rank = os.environ.get("RANK", "0")
+    # said at once: the launcher may end this process while the heartbeats are read
+    print(
+        f"torchtitan train: rank {rank}: collective {collective_of(exc)} failed; looking for "
+        "the silent peer rank",
+        file=sys.stderr,
+        flush=True,
+    )
+    stale = HEARTBEAT.silent_ranks()
+    if stale:
+        who = f"rank(s) {', '.join(map(str, stale))} stopped responding (hung or dead)"
+    elif stale is None:
+        who = "a peer rank stopped responding (hung or dead; the heartbeat store is gone too)"
+    else:
+        who = "no peer was silent: the network or the backend failed"
+    first_line = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    return (
+        f"collective {collective_of(exc)} failed on rank {rank}: {who}. Backend said: "
+        f"{first_line}. The wait is bounded by comm.train_timeout_seconds (after step 1) and "
+        "comm.init_timeout_seconds (before); rerun to resume from the newest checkpoint, after "
+        "checking the named rank's host"
+    )
+
+
+@contextmanager
+def exit_on_user_fault():
+    """Run a rank; on a user fault print one line and end the process with status 1."""
+    try:
+        yield
+    except BaseException as e:  # DCP wraps some failures in a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        if isinstance(e, user_fault_types()):
+            message = str(e)
+        elif is_collective_failure(e):
+            message = describe_collective_failure(e)
+        else:
+            raise
+        rank = os.environ.get("RANK", "0")
+        print(f"torchtitan train: rank {rank}: {type(e).__name__}: {message}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

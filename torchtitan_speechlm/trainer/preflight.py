@@ -1,0 +1,432 @@
+"""Start-up checks of the job, before any rank starts: what the config's values meet.
+
+``validate_job_config`` (every process: the launcher, each rank, through the spec's model args)
+checks single values (config.check_values), resolves the run once (trainer/run_context.py) and checks
+what needs it: the parallel layout against the backbone, keys that contradict each other. The
+rest runs once in the launching process (``preflight``, ``check_training_data``):
+the world size (parallel degrees and batch divisibility, which torchtitan only asserts inside
+every rank), keys that contradict each other (torchtitan asserts those in the middle of a run,
+some at the last save), the dump folder (writable? room for a checkpoint?) and the checkpoints
+already in it (made for this model?). Each error names the key or path and the fix; the free
+space check only warns (a checkpoint size is an estimate).
+
+``torchtitan train`` runs ``preflight`` once in the launching process; ranks started by another
+launcher (torchrun) run ``check_layout`` themselves from ``validate_job_config``. The text
+tokenizer's round trip on the stored data (``check_training_data``) uses data/tokenizer_check.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Callable
+from copy import deepcopy
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torchtitan.protocols.train_spec import get_train_spec
+
+from torchtitan_speechlm.components.dataloader import open_prepared
+from torchtitan_speechlm.config import ConfigError, check_values
+from torchtitan_speechlm.data.external import external_data
+from torchtitan_speechlm.data.tokenizer_check import (
+    TRAIN_ACCEPT,
+    LossyTokenizerError,
+    dataset_samples,
+    enforce,
+    find_tokenizer,
+    roundtrip_report,
+)
+from torchtitan_speechlm.distributed.parallelize import apply_freeze, check_parallelism
+from torchtitan_speechlm.model.lora import (
+    CONVERTER,
+    LoraError,
+    apply_lora,
+    check_settings,
+    peft_module,
+)
+from torchtitan_speechlm.model.model import canonical_name
+from torchtitan_speechlm.model.run_record import (
+    RUN_RECORD,
+    RunRecordError,
+    check_same_model,
+    model_record,
+    read_run_record,
+)
+from torchtitan_speechlm.trainer.run_context import (
+    fill_model_args,
+    is_speechlm,
+    lora_settings,
+    run_context,
+)
+from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
+
+ADAMW_BYTES_PER_PARAM = 4 + 8  # fp32 weights + AdamW's two fp32 moments
+
+
+def validate_job_config(job_config) -> None:
+    """The checks every process runs (raise ConfigError naming the key and the fix): single
+    values, then the resolved run (built here, once), the parallel layout for its backbone,
+    contradicting keys, and inside a rank the world size."""
+    if not is_speechlm(job_config):
+        return
+    check_values(job_config)
+    ctx = run_context(job_config)
+    try:
+        check_parallelism(job_config, ctx.family)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_conflicts(job_config)
+    check_lora(job_config)
+    if "WORLD_SIZE" in os.environ:  # a rank (the launcher checks with --nproc-per-node)
+        check_layout(job_config, int(os.environ["WORLD_SIZE"]))
+
+
+def data_parallel_degree(job_config, world_size: int) -> int:
+    """torchtitan's data-parallel degree (replicate x shard, shard = -1 filling the rest)."""
+    p = job_config.parallelism
+    other = p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        shard = world_size // max(1, other * p.data_parallel_replicate_degree)
+    return p.data_parallel_replicate_degree * shard
+
+
+def check_layout(job_config, world_size: int) -> None:
+    """Parallel degrees that fit ``world_size``; a global batch that splits into micro-batches."""
+    p = job_config.parallelism
+    degrees = {
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "data_parallel_shard_degree": p.data_parallel_shard_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+    }
+    for key, value in degrees.items():
+        if value < 1 and not (key == "data_parallel_shard_degree" and value == -1):
+            raise ConfigError(f"parallelism.{key} = {value}: must be >= 1 (shard degree: or -1)")
+    fixed = 1
+    for value in degrees.values():
+        if value != -1:
+            fixed *= value
+    names = " x ".join(f"{k} ({v})" for k, v in degrees.items() if v != 1)
+    if p.data_parallel_shard_degree == -1:
+        if world_size % fixed:
+            raise ConfigError(
+                f"parallelism: {names or 'the degrees'} = {fixed} does not divide the job's "
+                f"{world_size} ranks: make the product of the fixed degrees a divisor of "
+                f"{world_size} (data_parallel_shard_degree = -1 takes the rest), or start "
+                f"{fixed} x k ranks (--nproc-per-node)"
+            )
+    elif fixed != world_size:
+        raise ConfigError(
+            f"parallelism: {names or 'all degrees 1'} = {fixed} ranks, but the job has "
+            f"{world_size} (--nproc-per-node / WORLD_SIZE): make the product {world_size}, e.g. "
+            "set parallelism.data_parallel_shard_degree = -1 (it fills the rest)"
+        )
+    t = job_config.training
+    dp = data_parallel_degree(job_config, world_size)
+    if t.global_batch_size > 0 and t.global_batch_size % (t.local_batch_size * dp):
+        step = t.local_batch_size * dp
+        lower = max(step, t.global_batch_size // step * step)
+        raise ConfigError(
+            f"training.global_batch_size = {t.global_batch_size} is not a multiple of "
+            f"training.local_batch_size ({t.local_batch_size}) x the data-parallel degree ({dp})"
+            f" = {step}: set global_batch_size to a multiple of {step} (e.g. {lower} or "
+            f"{lower + step}), or change local_batch_size"
+        )
+
+
+def check_conflicts(job_config) -> None:
+    """Pairs of keys torchtitan would refuse only inside the ranks, some at the last step."""
+    c = job_config.checkpoint
+    if c.keep_latest_k == 1:
+        raise ConfigError(
+            "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2 (the newest may be "
+            "being written when the older one is purged); set 2 or more, or 0 to keep all"
+        )
+    if c.last_save_in_hf and not c.last_save_model_only:
+        raise ConfigError(
+            "checkpoint.last_save_in_hf = true needs checkpoint.last_save_model_only = true "
+            "(safetensors hold weights only); set both, or use `torchtitan export` after training"
+        )
+    if c.initial_load_in_hf and not c.initial_load_model_only:
+        raise ConfigError(
+            "checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_model_only = "
+            "true (an HF folder holds weights only)"
+        )
+    if c.enable and c.interval < 1:
+        raise ConfigError(f"checkpoint.interval = {c.interval}: must be >= 1")
+    if job_config.training.steps < 1:
+        raise ConfigError(f"training.steps = {job_config.training.steps}: must be >= 1")
+
+
+def check_lora(job_config) -> None:
+    """LoRA's settings, PEFT installed, and the options LoRA cannot work with."""
+    converters = list(job_config.model.converters)
+    if CONVERTER not in converters:
+        return
+    try:
+        check_settings(lora_settings(job_config))
+        peft_module()
+    except LoraError as e:
+        raise ConfigError(str(e)) from None
+    others = [c for c in converters if c != CONVERTER]
+    if others:
+        raise ConfigError(
+            f"model.converters = {converters}: LoRA cannot be combined with {others} (they "
+            "replace the same nn.Linear layers LoRA wraps; a float8/MX base layer under PEFT's "
+            'adapters is not supported): keep ["lora"] alone'
+        )
+    c = job_config.checkpoint
+    for key in ("initial_load_in_hf", "last_save_in_hf"):
+        if getattr(c, key):
+            raise ConfigError(
+                f"checkpoint.{key} = true with LoRA: an HF checkpoint has no adapters. Start "
+                "from the backbone (model.hf_assets_path) or an export (speechlm.init_from), "
+                "and write HF folders with `torchtitan export` (merged, or --adapter)"
+            )
+
+
+def check_trainable(job_config, model) -> None:
+    """With LoRA, something must still train after speechlm.freeze."""
+    if CONVERTER not in job_config.model.converters:
+        return
+    try:
+        apply_freeze(model, job_config.speechlm.freeze)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            f"speechlm.freeze = {job_config.speechlm.freeze} freezes every LoRA adapter and "
+            "lora.train_audio_rows / train_head are false: nothing would train. Remove the "
+            "prefixes that cover the adapters (backbone..., the wrapped layers), or narrow "
+            "lora.target_modules instead"
+        )
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_dump_folder(job_config) -> None:
+    """The dump folder (and its checkpoint folder) can be created and written: probe it by
+    creating what is missing and a file in it.
+
+    The launching process removes what its probe made (a config error found later leaves
+    nothing behind). A rank of a multi-rank job (``WORLD_SIZE`` > 1: torchrun or srun starting
+    ``torchtitan train`` on every rank) keeps the folders: its peers probe the same folders at
+    the same time, and one rank's clean-up removed the folder under another's probe (a fresh run
+    folder on shared storage, the normal case on a cluster, failed "not writable")."""
+    keep = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    folders = [job_config.job.dump_folder]
+    if job_config.checkpoint.enable:
+        folders.append(checkpoint_folder(job_config))
+    for folder in folders:
+        existing = _nearest_existing(folder)
+        if not os.path.isdir(existing):
+            raise ConfigError(
+                f"job.dump_folder: {folder} cannot be created because {existing} is a file; "
+                "choose another folder (--job.dump_folder PATH)"
+            )
+        made = []
+        try:
+            missing = []
+            path = os.path.abspath(folder)
+            while not os.path.exists(path):
+                missing.append(path)
+                path = os.path.dirname(path)
+            for path in reversed(missing):
+                try:
+                    os.mkdir(path)
+                    made.append(path)
+                except FileExistsError:  # a peer rank made it first
+                    pass
+            probe = os.path.join(
+                folder, f".speechlm-write-probe-{socket.gethostname()}-{os.getpid()}"
+            )
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(
+                f"job.dump_folder: {folder} is not writable ({e.strerror or e}); checkpoints, "
+                "logs and metrics go there: fix its permissions or choose another folder "
+                "(--job.dump_folder PATH)"
+            ) from None
+        finally:
+            for path in reversed(made if not keep else []):
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    pass
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+    )
+
+
+def _meta_model(job_config):
+    """The job's model on the meta device (no memory, no weights read)."""
+    spec = get_train_spec(job_config.model.name)
+    args = deepcopy(spec.model_args[job_config.model.flavor])
+    fill_model_args(args, job_config)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    if args.lora:  # what the lora converter does in the ranks
+        try:
+            apply_lora(model, args.lora)
+        except LoraError as e:
+            raise ConfigError(str(e)) from None
+    return model, args
+
+
+def expected_checkpoint_bytes(job_config, model=None) -> int:
+    """Size of one checkpoint: the newest complete one if there is one, else an estimate
+    (parameters x (fp32 weight + AdamW's two moments))."""
+    folder = checkpoint_folder(job_config)
+    done = complete_checkpoints(folder)
+    if done:
+        return _folder_bytes(os.path.join(folder, f"step-{done[-1]}"))
+    if model is None:
+        model, _ = _meta_model(job_config)
+    return sum(p.numel() for p in model.parameters()) * ADAMW_BYTES_PER_PARAM
+
+
+def check_free_space(job_config, model=None, warn=None) -> str | None:
+    """A warning (returned and passed to ``warn``) if the checkpoint folder's disk has less
+    free space than one checkpoint needs; None when there is room or checkpoints are off."""
+    if not job_config.checkpoint.enable:
+        return None
+    folder = checkpoint_folder(job_config)
+    need = expected_checkpoint_bytes(job_config, model)
+    free = shutil.disk_usage(_nearest_existing(folder)).free
+    if free >= need:
+        return None
+    k = job_config.checkpoint.keep_latest_k
+    keep = f"keep_latest_k = {k} keeps up to {k + 1} at a time" if k else "all are kept"
+    message = (
+        f"only {human_bytes(free)} free on the disk of {folder}, but one checkpoint needs "
+        f"about {human_bytes(need)} ({keep}): the first save will fail. Free space, point "
+        "job.dump_folder elsewhere, or lower checkpoint.keep_latest_k"
+    )
+    (warn or (lambda m: print(f"torchtitan train: warning: {m}", file=sys.stderr)))(message)
+    return message
+
+
+def check_checkpoints_fit(job_config, model) -> None:
+    """The newest complete checkpoint holds this model's parameters with these shapes (one
+    from another run's vocabulary, pattern or backbone would fail deep inside DCP)."""
+    if not job_config.checkpoint.enable:
+        return
+    folder = checkpoint_folder(job_config)
+    done = complete_checkpoints(folder)
+    step = job_config.checkpoint.load_step
+    if step >= 0 and step not in done and step != 0:
+        raise ConfigError(
+            f"checkpoint.load_step = {step}: {folder} has no complete step-{step} (complete: "
+            f"{done or 'none'}); choose one of those, or -1 for the newest"
+        )
+    if not done:
+        return
+    step = step if step > 0 else done[-1]
+    path = os.path.join(folder, f"step-{step}")
+    try:
+        saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise ConfigError(
+            f"{path} is not a readable checkpoint ({e}); delete it to resume from the one "
+            "before, or use another job.dump_folder"
+        ) from None
+    for name, param in model.named_parameters():
+        key = canonical_name(name)
+        meta = saved.get(key)
+        if meta is None:
+            raise ConfigError(
+                f"{path} was written by another model: it has no parameter {key!r} (made with "
+                "another backbone, vocabulary, pattern or tie setting). Use a new "
+                "job.dump_folder, or the original model settings to resume it"
+            )
+        size = tuple(getattr(meta, "size", ()))
+        if size and size != tuple(param.shape):
+            raise ConfigError(
+                f"{path} was written by another model: {key} has shape {list(size)} there but "
+                f"{list(param.shape)} here (another vocabulary, codec or backbone size). Use a "
+                "new job.dump_folder, or the original model settings to resume it"
+            )
+
+
+def check_run_record(job_config, args) -> None:
+    """The dump folder's speechlm_run.json describes this model (else the rank would refuse
+    it, after start-up)."""
+    path = os.path.join(job_config.job.dump_folder, RUN_RECORD)
+    if os.path.isfile(path):
+        try:
+            check_same_model(read_run_record(path), model_record(args), path)
+        except RunRecordError as e:
+            raise ConfigError(str(e)) from None
+
+
+def preflight(job_config, world_size: int) -> None:
+    """Every start-up check, in the launching process (raises ConfigError; warns on stderr)."""
+    check_layout(job_config, world_size)
+    check_conflicts(job_config)
+    check_dump_folder(job_config)
+    model, args = _meta_model(job_config)
+    check_run_record(job_config, args)
+    check_checkpoints_fit(job_config, model)
+    check_free_space(job_config, model)
+    check_trainable(job_config, model)
+
+
+def check_training_data(job_config, warn: Callable[[str], None] | None = None) -> None:
+    """train's check of every dataset the run reads (before any rank starts): decode stored ids
+    of a sample of items and compare them with the stored texts; raises ``ConfigError``."""
+    if external_data(job_config) is not None:  # a Python data object: no prepared texts
+        return
+    warn = warn or (lambda m: print(f"torchtitan train: warning: {m}", file=sys.stderr))
+    ctx, data = run_context(job_config), job_config.speechlm_data
+    used = {e.dataset for e in ctx.train}
+    used |= {e.dataset for entries, _ in ctx.valid.values() for e in entries}
+    tokenizers: dict[str, tuple] = {}
+    for name, path in ctx.datasets.items():
+        if name not in used:
+            continue
+        meta = ctx.metadata[name]
+        key = str(meta.get("tokenizer", {}).get("hash"))
+        if key not in tokenizers:
+            tokenizers[key] = find_tokenizer(meta, ctx.backbone_path)
+        tok, tok_path = tokenizers[key]
+        label = tok_path
+        if tok is not None:
+            ds = open_prepared(os.path.abspath(path), data.verify_shards)
+            report = roundtrip_report(tok, dataset_samples(ds, f"dataset {name!r}"))
+        else:
+            report = meta.get("tokenizer_roundtrip")
+            if report is None:
+                warn(
+                    f"cannot check that the text tokenizer reproduces dataset {name!r}'s "
+                    f"texts: its tokenizer {tok_path} is not found (nor in model.hf_assets_path) "
+                    "and the dataset was prepared before prepare recorded that check"
+                )
+                continue
+            label = f"{tok_path} (as torchtitan prepare recorded; that folder is not found)"
+        try:
+            enforce(report, label, data.allow_lossy_tokenizer, TRAIN_ACCEPT, warn)
+        except LossyTokenizerError as e:
+            raise ConfigError(f"dataset {name!r}: {e}") from None

@@ -1,0 +1,339 @@
+"""Every workaround for a torchtitan 0.2.2 / torch limitation lives here, and only here.
+
+torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
+backend we apply four small, idempotent fixes. Each names the upstream code it works around and
+has an upstreamable diff under ``patches/`` (same numbering):
+
+1. ``torchtitan/tools/utils.py::get_device_info`` caches ``_get_available_device_type() or "cuda"``
+   at import time, so with no accelerator every module binds ``device_type = "cuda"``.
+   -> ``use_cpu_when_no_accelerator()`` makes torch report "cpu" *before* torchtitan is imported.
+   (patches/0001-cpu-device-fallback.diff)
+2. ``torchtitan/components/metrics.py::DeviceMemoryMonitor`` calls ``torch.cpu.get_device_name``
+   and ``memory_stats``, which do not exist. -> a ``CPUMemoryMonitor`` reporting process RSS.
+   (patches/0002-cpu-memory-monitor.diff)
+3. gloo has no ``ReduceOp.PREMUL_SUM``, which FSDP2 uses for reduce-scatter when a gradient divide
+   factor is set (torchtitan's ``disable_fsdp_gradient_division`` sets it to 1.0).
+   -> ``force_sum_reduction_on_cpu(model)`` switches FSDP modules to plain SUM. Exact, because the
+   factor is 1.0. (patches/0003-gloo-fsdp-sum-reduction.diff)
+4. ``torchtitan/distributed/utils.py::set_pg_timeouts`` calls ``barrier(device_ids=[...])``,
+   which gloo rejects. -> a plain barrier on CPU. (patches/0004-gloo-barrier.diff)
+
+Two more, not about CPUs:
+
+5. ``torchtitan/config/manager.py::ConfigManager.parse_args(args=sys.argv[1:])`` binds its default
+   when the module is imported, so a console script with subcommands (``torchtitan train ...``)
+   cannot hand ``torchtitan.train.main`` its arguments. -> ``run_torchtitan_main(args)`` rebinds
+   the default for this call. (patches/0005-parse-args-default.diff)
+
+6. ``torchtitan/train.py::Trainer.train_step`` accumulates micro-batch gradients without
+   telling DDP (``replicate``) which backward is the last, so every backward all-reduces the
+   *accumulated* ``.grad``; with SUM reduction (fix 7, ``sum_gradients_in_ddp``) earlier
+   micro-batches are then counted once per rank (a wrong gradient with
+   DDP + ``global_batch_size`` > local x dp). -> ``sync_gradients_on_last_microbatch`` toggles
+   gradient sync from a forward pre-hook that counts training micro-batches; for HSDP it also
+   defers FSDP2's replica all-reduce to the last micro-batch (less traffic, same result).
+   (patches/0006-ddp-grad-accumulation-sync.diff)
+
+7. ``torchtitan/models/llama3/infra/parallelize.py::apply_ddp`` keeps DDP's default *mean*
+   all-reduce, but the train step backpropagates ``local loss sum / global loss count``, so DDP
+   gradients (and grad_norm, clipping) are 1/world_size too small (proposed upstream fix: pytorch/torchtitan PR #2323).
+   -> ``sum_gradients_in_ddp`` registers a SUM comm hook. (patches/0007-ddp-sum-gradients.diff)
+
+9. ``torchtitan/components/checkpoint.py::CheckpointManager._purge_stale_checkpoints`` counts
+   every ``step-N`` folder toward ``keep_latest_k``, also half-written ones (a save killed
+   mid-write, an async save in flight), so it could delete the last *complete* checkpoint while
+   no newer one was complete. ``dcp_save`` writes into a folder that may still hold an older
+   ``.metadata`` (a resave after a resume from an earlier step), so a crash mid-write left an old
+   index over new data; and a failed write (a full disk) surfaced as DCP's multi-rank traceback.
+   -> ``install_checkpoint_safety`` purges among complete checkpoints only (plus half-written
+   folders older than the newest complete one), removes a stale ``.metadata`` before the
+   ranks write, and turns a failed save into ``CheckpointSaveError`` naming the folder, the
+   error (ENOSPC...) and the intact checkpoint a rerun resumes from.
+   (patches/0008-checkpoint-purge-complete-only.diff)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import sys
+from collections import namedtuple
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_speechlm.utils.checkpoint_folders import complete_checkpoints
+from torchtitan_speechlm.utils.collective_errors import is_collective_failure
+
+
+def accelerator_available() -> bool:
+    """True when CUDA (or another torch accelerator) is usable in this process."""
+    return torch.cuda.is_available()
+
+
+def use_cpu_when_no_accelerator() -> None:
+    """Fix 1: must run before the first ``import torchtitan``.
+
+    torch's ``_get_available_device_type`` returns None without an accelerator and torchtitan then
+    falls back to "cuda". Returning "cpu" makes torchtitan pick ``torch.cpu`` and gloo.
+    """
+    import torch._utils as tu
+
+    if accelerator_available() or getattr(tu, "_speechlm_cpu_patched", False):
+        return
+    if "torchtitan.tools.utils" in sys.modules:
+        # Too late for this process: torchtitan already cached "cuda". Say so instead of failing
+        # later with an obscure CUDA error.
+        import torchtitan.tools.utils as tt_utils
+
+        if tt_utils.device_type != "cpu":
+            raise RuntimeError(
+                "torchtitan was imported before torchtitan_speechlm could select the CPU device. "
+                "Import torchtitan_speechlm first, or use the `torchtitan train` console script."
+            )
+    original = tu._get_available_device_type
+    tu._get_available_device_type = lambda: original() or "cpu"
+    tu._speechlm_cpu_patched = True
+
+
+DeviceMemStats = namedtuple(
+    "DeviceMemStats",
+    [
+        "max_active_gib",
+        "max_active_pct",
+        "max_reserved_gib",
+        "max_reserved_pct",
+        "num_alloc_retries",
+        "num_ooms",
+    ],
+)
+
+
+class CPUMemoryMonitor:
+    """Fix 2: same interface as torchtitan's DeviceMemoryMonitor, reporting peak RSS."""
+
+    device_name = "cpu"
+
+    def __init__(self) -> None:
+        try:
+            import os
+
+            pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+            self.device_capacity = pages * page
+        except (ValueError, OSError, AttributeError):
+            self.device_capacity = 1
+        self.device_capacity_gib = self.device_capacity / 2**30
+
+    @staticmethod
+    def peak_rss_bytes() -> int:
+        # A lifetime peak (the kernel cannot reset it), in KiB on Linux but in bytes on macOS.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+    def get_peak_stats(self) -> DeviceMemStats:
+        gib = self.peak_rss_bytes() / 2**30
+        pct = 100 * self.peak_rss_bytes() / self.device_capacity
+        return DeviceMemStats(gib, pct, gib, pct, 0, 0)
+
+    def reset_peak_stats(self) -> None:
+        """RSS peak cannot be reset; kept for interface compatibility."""
+
+
+def install_torchtitan_cpu_patches() -> None:
+    """Fixes 2 and 4, applied to the torchtitan modules (idempotent, no-op with an accelerator)."""
+    if accelerator_available():
+        return
+    import torchtitan.components.metrics as tt_metrics
+    import torchtitan.distributed.utils as tt_dist
+
+    if getattr(tt_dist, "_speechlm_cpu_patched", False):
+        return
+
+    def build_cpu_memory_monitor() -> CPUMemoryMonitor:
+        return CPUMemoryMonitor()
+
+    def set_pg_timeouts_cpu(timeout: timedelta, parallel_dims) -> None:
+        torch.distributed.barrier()
+        groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()]
+        for group in [*groups, None]:
+            torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+
+    tt_metrics.build_device_memory_monitor = build_cpu_memory_monitor
+    tt_dist.set_pg_timeouts = set_pg_timeouts_cpu
+    tt_dist._speechlm_cpu_patched = True
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed (e.g. a full disk); the message names the folder and the fix."""
+
+
+def _save_failure(exc: BaseException) -> tuple[list[int], BaseException]:
+    """(failing ranks, first underlying error) of a DCP save exception."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        ranks = sorted(failures)
+        first = failures[ranks[0]]
+        return ranks, first[0] if isinstance(first, tuple) else first
+    return [dist.get_rank() if dist.is_initialized() else 0], exc
+
+
+def install_checkpoint_safety() -> None:
+    """Fix 9 (idempotent; on every device)."""
+    import errno
+    import shutil
+
+    from torchtitan.components import checkpoint as tt_ckpt
+    from torchtitan.tools.logging import logger
+
+    manager = tt_ckpt.CheckpointManager
+    if getattr(manager, "_speechlm_safe", False):
+        return
+    original_save = manager.dcp_save
+    original_purge = manager._purge_stale_checkpoints
+
+    def is_rank0() -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def dcp_save(self, state_dict, checkpoint_id, async_mode, *args, **kwargs):
+        stale = os.path.join(str(checkpoint_id), ".metadata")
+        if is_rank0() and os.path.isfile(stale):
+            # before dcp.save's first collective, hence before any rank writes data
+            logger.warning(f"{checkpoint_id} already holds a checkpoint: overwriting it")
+            os.remove(stale)
+        try:
+            return original_save(self, state_dict, checkpoint_id, async_mode, *args, **kwargs)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            ranks, cause = _save_failure(e)
+            folder = os.path.dirname(str(checkpoint_id))
+            done = complete_checkpoints(folder)
+            intact = (
+                f"{folder}/step-{done[-1]} is intact and a rerun resumes from it"
+                if done
+                else "there is no earlier checkpoint, so a rerun starts from step 1"
+            )
+            reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0][:300]}"
+            if is_collective_failure(cause):
+                reason = f"a peer rank died or hung during the save ({reason})"
+            elif isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+                usage = shutil.disk_usage(folder if os.path.isdir(folder) else ".")
+                reason = (
+                    f"the disk is full (ENOSPC, {usage.free / 2**30:.2f} GiB free) writing "
+                    f"{getattr(cause, 'filename', None) or checkpoint_id}"
+                )
+            if is_rank0():
+                shutil.rmtree(str(checkpoint_id), ignore_errors=True)  # no .metadata: never loaded
+            raise CheckpointSaveError(
+                f"saving checkpoint {checkpoint_id} failed on rank(s) {ranks}: {reason}. "
+                f"Nothing of it is kept (the partial folder was removed); {intact}. Free space "
+                "or point job.dump_folder elsewhere, and lower checkpoint.keep_latest_k if disk "
+                "space is tight"
+            ) from None
+
+    def purge(self) -> None:
+        if getattr(self, "enable_ft_dataloader_checkpoints", False):
+            return original_purge(self)
+        if not (self.keep_latest_k > 0 and is_rank0() and os.path.isdir(self.folder)):
+            return
+        complete = complete_checkpoints(self.folder)
+        doomed = set(complete[: -self.keep_latest_k])
+        newest = complete[-1] if complete else -1
+        for name in os.listdir(self.folder):
+            m = re.fullmatch(r"step-(\d+)", name)
+            if not m:
+                continue
+            step = int(m.group(1))
+            if step in doomed or (step < newest and step not in complete):
+                self.purge_queue.put(os.path.join(self.folder, name))
+
+    manager.dcp_save = dcp_save
+    manager._purge_stale_checkpoints = purge
+    manager._speechlm_safe = True
+
+
+def force_sum_reduction_on_cpu(model: torch.nn.Module) -> None:
+    """Fix 3: gloo cannot PREMUL_SUM; with divide factor 1.0 a plain SUM is identical."""
+    if accelerator_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def run_torchtitan_main(args: list[str]) -> None:
+    """Fix 5: run ``torchtitan.train.main(Trainer)`` on ``args`` instead of import-time argv."""
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.train import Trainer, main
+
+    original = ConfigManager.parse_args.__defaults__
+    ConfigManager.parse_args.__defaults__ = (list(args),)
+    try:
+        main(Trainer)
+    finally:
+        ConfigManager.parse_args.__defaults__ = original
+    if not accelerator_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Fix 8: after a finished multi-process gloo run, interpreter teardown occasionally
+        # aborted a rank ("terminate called without an active exception": a gloo thread still
+        # joinable when its C++ owner is destroyed), turning a completed run into a failure.
+        # Everything is saved and the process group is destroyed by now: leave without teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def sync_gradients_on_last_microbatch(
+    model: torch.nn.Module, accumulation_steps: int, ddp: bool, hsdp: bool
+) -> None:
+    """Fix 6: reduce gradients only in the last micro-batch's backward of each step.
+
+    Must be registered before ``replicate``'s own pre-hook, which reads the flag at forward.
+    Only grad-enabled training forwards count (validation runs under no_grad).
+    """
+    if accumulation_steps <= 1 or not (ddp or hsdp):
+        return
+    counter = {"n": 0}
+
+    def pre_hook(module: torch.nn.Module, args, kwargs) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        last = counter["n"] % accumulation_steps == accumulation_steps - 1
+        counter["n"] += 1
+        if ddp:
+            module.set_requires_gradient_sync(last)
+        else:
+            module.set_requires_all_reduce(last, recurse=True)
+
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
+
+
+def _allreduce_sum_hook(group, bucket):
+    return (
+        dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+        .get_future()
+        .then(lambda fut: fut.value()[0])
+    )
+
+
+def sum_gradients_in_ddp(model: torch.nn.Module, group) -> None:
+    """Make DDP all-reduce gradients with SUM instead of its default mean.
+
+    torchtitan's train step backpropagates ``local loss sum / global loss count`` on every rank,
+    so the true gradient is the *sum* of the ranks' gradients (that is why torchtitan sets FSDP's
+    gradient divide factor to 1). DDP's default hook divides by the world size, which left the
+    DDP gradients (and ``grad_norm``, and max_norm clipping) 1/world_size too small; Adam hid it
+    in the loss curve. torchtitan 0.2.2's llama3 ``apply_ddp`` has the same issue (upstream
+    PR pytorch/torchtitan#2323 proposed the same hook; patches/0007-ddp-sum-gradients.diff).
+
+    DDP accepts one comm hook only, so if ``apply_ddp`` already registered one (a torchtitan with
+    the upstream fix), this does nothing.
+    """
+    from torch.distributed._composable.replicate import replicate
+
+    if getattr(replicate.state(model), "_comm_hook_args", None):
+        return
+    model.register_comm_hook(group, _allreduce_sum_hook)
