@@ -34,8 +34,10 @@ import torchtitan_speechlm  # noqa: F401  (CPU device selection before torchtita
 from torchtitan.config import ConfigManager
 
 from bench_common import device_name
-from torchtitan_speechlm.trainer.run_context import parse_datasets, parse_mix
-from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader, build_dataset
+from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader
+from torchtitan_speechlm.data.catalog import parse_datasets
+from torchtitan_speechlm.trainer.builders import stream
+from torchtitan_speechlm.trainer.run import prepare_run
 from torchtitan_speechlm.data.stream import Source, SpeechLMDataset
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -137,8 +139,8 @@ def job(config: str, *overrides: str):
 
 
 def dataset(jc, training=True):
-    entries = parse_mix(jc.speechlm_data.train, "train", parse_datasets(jc.speechlm_data.datasets))
-    return build_dataset(jc, entries, "train", dp_rank=0, dp_world_size=1, training=training)
+    plan = prepare_run(jc)[0]
+    return stream(jc, plan, plan.data.train, "train", dp_rank=0, dp_world_size=1, training=training)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -232,10 +234,8 @@ def workers(jc, n: int, repeats: int) -> dict:
 def train_step_rate(jc, steps: int) -> float:
     """Forward + backward + AdamW of the debug model on real loader batches (1 process)."""
     from torchtitan_speechlm.model.model import SpeechLM
-    from torchtitan_speechlm.trainer.spec import SpeechLMJobModelArgs
 
-    args = SpeechLMJobModelArgs()  # the model args torchtitan fills from a job config
-    args.update_from_config(jc)
+    args = prepare_run(jc)[1]  # the run's model args
     with torch.device("meta"):
         model = SpeechLM(args)
     model.to_empty(device="cpu")

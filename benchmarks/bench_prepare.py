@@ -31,6 +31,8 @@ import time
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.tiny_codecs import build_codec  # noqa: E402  (the tests' tiny Encodec)
 from torchtitan_speechlm.codecs import load_codec
 from torchtitan_speechlm.codecs.kmeans import fit_kmeans_codec, log_mel_distance
 from torchtitan_speechlm.demo import assets as demo_assets
@@ -47,7 +49,7 @@ def build_assets(cache: str, n: int) -> dict:
     if not os.path.isfile(os.path.join(paths["tok"], "tokenizer.json")):
         demo_assets.build_tokenizer(paths["tok"], sentences)
     if not os.path.isfile(os.path.join(paths["encodec"], "config.json")):
-        demo_assets.build_codec(paths["encodec"], "encodec")
+        build_codec(paths["encodec"], "encodec")
     paths["manifest"] = demo_assets.synthesize_corpus(paths["corpus"], sentences, n=n)
     return paths
 

@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import soundfile as sf
 
+from tests.tiny_codecs import build_codec
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.demo import assets as demo_assets
 
@@ -34,7 +35,7 @@ def build_assets(root) -> dict:
     root = str(root)
     sentences = demo_assets.load_sentences()
     tok = demo_assets.build_tokenizer(os.path.join(root, "tok"), sentences, vocab_size=300)
-    codec = demo_assets.build_codec(os.path.join(root, "codec"), "encodec", seed=0)
+    codec = build_codec(os.path.join(root, "codec"), "encodec", seed=0)
     corpus = os.path.join(root, "corpus")
     rows = write_tone_corpus(corpus, [0.5, 1.3, 0.27, 2.0, 0.9, 1.0], sentences)
     return {"root": root, "tok": tok, "codec": codec, "sentences": sentences, "rows": rows,

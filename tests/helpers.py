@@ -79,12 +79,8 @@ def tiny_model_assets(root, family="qwen3", seed=0, tie=False) -> dict:
 
     from transformers import AutoTokenizer
 
-    from torchtitan_speechlm.demo.assets import (
-        build_backbone,
-        build_codec,
-        build_tokenizer,
-        load_sentences,
-    )
+    from tests.tiny_codecs import build_codec
+    from torchtitan_speechlm.demo.assets import build_backbone, build_tokenizer, load_sentences
 
     root = str(root)
     paths = {k: os.path.join(root, k) for k in ("tokenizer", "codec", "backbone", "prepared")}

@@ -312,9 +312,7 @@ def test_config_section_builds_the_tower_and_bad_folders_fail_at_validation(asse
 
     from torchtitan_speechlm.config import ConfigError
     from torchtitan_speechlm.model.model import build_model
-    from torchtitan_speechlm.trainer.preflight import validate_job_config
-    from torchtitan_speechlm.trainer.run_context import fill_model_args
-    from torchtitan_speechlm.trainer.spec import SpeechLMJobModelArgs
+    from torchtitan_speechlm.trainer.run import prepare_run
 
     run = make_tiny_run_assets(tmp_path / "run", n_items=6)
     toml = write_tiny_config(tmp_path / "tiny.toml", run, tmp_path / "dump")
@@ -325,22 +323,16 @@ def test_config_section_builds_the_tower_and_bad_folders_fail_at_validation(asse
 
     good = job("--audio_encoder.path", assets["whisper"], "--audio_encoder.stack", "5",
                "--audio_encoder.no-freeze-encoder")  # fmt: skip
-    validate_job_config(good)
-    args = SpeechLMJobModelArgs()
-    fill_model_args(args, good)
+    args = prepare_run(good)[1]
     assert args.audio.stack == 5 and not args.audio.freeze_encoder
     model = build_model(args)
     assert all(p.requires_grad for n, p in model.audio_encoder.encoder.named_parameters()
                if "embed_positions" not in n)  # fmt: skip
-    assert not build_model(
-        SpeechLMJobModelArgs(**{**vars(args), "audio_encoder": {}})
-    ).audio_encoder
+    assert not build_model(type(args)(**{**vars(args), "audio_encoder": {}})).audio_encoder
     with pytest.raises(ConfigError, match="has no audio\\s+encoder"):
-        validate_job_config(job("--audio_encoder.path", run["backbone"]))
+        prepare_run(job("--audio_encoder.path", run["backbone"]))
     with pytest.raises(ConfigError, match="audio_encoder.stack = 0"):
-        validate_job_config(
-            job("--audio_encoder.path", assets["whisper"], "--audio_encoder.stack", "0")
-        )
+        prepare_run(job("--audio_encoder.path", assets["whisper"], "--audio_encoder.stack", "0"))
 
 
 def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp_path):
@@ -351,14 +343,12 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
     Missing encoder or waveforms are ConfigErrors first."""
     from torchtitan.config import ConfigManager
 
-    from torchtitan_speechlm.components.dataloader import build_speechlm_dataloader
     from torchtitan_speechlm.config import ConfigError
     from torchtitan_speechlm.data.reader import PreparedDataset
     from torchtitan_speechlm.model.model import build_model
     from torchtitan_speechlm.prepare.waveforms import add_waveforms, read_manifest, to_int16
-    from torchtitan_speechlm.trainer.preflight import validate_job_config
-    from torchtitan_speechlm.trainer.run_context import fill_model_args
-    from torchtitan_speechlm.trainer.spec import SpeechLMJobModelArgs
+    from torchtitan_speechlm.trainer.builders import build_dataloader
+    from torchtitan_speechlm.trainer.run import prepare_run, start_run
     from torchtitan_speechlm.utils.audio import load_audio
 
     run = make_tiny_run_assets(tmp_path / "run", n_items=12)
@@ -369,10 +359,10 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
         return ConfigManager().parse_args(["--job.config_file", toml, *mix, *extra])
 
     with pytest.raises(ConfigError, match="asr_wave:tiny takes continuous audio.*no audio encoder"):
-        validate_job_config(job())
+        prepare_run(job())
     with_encoder = ("--audio_encoder.path", assets["whisper"], "--audio_encoder.stack", "2")
     with pytest.raises(ConfigError, match="holds no waveforms"):
-        validate_job_config(job(*with_encoder))
+        prepare_run(job(*with_encoder))
     manifest = str(tmp_path / "run" / "manifest.jsonl")
     meta = add_waveforms(run["prepared"], manifest)
     meta_path = os.path.join(run["prepared"], "metadata.json")
@@ -383,7 +373,7 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
         with open(meta_path, "w") as f:
             json.dump({**meta, "waveform": {**meta["waveform"], **change}}, f)
         with pytest.raises(ConfigError, match=error):
-            validate_job_config(job(*with_encoder))
+            prepare_run(job(*with_encoder))
     with open(meta_path, "w") as f:
         json.dump(meta, f)
     data = PreparedDataset(run["prepared"], verify="full")
@@ -394,9 +384,7 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
         assert data.wave_samples[i] == len(want)
 
     good = job(*with_encoder)
-    validate_job_config(good)
-    args = SpeechLMJobModelArgs()
-    fill_model_args(args, good)
+    args = prepare_run(good)[1]
     frames_of = args.audio.frames_of
     pad = torch.tensor(args.layout.pad_frame())
     waves = [data[i].wave for i in range(len(data))]
@@ -405,7 +393,7 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
         it = iter(loader)
         return [next(it)[0] for _ in range(n)]
 
-    loader = build_speechlm_dataloader(1, 0, None, good)
+    loader = build_dataloader(1, 0, None, good, run=start_run(good))
     first = batches(loader, 3)
     seen = 0
     for b in first:
@@ -440,10 +428,10 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
     heard = [tasks.transcribe(loaded, paths[data.ids[i]], cfg) for i in (0, 1)]
     assert [e["hyp"] for e in scored["examples"]] == heard and "wer" in scored
 
-    loader = build_speechlm_dataloader(1, 0, None, good)
+    loader = build_dataloader(1, 0, None, good, run=start_run(good))
     batches(loader, 1)
     state = loader.state_dict()
-    resumed = build_speechlm_dataloader(1, 0, None, good)
+    resumed = build_dataloader(1, 0, None, good, run=start_run(good))
     resumed.load_state_dict(state)
     for a, b in zip(first[1:], batches(resumed, 2), strict=True):
         assert a.keys() == b.keys()
@@ -596,7 +584,6 @@ def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, t
     Dialogues with other than one (user) audio turn are refused, naming the item."""
     from torchtitan.config import ConfigManager
 
-    from torchtitan_speechlm.components.dataloader import build_speechlm_dataloader
     from torchtitan_speechlm.data.reader import PreparedDataset
     from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
     from torchtitan_speechlm.evaluation import judged
@@ -605,9 +592,8 @@ def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, t
     from torchtitan_speechlm.generation.loading import Loaded
     from torchtitan_speechlm.model.model import build_model
     from torchtitan_speechlm.prepare.waveforms import WaveformError, add_waveforms, to_int16
-    from torchtitan_speechlm.trainer.preflight import validate_job_config
-    from torchtitan_speechlm.trainer.run_context import fill_model_args
-    from torchtitan_speechlm.trainer.spec import SpeechLMJobModelArgs
+    from torchtitan_speechlm.trainer.builders import build_dataloader
+    from torchtitan_speechlm.trainer.run import prepare_run, start_run
     from torchtitan_speechlm.utils.audio import load_audio
 
     run = make_tiny_run_assets(tmp_path / "run", n_items=8)
@@ -620,9 +606,7 @@ def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, t
         "--speechlm_data.valid", "dialogue_wave:qa",
         "--audio_encoder.path", assets["whisper"], "--audio_encoder.stack", "2",
     ])  # fmt: skip
-    validate_job_config(job)
-    args = SpeechLMJobModelArgs()
-    fill_model_args(args, job)
+    args = prepare_run(job)[1]
     layout, frames_of = args.layout, args.audio.frames_of
     weights = LossWeights(1.0, 1.0, (1 / 3,) * layout.num_streams)
     builder = TemplateBuilder(layout, "delay", weights, continuous_frames=frames_of)
@@ -658,7 +642,7 @@ def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, t
         assert len(prompt) == len(ex.frames) - len(answer.tokens) - 1
         assert len(waves) == 1 and waves[0][0] == 3
 
-    loader = build_speechlm_dataloader(1, 0, None, job)
+    loader = build_dataloader(1, 0, None, job, run=start_run(job))
     it = iter(loader)
     dialogues = 0
     for _ in range(3):

@@ -5,8 +5,10 @@ import glob
 import pytest
 import tomli
 
-from torchtitan_speechlm.config import ConfigError, check_toml, normalised_stream_weights
-from torchtitan_speechlm.trainer.run_context import REGISTERED_VALUES, parse_datasets, parse_mix
+from torchtitan_speechlm.config import ConfigError, check_toml
+from torchtitan_speechlm.data.catalog import parse_datasets, parse_mix
+from torchtitan_speechlm.data.tasks import normalised_stream_weights
+from torchtitan_speechlm.trainer.plan import REGISTERED_VALUES
 
 
 def merged_config_cls():

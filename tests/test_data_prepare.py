@@ -11,6 +11,7 @@ import pytest
 import soundfile as sf
 
 from tests.data_fixtures import SR, build_assets, needs_espeak, sine
+from tests.tiny_codecs import build_codec
 from torchtitan_speechlm.codecs import CodecError, load_codec
 from torchtitan_speechlm.data.format import (
     AUDIO_CODES,
@@ -99,7 +100,7 @@ def test_load_audio_segment_and_bytes(tmp_path):
 
 @pytest.mark.parametrize("kind", ["encodec", "mimi", "dac"])
 def test_codec_encode_decode_shapes(tmp_path, kind):
-    codec = load_codec(demo_assets.build_codec(str(tmp_path / kind), kind, seed=0))
+    codec = load_codec(build_codec(str(tmp_path / kind), kind, seed=0))
     assert (codec.name, codec.sample_rate, codec.frame_rate) == (kind, 16000, 50.0)
     assert (codec.num_streams, codec.codebook_size, len(codec.config_hash)) == (4, 64, 16)
     rng = np.random.default_rng(1)
@@ -117,7 +118,7 @@ def test_codec_encode_decode_shapes(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["encodec", "mimi", "dac"])
 def test_codec_num_streams_keeps_first_codebooks(tmp_path, kind):
-    path = demo_assets.build_codec(str(tmp_path / kind), kind, seed=0)
+    path = build_codec(str(tmp_path / kind), kind, seed=0)
     full, two = load_codec(path), load_codec(path, num_streams=2)
     assert (two.num_streams, two.total_streams, full.total_streams) == (2, 4, 4)
     wav = [sine(300.0, 0.4, SR) + sine(1200.0, 0.4, SR, amp=0.2)]
@@ -128,8 +129,8 @@ def test_codec_num_streams_keeps_first_codebooks(tmp_path, kind):
 
 
 def test_codec_is_deterministic_per_seed(tmp_path):
-    a = load_codec(demo_assets.build_codec(str(tmp_path / "a"), seed=3))
-    b = load_codec(demo_assets.build_codec(str(tmp_path / "b"), seed=3))
+    a = load_codec(build_codec(str(tmp_path / "a"), seed=3))
+    b = load_codec(build_codec(str(tmp_path / "b"), seed=3))
     wav = [sine(440.0, 0.5, SR)]
     np.testing.assert_array_equal(a.encode(wav)[0], b.encode(wav)[0])
 
@@ -333,7 +334,6 @@ def test_espeak_corpus_prepares(assets, tmp_path):
 def test_codec_hash_covers_the_weights(tmp_path):
     """Same config, other weights: other codes, so it must be another codec identity."""
     from torchtitan_speechlm.codecs import load_codec
-    from torchtitan_speechlm.demo.assets import build_codec
 
     a = load_codec(build_codec(str(tmp_path / "a"), seed=0))
     b = load_codec(build_codec(str(tmp_path / "b"), seed=1))

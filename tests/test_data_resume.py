@@ -12,6 +12,7 @@ import pytest
 import soundfile as sf
 
 from tests.data_fixtures import assert_same_dataset, build_assets, write_manifest, write_tone_corpus
+from tests.tiny_codecs import build_codec
 from torchtitan_speechlm.data.format import CorruptDatasetError, ShardMismatchError
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.demo import assets as demo_assets
@@ -144,7 +145,7 @@ def test_rerun_with_other_settings_is_refused(assets, tmp_path):
                         shard_size=2)  # fmt: skip
     with pytest.raises(PlanMismatchError, match="shard_size differs"):
         prepare_dataset(assets["m14"], assets["codec"], assets["tok"], str(out), progress=False)
-    mimi = demo_assets.build_codec(str(tmp_path / "mimi"), "mimi")
+    mimi = build_codec(str(tmp_path / "mimi"), "mimi")
     with pytest.raises(PlanMismatchError, match=r"codec\.name differs"):
         prepare_dataset(assets["m14"], mimi, assets["tok"], str(out), progress=False, shard_size=2)
     rows = [json.loads(x) for x in open(assets["m14"])]

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests import fault_injection
 from tests.data_fixtures import build_assets
-from torchtitan_speechlm.components.nonfinite import NonFiniteError, StepGuard
+from torchtitan_speechlm.components.nonfinite import GuardSettings, NonFiniteError, StepGuard
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.format import AUDIO_CODES, ITEMS, CorruptDatasetError
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.prepare.pipeline import prepare_dataset
-from torchtitan_speechlm.trainer import fault_injection
 
 
 # ---- 1. checkpoints ---------------------------------------------------------------------------
@@ -96,8 +96,9 @@ def save_faults(monkeypatch):
     monkeypatch.setattr(FileSystem, "create_stream", FileSystem.create_stream)
     monkeypatch.delattr(FileSystem, "_speechlm_faults", raising=False)
     monkeypatch.setattr(fault_injection, "_FAULTS", [])
-    for hooks in ("loss_hooks", "check_hooks", "grad_hooks"):
-        monkeypatch.setattr(StepGuard, hooks, [])
+    for method in ("note_loss", "allow_update"):
+        monkeypatch.setattr(StepGuard, method, getattr(StepGuard, method))
+    monkeypatch.delattr(StepGuard, "_speechlm_faults", raising=False)
     yield fault_injection.install
 
 
@@ -156,9 +157,7 @@ def _guard(tmp_path, **faults) -> StepGuard:
         ),
         job=SimpleNamespace(dump_folder=str(tmp_path)),
     )
-    g = StepGuard()
-    g.configure(cfg)
-    return g
+    return StepGuard(GuardSettings.from_config(cfg.speechlm_faults), cfg.job.dump_folder)
 
 
 def _step(g: StepGuard, loss: float, grad: float = 1.0, ids=("d:a", "d:b")) -> bool:

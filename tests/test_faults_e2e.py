@@ -1,6 +1,7 @@
 """The fault suite's slow half (`make faults`, also run by CI): real `torchtitan train` runs on
 2 gloo ranks, with faults injected at a chosen step through SPEECHLM_FAULTS
-(torchtitan_speechlm/trainer/fault_injection.py): processes really killed or stopped mid-save or
+(tests/fault_injection.py, a plugin the runs import through torchtitan's
+experimental.custom_import): processes really killed or stopped mid-save or
 mid-collective, NaN/Inf numbers, a full disk. After each, what survives is compared with an
 uninterrupted run: the losses of every step bit for bit, and the checkpoints' tensors.
 docs/errors.md lists each fault with the test that injects it.
@@ -10,13 +11,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.fault_injection import RUN_ARGS
 from tests.helpers import make_tiny_run_assets, read_metrics, run_train, write_tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent  # on PYTHONPATH: the ranks import the plugin
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 COMMON = (
@@ -97,9 +103,12 @@ def assert_same_tensors(a, b, *, model_only: bool = False) -> None:
 
 
 def run_with_faults(monkeypatch, cfg, faults: str, *extra, nproc=2, timeout=300):
+    """`torchtitan train` with the fault plugin as its custom_import and ``faults`` armed."""
     monkeypatch.setenv("SPEECHLM_FAULTS", faults)
+    path = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), path) if p))
     try:
-        return run_train(cfg, *COMMON, *extra, nproc=nproc, timeout=timeout)
+        return run_train(cfg, *COMMON, *RUN_ARGS, *extra, nproc=nproc, timeout=timeout)
     finally:
         monkeypatch.delenv("SPEECHLM_FAULTS")
 

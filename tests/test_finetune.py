@@ -8,6 +8,7 @@ import torch
 from torchtitan.config.job_config import LRScheduler, Optimizer
 
 from tests.helpers import build_speechlm, save_tiny_backbone
+from torchtitan_speechlm.components.nonfinite import StepGuard
 from torchtitan_speechlm.components.optim import (
     build_speechlm_lr_schedulers,
     build_speechlm_optimizers,
@@ -20,7 +21,10 @@ def test_no_weight_decay_on_embeddings_norms_and_biases(tmp_path):
     model = build_speechlm(tmp_path / "bb", weight_decay_exclude=["embeddings", "norms", "biases"])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = build_speechlm_optimizers(
-        [model], Optimizer(lr=0.1, weight_decay=0.5, implementation="for-loop"), None
+        [model],
+        Optimizer(lr=0.1, weight_decay=0.5, implementation="for-loop"),
+        None,
+        guard=StepGuard(),
     )
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # Adam's update is 0: only decoupled decay can move it
@@ -48,7 +52,9 @@ def espnet_lr(step: int, peak: float, warmup: int, decay_end: int, floor: float)
 def test_lr_warmup_cosine_then_constant_floor(tmp_path):
     save_tiny_backbone(tmp_path / "bb")
     model = build_speechlm(tmp_path / "bb")
-    opt = build_speechlm_optimizers([model], Optimizer(lr=1.0, implementation="for-loop"), None)
+    opt = build_speechlm_optimizers(
+        [model], Optimizer(lr=1.0, implementation="for-loop"), None, guard=StepGuard()
+    )
     warmup, decay_end, floor = 4, 20, 0.1  # docs/checkpoints.md's mapping:
     cfg = LRScheduler(
         warmup_steps=warmup,
@@ -57,7 +63,7 @@ def test_lr_warmup_cosine_then_constant_floor(tmp_path):
         decay_ratio=(decay_end - warmup) / decay_end,
         min_lr_factor=floor,
     )
-    sched = build_speechlm_lr_schedulers(opt, cfg, training_steps=40)
+    sched = build_speechlm_lr_schedulers(opt, cfg, training_steps=40, guard=StepGuard())
     got = []
     for _ in range(40):
         got.append(sched.schedulers[0].get_last_lr()[0])

@@ -29,6 +29,7 @@ from tests.helpers import (
 from tests.test_checkpointing import params
 from torchtitan_speechlm.commands.export import main as export_main
 from torchtitan_speechlm.commands.train import torchtitan_args
+from torchtitan_speechlm.components.nonfinite import StepGuard
 from torchtitan_speechlm.components.optim import build_speechlm_optimizers
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.generation.loading import load_model
@@ -135,7 +136,10 @@ def test_optimizer_holds_state_for_trainable_tensors_only(tmp_path, tie):
     text = slice(layout.text_offset, layout.text_offset + layout.text_size)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     container = build_speechlm_optimizers(
-        [model], Optimizer(lr=1e-2, weight_decay=0.1, implementation="for-loop"), None
+        [model],
+        Optimizer(lr=1e-2, weight_decay=0.1, implementation="for-loop"),
+        None,
+        guard=StepGuard(),
     )
     inputs, targets, weights = random_batch(layout, 2, 10, torch.Generator().manual_seed(0))
     for _ in range(2):

@@ -77,7 +77,10 @@ def test_training_side_never_imports_the_preparation_side():
 LAZY_IMPORTS = {
     ("", "python_api"): "`from torchtitan_speechlm import TitanTrainer`: the Python API loads on "
     "first use, so importing the package (every rank, every command) does not load it",
-    ("cli", "commands.train"): "`torchtitan --help` start-up: each subcommand's modules load only when "
+    (
+        "cli",
+        "commands.train",
+    ): "`torchtitan --help` start-up: each subcommand's modules load only when "
     "that subcommand runs",
     ("cli", "prepare.pipeline"): "as above (prepare: codecs, sources)",
     ("cli", "commands.generate"): "as above (generate / eval: judges, the report page)",
@@ -132,16 +135,20 @@ def test_the_graph_reader_sees_function_level_imports_and_cycles(tmp_path, monke
     assert import_graph.cycles(import_graph.all_imports()) == [["a", "sub.b"]]
 
 
-def test_importing_the_package_installs_no_test_hooks():
-    """The fault suite's hooks are installed by the tests or by a rank whose environment sets
-    SPEECHLM_FAULTS (commands.train.run_worker), never by importing the package."""
+def test_the_package_ships_no_test_hooks():
+    """The fault suite's plugin lives in tests/ (tests/fault_injection.py), and importing the
+    package (with SPEECHLM_FAULTS set, as in a faulted run) patches nothing of the step guard
+    or of DCP's file writer: only a run whose custom_import is the plugin gets faults."""
+    assert not list(PKG.rglob("fault_injection.py"))
     code = (
         "import sys, torchtitan_speechlm\n"
         "from torch.distributed.checkpoint.filesystem import FileSystem\n"
         "from torchtitan_speechlm.components.nonfinite import StepGuard\n"
-        "assert 'torchtitan_speechlm.trainer.fault_injection' not in sys.modules\n"
+        "from torchtitan_speechlm.commands import train\n"
+        "assert not [m for m in sys.modules if 'fault_injection' in m]\n"
         "assert not getattr(FileSystem, '_speechlm_faults', False)\n"
-        "assert not (StepGuard.loss_hooks or StepGuard.check_hooks or StepGuard.grad_hooks)\n"
+        "assert not getattr(StepGuard, '_speechlm_faults', False)\n"
+        "assert StepGuard.note_loss.__module__ == 'torchtitan_speechlm.components.nonfinite'\n"
     )
     env = {**os.environ, "SPEECHLM_FAULTS": "nan_loss@1"}
     r = subprocess.run(

@@ -10,7 +10,6 @@ Reference runs are shared between cases (module-scoped cache), so the file start
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -275,16 +274,15 @@ def test_bf16_params_under_fsdp_track_fp32(assets, train):
 def _fresh_init_state(assets: dict, dump: str) -> dict[str, torch.Tensor]:
     """The weights a run starts from: same config, 1 process, on CPU (init is deterministic)."""
     from torchtitan.config import ConfigManager
-    from torchtitan.protocols.train_spec import get_train_spec
 
     from torchtitan_speechlm.model.model import SpeechLM
+    from torchtitan_speechlm.trainer.run import prepare_run
 
     cfg = write_tiny_config(f"{dump}.init.toml", assets, dump)
     job = ConfigManager().parse_args(
         ["--job.config_file", cfg, "--job.custom_config_module", "torchtitan_speechlm.config"]
     )
-    args = copy.deepcopy(get_train_spec("speechlm").model_args[job.model.flavor])
-    args.update_from_config(job)
+    args = prepare_run(job)[1]
     with torch.device("meta"):
         model = SpeechLM(args)
     model.to_empty(device="cpu")

@@ -109,47 +109,72 @@ def test_bad_config_fails_before_any_work_naming_key_and_fix(assets, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_stock_torchtitan_parses_the_same_toml(assets, tmp_path):
-    """`python -m torchtitan.train --job.config_file X` path: config merges, spec resolves."""
+def test_stock_torchtitan_parses_the_same_toml_and_its_trainer_is_told_what_to_run(
+    assets, tmp_path
+):
+    """`python -m torchtitan.train --job.config_file X`: the config merges and the spec
+    resolves, but torchtitan's own Trainer cannot hand the spec's builders the run (no global
+    state to fall back on), so its first builder stops with the commands that run it."""
     import importlib
 
     from torchtitan.config import ConfigManager
     from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_speechlm.config import ConfigError
 
     cfg = write_tiny_config(tmp_path / "c.toml", assets, tmp_path / "run")
     job = ConfigManager().parse_args(["--job.config_file", cfg])
     assert job.model.hf_assets_path == assets["backbone"]
     importlib.import_module(job.experimental.custom_import)
     spec = get_train_spec(job.model.name)
-    args = spec.model_args[job.model.flavor]
-    args.update_from_config(job)
-    assert args.layout.num_streams == 4
+    with pytest.raises(ConfigError, match="-m torchtitan_speechlm.train"):
+        spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=None, job_config=job)
+    with pytest.raises(ConfigError, match="torchtitan train --job.config_file"):
+        spec.build_loss_fn(job)
 
 
-def test_the_run_is_resolved_once_and_every_builder_reads_it(assets, tmp_path, monkeypatch):
-    """One resolve step per process: the launcher's checks, the model args torchtitan fills,
-    the data loader and the loss all read the same RunContext, built once."""
-    import copy
-
+def test_each_builder_gets_the_run_its_trainer_resolved_once(assets, tmp_path, monkeypatch):
+    """One resolve per trainer, handed to the spec's builders (builders.bind): the model args
+    torchtitan reads, the data loader, loss, metrics and optimizers all see that run's plan and
+    share its training state; a second run in the same process gets its own state; nothing is
+    stored on the job config."""
+    import torch
     from torchtitan.protocols.train_spec import get_train_spec
 
     from torchtitan_speechlm.commands.train import check_config, torchtitan_args
-    from torchtitan_speechlm.components.dataloader import build_speechlm_dataloader
-    from torchtitan_speechlm.components.loss import build_speechlm_loss
-    from torchtitan_speechlm.trainer import run_context as rc
+    from torchtitan_speechlm.trainer import plan as plan_module
+    from torchtitan_speechlm.trainer.builders import bind
+    from torchtitan_speechlm.trainer.run import start_run
 
-    builds = []
-    real = rc._build
-    monkeypatch.setattr(rc, "_build", lambda job: builds.append(job) or real(job))
     cfg = write_tiny_config(tmp_path / "c.toml", assets, tmp_path / "run")
     job = check_config(torchtitan_args(["--job.config_file", cfg]))
-    ctx = rc.run_context(job)
-    args = copy.deepcopy(get_train_spec(job.model.name).model_args[job.model.flavor])
-    args.update_from_config(job)
-    build_speechlm_dataloader(1, 0, None, job)
-    build_speechlm_loss(job)
-    assert len(builds) == 1 and rc.run_context(job) is ctx
-    assert args.vocab == ctx.layout.to_dict() and args.backbone_config == ctx.backbone_config
+    attributes = set(vars(job))
+    builds = []
+    real = plan_module.RunPlan.resolve.__func__
+    monkeypatch.setattr(
+        plan_module.RunPlan, "resolve",
+        classmethod(lambda cls, *a, **k: builds.append(a) or real(cls, *a, **k)),
+    )  # fmt: skip
+    run = start_run(job)
+    spec = bind(get_train_spec(job.model.name), run)
+    assert len(builds) == 1
+    args = spec.model_args[job.model.flavor]
+    assert args is run.model_args and args.layout == run.plan.layout
+    assert args.vocab == run.plan.layout.to_dict()
+    args.update_from_config(job)  # torchtitan's call: nothing left to fill
+    assert args is run.model_args and args.vocab == run.plan.layout.to_dict()
+    loader = spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=None, job_config=job)
+    loss = spec.build_loss_fn(job)
+    assert loader.on_batch.__self__ is run.state.guard
+    assert loss.accumulator is run.state.stats and loss.guard is run.state.guard
+    model = torch.nn.Linear(2, 2)
+    optimizers = spec.build_optimizers_fn([model], job.optimizer, None)
+    schedulers = spec.build_lr_schedulers_fn(optimizers, job.lr_scheduler, job.training.steps)
+    assert run.state.guard.schedulers is schedulers
+    assert len(builds) == 1  # the builders resolved nothing again
+    other = start_run(job)
+    assert other.state.stats is not run.state.stats and other.state.guard is not run.state.guard
+    assert set(vars(job)) == attributes
 
 
 def test_torchtitan_train_inside_torchrun_runs_as_that_rank(assets, tmp_path):

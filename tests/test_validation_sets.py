@@ -7,9 +7,8 @@ import pytest
 from torchtitan.config import ConfigManager
 
 from tests.helpers import make_tiny_run_assets, write_tiny_config
-from torchtitan_speechlm.components.dataloader import build_dataset
-from torchtitan_speechlm.components.validate import SpeechLMValidator
-from torchtitan_speechlm.trainer.run_context import parse_datasets, parse_mix
+from torchtitan_speechlm.trainer.builders import stream, validation_sets
+from torchtitan_speechlm.trainer.run import start_run
 
 
 @pytest.fixture(scope="module")
@@ -26,27 +25,17 @@ def job(assets, tmp_path, *overrides, toml_edit=("", "")):
     return ConfigManager().parse_args(["--job.config_file", cfg, *overrides])
 
 
-def validator(job_config):
-    return SpeechLMValidator(
-        job_config,
-        dp_world_size=1,
-        dp_rank=0,
-        parallel_dims=None,
-        maybe_enable_amp=None,
-        metrics_processor=None,
-        validation_context=None,
-    )
-
-
 def train_items(job_config) -> set[int]:
-    names = parse_datasets(job_config.speechlm_data.datasets)
-    entries = parse_mix(job_config.speechlm_data.train, "train", names)
-    ds = build_dataset(job_config, entries, "train", dp_rank=0, dp_world_size=1, training=True)
+    plan = start_run(job_config).plan
+    ds = stream(
+        job_config, plan, plan.data.train, "train", dp_rank=0, dp_world_size=1, training=True
+    )
     return {int(i) for s in ds.sources for i in s.indices}
 
 
 def valid_items(job_config, name) -> set[int]:
-    return {int(i) for i in validator(job_config)._dataset(name).sources[0].indices}
+    sets = validation_sets(job_config, start_run(job_config), dp_rank=0, dp_world_size=1)
+    return {int(i) for i in sets[name]().sources[0].indices}
 
 
 def test_explicit_valid_set_of_a_training_dataset_reads_only_held_out_items(assets, tmp_path):
@@ -90,8 +79,8 @@ def test_held_out_sets_without_explicit_valid(assets, tmp_path):
         "0.3",
         toml_edit=('valid = ["asr:tiny"]', ""),
     )
-    v = validator(jc)
-    assert sorted(v.sets) == ["asr_tiny_heldout", "tts_tiny_heldout"]
+    sets = validation_sets(jc, start_run(jc), dp_rank=0, dp_world_size=1)
+    assert sorted(sets) == ["asr_tiny_heldout", "tts_tiny_heldout"]
     held = valid_items(jc, "tts_tiny_heldout")
     assert held == valid_items(jc, "asr_tiny_heldout")
     assert not held & train_items(jc)

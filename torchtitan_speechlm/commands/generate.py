@@ -26,7 +26,7 @@ import json
 import os
 import sys
 
-from torchtitan_speechlm.components.dataloader import open_prepared, split_indices
+from torchtitan_speechlm.data.catalog import open_prepared, split_indices
 from torchtitan_speechlm.evaluation import judged
 from torchtitan_speechlm.evaluation.recordings import find_recordings
 from torchtitan_speechlm.evaluation.report import slug, write_report

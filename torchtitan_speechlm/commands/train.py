@@ -21,19 +21,15 @@ import socket
 import sys
 from dataclasses import fields, is_dataclass
 
-from torchtitan_speechlm.components.dataloader import check_data
-from torchtitan_speechlm.components.resume import completed_run_step, resolve_resume
+from torchtitan_speechlm.components.resume import completed_run_step
 from torchtitan_speechlm.config import ConfigError, check_toml
-from torchtitan_speechlm.data.external import attach_external_data
-from torchtitan_speechlm.trainer.fault_injection import ENV as FAULTS_ENV
-from torchtitan_speechlm.trainer.fault_injection import install as install_fault_injection
+from torchtitan_speechlm.trainer.builders import check_data
 from torchtitan_speechlm.trainer.faults import exit_on_user_fault
-from torchtitan_speechlm.trainer.preflight import (
-    check_training_data,
-    preflight,
-    validate_job_config,
-)
-from torchtitan_speechlm.trainer.run_context import REGISTERED_VALUES, is_speechlm
+from torchtitan_speechlm.trainer.plan import REGISTERED_VALUES, RunPlan
+from torchtitan_speechlm.trainer.preflight import check_training_data, preflight
+from torchtitan_speechlm.trainer.run import prepare_run
+from torchtitan_speechlm.trainer.spec import is_speechlm
+from torchtitan_speechlm.trainer.trainer import SpeechLMTrainer
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
 from torchtitan_speechlm.utils.compat import run_torchtitan_main
 
@@ -117,7 +113,12 @@ def import_extensions(args: list[str], toml_values: dict | None) -> None:
 def check_config(args: list[str], external=None):
     """Parse and validate exactly as the ranks will; raises ConfigError / FileNotFoundError.
     ``external``: a Python data object (data/external.py) to train on instead of
-    ``[speechlm_data]`` (the Python API's EspnetData)."""
+    ``[speechlm_data]`` (the Python API's EspnetData). Returns the job config."""
+    return checked_config(args, external)[0]
+
+
+def checked_config(args: list[str], external=None) -> tuple[object, RunPlan | None]:
+    """``check_config``'s job config and its run plan (None for a job of another spec)."""
     from torchtitan.config import ConfigManager
 
     manager = ConfigManager()
@@ -138,14 +139,12 @@ def check_config(args: list[str], external=None):
         job_config = manager.parse_args(args)
     except SystemExit as e:  # tyro already printed what is wrong with the command line
         raise ConfigError("invalid command-line override (see above)") from e
-    if external is not None:
-        attach_external_data(job_config, external)
-    validate_job_config(job_config)
-    if is_speechlm(job_config):
-        resolve_resume(job_config)
-        check_data(job_config)
-        check_training_data(job_config)
-    return job_config
+    if not is_speechlm(job_config):
+        return job_config, None
+    plan, _, _ = prepare_run(job_config, external)
+    check_data(job_config, plan)
+    check_training_data(job_config, plan)
+    return job_config, plan
 
 
 def already_complete(job_config) -> str | None:
@@ -219,9 +218,9 @@ def train_command(args: list[str]) -> int:
     nproc, args = _split_launcher_args(args)
     args = torchtitan_args(args)
     try:
-        job_config = check_config(args)
-        if is_speechlm(job_config):
-            preflight(job_config, _world_size(nproc))
+        job_config, plan = checked_config(args)
+        if plan is not None:
+            preflight(job_config, plan, _world_size(nproc))
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"torchtitan train: config error: {e}", file=sys.stderr)
         return 2
@@ -279,16 +278,12 @@ def describe_rank_failures(exc: BaseException) -> str:
 
 
 def run_worker(args: list[str]) -> int:
-    """One training rank: torchtitan's own ``main(Trainer)`` after our device selection.
+    """One training rank: torchtitan's own ``main(SpeechLMTrainer)`` after our device selection.
 
     A fault the user can act on (a config or data error, a non-finite step under
     ``stop``, a failed checkpoint save, a hung or dead peer) ends the rank with one line naming
-    the rank and the fix instead of a traceback (trainer/faults.py decides which).
-
-    The fault suite's hooks (trainer/fault_injection.py) are installed here, and only when the
-    environment asks for them (``SPEECHLM_FAULTS``): the one place that switch is read."""
-    if os.environ.get(FAULTS_ENV):
-        install_fault_injection(os.environ[FAULTS_ENV])
+    the rank and the fix instead of a traceback (trainer/faults.py decides which)."""
     with exit_on_user_fault():
-        run_torchtitan_main(torchtitan_args(args))  # idempotent on already normalised args
+        # idempotent on already normalised args
+        run_torchtitan_main(torchtitan_args(args), SpeechLMTrainer)
     return 0

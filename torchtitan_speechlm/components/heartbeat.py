@@ -7,7 +7,8 @@ bumping (all of its threads stop). When a collective fails, ``silent_ranks`` rea
 counter twice, ``3 x PERIOD`` apart: the ranks whose counter did not move are the ones
 named in the error (trainer/faults.py). Counters, not clocks, so hosts need not agree on the time.
 
-The store is torchrun's (in its agent process), so it outlives a dead rank 0.
+The store is torchrun's (in its agent process), so it outlives a dead rank 0. One Heartbeat
+belongs to a run's TrainingState; the trainer starts it once the process group is up.
 """
 
 from __future__ import annotations
@@ -74,6 +75,3 @@ class Heartbeat:
             for r, (a, b) in enumerate(zip(first, second, strict=True))
             if r != self.rank and (a is None or a == b)
         ]
-
-
-HEARTBEAT = Heartbeat()

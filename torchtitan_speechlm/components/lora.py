@@ -15,16 +15,17 @@ from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.model.lora import CONVERTER, apply_lora
-from torchtitan_speechlm.trainer.run_context import lora_settings
 
 
 class LoraConverter:
-    """``[lora]``'s LoRA on the SpeechLM's decoder (model/lora.py)."""
+    """LoRA on the SpeechLM's decoder (model/lora.py), with the settings the model's args carry
+    (``SpeechLMModelArgs.lora``: the run's ``[lora]`` section, read once by the run plan)."""
 
     def __init__(self, job_config, parallel_dims) -> None:
-        self.settings = lora_settings(job_config)
+        pass  # torchtitan's converter protocol; the settings come with the model
 
     def convert(self, model: nn.Module) -> None:
+        self.settings = model.args.lora
         targets = apply_lora(model, self.settings)
         total = sum(p.numel() for p in model.parameters())
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -18,12 +18,9 @@ import torch
 from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.components.loss import TRAIN_STATS
-from torchtitan_speechlm.components.nonfinite import STEP_GUARD
+from torchtitan_speechlm.components.nonfinite import StepGuard
 from torchtitan_speechlm.components.samples import TrainingSamples
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
-from torchtitan_speechlm.trainer.run_context import run_context
-from torchtitan_speechlm.utils.compat import accelerator_available
 
 
 class JsonlLogger(BaseLogger):
@@ -53,7 +50,12 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         job_config,
         parallel_dims,
         tag: str | None = None,
-        accumulator: StatsAccumulator = TRAIN_STATS,
+        *,
+        accumulator: StatsAccumulator,
+        guard: StepGuard,
+        samples: TrainingSamples,
+        frame_rate: float,
+        num_streams: int,
         model_args=None,
     ):
         # MFU counts the head only on frames that carry loss (where it runs): see
@@ -77,7 +79,8 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             os.environ.setdefault("WANDB_PROJECT", "torchtitan-speechlm")
             os.environ.setdefault("WANDB_SILENT", "true")
         super().__init__(job_config, parallel_dims, tag)
-        self.accumulator = accumulator
+        self.accumulator, self.guard, self.samples = accumulator, guard, samples
+        self.frame_rate, self.num_streams = frame_rate, num_streams
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             container = LoggerContainer()
             container.add_logger(self.logger)
@@ -87,10 +90,6 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             self.logger = container
 
         self.code_usage_interval = job_config.speechlm.code_usage_interval
-
-        self.samples = TrainingSamples(job_config, accelerator_available())
-        ctx = run_context(job_config)
-        self.frame_rate, self.num_streams = ctx.frame_rate, ctx.num_streams
 
     @property
     def num_flops_per_token(self) -> float:
@@ -137,7 +136,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         stats = self.speech_metrics(step)
         self.read_interval(stats)
         extra = dict(extra_metrics or {})
-        extra.update(STEP_GUARD.metrics())
+        extra.update(self.guard.metrics())
         extra.update(
             {(k if k.startswith("throughput/") else f"train/{k}"): v for k, v in stats.items()}
         )
@@ -163,8 +162,3 @@ def stream_values(stats: dict[str, float], prefix: str, n: int) -> str:
     return " ".join(
         f"{stats[f'{prefix}{k}']:.3f}" if f"{prefix}{k}" in stats else "-" for k in range(n)
     )
-
-
-def build_speechlm_metrics_processor(job_config, parallel_dims, model_args=None, tag=None):
-    """TrainSpec.build_metrics_processor_fn."""
-    return SpeechLMMetricsProcessor(job_config, parallel_dims, tag, model_args=model_args)

@@ -15,8 +15,8 @@ samples. A finite loss above ``loss_spike_factor`` x the running median is logge
 sample ids and trained. The cost is that small all-reduce and one pass over the gradients.
 
 The step number comes from the LR scheduler (restored by checkpoints), so it is the trainer's
-step also after a resume. The loss function and the training loader report to ``STEP_GUARD``
-(one Trainer per process, like ``loss.TRAIN_STATS``).
+step also after a resume. The guard is one object of the run's ``TrainingState``
+(training_state.py), which the loss function and the training loader report to.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ import math
 import os
 import statistics
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
+
+from torchtitan_speechlm.config import ConfigError
 
 SPIKE_MIN_HISTORY = 5  # steps in the running median before spikes are looked for
 ANOMALIES = "anomalies.jsonl"
@@ -40,24 +42,51 @@ class NonFiniteError(RuntimeError):
     """Training stopped on a non-finite loss or gradient; the message names step and samples."""
 
 
+@dataclass(frozen=True)
+class GuardSettings:
+    """``[speechlm_faults]``: what a non-finite step does and when a loss is a spike."""
+
+    policy: str = "skip"
+    max_consecutive: int = 5
+    spike_factor: float = 0.0
+    spike_window: int = 50
+
+    @classmethod
+    def from_config(cls, faults) -> GuardSettings:
+        """The section's values, checked (ConfigError naming the key and the fix)."""
+        if faults.max_consecutive_skips < 1:
+            raise ConfigError(
+                f"speechlm_faults.max_consecutive_skips = {faults.max_consecutive_skips}: must "
+                "be >= 1 (to stop at the first non-finite step, set speechlm_faults.nonfinite = "
+                '"stop")'
+            )
+        if faults.loss_spike_factor != 0 and faults.loss_spike_factor <= 1:
+            raise ConfigError(
+                f"speechlm_faults.loss_spike_factor = {faults.loss_spike_factor}: must be > 1 "
+                "(times the running median loss), or 0 to turn spike logging off"
+            )
+        if faults.loss_spike_window < 1:
+            raise ConfigError("speechlm_faults.loss_spike_window must be >= 1")
+        return cls(
+            faults.nonfinite,
+            faults.max_consecutive_skips,
+            faults.loss_spike_factor,
+            faults.loss_spike_window,
+        )
+
+
 class StepGuard:
-    # Hook points for the fault suite (fault_injection.install adds to them; a normal run has
-    # none): a loss hook may replace the first micro-batch's loss sum, a check hook runs as the
-    # optimizer-step check of a step begins, a gradient hook may change the local gradients.
-    loss_hooks: list[Callable[[torch.Tensor, int], torch.Tensor]] = []
-    check_hooks: list[Callable[[int], None]] = []
-    grad_hooks: list[Callable[[list[torch.Tensor], int], None]] = []
+    """One run's check before each optimizer step (built with the run's TrainingState): the loss
+    function reports each training micro-batch's loss, the loader its sample ids, the LR
+    scheduler container gives the step number; ``allow_update`` decides."""
 
-    def __init__(self) -> None:
-        self.configure(None)
-
-    def configure(self, job_config) -> None:
-        faults = getattr(job_config, "speechlm_faults", None)
-        self.policy = getattr(faults, "nonfinite", "skip")
-        self.max_consecutive = getattr(faults, "max_consecutive_skips", 5)
-        self.spike_factor = getattr(faults, "loss_spike_factor", 0.0)
-        self.history: deque[float] = deque(maxlen=getattr(faults, "loss_spike_window", 50))
-        self.dump_folder = job_config.job.dump_folder if job_config is not None else None
+    def __init__(self, settings: GuardSettings | None = None, dump_folder: str | None = None):
+        settings = settings or GuardSettings()
+        self.policy = settings.policy
+        self.max_consecutive = settings.max_consecutive
+        self.spike_factor = settings.spike_factor
+        self.history: deque[float] = deque(maxlen=settings.spike_window)
+        self.dump_folder = dump_folder
         self.schedulers = None  # the LR scheduler container, for the step number
         self._calls = 0
         self.skipped = self.consecutive = self.spikes = 0
@@ -73,10 +102,7 @@ class StepGuard:
         self._ids.extend(ids)
 
     def note_loss(self, loss_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Record a training micro-batch's loss sum (returned, possibly with an injected NaN)."""
-        if self._loss is None:
-            for hook in self.loss_hooks:
-                loss_sum = hook(loss_sum, self.step())
+        """Record a training micro-batch's loss sum (returned for the backward)."""
         loss = loss_sum.detach().double()
         count = (labels != -100).sum().double()
         self._loss = loss if self._loss is None else self._loss + loss
@@ -97,13 +123,7 @@ class StepGuard:
         """True if the optimizer may step; False to skip; raises NonFiniteError to stop."""
         step = self.step()
         self._calls += 1
-        for hook in self.check_hooks:
-            hook(step)
-        grads = [p.grad for p in params if p.grad is not None]
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        local = [g for g in local if g.numel()]
-        for hook in self.grad_hooks:
-            hook(local, step)
+        local = local_gradients(params)
         device = local[0].device if local else torch.device("cpu")
         grad_norms = (
             torch.stack(torch._foreach_norm(local)).double().sum()
@@ -187,22 +207,25 @@ class StepGuard:
             f.write(json.dumps(row) + "\n")
 
 
+def local_gradients(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's (non-empty) shards of the parameters' gradients."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    return [g for g in local if g.numel()]
+
+
 def _short_ids(ids: list[str], limit: int = 32) -> str:
     more = f" ... and {len(ids) - limit} more (all in anomalies.jsonl)" if len(ids) > limit else ""
     return ", ".join(ids[:limit]) + more
 
 
-STEP_GUARD = StepGuard()
-
-
-def guard_optimizers(optimizers, model_parts) -> None:
-    """Make ``optimizers.step()`` run only when ``STEP_GUARD.allow_update`` agrees (the guard
-    is configured by ``build_speechlm_loss``, which torchtitan calls first)."""
+def guard_optimizers(optimizers, model_parts, guard: StepGuard) -> None:
+    """Make ``optimizers.step()`` run only when ``guard.allow_update`` agrees."""
     params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
     inner = optimizers.step
 
     def step(*args, **kwargs):
-        if STEP_GUARD.allow_update(params):
+        if guard.allow_update(params):
             return inner(*args, **kwargs)
         return None
 

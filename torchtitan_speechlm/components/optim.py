@@ -20,7 +20,7 @@ from torch import nn
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 
-from torchtitan_speechlm.components.nonfinite import STEP_GUARD, guard_optimizers
+from torchtitan_speechlm.components.nonfinite import StepGuard, guard_optimizers
 from torchtitan_speechlm.model.model import canonical_name
 
 EMBEDDING_PREFIXES = ("tok_embeddings.", "head.stream_emb.")
@@ -78,13 +78,15 @@ def split_weight_decay(model_parts: list[nn.Module], optimizers, rules: list[str
             opt.add_param_group(group)
 
 
-def build_speechlm_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):
-    """TrainSpec.build_optimizers_fn."""
+def build_speechlm_optimizers(
+    model_parts, optimizer_config, parallel_dims, ft_manager=None, *, guard: StepGuard
+):
+    """TrainSpec.build_optimizers_fn (``guard``: the run's step guard, given by the spec)."""
     container = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     rules = _weight_decay_rules(model_parts)
     if rules or any(held_rows(m) for m in model_parts):
         split_weight_decay(model_parts, list(container), rules)
-    guard_optimizers(container, model_parts)  # no update from a NaN/Inf step
+    guard_optimizers(container, model_parts, guard)  # no update from a NaN/Inf step
     return container
 
 
@@ -96,8 +98,10 @@ def _weight_decay_rules(model_parts) -> list[str]:
     return []
 
 
-def build_speechlm_lr_schedulers(optimizers, lr_scheduler_config, training_steps: int):
-    """TrainSpec.build_lr_schedulers_fn."""
+def build_speechlm_lr_schedulers(
+    optimizers, lr_scheduler_config, training_steps: int, *, guard: StepGuard
+):
+    """TrainSpec.build_lr_schedulers_fn (``guard``: the run's step guard, given by the spec)."""
     container = build_lr_schedulers(optimizers, lr_scheduler_config, training_steps)
     end = (
         lr_scheduler_config.total_steps
@@ -106,7 +110,7 @@ def build_speechlm_lr_schedulers(optimizers, lr_scheduler_config, training_steps
     )
     for scheduler in container.schedulers:
         scheduler.lr_lambdas = [_held_after(f, end) for f in scheduler.lr_lambdas]
-    STEP_GUARD.schedulers = container  # its step count is the trainer's step, also on resume
+    guard.schedulers = container  # its step count is the trainer's step, also on resume
     return container
 
 

@@ -19,7 +19,6 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.model.run_record import RunRecordError, record_for_checkpoint
 from torchtitan_speechlm.model.starting_point import check_same
-from torchtitan_speechlm.trainer.run_context import run_context
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
 
 
@@ -47,15 +46,16 @@ def newest_full_step(job_config) -> int | None:
     return full[-1] if full else None
 
 
-def resolve_resume(job_config) -> None:
-    """Set ``checkpoint.load_step`` so that torchtitan resumes from a full checkpoint."""
+def resolve_resume(job_config, model_args) -> None:
+    """Set ``checkpoint.load_step`` so that torchtitan resumes from a full checkpoint
+    (``model_args``: the run's, to refuse an ``initial_load_path`` made for another model)."""
     ckpt = job_config.checkpoint
     if not ckpt.enable:
         return
     folder = checkpoint_folder(job_config)
     steps = complete_checkpoints(folder, warn=True)
     if not steps and ckpt.initial_load_path:
-        check_initial_load(job_config)
+        check_initial_load(job_config, model_args)
     if ckpt.load_step >= 0:
         path = os.path.join(folder, f"step-{ckpt.load_step}")
         if ckpt.load_step in steps and ckpt.load_step > 0 and not is_full(path):
@@ -88,7 +88,7 @@ def resolve_resume(job_config) -> None:
     ckpt.load_step = full
 
 
-def check_initial_load(job_config) -> None:
+def check_initial_load(job_config, model_args) -> None:
     """``checkpoint.initial_load_path`` of another run's DCP checkpoint: refuse one made for
     another vocabulary, pattern, backbone or codec before torchtitan loads it."""
     path = job_config.checkpoint.initial_load_path
@@ -98,13 +98,12 @@ def check_initial_load(job_config) -> None:
         record = record_for_checkpoint(path)
     except RunRecordError:
         return  # not one of our runs: torchtitan's own load reports what does not fit
-    ctx = run_context(job_config)
     ours = {
-        "vocab": ctx.layout.to_dict(),
-        "pattern": job_config.speechlm.pattern,
-        "backbone_config": ctx.backbone_config,
+        "vocab": model_args.vocab,
+        "pattern": model_args.pattern,
+        "backbone_config": model_args.backbone_config,
     }
-    check_same(record, ours, str(ctx.codec.get("config_hash", "")), path)
+    check_same(record, ours, model_args.codec_hash, path)
 
 
 def completed_run_step(job_config) -> int | None:

@@ -12,29 +12,38 @@ replaces the TTS texts).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.components.dataloader import open_prepared, split_indices
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import Loaded
 from torchtitan_speechlm.model.model import build_model
 from torchtitan_speechlm.model.run_record import model_record
-from torchtitan_speechlm.trainer.run_context import run_context
+
+
+@dataclass(frozen=True)
+class SamplePrompts:
+    """What the sample set is decoded with: the data's codec and text tokenizer, its frame rate
+    and its ASR prompts (``items(count)``: the first speech items of the first validation set,
+    [] without one)."""
+
+    codec: dict
+    tokenizer_path: str
+    frame_rate: float
+    items: Callable[[int], list]
 
 
 class TrainingSamples:
-    def __init__(self, job_config, accelerator: bool):
-        sl = job_config.speechlm
-        every = sl.sample_every
-        if every < 0:  # auto: with an accelerator at each validation, off on CPU
-            every = job_config.validation.freq if accelerator else 0
-        self.every, self.count, self.texts = every, sl.sample_count, list(sl.sample_texts)
-        self.job_config = job_config
-        self.folder = os.path.join(job_config.job.dump_folder, "samples")
+    def __init__(
+        self, every: int, count: int, texts: list[str], folder: str, prompts: SamplePrompts
+    ):
+        self.every, self.count, self.texts = every, count, list(texts)
+        self.folder, self.prompts = folder, prompts
         self._done_until = 0
 
     def due(self, step: int) -> bool:
@@ -57,20 +66,19 @@ class TrainingSamples:
             logger.warning(f"samples at step {step} failed: {type(e).__name__}: {e}")
 
     def _decode(self, step: int, args, state: dict, loggers) -> None:
-        ctx = run_context(self.job_config)
+        prompts = self.prompts
         copy = build_model(_copy_args(args))
         copy.load_state_dict(state, strict=False)
-        meta = next(iter(ctx.metadata.values()))
         loaded = Loaded(
             copy.eval(),
-            {"model_args": model_record(args), "codec": ctx.codec},
-            meta["tokenizer"]["path"],
-            ctx.codec.get("path", ""),
+            {"model_args": model_record(args), "codec": prompts.codec},
+            prompts.tokenizer_path,
+            prompts.codec.get("path", ""),
             "training",
         )
-        items = self._items(ctx)
+        items = prompts.items(self.count)
         texts = self.texts or [it.text for it in items]
-        cfg = DecodeConfig(max_frames=int(20 * ctx.frame_rate) or 500)
+        cfg = DecodeConfig(max_frames=int(20 * prompts.frame_rate) or 500)
         out = os.path.join(self.folder, f"step-{step}")
         os.makedirs(out, exist_ok=True)
         panels = {}
@@ -89,14 +97,6 @@ class TrainingSamples:
                 panels[f"samples/asr_{i}"] = (None, f"ref: {it.text}  \nhyp: {hyp}")
         _log_panels(loggers, panels, step, loaded.codec.sample_rate)
         logger.info(f"samples at step {step}: {out}")
-
-    def _items(self, ctx) -> list:
-        if not ctx.valid:
-            return []
-        entries, split = next(iter(ctx.valid.values()))
-        ds = open_prepared(os.path.abspath(ctx.datasets[entries[0].dataset]))
-        idx = split_indices(ds.ids, self.job_config.speechlm_data.valid_fraction, split)
-        return [ds[int(i)] for i in idx if ds.kinds[int(i)] == "speech"][: self.count]
 
 
 def _copy_args(args):

@@ -9,19 +9,23 @@ needs every rank in every forward). Logged as ``val/{set}/{key}``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.components.dataloader import build_dataset
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
-from torchtitan_speechlm.data.external import external_data
-from torchtitan_speechlm.data.stream import SpeechLMDataset, Unit, data_stats_keys
-from torchtitan_speechlm.trainer.run_context import run_context
+from torchtitan_speechlm.data.stream import Unit
 
 
 class SpeechLMValidator(BaseValidator):
+    """``sets``: each validation set's name and a function making a fresh pass over it (an
+    iterable of ``(inputs, labels)`` micro-batches with ``collate(unit)``, the stream's or an
+    external data object's), given by the spec's builder."""
+
     def __init__(
         self,
         job_config,
@@ -31,6 +35,9 @@ class SpeechLMValidator(BaseValidator):
         maybe_enable_amp,
         metrics_processor,
         validation_context,
+        *,
+        sets: dict[str, Callable[[], Any]],
+        stats_keys: tuple[str, ...],
         **kwargs,
     ):
         super().__init__(job_config)
@@ -39,33 +46,15 @@ class SpeechLMValidator(BaseValidator):
         self.amp = maybe_enable_amp
         self.context = validation_context
         self.metrics_processor = metrics_processor
-        ctx = run_context(job_config)
-        self.stats_keys = data_stats_keys(ctx.num_streams)
-        self.sets = ctx.valid
+        self.stats_keys = stats_keys
+        self.sets = sets
         if not self.sets:
             raise ValueError(
                 "validation.enable = true but there is nothing to validate on: set "
                 "speechlm_data.valid (TASK:NAME entries) or speechlm_data.valid_fraction > 0"
             )
-        for name in self.sets:  # fail now, not at the first validation round
-            self._dataset(name)
-
-    def _dataset(self, name: str) -> SpeechLMDataset:
-        """A fresh iterator each round: the same batches in the same order every time."""
-        external = external_data(self.job_config)
-        if external is not None:  # a Python data object (data/external.py)
-            return external.valid_dataset(
-                name, self.job_config, run_context(self.job_config).layout
-            )
-        entries, split = self.sets[name]
-        return build_dataset(
-            self.job_config,
-            entries,
-            split,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_world_size,
-            training=False,
-        )
+        for make in self.sets.values():  # fail now, not at the first validation round
+            make()
 
     def _any_rank_has(self, has: bool, device) -> bool:
         flag = torch.tensor([1.0 if has else 0.0], device=device)
@@ -82,7 +71,7 @@ class SpeechLMValidator(BaseValidator):
         model.eval()
         for name in self.sets:
             acc = StatsAccumulator(self.stats_keys)
-            ds = self._dataset(name)
+            ds = self.sets[name]()  # a fresh pass: the same batches in the same order
             # a rank whose share is exhausted (or empty) runs this all-padding, zero-weight batch
             last = ds.collate(Unit(rows=[[]], t=8))
             it, n = iter(ds), 0
@@ -117,8 +106,3 @@ class SpeechLMValidator(BaseValidator):
                 f"frames: {int(stats.get('loss_frames', 0))}  batches: {n}"
             )
         model.train()
-
-
-def build_speechlm_validator(**kwargs) -> SpeechLMValidator:
-    """TrainSpec.build_validator_fn (torchtitan passes everything by keyword)."""
-    return SpeechLMValidator(**kwargs)

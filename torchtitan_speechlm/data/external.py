@@ -1,23 +1,21 @@
 """Data that comes from a Python object instead of prepared datasets (the Python API's ESPnet
 iterator adapter, or yours).
 
-torchtitan's Trainer builds the data loader and validator from the job config alone, and a
-TOML cannot name a live Python object. So the object is attached to the job config
-(``attach_external_data``) before the Trainer is built, and the three places that otherwise
-read ``[speechlm_data]`` ask ``external_data(job_config)`` first: the run context (vocabulary
-layout from the object's codec instead of the datasets' metadata), the training loader and the
-validator. Everything else (model, loss, statistics, checkpoints) is unchanged.
+A TOML cannot name a live Python object, so the object is handed to the trainer
+(``trainer.SpeechLMTrainer(job_config, external=data)``, and to the launcher's checks), which
+resolves the run with it: the vocabulary layout comes from the object's codec instead of the
+datasets' metadata, and the training loader and the validation sets from the object.
+Everything else (model, loss, statistics, checkpoints) is unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
-
-_ATTR = "_speechlm_external_data"
 
 
 class ExternalData(Protocol):
-    """What a data object attached to a job config provides."""
+    """What a data object given to the trainer provides."""
 
     codec: dict
     """``num_streams``, ``codebook_size`` and ``frame_rate`` of the audio tokens (as a
@@ -26,18 +24,20 @@ class ExternalData(Protocol):
     def valid_names(self) -> list[str]:
         """Names of the validation sets, logged as ``val/{name}/*``."""
 
-    def train_loader(self, job_config, layout, dp_rank: int, dp_world_size: int) -> Any:
-        """A torchtitan BaseDataLoader yielding ``(input_dict, labels)`` micro-batches."""
+    def train_loader(
+        self,
+        job_config,
+        layout,
+        dp_rank: int,
+        dp_world_size: int,
+        *,
+        accumulation: int,
+        continuous_frames: Callable | None,
+    ) -> Any:
+        """A torchtitan BaseDataLoader yielding ``(input_dict, labels)`` micro-batches
+        (``accumulation`` of them per optimizer step on each rank; ``continuous_frames``: LM
+        frames of n waveform samples under the run's audio encoder, None without one)."""
 
-    def valid_dataset(self, name: str, job_config, layout) -> Any:
+    def valid_dataset(self, name: str, layout, *, continuous_frames: Callable | None) -> Any:
         """A fresh iterable of one validation set's micro-batches, with ``collate(unit)``
         giving an all-padding stand-in batch (see components/validate.py)."""
-
-
-def attach_external_data(job_config, data: ExternalData) -> None:
-    """Use ``data`` instead of ``[speechlm_data]`` for this job config (one process)."""
-    object.__setattr__(job_config, _ATTR, data)
-
-
-def external_data(job_config) -> ExternalData | None:
-    return getattr(job_config, _ATTR, None)

@@ -34,7 +34,7 @@ from typing import get_args
 
 import numpy as np
 
-from torchtitan_speechlm.config import LossRegion
+from torchtitan_speechlm.config import ConfigError, LossRegion
 from torchtitan_speechlm.data.format import KINDS, MODALITIES, ROLES
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -110,6 +110,34 @@ class LossWeights:
     text: float
     audio: float
     streams: tuple[float, ...]  # sums to 1
+
+    @classmethod
+    def from_config(cls, speechlm, num_streams: int) -> LossWeights:
+        """``[speechlm]``'s ``text_weight``, ``audio_weight`` and ``stream_weights`` (one per
+        codec stream, normalised to sum 1; empty: uniform), checked here."""
+        weights = list(speechlm.stream_weights)
+        if any(w < 0 for w in weights) or (weights and sum(weights) <= 0):
+            raise ConfigError("speechlm.stream_weights must be >= 0 with a positive sum")
+        if weights and len(weights) != num_streams:
+            raise ConfigError(
+                f"speechlm.stream_weights has {len(weights)} values but the codec has "
+                f"{num_streams} streams; give {num_streams} values or leave it empty (uniform)."
+            )
+        for key in ("text_weight", "audio_weight"):
+            if getattr(speechlm, key) < 0:
+                raise ConfigError(f"speechlm.{key} must be >= 0")
+        return cls(
+            speechlm.text_weight,
+            speechlm.audio_weight,
+            tuple(normalised_stream_weights(weights, num_streams)),
+        )
+
+
+def normalised_stream_weights(weights: list[float], n: int) -> list[float]:
+    """Per-stream weights summing to 1 (empty: uniform over ``n`` streams)."""
+    w = list(weights) if weights else [1.0] * n
+    total = sum(w)
+    return [x / total for x in w]
 
 
 @dataclass

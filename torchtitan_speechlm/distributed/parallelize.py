@@ -36,6 +36,7 @@ from torchtitan.models.llama3.infra.parallelize import (
 )
 from torchtitan.tools.logging import logger
 
+from torchtitan_speechlm.distributed.batch import accumulation_steps
 from torchtitan_speechlm.model.lora import ADAPTER, lora_layers
 from torchtitan_speechlm.utils.compat import (
     force_sum_reduction_on_cpu,
@@ -93,7 +94,9 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
     # once per rank: reduce only in the last micro-batch's backward (compat fix 6).
     sync_gradients_on_last_microbatch(
         model,
-        accumulation_steps(job_config, parallel_dims),
+        accumulation_steps(
+            job_config.training, parallel_dims.dp_replicate * parallel_dims.dp_shard
+        ),
         ddp=parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled,
         hsdp=parallel_dims.dp_replicate_enabled and parallel_dims.fsdp_enabled,
     )
@@ -190,14 +193,6 @@ def shard_lora(layer: nn.Module, tp_mesh) -> None:
     else:
         parallelize_module(a, tp_mesh, RowwiseParallel(output_layouts=Replicate()))
         parallelize_module(b, tp_mesh, NoParallel(output_layout=Shard(1)))
-
-
-def accumulation_steps(job_config, parallel_dims: ParallelDims) -> int:
-    """Micro-batches per optimizer step, exactly as torchtitan's Trainer computes them."""
-    batch = parallel_dims.dp_replicate * parallel_dims.dp_shard if parallel_dims.dp_enabled else 1
-    local = job_config.training.local_batch_size
-    global_batch = job_config.training.global_batch_size
-    return max(1, global_batch // (local * batch)) if global_batch > 0 else 1
 
 
 def apply_freeze(model: nn.Module, prefixes: list[str]) -> None:

@@ -8,8 +8,7 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
-from torchtitan_speechlm.config import normalised_stream_weights
-from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder, normalised_stream_weights
 from torchtitan_speechlm.model.model import SpeechLM, build_model
 from torchtitan_speechlm.model.pretrained import (
     PretrainedError,

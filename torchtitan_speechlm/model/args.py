@@ -1,7 +1,7 @@
 """SpeechLMModelArgs: everything the model needs; every field is read by the model.
 
-Filled from a job config by the spec's subclass (``spec.SpeechLMJobModelArgs``, from the
-resolved run), from a run record or an export (``pretrained.args_from_record``), or by hand."""
+Built from a job config by the run plan (``from_config``: trainer/plan.py), from a run record
+or an export (``pretrained.args_from_record``), or by hand."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torchtitan.protocols import BaseModelArgs
 
+from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs, training_flops_per_clip
 from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.patterns import get_pattern
@@ -47,6 +48,54 @@ class SpeechLMModelArgs(BaseModelArgs):
     audio_encoder: dict = field(default_factory=dict)
     """The continuous audio input (``AudioEncoderArgs.to_dict()``); empty: none."""
 
+    @classmethod
+    def from_config(
+        cls,
+        speechlm,
+        *,
+        backbone: str,
+        hf_assets_path: str,
+        backbone_config: dict,
+        layout: VocabLayout,
+        codec_hash: str,
+        lora: dict,
+        audio_encoder: dict,
+    ) -> SpeechLMModelArgs:
+        """The model args of a run: ``[speechlm]``'s model keys (read here, each by name) and
+        what the run plan resolved (backbone, vocabulary, codec, LoRA, audio encoder)."""
+        for key in ("z_loss_weight", "load_balance_weight"):
+            if getattr(speechlm, key) < 0:
+                raise ConfigError(f"speechlm.{key} must be >= 0")
+        tie = speechlm.tie_embeddings
+        return cls(
+            backbone=backbone,
+            hf_assets_path=hf_assets_path,
+            backbone_config=backbone_config,
+            vocab=layout.to_dict(),
+            pattern=speechlm.pattern,
+            tie_embeddings=(
+                get_backbone(backbone).tie_word_embeddings(backbone_config)
+                if tie == "auto"
+                else tie == "true"
+            ),
+            load_weights=speechlm.init == "pretrained",
+            attn_implementation=speechlm.attn_implementation,
+            init_seed=speechlm.init_seed,
+            init_std=speechlm.init_std,
+            init_from=speechlm.init_from,
+            init_from_map=list(speechlm.init_from_map),
+            init_from_allow_missing=list(speechlm.init_from_allow_missing),
+            init_from_allow_unexpected=list(speechlm.init_from_allow_unexpected),
+            weight_decay_exclude=list(speechlm.weight_decay_exclude),
+            codec_hash=codec_hash,
+            z_loss_weight=speechlm.z_loss_weight,
+            load_balance_weight=speechlm.load_balance_weight,
+            loss_chunk_size=speechlm.loss_chunk_size,
+            loss_chunk_mb=speechlm.loss_chunk_mb,
+            lora=lora,
+            audio_encoder=audio_encoder,
+        )
+
     # ---- derived ---------------------------------------------------------------------------
     @property
     def layout(self) -> VocabLayout:
@@ -66,12 +115,8 @@ class SpeechLMModelArgs(BaseModelArgs):
 
     # ---- torchtitan protocol ---------------------------------------------------------------
     def update_from_config(self, job_config, **kwargs) -> None:
-        """torchtitan's protocol: the spec's ``SpeechLMJobModelArgs`` fills the args from a job."""
-        raise TypeError(
-            "SpeechLMModelArgs is filled from a job config by the spec's model args "
-            "(get_train_spec(name).model_args[flavor], a spec.SpeechLMJobModelArgs); build "
-            "those, or fill the fields directly"
-        )
+        """torchtitan's protocol. A run's args are complete when torchtitan's Trainer calls
+        this (``from_config``, by the run plan): nothing is left to fill."""
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Parameters, and training FLOPs per frame if every frame carries loss (forward +

@@ -23,6 +23,7 @@ adapters into the base weights (PEFT's ``merge``), giving the plain SpeechLM bac
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -110,6 +111,15 @@ def match_targets(backbone: nn.Module, patterns: list[str]) -> list[str]:
             )
         chosen.update(hits)
     return [n for n in linears if n in chosen]
+
+
+def lora_settings(lora, converters: list[str]) -> dict:
+    """The ``[lora]`` section as the model args' settings when ``model.converters`` lists
+    ``"lora"``, else {} (no LoRA). The one place the section is read: the run plan calls it and
+    every later user (the converter, export, generation) reads the model args."""
+    if CONVERTER not in converters:
+        return {}
+    return {key: copy.deepcopy(getattr(lora, key)) for key in SETTING_KEYS}
 
 
 def check_settings(settings: dict) -> None:

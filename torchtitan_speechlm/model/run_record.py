@@ -30,17 +30,19 @@ def model_record(args) -> dict:
     return json.loads(json.dumps({k: v for k, v in asdict(args).items() if k != "hf_assets_path"}))
 
 
-def record_run(job_config, args, ctx) -> dict:
+def record_run(
+    job_config, args, *, backbone_path: str, codec: dict, tokenizer: dict, datasets: dict
+) -> dict:
     """Write (rank 0) or check the record of this run's model; returns it."""
     record = {
         "version": RECORD_VERSION,
         "model_name": job_config.model.name,
         "flavor": job_config.model.flavor,
         "model_args": model_record(args),
-        "hf_assets_path": os.path.abspath(ctx.backbone_path),
-        "codec": ctx.codec,
-        "tokenizer": next(iter(ctx.metadata.values()))["tokenizer"],
-        "datasets": {name: os.path.abspath(p) for name, p in ctx.datasets.items()},
+        "hf_assets_path": os.path.abspath(backbone_path),
+        "codec": codec,
+        "tokenizer": tokenizer,
+        "datasets": {name: os.path.abspath(p) for name, p in datasets.items()},
     }
     path = os.path.join(job_config.job.dump_folder, RUN_RECORD)
     if os.path.isfile(path):

@@ -15,10 +15,14 @@ import difflib
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any
 
+from torchtitan.config.job_config import Parallelism, Training
+
 from torchtitan_speechlm.config import ConfigError, check_toml
-from torchtitan_speechlm.trainer.run_context import REGISTERED_VALUES
+from torchtitan_speechlm.distributed.batch import data_parallel_degree
+from torchtitan_speechlm.trainer.plan import REGISTERED_VALUES
 from torchtitan_speechlm.utils.compat import accelerator_available
 from torchtitan_speechlm.utils.fileio import write_text_atomic
 
@@ -242,17 +246,10 @@ def trainer_args_to_sections(
 
 def global_batch(sections: dict, world_size: int) -> int:
     """Rows of one optimizer step without accumulation: local batch x data-parallel degree."""
-    from torchtitan.config.job_config import Parallelism, Training
-
     t, p = sections.get("training", {}), sections.get("parallelism", {})
     local = int(t.get("local_batch_size", Training.local_batch_size))
-    other = 1
-    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
-        other *= int(p.get(key, getattr(Parallelism, key)))
-    shard = int(p.get("data_parallel_shard_degree", -1))
-    replicate = int(p.get("data_parallel_replicate_degree", 1))
-    dp = replicate * (shard if shard > 0 else max(1, world_size // (other * replicate)))
-    return local * dp
+    parallelism = Parallelism(**{f.name: p[f.name] for f in fields(Parallelism) if f.name in p})
+    return local * max(1, data_parallel_degree(parallelism, world_size))
 
 
 def check_sections(sections: dict, source: str) -> None:

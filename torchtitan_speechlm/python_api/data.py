@@ -7,7 +7,7 @@ ESPnet passes a training factory and a dict of validation factories. Ours are ei
   ``speechlm_data.datasets / train / valid`` in the written TOML, so the CLI repeats the run;
   a validation set is logged under its dict key (``SET=TASK:NAME``);
 - ESPnet ``DataIteratorFactory`` objects wrapped in ``EspnetData`` (espnet_data.py): a live
-  Python object no TOML can name, attached to the job config (data/external.py).
+  Python object no TOML can name, handed to the trainer (data/external.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.data.catalog import parse_datasets
 from torchtitan_speechlm.python_api.espnet_data import EspnetData, EspnetRunData
-from torchtitan_speechlm.trainer.run_context import parse_datasets
 
 
 @dataclass

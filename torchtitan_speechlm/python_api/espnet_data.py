@@ -49,13 +49,10 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
 
-from torchtitan_speechlm.components.dataloader import global_batch_rows
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.stream import Unit, data_stats_keys
 from torchtitan_speechlm.data.tasks import TASKS
-from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs
 from torchtitan_speechlm.model.vocab import SPECIAL_TOKENS, VocabLayout
-from torchtitan_speechlm.trainer.run_context import audio_encoder_args
 
 ESPNET_SHARED_SPECIALS = 9  # <|pad|> .. <|audio|>: same names, same ids as ours
 
@@ -372,21 +369,14 @@ class EspnetRunData:
     def valid_names(self) -> list[str]:
         return list(self.valid)
 
-    def train_loader(self, job_config, layout, dp_rank: int, dp_world_size: int):
-        local = job_config.training.local_batch_size
-        accumulation = max(
-            1, global_batch_rows(job_config, dp_world_size) // (local * dp_world_size)
-        )
+    def train_loader(
+        self, job_config, layout, dp_rank: int, dp_world_size: int, *, accumulation: int,
+        continuous_frames,
+    ):  # fmt: skip
         chunk = job_config.checkpoint.interval * accumulation
-        self.train.continuous_frames = continuous_frames(job_config)
+        self.train.continuous_frames = continuous_frames
         return EspnetTrainLoader(self.train, layout, chunk, dp_rank, dp_world_size)
 
-    def valid_dataset(self, name: str, job_config, layout) -> EspnetValidSet:
-        self.valid[name].continuous_frames = continuous_frames(job_config)
+    def valid_dataset(self, name: str, layout, *, continuous_frames) -> EspnetValidSet:
+        self.valid[name].continuous_frames = continuous_frames
         return EspnetValidSet(self.valid[name], layout)
-
-
-def continuous_frames(job_config):
-    """LM frames of n waveform samples under the job's [audio_encoder], None without one."""
-    audio = audio_encoder_args(job_config)
-    return AudioEncoderArgs(**audio).frames_of if audio else None

@@ -8,7 +8,8 @@ output_dir, trainer_args, parallel_dims=None)`` and call ``run()`` (or ``train()
 2. maps ``trainer_args`` and the data factories to TOML sections (args.py, data.py), writes
    them to ``output_dir/titan_trainer.toml`` and parses that file with torchtitan's
    ConfigManager and the same checks as ``torchtitan train`` (so the CLI repeats the run);
-3. builds ``ChunkedTrainer``, torchtitan's ``Trainer`` with three small overrides (an existing
+3. builds ``ChunkedTrainer``, our trainer (torchtitan's ``Trainer`` with the run handed to the
+   spec: trainer/trainer.py) with three small overrides (an existing
    ParallelDims, a stop step, one persistent data iterator), and loads the checkpoint to
    continue from.
 
@@ -40,6 +41,7 @@ from torchtitan_speechlm.python_api.args import (
 )
 from torchtitan_speechlm.python_api.data import resolve_data
 from torchtitan_speechlm.python_api.wandb_run import RunLogger, current_run
+from torchtitan_speechlm.trainer.trainer import SpeechLMTrainer
 
 BACKBONE_DIR = "backbone"
 
@@ -124,81 +126,75 @@ def resume_sections(resume_path: Any, output_dir: Path, sections: dict) -> dict:
     return {"checkpoint": {"initial_load_path": str(path), "initial_load_model_only": False}}
 
 
-def chunked_trainer_class():
-    """torchtitan's Trainer, resumable in chunks (built lazily: importing the package must not
-    import torchtitan.train)."""
-    from torchtitan.train import Trainer
+class ChunkedTrainer(SpeechLMTrainer):
+    """Our trainer (torchtitan's, with the run handed to the spec) with an existing
+    ParallelDims, a stop step and one data iterator for every call of ``train()``; its loop
+    is not copied."""
 
-    class ChunkedTrainer(Trainer):
-        """torchtitan's Trainer with an existing ParallelDims, a stop step and one data
-        iterator for every call of ``train()``; its loop is not copied."""
+    def __init__(self, job_config, parallel_dims=None, external=None):
+        self._given_dims = parallel_dims
+        self._stop_at: int | None = None
+        self._iterator = None
+        super().__init__(job_config, external)
 
-        def __init__(self, job_config, parallel_dims=None):
-            self._given_dims = parallel_dims
-            self._stop_at: int | None = None
-            self._iterator = None
-            super().__init__(job_config)
+    def init_distributed(self):
+        dims = self._given_dims
+        if dims is None:
+            return super().init_distributed()
+        p = self.job_config.parallelism
+        want = {
+            "dp_replicate": p.data_parallel_replicate_degree,
+            "dp_shard": p.data_parallel_shard_degree,
+            "tp": p.tensor_parallel_degree,
+            "pp": p.pipeline_parallel_degree,
+            "cp": p.context_parallel_degree,
+        }
+        for name, value in want.items():
+            if value > 0 and getattr(dims, name) != value:
+                raise ConfigError(
+                    f"parallel_dims.{name} = {getattr(dims, name)} but the config asks for "
+                    f"{value}; make titan_config / [parallelism] match the ParallelDims"
+                )
+        return self.beating(dims)
 
-        def init_distributed(self):
-            dims = self._given_dims
-            if dims is None:
-                return super().init_distributed()
-            p = self.job_config.parallelism
-            want = {
-                "dp_replicate": p.data_parallel_replicate_degree,
-                "dp_shard": p.data_parallel_shard_degree,
-                "tp": p.tensor_parallel_degree,
-                "pp": p.pipeline_parallel_degree,
-                "cp": p.context_parallel_degree,
-            }
-            for name, value in want.items():
-                if value > 0 and getattr(dims, name) != value:
-                    raise ConfigError(
-                        f"parallel_dims.{name} = {getattr(dims, name)} but the config asks for "
-                        f"{value}; make titan_config / [parallelism] match the ParallelDims"
-                    )
-            return dims
+    def should_continue_training(self) -> bool:
+        return super().should_continue_training() and (
+            self._stop_at is None or self.step < self._stop_at
+        )
 
-        def should_continue_training(self) -> bool:
-            return super().should_continue_training() and (
-                self._stop_at is None or self.step < self._stop_at
-            )
+    def batch_generator(self, data_iterable):
+        if self._iterator is None:  # one iterator across chunks: no batch lost or repeated
+            self._iterator = super().batch_generator(data_iterable)
+        return self._iterator
 
-        def batch_generator(self, data_iterable):
-            if self._iterator is None:  # one iterator across chunks: no batch lost or repeated
-                self._iterator = super().batch_generator(data_iterable)
-            return self._iterator
+    def train_until(self, stop_at: int | None, validate: bool = True) -> None:
+        """torchtitan's ``train()`` up to ``stop_at`` (None: ``training.steps``); the
+        checkpoint was loaded once already, so its load is skipped here."""
+        validation = self.job_config.validation
+        enabled = validation.enable
+        self._stop_at = stop_at
+        self.checkpointer.load = lambda step=-1: False  # instance attribute: this call only
+        validation.enable = enabled and validate
+        try:
+            super().train()
+        finally:
+            del self.checkpointer.load
+            validation.enable = enabled
+            self._stop_at = None
 
-        def train_until(self, stop_at: int | None, validate: bool = True) -> None:
-            """torchtitan's ``train()`` up to ``stop_at`` (None: ``training.steps``); the
-            checkpoint was loaded once already, so its load is skipped here."""
-            validation = self.job_config.validation
-            enabled = validation.enable
-            self._stop_at = stop_at
-            self.checkpointer.load = lambda step=-1: False  # instance attribute: this call only
-            validation.enable = enabled and validate
-            try:
-                super().train()
-            finally:
-                del self.checkpointer.load
-                validation.enable = enabled
-                self._stop_at = None
-
-        def save_now(self) -> None:
-            """Save this step unless torchtitan just did (a step off the save interval)."""
-            ckpt = self.checkpointer
-            if not ckpt.enable or ckpt._should_save(
-                self.step, self.step == self.job_config.training.steps
-            ):
-                return
-            interval = ckpt.interval
-            ckpt.interval = 1
-            try:
-                ckpt.save(self.step)
-            finally:
-                ckpt.interval = interval
-
-    return ChunkedTrainer
+    def save_now(self) -> None:
+        """Save this step unless torchtitan just did (a step off the save interval)."""
+        ckpt = self.checkpointer
+        if not ckpt.enable or ckpt._should_save(
+            self.step, self.step == self.job_config.training.steps
+        ):
+            return
+        interval = ckpt.interval
+        ckpt.interval = 1
+        try:
+            ckpt.save(self.step)
+        finally:
+            ckpt.interval = interval
 
 
 class TitanTrainer:
@@ -288,7 +284,7 @@ class TitanTrainer:
         # torchtitan's Trainer creates the process group only when none exists: release it at
         # close() only then, never a group the caller made
         self._owns_process_group = parallel_dims is None and not dist.is_initialized()
-        self.trainer = chunked_trainer_class()(self.job_config, parallel_dims)
+        self.trainer = ChunkedTrainer(self.job_config, parallel_dims, plan.external)
         self._attach_wandb()
         self.trainer.checkpointer.load(step=self.job_config.checkpoint.load_step)
         self._closed = False

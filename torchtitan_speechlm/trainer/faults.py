@@ -8,7 +8,8 @@ interpreter teardown (gloo threads may still be blocked in a collective with a d
 
 Collective failures (a peer hung past ``comm.*_timeout_seconds``, or dead) are rewritten to
 name the collective (from the stack) and the peer ranks that stopped beating
-(components/heartbeat.py).
+(components/heartbeat.py): by the trainer, which owns the run's heartbeat
+(``CollectiveFailure``), or here, without one, for a failure before training starts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import sys
 from contextlib import contextmanager
 
-from torchtitan_speechlm.components.heartbeat import HEARTBEAT
+from torchtitan_speechlm.components.heartbeat import Heartbeat
 from torchtitan_speechlm.components.nonfinite import NonFiniteError
 from torchtitan_speechlm.components.resume import ResumeError
 from torchtitan_speechlm.config import ConfigError
@@ -27,6 +28,10 @@ from torchtitan_speechlm.model.run_record import RunRecordError
 from torchtitan_speechlm.model.vocab import VocabMismatchError
 from torchtitan_speechlm.utils.collective_errors import collective_of, is_collective_failure
 from torchtitan_speechlm.utils.compat import CheckpointSaveError
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective failed; the message names it and the silent peer rank(s)."""
 
 
 def user_fault_types() -> tuple[type[BaseException], ...]:
@@ -41,10 +46,13 @@ def user_fault_types() -> tuple[type[BaseException], ...]:
         StreamResumeError,
         NonFiniteError,
         CheckpointSaveError,
+        CollectiveFailure,
     )
 
 
-def describe_collective_failure(exc: BaseException) -> str:
+def describe_collective_failure(exc: BaseException, heartbeat: Heartbeat | None) -> str:
+    """What failed and which peer went silent (``heartbeat``: the run's; None before one
+    started: no peer can be named)."""
     rank = os.environ.get("RANK", "0")
     # said at once: the launcher may end this process while the heartbeats are read
     print(
@@ -53,7 +61,7 @@ def describe_collective_failure(exc: BaseException) -> str:
         file=sys.stderr,
         flush=True,
     )
-    stale = HEARTBEAT.silent_ranks()
+    stale = heartbeat.silent_ranks() if heartbeat is not None else []
     if stale:
         who = f"rank(s) {', '.join(map(str, stale))} stopped responding (hung or dead)"
     elif stale is None:
@@ -80,7 +88,7 @@ def exit_on_user_fault():
         if isinstance(e, user_fault_types()):
             message = str(e)
         elif is_collective_failure(e):
-            message = describe_collective_failure(e)
+            message = describe_collective_failure(e, None)
         else:
             raise
         rank = os.environ.get("RANK", "0")

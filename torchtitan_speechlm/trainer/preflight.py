@@ -1,18 +1,9 @@
-"""Start-up checks of the job, before any rank starts: what the config's values meet.
-
-``validate_job_config`` (every process: the launcher, each rank, through the spec's model args)
-checks single values (config.check_values), resolves the run once (trainer/run_context.py) and checks
-what needs it: the parallel layout against the backbone, keys that contradict each other. The
-rest runs once in the launching process (``preflight``, ``check_training_data``):
-the world size (parallel degrees and batch divisibility, which torchtitan only asserts inside
-every rank), keys that contradict each other (torchtitan asserts those in the middle of a run,
-some at the last save), the dump folder (writable? room for a checkpoint?) and the checkpoints
-already in it (made for this model?). Each error names the key or path and the fix; the free
-space check only warns (a checkpoint size is an estimate).
-
-``torchtitan train`` runs ``preflight`` once in the launching process; ranks started by another
-launcher (torchrun) run ``check_layout`` themselves from ``validate_job_config``. The text
-tokenizer's round trip on the stored data (``check_training_data``) uses data/tokenizer_check.py.
+"""Start-up checks in the launching process, before any rank starts: what the job meets on
+disk. The dump folder (writable? room for a checkpoint?), the checkpoints and run record already
+in it (made for this model?), LoRA leaving something to train, and the text tokenizer's round
+trip on the stored data (data/tokenizer_check.py). Each error names the key or path and the
+fix; the free space check only warns (a checkpoint size is an estimate). The checks every
+process runs are in checks.py.
 """
 
 from __future__ import annotations
@@ -22,15 +13,13 @@ import shutil
 import socket
 import sys
 from collections.abc import Callable
-from copy import deepcopy
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torchtitan.protocols.train_spec import get_train_spec
 
-from torchtitan_speechlm.components.dataloader import open_prepared
-from torchtitan_speechlm.config import ConfigError, check_values
-from torchtitan_speechlm.data.external import external_data
+from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.data.catalog import open_prepared
 from torchtitan_speechlm.data.tokenizer_check import (
     TRAIN_ACCEPT,
     LossyTokenizerError,
@@ -39,14 +28,8 @@ from torchtitan_speechlm.data.tokenizer_check import (
     find_tokenizer,
     roundtrip_report,
 )
-from torchtitan_speechlm.distributed.parallelize import apply_freeze, check_parallelism
-from torchtitan_speechlm.model.lora import (
-    CONVERTER,
-    LoraError,
-    apply_lora,
-    check_settings,
-    peft_module,
-)
+from torchtitan_speechlm.distributed.parallelize import apply_freeze
+from torchtitan_speechlm.model.lora import CONVERTER, LoraError, apply_lora
 from torchtitan_speechlm.model.model import canonical_name
 from torchtitan_speechlm.model.run_record import (
     RUN_RECORD,
@@ -55,139 +38,11 @@ from torchtitan_speechlm.model.run_record import (
     model_record,
     read_run_record,
 )
-from torchtitan_speechlm.trainer.run_context import (
-    fill_model_args,
-    is_speechlm,
-    lora_settings,
-    run_context,
-)
+from torchtitan_speechlm.trainer.checks import check_conflicts, check_layout
+from torchtitan_speechlm.trainer.plan import RunPlan
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
 
 ADAMW_BYTES_PER_PARAM = 4 + 8  # fp32 weights + AdamW's two fp32 moments
-
-
-def validate_job_config(job_config) -> None:
-    """The checks every process runs (raise ConfigError naming the key and the fix): single
-    values, then the resolved run (built here, once), the parallel layout for its backbone,
-    contradicting keys, and inside a rank the world size."""
-    if not is_speechlm(job_config):
-        return
-    check_values(job_config)
-    ctx = run_context(job_config)
-    try:
-        check_parallelism(job_config, ctx.family)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    check_conflicts(job_config)
-    check_lora(job_config)
-    if "WORLD_SIZE" in os.environ:  # a rank (the launcher checks with --nproc-per-node)
-        check_layout(job_config, int(os.environ["WORLD_SIZE"]))
-
-
-def data_parallel_degree(job_config, world_size: int) -> int:
-    """torchtitan's data-parallel degree (replicate x shard, shard = -1 filling the rest)."""
-    p = job_config.parallelism
-    other = p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
-    shard = p.data_parallel_shard_degree
-    if shard == -1:
-        shard = world_size // max(1, other * p.data_parallel_replicate_degree)
-    return p.data_parallel_replicate_degree * shard
-
-
-def check_layout(job_config, world_size: int) -> None:
-    """Parallel degrees that fit ``world_size``; a global batch that splits into micro-batches."""
-    p = job_config.parallelism
-    degrees = {
-        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
-        "data_parallel_shard_degree": p.data_parallel_shard_degree,
-        "context_parallel_degree": p.context_parallel_degree,
-        "tensor_parallel_degree": p.tensor_parallel_degree,
-        "pipeline_parallel_degree": p.pipeline_parallel_degree,
-    }
-    for key, value in degrees.items():
-        if value < 1 and not (key == "data_parallel_shard_degree" and value == -1):
-            raise ConfigError(f"parallelism.{key} = {value}: must be >= 1 (shard degree: or -1)")
-    fixed = 1
-    for value in degrees.values():
-        if value != -1:
-            fixed *= value
-    names = " x ".join(f"{k} ({v})" for k, v in degrees.items() if v != 1)
-    if p.data_parallel_shard_degree == -1:
-        if world_size % fixed:
-            raise ConfigError(
-                f"parallelism: {names or 'the degrees'} = {fixed} does not divide the job's "
-                f"{world_size} ranks: make the product of the fixed degrees a divisor of "
-                f"{world_size} (data_parallel_shard_degree = -1 takes the rest), or start "
-                f"{fixed} x k ranks (--nproc-per-node)"
-            )
-    elif fixed != world_size:
-        raise ConfigError(
-            f"parallelism: {names or 'all degrees 1'} = {fixed} ranks, but the job has "
-            f"{world_size} (--nproc-per-node / WORLD_SIZE): make the product {world_size}, e.g. "
-            "set parallelism.data_parallel_shard_degree = -1 (it fills the rest)"
-        )
-    t = job_config.training
-    dp = data_parallel_degree(job_config, world_size)
-    if t.global_batch_size > 0 and t.global_batch_size % (t.local_batch_size * dp):
-        step = t.local_batch_size * dp
-        lower = max(step, t.global_batch_size // step * step)
-        raise ConfigError(
-            f"training.global_batch_size = {t.global_batch_size} is not a multiple of "
-            f"training.local_batch_size ({t.local_batch_size}) x the data-parallel degree ({dp})"
-            f" = {step}: set global_batch_size to a multiple of {step} (e.g. {lower} or "
-            f"{lower + step}), or change local_batch_size"
-        )
-
-
-def check_conflicts(job_config) -> None:
-    """Pairs of keys torchtitan would refuse only inside the ranks, some at the last step."""
-    c = job_config.checkpoint
-    if c.keep_latest_k == 1:
-        raise ConfigError(
-            "checkpoint.keep_latest_k = 1: torchtitan keeps at least 2 (the newest may be "
-            "being written when the older one is purged); set 2 or more, or 0 to keep all"
-        )
-    if c.last_save_in_hf and not c.last_save_model_only:
-        raise ConfigError(
-            "checkpoint.last_save_in_hf = true needs checkpoint.last_save_model_only = true "
-            "(safetensors hold weights only); set both, or use `torchtitan export` after training"
-        )
-    if c.initial_load_in_hf and not c.initial_load_model_only:
-        raise ConfigError(
-            "checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_model_only = "
-            "true (an HF folder holds weights only)"
-        )
-    if c.enable and c.interval < 1:
-        raise ConfigError(f"checkpoint.interval = {c.interval}: must be >= 1")
-    if job_config.training.steps < 1:
-        raise ConfigError(f"training.steps = {job_config.training.steps}: must be >= 1")
-
-
-def check_lora(job_config) -> None:
-    """LoRA's settings, PEFT installed, and the options LoRA cannot work with."""
-    converters = list(job_config.model.converters)
-    if CONVERTER not in converters:
-        return
-    try:
-        check_settings(lora_settings(job_config))
-        peft_module()
-    except LoraError as e:
-        raise ConfigError(str(e)) from None
-    others = [c for c in converters if c != CONVERTER]
-    if others:
-        raise ConfigError(
-            f"model.converters = {converters}: LoRA cannot be combined with {others} (they "
-            "replace the same nn.Linear layers LoRA wraps; a float8/MX base layer under PEFT's "
-            'adapters is not supported): keep ["lora"] alone'
-        )
-    c = job_config.checkpoint
-    for key in ("initial_load_in_hf", "last_save_in_hf"):
-        if getattr(c, key):
-            raise ConfigError(
-                f"checkpoint.{key} = true with LoRA: an HF checkpoint has no adapters. Start "
-                "from the backbone (model.hf_assets_path) or an export (speechlm.init_from), "
-                "and write HF folders with `torchtitan export` (merged, or --adapter)"
-            )
 
 
 def check_trainable(job_config, model) -> None:
@@ -281,11 +136,10 @@ def _folder_bytes(path: str) -> int:
     )
 
 
-def _meta_model(job_config):
+def _meta_model(job_config, plan: RunPlan):
     """The job's model on the meta device (no memory, no weights read)."""
     spec = get_train_spec(job_config.model.name)
-    args = deepcopy(spec.model_args[job_config.model.flavor])
-    fill_model_args(args, job_config)
+    args = plan.model_args(job_config)
     with torch.device("meta"):
         model = spec.model_cls(args)
     if args.lora:  # what the lora converter does in the ranks
@@ -297,14 +151,14 @@ def _meta_model(job_config):
 
 
 def expected_checkpoint_bytes(job_config, model=None) -> int:
-    """Size of one checkpoint: the newest complete one if there is one, else an estimate
-    (parameters x (fp32 weight + AdamW's two moments))."""
+    """Size of one checkpoint: the newest complete one if there is one, else an estimate from
+    ``model`` (parameters x (fp32 weight + AdamW's two moments); 0 without a model)."""
     folder = checkpoint_folder(job_config)
     done = complete_checkpoints(folder)
     if done:
         return _folder_bytes(os.path.join(folder, f"step-{done[-1]}"))
     if model is None:
-        model, _ = _meta_model(job_config)
+        return 0
     return sum(p.numel() for p in model.parameters()) * ADAMW_BYTES_PER_PARAM
 
 
@@ -382,39 +236,40 @@ def check_run_record(job_config, args) -> None:
             raise ConfigError(str(e)) from None
 
 
-def preflight(job_config, world_size: int) -> None:
+def preflight(job_config, plan: RunPlan, world_size: int) -> None:
     """Every start-up check, in the launching process (raises ConfigError; warns on stderr)."""
     check_layout(job_config, world_size)
     check_conflicts(job_config)
     check_dump_folder(job_config)
-    model, args = _meta_model(job_config)
+    model, args = _meta_model(job_config, plan)
     check_run_record(job_config, args)
     check_checkpoints_fit(job_config, model)
     check_free_space(job_config, model)
     check_trainable(job_config, model)
 
 
-def check_training_data(job_config, warn: Callable[[str], None] | None = None) -> None:
+def check_training_data(
+    job_config, plan: RunPlan, warn: Callable[[str], None] | None = None
+) -> None:
     """train's check of every dataset the run reads (before any rank starts): decode stored ids
     of a sample of items and compare them with the stored texts; raises ``ConfigError``."""
-    if external_data(job_config) is not None:  # a Python data object: no prepared texts
+    if plan.external is not None:  # a Python data object: no prepared texts
         return
     warn = warn or (lambda m: print(f"torchtitan train: warning: {m}", file=sys.stderr))
-    ctx, data = run_context(job_config), job_config.speechlm_data
-    used = {e.dataset for e in ctx.train}
-    used |= {e.dataset for entries, _ in ctx.valid.values() for e in entries}
+    catalog, allow_lossy = plan.data, job_config.speechlm_data.allow_lossy_tokenizer
+    used = {e.dataset for e in catalog.entries()}
     tokenizers: dict[str, tuple] = {}
-    for name, path in ctx.datasets.items():
+    for name, path in catalog.datasets.items():
         if name not in used:
             continue
-        meta = ctx.metadata[name]
+        meta = catalog.metadata[name]
         key = str(meta.get("tokenizer", {}).get("hash"))
         if key not in tokenizers:
-            tokenizers[key] = find_tokenizer(meta, ctx.backbone_path)
+            tokenizers[key] = find_tokenizer(meta, plan.backbone_path)
         tok, tok_path = tokenizers[key]
         label = tok_path
         if tok is not None:
-            ds = open_prepared(os.path.abspath(path), data.verify_shards)
+            ds = open_prepared(os.path.abspath(path), catalog.verify_shards)
             report = roundtrip_report(tok, dataset_samples(ds, f"dataset {name!r}"))
         else:
             report = meta.get("tokenizer_roundtrip")
@@ -427,6 +282,6 @@ def check_training_data(job_config, warn: Callable[[str], None] | None = None) -
                 continue
             label = f"{tok_path} (as torchtitan prepare recorded; that folder is not found)"
         try:
-            enforce(report, label, data.allow_lossy_tokenizer, TRAIN_ACCEPT, warn)
+            enforce(report, label, allow_lossy, TRAIN_ACCEPT, warn)
         except LossyTokenizerError as e:
             raise ConfigError(f"dataset {name!r}: {e}") from None

@@ -265,15 +265,16 @@ def force_sum_reduction_on_cpu(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def run_torchtitan_main(args: list[str]) -> None:
-    """Fix 5: run ``torchtitan.train.main(Trainer)`` on ``args`` instead of import-time argv."""
+def run_torchtitan_main(args: list[str], trainer_class) -> None:
+    """Fix 5: run ``torchtitan.train.main(trainer_class)`` on ``args`` instead of import-time
+    argv."""
     from torchtitan.config.manager import ConfigManager
-    from torchtitan.train import Trainer, main
+    from torchtitan.train import main
 
     original = ConfigManager.parse_args.__defaults__
     ConfigManager.parse_args.__defaults__ = (list(args),)
     try:
-        main(Trainer)
+        main(trainer_class)
     finally:
         ConfigManager.parse_args.__defaults__ = original
     if not accelerator_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:

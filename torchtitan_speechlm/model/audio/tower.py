@@ -33,8 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.model.audio.encoders import (
     AudioEncoder,
+    AudioEncoderError,
     get_audio_encoder,
     load_audio_encoder_config,
 )
@@ -51,6 +53,30 @@ class AudioEncoderArgs:
     adaptor_hidden: int = 0  # 0: the backbone's width
     freeze_encoder: bool = True
     freeze_adaptor: bool = False
+
+    @classmethod
+    def from_config(cls, section) -> dict:
+        """``[audio_encoder]`` as the model args' ``audio_encoder``: the folder's encoder config
+        read and checked against its feature extractor, with the section's options; {} without
+        a path. Raises ConfigError naming the key."""
+        if section.stack < 1 or section.adaptor_hidden < 0:
+            raise ConfigError(
+                f"audio_encoder.stack = {section.stack} must be >= 1 and "
+                f"audio_encoder.adaptor_hidden = {section.adaptor_hidden} >= 0 (0: the "
+                "backbone's width)"
+            )
+        if not section.path:
+            return {}
+        options = dict(
+            stack=section.stack,
+            adaptor_hidden=section.adaptor_hidden,
+            freeze_encoder=section.freeze_encoder,
+            freeze_adaptor=section.freeze_adaptor,
+        )
+        try:
+            return cls.from_folder(section.path, **options).to_dict()
+        except AudioEncoderError as e:
+            raise ConfigError(str(e)) from None
 
     @classmethod
     def from_folder(cls, path: str, **options) -> AudioEncoderArgs:

@@ -15,7 +15,8 @@ without a rank it fires on every rank. Every entry fires once per process.
 
 Why hooks rather than real faults: a real full disk or a NaN from data needs a tmpfs or a crafted
 model, neither portable nor deterministic; the hooks go through the same code paths (DCP's
-file writer, the loss, the gradients, the collectives) at a chosen step.
+file writer, the loss, the gradients, the collectives) at a chosen step. They wrap the step
+guard's two methods (``StepGuard.note_loss``, ``StepGuard.allow_update``) and DCP's file stream.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan_speechlm.components.nonfinite import StepGuard
+import torchtitan_speechlm  # noqa: F401  (a run's custom_import: registers the spec too)
+from torchtitan_speechlm.components.nonfinite import StepGuard, local_gradients
 
 ENV = "SPEECHLM_FAULTS"
+RUN_ARGS = ("--experimental.custom_import", "tests.fault_injection")
 KINDS = ("kill_in_save", "enospc_in_save", "nan_loss", "spike_loss", "inf_grad", "sigstop", "die")
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -76,7 +79,7 @@ def take(kind: str, step: int) -> bool:
 
 
 def at_step_check(step: int) -> None:
-    """The optimizer-step check of ``step`` begins (a StepGuard check hook)."""
+    """The optimizer-step check of ``step`` begins."""
     if take("sigstop", step):
         os.kill(os.getpid(), signal.SIGSTOP)
     if take("die", step):
@@ -99,18 +102,34 @@ def faulty_gradients(local: list[torch.Tensor], step: int) -> None:
 
 
 def install(spec: str) -> None:
-    """Arm the faults of ``spec`` (``KIND@STEP[:RANK],...``) and install every hook: the step
-    guard's (loss, step check, gradients) and DCP's file streams (idempotent). Called only
-    where a fault is wanted: the tests, or a rank whose environment sets ``SPEECHLM_FAULTS``."""
+    """Arm the faults of ``spec`` (``KIND@STEP[:RANK],...``) and install every hook: around the
+    step guard's loss record and update check, and DCP's file streams (idempotent)."""
     _FAULTS[:] = parse(spec)
-    for hooks, hook in (
-        (StepGuard.loss_hooks, faulty_loss),
-        (StepGuard.check_hooks, at_step_check),
-        (StepGuard.grad_hooks, faulty_gradients),
-    ):
-        if hook not in hooks:
-            hooks.append(hook)
+    install_guard_faults()
     install_checkpoint_faults()
+
+
+def install_guard_faults() -> None:
+    """Wrap ``StepGuard.note_loss`` (the first micro-batch's loss of a step may become NaN or a
+    spike) and ``StepGuard.allow_update`` (a rank stops or dies as the check of a step begins;
+    a gradient shard becomes +Inf before the check reads it) (idempotent)."""
+    if getattr(StepGuard, "_speechlm_faults", False):
+        return
+    note_loss, allow_update = StepGuard.note_loss, StepGuard.allow_update
+
+    def faulty_note_loss(self, loss_sum, labels):
+        if self._loss is None:  # the first micro-batch of the step
+            loss_sum = faulty_loss(loss_sum, self.step())
+        return note_loss(self, loss_sum, labels)
+
+    def faulty_allow_update(self, params):
+        step = self.step()
+        at_step_check(step)
+        faulty_gradients(local_gradients(params), step)
+        return allow_update(self, params)
+
+    StepGuard.note_loss, StepGuard.allow_update = faulty_note_loss, faulty_allow_update
+    StepGuard._speechlm_faults = True
 
 
 class _FaultyStream:
@@ -151,3 +170,7 @@ def install_checkpoint_faults() -> None:
 
     FileSystem.create_stream = create_stream
     FileSystem._speechlm_faults = True
+
+
+if os.environ.get(ENV):  # a training run's custom_import (RUN_ARGS): arm what it asks for
+    install(os.environ[ENV])

@@ -1,0 +1,230 @@
+"""``[speechlm_data]``'s datasets, training mixture and validation sets, resolved once.
+
+``DataCatalog.from_config`` reads the section's ``datasets`` (``NAME=PATH``), ``train``
+(``TASK:NAME[:WEIGHT]``), ``valid`` (``[SET=]TASK:NAME``), ``valid_fraction`` and
+``verify_shards``, reads each dataset's metadata.json and checks that they share one codec
+layout and tokenizer. ``sources`` opens the datasets of a mixture for a split: ``train`` (the
+items not held out), ``valid`` (held out by id hash) or ``all``. A Python data object (the
+Python API's ESPnet iterators, data/external.py) gives a catalog with its codec and named
+validation sets and no prepared datasets (``DataCatalog.external``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from torchtitan.tools.logging import logger
+
+from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.data.format import check_compatible
+from torchtitan_speechlm.data.reader import PreparedDataset
+from torchtitan_speechlm.data.stream import Source
+from torchtitan_speechlm.data.tasks import TASKS
+
+SPLITS = ("train", "valid", "all", "external")
+
+
+@dataclass(frozen=True)
+class MixEntry:
+    task: str
+    dataset: str
+    weight: float
+
+
+def parse_datasets(specs: list[str]) -> dict[str, str]:
+    """``["NAME=PATH", ...]`` -> ``{NAME: PATH}`` (names unique)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(
+                f"speechlm_data.datasets entry {spec!r} must look like NAME=PATH "
+                "(a directory made by `torchtitan prepare`)."
+            )
+        if name in out:
+            raise ConfigError(f"speechlm_data.datasets names {name!r} twice")
+        out[name] = path
+    return out
+
+
+def parse_mix(specs: list[str], key: str, names: dict[str, str]) -> list[MixEntry]:
+    """``TASK:NAME[:WEIGHT]`` entries of ``speechlm_data.{key}`` over the named datasets."""
+    entries = []
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) not in (2, 3):
+            raise ConfigError(f"speechlm_data.{key} entry {spec!r} must be TASK:NAME[:WEIGHT]")
+        task, name = parts[0], parts[1]
+        if task not in TASKS:
+            try:
+                TASKS.get(task)
+            except ValueError as e:
+                raise ConfigError(f"speechlm_data.{key} entry {spec!r}: {e}") from None
+        if name not in names:
+            raise ConfigError(
+                f"speechlm_data.{key} entry {spec!r}: no dataset named {name!r}; add "
+                f"`{name}=PATH` to speechlm_data.datasets (known: {sorted(names)})"
+            )
+        try:
+            weight = float(parts[2]) if len(parts) == 3 else 1.0
+        except ValueError:
+            raise ConfigError(
+                f"speechlm_data.{key} entry {spec!r}: weight is not a number"
+            ) from None
+        if weight <= 0:
+            raise ConfigError(f"speechlm_data.{key} entry {spec!r}: weight must be > 0")
+        entries.append(MixEntry(task, name, weight))
+    return entries
+
+
+def read_dataset_metadata(path: str) -> dict:
+    meta = Path(path) / "metadata.json"
+    if not meta.is_file():
+        raise ConfigError(
+            f"prepared dataset {path!r} has no metadata.json; create it with "
+            "`torchtitan prepare --manifest M.jsonl --codec DIR --tokenizer DIR --out "
+            f"{path}`."
+        )
+    return json.loads(meta.read_text())
+
+
+@dataclass(frozen=True)
+class DataCatalog:
+    datasets: dict[str, str]  # name -> prepared dataset path
+    metadata: dict[str, dict]  # name -> its metadata.json
+    train: list[MixEntry]
+    valid: dict[str, tuple[list[MixEntry], str]]  # set name -> (entries, split to read)
+    valid_fraction: float = 0.0
+    verify_shards: str = "size"
+    external_names: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, data) -> DataCatalog:
+        """The ``[speechlm_data]`` section's datasets, mixture and validation sets."""
+        datasets = parse_datasets(data.datasets)
+        train = parse_mix(data.train, "train", datasets)
+        if not train:
+            raise ConfigError("speechlm_data.train is empty: list at least one TASK:NAME entry")
+        metadata = {name: read_dataset_metadata(p) for name, p in datasets.items()}
+        first = next(iter(metadata))
+        for name, meta in metadata.items():
+            try:
+                check_compatible(metadata[first], meta)
+            except ValueError as e:
+                raise ConfigError(
+                    f"datasets {first!r} and {name!r} cannot be mixed: {e}; prepare all of them "
+                    "with the same codec (and --num-streams) and tokenizer."
+                ) from None
+        valid = validation_sets(data.valid, data.valid_fraction, datasets, train)
+        return cls(datasets, metadata, train, valid, data.valid_fraction, data.verify_shards)
+
+    @classmethod
+    def external(cls, codec: dict, valid_names: list[str], text_vocab: int) -> DataCatalog:
+        """The catalog of a Python data object: its codec and named validation sets."""
+        metadata = {"external": {"codec": dict(codec), "tokenizer": {"vocab_size": text_vocab}}}
+        valid = {name: ([], "external") for name in valid_names}
+        return cls({}, metadata, [], valid, external_names=list(valid_names))
+
+    @property
+    def codec(self) -> dict:
+        """The codec every dataset was prepared with (checked to be the same)."""
+        return next(iter(self.metadata.values()))["codec"]
+
+    @property
+    def num_streams(self) -> int:
+        return int(self.codec["num_streams"])
+
+    @property
+    def frame_rate(self) -> float:
+        return float(self.codec["frame_rate"])
+
+    def entries(self) -> list[MixEntry]:
+        """Every mixture entry the run reads: training and validation."""
+        return list(self.train) + [e for es, _ in self.valid.values() for e in es]
+
+    def check_text_vocab(self, text_size: int, backbone_path: str) -> None:
+        """Every dataset's tokenizer fits the backbone's ``text_size`` embedding rows."""
+        for name, meta in self.metadata.items():
+            tv = int(meta["tokenizer"]["vocab_size"])
+            if tv > text_size:
+                raise ConfigError(
+                    f"dataset {name!r} was tokenised with {tv} text tokens but the backbone "
+                    f"{backbone_path!r} has only {text_size} embedding rows; prepare it with "
+                    "the backbone's tokenizer."
+                )
+
+    def sources(self, entries: list[MixEntry], split: str) -> list[Source]:
+        """The mixture ``entries`` over ``split`` of their datasets (each opened once)."""
+        out = []
+        for e in entries:
+            data = open_prepared(os.path.abspath(self.datasets[e.dataset]), self.verify_shards)
+            indices = split_indices(data.ids, self.valid_fraction, split)
+            out.append(Source(e.task, e.dataset, e.weight, data, indices))
+        return out
+
+
+def validation_sets(
+    specs: list[str], valid_fraction: float, datasets: dict, train: list[MixEntry]
+) -> dict[str, tuple[list[MixEntry], str]]:
+    """Explicit ``valid`` entries: a dataset that training also uses is validated on its
+    held-out part when ``valid_fraction`` > 0 (never on items training sees); with no hold-out
+    it is validated on all its items, with a warning. A dataset training does not use: all
+    items. No ``valid`` entries: every training entry on its held-out part."""
+    if not specs:
+        if valid_fraction > 0:
+            return {f"{e.task}_{e.dataset}_heldout": ([e], "valid") for e in train}
+        return {}
+    trained = {e.dataset for e in train}
+    sets = {}
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        if not eq or ":" in name:
+            name, rest = "", spec
+        (e,) = parse_mix([rest], "valid", datasets)
+        name = name or f"{e.task}_{e.dataset}"
+        if name in sets:
+            raise ConfigError(
+                f"speechlm_data.valid names the set {name!r} twice; name them apart with "
+                "SET=TASK:NAME entries"
+            )
+        split = "all"
+        if e.dataset in trained:
+            if valid_fraction > 0:
+                split = "valid"
+            else:
+                logger.warning(
+                    f"validation set {e.task}:{e.dataset} is also training data (valid_fraction "
+                    "= 0): its numbers measure fit, not generalisation; set "
+                    "speechlm_data.valid_fraction > 0 to validate on held-out items"
+                )
+        sets[name] = ([e], split)
+    return sets
+
+
+def _hash01(s: str) -> float:
+    return int(hashlib.sha256(s.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
+def split_indices(ids: list[str], valid_fraction: float, split: str) -> np.ndarray:
+    """Deterministic hold-out by id hash: stable across runs, ranks and dataset order.
+
+    ``split`` is "train" (items not held out), "valid" (held out) or "all"."""
+    if split == "all":
+        return np.arange(len(ids))
+    if valid_fraction <= 0:
+        return np.arange(len(ids)) if split == "train" else np.arange(0)
+    held = np.array([_hash01(i) < valid_fraction for i in ids], dtype=bool)
+    return np.nonzero(~held if split == "train" else held)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def open_prepared(path: str, verify: str = "size") -> PreparedDataset:
+    """A prepared dataset is immutable once written, so each process opens (and validates,
+    ``speechlm_data.verify_shards``) it once, not once per mixture entry or validation round."""
+    return PreparedDataset(path, verify=verify)

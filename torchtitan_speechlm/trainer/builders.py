@@ -1,0 +1,286 @@
+"""The SpeechLM TrainSpec's builders: a job config and the run -> what torchtitan's loop calls.
+
+torchtitan's Trainer calls each ``build_*_fn`` of the TrainSpec with the job config (and a few
+objects of its own). Ours also take ``run``: the ``SpeechLMRun`` the trainer resolved once
+(trainer.py binds it into the spec it reads), whose plan says what the run is made of and whose
+training state the loss, metrics, optimizers and loader share. Here, and only here, a TOML
+setting is turned into the explicit arguments of a component (components/, data/): the
+components never read the job config's SpeechLM sections or each other's state themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields, replace
+from functools import partial
+
+from torchtitan.tools.logging import logger
+
+from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader
+from torchtitan_speechlm.components.loss import SpeechLMLoss
+from torchtitan_speechlm.components.metrics import SpeechLMMetricsProcessor
+from torchtitan_speechlm.components.optim import (
+    build_speechlm_lr_schedulers,
+    build_speechlm_optimizers,
+)
+from torchtitan_speechlm.components.samples import SamplePrompts, TrainingSamples
+from torchtitan_speechlm.components.validate import SpeechLMValidator
+from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.data.catalog import MixEntry
+from torchtitan_speechlm.data.stream import SpeechLMDataset
+from torchtitan_speechlm.distributed.batch import accumulation_steps
+from torchtitan_speechlm.model.vocab import VocabLayout
+from torchtitan_speechlm.trainer.plan import RunPlan
+from torchtitan_speechlm.trainer.run import SpeechLMRun
+from torchtitan_speechlm.utils.compat import accelerator_available
+
+NEEDS_OUR_TRAINER = (
+    "the {name!r} TrainSpec is built by torchtitan_speechlm's trainer, which resolves the run "
+    "once and hands it to the spec's builders: start it with `torchtitan train --job.config_file "
+    "X.toml`, or under torchrun with `-m torchtitan_speechlm.train` (torchtitan's own main() "
+    "with trainer.SpeechLMTrainer), not `-m torchtitan.train`"
+)
+
+
+def _require(run: SpeechLMRun | None, job_config=None) -> SpeechLMRun:
+    if run is None:
+        name = getattr(getattr(job_config, "model", None), "name", "speechlm")
+        raise ConfigError(NEEDS_OUR_TRAINER.format(name=name))
+    return run
+
+
+def bind(spec, run: SpeechLMRun):
+    """The TrainSpec ``spec`` for ``run``: its model args are the run's (complete, so
+    torchtitan's ``update_from_config`` has nothing left to do) and each builder of ours gets
+    the run as an argument."""
+    flavor = run.job_config.model.flavor
+    builders = {
+        f.name: partial(getattr(spec, f.name), run=run)
+        for f in fields(spec)
+        if getattr(getattr(spec, f.name), "takes_run", False)
+    }
+    return replace(spec, model_args={flavor: run.model_args}, **builders)
+
+
+def takes_run(fn):
+    """Mark a TrainSpec builder that ``bind`` gives the run."""
+    fn.takes_run = True
+    return fn
+
+
+# ---- data ----------------------------------------------------------------------------------------
+def stream(
+    job_config, plan: RunPlan, entries: list[MixEntry], split: str, *, dp_rank: int,
+    dp_world_size: int, training: bool,
+) -> SpeechLMDataset:  # fmt: skip
+    """A train (infinite, shuffled, augmented) or validation (finite, ordered, clean) stream.
+
+    Training steps hold torchtitan's global batch: ``accumulation`` micro-batches per rank,
+    exactly as torchtitan's Trainer computes its gradient accumulation steps."""
+    data = job_config.speechlm_data
+    if training:
+        seq_len, rows = job_config.training.seq_len, job_config.training.local_batch_size
+        accumulation = accumulation_steps(job_config.training, dp_world_size)
+        key = "training.seq_len"
+    else:
+        v = job_config.validation
+        seq_len = v.seq_len if v.seq_len > 0 else job_config.training.seq_len
+        rows, accumulation = v.local_batch_size, 1
+        key = "validation.seq_len" if v.seq_len > 0 else "training.seq_len"
+    return SpeechLMDataset(
+        plan.data.sources(entries, split),
+        plan.template_builder(job_config),
+        seq_len=seq_len,
+        local_batch_size=rows,
+        max_tokens=data.max_tokens,
+        mode=data.batching,
+        window=data.window,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        accumulation=accumulation,
+        seed=data.seed,
+        shuffle=data.shuffle and training,
+        infinite=training,
+        cfg_dropout=data.cfg_dropout if training else 0.0,
+        max_too_long_fraction=data.max_too_long_fraction if training else 1.0,
+        seq_len_key=key,
+    )
+
+
+def check_data(job_config, plan: RunPlan) -> None:
+    """Build the training stream and every validation set once, as the ranks will: bad
+    mixtures, empty entries, bad batching values and lengths that do not fit ``seq_len`` fail
+    here, before any rank starts."""
+    if plan.external is not None:  # a Python data object checks its own
+        return
+    stream(job_config, plan, plan.data.train, "train", dp_rank=0, dp_world_size=1, training=True)
+    if job_config.validation.enable:
+        for entries, split in plan.data.valid.values():
+            stream(job_config, plan, entries, split, dp_rank=0, dp_world_size=1, training=False)
+
+
+def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
+    """Store the layout with the run (``{dump_folder}/vocab.json``); refuse a different one.
+
+    Every checkpoint also carries the layout's fingerprint in its dataloader state.
+    """
+    path = os.path.join(dump_folder, "vocab.json")
+    if os.path.isfile(path):
+        layout.check_same(VocabLayout.load(path), f"the run in {dump_folder} ({path})")
+        return
+    if int(os.environ.get("RANK", "0")) == 0:
+        os.makedirs(dump_folder, exist_ok=True)
+        layout.save(path)  # atomic
+
+
+@takes_run
+def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, *, run=None):
+    """TrainSpec.build_dataloader_fn."""
+    run = _require(run, job_config)
+    plan = run.plan
+    record_vocab(job_config.job.dump_folder, plan.layout)
+    if plan.external is not None:  # a Python data object (data/external.py)
+        audio = plan.audio
+        return plan.external.train_loader(
+            job_config,
+            plan.layout,
+            dp_rank,
+            dp_world_size,
+            accumulation=accumulation_steps(job_config.training, dp_world_size),
+            continuous_frames=audio.frames_of if audio else None,
+        )
+    dataset = stream(
+        job_config, plan, plan.data.train, "train",
+        dp_rank=dp_rank, dp_world_size=dp_world_size, training=True,
+    )  # fmt: skip
+    logger.info(
+        "SpeechLM data: "
+        + ", ".join(
+            f"{s.task}:{s.name} ({len(s.indices)} items, weight {s.weight})"
+            for s in dataset.sources
+        )
+    )
+    dl = job_config.training.dataloader
+    hash_log = (
+        os.path.join(job_config.job.dump_folder, "batch_hashes", f"rank{dp_rank}.jsonl")
+        if job_config.speechlm_data.log_batch_hashes
+        else None
+    )
+    return SpeechLMDataLoader(
+        dataset,
+        on_batch=run.state.guard.note_micro_batch,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        hash_log=hash_log,
+        batch_size=None,
+        num_workers=dl.num_workers,
+        persistent_workers=dl.persistent_workers,
+        pin_memory=dl.pin_memory,
+        prefetch_factor=dl.prefetch_factor,
+    )
+
+
+def validation_sets(job_config, run: SpeechLMRun, dp_rank: int, dp_world_size: int) -> dict:
+    """Each validation set's name -> a function making a fresh pass over it."""
+    plan, audio = run.plan, run.plan.audio
+    if plan.external is not None:
+        frames = audio.frames_of if audio else None
+        return {
+            name: partial(plan.external.valid_dataset, name, plan.layout, continuous_frames=frames)
+            for name in plan.data.valid
+        }
+    return {
+        name: partial(
+            stream,
+            job_config,
+            plan,
+            entries,
+            split,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            training=False,
+        )  # fmt: skip
+        for name, (entries, split) in plan.data.valid.items()
+    }
+
+
+@takes_run
+def build_validator(*, run=None, **kwargs) -> SpeechLMValidator:
+    """TrainSpec.build_validator_fn (torchtitan passes everything by keyword)."""
+    run = _require(run, kwargs.get("job_config"))
+    sets = validation_sets(kwargs["job_config"], run, kwargs["dp_rank"], kwargs["dp_world_size"])
+    return SpeechLMValidator(sets=sets, stats_keys=run.state.stats.data_stats_keys, **kwargs)
+
+
+# ---- loss, metrics, optimizers ---------------------------------------------------------------
+@takes_run
+def build_loss(job_config, *, run=None, **kwargs) -> SpeechLMLoss:
+    """TrainSpec.build_loss_fn: the loss reports to the run's statistics and step guard."""
+    run = _require(run, job_config)
+    return SpeechLMLoss(run.state.stats, run.state.guard)
+
+
+def sample_prompts(job_config, plan: RunPlan) -> SamplePrompts:
+    """The sample set's codec, tokenizer and ASR prompts: the first speech items of the first
+    validation set."""
+
+    def items(count: int) -> list:
+        if not plan.data.valid or plan.external is not None:
+            return []
+        entries, split = next(iter(plan.data.valid.values()))
+        (source,) = plan.data.sources(entries[:1], split)
+        return [
+            source.data[int(i)] for i in source.indices if source.data.kinds[int(i)] == "speech"
+        ][:count]
+
+    tokenizer = next(iter(plan.data.metadata.values()))["tokenizer"]
+    return SamplePrompts(plan.codec, tokenizer.get("path", ""), plan.frame_rate, items)
+
+
+def training_samples(job_config, plan: RunPlan) -> TrainingSamples:
+    """``speechlm.sample_every`` (-1: at each validation with an accelerator, off on CPU)."""
+    sl = job_config.speechlm
+    every = sl.sample_every
+    if every < 0:
+        every = job_config.validation.freq if accelerator_available() else 0
+    folder = os.path.join(job_config.job.dump_folder, "samples")
+    return TrainingSamples(
+        every, sl.sample_count, sl.sample_texts, folder, sample_prompts(job_config, plan)
+    )
+
+
+@takes_run
+def build_metrics_processor(
+    job_config, parallel_dims, model_args=None, tag=None, *, run=None
+) -> SpeechLMMetricsProcessor:
+    """TrainSpec.build_metrics_processor_fn."""
+    run = _require(run, job_config)
+    return SpeechLMMetricsProcessor(
+        job_config,
+        parallel_dims,
+        tag,
+        accumulator=run.state.stats,
+        guard=run.state.guard,
+        samples=training_samples(job_config, run.plan),
+        frame_rate=run.plan.frame_rate,
+        num_streams=run.plan.num_streams,
+        model_args=model_args,
+    )
+
+
+@takes_run
+def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None, *, run=None):
+    """TrainSpec.build_optimizers_fn: torchtitan's, behind the run's step guard."""
+    run = _require(run)
+    return build_speechlm_optimizers(
+        model_parts, optimizer_config, parallel_dims, ft_manager, guard=run.state.guard
+    )
+
+
+@takes_run
+def build_lr_schedulers(optimizers, lr_scheduler_config, training_steps: int, *, run=None):
+    """TrainSpec.build_lr_schedulers_fn: torchtitan's, held at its floor; the guard's steps."""
+    run = _require(run)
+    return build_speechlm_lr_schedulers(
+        optimizers, lr_scheduler_config, training_steps, guard=run.state.guard
+    )

@@ -1,0 +1,186 @@
+"""What a SpeechLM run is made of, resolved from its job config: the run plan.
+
+``RunPlan.resolve`` reads each section through the layer that owns it and checks what spans
+sections: the backbone family of the spec's flavor and its config (``model.hf_assets_path``),
+the data catalog (``[speechlm_data]``: data/catalog.py) or a Python data object, the vocabulary
+layout (the backbone's text rows + the codec's streams), the audio encoder (``[audio_encoder]``:
+model/audio/tower.py), LoRA (``[lora]``: model/lora.py), the loss weights against the codec's
+streams, and continuous-audio tasks against the encoder and the data's waveforms. The model
+args follow from it (``model_args``). The plan is a value: the launcher resolves one to check
+the job before any rank starts, each rank's trainer resolves its own (trainer.py) and hands it
+to the spec's builders; nothing is cached in a module or on the job config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan.protocols.train_spec import get_train_spec
+
+from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.data.catalog import DataCatalog
+from torchtitan_speechlm.data.external import ExternalData
+from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder, get_task
+from torchtitan_speechlm.model.args import SpeechLMModelArgs
+from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs
+from torchtitan_speechlm.model.backbones import Backbone, get_backbone
+from torchtitan_speechlm.model.lora import lora_settings
+from torchtitan_speechlm.model.patterns import PATTERNS
+from torchtitan_speechlm.model.vocab import VocabLayout
+
+# keys whose value must name a registered extension (checked with a "did you mean", also for
+# values given on the command line, which the TOML check does not see)
+REGISTERED_VALUES = {"speechlm.pattern": PATTERNS}
+
+
+def backbone_of(job_config) -> Backbone:
+    """The backbone family of the job's spec and flavor."""
+    spec = get_train_spec(job_config.model.name)
+    flavor = job_config.model.flavor
+    if flavor not in spec.model_args:
+        raise ConfigError(
+            f"model.flavor = {flavor!r}: the {job_config.model.name!r} spec has "
+            f"flavor(s) {sorted(spec.model_args)}"
+        )
+    return get_backbone(spec.model_args[flavor].backbone)
+
+
+def check_registered_values(job_config) -> None:
+    """Each key of ``REGISTERED_VALUES`` names a registered extension (else a "did you mean")."""
+    for dotted, registry in REGISTERED_VALUES.items():
+        section, key = dotted.split(".")
+        try:
+            registry.get(getattr(getattr(job_config, section), key), dotted)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    family: Backbone  # the backbone family of the spec's flavor
+    backbone_path: str  # model.hf_assets_path
+    backbone_config: dict
+    data: DataCatalog
+    external: ExternalData | None  # a Python data object instead of prepared datasets
+    layout: VocabLayout
+    audio_encoder: dict  # AudioEncoderArgs.to_dict(), {} without an encoder
+    lora: dict  # the LoRA settings, {} without LoRA
+    loss_weights: LossWeights
+
+    @classmethod
+    def resolve(cls, job_config, external: ExternalData | None = None) -> RunPlan:
+        """The run of ``job_config`` (raises ConfigError naming the key and the fix)."""
+        check_registered_values(job_config)
+        family = backbone_of(job_config)
+        path = job_config.model.hf_assets_path
+        try:
+            backbone_config = family.read_config(path)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
+        text = family.text_vocab_size(backbone_config)
+        data = job_config.speechlm_data
+        if external is not None:
+            if data.datasets or data.train:
+                raise ConfigError(
+                    "the training data comes from a Python data object, so "
+                    "speechlm_data.datasets and speechlm_data.train must be empty (they would "
+                    "be ignored)"
+                )
+            catalog = DataCatalog.external(external.codec, external.valid_names(), text)
+        else:
+            catalog = DataCatalog.from_config(data)
+            catalog.check_text_vocab(text, path)
+        codec = catalog.codec
+        layout = VocabLayout(
+            text_size=text,
+            num_streams=int(codec["num_streams"]),
+            codebook_size=int(codec["codebook_size"]),
+        )
+        plan = cls(
+            family,
+            path,
+            backbone_config,
+            catalog,
+            external,
+            layout,
+            AudioEncoderArgs.from_config(job_config.audio_encoder),
+            lora_settings(job_config.lora, job_config.model.converters),
+            LossWeights.from_config(job_config.speechlm, layout.num_streams),
+        )
+        plan.check_continuous()
+        return plan
+
+    @property
+    def codec(self) -> dict:
+        return self.data.codec
+
+    @property
+    def num_streams(self) -> int:
+        return self.layout.num_streams
+
+    @property
+    def frame_rate(self) -> float:
+        return self.data.frame_rate
+
+    @property
+    def audio(self) -> AudioEncoderArgs | None:
+        return AudioEncoderArgs(**self.audio_encoder) if self.audio_encoder else None
+
+    def model_args(self, job_config) -> SpeechLMModelArgs:
+        """The run's model args (``[speechlm]``'s model keys and what this plan resolved)."""
+        return SpeechLMModelArgs.from_config(
+            job_config.speechlm,
+            backbone=self.family.name,
+            hf_assets_path=self.backbone_path,
+            backbone_config=self.backbone_config,
+            layout=self.layout,
+            codec_hash=str(self.codec.get("config_hash", "")),
+            lora=self.lora,
+            audio_encoder=self.audio_encoder,
+        )
+
+    def template_builder(self, job_config) -> TemplateBuilder:
+        """Items -> frames and loss weights, as this run lays them out (data/tasks.py)."""
+        audio = self.audio
+        return TemplateBuilder(
+            self.layout,
+            job_config.speechlm.pattern,
+            self.loss_weights,
+            loss_region=job_config.speechlm_data.loss_region,
+            continuous_frames=audio.frames_of if audio else None,
+        )
+
+    def check_continuous(self) -> None:
+        """Continuous-audio tasks need an audio encoder and datasets with waveforms at its rate,
+        no longer than its window (longer audio is refused, not chunked:
+        docs/audio-encoder.md)."""
+        for e in self.data.entries():
+            if not get_task(e.task).continuous:
+                continue
+            where = f"speechlm_data: {e.task}:{e.dataset}"
+            if not self.audio_encoder:
+                raise ConfigError(
+                    f"{where} takes continuous audio, but the run has no audio encoder: set "
+                    "[audio_encoder] path to a local speech-encoder folder (docs/audio-encoder.md)"
+                )
+            wave = self.data.metadata.get(e.dataset, {}).get("waveform")
+            if not wave:
+                raise ConfigError(
+                    f"{where}: dataset {self.data.datasets.get(e.dataset)!r} holds no "
+                    "waveforms; add them with `python -m torchtitan_speechlm.prepare.waveforms "
+                    "PREPARED MANIFEST`"
+                )
+            args = self.audio
+            if int(wave["sample_rate"]) != args.sample_rate:
+                raise ConfigError(
+                    f"{where}: its waveforms are at {wave['sample_rate']} Hz, the audio encoder "
+                    f"{args.path!r} reads {args.sample_rate} Hz; add them again with "
+                    f"--sample-rate {args.sample_rate}"
+                )
+            if int(wave.get("max_samples", 0)) > args.window_samples:
+                longest = int(wave["max_samples"]) / args.sample_rate
+                raise ConfigError(
+                    f"{where}: its longest item is {longest:.2f} s, longer than the audio "
+                    f"encoder's window of {args.window_samples / args.sample_rate:g} s; cut the "
+                    "audio (e.g. Kaldi segments) before preparing it"
+                )

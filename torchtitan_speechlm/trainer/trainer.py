@@ -1,0 +1,65 @@
+"""``SpeechLMTrainer``: torchtitan's ``Trainer``, its loop unchanged, for one SpeechLM run.
+
+torchtitan's Trainer hands each TrainSpec builder only the job config, so what a run's
+builders share (the resolved run, the statistics the loss hands the metrics, the step guard
+between loss, loader and optimizers, a Python data object) would have to live in process
+globals or be parked on the job config. This subclass instead resolves the run once
+(``start_run``: the plan, its checks, the resume decision, the run record, the training state)
+and reads the registered TrainSpec through ``builders.bind``: the same spec, with the run's
+model args and each builder given the run. It also starts the run's heartbeat once the process
+group is up, and when a collective fails names the peer that went silent.
+
+torchtitan's ``main(trainer_class)`` runs it (commands/train.py), as it runs its experiments'
+trainers. A job of another spec (torchtitan's own llama3) runs as the plain Trainer would.
+"""
+
+from __future__ import annotations
+
+from torchtitan.train import Trainer
+
+from torchtitan_speechlm.data.external import ExternalData
+from torchtitan_speechlm.trainer.builders import bind
+from torchtitan_speechlm.trainer.faults import CollectiveFailure, describe_collective_failure
+from torchtitan_speechlm.trainer.run import start_run
+from torchtitan_speechlm.trainer.spec import is_speechlm
+from torchtitan_speechlm.utils.collective_errors import is_collective_failure
+
+
+class SpeechLMTrainer(Trainer):
+    """torchtitan's Trainer with the run resolved once and handed to the spec's builders.
+
+    ``external``: a Python data object to train on instead of ``[speechlm_data]``
+    (data/external.py; the Python API's ESPnet iterators)."""
+
+    def __init__(self, job_config, external: ExternalData | None = None):
+        self.run = start_run(job_config, external) if is_speechlm(job_config) else None
+        super().__init__(job_config)
+
+    # torchtitan's __init__ reads the TrainSpec from its registry into ``self.train_spec``;
+    # the SpeechLM spec is read as this run's (builders.bind)
+    @property
+    def train_spec(self):
+        return self._train_spec
+
+    @train_spec.setter
+    def train_spec(self, spec) -> None:
+        self._train_spec = bind(spec, self.run) if self.run is not None else spec
+
+    def init_distributed(self):
+        return self.beating(super().init_distributed())
+
+    def beating(self, parallel_dims):
+        """Start the run's heartbeat (the process group is up); returns ``parallel_dims``."""
+        if self.run is not None:
+            self.run.state.heartbeat.start()
+        return parallel_dims
+
+    def train(self) -> None:
+        """torchtitan's ``train``; a failed collective names the peer that went silent."""
+        try:
+            super().train()
+        except BaseException as e:  # DCP wraps some failures in a BaseException
+            if self.run is None or not is_collective_failure(e):
+                raise
+            heartbeat = self.run.state.heartbeat
+            raise CollectiveFailure(describe_collective_failure(e, heartbeat)) from e
