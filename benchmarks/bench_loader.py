@@ -36,7 +36,8 @@ from torchtitan.config import ConfigManager
 from bench_common import device_name
 from torchtitan_speechlm.trainer.run_context import parse_datasets, parse_mix
 from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader, build_dataset
-from torchtitan_speechlm.data.stream import Source, SpeechLMDataset
+from torchtitan_speechlm.data.mixing import Source
+from torchtitan_speechlm.data.stream import SpeechLMDataset
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
 
