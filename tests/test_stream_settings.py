@@ -9,6 +9,7 @@ from test_stream import FakePrepared, make
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.mixing import Mixture, Source
 from torchtitan_speechlm.data.shards import ShardLayout
+from torchtitan_speechlm.data.stream import SpeechLMDataset
 
 
 @pytest.mark.parametrize(
@@ -39,8 +40,6 @@ def test_a_max_tokens_budget_with_pack_is_refused_with_the_fix():
 
 @pytest.mark.parametrize("fraction", [-0.01, 1.5])
 def test_the_too_long_fraction_is_a_fraction(fraction):
-    from torchtitan_speechlm.data.stream import SpeechLMDataset
-
     ds = make()
     kw = dict(local_batch_size=2, mode="pack", window=8, dp_rank=0, dp_world_size=1, seed=0)
     with pytest.raises(ConfigError, match=r"max_too_long_fraction must be in \[0, 1\]"):
@@ -51,8 +50,6 @@ def test_the_too_long_fraction_is_a_fraction(fraction):
 
 
 def test_a_validation_stream_names_its_own_seq_len_key():
-    from torchtitan_speechlm.data.stream import SpeechLMDataset
-
     ds = make()
     with pytest.raises(ConfigError, match="is below validation.seq_len = 512"):
         SpeechLMDataset(

@@ -116,10 +116,19 @@ class SpeechLMDataset(IterableDataset, Stateful):
         max_too_long_fraction: float = 1.0,
         seq_len_key: str = "training.seq_len",
     ):
-        self.settings = StreamSettings(
-            seq_len, local_batch_size, mode, window, seed, shuffle, infinite,
-            max_tokens, cfg_dropout, max_too_long_fraction, seq_len_key,
-        )  # fmt: skip
+        self.settings = StreamSettings(  # refuses values out of range, naming the key
+            seq_len=seq_len,
+            local_batch_size=local_batch_size,
+            mode=mode,
+            window=window,
+            seed=seed,
+            shuffle=shuffle,
+            infinite=infinite,
+            max_tokens=max_tokens,
+            cfg_dropout=cfg_dropout,
+            max_too_long_fraction=max_too_long_fraction,
+            seq_len_key=seq_len_key,
+        )
         self.shards = ShardLayout(mode, local_batch_size, dp_rank, dp_world_size, accumulation)
         self.sources, self.builder, self.layout = sources, builder, builder.layout
         self.stats_keys = data_stats_keys(self.layout.num_streams)
