@@ -36,9 +36,10 @@ from torchtitan.config import ConfigManager
 from bench_common import device_name
 from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader
 from torchtitan_speechlm.data.catalog import parse_datasets
+from torchtitan_speechlm.data.mixing import Source
+from torchtitan_speechlm.data.stream import SpeechLMDataset
 from torchtitan_speechlm.trainer.builders import stream
 from torchtitan_speechlm.trainer.run import prepare_run
-from torchtitan_speechlm.data.stream import Source, SpeechLMDataset
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
 

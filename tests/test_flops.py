@@ -46,7 +46,7 @@ def test_audio_tower_flops_are_counted_per_clip(tmp_path, freeze_encoder):
 
     from tests.test_audio_encoder import save_tiny_whisper, whisper_config
     from torchtitan_speechlm.components.stats import StatsAccumulator
-    from torchtitan_speechlm.data.stream import data_stats_keys
+    from torchtitan_speechlm.data.collation import data_stats_keys
     from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs
 
     save_tiny_backbone(

@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader, merge_positions
-from torchtitan_speechlm.data.stream import Source, SpeechLMDataset, batch_hash
+from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader
+from torchtitan_speechlm.data.collation import batch_hash
+from torchtitan_speechlm.data.mixing import Source
+from torchtitan_speechlm.data.position import merge_positions
+from torchtitan_speechlm.data.stream import SpeechLMDataset
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
 
@@ -205,12 +208,14 @@ def test_too_long_and_bad_samples_are_skipped_and_counted():
     too_long = sum(stat(ds, b, "skipped_too_long") for b in batches)
     bad = sum(stat(ds, b, "skipped_bad") for b in batches)
     examples = sum(stat(ds, b, "examples") for b in batches)
-    lengths = [ds._length(0, i, False) for i in range(40)] + [
-        ds._length(1, i, False) for i in range(40)
+    lengths = [ds.lengths_table.length(0, i, False) for i in range(40)] + [
+        ds.lengths_table.length(1, i, False) for i in range(40)
     ]
     n_long = sum(length - 1 > 120 for length in lengths)
     assert too_long == n_long > 0
-    assert bad == sum(1 for s in (0, 1) for i in (3, 7) if ds._length(s, i, False) - 1 <= 120)
+    assert bad == sum(
+        1 for s in (0, 1) for i in (3, 7) if ds.lengths_table.length(s, i, False) - 1 <= 120
+    )
     assert examples + too_long + bad == 80
 
 
@@ -341,7 +346,7 @@ def test_mixture_follows_the_weights_and_is_seeded():
 
 
 def test_resume_refuses_another_vocabulary_or_mixture(tmp_path):
-    from torchtitan_speechlm.components.dataloader import record_vocab
+    from torchtitan_speechlm.trainer.builders import record_vocab
     from torchtitan_speechlm.model.vocab import VocabMismatchError
 
     state = make().state_dict()
@@ -441,7 +446,7 @@ def test_resume_with_another_global_batch_is_refused_with_the_fix():
 
 
 def test_lengths_that_do_not_fit_stop_before_the_first_step():
-    from torchtitan_speechlm.data.stream import DataLengthError
+    from torchtitan_speechlm.data.lengths import DataLengthError
 
     data = FakePrepared(n=60)
     need = np.sort(make(data=data, seq_len=4096).lengths(0) - 1)  # tts samples
@@ -476,13 +481,13 @@ def test_best_subset_fills_a_row_as_well_as_any_subset():
     """Against brute force over every subset: distinct indices with the largest sum <= cap."""
     from itertools import combinations
 
-    from torchtitan_speechlm.data.stream import _best_subset
+    from torchtitan_speechlm.data.planner import best_subset
 
     rng = np.random.default_rng(0)
     for _ in range(300):
         sizes = [int(x) for x in rng.integers(1, 60, rng.integers(0, 11))]
         cap = int(rng.integers(0, 200))
-        chosen = _best_subset(sizes, cap)
+        chosen = best_subset(sizes, cap)
         best = max(
             (
                 sum(c)

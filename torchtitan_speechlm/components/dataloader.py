@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, Sampler
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.tools.logging import logger
 
+from torchtitan_speechlm.data.position import gather_position
 from torchtitan_speechlm.data.stream import Plan, SpeechLMDataset, batch_hash
 from torchtitan_speechlm.data.transport import Inbox, Outbox
 
@@ -142,26 +143,3 @@ class SpeechLMDataLoader(ParallelAwareDataloader):
         state = pickle.loads(state_dict[self.STATE_KEY])
         self.stream.load_state_dict(state)
         self._position = self.stream.state_dict()
-
-
-def merge_positions(positions: list[dict]) -> dict:
-    """One stream position from the ranks' own ones: the same step everywhere, every shard."""
-    steps = {(p["steps"], p["micro_done"]) for p in positions}
-    if len(steps) != 1:
-        raise RuntimeError(f"data-parallel ranks disagree on the stream's step: {sorted(steps)}")
-    merged = dict(positions[0], shards={})
-    for p in positions:
-        merged["shards"].update(p["shards"])
-    return merged
-
-
-def gather_position(position: dict) -> dict:
-    """Every rank's shard cursors, merged (all ranks of the default process group take part;
-    tensor- and pipeline-parallel peers contribute the same shards twice, which is harmless)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return position
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, position)
-    return merge_positions(parts)

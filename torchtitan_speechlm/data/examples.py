@@ -1,0 +1,44 @@
+"""A planned sample -> its example, and the name a log gives it.
+
+The only place the stream reads items: a plan names samples by (source, item), and this turns
+one into the ``TemplateBuilder``'s example. A corrupt item is skipped (and counted by the
+collation), never fatal: one bad file must not kill a multi-day run.
+"""
+
+from __future__ import annotations
+
+from torchtitan.tools.logging import logger
+
+from torchtitan_speechlm.data.mixing import Source
+from torchtitan_speechlm.data.planner import Draw
+from torchtitan_speechlm.data.tasks import TemplateBuilder
+
+
+class Examples:
+    """The examples of the sources' items, built on demand."""
+
+    def __init__(self, sources: list[Source], builder: TemplateBuilder):
+        self.sources, self.builder = sources, builder
+        self._warned_bad: set[tuple[int, int]] = set()
+
+    def task(self, d: Draw) -> str:
+        return self.sources[d.src].task
+
+    def sample_id(self, d: Draw) -> str:
+        """``TASK:DATASET:ITEM_ID`` of a draw: what a log of a bad step names."""
+        s = self.sources[d.src]
+        return f"{s.task}:{s.name}:{s.data.ids[d.item]}"
+
+    def example(self, d: Draw):
+        """The draw's example, or None (with a warning, once per item) if it cannot be read."""
+        s = self.sources[d.src]
+        try:
+            return self.builder.build(s.task, s.data[d.item], d.cfg_drop)
+        except Exception as e:  # a corrupt item must not kill a multi-day run
+            if (d.src, d.item) not in self._warned_bad:
+                self._warned_bad.add((d.src, d.item))
+                logger.warning(
+                    f"skipping bad sample {s.name}[{d.item}] for {s.task}: {e} "
+                    "(counted in data/skipped_bad)"
+                )
+            return None

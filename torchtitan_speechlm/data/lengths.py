@@ -1,0 +1,102 @@
+"""Example lengths from the index, and the check that the samples fit ``seq_len``.
+
+The planner needs only lengths, so a stream never builds an example to plan it: each source's
+example lengths (with and without CFG drop) come once from the index's text and audio lengths
+(``TemplateBuilder.length``), and a draw looks its length up. Only a dialogue reader without
+turn counts is measured by building the example.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchtitan_speechlm.data.mixing import Source
+from torchtitan_speechlm.data.tasks import TemplateBuilder, get_task
+
+
+class DataLengthError(ValueError):
+    """No (or too few) samples fit the configured sequence length."""
+
+
+class LengthTable:
+    """Frames of every item's example, per source and CFG drop, computed on first use."""
+
+    def __init__(self, sources: list[Source], builder: TemplateBuilder):
+        self.sources, self.builder = sources, builder
+        self._tables: dict[tuple[int, bool], np.ndarray | None] = {}
+
+    def lengths(self, src: int) -> np.ndarray:
+        """Frames of every eligible item's example (no CFG drop), from the index alone."""
+        s = self.sources[src]
+        table = self.table(src, False)
+        if table is not None:
+            return table[s.indices]
+        return np.array([self.length(src, int(i), False) for i in s.indices], dtype=np.int64)
+
+    def length(self, src: int, item: int, cfg_drop: bool) -> int:
+        """Frames of the example of item ``item`` of source ``src``."""
+        table = self.table(src, cfg_drop)
+        if table is not None:
+            return int(table[item])
+        # a dialogue reader without turn counts: build the example to measure it
+        s = self.sources[src]
+        return len(self.builder.build(s.task, s.data[item]).frames)
+
+    def table(self, src: int, cfg_drop: bool) -> np.ndarray | None:
+        """Example lengths of every item of a source, computed once from the index (a draw
+        looks its length up); None for a dialogue reader without turn counts."""
+        key = (src, cfg_drop)
+        if key not in self._tables:
+            table = self._from_index(self.sources[src], cfg_drop)
+            # int32: 4 bytes per item of the source (40 MB for 10M items) for every rank
+            self._tables[key] = None if table is None else np.asarray(table, np.int32)
+        return self._tables[key]
+
+    def _from_index(self, s: Source, cfg_drop: bool):
+        data, spec = s.data, get_task(s.task)
+        continuous = spec.continuous  # audio: the (one) turn's wave samples
+
+        def lengths():
+            audio = getattr(data, "wave_samples", None) if continuous else data.audio_lengths
+            return np.asarray(data.text_lengths), np.asarray(audio)
+
+        if spec.turns is not None:  # a task template with fixed turns
+            return self.builder.length(s.task, *lengths(), cfg_drop=cfg_drop)
+        if getattr(data, "num_turns", None) is not None:
+            return self.builder.length(
+                s.task,
+                *lengths(),
+                n_audio_turns=np.asarray(data.num_audio_turns),
+                n_turns=np.asarray(data.num_turns),
+            )
+        return None
+
+
+def check_lengths(
+    table: LengthTable, seq_len: int, max_fraction: float, key: str = "training.seq_len"
+) -> None:
+    """Stop before the first step if no sample (or too large a share) fits ``seq_len``:
+    otherwise a stream with nothing to emit spins for ever."""
+    for i, s in enumerate(table.sources):
+        need = table.lengths(i) - 1  # input positions a sample occupies
+        too_long = need > seq_len
+        if not too_long.any():
+            continue
+        name = f"{s.task}:{s.name}"
+        shortest, longest = int(need.min()), int(need.max())
+        if too_long.all():
+            raise DataLengthError(
+                f"no sample of {name} fits {key} = {seq_len} frames: the shortest of "
+                f"its {len(need)} samples needs {shortest} frames (the longest {longest}); "
+                f"set {key} >= {shortest}, or >= {longest} to keep them all"
+            )
+        frac = float(too_long.mean())
+        if frac > max_fraction:
+            keep99 = int(np.quantile(need, 0.99, method="higher"))
+            raise DataLengthError(
+                f"{100 * frac:.1f}% of the samples of {name} ({int(too_long.sum())} of "
+                f"{len(need)}) are longer than {key} = {seq_len} frames and would be "
+                f"skipped (limit speechlm_data.max_too_long_fraction = {max_fraction}); set "
+                f"{key} >= {keep99} to keep 99% of them (>= {longest} for all), or raise "
+                "speechlm_data.max_too_long_fraction"
+            )

@@ -1,0 +1,132 @@
+"""The mixture: which item a shard's next draw takes.
+
+Each (task, dataset) entry of the mixture is a ``Source``. In training, shard ``j`` (of ``S``
+per optimizer step) walks a seeded permutation of each source per epoch, taking every
+``S``-th item (a source smaller than ``S`` is shared whole, in the shard's own order), and the
+shard's generator picks the source of each draw by weight. A finite (validation) pass takes
+each source's share once, in order, source after source. Only the epoch and place per source
+and the generator's state are needed to continue a walk: they are the window state
+(position.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchtitan_speechlm.data.planner import Draw
+from torchtitan_speechlm.data.tasks import get_task
+
+PERM_SEED = 104729  # an epoch's permutation is seeded [seed, src, epoch, (shard,) PERM_SEED]
+
+
+@dataclass
+class Source:
+    task: str
+    name: str
+    weight: float
+    data: object  # PreparedDataset
+    indices: np.ndarray
+
+
+def eligible(source: Source) -> np.ndarray:
+    """The source's indices whose kind of item its task can use."""
+    kinds = getattr(source.data, "kinds", None)
+    if kinds is None:
+        return source.indices
+    ok = get_task(source.task).kinds
+    return np.array([i for i in source.indices if kinds[i] in ok], dtype=np.int64)
+
+
+def keep_eligible(sources: list[Source]) -> None:
+    """Narrow every source to its eligible items (in place); refuse a source left empty."""
+    for s in sources:
+        s.indices = eligible(s)
+        if len(s.indices) == 0:
+            raise ValueError(
+                f"{s.task}:{s.name} has no items usable for task {s.task!r} (after the "
+                f"validation hold-out; needs items of kind {get_task(s.task).kinds})"
+            )
+
+
+class Mixture:
+    """The weighted draw of the sources' items, per shard.
+
+    ``length(src, item, cfg_drop)`` gives a drawn item's example length (lengths.py)."""
+
+    def __init__(
+        self,
+        sources: list[Source],
+        *,
+        step_pieces: int,
+        seed: int,
+        shuffle: bool,
+        infinite: bool,
+        cfg_dropout: float,
+        length: Callable[[int, int, bool], int],
+    ):
+        self.sources, self.step_pieces, self.length = sources, step_pieces, length
+        self.seed, self.shuffle, self.infinite = seed, shuffle, infinite
+        self.cfg_dropout = cfg_dropout
+        self._cfg = [get_task(s.task).cfg_turn is not None for s in sources]  # CFG-droppable
+        weights = np.array([s.weight for s in sources], dtype=np.float64)
+        weights /= weights.sum()
+        # Generator.choice(n, p=w) is searchsorted(cumsum(w) / its last, random()): the same
+        # draw from the same random double, without choice's per-call validation (~15 us)
+        self._cdf = weights.cumsum()
+        self._cdf /= self._cdf[-1]
+        self._perm_cache: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
+
+    def reset(self) -> None:
+        """Forget the cached permutations (they are recomputed identically on demand)."""
+        self._perm_cache = {}
+
+    def perm(self, src: int, epoch: int, shard: int) -> np.ndarray:
+        """Shard ``shard``'s items of source ``src`` in epoch ``epoch``: every S-th item of the
+        epoch's permutation (training), or of the source in order (a finite pass). A training
+        source with fewer items than shards is shared whole, in the shard's own order."""
+        key = (src, shard)
+        cached = self._perm_cache.get(key)
+        if cached is None or cached[0] != epoch:
+            cached = self._perm_cache[key] = (epoch, self._shard_items(src, epoch, shard))
+        return cached[1]
+
+    def _shard_items(self, src: int, epoch: int, shard: int) -> np.ndarray:
+        idx, n = self.sources[src].indices, self.step_pieces
+        if self.shuffle:
+            if len(idx) >= n:
+                perm = np.random.default_rng([self.seed, src, epoch, PERM_SEED])
+                return idx[perm.permutation(len(idx))][shard::n]
+            perm = np.random.default_rng([self.seed, src, epoch, shard, PERM_SEED])
+            return idx[perm.permutation(len(idx))]
+        if self.infinite and len(idx) < n:
+            return idx  # an unshuffled training source smaller than S: every shard walks it all
+        return idx[shard::n]
+
+    def _source(self, epoch: list[int], rng: np.random.Generator, shard: int) -> int | None:
+        """The source of the next draw: by weight (training), or the first one whose share
+        of a finite pass is not done (None: the pass is over)."""
+        if self.infinite:
+            return int(self._cdf.searchsorted(rng.random(), side="right"))
+        return next(
+            (i for i in range(len(self.sources)) if epoch[i] == 0 and len(self.perm(i, 0, shard))),
+            None,
+        )
+
+    def draw(
+        self, epoch: list[int], pos: list[int], rng: np.random.Generator, shard: int
+    ) -> Draw | None:
+        """Shard ``shard``'s next draw, advancing ``epoch``, ``pos`` (per source) and ``rng``;
+        None at the end of a finite pass."""
+        src = self._source(epoch, rng, shard)
+        if src is None:
+            return None
+        perm = self.perm(src, epoch[src], shard)
+        item = int(perm[pos[src]])
+        pos[src] += 1
+        if pos[src] >= len(perm):
+            pos[src], epoch[src] = 0, epoch[src] + 1
+        drop = bool(self._cfg[src] and self.cfg_dropout > 0 and rng.random() < self.cfg_dropout)
+        return Draw(src, item, drop, self.length(src, item, drop))
