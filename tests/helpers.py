@@ -186,12 +186,20 @@ def write_tiny_config(path, assets: dict, dump) -> str:
     return str(path)
 
 
-def run_train(config: str, *extra: str, nproc: int = 1, timeout: int = 300):
-    """Run `torchtitan train` as a user would; returns the CompletedProcess."""
+def run_train(config: str, *extra: str, nproc: int = 1, timeout: int = 300, fresh: bool = False):
+    """Run `torchtitan train` as a user would; returns the CompletedProcess. By default in a
+    fork of the test process (tests/forked.py: the same command without importing everything
+    again); ``fresh``: as a new process through the console script's module and torch's
+    elastic launcher (for what the launcher itself does)."""
     import os
     import subprocess
     import sys
 
+    from tests import forked
+
+    argv = ["train", "--job.config_file", config, "--nproc-per-node", str(nproc), *extra]
+    if not fresh:
+        return forked.torchtitan(argv, timeout=timeout)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # wandb: our offline default
     cmd = [
         sys.executable,

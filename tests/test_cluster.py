@@ -148,3 +148,70 @@ def test_a_dump_folder_that_cannot_be_written_is_named_under_torchrun(assets, tm
 def test_the_sbatch_script_is_valid_bash():
     assert shutil.which("bash")
     subprocess.run(["bash", "-n", str(SBATCH)], check=True)
+
+
+def test_the_sbatch_script_picks_a_rendezvous_port_per_job(tmp_path):
+    """Two jobs sharing a node must not meet on one fixed port: without RDZV_PORT the script
+    takes 20000 + the job id mod 10000 (a stand-in torchrun prints what it was given)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
+                       ("torchrun", '#!/bin/bash\necho "torchrun $*"\n')):  # fmt: skip
+        (fake / name).write_text(text)
+        (fake / name).chmod(0o755)
+    ports = []
+    for job in ("4242", "4243"):
+        env = _env(PATH=f"{fake}:{os.environ['PATH']}", SLURM_JOB_ID=job, LOG_DIR=str(tmp_path),
+                   SLURM_JOB_NODELIST="node[1-2]", SLURM_NNODES="1", GPUS_PER_NODE="1")  # fmt: skip
+        r = subprocess.run(["bash", str(SBATCH), "c.toml", str(tmp_path / job)], env=env,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        line = (tmp_path / "node0.log").read_text()
+        ports.append(line.split("--rdzv-endpoint 127.0.0.1:")[1].split()[0])
+    assert ports == ["24242", "24243"]
+    assert "#SBATCH --open-mode=append" in SBATCH.read_text()  # a requeued job appends its log
+
+
+def test_usr1_saves_the_step_in_flight_then_requeues_and_the_rerun_continues(assets, tmp_path):
+    """Preemption: USR1 to the batch shell asks the run to save and stop (SAVE_AND_STOP in the
+    dump folder); both "nodes" stop after the same step, which is checkpointed although it is
+    off the save interval; only then is `scontrol requeue` called; the rerun (the requeued job)
+    continues from that step and trains exactly what an uninterrupted run trains."""
+    import signal
+    import time
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (fake / name).write_text(text)
+        (fake / name).chmod(0o755)
+    long = ("--training.steps", "40", "--checkpoint.interval", "1000", "--validation.enable",
+            "false", "--metrics.log_freq", "1")  # fmt: skip
+    reference = tmp_path / "reference"
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, reference)
+    assert run_train(cfg, *long, nproc=2).returncode == 0
+    dump = tmp_path / "shared" / "run"
+    env = _env(PATH=f"{fake}:{BIN}:{os.environ['PATH']}", SLURM_JOB_ID="77",
+               SLURM_JOB_NODELIST="node[1-2]", SLURM_NNODES="2", GPUS_PER_NODE="1",
+               RDZV_PORT=str(_port()), LOG_DIR=str(tmp_path))  # fmt: skip
+    cmd = ["bash", str(SBATCH), cfg, str(dump), *long]
+    job = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not ((dump / "metrics.jsonl").exists() and len(curve(dump)) >= 2):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.2)
+    job.send_signal(signal.SIGUSR1)
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-3000:]
+    stopped = len(curve(dump))
+    assert 2 <= stopped < 40
+    assert (dump / "checkpoint" / f"step-{stopped}").is_dir(), sorted(
+        os.listdir(dump / "checkpoint")
+    )
+    assert "asking the run to save and stop" in err and "scontrol requeue 77" in out
+    assert (dump / "SAVE_AND_STOP").exists()
+    rerun = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert not (dump / "SAVE_AND_STOP").exists()
+    assert curve(dump) == curve(reference)  # every step once, bit for bit

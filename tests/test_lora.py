@@ -37,7 +37,8 @@ from torchtitan_speechlm.model.lora import is_lora_param
 from torchtitan_speechlm.model.model import SpeechLM, build_model
 from torchtitan_speechlm.model.pretrained import args_from_record
 from torchtitan_speechlm.model.run_record import read_run_record
-from torchtitan_speechlm.trainer.preflight import preflight, validate_job_config
+from torchtitan_speechlm.trainer.preflight import preflight
+from torchtitan_speechlm.trainer.run import prepare_run
 
 peft = pytest.importorskip("peft")
 TARGETS = ["q_proj", "v_proj", "mlp.down_proj"]
@@ -178,6 +179,27 @@ def test_train_head_trains_its_text_rows_too(tmp_path):
     assert model.head.output.weight.grad[text : text + 8].abs().sum() > 0
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_count_of_what_trains_leaves_the_held_text_rows_out(tmp_path, tie):
+    """What the LoRA log reports as training: the adapters (r x (in + out) of each wrapped
+    layer), the rows the SpeechLM added to the vocabulary in the embedding and the head (one
+    tensor when tied), the stream offsets; not the text rows the gradient mask holds, nor the
+    frozen base (computed here from the backbone's sizes)."""
+    from torchtitan_speechlm.model.lora import trained_parameters
+
+    save_tiny_backbone(tmp_path / "bb", tie=tie)  # hidden 32, 4 heads (2 kv) of 8, mlp 64, 2 layers
+    model = lora_model(tmp_path / "bb", train_audio_rows=True)
+    layout, d, r = model.args.layout, 32, 4
+    shapes = {"q_proj": (d, 4 * 8), "v_proj": (d, 2 * 8), "mlp.down_proj": (64, d)}
+    adapters = 2 * sum(r * (i + o) for i, o in shapes.values())
+    added = (layout.size - layout.text_size) * d
+    assert (
+        trained_parameters(model) == adapters + added * (1 if tie else 2) + layout.num_streams * d
+    )
+    everything = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert everything - trained_parameters(model) == layout.text_size * d * (1 if tie else 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # `torchtitan train` with converters = ["lora"], export
 # ---------------------------------------------------------------------------------------------
@@ -282,6 +304,26 @@ def assert_exports_agree(step: str, tmp_path) -> None:
     assert (plain - want).abs().max() > 1e-4  # the adapter is what makes them equal
 
 
+def test_the_adapter_folder_loads_from_any_directory(lora_run, tmp_path, monkeypatch):
+    """The adapter names its base by the exported text LM's absolute path (PEFT resolves it
+    against the current directory): AutoPeftModelForCausalLM loads it from elsewhere and
+    computes what the merged export computes."""
+    from transformers import AutoModelForCausalLM
+
+    step = str(lora_run / "checkpoint" / "step-4")
+    assert export_main(["--checkpoint", step, "--out", str(tmp_path / "merged")]) == 0
+    assert export_main(["--checkpoint", step, "--out", str(tmp_path / "ad"), "--adapter"]) == 0
+    config = json.loads((tmp_path / "ad" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "ad" / "text")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    adapted = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "ad" / "adapter"))
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged" / "text"))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, merged(ids).logits, atol=1e-5, rtol=0)
+
+
 def test_adapter_export_of_a_run_without_lora_is_refused(lora_run, tmp_path, capsys):
     """Whether a run has adapters is its record's: refused before its checkpoint is read."""
     record = json.loads((lora_run / "speechlm_run.json").read_text())
@@ -338,8 +380,7 @@ def test_options_lora_cannot_work_with_are_refused_by_the_start_up_checks(
     args = torchtitan_args(["--job.config_file", cfg, *LORA, *flags])
     job = ConfigManager().parse_args(args)
     with pytest.raises(ConfigError) as e:
-        validate_job_config(job)
-        preflight(job, 1)
+        preflight(job, prepare_run(job)[0], 1)
     assert message in str(e.value)
 
 
@@ -368,13 +409,16 @@ def test_resuming_with_other_lora_settings_is_refused(lora_run, tmp_path):
         },
         dump,
     )
+    start = f"--speechlm.init_from {dump / 'checkpoint' / 'step-4'}"
     for flags, shown in (
-        (("--lora.alpha", "4.0"), '"alpha": 4.0'),  # same shapes, another function
-        ((), "empty: no LoRA"),  # converters dropped
+        (("--lora.alpha", "4.0"), "this run asks for LoRA rank=4, alpha=4.0,"),  # another function
+        ((), "this run asks for no LoRA"),  # converters dropped
     ):
         lora = LORA if flags else ()
         job = ConfigManager().parse_args(torchtitan_args(["--job.config_file", cfg, *lora, *flags]))
         with pytest.raises(ConfigError) as e:
-            validate_job_config(job)
-            preflight(job, 1)
-        assert "was made with other LoRA settings" in str(e.value) and shown in str(e.value)
+            preflight(job, prepare_run(job)[0], 1)
+        message = str(e.value)
+        assert "was made with LoRA rank=4, alpha=16.0, dropout=0.0," in message, message
+        assert shown in message and "train_head=False" in message  # every setting, not cut
+        assert message.endswith(start)  # a new run can start from the run's weights

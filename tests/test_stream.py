@@ -346,8 +346,8 @@ def test_mixture_follows_the_weights_and_is_seeded():
 
 
 def test_resume_refuses_another_vocabulary_or_mixture(tmp_path):
-    from torchtitan_speechlm.trainer.builders import record_vocab
     from torchtitan_speechlm.model.vocab import VocabMismatchError
+    from torchtitan_speechlm.trainer.builders import record_vocab
 
     state = make().state_dict()
     other = make()

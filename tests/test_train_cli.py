@@ -356,3 +356,46 @@ def test_rerunning_a_finished_run_says_so(assets, tmp_path):
     assert "already complete" in r.stderr and "step-2" in r.stderr
     assert "raise --training.steps" in r.stderr and f"delete {dump}" in r.stderr
     assert "Training starts" not in r.stdout + r.stderr
+
+
+def test_a_save_request_stops_every_rank_after_a_saved_step_and_the_rerun_continues(
+    assets, tmp_path
+):
+    """{dump_folder}/SAVE_AND_STOP (what the SLURM script writes on preemption): both ranks
+    stop after the same step, that step is checkpointed although it is off the save interval,
+    the run ends with status 0; the rerun removes the request, continues from that step and
+    trains exactly what an uninterrupted run trains."""
+    import threading
+    import time
+
+    flags = ("--training.steps", "30", "--checkpoint.interval", "1000",
+             "--validation.enable", "false", "--metrics.log_freq", "1")  # fmt: skip
+    ref = tmp_path / "ref"
+    assert (
+        run_train(write_tiny_config(tmp_path / "r.toml", assets, ref), *flags, nproc=2).returncode
+        == 0
+    )
+    dump = tmp_path / "run"
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=run_train(cfg, *flags, nproc=2)))
+    worker.start()
+    deadline = time.monotonic() + 240
+    while not ((dump / "metrics.jsonl").exists() and len(read_metrics(dump)) >= 2):
+        assert worker.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    (dump / "SAVE_AND_STOP").touch()
+    worker.join(timeout=240)
+    r = result["r"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [m["step"] for m in read_metrics(dump)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 30
+    assert f"step {steps[-1]} is saved" in r.stdout + r.stderr
+    assert (dump / "checkpoint" / f"step-{steps[-1]}").is_dir()
+    rerun = run_train(cfg, *flags, nproc=2)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert not (dump / "SAVE_AND_STOP").exists()
+    keys = ("step", "loss_metrics/global_avg_loss", "grad_norm")
+    assert [[m[k] for k in keys] for m in read_metrics(dump)] == [
+        [m[k] for k in keys] for m in read_metrics(ref)
+    ]

@@ -90,9 +90,10 @@ def base_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {base_name(k): v for k, v in state.items() if not is_lora_param(k)}
 
 
-def save_peft_adapter(model, out: str, dtype: torch.dtype) -> None:
-    """The LoRA adapters as a PEFT adapter folder for the exported text LM: adapter_config.json
-    and adapter_model.safetensors under PEFT's names (``base_model.model.<module>.lora_A.weight``)."""
+def save_peft_adapter(model, out: str, dtype: torch.dtype, base: str) -> None:
+    """The LoRA adapters as a PEFT adapter folder for the exported text LM ``base`` (its final
+    path): adapter_config.json and adapter_model.safetensors under PEFT's names
+    (``base_model.model.<module>.lora_A.weight``)."""
     from safetensors.torch import save_file
 
     family, config = model.args.family, model.args.backbone_config
@@ -104,7 +105,9 @@ def save_peft_adapter(model, out: str, dtype: torch.dtype) -> None:
         b = family.to_checkpoint(name, b, config)  # e.g. the native q/k row order
         tensors[f"base_model.model.{module}.lora_B.weight"] = b.to(dtype).contiguous()
     cfg = lora_config(model.args.lora, targets)
-    cfg.task_type, cfg.base_model_name_or_path = "CAUSAL_LM", "../text"
+    # PEFT resolves the base against the current directory, not the adapter folder: the text
+    # LM's absolute path (AutoPeftModelForCausalLM then loads from any directory)
+    cfg.task_type, cfg.base_model_name_or_path = "CAUSAL_LM", os.path.abspath(base)
     os.makedirs(out, exist_ok=True)
     cfg.save_pretrained(out)
     save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -146,7 +149,8 @@ def export(
             model, state, record, checkpoint, tmp, DTYPES[dtype], text_only, max_shard_size
         )
         if adapter:
-            save_peft_adapter(model, os.path.join(tmp, "adapter"), DTYPES[dtype])
+            text = os.path.join(out, "text")  # where the text LM is once the folder is in place
+            save_peft_adapter(model, os.path.join(tmp, "adapter"), DTYPES[dtype], text)
             files = sorted(os.listdir(tmp))
         if os.path.exists(out):
             shutil.rmtree(out)

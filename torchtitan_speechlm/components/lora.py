@@ -14,7 +14,7 @@ from torch import nn
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.model.lora import CONVERTER, apply_lora
+from torchtitan_speechlm.model.lora import CONVERTER, apply_lora, trained_parameters
 
 
 class LoraConverter:
@@ -28,7 +28,7 @@ class LoraConverter:
         self.settings = model.args.lora
         targets = apply_lora(model, self.settings)
         total = sum(p.numel() for p in model.parameters())
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        trained = trained_parameters(model)  # the held text rows do not train
         logger.info(
             f"LoRA (rank {self.settings['rank']}, alpha {self.settings['alpha']}) on "
             f"{len(targets)} linear layers; {trained:,} of {total:,} parameters train"

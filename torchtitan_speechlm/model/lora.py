@@ -202,3 +202,19 @@ def adapter_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Ten
         b = layer.lora_B[ADAPTER].weight.detach()
         out[f"backbone.{name}.weight"] = (a, b)
     return out
+
+
+def trained_parameters(model: nn.Module) -> int:
+    """Elements training changes: those of the parameters that require grad, less the rows a
+    gradient mask holds (``frozen_rows``: LoRA keeps the text rows of the embedding and the head
+    as loaded, model/embedding.py's ``hold_rows``). A tied head shares the embedding's tensor
+    and its held rows: counted once."""
+    head = getattr(model.head, "output", None)
+    held: dict[int, int] = {}
+    for module, weight in ((model.tok_embeddings, model.tok_embeddings.weight),
+                           (model.head, head.weight if head is not None else None)):  # fmt: skip
+        rows = getattr(module, "frozen_rows", None)
+        if weight is not None and rows is not None and weight.requires_grad:
+            count = (rows[1] - rows[0]) * weight.shape[1]
+            held[id(weight)] = max(held.get(id(weight), 0), count)
+    return sum(p.numel() - held.get(id(p), 0) for p in model.parameters() if p.requires_grad)

@@ -63,8 +63,12 @@ def read_run_record(path: str) -> dict:
         return json.load(f)
 
 
-def check_same_model(record: dict, model_args: dict, where: str) -> None:
-    """Raise naming the first identity key that differs (vocabulary, pattern, streams...)."""
+def check_same_model(
+    record: dict, model_args: dict, where: str, start_from: str | None = None
+) -> None:
+    """Raise naming the first identity key that differs (vocabulary, pattern, streams...).
+    ``start_from``: a checkpoint of the recorded run a new run could start from (named in the
+    message of a LoRA change, the usual reason: fine-tuning a finished run)."""
     old = record.get("model_args", record)
     for key in IDENTITY_KEYS:
         if old.get(key) != model_args.get(key):
@@ -76,17 +80,33 @@ def check_same_model(record: dict, model_args: dict, where: str) -> None:
     # LoRA's settings (empty: none) define the adapters and what they compute (alpha / rank):
     # an export rebuilds them from the record, so a resumed run may not change them
     if (old.get("lora") or {}) != (model_args.get("lora") or {}):
+        start = (
+            f"--speechlm.init_from {start_from}"
+            if start_from
+            else "speechlm.init_from = one of its checkpoints (DUMP/checkpoint/step-N)"
+        )
         raise RunRecordError(
-            f"{where} was made with other LoRA settings ({_short(old.get('lora') or {})} vs "
-            f"{_short(model_args.get('lora') or {})}; empty: no LoRA); resume with the same "
-            "model.converters and [lora] values, or use a new dump_folder (start from this run "
-            "with speechlm.init_from = a merged `torchtitan export` of it)"
+            f"{where} was made with {describe_lora(old.get('lora'))}; this run asks for "
+            f"{describe_lora(model_args.get('lora'))}. To continue that run, keep its "
+            "model.converters and [lora] values; to train from its weights with these, start a "
+            f"new run in another job.dump_folder with {start}"
         )
 
 
+def describe_lora(settings: dict | None) -> str:
+    """``no LoRA`` or ``LoRA rank=16, alpha=32.0, ...``: every setting, in words."""
+    if not settings:
+        return "no LoRA"
+    return "LoRA " + ", ".join(f"{k}={v!r}" for k, v in settings.items())
+
+
 def _short(value) -> str:
+    """A value's JSON, cut (at an item boundary, never inside a word) to about 120 characters."""
     text = json.dumps(value, sort_keys=True)
-    return text if len(text) < 120 else text[:117] + "..."
+    if len(text) < 120:
+        return text
+    cut = text.rfind(", ", 0, 110)
+    return text[: cut if cut > 0 else 110] + ", ..."
 
 
 def record_for_checkpoint(step_dir: str) -> dict:

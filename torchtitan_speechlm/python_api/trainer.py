@@ -182,20 +182,6 @@ class ChunkedTrainer(SpeechLMTrainer):
             validation.enable = enabled
             self._stop_at = None
 
-    def save_now(self) -> None:
-        """Save this step unless torchtitan just did (a step off the save interval)."""
-        ckpt = self.checkpointer
-        if not ckpt.enable or ckpt._should_save(
-            self.step, self.step == self.job_config.training.steps
-        ):
-            return
-        interval = ckpt.interval
-        ckpt.interval = 1
-        try:
-            ckpt.save(self.step)
-        finally:
-            ckpt.interval = interval
-
 
 class TitanTrainer:
     """ESPnet SpeechLM's ``TitanTrainer`` API over torchtitan's Trainer (docs/python-api.md).

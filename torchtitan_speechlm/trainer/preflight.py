@@ -230,8 +230,12 @@ def check_run_record(job_config, args) -> None:
     it, after start-up)."""
     path = os.path.join(job_config.job.dump_folder, RUN_RECORD)
     if os.path.isfile(path):
+        done = complete_checkpoints(checkpoint_folder(job_config))
+        start_from = (
+            os.path.join(checkpoint_folder(job_config), f"step-{done[-1]}") if done else None
+        )
         try:
-            check_same_model(read_run_record(path), model_record(args), path)
+            check_same_model(read_run_record(path), model_record(args), path, start_from)
         except RunRecordError as e:
             raise ConfigError(str(e)) from None
 

@@ -15,6 +15,11 @@ trainers. A job of another spec (torchtitan's own llama3) runs as the plain Trai
 
 from __future__ import annotations
 
+import os
+
+import torch
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from torchtitan_speechlm.data.external import ExternalData
@@ -23,6 +28,33 @@ from torchtitan_speechlm.trainer.faults import CollectiveFailure, describe_colle
 from torchtitan_speechlm.trainer.run import start_run
 from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.utils.collective_errors import is_collective_failure
+
+SAVE_AND_STOP = "SAVE_AND_STOP"
+
+
+def save_request_path(job_config) -> str:
+    return os.path.join(job_config.job.dump_folder, SAVE_AND_STOP)
+
+
+def stop_requested(job_config, device: torch.device) -> bool:
+    """Rank 0 looks for the request file; every rank learns its answer (one tiny all-reduce
+    per step in a multi-rank run), so all stop after the same step."""
+    asked = os.path.exists(save_request_path(job_config)) if _rank() == 0 else False
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([float(asked)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        asked = bool(flag.item() > 0)
+    return asked
+
+
+def withdraw_save_request(job_config) -> None:
+    """A request file left from the run before (it stopped, this is its rerun) is removed."""
+    if _rank() == 0 and os.path.exists(save_request_path(job_config)):
+        os.remove(save_request_path(job_config))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 class SpeechLMTrainer(Trainer):
@@ -33,6 +65,8 @@ class SpeechLMTrainer(Trainer):
 
     def __init__(self, job_config, external: ExternalData | None = None):
         self.run = start_run(job_config, external) if is_speechlm(job_config) else None
+        if self.run is not None:
+            withdraw_save_request(job_config)
         super().__init__(job_config)
 
     # torchtitan's __init__ reads the TrainSpec from its registry into ``self.train_spec``;
@@ -53,6 +87,33 @@ class SpeechLMTrainer(Trainer):
         if self.run is not None:
             self.run.state.heartbeat.start()
         return parallel_dims
+
+    def should_continue_training(self) -> bool:
+        """torchtitan's rule, and stop after a checkpoint of this step when the run was asked
+        to (``{dump_folder}/SAVE_AND_STOP``: a preempted SLURM job, or a user)."""
+        if self.run is not None and stop_requested(self.job_config, self.device):
+            if self.step > 0:
+                self.save_now()
+            logger.warning(
+                f"{save_request_path(self.job_config)} asks the run to stop: step {self.step} "
+                "is saved; a rerun with the same dump folder continues from it"
+            )
+            return False
+        return super().should_continue_training()
+
+    def save_now(self) -> None:
+        """Save this step in full unless torchtitan just did (a step off the save interval)."""
+        ckpt = self.checkpointer
+        if not ckpt.enable or ckpt._should_save(
+            self.step, self.step == self.job_config.training.steps
+        ):
+            return
+        interval = ckpt.interval
+        ckpt.interval = 1
+        try:
+            ckpt.save(self.step)
+        finally:
+            ckpt.interval = interval
 
     def train(self) -> None:
         """torchtitan's ``train``; a failed collective names the peer that went silent."""

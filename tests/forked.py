@@ -1,0 +1,218 @@
+"""`torchtitan train` run in a fork of the test process: the same command, without paying for
+Python, torch, torchtitan and transformers to be imported again (about 10 s a process on these
+2 cores, three processes for a 2-rank run).
+
+``train(argv, nproc)`` forks a child that runs the console script's own ``main(["train", ...])``
+(the launcher's config checks, preflight, resume decision and exit codes, unchanged). For
+``--nproc-per-node N > 1`` the child starts its N ranks by forking too, where the product starts
+them through torch's elastic launcher (``torch.distributed.run``): each rank gets the variables
+torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, ..., MASTER_ADDR/PORT) and runs the same
+``commands.train.run_worker``; only rank 0's output is kept, as the launcher's
+``--local-ranks-filter 0`` does, and a failed rank is reported the way the launcher reports
+torch's ChildFailedError. The ranks are real processes on a real gloo process group: what the
+tests prove about distributed training holds as for a user's run. Tests of the launcher itself
+(torchrun, SLURM, the console script, killed ranks) keep starting real processes
+(``helpers.run_train(..., fresh=True)``).
+
+Forking a process that has imported torch is what torch's own DataLoader workers do; it is safe
+here because the test process sets ``OMP_NUM_THREADS=1`` (no OpenMP pool to copy) and holds no
+process group when it forks.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+STOP_GRACE = 30.0  # seconds torch's elastic agent gives the other ranks after one failed
+
+
+@dataclass
+class Failure:
+    """What torch's ChildFailedError holds per rank (the launcher reads ``exitcode``)."""
+
+    exitcode: int
+
+
+class RanksFailed(RuntimeError):
+    def __init__(self, failures: dict[int, Failure]):
+        super().__init__(f"ranks failed: {failures}")
+        self.failures = failures
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_code(status: int) -> int:
+    """A waitpid status as subprocess reports it (a signal as its negative number)."""
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def _fork_ranks(launch) -> None:
+    """torch.distributed.run.run for ``launch`` (its parsed arguments), by forking the ranks."""
+    from torchtitan_speechlm.commands.train import run_worker
+
+    n = int(launch.nproc_per_node)
+    args = list(launch.training_script_args)
+    port = str(_free_port())
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    pids = {}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(n):
+        pid = os.fork()
+        if pid == 0:  # a rank
+            code = 1
+            try:
+                os.environ.update(
+                    RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
+                    LOCAL_WORLD_SIZE=str(n), GROUP_RANK="0", ROLE_RANK=str(rank),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHELASTIC_RUN_ID="forked",
+                )  # fmt: skip
+                if rank != 0:  # --local-ranks-filter 0: the other ranks' output is dropped
+                    os.dup2(devnull, 1)
+                    os.dup2(devnull, 2)
+                code = run_worker(args)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids[pid] = rank
+    failures: dict[int, Failure] = {}
+    stopping_since = None
+    while pids:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if stopping_since is not None and time.monotonic() - stopping_since > STOP_GRACE:
+                _signal(pids, signal.SIGKILL)
+            time.sleep(0.05)
+            continue
+        rank = pids.pop(pid, None)
+        if rank is None:
+            continue
+        code = _exit_code(status)
+        if code != 0:
+            failures[rank] = Failure(code)
+            if stopping_since is None:  # torch's agent stops the others when a rank fails
+                stopping_since = time.monotonic()
+                _signal(pids, signal.SIGCONT)
+                _signal(pids, signal.SIGTERM)
+    if failures:
+        raise RanksFailed(failures)
+
+
+def _signal(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _redirect(out: str, err: str) -> None:
+    """This process's stdout and stderr (the fds and Python's streams, which pytest replaces
+    with its capture) to the files ``out`` and ``err``."""
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+        os.fdopen(1, "wb", buffering=0, closefd=False), line_buffering=True
+    )
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        os.fdopen(2, "wb", buffering=0, closefd=False), line_buffering=True
+    )
+
+
+def _child(main: Callable[[], int], cwd: str | None, out: str, err: str) -> None:
+    """The forked command: ``main()`` in ``cwd``, its ranks (if it starts any) forked."""
+    code = 1
+    try:
+        os.setpgid(0, 0)  # its ranks join its group: a timeout kills them all
+        _redirect(out, err)
+        if cwd is not None:
+            os.chdir(cwd)
+        import torch.distributed.run
+
+        torch.distributed.run.run = _fork_ranks  # this child's launcher only
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+
+
+def _run(
+    cmd: list[str], main: Callable[[], int], cwd: str | None, timeout: float
+) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(main, cwd, out, err)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.05)
+        with open(out, errors="replace") as f, open(err, errors="replace") as g:
+            stdout, stderr = f.read(), g.read()
+    return subprocess.CompletedProcess(cmd, _exit_code(status), stdout, stderr)
+
+
+def torchtitan(
+    argv: list[str], cwd: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`torchtitan ARGV` (any subcommand; `train --nproc-per-node N` forks its N ranks) in a
+    fork of this process; returns what ``subprocess.run(..., capture_output=True, text=True)``
+    would."""
+    from torchtitan_speechlm import cli
+
+    return _run(["torchtitan", *argv], lambda: cli.main(list(argv)), cwd, timeout)
+
+
+def python_module(
+    module: str, argv: list[str], cwd: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGV` in a fork of this process (``MODULE.main(argv)``)."""
+    import importlib
+
+    def main() -> int:
+        return importlib.import_module(module).main(list(argv)) or 0
+
+    return _run(["python", "-m", module, *argv], main, cwd, timeout)
