@@ -8,7 +8,7 @@ k-means codec's tokens (25 frames/s). ``continuous``: task ``asr_wave`` through 
 Whisper-shaped encoder (128 wide, 2 layers, 3 s windows, trained with the LM) and an adaptor
 stacking 2 frames (25 LM frames/s, the codec's rate). Both: the demo's 256-wide 6-layer Llama
 (train_configs/speechlm_debug.toml), ``--steps`` steps; then greedy transcripts of the held-out
-set, WER and CER (jiwer).
+set, WER and CER (jiwer, after ``normalise_text``: ``evaluation/text_scores.evaluate_asr``).
 
     python benchmarks/bench_audio_learning.py [--steps 200] [--modes codec,continuous]
 
@@ -44,8 +44,7 @@ from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.demo import grammar
 from torchtitan_speechlm.demo.run import build_demo_data
 from torchtitan_speechlm.demo.speaking import console, run_command
-from torchtitan_speechlm.evaluation.evaluate import evaluate_asr
-from torchtitan_speechlm.evaluation.judged import score_answers
+from torchtitan_speechlm.evaluation.text_scores import evaluate_asr, score_answers
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import load_model
 from torchtitan_speechlm.prepare.waveforms import add_waveforms

@@ -417,7 +417,7 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
     assert all(p.grad is not None for p in model.audio_encoder.adaptor.parameters())
 
     # eval's ASR reads the stored waveforms; generate reads the wav: the same transcripts
-    from torchtitan_speechlm.evaluation.evaluate import evaluate_asr
+    from torchtitan_speechlm.evaluation.text_scores import evaluate_asr
     from torchtitan_speechlm.generation import tasks
     from torchtitan_speechlm.generation.decode import DecodeConfig
     from torchtitan_speechlm.generation.loading import Loaded
@@ -586,10 +586,12 @@ def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, t
 
     from torchtitan_speechlm.data.reader import PreparedDataset
     from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
-    from torchtitan_speechlm.evaluation import judged
+    from torchtitan_speechlm.evaluation.results_table import format_table
+    from torchtitan_speechlm.evaluation.text_scores import score_answers
     from torchtitan_speechlm.generation import tasks
     from torchtitan_speechlm.generation.decode import DecodeConfig
     from torchtitan_speechlm.generation.loading import Loaded
+    from torchtitan_speechlm.judges import normalise_text
     from torchtitan_speechlm.model.model import build_model
     from torchtitan_speechlm.prepare.waveforms import WaveformError, add_waveforms, to_int16
     from torchtitan_speechlm.trainer.builders import build_dataloader
@@ -657,7 +659,7 @@ def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, t
     loaded = Loaded(model, {}, run["tokenizer"], run["codec"], "test")
     cfg = DecodeConfig(max_text_tokens=3)
     items = [qa[0], qa[1]]
-    scored = judged.score_answers(loaded, items, cfg)
+    scored = score_answers(loaded, items, cfg)
     paths = [json.loads(line)["turns"][0]["audio"] for line in open(manifest)]
     heard = [tasks.answer(loaded, paths[i], ("Who?", "Whom?")[i], cfg) for i in (0, 1)]
     assert [r["transcript"] for r in scored["per_item"]] == heard
@@ -665,11 +667,11 @@ def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, t
 
     refs = [qa[i].turns[-1].text for i in (0, 1)]
     assert scored["task"] == "dialogue" and [r["text"] for r in scored["per_item"]] == refs
-    want_wer = [jiwer.wer(judged.normalise_text(r), judged.normalise_text(h) or "<empty>")
+    want_wer = [jiwer.wer(normalise_text(r), normalise_text(h) or "<empty>")
                 for r, h in zip(refs, heard, strict=True)]  # fmt: skip
     np.testing.assert_allclose([r["wer"] for r in scored["per_item"]], want_wer)
     assert scored["exact"] == np.mean([w == 0 for w in want_wer])
-    assert "answers exactly right" in judged.format_table({"dialogue:qa": scored})
+    assert "answers exactly right" in format_table({"dialogue:qa": scored})
 
     # bad dialogues: two audio turns have no one waveform; an assistant audio turn is no input
     bad = tmp_path / "bad.jsonl"

@@ -278,7 +278,7 @@ def test_report_plays_in_headless_chromium(evaluated):
 def test_the_default_judges_score_the_export(model, tmp_path, capsys):
     """pocketsphinx over the set's words, resemblyzer and DNSMOS (the eval extra): real
     transcripts within the set's vocabulary, DNSMOS in range, refusals recorded per item."""
-    from torchtitan_speechlm.evaluation.judged import vocabulary_words
+    from torchtitan_speechlm.evaluation.judge_setup import vocabulary_words
 
     out = tmp_path / "defaults.json"
     rc = run_eval(model, "export", *DECODE, "--limit", "2", "--out", str(out))
@@ -302,7 +302,7 @@ def test_judge_flags_choose_the_judges(tmp_path):
     """--judge-vocabulary eval (one loop per set, its own words), FILE (shared), open; a model
     folder that is not one; pocketsphinx options on another judge."""
     pytest.importorskip("pocketsphinx", reason="the eval extra (pocketsphinx) is not installed")
-    from torchtitan_speechlm.evaluation.judged import JudgeOptions, build_judges
+    from torchtitan_speechlm.evaluation.judge_setup import JudgeOptions, build_judges
 
     sets = {"tts:a": ["The cat saw a dog."], "tts:b": ["A dog!"]}
     off = {"speaker": "none", "quality": "none"}
@@ -326,12 +326,12 @@ def test_judge_flags_choose_the_judges(tmp_path):
 
 
 def test_bad_judge_is_one_line_before_generation(model, tmp_path, capsys, monkeypatch):
-    from torchtitan_speechlm.evaluation import judged
+    from torchtitan_speechlm.evaluation import tts_scores
 
     def no_generation(*a, **k):
         raise AssertionError("generated before the judges were checked")
 
-    monkeypatch.setattr(judged.tasks, "tts_with_ends", no_generation)
+    monkeypatch.setattr(tts_scores.tasks, "tts_with_ends", no_generation)
     assert run_eval(model, "export", "--judge-asr", "/nonexistent", *DECODE) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "/nonexistent" in err and "no such folder" in err
@@ -357,24 +357,26 @@ def test_bad_judge_is_one_line_before_generation(model, tmp_path, capsys, monkey
 
 def test_empty_generation_and_refused_audio_are_recorded_failures(model, monkeypatch, tmp_path):
     from torchtitan_speechlm.commands.generate import eval_items
-    from torchtitan_speechlm.evaluation import judged
+    from torchtitan_speechlm.evaluation import tts_scores
+    from torchtitan_speechlm.evaluation.judge_setup import JudgeOptions, build_judges
     from torchtitan_speechlm.evaluation.report import write_report
+    from torchtitan_speechlm.evaluation.results_table import summary_rows
     from torchtitan_speechlm.generation.decode import DecodeConfig
     from torchtitan_speechlm.generation.loading import load_model
 
     loaded = load_model(model["export"])
     items = eval_items(loaded, model["prepared"], 0.0, 3)
-    real = judged.tasks.tts_with_ends
+    real = tts_scores.tasks.tts_with_ends
 
     def first_empty(loaded, texts, cfg):
         codes, ended = real(loaded, texts, cfg)
         return [codes[0][:0]] + codes[1:], [True] + ended[1:]
 
-    monkeypatch.setattr(judged.tasks, "tts_with_ends", first_empty)
-    opts = judged.JudgeOptions("test-asr", None, None, "test-speaker", "test-refuses")
-    judges = judged.build_judges(opts, {"tts:tiny": [it.text for it in items]})["tts:tiny"]
+    monkeypatch.setattr(tts_scores.tasks, "tts_with_ends", first_empty)
+    opts = JudgeOptions("test-asr", None, None, "test-speaker", "test-refuses")
+    judges = build_judges(opts, {"tts:tiny": [it.text for it in items]})["tts:tiny"]
     cfg = DecodeConfig(max_frames=12, max_text_tokens=8)
-    res = judged.score_tts(loaded, items, cfg, judges, str(tmp_path), "tts")
+    res = tts_scores.score_tts(loaded, items, cfg, judges, str(tmp_path), "tts")
     first, second = res["per_item"][0], res["per_item"][1]
     assert first["frames"] == 0 and first["transcript"] is None and first["sim"] is None
     assert first["wer"] == 1.0 and first["cer"] == 1.0 and first["self_wer"] == 1.0
@@ -384,7 +386,7 @@ def test_empty_generation_and_refused_audio_are_recorded_failures(model, monkeyp
     assert any("takes no audio" in f for f in second["failures"])
     assert {"id": items[0].id, "failure": "empty generation (0 frames)"} in res["failures"]
     assert res["wer"] >= 1.0 / 3 and res["eos_rate"] == pytest.approx(1 / 3)
-    row = judged.summary_rows({"tts:tiny": res})[0]
+    row = summary_rows({"tts:tiny": res})[0]
     assert row["failures"] == "3" and row["DNSMOS"] == "-"  # every item: refused by quality
     json.dumps(res)  # the JSON --out writes
     assert first["audio"] == {
@@ -629,27 +631,30 @@ def test_quality_judge_on_the_first_items_only(model, tmp_path):
     """``--judge-quality-items 2``: DNSMOS-like scores for items 0 and 1 (generated and
     reference), none after; the set's mean is theirs and the table says how many."""
     from torchtitan_speechlm.commands.generate import eval_items
-    from torchtitan_speechlm.evaluation import judged
+    from torchtitan_speechlm.evaluation.judge_setup import JudgeOptions, build_judges
+    from torchtitan_speechlm.evaluation.results_table import format_table
+    from torchtitan_speechlm.evaluation.tts_scores import score_tts
     from torchtitan_speechlm.generation.decode import DecodeConfig
     from torchtitan_speechlm.generation.loading import load_model
+    from torchtitan_speechlm.judges.base import JudgeError
 
     loaded = load_model(model["export"])
     items = eval_items(loaded, model["prepared"], 0.0, 3)
     assert len(items) == 3
     sets = {"tts:tiny": [it.text for it in items]}
-    opts = judged.JudgeOptions("test-asr", None, None, "none", "test-quality", quality_items=2)
-    judges = judged.build_judges(opts, sets)["tts:tiny"]
+    opts = JudgeOptions("test-asr", None, None, "none", "test-quality", quality_items=2)
+    judges = build_judges(opts, sets)["tts:tiny"]
     cfg = DecodeConfig(max_frames=12, max_text_tokens=8)
-    res = judged.score_tts(loaded, items, cfg, judges)
+    res = score_tts(loaded, items, cfg, judges)
     scored = [r["dnsmos"] for r in res["per_item"]]
     refs = [r["reference_dnsmos"] for r in res["per_item"]]
     assert scored[0] and scored[1] and scored[2] is None
     assert refs[0] and refs[1] and refs[2] is None
     assert res["dnsmos_items"] == 2
     assert res["dnsmos"] == pytest.approx(np.mean([s["dnsmos_ovrl"] for s in scored[:2]]))
-    assert "quality=test-quality (2 items)" in judged.format_table({"tts:tiny": res})
-    with pytest.raises(judged.JudgeError, match="--judge-quality-items -1"):
-        judged.build_judges(
-            judged.JudgeOptions("test-asr", None, None, "none", "test-quality", quality_items=-1),
+    assert "quality=test-quality (2 items)" in format_table({"tts:tiny": res})
+    with pytest.raises(JudgeError, match="--judge-quality-items -1"):
+        build_judges(
+            JudgeOptions("test-asr", None, None, "none", "test-quality", quality_items=-1),
             sets,
         )

@@ -15,8 +15,10 @@ it) or a ``torchtitan export`` folder. A batch file has one JSON object per line
 "task": "tts", "text": ...}`` or ``{"id": ..., "task": "asr" | "continuation" | "answer",
 "audio": ...}`` (``answer``: and an optional ``text`` instruction);
 each result is written to ``out-dir/ID.wav`` or ``ID.txt`` and a line of ``results.jsonl``.
-``eval`` scores TTS with independent judges (``evaluation/judged.py``) and writes an HTML report
-with ``--report`` (``evaluation/report.py``).
+``eval`` scores TTS with independent judges (``evaluation/judge_setup.py``: which judges,
+``evaluation/tts_scores.py``: the scoring; ASR and dialogue sets: ``evaluation/text_scores.py``),
+prints ``evaluation/results_table.py``'s table and writes an HTML report with ``--report``
+(``evaluation/report.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ import os
 import sys
 
 from torchtitan_speechlm.data.catalog import open_prepared, split_indices
-from torchtitan_speechlm.evaluation import judged
+from torchtitan_speechlm.evaluation.judge_setup import JudgeOptions, build_judges
 from torchtitan_speechlm.evaluation.recordings import find_recordings
 from torchtitan_speechlm.evaluation.report import slug, write_report
+from torchtitan_speechlm.evaluation.results_table import format_table
+from torchtitan_speechlm.evaluation.text_scores import score_answers, score_asr
+from torchtitan_speechlm.evaluation.tts_scores import score_tts
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import load_model
@@ -217,11 +222,11 @@ def eval_main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--valid {spec!r}: the task is asr, tts or dialogue")
             items = eval_items(loaded, name, a.valid_fraction, a.limit, EVAL_KINDS[task])
             sets.append((spec, task, eval_dataset(loaded, name), items))
-        options = judged.JudgeOptions(
+        options = JudgeOptions(
             a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality,
             a.judge_quality_items,
         )  # fmt: skip
-        judges = judged.build_judges(
+        judges = build_judges(
             options, {s: [it.text for it in items] for s, t, _, items in sets if t == "tts"}
         )
 
@@ -229,13 +234,13 @@ def eval_main(argv: list[str] | None = None) -> int:
         for i, (spec, task, path, items) in enumerate(sets):
             progress = _progress(spec) if a.progress else None
             if task == "asr":
-                results[spec] = judged.score_asr(loaded, items, cfg, progress=progress)
+                results[spec] = score_asr(loaded, items, cfg, progress=progress)
             elif task == "dialogue":
-                results[spec] = judged.score_answers(loaded, items, cfg, progress=progress)
+                results[spec] = score_answers(loaded, items, cfg, progress=progress)
             else:
                 folder = f"{i}-{_slug(spec)}"  # the set's wavs and spectrograms in --report
                 found = find_recordings(path, [it.id for it in items], manifests)
-                results[spec] = judged.score_tts(
+                results[spec] = score_tts(
                     loaded, items, cfg, judges[spec], a.report, folder, recordings=found,
                     progress=progress,
                 )  # fmt: skip
@@ -244,7 +249,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"torchtitan eval: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    print(judged.format_table(results))
+    print(format_table(results))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=2)

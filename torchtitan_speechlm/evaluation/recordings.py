@@ -5,7 +5,7 @@ A prepared dataset holds codec codes, not audio; but each item's row in
 (``prepare/sources/jsonl.py``) the manifest's absolute path and the item's 1-based line,
 ``"/abs/path/manifest.jsonl:12"``, whose ``"audio"`` is the recording (relative to the
 manifest's folder, or absolute). ``torchtitan eval`` uses that recording as a second reference
-beside the codec's resynthesis (``evaluation/judged.py``).
+beside the codec's resynthesis (``evaluation/tts_scores.py``).
 
 Only that case is resolved: an item whose source is a Kaldi, HF or lhotse input (other
 ``source`` forms, or ``metadata.json`` naming another source type), a manifest that is gone or

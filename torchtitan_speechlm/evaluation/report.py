@@ -5,9 +5,9 @@ gibberish half the time), so the page puts, per TTS item, the reference (resynth
 generated audio side by side (players and spectrograms), and the original recording as a third
 where it was found, the reference text and each transcript with its errors marked (substitutions, insertions, deletions from ``judges.item_errors``), SIM and DNSMOS; per
 ASR item, the reference and the model's transcript marked the same way. The summary table
-(``judged.summary_rows``) is on top.
+(``results_table.summary_rows``) is on top.
 
-Everything the page uses lies in DIR beside ``index.html`` (wavs written by ``judged.score_tts``,
+Everything the page uses lies in DIR beside ``index.html`` (wavs written by ``tts_scores.score_tts``,
 the recordings re-encoded there as they were judged, spectrogram PNGs written here, ``results.json``) and is linked relatively: no external URL, no
 script, so the folder can be copied or archived and opened anywhere.
 """
@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from torchtitan_speechlm.evaluation.judged import COLUMNS, summary_rows
+from torchtitan_speechlm.evaluation.results_table import COLUMNS, summary_rows
 from torchtitan_speechlm.judges import item_errors
 
 STYLE = """

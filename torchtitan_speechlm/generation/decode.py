@@ -1,6 +1,7 @@
 """Autoregressive decoding of a SpeechLM: frame by frame, every stream at once, with the
 backbone's KV cache (or a full recompute where a backbone has none), batched (left-padded
-rows), per-modality sampling, classifier-free guidance and masks.
+rows; feeding the model is ``generation/incremental.py``'s), per-modality sampling,
+classifier-free guidance and masks.
 
 Audio follows the interleave pattern: an *index map* (the pattern applied to code indices)
 says, for frame j and stream s, which code (frame f, codebook k) sits there or that it is the
@@ -18,8 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from torchtitan_speechlm.data.stream import continuous_batch
 from torchtitan_speechlm.data.tasks import end_of_stream0
+from torchtitan_speechlm.generation.incremental import IncrementalForward
 from torchtitan_speechlm.generation.sampling import Sampling, guided, pick
 from torchtitan_speechlm.model.patterns import get_pattern
 
@@ -42,7 +43,22 @@ def index_map(pattern, frames: int, num_streams: int) -> np.ndarray:
     return pattern.interleave(idx, np.full(num_streams, -1, dtype=np.int64))
 
 
+@dataclass
+class AudioRow:
+    """One row's place in its audio segment while ``Decoder.audio`` generates it."""
+
+    map: np.ndarray  # the index map the row follows (index_map); cut short once the model ends
+    codes: np.ndarray  # [max_frames, N]: the codes so far
+    j: int = 0  # the next model frame of ``map``
+    length: int | None = None  # the segment's codec frames, once known
+    done: bool = False  # the segment is complete: nothing left to emit
+    ended: bool = False  # the model chose the end (not the max_frames limit)
+
+
 class Decoder:
+    """Generates audio codes (``audio``) or text ids (``text``) after prompts, all rows of a
+    batch together; the model side (KV cache, inputs) is ``IncrementalForward``'s."""
+
     def __init__(self, model, config: DecodeConfig | None = None):
         self.model, self.cfg = model.eval(), config or DecodeConfig()
         lay = model.args.layout
@@ -56,6 +72,12 @@ class Decoder:
         # does stream 0 end a segment with its pad before the segment ends (delay)? Then that
         # pad is the trained end marker (data/tasks.py::end_of_stream0), else the end token is
         self.pad_ends = end_of_stream0(index_map(self.pattern, 2, self.n), -1) is not None
+        self.forward = IncrementalForward(self.model, self.cfg, self.pads, self.device)
+
+    @property
+    def seqs(self) -> list[torch.Tensor]:
+        """Each row's frames fed to the model so far (its prompt first)."""
+        return self.forward.seqs
 
     # ---- masks -------------------------------------------------------------------------------
     def allowed(self, s: int, ids: list[int]) -> torch.Tensor:
@@ -68,65 +90,6 @@ class Decoder:
     def code_ids(self, k: int) -> list[int]:
         start = self.layout.code(k, 0)
         return list(range(start, start + self.layout.codebook_size))
-
-    # ---- the model ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def _start(self, rows: list[np.ndarray], audio: list[list] | None = None):
-        """``audio``: per row, its prompt's continuous segments ``(first frame, int16 wave)``
-        (model/audio/tower.py), encoded with the prompt."""
-        self.seqs = [torch.as_tensor(r, dtype=torch.long) for r in rows]
-        self.audio = audio or [[] for _ in rows]
-        if not self.cfg.use_cache:
-            return self._full()
-        width = max(len(r) for r in self.seqs)
-        inputs = self.pads.repeat(len(rows), width, 1)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, r in enumerate(self.seqs):
-            inputs[i, width - len(r) :] = r
-            mask[i, width - len(r) :] = 1
-        self.mask, self.cache = mask, None
-        shifts = [width - len(r) for r in self.seqs]
-        try:
-            return self._cached(inputs, **self._audio_inputs(range(len(rows)), shifts, width))
-        except NotImplementedError:  # this backbone has no cache: recompute in full
-            self.cfg.use_cache = False
-            return self._full()
-
-    def _audio_inputs(self, rows, shifts, width: int) -> dict:
-        """The model's continuous inputs of ``rows`` (their frames shifted right by ``shifts``,
-        left padding), none when their prompts have no continuous segment."""
-        segments = [
-            (j, first + shift, int(self.model.args.audio.frames_of(len(wave))), wave)
-            for j, (i, shift) in enumerate(zip(rows, shifts, strict=True))
-            for first, wave in self.audio[i]
-        ]
-        if not segments:
-            return {}
-        batch = continuous_batch(segments, len(shifts), width)
-        return {k: v.to(self.device) for k, v in batch.items()}
-
-    def _cached(self, new: torch.Tensor, **audio):
-        pos = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -new.shape[1] :]
-        logits, self.cache = self.model.decode_step(
-            new.to(self.device), pos.to(self.device), self.mask.to(self.device), self.cache, **audio
-        )
-        return [x[:, -1].float().cpu() for x in logits]
-
-    def _full(self):
-        outs = [
-            self.model.logits(r[None].to(self.device), **self._audio_inputs([i], [0], len(r)))
-            for i, r in enumerate(self.seqs)
-        ]
-        return [torch.cat([o[s][:, -1] for o in outs]).float().cpu() for s in range(self.n)]
-
-    @torch.no_grad()
-    def _advance(self, frames: list[torch.Tensor]):
-        new = torch.stack(frames)[:, None]  # [rows, 1, N]
-        self.seqs = [torch.cat([r, f[None]]) for r, f in zip(self.seqs, frames, strict=True)]
-        if not self.cfg.use_cache:
-            return self._full()
-        self.mask = torch.cat([self.mask, torch.ones(len(frames), 1, dtype=torch.long)], 1)
-        return self._cached(new)
 
     def _scores(self, logits, s: int, i: int, rows: int) -> torch.Tensor:
         cond = logits[s][i : i + 1]
@@ -149,43 +112,33 @@ class Decoder:
         known = known or [None] * b
         rows = list(prompts) + list(uncond or [])
         full = index_map(self.pattern, cfg.max_frames, n)
-        state = [
-            {
-                "j": 0,
-                "F": None,
-                "map": full,
-                "done": False,
-                "ended": False,
-                "codes": np.zeros((cfg.max_frames, n), dtype=np.int64),
-            }
-            for _ in range(b)
-        ]
-        logits = self._start(rows)
+        state = [AudioRow(full, np.zeros((cfg.max_frames, n), dtype=np.int64)) for _ in range(b)]
+        logits = self.forward.start(rows)
         while True:
             frames = [self._audio_frame(st, logits, i, b, known[i]) for i, st in enumerate(state)]
-            if all(st["done"] for st in state):
+            if all(st.done for st in state):
                 break
-            logits = self._advance(frames + frames[: len(rows) - b])
-        self.ended = [st["ended"] for st in state]
-        return [st["codes"][: st["F"]] for st in state]
+            logits = self.forward.advance(frames + frames[: len(rows) - b])
+        self.ended = [st.ended for st in state]
+        return [st.codes[: st.length] for st in state]
 
-    def _audio_frame(self, st: dict, logits, i: int, rows: int, known) -> torch.Tensor:
+    def _audio_frame(self, st: AudioRow, logits, i: int, rows: int, known) -> torch.Tensor:
         frame = self.pads.clone()
-        if st["done"]:
+        if st.done:
             return frame
-        n, j = self.n, st["j"]
+        n, j = self.n, st.j
         for s in range(n):
-            slot = int(st["map"][j, s])
+            slot = int(st.map[j, s])
             if slot < 0:
                 continue  # the pattern's pad
             f, k = divmod(slot, n)
             if known is not None and f < len(known):
                 frame[s] = self.layout.code(k, int(known[f, k]))
-                st["codes"][f, k] = int(known[f, k])
+                st.codes[f, k] = int(known[f, k])
                 continue
             ids = self.code_ids(k)
             may_end = (
-                st["F"] is None
+                st.length is None
                 and k == 0
                 and f >= self.cfg.min_frames + (0 if known is None else len(known))
             )
@@ -201,35 +154,35 @@ class Decoder:
                 )
             )
             if may_end and token not in ids[: self.layout.codebook_size]:
-                st["F"] = f  # the model ended the audio before code (f, 0)
-                st["ended"] = True
-                st["map"] = index_map(self.pattern, f, n)
-                if token in self.ends or len(st["map"]) <= j:
+                st.length = f  # the model ended the audio before code (f, 0)
+                st.ended = True
+                st.map = index_map(self.pattern, f, n)
+                if token in self.ends or len(st.map) <= j:
                     frame[:] = self.pads
                     frame[0] = token if token in self.ends else self.ends[0]
-                    st["done"] = True
+                    st.done = True
                     return frame
                 frame[s] = token
                 continue
             frame[s] = token
-            st["codes"][f, k] = token - self.layout.code(k, 0)
-        st["j"] = j + 1
-        if st["F"] is None and st["j"] >= len(st["map"]):
-            st["F"] = self.cfg.max_frames  # the longest allowed: the segment is complete
-        if st["F"] is not None and st["j"] >= len(st["map"]):
-            st["done"] = True  # the turn's end token would come next
+            st.codes[f, k] = token - self.layout.code(k, 0)
+        st.j = j + 1
+        if st.length is None and st.j >= len(st.map):
+            st.length = self.cfg.max_frames  # the longest allowed: the segment is complete
+        if st.length is not None and st.j >= len(st.map):
+            st.done = True  # the turn's end token would come next
         return frame
 
     # ---- text ----------------------------------------------------------------------------------
     def text(self, prompts: list[np.ndarray], audio: list[list] | None = None) -> list[list[int]]:
         """Text token ids (the tokenizer's) generated after each prompt (ending ``<|text|>``);
-        ``audio``: the prompts' continuous segments (``_start``)."""
+        ``audio``: the prompts' continuous segments (``IncrementalForward.start``)."""
         lay, b = self.layout, len(prompts)
         ids = list(range(lay.text_offset, lay.text_offset + lay.text_size)) + list(self.ends)
         mask = self.allowed(0, ids)
         out: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
-        logits = self._start(list(prompts), audio)
+        logits = self.forward.start(list(prompts), audio)
         for _ in range(self.cfg.max_text_tokens):
             frames = []
             for i in range(b):
@@ -246,5 +199,5 @@ class Decoder:
                 frames.append(frame)
             if all(done):
                 break
-            logits = self._advance(frames)
+            logits = self.forward.advance(frames)
         return out

@@ -1,0 +1,154 @@
+"""Which judges score each TTS set of ``torchtitan eval``: the ``--judge-*`` flags turned into
+built judges (``torchtitan_speechlm.judges``), all of them before anything is generated.
+
+Kept apart from the scoring because it fails differently: a judge that cannot load, a folder
+that is not a model, a vocabulary file with no words is the command's one-line error at once
+(``JudgeError``: the flag and the fix), while scoring records an item's failure and goes on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from torchtitan_speechlm.judges import build_judge, normalise_text
+from torchtitan_speechlm.judges.base import JudgeError
+
+
+@dataclass
+class JudgeOptions:
+    """What the ``--judge-*`` flags ask for. ``asr`` / ``speaker``: a judge name, a model
+    folder (``transformers-asr`` / ``transformers-sv``) or ``none``; ``vocabulary`` (pocketsphinx):
+    ``eval`` (None: the words of the evaluated set's texts), ``open`` (its shipped LM) or a
+    word-list file; ``grammar``: a JSGF file for pocketsphinx instead."""
+
+    asr: str = "pocketsphinx"
+    vocabulary: str | None = None
+    grammar: str | None = None
+    speaker: str = "resemblyzer"
+    quality: str = "dnsmos"
+    quality_items: int = 0  # the quality judge scores the first N items of a set; 0: all
+
+
+@dataclass
+class Judges:
+    """The judges of one TTS set (None: that kind is not scored)."""
+
+    asr: object | None = None  # judges.base.ASRJudge
+    speaker: object | None = None  # judges.base.SpeakerJudge
+    quality: object | None = None  # judges.base.QualityJudge
+    quality_items: int = 0  # score quality on the first N items only (0: every item)
+
+    def for_item(self, index: int) -> Judges:
+        """The judges of a set's ``index``-th item: without the quality judge past
+        ``quality_items`` (DNSMOS is the slowest judge by far: about 1.5 s per short clip)."""
+        if self.quality is None or not self.quality_items or index < self.quality_items:
+            return self
+        return replace(self, quality=None)
+
+    def describe(self) -> dict:
+        """Each judge's description (None where there is none): the results' ``judges``."""
+        return {k: (j.describe() if j is not None else None) for k, j in self._pairs()}
+
+    def _pairs(self):
+        return (("asr", self.asr), ("speaker", self.speaker), ("quality", self.quality))
+
+
+def _resolve(flag: str, value: str, folder_judge: str | None) -> tuple[str, dict] | None:
+    """``none`` -> None; a folder -> (folder_judge, {path}); else a judge name."""
+    if value.strip().lower() == "none":
+        return None
+    looks_like_path = os.sep in value or value.startswith((".", "~"))
+    if folder_judge is not None and os.path.isdir(value):
+        return folder_judge, {"path": os.path.abspath(value)}
+    if folder_judge is not None and looks_like_path:
+        raise JudgeError(
+            f"{flag} {value}: no such folder (give a {folder_judge} model folder, a judge name, "
+            "or none)"
+        )
+    if looks_like_path:
+        raise JudgeError(f"{flag} {value}: give a judge name or none, not a path")
+    return value, {}
+
+
+def _build(flag: str, kind: str, name: str, options: dict):
+    try:
+        judge = build_judge(name, **options)
+    except JudgeError as e:  # its message names the judge
+        raise JudgeError(f"{flag}: {e}") from e
+    except ValueError as e:  # an unknown name: the registry lists the registered ones
+        raise JudgeError(f"{flag}: {e}") from e
+    if getattr(judge, "kind", None) != kind:
+        raise JudgeError(f"{flag} {name}: that is a {judge.kind or '?'} judge, not an {kind} one")
+    return judge
+
+
+def vocabulary_words(texts: list[str]) -> list[str]:
+    """The distinct words of ``texts`` after ``normalise_text``, sorted: the free word loop a
+    restricted recogniser gets for ``--judge-vocabulary eval``."""
+    return sorted({w for t in texts for w in normalise_text(t).split()})
+
+
+def _asr_options(opts: JudgeOptions, name: str, texts: list[str]) -> dict:
+    if opts.grammar is not None and opts.vocabulary is not None:
+        raise JudgeError("give --judge-grammar or --judge-vocabulary, not both")
+    if name != "pocketsphinx":
+        if opts.grammar is not None or opts.vocabulary is not None:
+            raise JudgeError(
+                f"--judge-vocabulary / --judge-grammar are pocketsphinx options, not {name}'s"
+            )
+        return {}
+    if opts.grammar is not None:
+        if not os.path.isfile(opts.grammar):
+            raise JudgeError(f"--judge-grammar {opts.grammar}: no such file (a JSGF grammar)")
+        return {"grammar": os.path.abspath(opts.grammar)}
+    vocab = opts.vocabulary or "eval"
+    if vocab == "open":
+        return {}
+    if vocab == "eval":
+        return {"vocabulary": vocabulary_words(texts)}
+    if not os.path.isfile(vocab):
+        raise JudgeError(
+            f"--judge-vocabulary {vocab}: no such file (eval, open, or a file of words)"
+        )
+    with open(vocab, encoding="utf-8") as f:
+        words = vocabulary_words([f.read()])
+    if not words:
+        raise JudgeError(f"--judge-vocabulary {vocab}: the file has no words")
+    return {"vocabulary": words}
+
+
+def build_judges(opts: JudgeOptions, sets: dict[str, list[str]]) -> dict[str, Judges]:
+    """The judges of each TTS set (``{set: its texts}``), all built before anything is
+    generated so that a judge that cannot load fails the command at once. Speaker and quality
+    judges are shared; the ASR judge is one per set with ``--judge-vocabulary eval`` (each set's
+    own words), else shared. Raises ``JudgeError`` (one line: the flag, the fix)."""
+    if not sets:
+        return {}
+    speaker = _resolve("--judge-speaker", opts.speaker, "transformers-sv")
+    quality = _resolve("--judge-quality", opts.quality, None)
+    asr = _resolve("--judge-asr", opts.asr, "transformers-asr")
+    if opts.quality_items < 0:
+        raise JudgeError(f"--judge-quality-items {opts.quality_items}: give 0 (all) or more")
+    shared = Judges(
+        speaker=_build("--judge-speaker", "speaker", *speaker) if speaker else None,
+        quality=_build("--judge-quality", "quality", *quality) if quality else None,
+        quality_items=opts.quality_items,
+    )
+    per_set = asr is not None and asr[0] == "pocketsphinx" and opts.grammar is None
+    per_set = per_set and (opts.vocabulary or "eval") == "eval"
+    out, common = {}, None
+    for name, texts in sets.items():
+        judge = None
+        if asr is not None and (per_set or common is None):
+            options = {**asr[1], **_asr_options(opts, asr[0], texts)}
+            try:
+                judge = _build("--judge-asr", "asr", asr[0], options)
+            except JudgeError as e:
+                hint = f" (--judge-vocabulary eval: the words of {name}; give a word file, open, "
+                raise JudgeError(f"{e}{hint}or --judge-grammar)" if per_set else str(e)) from e
+            common = common if per_set else judge
+        out[name] = Judges(
+            judge if per_set else common, shared.speaker, shared.quality, shared.quality_items
+        )
+    return out

@@ -1,0 +1,236 @@
+"""Scoring TTS with *independent judges*: models that are not the model being scored.
+
+The model's own ASR of its own TTS is circular (a model that mumbles consistently understands
+itself), so ``torchtitan eval`` scores TTS the way Seed-TTS-eval does, with other models
+(``torchtitan_speechlm.judges``, chosen by ``judge_setup``): per TTS set, the speech generated
+from each item's text is decoded by the data's codec and
+
+- an ASR judge transcribes it: WER / CER against the reference text (after ``normalise_text``);
+- the same judge transcribes the reference audio: the *floor* (what the judge itself gets wrong);
+- a speaker judge compares it with the reference audio: SIM (cosine of embeddings);
+- a quality judge predicts its MOS (DNSMOS), and the reference's;
+- its length against the reference's (duration ratio), and whether the model ended it itself
+  before ``max_frames`` (end-of-speech rate).
+
+The prepared data holds codec codes, not recordings, so the reference audio is the codec's
+resynthesis of the reference codes: ``floor`` and ``sim`` are against it (the fair floor for
+codec speech: the generated speech goes through the same decoder). Where the original
+recording is found (``evaluation/recordings.py``: a JSONL manifest line whose audio file still
+exists; ``score_tts(recordings=...)``), the item is also judged against it: ``floor_recording``
+and ``sim_recording`` (over the items that have one; ``recordings_found`` counts them), and
+``reference_audio`` says ``"recording+resynthesised"``. The model's own ASR of its TTS and the
+teacher-forced codec-token accuracy (``token_accuracy``, here: a TTS set's only other use of
+the model) are kept under ``self``. An empty generation or audio a judge cannot take is a
+recorded failure of that item (WER and CER 1.0, listed), never a crash. The set's numbers are
+``tts_summary``'s, the report's wavs ``item_wavs``'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from torchtitan_speechlm.evaluation.item_wavs import save_item_wavs
+from torchtitan_speechlm.evaluation.judge_setup import Judges
+from torchtitan_speechlm.evaluation.phase_clock import PhaseClock
+from torchtitan_speechlm.evaluation.rates import item_rates
+from torchtitan_speechlm.evaluation.tts_summary import summarise_tts
+from torchtitan_speechlm.generation import tasks
+from torchtitan_speechlm.generation.decode import DecodeConfig
+from torchtitan_speechlm.generation.loading import Loaded
+from torchtitan_speechlm.judges.base import JudgeError
+from torchtitan_speechlm.utils.audio import BadAudioError, load_audio
+
+
+def score_tts(
+    loaded: Loaded,
+    items: list,
+    cfg: DecodeConfig,
+    judges: Judges,
+    audio_root: str | None = None,
+    audio_dir: str = "",
+    batch: int = 8,
+    recordings: dict[str, str | None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Generate each item's speech from its text and score it with ``judges`` (see the module
+    docstring). ``recordings``: ``{item id: its original audio file or None}``
+    (``recordings.find_recordings``), read at the codec's rate with ``audio.load_audio``. With
+    ``audio_root``, the generated, reference and recording wavs are written under
+    ``audio_root/audio_dir`` (the recording re-encoded as it was judged) and each item's
+    ``audio`` gives their paths relative to ``audio_root`` (the report's links). ``progress``
+    gets a line after each batch (items done, seconds per phase)."""
+    rate = int(loaded.codec.sample_rate)
+    per_item: list[dict] = []
+    clock = PhaseClock()
+    for s in range(0, len(items), batch):
+        chunk = items[s : s + batch]
+        with clock("generate"):
+            codes, ended = tasks.tts_with_ends(loaded, [it.text for it in chunk], cfg)
+        spoken = [i for i, c in enumerate(codes) if len(c)]
+        self_hyps = [""] * len(chunk)
+        with clock("model's own ASR"):
+            texts = tasks.asr(loaded, [codes[i] for i in spoken], cfg)
+        for i, text in zip(spoken, texts, strict=True):
+            self_hyps[i] = text
+        for k, it in enumerate(chunk):
+            recording = (recordings or {}).get(it.id)
+            rec, wavs = _score_item(
+                loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges.for_item(s + k),
+                recording, clock,
+            )  # fmt: skip
+            if audio_root is not None:
+                rec["audio"] = save_item_wavs(audio_root, audio_dir, s + k, it, wavs, rate)
+            per_item.append(rec)
+        if progress is not None:
+            progress(clock.line(len(per_item), len(items)))
+    return summarise_tts(per_item, judges, token_accuracy(loaded, items))
+
+
+def _load_recording(path: str | None, rate: int, failures: list[str]) -> np.ndarray | None:
+    """The original recording at the codec's rate, or None (none found, or unreadable: then
+    the reason is in ``failures`` and the item is judged on the resynthesis alone)."""
+    if path is None:
+        return None
+    try:
+        return load_audio(path, rate)
+    except BadAudioError as e:
+        failures.append(f"recording: {e}")
+    return None
+
+
+def _score_item(
+    loaded,
+    it,
+    codes,
+    ended: bool,
+    self_hyp: str,
+    judges: Judges,
+    recording: str | None = None,
+    clock: PhaseClock | None = None,
+):
+    """One item's record and its {generated, reference, recording} waveforms (None where there
+    is none); ``recording`` is the item's original audio file, if found."""
+    rate, failures, clock = int(loaded.codec.sample_rate), [], clock or PhaseClock()
+    with clock("codec decode"):
+        ref = loaded.codec.decode(it.audio_codes) if len(it.audio_codes) else None
+        gen = loaded.codec.decode(codes) if len(codes) else None
+    if gen is None:
+        failures.append("empty generation (0 frames)")
+    if ref is None:
+        failures.append("the reference has no audio codes")
+    orig = _load_recording(recording, rate, failures)
+    rec = {
+        "id": it.id,
+        "text": it.text,
+        "ended": ended,
+        "frames": int(len(codes)),
+        "reference_frames": int(len(it.audio_codes)),
+        "seconds": len(gen) / rate if gen is not None else 0.0,
+        "reference_seconds": len(ref) / rate if ref is not None else 0.0,
+        "recording": recording if orig is not None else None,
+        "recording_seconds": len(orig) / rate if orig is not None else None,
+    }
+    rec["duration_ratio"] = (
+        rec["seconds"] / rec["reference_seconds"] if rec["reference_seconds"] > 0 else None
+    )
+    asr, spk, qual = judges.asr, judges.speaker, judges.quality
+    hyp = ref_hyp = orig_hyp = sim = sim_orig = dnsmos = ref_dnsmos = None
+    rec["recording_wer"] = rec["recording_cer"] = None
+    with clock("asr judge"):
+        hyp, ref_hyp, orig_hyp = _transcripts(failures, asr, gen, ref, orig, rate)
+    if asr is not None:
+        if orig is not None:
+            rec["recording_wer"], rec["recording_cer"] = item_rates(it.text, orig_hyp)
+        rec["wer"], rec["cer"] = item_rates(it.text, hyp)
+        rec["reference_wer"], rec["reference_cer"] = item_rates(it.text, ref_hyp)
+    else:
+        rec["wer"] = rec["cer"] = rec["reference_wer"] = rec["reference_cer"] = None
+    if spk is not None and gen is not None and (ref is not None or orig is not None):
+        with clock("speaker judge"):
+            a = _ask(failures, "speaker judge", spk.embed, gen, rate)
+            sim = _similarity(failures, spk, a, ref, rate, "reference")
+            sim_orig = _similarity(failures, spk, a, orig, rate, "recording")
+    if qual is not None:
+        with clock("quality judge"):
+            if gen is not None:
+                dnsmos = _ask(failures, "quality judge", qual.score, gen, rate)
+            if ref is not None:
+                ref_dnsmos = _ask(failures, "quality judge (reference)", qual.score, ref, rate)
+    self_wer, self_cer = item_rates(it.text, self_hyp if gen is not None else None)
+    rec.update(
+        transcript=hyp,
+        reference_transcript=ref_hyp,
+        recording_transcript=orig_hyp,
+        self_transcript=self_hyp,
+        self_wer=self_wer,
+        self_cer=self_cer,
+        sim=sim,
+        sim_recording=sim_orig,
+        dnsmos=_floats(dnsmos),
+        reference_dnsmos=_floats(ref_dnsmos),
+        failures=failures,
+    )
+    return rec, {"generated": gen, "reference": ref, "recording": orig}
+
+
+def _transcripts(failures: list[str], asr, gen, ref, orig, rate: int) -> tuple:
+    """The ASR judge's transcripts of the generated speech, the reference's resynthesis and
+    the original recording (None where there is no judge or no such audio)."""
+    if asr is None:
+        return None, None, None
+    return tuple(
+        _ask(failures, what, asr.transcribe, wav, rate) if wav is not None else None
+        for what, wav in (
+            ("asr judge", gen),
+            ("asr judge (reference)", ref),
+            ("asr judge (recording)", orig),
+        )
+    )
+
+
+def _similarity(failures: list[str], spk, gen_embedding, wav, rate: int, what: str):
+    """cosine(generated, ``wav``) by the speaker judge; None without either."""
+    if gen_embedding is None or wav is None:
+        return None
+    b = _ask(failures, f"speaker judge ({what})", spk.embed, wav, rate)
+    return float(spk.similarity(gen_embedding, b)) if b is not None else None
+
+
+def _floats(d: dict | None) -> dict | None:
+    return None if d is None else {k: float(v) for k, v in d.items()}
+
+
+def _ask(failures: list[str], what: str, fn: Callable, *args):
+    """A judge's answer, or None with the reason appended to ``failures`` (a judge that cannot
+    take an audio is that item's recorded failure, not the end of the evaluation)."""
+    try:
+        return fn(*args)
+    except JudgeError as e:
+        failures.append(f"{what}: {e}")
+    except Exception as e:  # a judge's own library refusing an input (too short, ...)
+        failures.append(f"{what}: {type(e).__name__}: {e}")
+    return None
+
+
+@torch.no_grad()
+def token_accuracy(loaded: Loaded, items: list) -> dict:
+    """Codec-token accuracy under teacher forcing with the training template: overall and per
+    stream, over audio targets only (stream 0's text/special targets are left out)."""
+    model, builder, n = loaded.model, loaded.builder, loaded.layout.num_streams
+    correct, count = np.zeros(n), np.zeros(n)
+    for it in items:
+        ex = builder.build("tts", it)
+        frames = torch.from_numpy(ex.frames)[None]
+        weights = torch.from_numpy(ex.weights)[None, 1:]
+        weights[..., 0] *= torch.from_numpy(ex.frames[1:, 0] >= loaded.layout.stream_offset(0))
+        out = model(frames[:, :-1], targets=frames[:, 1:], loss_weights=weights)
+        # audio targets only: stream 0's text/special targets are left out
+        correct += out.stats["acc_stream"].numpy()
+        count += out.stats["count_stream"].numpy()
+    return {
+        "token_accuracy": float(correct.sum() / max(count.sum(), 1)),
+        "token_accuracy_per_stream": (correct / np.maximum(count, 1)).tolist(),
+    }

@@ -1,0 +1,87 @@
+"""The model run over rows that grow by one frame per step: the next frame's logits of every
+row, for the decoder (``generation/decode.py``) to sample from.
+
+Through the backbone's KV cache, the rows left-padded into one batch (an attention mask and
+positions that skip the padding, only the new frame fed after the prompts), or, where a backbone
+has no cache, a full recompute of each row (the same tokens, slower). The prompts' continuous
+audio segments (``model/audio/tower.py``) are encoded with the prompt and then carried by the
+cache. Kept apart from the decoder so that it only decides tokens: what the model is shown, and
+how, is here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from torchtitan_speechlm.data.stream import continuous_batch
+
+
+class IncrementalForward:
+    """``start(rows, audio)`` and then ``advance(frames)`` per step, each returning the last
+    position's logits per stream (``[rows, stream vocabulary]`` float CPU tensors); ``seqs``
+    holds each row's frames so far. ``cfg.use_cache`` is cleared (on the shared config) once a
+    backbone turns out to have no cache, so that later decoders recompute from the start."""
+
+    def __init__(self, model, cfg, pads: torch.Tensor, device: torch.device) -> None:
+        self.model, self.cfg, self.pads, self.device = model, cfg, pads, device
+        self.n = len(pads)
+
+    @torch.no_grad()
+    def start(self, rows: list[np.ndarray], audio: list[list] | None = None) -> list:
+        """``audio``: per row, its prompt's continuous segments ``(first frame, int16 wave)``
+        (model/audio/tower.py), encoded with the prompt."""
+        self.seqs = [torch.as_tensor(r, dtype=torch.long) for r in rows]
+        self.audio = audio or [[] for _ in rows]
+        if not self.cfg.use_cache:
+            return self._full()
+        width = max(len(r) for r in self.seqs)
+        inputs = self.pads.repeat(len(rows), width, 1)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(self.seqs):
+            inputs[i, width - len(r) :] = r
+            mask[i, width - len(r) :] = 1
+        self.mask, self.cache = mask, None
+        shifts = [width - len(r) for r in self.seqs]
+        try:
+            return self._cached(inputs, **self._audio_inputs(range(len(rows)), shifts, width))
+        except NotImplementedError:  # this backbone has no cache: recompute in full
+            self.cfg.use_cache = False
+            return self._full()
+
+    @torch.no_grad()
+    def advance(self, frames: list[torch.Tensor]) -> list:
+        """Append one frame to each row and return the logits after it."""
+        new = torch.stack(frames)[:, None]  # [rows, 1, N]
+        self.seqs = [torch.cat([r, f[None]]) for r, f in zip(self.seqs, frames, strict=True)]
+        if not self.cfg.use_cache:
+            return self._full()
+        self.mask = torch.cat([self.mask, torch.ones(len(frames), 1, dtype=torch.long)], 1)
+        return self._cached(new)
+
+    def _audio_inputs(self, rows, shifts, width: int) -> dict:
+        """The model's continuous inputs of ``rows`` (their frames shifted right by ``shifts``,
+        left padding), none when their prompts have no continuous segment."""
+        segments = [
+            (j, first + shift, int(self.model.args.audio.frames_of(len(wave))), wave)
+            for j, (i, shift) in enumerate(zip(rows, shifts, strict=True))
+            for first, wave in self.audio[i]
+        ]
+        if not segments:
+            return {}
+        batch = continuous_batch(segments, len(shifts), width)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def _cached(self, new: torch.Tensor, **audio):
+        pos = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -new.shape[1] :]
+        logits, self.cache = self.model.decode_step(
+            new.to(self.device), pos.to(self.device), self.mask.to(self.device), self.cache, **audio
+        )
+        return [x[:, -1].float().cpu() for x in logits]
+
+    def _full(self):
+        outs = [
+            self.model.logits(r[None].to(self.device), **self._audio_inputs([i], [0], len(r)))
+            for i, r in enumerate(self.seqs)
+        ]
+        return [torch.cat([o[s][:, -1] for o in outs]).float().cpu() for s in range(self.n)]
