@@ -18,7 +18,7 @@ from torchtitan.components.validate import BaseValidator
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
-from torchtitan_speechlm.data.stream import Unit
+from torchtitan_speechlm.data.planner import Unit
 
 
 class SpeechLMValidator(BaseValidator):

@@ -23,8 +23,8 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.format import check_compatible
+from torchtitan_speechlm.data.mixing import Source
 from torchtitan_speechlm.data.reader import PreparedDataset
-from torchtitan_speechlm.data.stream import Source
 from torchtitan_speechlm.data.tasks import TASKS
 
 SPLITS = ("train", "valid", "all", "external")

@@ -52,35 +52,18 @@ from torchdata.stateful_dataloader import Stateful
 from torchtitan_speechlm.data.collation import (
     Collator,
     batch_bytes,
-    batch_hash,
-    continuous_batch,
     data_stats_keys,
 )
 from torchtitan_speechlm.data.examples import Examples
-from torchtitan_speechlm.data.lengths import DataLengthError, LengthTable, check_lengths
+from torchtitan_speechlm.data.lengths import LengthTable, check_lengths
 from torchtitan_speechlm.data.mixing import Mixture, Source, keep_eligible
 from torchtitan_speechlm.data.planner import Draw, Unit
-from torchtitan_speechlm.data.sampler import Plan, StreamResumeError, StreamSampler
+from torchtitan_speechlm.data.sampler import Plan, StreamSampler
 from torchtitan_speechlm.data.settings import StreamSettings
 from torchtitan_speechlm.data.shards import ShardLayout
 from torchtitan_speechlm.data.tasks import TemplateBuilder, get_task
 
-# SpeechLMDataset is this module's own; the other names are re-exported for the modules
-# outside data/ that still import them from here (components/dataloader.py: Plan, Source,
-# batch_hash; components/validate.py and python_api/espnet_data.py: Unit, data_stats_keys;
-# components/loss.py: data_stats_keys; generation/decode.py: continuous_batch;
-# trainer/faults.py: DataLengthError, StreamResumeError) until they import from the new modules.
-__all__ = [
-    "SpeechLMDataset",
-    "DataLengthError",
-    "Plan",
-    "Source",
-    "StreamResumeError",
-    "Unit",
-    "batch_hash",
-    "continuous_batch",
-    "data_stats_keys",
-]
+__all__ = ["SpeechLMDataset"]
 
 
 class SpeechLMDataset(IterableDataset, Stateful):

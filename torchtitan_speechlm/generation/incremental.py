@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torchtitan_speechlm.data.stream import continuous_batch
+from torchtitan_speechlm.data.collation import continuous_batch
 
 
 class IncrementalForward:

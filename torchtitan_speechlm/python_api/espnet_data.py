@@ -50,7 +50,8 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
 
 from torchtitan_speechlm.config import ConfigError
-from torchtitan_speechlm.data.stream import Unit, data_stats_keys
+from torchtitan_speechlm.data.collation import data_stats_keys
+from torchtitan_speechlm.data.planner import Unit
 from torchtitan_speechlm.data.tasks import TASKS
 from torchtitan_speechlm.model.vocab import SPECIAL_TOKENS, VocabLayout
 

@@ -23,7 +23,8 @@ from torchtitan_speechlm.components.nonfinite import NonFiniteError
 from torchtitan_speechlm.components.resume import ResumeError
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.format import CorruptDatasetError
-from torchtitan_speechlm.data.stream import DataLengthError, StreamResumeError
+from torchtitan_speechlm.data.lengths import DataLengthError
+from torchtitan_speechlm.data.sampler import StreamResumeError
 from torchtitan_speechlm.model.run_record import RunRecordError
 from torchtitan_speechlm.model.vocab import VocabMismatchError
 from torchtitan_speechlm.utils.collective_errors import collective_of, is_collective_failure

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from torchtitan_speechlm.components.nonfinite import GuardSettings
 from torchtitan_speechlm.components.resume import resolve_resume
 from torchtitan_speechlm.components.training_state import TrainingState
+from torchtitan_speechlm.data.collation import data_stats_keys
 from torchtitan_speechlm.data.external import ExternalData
-from torchtitan_speechlm.data.stream import data_stats_keys
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.run_record import record_run
 from torchtitan_speechlm.trainer.checks import validate_job_config
