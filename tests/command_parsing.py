@@ -82,7 +82,8 @@ def option_strings(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def load_script(path: str | Path):
-    """Import benchmarks/X.py as a module (its folder on sys.path, as `python X.py` has it)."""
+    """Import benchmarks/X.py or tools/X.py as a module (its folder on sys.path, as
+    `python X.py` has it)."""
     path = Path(path)
     if not path.is_absolute():
         path = ROOT / path
@@ -101,7 +102,7 @@ def load_script(path: str | Path):
 
 
 def script_parser(path: str | Path) -> argparse.ArgumentParser:
-    """A benchmark script's parser: its ``build_parser()``, else the one its ``main`` builds."""
+    """A script's parser: its ``build_parser()``, else the one its ``main`` builds."""
     module = load_script(path)
     if hasattr(module, "build_parser"):
         return module.build_parser()
@@ -312,7 +313,7 @@ def check(shown: Shown) -> None:
                 if argv:
                     raise CommandError(f"python -m {rest[1]} takes no parsed flags: {argv}")
                 return
-        elif rest and rest[0].startswith("benchmarks/") and rest[0].endswith(".py"):
+        elif rest and rest[0].startswith(("benchmarks/", "tools/")) and rest[0].endswith(".py"):
             parser, argv = script_parser(rest[0]), rest[1:]
             skip = 2 if prog in PYTHON else 1
         else:

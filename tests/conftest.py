@@ -1,8 +1,49 @@
-"""Shared fixtures: tiny random-init HF assets saved with save_pretrained (nothing downloaded)."""
+"""Shared fixtures: tiny random-init HF assets saved with save_pretrained (nothing downloaded),
+and each test module's registrations kept to that module."""
 
 import os
+import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torchtitan_speechlm  # noqa: E402,F401  (CPU device selection before torchtitan imports)
+import torchtitan_speechlm  # noqa: E402,F401,I001  (CPU device selection before torchtitan)
+
+import pytest  # noqa: E402
+import torchtitan.protocols.model_converter as _converters  # noqa: E402
+import torchtitan.protocols.train_spec as _train_specs  # noqa: E402
+from torchtitan_speechlm.codecs.base import CODECS  # noqa: E402
+from torchtitan_speechlm.data.tasks import TASKS  # noqa: E402
+from torchtitan_speechlm.judges.base import JUDGES  # noqa: E402
+from torchtitan_speechlm.model.audio.encoders import AUDIO_ENCODERS  # noqa: E402
+from torchtitan_speechlm.model.backbones import BACKBONES  # noqa: E402
+from torchtitan_speechlm.model.patterns import PATTERNS  # noqa: E402
+from torchtitan_speechlm.prepare.sources.base import SOURCES  # noqa: E402
+from torchtitan_speechlm.trainer.spec import SPEECHLM_SPECS  # noqa: E402
+
+REGISTRIES = (CODECS, TASKS, JUDGES, AUDIO_ENCODERS, BACKBONES, PATTERNS, SOURCES)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registrations_stay_in_their_module():
+    """What a test module registers in this process (an extension module it imports: codecs,
+    tasks, backbones, specs, ...) is removed when the module ends: runs of later modules forked
+    from this process (tests/forked.py) see only the package's own registrations, as a fresh
+    process does."""
+    saved = [(reg, dict(reg._items)) for reg in REGISTRIES]
+    specs = dict(_train_specs._extra_train_specs)
+    converters = dict(_converters._registry_model_converter_cls)
+    ours, modules = set(SPEECHLM_SPECS), set(sys.modules)
+    yield
+    for reg, items in saved:
+        reg._items.clear()
+        reg._items.update(items)
+    _train_specs._extra_train_specs.clear()
+    _train_specs._extra_train_specs.update(specs)
+    _converters._registry_model_converter_cls.clear()
+    _converters._registry_model_converter_cls.update(converters)
+    SPEECHLM_SPECS.clear()
+    SPEECHLM_SPECS.update(ours)
+    for name in set(sys.modules) - modules:  # an extension imported again registers again
+        if name.startswith("tests.") or name in ("mymod", "my_module"):
+            sys.modules.pop(name, None)

@@ -153,9 +153,13 @@ def _child(main: Callable[[], int], cwd: str | None, out: str, err: str) -> None
         _redirect(out, err)
         if cwd is not None:
             os.chdir(cwd)
+        import torch._inductor.config
         import torch.distributed.run
 
         torch.distributed.run.run = _fork_ranks  # this child's launcher only
+        # inductor's pool of compile workers belongs to the test process (a test that compiled
+        # in it started the pool): a fork compiles in its own process instead
+        torch._inductor.config.compile_threads = 1
         code = main()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1

@@ -187,10 +187,11 @@ def test_the_count_of_what_trains_leaves_the_held_text_rows_out(tmp_path, tie):
     frozen base (computed here from the backbone's sizes)."""
     from torchtitan_speechlm.model.lora import trained_parameters
 
-    save_tiny_backbone(tmp_path / "bb", tie=tie)  # hidden 32, 4 heads (2 kv) of 8, mlp 64, 2 layers
+    save_tiny_backbone(tmp_path / "bb", tie=tie)  # hidden 32, 4 heads (2 kv), mlp 64, 2 layers
     model = lora_model(tmp_path / "bb", train_audio_rows=True)
     layout, d, r = model.args.layout, 32, 4
-    shapes = {"q_proj": (d, 4 * 8), "v_proj": (d, 2 * 8), "mlp.down_proj": (64, d)}
+    head = model.args.backbone_config["head_dim"]  # Qwen3's own (128), not hidden / heads
+    shapes = {"q_proj": (d, 4 * head), "v_proj": (d, 2 * head), "mlp.down_proj": (64, d)}
     adapters = 2 * sum(r * (i + o) for i, o in shapes.values())
     added = (layout.size - layout.text_size) * d
     assert (
