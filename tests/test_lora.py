@@ -37,7 +37,8 @@ from torchtitan_speechlm.model.lora import is_lora_param
 from torchtitan_speechlm.model.model import SpeechLM, build_model
 from torchtitan_speechlm.model.pretrained import args_from_record
 from torchtitan_speechlm.model.run_record import read_run_record
-from torchtitan_speechlm.trainer.preflight import preflight, validate_job_config
+from torchtitan_speechlm.trainer.preflight import preflight
+from torchtitan_speechlm.trainer.run import prepare_run
 
 peft = pytest.importorskip("peft")
 TARGETS = ["q_proj", "v_proj", "mlp.down_proj"]
@@ -338,8 +339,8 @@ def test_options_lora_cannot_work_with_are_refused_by_the_start_up_checks(
     args = torchtitan_args(["--job.config_file", cfg, *LORA, *flags])
     job = ConfigManager().parse_args(args)
     with pytest.raises(ConfigError) as e:
-        validate_job_config(job)
-        preflight(job, 1)
+        plan = prepare_run(job)[0]  # what `torchtitan train` runs before preflight
+        preflight(job, plan, 1)
     assert message in str(e.value)
 
 
@@ -375,6 +376,6 @@ def test_resuming_with_other_lora_settings_is_refused(lora_run, tmp_path):
         lora = LORA if flags else ()
         job = ConfigManager().parse_args(torchtitan_args(["--job.config_file", cfg, *lora, *flags]))
         with pytest.raises(ConfigError) as e:
-            validate_job_config(job)
-            preflight(job, 1)
+            plan = prepare_run(job)[0]
+            preflight(job, plan, 1)
         assert "was made with other LoRA settings" in str(e.value) and shown in str(e.value)
