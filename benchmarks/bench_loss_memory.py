@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import torchtitan_speechlm  # noqa: F401
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
-from torchtitan_speechlm.model.model import SpeechLMHead
+from torchtitan_speechlm.model.head import SpeechLMHead
 from torchtitan_speechlm.model.vocab import VocabLayout
 from bench_common import peak_rss_bytes
 

@@ -331,9 +331,9 @@ def render_layers() -> str:
     rows = ["| layer | folder | holds | modules |", "|---|---|---|---|"]
     for i in reversed(range(len(LAYERS))):
         for folder, holds in LAYERS[i].folders.items():
-            names = sorted(by_folder.get(folder, []))
-            short = [m[len(folder) + 1 :] if folder and m != folder else display(m) for m in names]
-            listed = ", ".join(f"`{s}`" for s in short if s != folder)
+            names = sorted(m for m in by_folder.get(folder, []) if m != folder or not folder)
+            short = [m[len(folder) + 1 :] if folder else display(m) for m in names]
+            listed = ", ".join(f"`{s}`" for s in short)
             rows.append(
                 f"| {i}. {LAYERS[i].name} | `{display_folder(folder)}` | {holds} | {listed} |"
             )

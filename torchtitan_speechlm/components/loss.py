@@ -13,7 +13,7 @@ import torch
 
 from torchtitan_speechlm.components.nonfinite import StepGuard
 from torchtitan_speechlm.components.stats import StatsAccumulator
-from torchtitan_speechlm.model.model import SpeechLMOutput
+from torchtitan_speechlm.model.head import SpeechLMOutput
 
 
 class SpeechLMLoss:
