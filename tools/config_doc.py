@@ -4,6 +4,7 @@ generated blocks of docs/config.md; a test fails when they drift."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import inspect
 import json
@@ -66,7 +67,14 @@ def render(text: str) -> str:
     return text
 
 
-def main(path: str = "docs/config.md") -> int:
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Rewrite docs/config.md's generated key tables.")
+    p.add_argument("path", nargs="?", default="docs/config.md", help="the page to rewrite")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    path = build_parser().parse_args(argv).path
     with open(path) as f:
         old = f.read()
     new = render(old)
@@ -78,4 +86,4 @@ def main(path: str = "docs/config.md") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:]))
+    sys.exit(main())
