@@ -220,3 +220,15 @@ def python_module(
         return importlib.import_module(module).main(list(argv)) or 0
 
     return _run(["python", "-m", module, *argv], main, cwd, timeout)
+
+
+def python_code(
+    code: str, cwd: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`python -c CODE` in a fork of this process (a fresh namespace)."""
+
+    def main() -> int:
+        exec(compile(code, "<example>", "exec"), {"__name__": "__main__"})
+        return 0
+
+    return _run(["python", "-c", code], main, cwd, timeout)
