@@ -160,6 +160,12 @@ def _child(main: Callable[[], int], cwd: str | None, out: str, err: str) -> None
         # inductor's pool of compile workers belongs to the test process (a test that compiled
         # in it started the pool): a fork compiles in its own process instead
         torch._inductor.config.compile_threads = 1
+        if os.environ.get("SPEECHLM_FAULTS"):
+            # a fresh run arms the faults when its custom_import imports the plugin; this fork
+            # has it imported already (by the tests), so it arms them here, the same way
+            from tests import fault_injection
+
+            fault_injection.install(os.environ["SPEECHLM_FAULTS"])
         code = main()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1

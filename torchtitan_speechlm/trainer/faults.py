@@ -93,7 +93,9 @@ def exit_on_user_fault():
         else:
             raise
         rank = os.environ.get("RANK", "0")
-        print(f"torchtitan train: rank {rank}: {type(e).__name__}: {message}", file=sys.stderr)
+        # a collective failure the trainer described is named by what the backend raised
+        kind = e.__cause__ if isinstance(e, CollectiveFailure) and e.__cause__ else e
+        print(f"torchtitan train: rank {rank}: {type(kind).__name__}: {message}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
