@@ -117,11 +117,15 @@ def test_the_position_round_trips_to_the_same_dict_types_and_bytes():
     assert list(back) == ["steps", "micro_done", "accumulation", "step_pieces", "shards"]
 
 
-def test_the_stream_writes_the_checkpoint_era_state_byte_for_byte():
+def test_the_stream_writes_the_checkpoint_era_state_plus_each_windows_settings():
+    """The saved state is the checkpoint-era one, each shard's window also naming the size and
+    token budget it was cut with (``build``: a resume with other settings rebuilds it as cut)."""
     ds = checkpoint_era_stream()
     assert len(list(itertools.islice(ds.plans(), 40))) == 40
-    assert ds.state_dict() == SAVED
-    assert pickle.dumps(ds.state_dict()) == SAVED_PICKLE
+    want = copy.deepcopy(SAVED)
+    for cursor in want["position"]["shards"].values():
+        cursor["window"]["build"] = {"window": 6, "max_tokens": 256}
+    assert ds.state_dict() == want
 
 
 def test_a_checkpoint_era_state_loads_and_continues_with_the_same_batches():
@@ -130,6 +134,31 @@ def test_a_checkpoint_era_state_loads_and_continues_with_the_same_batches():
     assert ds.state_dict() == SAVED
     assert hashes(ds, 4) == NEXT_HASHES
     assert hashes(checkpoint_era_stream(), 44)[40:] == NEXT_HASHES  # the uninterrupted stream
+
+
+@pytest.mark.parametrize("mode", ["pack", "bucket"])
+def test_a_resume_with_another_window_finishes_the_interrupted_window_as_it_was_cut(mode):
+    """Saved inside a window (window 8), resumed with window 20 and another token budget: the
+    rest of that window comes exactly as the uninterrupted stream gives it; the windows after
+    it are cut with the new settings (so the stream then differs)."""
+    old = dict(rows=1, accum=2, window=8, mode=mode, data=FakePrepared(n=40, seed=3))
+    new = dict(old, window=20, max_tokens=512 if mode == "bucket" else 0)
+    if mode == "bucket":
+        old["max_tokens"] = 300
+    first = make(**old)
+    plans = list(itertools.islice(first.plans(), 3))  # inside shard 0's first window
+    state = first.state_dict()
+    cursor = state["position"]["shards"][0]
+    assert cursor["consumed"] > 0 and cursor["window"]["build"]["window"] == 8
+    uninterrupted = hashes(make(**old), 60)
+    resumed = make(**new)
+    resumed.load_state_dict(state)
+    rest = hashes(resumed, 57)
+    left = sum(
+        1 for _ in itertools.takewhile(lambda ab: ab[0] == ab[1], zip(rest, uninterrupted[3:]))
+    )
+    assert left >= 1 and len(plans) == 3  # the interrupted window's remaining micro-batches
+    assert rest != uninterrupted[3:]  # later windows: the new size
 
 
 def test_the_ranks_positions_merge_into_every_shard():

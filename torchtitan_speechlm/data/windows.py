@@ -10,7 +10,7 @@ shard cursor (start state + pieces taken) is enough to rebuild and continue it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from torchtitan.tools.logging import logger
@@ -47,7 +47,7 @@ class ShardWindows:
         copy). A state that fixes its window size and token budget (``build``) is rebuilt with
         those; otherwise the current settings apply."""
         s = self.settings
-        build = state.build or {"window": s.window, "max_tokens": s.token_budget}
+        build = state.build or self._build()
         rng = np.random.default_rng(0)
         rng.bit_generator.state = state.rng
         epoch, pos = list(state.epoch), list(state.pos)
@@ -80,6 +80,9 @@ class ShardWindows:
         )
         return Window(pieces, too_long, exhausted and not carried, after)
 
+    def _build(self) -> dict:
+        return {"window": self.settings.window, "max_tokens": self.settings.token_budget}
+
     def _pack_order(self, key: list[int], n: int) -> np.ndarray | None:
         """The seeded order a window's pack candidates are offered in (pack only)."""
         if self.settings.mode != "pack":
@@ -107,8 +110,12 @@ class ShardWindows:
             built = self.window(state, shard)
             if not skip:
                 skipped += len(built.too_long)
+            # the window's size and token budget travel with a cursor inside it, so that a
+            # resume with other settings rebuilds this window as it was cut (later ones use
+            # the new settings)
+            fixed = state if state.build else replace(state, build=self._build())
             for i in range(skip, len(built.pieces)):
-                yield ShardCursor(state, i + 1), built.pieces[i], skipped
+                yield ShardCursor(fixed, i + 1), built.pieces[i], skipped
                 skipped = 0
             skip = max(0, skip - len(built.pieces))
             if built.done:
