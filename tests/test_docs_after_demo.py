@@ -105,4 +105,3 @@ def test_every_python_example_is_run_or_marked_a_fragment():
             assert len(first) > len(FRAGMENT) + 10, f"{where}: say what the fragment lacks"
     marked = [w for w, c in python_examples() if c.lstrip().startswith(FRAGMENT)]
     assert "python-api.md:6" in marked, marked  # needs ESPnet's objects: visibly a fragment
-

@@ -155,7 +155,10 @@ def test_a_resume_with_another_window_finishes_the_interrupted_window_as_it_was_
     resumed.load_state_dict(state)
     rest = hashes(resumed, 57)
     left = sum(
-        1 for _ in itertools.takewhile(lambda ab: ab[0] == ab[1], zip(rest, uninterrupted[3:]))
+        1
+        for _ in itertools.takewhile(
+            lambda ab: ab[0] == ab[1], zip(rest, uninterrupted[3:], strict=True)
+        )
     )
     assert left >= 1 and len(plans) == 3  # the interrupted window's remaining micro-batches
     assert rest != uninterrupted[3:]  # later windows: the new size
