@@ -36,6 +36,9 @@ io becomes ``audio_index`` rows ``[start, start + length)`` (the shift leaves in
 where they are), its waveform an ``audio_wave`` row. ``length`` must be what our encoder and
 adaptor make of the waveform (``[audio_encoder] stack`` as ESPnet's adaptor), else an error
 names both.
+
+The id mapping is espnet_vocab.py's; the batch checks, continuous inputs, statistics and the
+validation stand-in row are espnet_batch.py's.
 """
 
 from __future__ import annotations
