@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 import torchtitan_speechlm  # noqa: F401
-from torchtitan_speechlm.data.tasks import LossWeights, Segment, TemplateBuilder
+from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+from torchtitan_speechlm.data.template_pieces import Segment
 from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.model import SpeechLM

@@ -445,7 +445,7 @@ def test_espnet_conti_feats_map_onto_the_audio_encoder(assets):
     a segment length our encoder would not make is named."""
     from tests.espnet_fake import FakeFactory, vocab_intervals
     from torchtitan_speechlm.python_api import EspnetData
-    from torchtitan_speechlm.python_api.espnet_data import EspnetBatchError
+    from torchtitan_speechlm.python_api.espnet_batch import EspnetBatchError
 
     model = speechlm(assets)
     layout = model.args.layout

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.helpers import build_speechlm, save_tiny_backbone
-from torchtitan_speechlm.data.tasks import LossWeights, Segment, TemplateBuilder
+from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+from torchtitan_speechlm.data.template_pieces import Segment
 from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder, index_map
 from torchtitan_speechlm.generation.sampling import Sampling, pick
 from torchtitan_speechlm.model.patterns import get_pattern
@@ -68,7 +69,7 @@ def test_generated_frames_follow_the_pattern(backbone, pattern):
     codes = dec.audio(prompts[:1])[0]
     assert codes.shape == (7, 3)
     fed = dec.seqs[0][len(prompts[0]) :].numpy()  # (the last frame is never fed back)
-    want = builder._audio(codes, False)[0]
+    want = builder.pieces.audio(codes, False)[0]
     assert len(fed) == len(want) - 1 and np.array_equal(fed, want[: len(fed)])
 
 

@@ -512,7 +512,8 @@ def test_only_readable_manifest_lines_name_recordings(tmp_path):
 def test_decoder_says_which_rows_ended_themselves(tmp_path):
     """``Decoder.ended``: True exactly where the model chose the end before max_frames."""
     from tests.helpers import save_tiny_backbone
-    from torchtitan_speechlm.data.tasks import LossWeights, Segment, TemplateBuilder
+    from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+    from torchtitan_speechlm.data.template_pieces import Segment
     from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
     from torchtitan_speechlm.generation.sampling import Sampling
 

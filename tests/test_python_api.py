@@ -248,7 +248,7 @@ def test_espnet_batch_conversion():
     from torchtitan_speechlm.model.vocab import VocabLayout
     from torchtitan_speechlm.python_api import EspnetData
     from torchtitan_speechlm.python_api.data import resolve_data
-    from torchtitan_speechlm.python_api.espnet_data import EspnetBatchError
+    from torchtitan_speechlm.python_api.espnet_batch import EspnetBatchError
 
     intervals = vocab_intervals(40)
     layout = VocabLayout(text_size=40, num_streams=3, codebook_size=CODEBOOK)

@@ -23,7 +23,8 @@ codebook 0, the one decision about the audio's length generation has to make.
 Classifier-free-guidance dropout (TTS, training only): the user text is replaced by a single
 <|cfg_drop|> token, so the model also learns the unconditional distribution.
 
-A task is one ``Task`` row registered with ``register_task`` (docs/extending.md).
+A task is one ``Task`` row registered with ``register_task`` (docs/extending.md). The frames of
+each piece of a template are ``data/template_pieces.py``'s, generation prompts ``data/prompt.py``'s.
 """
 
 from __future__ import annotations
@@ -36,12 +37,17 @@ import numpy as np
 
 from torchtitan_speechlm.config import ConfigError, LossRegion
 from torchtitan_speechlm.data.format import KINDS, MODALITIES, ROLES
+from torchtitan_speechlm.data.prompt import prompt_frames
+from torchtitan_speechlm.data.template_pieces import (
+    MODALITY_TOKENS,
+    ROLE_TOKENS,
+    Segment,
+    TemplatePieces,
+)
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.vocab import VocabLayout
 from torchtitan_speechlm.utils.registry import Registry
 
-ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
-MODALITY_TOKENS = {"text": "<|text|>", "audio": "<|audio|>"}
 LOSS_REGIONS = get_args(LossRegion)
 
 
@@ -148,24 +154,6 @@ class Example:
     """(first frame, int16 waveform) of each continuous segment (its frames are placeholders)."""
 
 
-@dataclass(frozen=True)
-class Segment:
-    """One turn of a template: role, modality and its tokens (text ids [L] or codes [F, N])."""
-
-    role: str
-    modality: str
-    tokens: np.ndarray
-
-
-def end_of_stream0(frames: np.ndarray, pad0: int) -> int | None:
-    """The frame where stream 0 ends a segment with its pad before the segment ends (the delay
-    pattern's tail), or None. That pad is a target with loss: it tells generation where
-    codebook 0 stops (elsewhere the turn's end token, which always carries loss, does)."""
-    codes = np.nonzero(frames[:, 0] != pad0)[0]
-    last = int(codes[-1]) if len(codes) else -1
-    return last + 1 if last + 1 < len(frames) else None
-
-
 def item_wave(item, task: str) -> np.ndarray:
     """The item's stored waveform, which a continuous task reads instead of its codes."""
     if getattr(item, "wave", None) is None:
@@ -194,6 +182,10 @@ def continuous_turn(segs: list[Segment], item, task: str) -> list[Segment]:
 
 
 class TemplateBuilder:
+    """A run's templates: a prepared item becomes a task's example (frames and loss weights,
+    ``build``), its length comes from the index alone (``length``, for budgeting: it mirrors
+    ``build``), and generation prompts are laid out as ``build`` lays out a training example."""
+
     def __init__(
         self,
         layout: VocabLayout,
@@ -211,43 +203,10 @@ class TemplateBuilder:
         self.w = weights
         self.loss_region = loss_region
         self.continuous_frames = continuous_frames
-        n = layout.num_streams
-        self.pads = np.array([layout.stream_pad(k) for k in range(n)], dtype=np.int64)
-        self.code_offsets = np.array([layout.code(k, 0) for k in range(n)], dtype=np.int64)
-        self._stream_w = (self.w.audio * np.asarray(self.w.streams, dtype=np.float32)).astype(
-            np.float32
+        self.pieces = TemplatePieces(
+            layout, self.pattern, weights.text, weights.audio, weights.streams, continuous_frames
         )
 
-    # ---- pieces ----------------------------------------------------------------------------
-    def _tokens(self, ids, loss: bool) -> tuple[np.ndarray, np.ndarray]:
-        ids = np.asarray(ids, dtype=np.int64)
-        frames = np.empty((len(ids), len(self.pads)), dtype=np.int64)
-        frames[:] = self.pads  # (not broadcast_to().copy(): its Python overhead is 3x the copy)
-        frames[:, 0] = ids
-        weights = np.zeros(frames.shape, dtype=np.float32)
-        if loss:
-            weights[:, 0] = self.w.text
-        return frames, weights
-
-    def _audio(self, codes: np.ndarray, loss: bool) -> tuple[np.ndarray, np.ndarray]:
-        if codes.ndim != 2 or codes.shape[1] != len(self.pads):
-            raise ValueError(
-                f"audio codes have shape {codes.shape}; expected [frames, {len(self.pads)}]"
-            )
-        if codes.size and (codes.min() < 0 or codes.max() >= self.layout.codebook_size):
-            raise ValueError("audio code outside the codebook (dataset/codec mismatch)")
-        frames = self.pattern.interleave(codes.astype(np.int64) + self.code_offsets, self.pads)
-        if loss:  # each code's stream weight moves with the code; pattern padding weighs 0
-            w = np.broadcast_to(self._stream_w, codes.shape).astype(np.float32)
-            weights = self.pattern.interleave(w, np.zeros(len(self.pads), dtype=np.float32))
-            end = end_of_stream0(frames, self.pads[0])
-            if end is not None:  # the end of codebook 0 is a decision generation must learn
-                weights[end, 0] = self._stream_w[0]
-        else:
-            weights = np.zeros(frames.shape, dtype=np.float32)
-        return frames, weights
-
-    # ---- templates -------------------------------------------------------------------------
     def segments(self, task: str, item, cfg_drop: bool = False) -> list[Segment]:
         """The turns a task makes of a prepared item."""
         spec = get_task(task)
@@ -286,66 +245,35 @@ class TemplateBuilder:
     ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
         """``prefix`` for any turns; with ``continuous`` the audio turns are waveforms (laid
         out as placeholder frames) and their segments ``(first frame, wave)`` come with it."""
-        sp = self.layout.special
-        parts, waves, at = [self._tokens([sp("<|bos|>")], False)[0]], [], 1
-        for seg in segments:
-            opening = [sp(ROLE_TOKENS[seg.role]), sp(MODALITY_TOKENS[seg.modality])]
-            parts.append(self._tokens(opening, False)[0])
-            tokens = np.asarray(seg.tokens)
-            if seg.modality == "text":
-                parts.append(self._tokens(self.layout.text_offset + tokens, False)[0])
-            elif continuous:
-                if tokens.ndim != 1:
-                    raise ValueError("a continuous audio turn is a waveform [samples], not codes")
-                waves.append((at + 2, tokens))
-                parts.append(self._placeholders(len(tokens))[0])
-            else:
-                parts.append(self._audio(tokens, False)[0])
-            parts.append(self._tokens([sp("<|eot|>")], False)[0])
-            at += sum(len(p) for p in parts[-3:])
-        parts.append(self._tokens([sp(ROLE_TOKENS[role]), sp(MODALITY_TOKENS[modality])], False)[0])
-        return np.concatenate(parts), waves
+        return prompt_frames(self.pieces, segments, role, modality, continuous)
 
     def build(self, task: str, item, cfg_drop: bool = False) -> Example:
-        lay = self.layout
+        lay, pieces = self.layout, self.pieces
         sp = lay.special
         spec = get_task(task)
         segs = self.segments(task, item, cfg_drop)
-        parts = [self._tokens([sp("<|bos|>")], False)]
+        parts = [pieces.tokens([sp("<|bos|>")], False)]
         continuous = []
         for i, seg in enumerate(segs):
             if seg.role not in ROLE_TOKENS or seg.modality not in MODALITY_TOKENS:
                 raise ValueError(f"bad turn role/modality {seg.role!r}/{seg.modality!r}")
             loss = self.loss_region == "all" or seg.role in spec.loss_roles
-            parts.append(self._tokens([sp(ROLE_TOKENS[seg.role])], self.loss_region == "all"))
-            parts.append(self._tokens([sp(MODALITY_TOKENS[seg.modality])], loss))
+            parts.append(pieces.tokens([sp(ROLE_TOKENS[seg.role])], self.loss_region == "all"))
+            parts.append(pieces.tokens([sp(MODALITY_TOKENS[seg.modality])], loss))
             if seg.modality == "text":
-                parts.append(self._tokens(lay.text_offset + np.asarray(seg.tokens), loss))
+                parts.append(pieces.tokens(lay.text_offset + np.asarray(seg.tokens), loss))
             elif spec.continuous:
                 continuous.append((sum(len(p[0]) for p in parts), seg.tokens))
-                parts.append(self._placeholders(len(seg.tokens)))
+                parts.append(pieces.placeholders(len(seg.tokens)))
             else:
-                parts.append(self._audio(np.asarray(seg.tokens), loss))
+                parts.append(pieces.audio(np.asarray(seg.tokens), loss))
             end = "<|eos|>" if i == len(segs) - 1 else "<|eot|>"
-            parts.append(self._tokens([sp(end)], loss))
+            parts.append(pieces.tokens([sp(end)], loss))
         return Example(
             frames=np.concatenate([p[0] for p in parts]),
             weights=np.concatenate([p[1] for p in parts]),
             continuous=continuous,
         )
-
-    def _placeholders(self, samples: int) -> tuple[np.ndarray, np.ndarray]:
-        """A continuous segment's frames: the pad frame (the model replaces their embeddings),
-        no loss."""
-        if self.continuous_frames is None:
-            raise ValueError(
-                "a continuous-audio task in a run without an audio encoder: set "
-                "[audio_encoder] path (docs/audio-encoder.md)"
-            )
-        n = int(self.continuous_frames(samples))
-        frames = np.broadcast_to(self.pads, (n, len(self.pads))).copy()
-        frames[:, 0] = self.layout.pad
-        return frames, np.zeros(frames.shape, dtype=np.float32)
 
     def length(
         self, task: str, n_text, n_audio_frames, n_audio_turns=1, n_turns=2, cfg_drop: bool = False
@@ -363,7 +291,7 @@ class TemplateBuilder:
             n_text_total = n_text
         if spec.continuous:  # n_audio_frames: waveform samples of the (one) audio turn
             if self.continuous_frames is None:
-                self._placeholders(0)  # the error
+                self.pieces.placeholders(0)  # the error
             audio = np.asarray(self.continuous_frames(n_audio_frames), dtype=np.int64)
             audio = int(audio) if audio.ndim == 0 else audio
         else:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from torchtitan_speechlm.data.tasks import end_of_stream0
+from torchtitan_speechlm.data.template_pieces import end_of_stream0
 from torchtitan_speechlm.generation.incremental import IncrementalForward
 from torchtitan_speechlm.generation.sampling import Sampling, guided, pick
 from torchtitan_speechlm.model.patterns import get_pattern
@@ -70,7 +70,8 @@ class Decoder:
         self.device = next(model.parameters()).device
         self.generator = torch.Generator().manual_seed(self.cfg.seed)
         # does stream 0 end a segment with its pad before the segment ends (delay)? Then that
-        # pad is the trained end marker (data/tasks.py::end_of_stream0), else the end token is
+        # pad is the trained end marker (data/template_pieces.py::end_of_stream0), else the end
+        # token is
         self.pad_ends = end_of_stream0(index_map(self.pattern, 2, self.n), -1) is not None
         self.forward = IncrementalForward(self.model, self.cfg, self.pads, self.device)
 

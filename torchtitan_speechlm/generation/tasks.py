@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from torchtitan_speechlm.data.format import to_int16
-from torchtitan_speechlm.data.tasks import Segment, continuous_turn
+from torchtitan_speechlm.data.tasks import continuous_turn
+from torchtitan_speechlm.data.template_pieces import Segment
 from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
 from torchtitan_speechlm.generation.loading import Loaded
 from torchtitan_speechlm.utils.audio import load_audio

@@ -126,6 +126,41 @@ def resume_sections(resume_path: Any, output_dir: Path, sections: dict) -> dict:
     return {"checkpoint": {"initial_load_path": str(path), "initial_load_model_only": False}}
 
 
+def run_sections(trainer_args: dict, plan, model: Any, resume_path: Any, output_dir: Path) -> dict:
+    """The run's TOML sections (ESPnet's keys mapped, the data, the resume point, the saved
+    backbone), checked before anything is written; written to ``output_dir`` by rank 0."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # the mapping is checked before anything is written or saved
+    sections = trainer_args_to_sections(
+        trainer_args, output_dir=str(output_dir), backbone_path="(set below)", world_size=world
+    )
+    data_section = dict(plan.speechlm_data)
+    if plan.external is not None:
+        sections["speechlm"].setdefault("sample_every", 0)  # samples read prepared data
+        has_valid = bool(plan.external.valid_names())
+    else:
+        has_valid = bool(data_section.get("valid"))
+    sections = merge(sections, {"speechlm_data": data_section})
+    sections["validation"].setdefault("enable", has_valid)
+    sections = merge(sections, resume_sections(resume_path, output_dir, sections))
+    check_sections(sections, source="trainer_args")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    sections["model"]["hf_assets_path"] = backbone_folder(model, output_dir)
+    if _rank() == 0:
+        path = str(output_dir / TOML_NAME)
+        header = (
+            "Written by torchtitan_speechlm.TitanTrainer; repeat the run with\n"
+            f"torchtitan train --job.config_file {path}"
+            + (
+                "\n(the training data came from a Python object: EspnetData)"
+                if plan.external
+                else ""
+            )
+        )
+        write_toml(path, sections, header)
+    return sections
+
+
 class ChunkedTrainer(SpeechLMTrainer):
     """Our trainer (torchtitan's, with the run handed to the spec) with an existing
     ParallelDims, a stop step and one data iterator for every call of ``train()``; its loop
@@ -229,39 +264,9 @@ class TitanTrainer:
             from torchtitan.tools.logging import init_logger
 
             init_logger()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
         plan = resolve_data(train_data_factory, valid_data_factories, self.trainer_args)
-        # the mapping is checked before anything is written or saved
-        sections = trainer_args_to_sections(
-            self.trainer_args,
-            output_dir=str(self.output_dir),
-            backbone_path="(set below)",
-            world_size=world,
-        )
-        data_section = dict(plan.speechlm_data)
-        if plan.external is not None:
-            sections["speechlm"].setdefault("sample_every", 0)  # samples read prepared data
-            has_valid = bool(plan.external.valid_names())
-        else:
-            has_valid = bool(data_section.get("valid"))
-        sections = merge(sections, {"speechlm_data": data_section})
-        sections["validation"].setdefault("enable", has_valid)
-        sections = merge(sections, resume_sections(resume_path, self.output_dir, sections))
-        check_sections(sections, source="trainer_args")
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        sections["model"]["hf_assets_path"] = backbone_folder(model, self.output_dir)
+        sections = run_sections(self.trainer_args, plan, model, resume_path, self.output_dir)
         self.config_path = str(self.output_dir / TOML_NAME)
-        if _rank() == 0:
-            header = (
-                "Written by torchtitan_speechlm.TitanTrainer; repeat the run with\n"
-                f"torchtitan train --job.config_file {self.config_path}"
-                + (
-                    "\n(the training data came from a Python object: EspnetData)"
-                    if plan.external
-                    else ""
-                )
-            )
-            write_toml(self.config_path, sections, header)
         self.sections = sections
         self.job_config = self._parse(sections, plan.external)
         self._wandb_run = self._choose_wandb()
