@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?= --durations=20
 
-.PHONY: demo test faults deps system-deps lint bench gpu-wheels clean
+.PHONY: demo test check faults deps system-deps lint bench gpu-wheels clean
 
 system-deps:
 	@command -v espeak-ng >/dev/null 2>&1 || { \
@@ -36,24 +36,34 @@ deps: system-deps $(STAMP)
 demo: deps
 	$(PY) -m torchtitan_speechlm.demo
 
+# Everything but the slow runs `make faults` holds (about 10 minutes on 2 CPU cores): tests/unit
+# (one module's behaviour, no training run), tests/integration (`torchtitan` commands, mostly in
+# forks of the test process: tests/forked.py) and tests/docs (the documented commands parse).
 test: deps
 	$(PY) -m pytest -q -m "not faults and not cluster and not bench_smoke and not long" $(PYTEST_ARGS)
 
+# The developers' quick loop (well under 3 minutes): lint, the layer check, the unit tests.
+check: deps
+	$(VENV)/bin/ruff check torchtitan_speechlm tests benchmarks tools
+	$(VENV)/bin/ruff format --check torchtitan_speechlm tests benchmarks tools
+	$(PY) tools/import_graph.py --check
+	$(PY) -m pytest -q tests/unit -m "not faults and not cluster and not bench_smoke and not long" $(PYTEST_ARGS)
+
 # The slow half of the fault suite (docs/errors.md): ranks killed mid-save, NaN steps, a full
 # disk, hung and dead ranks, each on real 2-process runs compared bit for bit with an
-# uninterrupted one (about 10 minutes on 2 CPU cores). The fast half is in `make test`.
-# Also the cluster launches (tests/test_cluster.py: the SLURM script on two "nodes") and every
-# benchmark script run at its smallest setting (tests/test_benchmarks_run.py, marker bench_smoke),
+# uninterrupted one. The fast half is in `make test`. About 10 minutes on 2 CPU cores in all.
+# Also the cluster launches (tests/integration/test_cluster.py: the SLURM script on two "nodes") and every
+# benchmark script run at its smallest setting (tests/integration/test_benchmarks_run.py, marker bench_smoke),
 # and the long multi-process runs (marker long): those of LoRA and the audio encoder, and the
 # second variant of an equivalence `make test` proves once (DDP beside FSDP2, selective beside
-# full activation checkpointing, 4 ranks beside 1). Together they would push `make test` past
-# its 25 minutes; CI runs both targets.
+# full activation checkpointing, 4 ranks beside 1), and the docs' commands run as written after a
+# small demo (tests/docs/test_docs_after_demo.py). CI runs both targets.
 faults: deps
 	$(PY) -m pytest -q -m "faults or cluster or bench_smoke or long" $(PYTEST_ARGS)
 
 lint: deps
-	$(VENV)/bin/ruff check torchtitan_speechlm tests benchmarks
-	$(VENV)/bin/ruff format --check torchtitan_speechlm tests benchmarks
+	$(VENV)/bin/ruff check torchtitan_speechlm tests benchmarks tools
+	$(VENV)/bin/ruff format --check torchtitan_speechlm tests benchmarks tools
 
 bench: deps
 	$(PY) benchmarks/run_all.py

@@ -1,7 +1,7 @@
 """Parse a command line with the parser of the program it names, without running the program:
 the `torchtitan` subcommands, `python benchmarks/X.py`, `python tools/X.py`,
-`make X` and `bash X.sh` (``check``; the rules are in test_doc_commands.py's docstring). Used by
-test_doc_commands.py (the commands README.md and docs/ show) and test_benchmarks_run.py (the
+`make X` and `bash X.sh` (``check``; the rules are in tests/docs/test_doc_commands.py's docstring). Used by
+tests/docs/test_doc_commands.py (the commands README.md and docs/ show) and tests/integration/test_benchmarks_run.py (the
 benchmarks' own usage lines, run_all.py's list, gpu_check.sh's steps)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Test hooks that inject the faults the fault suite (tests/test_faults.py) proves we survive.
+"""Test hooks that inject the faults the fault suite (tests/unit/trainer/test_fault_handling.py) proves we survive.
 
 Importing the package installs nothing: ``install()`` does, called by the tests, or by a
 training rank (launch.run_worker) when the environment variable ``SPEECHLM_FAULTS`` is set

@@ -301,3 +301,43 @@ def spoken_qa_dataset(tmp_path, run, n: int = 6) -> tuple[str, str]:
         prepare_main(["--manifest", manifest, *common, "--out", out, "--waveforms", "16000"]) == 0
     )
     return manifest, out
+
+
+HSDP = (
+    "--parallelism.data_parallel_replicate_degree",
+    "2",
+    "--parallelism.data_parallel_shard_degree",
+    "2",
+)
+
+
+def random_batch(layout, b=2, t=24, seed=0):
+    """Random inputs, targets (each stream in its own vocabulary slice) and loss weights, some
+    frames without loss."""
+    g = torch.Generator().manual_seed(seed)
+    n = layout.num_streams
+    inputs = torch.empty(b, t, n, dtype=torch.long)
+    targets = torch.empty(b, t, n, dtype=torch.long)
+    for k in range(n):
+        lo, hi = layout.stream_range(k)
+        inputs[..., k] = torch.randint(lo, hi, (b, t), generator=g)
+        targets[..., k] = torch.randint(lo, hi, (b, t), generator=g)
+    weights = torch.rand(b, t, n, generator=g)
+    weights[weights < 0.3] = 0.0
+    weights[0, :3] = 0.0  # some frames carry no loss at all
+    return inputs, targets, weights
+
+
+def params(step_dir) -> dict[str, torch.Tensor]:
+    """The model tensors of a DCP checkpoint folder."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torchtitan.components.checkpoint import MODEL  # noqa: F401  (torchtitan imported)
+
+    from torchtitan_speechlm.commands.export import load_checkpoint_state
+
+    keys = {
+        k
+        for k in FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+        if not k.startswith(("optimizer", "lr_scheduler", "dataloader", "train_state"))
+    }
+    return load_checkpoint_state(str(step_dir), keys)

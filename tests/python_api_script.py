@@ -1,5 +1,5 @@
 """Runs a TitanTrainer as a user script would (one process, or one per rank under torchrun);
-driven by tests/test_python_api.py with a JSON spec in argv[1]."""
+driven by tests/integration/test_python_api.py with a JSON spec in argv[1]."""
 
 import json
 import os

@@ -3,7 +3,7 @@ WhisperForConditionalGeneration folders: their encoder) and ``qwen2_audio`` (Qwe
 tower: Whisper's encoder plus a stride-2 average pool).
 
 Both read 30 s windows of Whisper's log-mel features. ``LogMel`` computes them in torch on the
-model's device, equal to transformers' ``WhisperFeatureExtractor`` (tests/test_audio_encoder.py):
+model's device, equal to transformers' ``WhisperFeatureExtractor`` (tests/unit/model/test_audio_encoder.py):
 the waveform zero-padded to the window, a centred 400-point Hann STFT every 160 samples, Slaney
 mel filters, log10, clamped to 8 below the window's maximum, scaled by (x + 4) / 4. The feature
 settings come from the folder's ``preprocessor_config.json`` when it has one (checked against the

@@ -1,0 +1,223 @@
+"""Generation and evaluation end to end: a tiny model overfit on a handful of utterances through
+`torchtitan train` regenerates their exact codec tokens greedily (TTS) and their exact text
+(ASR), from the checkpoint folder and from an export; `torchtitan eval` scores WER 0 on them;
+files read back at the codec's rate and length; bad requests are refused."""
+
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tests.helpers import make_tiny_run_assets, run_train, write_tiny_config
+from torchtitan_speechlm.commands.generate import eval_main, generate_main
+from torchtitan_speechlm.data.reader import PreparedDataset
+from torchtitan_speechlm.generation import tasks
+from torchtitan_speechlm.generation.decode import DecodeConfig
+from torchtitan_speechlm.generation.loading import load_model
+
+pytestmark = pytest.mark.slow
+N_ITEMS = 4
+
+
+@pytest.fixture(scope="module")
+def overfit(tmp_path_factory):
+    root = tmp_path_factory.mktemp("overfit")
+    assets = make_tiny_run_assets(root / "assets", n_items=N_ITEMS)
+    dump = root / "run"
+    cfg = write_tiny_config(root / "c.toml", assets, dump)
+    r = run_train(
+        cfg,
+        "--training.steps",
+        "300",
+        "--validation.enable",
+        "false",
+        "--checkpoint.interval",
+        "300",
+        "--optimizer.weight_decay",
+        "0",
+        "--metrics.log_freq",
+        "50",
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {
+        "assets": assets,
+        "step": str(dump / "checkpoint" / "step-300"),
+        "root": root,
+        "data": PreparedDataset(assets["prepared"]),
+    }
+
+
+def test_overfit_model_regenerates_its_data(overfit, tmp_path):
+    loaded = load_model(overfit["step"])
+    ds = overfit["data"]
+    cfg = DecodeConfig(max_frames=200)
+    items = [ds[i] for i in range(N_ITEMS)]
+    codes = tasks.tts(loaded, [it.text for it in items], cfg)  # batched, greedy
+    for it, c in zip(items, codes, strict=True):
+        np.testing.assert_array_equal(c, it.audio_codes)
+    texts = tasks.asr(loaded, [it.audio_codes for it in items], cfg)
+    assert texts == [it.text for it in items]
+
+
+def test_generate_command_writes_files_that_read_back(overfit, tmp_path):
+    ds, step = overfit["data"], overfit["step"]
+    item = ds[1]
+    wav = tmp_path / "tts.wav"
+    assert (
+        generate_main(["--model", step, "--task", "tts", "--text", item.text, "--out", str(wav)])
+        == 0
+    )
+    audio, rate = sf.read(wav)
+    codec = load_model(step).codec
+    assert rate == codec.sample_rate
+    assert len(audio) == len(item.audio_codes) * codec.samples_per_frame
+    manifest = [json.loads(x) for x in open(overfit["root"] / "assets" / "manifest.jsonl")]
+    transcript = tmp_path / "asr.txt"
+    assert (
+        generate_main(
+            [
+                "--model",
+                step,
+                "--task",
+                "asr",
+                "--audio",
+                manifest[1]["audio"],
+                "--out",
+                str(transcript),
+            ]
+        )
+        == 0
+    )
+    assert transcript.read_text().strip() == item.text
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"id": "a", "task": "tts", "text": ds[0].text},
+                {"id": "b", "task": "asr", "audio": manifest[2]["audio"]},
+                {"id": "c", "task": "continuation", "audio": manifest[3]["audio"]},
+                {"id": "d", "task": "sing", "text": "la"},
+            ]
+        )
+        + "\n"
+    )
+    out = tmp_path / "batch"
+    assert generate_main(["--model", step, "--batch", str(requests), "--out-dir", str(out)]) == 1
+    rows = {r["id"]: r for r in map(json.loads, open(out / "results.jsonl"))}
+    assert rows["b"]["text"] == ds[2].text and (out / "a.wav").is_file()
+    assert rows["c"]["frames"] >= len(ds[3].audio_codes)  # the prompt, then its continuation
+    assert "unknown task 'sing'" in rows["d"]["error"]
+
+
+def test_generate_creates_the_out_folder_or_says_in_one_line_why_not(overfit, tmp_path, capsys):
+    step, ds = overfit["step"], overfit["data"]
+    wav = tmp_path / "some" / "new" / "dir" / "out.wav"
+    tts = ["--model", step, "--task", "tts", "--text", ds[0].text, "--max-frames", "200"]
+    assert generate_main([*tts, "--out", str(wav)]) == 0
+    assert len(sf.read(wav)[0]) == len(ds[0].audio_codes) * load_model(step).codec.samples_per_frame
+    manifest = [json.loads(x) for x in open(overfit["root"] / "assets" / "manifest.jsonl")]
+    transcript = tmp_path / "other" / "new" / "asr.txt"
+    asr = ["--model", step, "--task", "asr", "--audio", manifest[0]["audio"]]
+    assert generate_main([*asr, "--out", str(transcript)]) == 0
+    assert transcript.read_text().strip() == ds[0].text
+    capsys.readouterr()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    for args in (tts, asr):
+        out = blocker / "sub" / "out.wav"
+        assert generate_main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"torchtitan generate: error: cannot write {out}: its folder cannot be created "
+            f"because {blocker} is a file\n"
+        )
+    assert generate_main([*tts, "--out", str(tmp_path)]) == 2  # a folder, not a file name
+    assert f"cannot write {tmp_path}: it is a folder" in capsys.readouterr().err
+
+
+def test_eval_scores_wer_zero_on_the_memorised_set(overfit, tmp_path):
+    out = tmp_path / "results.json"
+    assert (
+        eval_main(
+            [
+                "--model",
+                overfit["step"],
+                "--valid",
+                "asr:tiny",
+                "--valid",
+                "tts:tiny",
+                "--out",
+                str(out),
+                *("--judge-asr", "none", "--judge-speaker", "none", "--judge-quality", "none"),
+            ]
+        )
+        == 0
+    )  # (the judges themselves: tests/integration/test_eval.py)
+    res = json.loads(out.read_text())
+    assert res["asr:tiny"]["wer"] == 0.0 and res["asr:tiny"]["items"] == N_ITEMS
+    tts = res["tts:tiny"]
+    assert tts["self"]["asr_of_tts"]["wer"] == 0.0
+    assert tts["self"]["token_accuracy"] > 0.95
+    # the memorised codes exactly: each utterance ended by the model at the reference's length
+    assert tts["eos_rate"] == 1.0 and tts["failures"] == []
+    assert all(r["duration_ratio"] == 1.0 and r["ended"] for r in tts["per_item"])
+
+
+def test_generate_from_an_export_and_bad_requests(overfit, tmp_path, capsys):
+    from torchtitan_speechlm.commands.export import export
+
+    folder = tmp_path / "exported"
+    export(overfit["step"], str(folder))
+    ds = overfit["data"]
+    loaded = load_model(str(folder))
+    codes = tasks.tts(loaded, [ds[0].text], DecodeConfig(max_frames=200))[0]
+    np.testing.assert_array_equal(codes, ds[0].audio_codes)
+    assert generate_main(["--model", str(folder), "--task", "tts", "--text", " "]) == 2
+    assert "text to speak is empty" in capsys.readouterr().err
+    assert generate_main(["--model", str(folder), "--task", "asr"]) == 2
+    assert "needs an audio file" in capsys.readouterr().err
+    stereo = tmp_path / "stereo.wav"  # another rate and two channels: resampled, downmixed
+    mono, rate = sf.read(
+        json.loads(open(overfit["root"] / "assets" / "manifest.jsonl").readline())["audio"]
+    )
+    from scipy.signal import resample_poly
+
+    sf.write(stereo, np.stack([resample_poly(mono, 3, 1)] * 2, 1), rate * 3)
+    assert generate_main(["--model", str(folder), "--task", "asr", "--audio", str(stereo)]) == 0
+
+
+def test_samples_during_training_on_two_ranks(overfit, tmp_path):
+    dump = tmp_path / "run"
+    cfg = write_tiny_config(tmp_path / "c.toml", overfit["assets"], dump)
+    r = run_train(
+        cfg,
+        "--training.steps",
+        "2",
+        "--speechlm.sample_every",
+        "2",
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        "--speechlm_data.valid_fraction",
+        "0.5",
+        "--metrics.enable_tensorboard",
+        "true",
+        nproc=2,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    out = dump / "samples" / "step-2"
+    wav, rate = sf.read(out / "tts_0.wav")
+    assert rate == 16000 and len(wav) % 320 == 0 and len(wav) > 0
+    assert (out / "tts_0.txt").read_text().strip()
+    assert (out / "asr_0.txt").read_text().startswith("ref: ")
+    assert not (dump / "samples" / "step-1").exists()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (tb,) = (dump / "tb").iterdir()
+    acc = EventAccumulator(str(tb), size_guidance={"audio": 0, "tensors": 0})
+    acc.Reload()
+    assert "samples/tts_0" in acc.Tags()["audio"]
