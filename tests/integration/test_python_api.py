@@ -270,7 +270,7 @@ def test_espnet_batch_conversion():
 
     with pytest.raises(EspnetBatchError, match="tokenise that audio offline"):
         data.convert({"seqs": seqs, "loss_masks": masks, "speech_feats": [1]}, layout)
-    with pytest.raises(EspnetBatchError, match="conti_feats.*no audio\s+encoder"):
+    with pytest.raises(EspnetBatchError, match=r"conti_feats.*no audio\s+encoder"):
         data.convert({"seqs": seqs, "loss_masks": masks, "conti_feats": {"a": [1]}}, layout)
     with pytest.raises(EspnetBatchError, match="has no place"):
         data.convert({"seqs": np.full_like(seqs, 11), "loss_masks": masks}, layout)

@@ -51,6 +51,14 @@ def user_fault_types() -> tuple[type[BaseException], ...]:
     )
 
 
+def is_unexplained_collective_failure(exc: BaseException) -> bool:
+    """A failed collective that none of our own errors explains yet. A checkpoint save that a
+    dead peer broke already says so (``CheckpointSaveError``, whose words name the backend's
+    error): rewriting it would lose what it says about the checkpoint, and reading the
+    heartbeats first gives the launcher time to end this rank before it says anything."""
+    return not isinstance(exc, user_fault_types()) and is_collective_failure(exc)
+
+
 def describe_collective_failure(exc: BaseException, heartbeat: Heartbeat | None) -> str:
     """What failed and which peer went silent (``heartbeat``: the run's; None before one
     started: no peer can be named)."""
@@ -88,7 +96,7 @@ def exit_on_user_fault():
             raise
         if isinstance(e, user_fault_types()):
             message = str(e)
-        elif is_collective_failure(e):
+        elif is_unexplained_collective_failure(e):
             message = describe_collective_failure(e, None)
         else:
             raise

@@ -24,10 +24,13 @@ from torchtitan.train import Trainer
 
 from torchtitan_speechlm.data.external import ExternalData
 from torchtitan_speechlm.trainer.builders import bind
-from torchtitan_speechlm.trainer.faults import CollectiveFailure, describe_collective_failure
+from torchtitan_speechlm.trainer.faults import (
+    CollectiveFailure,
+    describe_collective_failure,
+    is_unexplained_collective_failure,
+)
 from torchtitan_speechlm.trainer.run import start_run
 from torchtitan_speechlm.trainer.spec import is_speechlm
-from torchtitan_speechlm.utils.collective_errors import is_collective_failure
 
 SAVE_AND_STOP = "SAVE_AND_STOP"
 
@@ -120,7 +123,7 @@ class SpeechLMTrainer(Trainer):
         try:
             super().train()
         except BaseException as e:  # DCP wraps some failures in a BaseException
-            if self.run is None or not is_collective_failure(e):
+            if self.run is None or not is_unexplained_collective_failure(e):
                 raise
             heartbeat = self.run.state.heartbeat
             raise CollectiveFailure(describe_collective_failure(e, heartbeat)) from e

@@ -277,6 +277,23 @@ def test_a_rank_ends_on_a_user_fault_with_one_line_and_no_traceback(tmp_path):
     assert r.returncode == 1 and "Traceback" in r.stderr
 
 
+def test_a_save_broken_by_a_dead_peer_keeps_its_own_words():
+    """Proves: a checkpoint save that a dead peer broke ends the rank as CheckpointSaveError
+    (which names the checkpoint and the intact one) and is not rewritten into a collective
+    failure, although its words name the backend's error; a bare backend error still is."""
+    from torchtitan_speechlm.trainer.faults import is_unexplained_collective_failure
+    from torchtitan_speechlm.utils.compat import CheckpointSaveError
+
+    backend = RuntimeError("[gloo] Connection reset by peer")
+    save = CheckpointSaveError(
+        "saving checkpoint run/checkpoint/step-4 failed on rank(s) [1]: a peer rank died or "
+        f"hung during the save (RuntimeError: {backend})"
+    )
+    assert is_unexplained_collective_failure(backend)
+    assert not is_unexplained_collective_failure(save)
+    assert not is_unexplained_collective_failure(KeyError("gloo"))
+
+
 # ---- 4. hung ranks ------------------------------------------------------------------------------
 def test_heartbeats_name_the_rank_that_stopped(monkeypatch):
     """Proves: the ranks whose heartbeat counter stops moving are the ones named."""
