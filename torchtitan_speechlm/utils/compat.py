@@ -1,8 +1,13 @@
 """Every workaround for a torchtitan 0.2.2 / torch limitation lives here, and only here.
 
+Each fix names the upstream code it works around and has its upstream form under ``patches/``
+with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
+texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8
+off, so that a torchtitan with the diffs applied can be shown to need none of them
+(``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
+
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
-backend we apply four small, idempotent fixes. Each names the upstream code it works around and
-has an upstreamable diff under ``patches/`` (same numbering):
+backend, four small, idempotent fixes:
 
 1. ``torchtitan/tools/utils.py::get_device_info`` caches ``_get_available_device_type() or "cuda"``
    at import time, so with no accelerator every module binds ``device_type = "cuda"``.
@@ -18,7 +23,7 @@ has an upstreamable diff under ``patches/`` (same numbering):
 4. ``torchtitan/distributed/utils.py::set_pg_timeouts`` calls ``barrier(device_ids=[...])``,
    which gloo rejects. -> a plain barrier on CPU. (patches/0004-gloo-barrier.diff)
 
-Two more, not about CPUs:
+Four more, not about CPUs:
 
 5. ``torchtitan/config/manager.py::ConfigManager.parse_args(args=sys.argv[1:])`` binds its default
    when the module is imported, so a console script with subcommands (``torchtitan train ...``)
@@ -36,20 +41,31 @@ Two more, not about CPUs:
 
 7. ``torchtitan/models/llama3/infra/parallelize.py::apply_ddp`` keeps DDP's default *mean*
    all-reduce, but the train step backpropagates ``local loss sum / global loss count``, so DDP
-   gradients (and grad_norm, clipping) are 1/world_size too small (proposed upstream fix: pytorch/torchtitan PR #2323).
-   -> ``sum_gradients_in_ddp`` registers a SUM comm hook. (patches/0007-ddp-sum-gradients.diff)
+   gradients (and grad_norm, clipping) are 1/world_size too small (proposed upstream fix:
+   pytorch/torchtitan PR #2323). -> ``sum_gradients_in_ddp`` registers a SUM comm hook.
+   (patches/0007-ddp-sum-gradients.diff)
 
-9. ``torchtitan/components/checkpoint.py::CheckpointManager._purge_stale_checkpoints`` counts
+8. ``torchtitan/components/checkpoint.py::CheckpointManager._purge_stale_checkpoints`` counts
    every ``step-N`` folder toward ``keep_latest_k``, also half-written ones (a save killed
    mid-write, an async save in flight), so it could delete the last *complete* checkpoint while
    no newer one was complete. ``dcp_save`` writes into a folder that may still hold an older
    ``.metadata`` (a resave after a resume from an earlier step), so a crash mid-write left an old
-   index over new data; and a failed write (a full disk) surfaced as DCP's multi-rank traceback.
-   -> ``install_checkpoint_safety`` purges among complete checkpoints only (plus half-written
-   folders older than the newest complete one), removes a stale ``.metadata`` before the
-   ranks write, and turns a failed save into ``CheckpointSaveError`` naming the folder, the
-   error (ENOSPC...) and the intact checkpoint a rerun resumes from.
-   (patches/0008-checkpoint-purge-complete-only.diff)
+   index over new data. -> ``install_checkpoint_safety`` purges among complete checkpoints only
+   (plus half-written folders older than the newest complete one) and removes a stale
+   ``.metadata`` before the ranks write. (patches/0008-checkpoint-purge-complete-only.diff)
+   Not a workaround, and kept with the switch off: a failed save (a full disk, a dead peer)
+   becomes ``CheckpointSaveError`` naming the folder, the error and the intact checkpoint a
+   rerun resumes from, instead of DCP's multi-rank traceback (our message, not upstream's bug).
+
+One of torch, not torchtitan:
+
+9. After a finished multi-process gloo run, interpreter teardown occasionally aborted a rank
+   ("terminate called without an active exception": a gloo thread still joinable when its C++
+   owner is destroyed; 1-2 in 5 MoE runs), turning a completed run into a failure.
+   -> ``leave_without_teardown()``: everything is saved and the process group destroyed, so the
+   rank leaves with ``os._exit``. No torchtitan diff can fix torch's teardown, and the root
+   cause in torch is not isolated: patches/0009-gloo-teardown-abort.md is the upstream report
+   (what is seen, how often, what would reproduce it). Kept with the switch off.
 """
 
 from __future__ import annotations
@@ -67,6 +83,17 @@ import torch.distributed as dist
 from torchtitan_speechlm.utils.checkpoint_folders import complete_checkpoints
 from torchtitan_speechlm.utils.collective_errors import is_collective_failure
 
+SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
+
+
+def workarounds_on() -> bool:
+    """Fixes 1-8 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan with the
+    patches/ diffs applied needs none of them)."""
+    value = os.environ.get(SWITCH, "on").strip().lower()
+    if value not in ("on", "off"):
+        raise RuntimeError(f"{SWITCH}={value!r}: expected 'on' (the default) or 'off'")
+    return value == "on"
+
 
 def accelerator_available() -> bool:
     """True when CUDA (or another torch accelerator) is usable in this process."""
@@ -81,6 +108,8 @@ def use_cpu_when_no_accelerator() -> None:
     """
     import torch._utils as tu
 
+    if not workarounds_on():
+        return
     if accelerator_available() or getattr(tu, "_speechlm_cpu_patched", False):
         return
     if "torchtitan.tools.utils" in sys.modules:
@@ -143,7 +172,7 @@ class CPUMemoryMonitor:
 
 def install_torchtitan_cpu_patches() -> None:
     """Fixes 2 and 4, applied to the torchtitan modules (idempotent, no-op with an accelerator)."""
-    if accelerator_available():
+    if accelerator_available() or not workarounds_on():
         return
     import torchtitan.components.metrics as tt_metrics
     import torchtitan.distributed.utils as tt_dist
@@ -180,7 +209,7 @@ def _save_failure(exc: BaseException) -> tuple[list[int], BaseException]:
 
 
 def install_checkpoint_safety() -> None:
-    """Fix 9 (idempotent; on every device)."""
+    """Fix 8 and the save-error message (idempotent; on every device)."""
     import errno
     import shutil
 
@@ -196,9 +225,11 @@ def install_checkpoint_safety() -> None:
     def is_rank0() -> bool:
         return not dist.is_initialized() or dist.get_rank() == 0
 
+    fix = workarounds_on()
+
     def dcp_save(self, state_dict, checkpoint_id, async_mode, *args, **kwargs):
         stale = os.path.join(str(checkpoint_id), ".metadata")
-        if is_rank0() and os.path.isfile(stale):
+        if fix and is_rank0() and os.path.isfile(stale):
             # before dcp.save's first collective, hence before any rank writes data
             logger.warning(f"{checkpoint_id} already holds a checkpoint: overwriting it")
             os.remove(stale)
@@ -250,13 +281,14 @@ def install_checkpoint_safety() -> None:
                 self.purge_queue.put(os.path.join(self.folder, name))
 
     manager.dcp_save = dcp_save
-    manager._purge_stale_checkpoints = purge
+    if fix:
+        manager._purge_stale_checkpoints = purge
     manager._speechlm_safe = True
 
 
 def force_sum_reduction_on_cpu(model: torch.nn.Module) -> None:
     """Fix 3: gloo cannot PREMUL_SUM; with divide factor 1.0 a plain SUM is identical."""
-    if accelerator_available():
+    if accelerator_available() or not workarounds_on():
         return
     from torch.distributed.fsdp import FSDPModule
 
@@ -267,21 +299,31 @@ def force_sum_reduction_on_cpu(model: torch.nn.Module) -> None:
 
 def run_torchtitan_main(args: list[str], trainer_class) -> None:
     """Fix 5: run ``torchtitan.train.main(trainer_class)`` on ``args`` instead of import-time
-    argv."""
+    argv; then fix 9."""
     from torchtitan.config.manager import ConfigManager
     from torchtitan.train import main
 
+    if not workarounds_on():  # patches/0005: parse_args reads sys.argv when called
+        argv = sys.argv
+        sys.argv = [argv[0], *args]
+        try:
+            main(trainer_class)
+        finally:
+            sys.argv = argv
+        return leave_without_teardown()
     original = ConfigManager.parse_args.__defaults__
     ConfigManager.parse_args.__defaults__ = (list(args),)
     try:
         main(trainer_class)
     finally:
         ConfigManager.parse_args.__defaults__ = original
+    leave_without_teardown()
+
+
+def leave_without_teardown() -> None:
+    """Fix 9: a finished multi-process CPU (gloo) rank leaves with ``os._exit(0)``; every file
+    is written and the process group destroyed by now (see the module docstring)."""
     if not accelerator_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Fix 8: after a finished multi-process gloo run, interpreter teardown occasionally
-        # aborted a rank ("terminate called without an active exception": a gloo thread still
-        # joinable when its C++ owner is destroyed), turning a completed run into a failure.
-        # Everything is saved and the process group is destroyed by now: leave without teardown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -295,7 +337,7 @@ def sync_gradients_on_last_microbatch(
     Must be registered before ``replicate``'s own pre-hook, which reads the flag at forward.
     Only grad-enabled training forwards count (validation runs under no_grad).
     """
-    if accumulation_steps <= 1 or not (ddp or hsdp):
+    if accumulation_steps <= 1 or not (ddp or hsdp) or not workarounds_on():
         return
     counter = {"n": 0}
 
@@ -321,7 +363,7 @@ def _allreduce_sum_hook(group, bucket):
 
 
 def sum_gradients_in_ddp(model: torch.nn.Module, group) -> None:
-    """Make DDP all-reduce gradients with SUM instead of its default mean.
+    """Fix 7: make DDP all-reduce gradients with SUM instead of its default mean.
 
     torchtitan's train step backpropagates ``local loss sum / global loss count`` on every rank,
     so the true gradient is the *sum* of the ranks' gradients (that is why torchtitan sets FSDP's
@@ -335,6 +377,6 @@ def sum_gradients_in_ddp(model: torch.nn.Module, group) -> None:
     """
     from torch.distributed._composable.replicate import replicate
 
-    if getattr(replicate.state(model), "_comm_hook_args", None):
+    if not workarounds_on() or getattr(replicate.state(model), "_comm_hook_args", None):
         return
     model.register_comm_hook(group, _allreduce_sum_hook)

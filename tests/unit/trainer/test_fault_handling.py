@@ -55,7 +55,7 @@ def test_keep_latest_k_never_deletes_the_last_complete_checkpoint(tmp_path, monk
     while torchtitan's own purge deletes it."""
     from torchtitan.components.checkpoint import CheckpointManager
 
-    import torchtitan_speechlm.utils.compat as compat  # noqa: F401  (fix 9 installed on import)
+    import torchtitan_speechlm.utils.compat as compat  # noqa: F401  (fix 8 installed on import)
 
     folder = tmp_path / "checkpoint"
     _step_dirs(folder, complete=[1, 2], partial=[3, 4])

@@ -1,0 +1,268 @@
+"""Prove that the patches/ diffs replace utils/compat.py's workarounds, and that each is needed.
+
+    python patches/check_sufficiency.py [--work DIR] [--keep] [--torchtitan-tests]
+
+1. Copies the installed torchtitan 0.2.2 (checked byte for byte against its wheel's RECORD) to
+   scratch copies: stock, every diff applied, and every diff but one (for each diff). Each diff
+   must apply on its own and all in order, without fuzz.
+2. Runs tests/upstream/test_each_fix.py (one test per behaviour a fix provides; ``FIXES`` there
+   names the fixes each test exercises) on each copy, with ``TORCHTITAN_SPEECHLM_WORKAROUNDS``:
+   - stock, workarounds on:    every test passes (the workarounds do the job);
+   - all diffs, workarounds off: every test passes (the diffs are sufficient);
+   - stock, workarounds off:   every test fails (the job needs doing);
+   - all diffs but N, off:     every test naming fix N fails (diff N is needed).
+3. Runs patches/main/check_main.sh (the rebased forms apply to the recorded torchtitan main).
+4. With ``--torchtitan-tests``: torchtitan's own tests/unit_tests at v0.2.2 (read from a git
+   repository of torchtitan, ``TORCHTITAN_REPO``) on the stock copy, on the patched copy, and on
+   the stock copy with our package imported first; every test's outcome must be the same,
+   apart from those listed in ``EXPECTED_CHANGES``.
+
+Exits 1 naming each condition that does not hold. About 8 minutes on 2 CPU cores (step 4: see
+patches/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCHES = sorted((ROOT / "patches").glob("0*.diff"))
+TESTS = "tests/upstream/test_each_fix.py"
+SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
+DEFAULT_REPO = "/work/.mirror/pytorch+torchtitan/repo"
+# torchtitan unit tests whose outcome a diff (and our workaround of the same fix) changes, and why
+EXPECTED_CHANGES: dict[str, str] = {
+    "tests.unit_tests.test_checkpoint.TestCheckpointManager::test_save_and_purge_keeps_last_k_checkpoints": (
+        "0008 / fix 8: its mocked dcp.save writes no .metadata, so every step folder looks "
+        "half-written and none is purged; the main form of 0008 updates the mock to write "
+        ".metadata, as DCP does"
+    ),
+}
+
+
+def say(msg: str) -> None:
+    print(f"[patches-check] {msg}", flush=True)
+
+
+def installed_torchtitan() -> Path:
+    """The installed package folder, verified against the wheel's RECORD (a pristine 0.2.2)."""
+    dist = importlib.metadata.distribution("torchtitan")
+    if dist.version != "0.2.2":
+        raise SystemExit(f"torchtitan {dist.version} is installed; the diffs are for 0.2.2")
+    base = Path(dist.locate_file(""))
+    bad = []
+    for row in csv.reader((dist.read_text("RECORD") or "").splitlines()):
+        path, digest = row[0], row[1] if len(row) > 1 else ""
+        if not (path.startswith("torchtitan/") and path.endswith(".py") and digest):
+            continue
+        algo, _, want = digest.partition("=")
+        got = hashlib.new(algo, (base / path).read_bytes()).digest()
+        if base64.urlsafe_b64encode(got).rstrip(b"=").decode() != want:
+            bad.append(path)
+    if bad:
+        raise SystemExit(f"the installed torchtitan is not pristine: {bad[:5]} differ from RECORD")
+    return base / "torchtitan"
+
+
+def apply(diffs: list[Path], dest: Path, stock: Path) -> None:
+    """dest/torchtitan = stock + diffs (each must apply without fuzz or offset trouble)."""
+    shutil.copytree(stock, dest / "torchtitan", ignore=shutil.ignore_patterns("__pycache__"))
+    for diff in diffs:
+        r = subprocess.run(
+            ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-i", str(diff)],
+            cwd=dest, capture_output=True, text=True,
+        )  # fmt: skip
+        if r.returncode != 0:
+            raise SystemExit(f"{diff.name} does not apply to {dest}:\n{r.stdout}{r.stderr}")
+
+
+def fix_of(diff: Path) -> int:
+    return int(diff.name[:4])
+
+
+def run_tests(copy: Path, workarounds: str, names: list[str], out: Path) -> dict[str, str]:
+    """{test name: passed | failed} for the upstream tests on ``copy``'s torchtitan."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), str(ROOT)]))
+    env[SWITCH] = workarounds
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torchtitan; print(torchtitan.__file__)"],
+        env=env, capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    if not probe.stdout.strip().startswith(str(copy)):
+        raise SystemExit(f"torchtitan came from {probe.stdout.strip()!r}, not {copy}")
+    xml = out.with_suffix(".xml")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TESTS]
+    cmd += ["-m", "upstream", "-k", " or ".join(names), f"--junitxml={xml}"]
+    with open(out.with_suffix(".log"), "w") as log:
+        subprocess.run(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    results = {}
+    for case in ET.parse(xml).iter("testcase"):
+        failed = case.find("failure") is not None or case.find("error") is not None
+        results[case.get("name")] = "failed" if failed else "passed"
+    missing = set(names) - set(results)
+    if missing:
+        raise SystemExit(f"not run: {sorted(missing)} (see {out.with_suffix('.log')})")
+    return results
+
+
+def upstream_tests() -> dict[str, tuple[int, ...]]:
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault(SWITCH, "on")
+    from tests.upstream.test_each_fix import FIXES
+
+    return FIXES
+
+
+def check_sufficiency(work: Path, stock: Path) -> list[str]:
+    fixes = upstream_tests()
+    numbers = [fix_of(d) for d in PATCHES]
+    problems = []
+    copies = {"stock": work / "stock", "all": work / "all"}
+    copies["stock"].mkdir()
+    shutil.copytree(
+        stock, copies["stock"] / "torchtitan", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    for diff in PATCHES:  # each alone
+        solo = work / f"only_{fix_of(diff)}"
+        solo.mkdir()
+        apply([diff], solo, stock)
+        shutil.rmtree(solo)
+    copies["all"].mkdir()
+    apply(PATCHES, copies["all"], stock)
+    say(f"every diff applies alone and all {len(PATCHES)} in order to torchtitan 0.2.2")
+
+    conditions = [
+        ("stock torchtitan, workarounds on", "stock", "on", list(fixes), "passed"),
+        ("every diff applied, workarounds off", "all", "off", list(fixes), "passed"),
+        ("stock torchtitan, workarounds off", "stock", "off", list(fixes), "failed"),
+    ]
+    for n in numbers:
+        name = f"all_but_{n}"
+        copies[name] = work / name
+        copies[name].mkdir()
+        apply([d for d in PATCHES if fix_of(d) != n], copies[name], stock)
+        names = [t for t, f in fixes.items() if n in f]
+        if not names:
+            problems.append(f"no test in {TESTS} exercises fix {n}")
+            continue
+        conditions.append(
+            (f"every diff but {n:04d}, workarounds off", name, "off", names, "failed")
+        )
+
+    for label, copy, switch, names, want in conditions:
+        t0 = time.time()
+        got = run_tests(copies[copy], switch, names, work / f"{copy}_{switch}")
+        wrong = sorted(t for t in names if got[t] != want)
+        verdict = "as required" if not wrong else f"NOT {want}: {wrong}"
+        say(f"{label}: {len(names)} test(s) {want} {verdict} ({time.time() - t0:.0f} s)")
+        if wrong:
+            problems.append(f"{label}: {wrong} should have {want}")
+    return problems
+
+
+def check_main_forms() -> list[str]:
+    script = ROOT / "patches" / "main" / "check_main.sh"
+    if not script.exists():
+        return [f"{script} is missing"]
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    for line in (r.stdout + r.stderr).strip().splitlines():
+        say(f"main: {line}")
+    return [] if r.returncode == 0 else ["the rebased (main) forms do not apply; see above"]
+
+
+def torchtitan_unit_tests(work: Path, repo: str) -> list[str]:
+    """torchtitan's tests/unit_tests at v0.2.2: stock, patched, stock + our package (its test
+    requirements tomli_w and expecttest: ``make patches-check`` installs them)."""
+    if not Path(repo).exists():
+        say(f"torchtitan's own tests: skipped: no torchtitan repository at {repo}")
+        return []
+    tree = work / "tt_tests"
+    names = subprocess.run(
+        ["git", "-C", repo, "ls-tree", "-r", "--name-only", "v0.2.2", "tests", "scripts"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for name in names:  # the snapshot lacks its largest files: take what is there
+        blob = subprocess.run(["git", "-C", repo, "show", f"v0.2.2:{name}"], capture_output=True)
+        if blob.returncode == 0:
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            (tree / name).write_bytes(blob.stdout)
+    runs = {}
+    for label, copy, plugin in (
+        ("stock", work / "stock", False),
+        ("patched", work / "all", False),
+        ("stock + torchtitan_speechlm", work / "stock", True),
+    ):
+        link = tree / "torchtitan"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(copy / "torchtitan")
+        xml = work / f"tt_{len(runs)}.xml"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]))
+        env[SWITCH] = "on"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit_tests"]
+        cmd += [f"--junitxml={xml}", "--continue-on-collection-errors"]
+        if plugin:
+            cmd += ["-p", "torchtitan_speechlm"]
+        t0 = time.time()
+        with open(xml.with_suffix(".log"), "w") as log:
+            subprocess.run(cmd, env=env, cwd=tree, stdout=log, stderr=subprocess.STDOUT)
+        outcome = {}
+        for case in ET.parse(xml).iter("testcase"):
+            kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+            outcome[f"{case.get('classname')}::{case.get('name')}"] = kind
+        runs[label] = outcome
+        counts = {
+            k: list(outcome.values()).count(k) for k in ("passed", "failure", "error", "skipped")
+        }
+        say(f"torchtitan v0.2.2 unit tests, {label}: {counts} ({time.time() - t0:.0f} s)")
+    problems = []
+    base = runs["stock"]
+    for label, outcome in runs.items():
+        changed = sorted(
+            t for t in set(base) | set(outcome)
+            if base.get(t) != outcome.get(t) and t not in EXPECTED_CHANGES
+        )  # fmt: skip
+        if changed:
+            problems.append(f"torchtitan's unit tests, {label} vs stock: {changed[:10]}")
+    return problems
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", help="scratch folder (default: a new temporary one)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    parser.add_argument("--torchtitan-tests", action="store_true",
+                        help="also run torchtitan's own v0.2.2 unit tests three ways")  # fmt: skip
+    args = parser.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="patches_check_"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    try:
+        problems = check_sufficiency(work, installed_torchtitan())
+        problems += check_main_forms()
+        if args.torchtitan_tests:
+            repo = os.environ.get("TORCHTITAN_REPO", DEFAULT_REPO)
+            problems += torchtitan_unit_tests(work, repo)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    for p in problems:
+        say(f"FAILED: {p}")
+    say(f"{'FAILED' if problems else 'passed'} in {time.time() - t0:.0f} s")
+    sys.exit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""What each workaround in utils/compat.py (fixes 1-8) does, tried as torchtitan is used.
+
+These are the tests of the sufficiency check (patches/check_sufficiency.py, `make
+patches-check`): with ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` they pass on a torchtitan with
+every patches/ diff applied and fail on stock torchtitan 0.2.2, and each one fails when the diff
+of a fix it names (``FIXES``) is the one left out. With the workarounds on they pass on stock
+torchtitan. They need no other condition, so the check can run them under all of these.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.helpers import make_tiny_run_assets, read_metrics, run_train, write_tiny_config
+
+pytestmark = pytest.mark.upstream
+
+# test name -> the compat fixes (and patches/ diffs) it exercises: with that diff left out and
+# the workarounds off, the test must fail
+FIXES = {
+    "test_one_process_trains_on_cpu_through_the_console_script": (1, 2, 5),
+    "test_two_process_fsdp_on_gloo_matches_one_process": (3, 4),
+    "test_ddp_with_accumulation_matches_one_process": (6, 7),
+    "test_purge_never_counts_a_half_written_checkpoint": (8,),
+    "test_a_resave_removes_the_old_index_before_the_ranks_write": (8,),
+}
+
+STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--validation.enable", "false")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_tiny_run_assets(tmp_path_factory.mktemp("assets"), n_items=24)
+
+
+@pytest.fixture(scope="module")
+def train(tmp_path_factory, assets):
+    """train(*flags, nproc=) -> {step: metrics row}; identical requests run once."""
+    root = tmp_path_factory.mktemp("runs")
+    cache: dict[tuple, dict[int, dict]] = {}
+
+    def _train(*flags: str, nproc: int = 1) -> dict[int, dict]:
+        key = (flags, nproc)
+        if key not in cache:
+            dump = root / f"r{len(cache)}"
+            cfg = write_tiny_config(root / f"r{len(cache)}.toml", assets, dump)
+            r = run_train(cfg, *STEPS, *flags, nproc=nproc, timeout=240)
+            assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+            cache[key] = {row["step"]: row for row in read_metrics(dump) if "grad_norm" in row}
+        return cache[key]
+
+    return _train
+
+
+def reference(train) -> dict[int, dict]:
+    """One process, 4 rows a step."""
+    return train("--training.local_batch_size", "4")
+
+
+def assert_same_steps(got: dict[int, dict], ref: dict[int, dict]) -> None:
+    assert sorted(got) == sorted(ref) == [1, 2]
+    for step in (1, 2):
+        for key in ("loss_metrics/global_avg_loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(ref[step][key], rel=1e-4), (step, key)
+
+
+def test_one_process_trains_on_cpu_through_the_console_script(train):
+    """Fix 1: torchtitan picks the CPU (not CUDA) without an accelerator; fix 2: its device
+    memory monitor works on the CPU and reports the process's peak RSS; fix 5: torchtitan's
+    ``main`` parses the arguments our console script hands it (``torchtitan train ...``), not
+    those of the process it was imported in."""
+    rows = reference(train)
+    assert sorted(rows) == [1, 2]
+    assert all(row["memory/max_reserved(GiB)"] > 0 for row in rows.values())
+
+
+def test_two_process_fsdp_on_gloo_matches_one_process(train):
+    """Fix 3: FSDP2's reduce-scatter runs on gloo (no PREMUL_SUM) and sums exactly; fix 4:
+    torchtitan's process-group timeouts are set after step 1 on gloo (no device barrier)."""
+    fsdp = train("--training.local_batch_size", "2", nproc=2)
+    assert_same_steps(fsdp, reference(train))
+
+
+def test_ddp_with_accumulation_matches_one_process(train):
+    """Fix 7: DDP sums the ranks' gradients (torchtitan divides the loss by the global count);
+    fix 6: with 2 micro-batches a step, only the last backward all-reduces, so the first
+    micro-batch is not counted twice. Losses and grad norms equal one process's."""
+    ddp = train(
+        "--parallelism.data_parallel_replicate_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "1",
+        "--training.local_batch_size", "1", "--training.global_batch_size", "4",
+        nproc=2,
+    )  # fmt: skip
+    assert_same_steps(ddp, reference(train))
+
+
+def _step_dirs(folder, complete: list[int], partial: list[int]) -> None:
+    for s in complete + partial:
+        d = folder / f"step-{s}"
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"x")
+        if s in complete:
+            (d / ".metadata").write_bytes(b"m")
+
+
+@pytest.fixture
+def rank0():
+    """A one-process gloo group: torchtitan's purge runs on rank 0 of one."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_purge_never_counts_a_half_written_checkpoint(tmp_path, rank0):
+    """Fix 8: with step-1, step-2 complete, step-3 killed mid-write and step-4 in flight,
+    keep_latest_k = 2 deletes nothing (counting folders would delete step-2, the newest
+    complete one); once step-5 and step-6 are complete, step-1, step-2 and the superseded
+    partial step-3 and step-4 go."""
+    import queue
+    from types import SimpleNamespace
+
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    def purged(k: int) -> list[str]:
+        fake = SimpleNamespace(
+            keep_latest_k=k, folder=str(folder), purge_queue=queue.Queue(),
+            enable_ft_dataloader_checkpoints=False, ft_manager=None, purge_thread=object(),
+        )  # fmt: skip
+        CheckpointManager._purge_stale_checkpoints(fake)
+        out = []
+        while not fake.purge_queue.empty():
+            out.append(os.path.basename(fake.purge_queue.get()))
+        return sorted(out)
+
+    folder = tmp_path / "checkpoint"
+    _step_dirs(folder, complete=[1, 2], partial=[3, 4])
+    assert purged(k=2) == []
+    _step_dirs(folder, complete=[5, 6], partial=[])
+    assert purged(k=2) == ["step-1", "step-2", "step-3", "step-4"]
+
+
+def test_a_resave_removes_the_old_index_before_the_ranks_write(tmp_path, monkeypatch):
+    """Fix 8: saving into a folder that already holds a complete checkpoint (a resave after
+    resuming from an earlier step) removes its ``.metadata`` before DCP writes anything, so a
+    save killed mid-write leaves a folder that is never loaded, not an old index over new
+    data."""
+    import torch
+    from torchtitan.components import checkpoint as tt_ckpt
+
+    target = tmp_path / "checkpoint" / "step-3"
+    target.mkdir(parents=True)
+    (target / ".metadata").write_bytes(b"an older save's index")
+    seen = []
+
+    def save(state_dict, checkpoint_id, **kwargs):  # DCP's save, as the manager calls it
+        seen.append(os.path.exists(os.path.join(checkpoint_id, ".metadata")))
+
+    monkeypatch.setattr(tt_ckpt.dcp, "save", save)
+    tt_ckpt.CheckpointManager.dcp_save(
+        None, {"w": torch.zeros(2)}, str(target), tt_ckpt.AsyncMode.DISABLED
+    )
+    assert seen == [False]
