@@ -341,3 +341,14 @@ def params(step_dir) -> dict[str, torch.Tensor]:
         if not k.startswith(("optimizer", "lr_scheduler", "dataloader", "train_state"))
     }
     return load_checkpoint_state(str(step_dir), keys)
+
+
+def make_step_dirs(folder, complete: list[int], partial: list[int]) -> None:
+    """Checkpoint folders ``step-N`` as DCP leaves them: complete ones end with ``.metadata``
+    (written last), half-written ones (a killed save, an async save in flight) have none."""
+    for s in complete + partial:
+        d = folder / f"step-{s}"
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"x")
+        if s in complete:
+            (d / ".metadata").write_bytes(b"m")

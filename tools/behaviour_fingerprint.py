@@ -140,8 +140,8 @@ def prepared_hashes(prepared: str) -> dict:
 
 
 def cmd_assets(args) -> int:
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    from helpers import make_varied_kaldi_assets
+    sys.path.insert(0, REPO)
+    from tests.helpers import make_varied_kaldi_assets
 
     os.makedirs(args.out, exist_ok=True)
     paths = make_varied_kaldi_assets(args.out, n_utts=args.utts, seed=0)

@@ -1,9 +1,10 @@
 """torchtitan-speechlm: train speech language models with torchtitan's own train loop.
 
 Importing the package selects the CPU device when no accelerator exists (before torchtitan is
-imported, see utils/compat.py) and registers the `speechlm` TrainSpec, so both our `torchtitan train`
-console script and stock `python -m torchtitan.train --experimental.custom_import
-torchtitan_speechlm` find it.
+imported, see utils/compat.py) and registers the `speechlm` TrainSpec for our `torchtitan train`
+console script and `torchrun -m torchtitan_speechlm.train` (torchtitan's Trainer subclassed:
+trainer/trainer.py). Stock `python -m torchtitan.train --experimental.custom_import
+torchtitan_speechlm` parses the same TOML and is told to use one of those.
 """
 
 from torchtitan_speechlm.utils.compat import (

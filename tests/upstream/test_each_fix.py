@@ -13,7 +13,13 @@ import os
 
 import pytest
 
-from tests.helpers import make_tiny_run_assets, read_metrics, run_train, write_tiny_config
+from tests.helpers import (
+    make_step_dirs,
+    make_tiny_run_assets,
+    read_metrics,
+    run_train,
+    write_tiny_config,
+)
 
 pytestmark = pytest.mark.upstream
 
@@ -96,15 +102,6 @@ def test_ddp_with_accumulation_matches_one_process(train):
     assert_same_steps(ddp, reference(train))
 
 
-def _step_dirs(folder, complete: list[int], partial: list[int]) -> None:
-    for s in complete + partial:
-        d = folder / f"step-{s}"
-        d.mkdir(parents=True)
-        (d / "__0_0.distcp").write_bytes(b"x")
-        if s in complete:
-            (d / ".metadata").write_bytes(b"m")
-
-
 @pytest.fixture
 def rank0():
     """A one-process gloo group: torchtitan's purge runs on rank 0 of one."""
@@ -137,9 +134,9 @@ def test_purge_never_counts_a_half_written_checkpoint(tmp_path, rank0):
         return sorted(out)
 
     folder = tmp_path / "checkpoint"
-    _step_dirs(folder, complete=[1, 2], partial=[3, 4])
+    make_step_dirs(folder, complete=[1, 2], partial=[3, 4])
     assert purged(k=2) == []
-    _step_dirs(folder, complete=[5, 6], partial=[])
+    make_step_dirs(folder, complete=[5, 6], partial=[])
     assert purged(k=2) == ["step-1", "step-2", "step-3", "step-4"]
 
 

@@ -18,6 +18,7 @@ import torch
 
 from tests import fault_injection
 from tests.data_fixtures import build_assets
+from tests.helpers import make_step_dirs
 from torchtitan_speechlm.components.nonfinite import GuardSettings, NonFiniteError, StepGuard
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.format import AUDIO_CODES, ITEMS, CorruptDatasetError
@@ -26,15 +27,6 @@ from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
 
 # ---- 1. checkpoints ---------------------------------------------------------------------------
-def _step_dirs(folder, complete: list[int], partial: list[int]) -> None:
-    for s in complete + partial:
-        d = folder / f"step-{s}"
-        d.mkdir(parents=True)
-        (d / "__0_0.distcp").write_bytes(b"x")
-        if s in complete:
-            (d / ".metadata").write_bytes(b"m")
-
-
 def _purged(purge, folder, k: int) -> list[str]:
     import queue
 
@@ -58,11 +50,11 @@ def test_keep_latest_k_never_deletes_the_last_complete_checkpoint(tmp_path, monk
     import torchtitan_speechlm.utils.compat as compat  # noqa: F401  (fix 8 installed on import)
 
     folder = tmp_path / "checkpoint"
-    _step_dirs(folder, complete=[1, 2], partial=[3, 4])
+    make_step_dirs(folder, complete=[1, 2], partial=[3, 4])
     ours = CheckpointManager._purge_stale_checkpoints
     assert _purged(ours, folder, k=2) == []
     shutil.rmtree(folder)
-    _step_dirs(folder, complete=[1, 2, 5, 6], partial=[3, 7])
+    make_step_dirs(folder, complete=[1, 2, 5, 6], partial=[3, 7])
     # keeps the 2 newest complete (5, 6) and the in-flight 7; the superseded partial 3 goes
     assert _purged(ours, folder, k=2) == ["step-1", "step-2", "step-3"]
 
@@ -72,7 +64,7 @@ def test_keep_latest_k_never_deletes_the_last_complete_checkpoint(tmp_path, monk
 
     upstream = _upstream_purge()
     shutil.rmtree(folder)
-    _step_dirs(folder, complete=[1, 2], partial=[3, 4])
+    make_step_dirs(folder, complete=[1, 2], partial=[3, 4])
     monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 0)
     assert "step-2" in _purged(upstream, folder, k=2)
 
