@@ -36,7 +36,7 @@ deps: system-deps $(STAMP)
 demo: deps
 	$(PY) -m torchtitan_speechlm.demo
 
-# Everything but the slow runs `make faults` holds (about 10 minutes on 2 CPU cores): tests/unit
+# Everything but the slow runs `make faults` holds (about 12 minutes on 2 CPU cores): tests/unit
 # (one module's behaviour, no training run), tests/integration (`torchtitan` commands, mostly in
 # forks of the test process: tests/forked.py) and tests/docs (the documented commands parse).
 test: deps
@@ -62,7 +62,7 @@ faults: deps
 	$(PY) -m pytest -q -m "faults or cluster or bench_smoke or long" $(PYTEST_ARGS)
 
 # The patches/ diffs replace utils/compat.py's workarounds, and each is needed
-# (patches/check_sufficiency.py; about 8 minutes on 2 CPU cores); CI runs it after `make faults`.
+# (patches/check_sufficiency.py; about 4 minutes on 2 CPU cores); CI runs it after `make faults`.
 # PATCHES_ARGS=--torchtitan-tests also runs torchtitan's own unit tests three ways.
 patches-check: deps
 	$(PY) -m pip install -q tomli_w expecttest  # torchtitan's own unit tests import them

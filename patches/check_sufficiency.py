@@ -17,7 +17,7 @@
    the stock copy with our package imported first; every test's outcome must be the same,
    apart from those listed in ``EXPECTED_CHANGES``.
 
-Exits 1 naming each condition that does not hold. About 8 minutes on 2 CPU cores (step 4: see
+Exits 1 naming each condition that does not hold. About 4 minutes on 2 idle CPU cores (step 4: see
 patches/README.md).
 """
 
