@@ -12,10 +12,10 @@
    - stock, workarounds off:   every test fails (the job needs doing);
    - all diffs but N, off:     every test naming fix N fails (diff N is needed).
 3. Runs patches/main/check_main.sh (the rebased forms apply to the recorded torchtitan main).
-4. With ``--torchtitan-tests`` (650 s for the whole check): torchtitan's own tests/unit_tests at v0.2.2 (read from a git
-   repository of torchtitan, ``TORCHTITAN_REPO``) on the stock copy, on the patched copy, and on
-   the stock copy with our package imported first; every test's outcome must be the same,
-   apart from those listed in ``EXPECTED_CHANGES``.
+4. With ``--torchtitan-tests`` (650 s for the whole check): torchtitan's own tests/unit_tests
+   at v0.2.2 (read from a git repository of torchtitan, ``TORCHTITAN_REPO``) on the stock copy,
+   on the patched copy, and on the stock copy with our package imported first; every test's
+   outcome must be the same, apart from those listed in ``EXPECTED_CHANGES``.
 
 Exits 1 naming each condition that does not hold. About 4 minutes on 2 idle CPU cores (step 4: see
 patches/README.md).
