@@ -65,7 +65,6 @@ faults: deps
 # (patches/check_sufficiency.py; about 4 minutes on 2 CPU cores); CI runs it after `make faults`.
 # PATCHES_ARGS=--torchtitan-tests also runs torchtitan's own unit tests three ways.
 patches-check: deps
-	$(PY) -m pip install -q tomli_w expecttest  # torchtitan's own unit tests import them
 	$(PY) patches/check_sufficiency.py $(PATCHES_ARGS)
 
 lint: deps
