@@ -72,7 +72,7 @@ TINY_BACKBONE = dict(
 )
 
 
-def tiny_model_assets(root, family="qwen3", seed=0, tie=False) -> dict:
+def tiny_model_assets(root, family="qwen3", seed=0, tie=False, **backbone) -> dict:
     """Tokenizer, tiny codec and tiny backbone (``family``, sized TINY_BACKBONE) under
     ``root``, each saved with save_pretrained; returns their paths (and "prepared", unmade)."""
     import os
@@ -93,7 +93,7 @@ def tiny_model_assets(root, family="qwen3", seed=0, tie=False) -> dict:
         vocab_size=vocab,
         seed=seed,
         tie_word_embeddings=tie,
-        **TINY_BACKBONE,
+        **{**TINY_BACKBONE, **backbone},
     )
     return paths
 
@@ -223,7 +223,7 @@ def read_metrics(dump) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def make_varied_kaldi_assets(root, n_utts=40, seed=0) -> dict:
+def make_varied_kaldi_assets(root, n_utts=40, seed=0, **backbone) -> dict:
     """A corpus unlike the demo's: espeak-ng speech of 1 to 3 sentences (0.4-6 s, texts of 1
     to 40 words), in a Kaldi data dir where some utterances are segments of longer recordings,
     prepared through the real Kaldi reader; a tiny *Llama* backbone."""
@@ -238,7 +238,7 @@ def make_varied_kaldi_assets(root, n_utts=40, seed=0) -> dict:
     from torchtitan_speechlm.prepare.pipeline import prepare_dataset
     from torchtitan_speechlm.utils.audio import load_audio
 
-    paths = tiny_model_assets(root, family="llama", seed=seed)
+    paths = tiny_model_assets(root, family="llama", seed=seed, **backbone)
     root = str(root)
     sentences = load_sentences()
     rng = random.Random(seed)

@@ -107,4 +107,5 @@ def test_tensor_parallel_on_the_hf_flavor_is_refused(assets, tmp_path):
     r = run_train(
         cfg, "--parallelism.pipeline_parallel_degree", "2", "--training.steps", "1", nproc=2
     )
-    assert r.returncode == 2 and "loss inside forward" in r.stderr
+    assert r.returncode == 2 and 'model.flavor = "native"' in r.stderr
+    assert "pipeline_parallel_degree = 2" in r.stderr

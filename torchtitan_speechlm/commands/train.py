@@ -36,6 +36,15 @@ from torchtitan_speechlm.utils.compat import run_torchtitan_main
 CONFIG_MODULE = "torchtitan_speechlm.config"
 
 
+def log_rank(job_config, nproc: int) -> int:
+    """The rank whose console the launcher shows: 0, or with pipeline parallelism the first
+    rank of the last stage, where torchtitan computes and logs the loss."""
+    p = job_config.parallelism
+    if p.pipeline_parallel_degree <= 1 or p.pipeline_parallel_schedule == "ZBVZeroBubble":
+        return 0
+    return nproc - nproc // p.pipeline_parallel_degree
+
+
 def _split_launcher_args(args: list[str]) -> tuple[int, list[str]]:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
@@ -238,11 +247,12 @@ def train_command(args: list[str]) -> int:
         return run_worker(args)
     from torch.distributed.run import get_args_parser, run
 
+    os.environ.setdefault("LOG_RANK", str(log_rank(job_config, nproc)))
     launch = get_args_parser().parse_args(
         [
             "--standalone",
             f"--nproc-per-node={nproc}",
-            f"--local-ranks-filter={os.environ.get('LOG_RANK', '0')}",
+            f"--local-ranks-filter={os.environ['LOG_RANK']}",
             "--role=rank",
             "--tee=3",
             "-m",

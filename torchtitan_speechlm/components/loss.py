@@ -23,15 +23,22 @@ class SpeechLMLoss:
     def __init__(self, accumulator: StatsAccumulator | None, guard: StepGuard | None = None):
         self.accumulator = accumulator
         self.guard = guard
+        # this micro-batch's global loss frames: the trainer sets it before each step under
+        # pipeline parallelism, whose schedule runs backward inside (distributed/pipeline.py)
+        self.global_valid_tokens: torch.Tensor | None = None
 
-    def __call__(self, pred: SpeechLMOutput, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, pred: SpeechLMOutput, labels: torch.Tensor, count_micro_batch: bool = True
+    ) -> torch.Tensor:
+        """The loss sum; ``count_micro_batch=False`` for a pipeline microbatch (a piece of
+        the loader's micro-batch, which the trainer counts once)."""
         if not isinstance(pred, SpeechLMOutput):
             raise TypeError(
                 "SpeechLM loss expects the model to be called with targets and loss_weights "
                 "(the speechlm dataloader provides them)"
             )
         if self.accumulator is not None:
-            self.accumulator.add(pred.stats)
+            self.accumulator.add(pred.stats, count_micro_batch)
         if self.guard is not None and torch.is_grad_enabled():
             return self.guard.note_loss(pred.loss_sum, labels)
         return pred.loss_sum

@@ -15,7 +15,12 @@ from math import nan
 from typing import Any
 
 import torch
-from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor
+from torchtitan.components.metrics import (
+    BaseLogger,
+    LoggerContainer,
+    MetricsProcessor,
+    _get_metrics_rank,
+)
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.nonfinite import StepGuard
@@ -81,7 +86,9 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         super().__init__(job_config, parallel_dims, tag)
         self.accumulator, self.guard, self.samples = accumulator, guard, samples
         self.frame_rate, self.num_streams = frame_rate, num_streams
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        # the rank torchtitan logs from (a pipeline's: the first rank of the last stage)
+        log_rank = _get_metrics_rank(parallel_dims, job_config) if parallel_dims else 0
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == log_rank:
             container = LoggerContainer()
             container.add_logger(self.logger)
             container.add_logger(
@@ -143,7 +150,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra)
         if self.samples.due(step) and self.model_parts:
             self.samples.run(step, self.model_parts, self.logger)
-        if stats:
+        if "loss_frames" in stats:  # not on a pipeline stage before the last (no loss there)
             accs, ces = (
                 stream_values(stats, "acc_stream", self.num_streams),
                 stream_values(stats, "ce_stream", self.num_streams),

@@ -106,8 +106,6 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
 UNSUPPORTED = {
     "context": "packed rows are split into their documents, which context parallelism would "
     "have to shard again (and torch's CPU SDPA has no context-parallel rule)",
-    "pipeline": "the SpeechLM computes its loss inside forward (so FSDP reduces the head), "
-    "which torchtitan's pipeline schedules do not call",
     "expert": "the MoE backbones run transformers' experts, which torchtitan cannot shard",
 }
 
@@ -125,7 +123,7 @@ def check_parallelism(job_config, family) -> None:
         if degree > 1 and name in UNSUPPORTED:
             raise ValueError(
                 f"parallelism.{name}_parallel_degree = {degree}: not supported: "
-                f"{UNSUPPORTED[name]}. FSDP/HSDP/DDP and tensor parallelism "
+                f"{UNSUPPORTED[name]}. FSDP/HSDP/DDP, tensor and pipeline parallelism "
                 "(flavor native) are"
             )
     if degrees["tensor"] > 1 and not family.tensor_parallel:
@@ -158,7 +156,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         shard_lora(layer, tp_mesh)
     model.backbone.tp_mesh = tp_mesh
     for module in (model.tok_embeddings, model.head):
-        distribute_module(module, tp_mesh)
+        if module is not None:  # None: a pipeline stage without it
+            distribute_module(module, tp_mesh)
     for name, p in model.named_parameters():
         p.requires_grad_(name not in frozen)
 
@@ -199,7 +198,7 @@ def apply_freeze(model: nn.Module, prefixes: list[str]) -> None:
     """requires_grad=False for parameters under the given prefixes (the optimizer skips them)."""
     for prefix in prefixes:
         hits = [p for n, p in model.named_parameters() if n == prefix or n.startswith(prefix + ".")]
-        if not hits:
+        if not hits and not model.is_pipeline_stage:  # a stage may hold none of them
             raise ValueError(
                 f"speechlm.freeze entry {prefix!r} matches no parameter; names look like "
                 "tok_embeddings, backbone.layers.0, backbone.norm, head.output, head.stream_emb"
@@ -254,9 +253,11 @@ def apply_fsdp(
         # whose log-mel is computed in fp32 before the first convolution casts it
         fully_shard(model.audio_encoder, **{**config, "mp_policy": root_policy})
     if not model.args.tie_embeddings:
-        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard_after_forward)
-        # The head runs last; resharding it right before backward needs it again is waste.
-        fully_shard(model.head, **config, reshard_after_forward=False)
+        if model.tok_embeddings is not None:  # None: a later pipeline stage
+            fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard_after_forward)
+        if model.head is not None:
+            # The head runs last; resharding it right before backward needs it again is waste.
+            fully_shard(model.head, **config, reshard_after_forward=False)
     fully_shard(model, **{**config, "mp_policy": root_policy})
     disable_fsdp_gradient_division(model)
     force_sum_reduction_on_cpu(model)

@@ -15,6 +15,8 @@ export keys; ``canonical_name`` strips the wrappers' prefixes from them.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 from torch import nn
 from torchtitan.protocols import ModelProtocol
@@ -59,6 +61,7 @@ class SpeechLM(ModelProtocol):
         self.head = SpeechLMHead(args, dim)
         # continuous audio input (model/audio/tower.py); None keeps a token-only model's keys
         self.audio_encoder = AudioTower(args.audio, dim) if args.audio else None
+        self.stage_outputs: deque = deque()  # a last pipeline stage's (stage_forward)
 
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype | None = None):
@@ -118,7 +121,9 @@ class SpeechLM(ModelProtocol):
         audio_lengths: torch.Tensor | None = None,
         audio_index: torch.Tensor | None = None,
         **unused: torch.Tensor,
-    ) -> SpeechLMOutput | list[torch.Tensor]:
+    ) -> SpeechLMOutput | list[torch.Tensor] | torch.Tensor:
+        if self.is_pipeline_stage:
+            return self.stage_forward(inputs, targets, loss_weights, position_ids)
         h, aux = self._backbone(
             inputs,
             position_ids,
@@ -129,6 +134,16 @@ class SpeechLM(ModelProtocol):
         tied = self.tok_embeddings.weight if self.args.tie_embeddings else None
         if targets is None:
             return self.head.logits(h, tied)
+        out = self._loss(h, aux, targets, loss_weights, tied)
+        if data_stats is not None:
+            out.stats["data_stats"] = data_stats.detach().float().sum(0)
+        if self.audio_encoder is not None:  # clips the tower ran on (MFU counts them)
+            clips = 0 if audio_wave is None else audio_wave.shape[0]
+            out.stats["data/audio_clips"] = out.loss_sum.new_tensor(float(clips)).float()
+        return out
+
+    def _loss(self, h, aux, targets, loss_weights, tied) -> SpeechLMOutput:
+        """The head's loss sum and statistics, and the MoE load-balance term (``aux``)."""
         loss, stats = self.head(h, targets, loss_weights, tied)
         count = (loss_weights > 0).any(-1).sum().float()
         stats["count"] = count
@@ -141,12 +156,40 @@ class SpeechLM(ModelProtocol):
         else:
             stats["load_balance_loss"] = torch.zeros((), device=loss.device)
         stats["loss"] = loss.detach()
-        if data_stats is not None:
-            stats["data_stats"] = data_stats.detach().float().sum(0)
-        if self.audio_encoder is not None:  # clips the tower ran on (MFU counts them)
-            clips = 0 if audio_wave is None else audio_wave.shape[0]
-            stats["data/audio_clips"] = loss.new_tensor(float(clips)).float()
         return SpeechLMOutput(loss, stats)
+
+    # ---- pipeline parallelism (distributed/pipeline.py) --------------------------------------
+    @property
+    def is_pipeline_stage(self) -> bool:
+        """A pipeline stage holds some of the model: no embeddings (it receives hidden states)
+        or no head (it sends them on)."""
+        return self.tok_embeddings is None or self.head is None
+
+    def stage_forward(self, inputs, targets, loss_weights, position_ids) -> torch.Tensor:
+        """One pipeline stage: token frames (the first) or hidden states (the others) -> hidden
+        states (all but the last), or the last stage's loss (a
+        [1] tensor, the loss sum, whose statistics ``take_stage_output`` hands the schedule's
+        loss function: torch's schedules exchange fixed shapes, a statistics vector has none)."""
+        h = inputs if self.tok_embeddings is None else self.tok_embeddings(inputs)
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
+        h, aux = self.family.run(self.backbone, h, position_ids, None)
+        if self.head is None:
+            return h
+        out = self._loss(h, aux, targets, loss_weights, None)
+        loss = out.loss_sum.reshape(1)
+        self.stage_outputs.append((loss, out))
+        return loss
+
+    def take_stage_output(self, loss: torch.Tensor) -> SpeechLMOutput:
+        """The statistics of the last stage's forward that returned ``loss`` (torch's
+        schedules compute each microbatch's loss right after its forward, in order)."""
+        if not self.stage_outputs or self.stage_outputs[0][0] is not loss:
+            raise RuntimeError(
+                "pipeline schedule: a loss was computed for an output this stage did not just "
+                "return; the schedule must compute each microbatch's loss after its forward"
+            )
+        return self.stage_outputs.popleft()[1]
 
     @torch.no_grad()
     def decode_step(
@@ -178,7 +221,7 @@ class SpeechLM(ModelProtocol):
         (model/initialisation.py).
         """
         args = self.args
-        device = buffer_device or self.tok_embeddings.weight.device
+        device = buffer_device or next(self.parameters()).device  # a stage may lack embeddings
         self.family.reset_buffers(self.backbone, device)
         std = args.init_std or self.family.init_std(args.backbone_config)
         # a LoRA-wrapped layer's base weight initialises (and loads) as the plain layer's

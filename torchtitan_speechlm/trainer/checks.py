@@ -13,6 +13,7 @@ import os
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.distributed.batch import data_parallel_degree
 from torchtitan_speechlm.distributed.parallelize import check_parallelism
+from torchtitan_speechlm.distributed.pipeline import check_pipeline
 from torchtitan_speechlm.model.lora import CONVERTER, LoraError, check_settings, peft_module
 from torchtitan_speechlm.trainer.plan import RunPlan
 
@@ -23,6 +24,7 @@ def validate_job_config(job_config, plan: RunPlan) -> None:
     the world size."""
     try:
         check_parallelism(job_config, plan.family)
+        check_pipeline(job_config, plan.family, plan.backbone_config, plan.model_args(job_config))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_conflicts(job_config)

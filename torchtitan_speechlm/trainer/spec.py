@@ -15,6 +15,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 
 from torchtitan_speechlm.components import lora as _lora_converter  # noqa: F401 (registers it)
 from torchtitan_speechlm.distributed.parallelize import parallelize_speechlm
+from torchtitan_speechlm.distributed.pipeline import pipeline_speechlm
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.backbones import get_backbone
 from torchtitan_speechlm.model.model import SpeechLM
@@ -51,7 +52,7 @@ def speechlm_train_spec(
         model_cls=SpeechLM,
         model_args={name: SpeechLMModelArgs(backbone=name) for name in backbones},
         parallelize_fn=parallelize_fn,
-        pipelining_fn=None,
+        pipelining_fn=pipeline_speechlm,
         build_optimizers_fn=build_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_dataloader,

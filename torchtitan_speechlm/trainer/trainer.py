@@ -23,6 +23,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from torchtitan_speechlm.data.external import ExternalData
+from torchtitan_speechlm.distributed.pipeline import STAGE_KWARGS
 from torchtitan_speechlm.trainer.builders import bind
 from torchtitan_speechlm.trainer.faults import (
     CollectiveFailure,
@@ -117,6 +118,35 @@ class SpeechLMTrainer(Trainer):
             ckpt.save(self.step)
         finally:
             ckpt.interval = interval
+
+    # ---- pipeline parallelism (distributed/pipeline.py) --------------------------------------
+    def post_dataloading_process(self, input_dict, labels):
+        """torchtitan's, and with pipeline parallelism what every stage needs travels with the
+        microbatch: torchtitan forwards only ``extra_kwargs`` past the first stage, so the
+        positions, targets and loss weights move there. The data statistics describe the
+        loader's micro-batch, not a pipeline microbatch: the last stage's ranks (where the
+        statistics are reduced) count them once, here."""
+        inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(
+            input_dict, labels
+        )
+        if self.run is None or not self.parallel_dims.pp_enabled:
+            return inputs, labels, extra_inputs, extra_kwargs
+        data_stats = extra_inputs.pop("data_stats", None)
+        if data_stats is not None and self.pp_has_last_stage:
+            self.run.state.stats.add({"data_stats": data_stats.float().sum(0)})
+        for key in STAGE_KWARGS:
+            if key in extra_inputs:
+                extra_kwargs[key] = extra_inputs.pop(key)
+        return inputs, labels, extra_inputs, extra_kwargs
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        """torchtitan's; a pipeline's last stage is told the global loss frames first (its
+        schedule runs backward inside, compat fix 10)."""
+        if self.run is not None and self.parallel_dims.pp_enabled:
+            self.loss_fn.global_valid_tokens = global_valid_tokens
+        return super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
 
     def train(self) -> None:
         """torchtitan's ``train``; a failed collective names the peer that went silent."""

@@ -3,7 +3,7 @@
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
 texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8
-off, so that a torchtitan with the diffs applied can be shown to need none of them
+and 10 off, so that a torchtitan with the diffs applied can be shown to need none of them
 (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
@@ -57,6 +57,14 @@ Four more, not about CPUs:
    becomes ``CheckpointSaveError`` naming the folder, the error and the intact checkpoint a
    rerun resumes from, instead of DCP's multi-rank traceback (our message, not upstream's bug).
 
+10. ``torchtitan/train.py::Trainer.forward_backward_step``'s pipeline branch lets the schedule
+   backpropagate each microbatch's loss *sum* and divides by ``global_valid_tokens`` only after
+   ``pp_schedule.step`` (for the logged loss), so pipeline-parallel gradients (and grad_norm,
+   clipping) are ``global_valid_tokens`` times the non-pipeline ones (pytorch/torchtitan issue
+   #2972, fixed on main by passing the count to the loss, #2937). -> ``pipeline_stage_loss`` returns
+   a tensor whose value is the loss sum (what torchtitan adds up and divides) and whose gradient is
+   that of ``sum / global_valid_tokens``. (patches/0010-pipeline-loss-normalised-before-backward.diff)
+
 One of torch, not torchtitan:
 
 9. After a finished multi-process gloo run, interpreter teardown occasionally aborted a rank
@@ -87,7 +95,7 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan with the
+    """Fixes 1-8 and 10 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan with the
     patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
@@ -380,3 +388,18 @@ def sum_gradients_in_ddp(model: torch.nn.Module, group) -> None:
     if not workarounds_on() or getattr(replicate.state(model), "_comm_hook_args", None):
         return
     model.register_comm_hook(group, _allreduce_sum_hook)
+
+
+def pipeline_stage_loss(loss_sum: torch.Tensor, global_valid_tokens) -> torch.Tensor:
+    """Fix 10: what the last pipeline stage hands torchtitan's schedule for one microbatch.
+
+    Its value is ``loss_sum`` (torchtitan sums the schedule's losses and divides by the count
+    itself, for the log); its gradient is that of ``loss_sum / global_valid_tokens``, the
+    non-pipeline train step's, because the schedule runs backward on it before torchtitan divides.
+    """
+    if not workarounds_on():
+        return loss_sum
+    # a tensor, or (torchtitan's ``dist_sum`` over data-parallel ranks) a Python number
+    count = torch.as_tensor(global_valid_tokens, dtype=loss_sum.dtype, device=loss_sum.device)
+    scaled = loss_sum / count
+    return scaled + (loss_sum - scaled).detach()

@@ -25,6 +25,9 @@ class Backbone:
     tensor_parallel = (
         False  # its module takes torchtitan's llama3 TP plan (distributed/parallelize.py)
     )
+    # its module runs a subset of ``.layers`` (a ModuleDict, others deleted) and ``norm = None``
+    # as a pipeline stage (distributed/pipeline.py)
+    pipeline_parallel = False
     embed_key: str | None = None  # checkpoint tensor of the text embedding (None: no weights)
     head_key: str | None = None  # checkpoint tensor of the text output head (tied: embed_key)
 

@@ -148,7 +148,9 @@ class NativeDecoder(nn.Module):
             self._documents[0] = None
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis, attention_masks=masks, positions=positions)
-        return self._gather(self.norm(h))[:, :t]
+        if self.norm is not None:  # None: a pipeline stage before the last
+            h = self.norm(h)
+        return self._gather(h)[:, :t]
 
     def _tp_size(self) -> int:
         return 1 if self.tp_mesh is None else self.tp_mesh.size()
@@ -169,8 +171,12 @@ class NativeDecoder(nn.Module):
         )
 
     def _gather(self, h) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
+        if self.tp_mesh is not None and not isinstance(h, DTensor):
+            # a pipeline stage without the norm: its last block's output, split over the
+            # sequence (sequence parallelism)
+            h = DTensor.from_local(h, self.tp_mesh, [Shard(1)], run_check=False)
         if isinstance(h, DTensor):
             h = h.redistribute(h.device_mesh, [Replicate()]).to_local()
         return h
@@ -198,6 +204,7 @@ def document_block_mask(position_ids: torch.Tensor | None, t: int, padded: int):
 class NativeLlamaBackbone(Backbone):
     embed_key, head_key = "model.embed_tokens.weight", "lm_head.weight"
     tensor_parallel = True
+    pipeline_parallel = True
 
     def read_config(self, path: str) -> dict:
         config = load_hf_config(path).to_dict()
