@@ -29,6 +29,10 @@ COMMON = (
 )  # fmt: skip
 PP = ("--parallelism.pipeline_parallel_degree", "2")
 MICRO = ("--parallelism.pipeline_parallel_microbatch_size", "2")
+PATTERNS = {  # flatten: a frame is N positions, so rows are N times longer
+    p: ("--speechlm.pattern", p, *(("--training.seq_len", "1280") if p == "flatten" else ()))
+    for p in ("delay", "parallel", "flatten")
+}
 LAYOUTS = {  # name: (processes, flags)
     "one": (1, ()),
     "pp_1f1b": (2, (*PP, *MICRO)),
@@ -44,8 +48,8 @@ LAYOUTS = {  # name: (processes, flags)
     ),  # fmt: skip
     "pp_fsdp": (4, (*PP, *MICRO, "--parallelism.data_parallel_shard_degree", "2")),
     "pp_tp": (4, (*PP, *MICRO, "--parallelism.tensor_parallel_degree", "2")),
+    "pp_ac": (2, (*PP, *MICRO, "--activation_checkpoint.mode", "selective")),
 }
-LONG = ("pp_fsdp", "pp_tp")  # 4 processes on 2 cores: `make faults` (marker long)
 # what one process and a pipeline must log alike (time, memory and throughput differ)
 COMPARED = ("loss_metrics/global_avg_loss", "grad_norm", "train/")  # max: per data rank
 
@@ -60,15 +64,17 @@ def runs(assets, tmp_path_factory):
     """Each layout's dump folder, trained on demand (the long layouts only when selected)."""
     root, done = tmp_path_factory.mktemp("pp"), {}
 
-    def get(name: str):
-        if name not in done:
+    def get(name: str, pattern: str = "delay"):
+        if (name, pattern) not in done:
             nproc, flags = LAYOUTS[name]
-            dump = root / name
-            cfg = write_tiny_config(root / f"{name}.toml", assets, dump)
-            r = run_train(cfg, *COMMON, *flags, nproc=nproc, timeout=600)
-            assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-            done[name] = dump
-        return done[name]
+            dump = root / f"{name}_{pattern}"
+            cfg = write_tiny_config(root / f"{name}_{pattern}.toml", assets, dump)
+            r = run_train(cfg, *COMMON, *flags, *PATTERNS[pattern], nproc=nproc, timeout=600)
+            log = r.stdout + r.stderr
+            assert r.returncode == 0, log[-4000:]
+            assert ("runs stage" in log) == ("pp" in name), log[-4000:]  # no silent fallback
+            done[name, pattern] = dump
+        return done[name, pattern]
 
     return get
 
@@ -97,13 +103,15 @@ def assert_same_training(ref_dump, got_dump, step=STEPS):
 
 
 @pytest.mark.parametrize(
-    "name", ["pp_1f1b", "pp_interleaved", *(pytest.param(n, marks=pytest.mark.long) for n in LONG)]
+    "name, pattern",
+    [(n, "delay") for n in LAYOUTS if n != "one"]
+    + [("pp_1f1b", "parallel"), ("pp_1f1b", "flatten")],
 )
-def test_a_pipeline_trains_as_one_process(runs, name):
-    assert_same_training(runs("one"), runs(name))
-    ref = logged(runs("one"))
+def test_a_pipeline_trains_as_one_process(runs, name, pattern):
+    assert_same_training(runs("one", pattern), runs(name, pattern))
+    ref = logged(runs("one", pattern))
     assert ref[3]["loss_metrics/global_avg_loss"] != ref[1]["loss_metrics/global_avg_loss"]
-    assert ref[1]["train/loss_frames"] > 0 and "train/acc_stream3" in ref[1]
+    assert ref[1]["train/loss_frames"] > 0 and "train/acc_stream0" in ref[1]
 
 
 def resume(assets, tmp_path, source, nproc, flags):
@@ -125,7 +133,7 @@ def resume(assets, tmp_path, source, nproc, flags):
     [
         ("pp_1f1b", "one"),
         ("one", "pp_interleaved"),
-        pytest.param("pp_1f1b", "fsdp", marks=pytest.mark.long),
+        ("pp_1f1b", "fsdp"),
     ],
 )
 def test_a_checkpoint_continues_across_pipeline_layouts(assets, runs, tmp_path, source, target):

@@ -17,6 +17,7 @@ gathered back after the norm.
 from __future__ import annotations
 
 import re
+from collections import deque
 
 import torch
 from torch import nn
@@ -87,9 +88,8 @@ def transformer_args(config: dict, attn_implementation: str = "sdpa") -> Transfo
 
 
 class DocumentSDPA(ScaledDotProductAttentionWrapper):
-    """torchtitan's SDPA wrapper, attending within the documents of packed rows when the decoder
-    has set them (``holder[0]``; kept until the next forward, so activation checkpointing's
-    recomputation in backward sees the same documents)."""
+    """torchtitan's SDPA wrapper, attending within the documents of packed rows that the
+    decoder set for this call (``holder[0]``, NativeDecoder._set_documents)."""
 
     def __init__(self, holder: list):
         super().__init__()
@@ -117,9 +117,29 @@ class NativeDecoder(nn.Module):
         self.register_buffer("freqs_cis", self._freqs(), persistent=False)
         self.tp_mesh = None  # set by the parallelize function with sequence parallelism
         self._documents: list[Documents | None] = [None]
+        self._recent: deque = deque(maxlen=8)  # (positions, their documents)
         if args.attn_type == "sdpa":
             for layer in self.layers.values():
                 layer.attention.inner_attention = DocumentSDPA(self._documents)
+                layer.attention.register_forward_pre_hook(self._set_documents)
+
+    def _set_documents(self, attention: nn.Module, args: tuple) -> None:
+        """Before each attention call, its documents: those of the ``positions`` it is given
+        (torchtitan's ``Attention.forward(x, freqs_cis, masks, positions)``). Read per call, not
+        per decoder forward: activation checkpointing recomputes a layer in backward after the
+        forwards of other microbatches (a pipeline's 1F1B), with that layer's own positions."""
+        positions = args[3] if len(args) > 3 else None
+        self._documents[0] = None if positions is None else self._documents_of(positions)
+
+    def _documents_of(self, positions: torch.Tensor) -> Documents:
+        """``documents_of(positions)``, computed once per positions tensor (every layer of a
+        forward, and its recomputation, gets the same tensor)."""
+        for seen, docs in self._recent:
+            if seen is positions:
+                return docs
+        docs = documents_of(positions)
+        self._recent.append((positions, docs))
+        return docs
 
     def _freqs(self) -> torch.Tensor:
         a = self.args
@@ -142,10 +162,6 @@ class NativeDecoder(nn.Module):
             )
         if self.args.attn_type == "flex":
             masks = document_block_mask(position_ids, t, padded)
-        elif positions is not None:
-            self._documents[0] = documents_of(positions)
-        else:
-            self._documents[0] = None
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis, attention_masks=masks, positions=positions)
         if self.norm is not None:  # None: a pipeline stage before the last
