@@ -98,7 +98,7 @@ def tiny_model_assets(root, family="qwen3", seed=0, tie=False, **backbone) -> di
     return paths
 
 
-def make_tiny_run_assets(root, n_items=48, seed=0, tie=False, family="qwen3") -> dict:
+def make_tiny_run_assets(root, n_items=48, seed=0, tie=False, family="qwen3", **backbone) -> dict:
     """Tokenizer, codec, backbone (saved with save_pretrained) and a prepared dataset made from
     synthetic tones (deterministic, no espeak needed), through the real prepare code.
     ``tie=True`` saves the backbone with tie_word_embeddings=True."""
@@ -111,7 +111,7 @@ def make_tiny_run_assets(root, n_items=48, seed=0, tie=False, family="qwen3") ->
     from torchtitan_speechlm.demo.assets import load_sentences
     from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
-    paths = tiny_model_assets(root, family=family, seed=seed, tie=tie)
+    paths = tiny_model_assets(root, family=family, seed=seed, tie=tie, **backbone)
     root = str(root)
     sentences = load_sentences()[:n_items]
     rng = np.random.default_rng(seed)

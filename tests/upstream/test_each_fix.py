@@ -1,4 +1,4 @@
-"""What each workaround in utils/compat.py (fixes 1-8) does, tried as torchtitan is used.
+"""What each workaround in utils/compat.py (fixes 1-8 and 10) does, tried as torchtitan is used.
 
 These are the tests of the sufficiency check (patches/check_sufficiency.py, `make
 patches-check`): with ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` they pass on a torchtitan with
@@ -31,6 +31,7 @@ FIXES = {
     "test_ddp_with_accumulation_matches_one_process": (6, 7),
     "test_purge_never_counts_a_half_written_checkpoint": (8,),
     "test_a_resave_removes_the_old_index_before_the_ranks_write": (8,),
+    "test_a_pipeline_matches_one_process": (10,),
 }
 
 STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--validation.enable", "false")
@@ -44,7 +45,19 @@ def assets(tmp_path_factory):
 @pytest.fixture(scope="module")
 def train(tmp_path_factory, assets):
     """train(*flags, nproc=) -> {step: metrics row}; identical requests run once."""
-    root = tmp_path_factory.mktemp("runs")
+    return trainer(tmp_path_factory.mktemp("runs"), assets)
+
+
+@pytest.fixture(scope="module")
+def train_llama(tmp_path_factory):
+    """``train`` with a 4-layer Llama backbone (the native flavor: pipelines)."""
+    root = tmp_path_factory.mktemp("llama")
+    return trainer(
+        root, make_tiny_run_assets(root / "assets", n_items=24, family="llama", num_layers=4)
+    )
+
+
+def trainer(root, assets):
     cache: dict[tuple, dict[int, dict]] = {}
 
     def _train(*flags: str, nproc: int = 1) -> dict[int, dict]:
@@ -161,3 +174,18 @@ def test_a_resave_removes_the_old_index_before_the_ranks_write(tmp_path, monkeyp
         None, {"w": torch.zeros(2)}, str(target), tt_ckpt.AsyncMode.DISABLED
     )
     assert seen == [False]
+
+
+def test_a_pipeline_matches_one_process(train_llama):
+    """Fix 10: a 2-stage pipeline (1F1B, 2 microbatches) backpropagates the loss divided by the
+    global loss frames before the schedule's backward, as one process does: the same grad norm
+    (torchtitan 0.2.2's is global_valid_tokens times larger) and so the same losses."""
+    native = ("--model.flavor", "native", "--training.local_batch_size", "4")
+    ref = train_llama(*native)
+    got = train_llama(
+        *native,
+        "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_microbatch_size", "2",
+        nproc=2,
+    )  # fmt: skip
+    assert_same_steps(got, ref)

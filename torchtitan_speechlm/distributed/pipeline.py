@@ -161,9 +161,15 @@ class StageLoss:
     def __init__(self, loss: SpeechLMLoss, last_stage: nn.Module):
         self.loss, self.last_stage = loss, last_stage
 
-    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, output: torch.Tensor, labels: torch.Tensor, global_valid_tokens=None
+    ) -> torch.Tensor:
+        """``global_valid_tokens``: given by a torchtitan that passes it to the schedule's
+        loss (patches/0010), which then divides no more after the step."""
         pred = self.last_stage.take_stage_output(output)
         loss_sum = self.loss(pred, labels, count_micro_batch=False)
+        if global_valid_tokens is not None:
+            return loss_sum / global_valid_tokens
         return pipeline_stage_loss(loss_sum, self.loss.global_valid_tokens)
 
 
