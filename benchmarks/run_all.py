@@ -14,6 +14,7 @@ BENCHES = [  # each writes its JSON under benchmarks/results/ (docs/performance.
     ["benchmarks/bench_wave_store.py"],  # prepared forms for a continuous audio encoder
     ["benchmarks/bench_audio_encoder.py"],  # continuous audio vs codec tokens: step, memory
     ["benchmarks/bench_lora.py"],  # LoRA vs full fine-tuning: step time, peak memory
+    ["benchmarks/bench_pipeline.py"],  # PP bubble per schedule vs theory, per-stage memory
     ["benchmarks/bench_memory_model.py"],  # activation memory per frame and layer (performance.md)
     ["benchmarks/bench_learning.py", "--sweep"],  # ~30 min alone on 2 cores (docs/quality.md)
 ]
