@@ -18,7 +18,8 @@ not averaged (``compat.sum_gradients_in_ddp``, fix 7). FSDP/HSDP get the same be
 ``disable_fsdp_gradient_division``.
 
 Tensor parallelism (with sequence parallelism) is torchtitan's own llama3 plan on the ``native``
-backbone; context, pipeline and expert parallelism are refused with the reason.
+backbone; expert parallelism is torchtitan's MoE plan (distributed/expert_parallel.py), pipelines
+are cut by distributed/pipeline.py; context parallelism is refused with the reason.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ from torchtitan.models.llama3.infra.parallelize import (
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.distributed.batch import accumulation_steps
+from torchtitan_speechlm.distributed.expert_parallel import (
+    apply_expert_parallel,
+    check_expert_parallel,
+    shard_experts,
+)
 from torchtitan_speechlm.model.lora import ADAPTER, lora_layers
 from torchtitan_speechlm.utils.compat import (
     force_sum_reduction_on_cpu,
@@ -46,10 +52,13 @@ from torchtitan_speechlm.utils.compat import (
 
 
 def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
-    check_parallelism(job_config, model.family)
+    check_parallelism(job_config, model.family, model.args.backbone_config)
     if parallel_dims.tp_enabled:
         apply_tensor_parallel(model, parallel_dims.get_mesh("tp"))
         logger.info("Applied tensor + sequence parallelism (torchtitan's llama3 plan)")
+    if parallel_dims.ep_enabled:
+        apply_expert_parallel(model, parallel_dims)
+        logger.info(f"Applied expert parallelism (EP={parallel_dims.ep}, torchtitan's MoE plan)")
     apply_freeze(model, job_config.speechlm.freeze)
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
@@ -82,6 +91,11 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
             reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
             cpu_offload=job_config.training.enable_cpu_offload,
             reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward != "never",
+            experts=(
+                (parallel_dims.get_optional_mesh("efsdp"), parallel_dims.ep)
+                if parallel_dims.ep_enabled
+                else None
+            ),
         )
         logger.info(
             "Applied %s to the SpeechLM", "HSDP" if parallel_dims.dp_replicate_enabled else "FSDP"
@@ -106,12 +120,12 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
 UNSUPPORTED = {
     "context": "packed rows are split into their documents, which context parallelism would "
     "have to shard again (and torch's CPU SDPA has no context-parallel rule)",
-    "expert": "the MoE backbones run transformers' experts, which torchtitan cannot shard",
 }
 
 
-def check_parallelism(job_config, family) -> None:
+def check_parallelism(job_config, family, backbone_config: dict | None = None) -> None:
     """Refuse, naming the reason, what cannot work (called before any rank starts, too)."""
+    check_expert_parallel(job_config, family, backbone_config)
     p = job_config.parallelism
     degrees = {
         "tensor": p.tensor_parallel_degree,
@@ -124,7 +138,7 @@ def check_parallelism(job_config, family) -> None:
             raise ValueError(
                 f"parallelism.{name}_parallel_degree = {degree}: not supported: "
                 f"{UNSUPPORTED[name]}. FSDP/HSDP/DDP, tensor and pipeline parallelism "
-                "(flavor native) are"
+                "(flavor native) and expert parallelism (flavor qwen3, MoE) are"
             )
     if degrees["tensor"] > 1 and not family.tensor_parallel:
         raise ValueError(
@@ -236,11 +250,16 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
+    experts: tuple | None = None,
 ) -> None:
+    """``experts``: (efsdp mesh, EP degree) with expert parallelism: each MoE block's routed
+    experts become a unit of their own on that mesh (distributed/expert_parallel.py)."""
     config = {"mesh": dp_mesh, "mp_policy": MixedPrecisionPolicy(param_dtype, reduce_dtype)}
     if cpu_offload:
         config["offload_policy"] = CPUOffloadPolicy()
     for block in blocks(model):
+        if experts is not None and getattr(block, "moe_enabled", False):
+            shard_experts(block, experts[0], config, experts[1], reshard_after_forward)
         fully_shard(block, **config, reshard_after_forward=reshard_after_forward)
     # The root's inputs stay as the loader made them: FSDP would cast the float ones (loss
     # weights, data statistics such as frame counts) to bf16, which cannot hold 513 exactly.

@@ -23,7 +23,7 @@ def validate_job_config(job_config, plan: RunPlan) -> None:
     the fix): the parallel layout for its backbone, contradicting keys, LoRA, and inside a rank
     the world size."""
     try:
-        check_parallelism(job_config, plan.family)
+        check_parallelism(job_config, plan.family, plan.backbone_config)
         check_pipeline(job_config, plan.family, plan.backbone_config, plan.model_args(job_config))
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -67,6 +67,14 @@ def check_layout(job_config, world_size: int) -> None:
         )
     t = job_config.training
     dp = data_parallel_degree(p, world_size)
+    ep, shard = p.expert_parallel_degree, dp // p.data_parallel_replicate_degree
+    if ep > 1 and (shard * p.context_parallel_degree) % ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {ep} must divide the data-parallel shard "
+            f"degree x context-parallel degree ({shard} x {p.context_parallel_degree}): expert "
+            "parallelism borrows those ranks (torchtitan's ParallelDims); start more ranks or "
+            "lower the expert degree"
+        )
     if t.global_batch_size > 0 and t.global_batch_size % (t.local_batch_size * dp):
         step = t.local_batch_size * dp
         lower = max(step, t.global_batch_size // step * step)
