@@ -12,7 +12,7 @@ Interleaved1F1B with ``v = 2`` stages per rank. Peak memory: each rank's peak RS
     python benchmarks/bench_pipeline.py [--steps 8] [--micro 4,2,1]
 
 Smallest setting (a smoke test of the script): ``--steps 2 --micro 2 --hidden 32 --layers 4
---seq-len 128 --schedules 1F1B --work DIR --out FILE``.
+--seq-len 512 --schedules 1F1B --work DIR --out FILE``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MEMORY = re.compile(r"\[rank(\d+)\]:.*step:\s*(\d+).*memory:\s*([\d.]+)GiB")
+# the console's step line ("[rankN]:" prefixed by torchrun; a single process has none)
+MEMORY = re.compile(r"^(?:\[rank(\d+)\]:)?.*step:\s*\d+.*memory:\s*([\d.]+)GiB", re.M)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,9 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--micro", default="4,2,1", help="microbatch sizes (local batch 8)")
     p.add_argument("--schedules", default="1F1B,GPipe,Interleaved1F1B")
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--local-batch", type=int, default=8)
     p.add_argument("--work", default="/tmp/bench_pipeline")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline_cpu.json"))
@@ -78,8 +79,8 @@ def train(args, a: dict, name: str, nproc: int, flags: list[str]) -> dict:
         rows = [json.loads(line) for line in f]
     times = [m["time_metrics/end_to_end(s)"] for m in rows if m["step"] > 2]
     memory: dict[int, float] = {}
-    for rank, _, gib in MEMORY.findall(r.stdout + r.stderr):
-        memory[int(rank)] = max(memory.get(int(rank), 0.0), float(gib))
+    for rank, gib in MEMORY.findall(r.stdout + r.stderr):
+        memory[int(rank or 0)] = max(memory.get(int(rank or 0), 0.0), float(gib))
     return {
         "step_s": statistics.median(times or [rows[-1]["time_metrics/end_to_end(s)"]]),
         "loss": rows[-1]["loss_metrics/global_avg_loss"],
@@ -104,7 +105,7 @@ def main(argv=None) -> None:
             row = {"schedule": schedule, "microbatches": m, "theory_bubble": theory(schedule, p, m),
                    "measured_bubble": bubble, "speedup_vs_one_process": one["step_s"] / got["step_s"],
                    "same_loss": abs(got["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]),
-                   "peak_memory_ratio_per_rank": [g / max(one["peak_memory_gib_per_rank"] or [1])
+                   "peak_memory_ratio_per_rank": [g / one["peak_memory_gib_per_rank"][0]
                                                   for g in got["peak_memory_gib_per_rank"]],
                    **got}  # fmt: skip
             rows.append(row)
