@@ -57,6 +57,17 @@ Four more, not about CPUs:
    becomes ``CheckpointSaveError`` naming the folder, the error and the intact checkpoint a
    rerun resumes from, instead of DCP's multi-rank traceback (our message, not upstream's bug).
 
+And one for mixture-of-experts layers on a CPU:
+
+10. ``torchtitan/models/moe/moe.py`` counts the tokens of each expert with ``torch.histc`` on the
+    router's int64 expert indices (``TokenChoiceTopKRouter.forward``, ``TokenReorderer.forward``),
+    which torch implements for CUDA only ("histogram_cpu" not implemented for 'Long'), so
+    torchtitan's MoE (the qwen3 backbone's MoE layers) cannot run on a CPU.
+    -> ``count_integers_with_histc_on_cpu()`` lets ``torch.histc`` count integer CPU tensors as
+    float32 (exact below 2**24 per bin) and return the counts in the input's dtype, as CUDA's
+    does; every other call is torch's own.
+    (patches/0010-moe-histc-on-cpu.diff)
+
 One of torch, not torchtitan:
 
 9. After a finished multi-process gloo run, interpreter teardown occasionally aborted a rank
@@ -192,6 +203,23 @@ def install_torchtitan_cpu_patches() -> None:
     tt_metrics.build_device_memory_monitor = build_cpu_memory_monitor
     tt_dist.set_pg_timeouts = set_pg_timeouts_cpu
     tt_dist._speechlm_cpu_patched = True
+
+
+def count_integers_with_histc_on_cpu() -> None:
+    """Fix 10 (idempotent): ``torch.histc`` of an integer CPU tensor counts it as float32, as
+    torchtitan's MoE router needs, in the input's dtype (CUDA and float inputs: torch's own)."""
+    if not workarounds_on() or getattr(torch.histc, "_speechlm_cpu_ints", False):
+        return
+    histc = torch.histc
+
+    def histc_counting_cpu_integers(input, *args, **kwargs):
+        if input.device.type == "cpu" and not input.is_floating_point():
+            # counted as float32, returned in the input's dtype (what CUDA's histc returns)
+            return histc(input.float(), *args, **kwargs).to(input.dtype)
+        return histc(input, *args, **kwargs)
+
+    histc_counting_cpu_integers._speechlm_cpu_ints = True
+    torch.histc = histc_counting_cpu_integers
 
 
 class CheckpointSaveError(RuntimeError):
