@@ -3,7 +3,7 @@
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
 texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8
-off, so that a torchtitan with the diffs applied can be shown to need none of them
+and 10 off, so that a torchtitan with the diffs applied can be shown to need none of them
 (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
@@ -57,17 +57,6 @@ Four more, not about CPUs:
    becomes ``CheckpointSaveError`` naming the folder, the error and the intact checkpoint a
    rerun resumes from, instead of DCP's multi-rank traceback (our message, not upstream's bug).
 
-And one for mixture-of-experts layers on a CPU:
-
-10. ``torchtitan/models/moe/moe.py`` counts the tokens of each expert with ``torch.histc`` on the
-    router's int64 expert indices (``TokenChoiceTopKRouter.forward``, ``TokenReorderer.forward``),
-    which torch implements for CUDA only ("histogram_cpu" not implemented for 'Long'), so
-    torchtitan's MoE (the qwen3 backbone's MoE layers) cannot run on a CPU.
-    -> ``count_integers_with_histc_on_cpu()`` lets ``torch.histc`` count integer CPU tensors as
-    float32 (exact below 2**24 per bin) and return the counts in the input's dtype, as CUDA's
-    does; every other call is torch's own.
-    (patches/0010-moe-histc-on-cpu.diff)
-
 One of torch, not torchtitan:
 
 9. After a finished multi-process gloo run, interpreter teardown occasionally aborted a rank
@@ -77,6 +66,17 @@ One of torch, not torchtitan:
    rank leaves with ``os._exit``. No torchtitan diff can fix torch's teardown, and the root
    cause in torch is not isolated: patches/0009-gloo-teardown-abort.md is the upstream report
    (what is seen, how often, what would reproduce it). Kept with the switch off.
+
+And one more of torchtitan's, for mixture-of-experts layers on a CPU:
+
+10. ``torchtitan/models/moe/moe.py`` counts the tokens of each expert with ``torch.histc`` on the
+    router's int64 expert indices (``TokenChoiceTopKRouter.forward``, ``TokenReorderer.forward``),
+    which torch implements for CUDA only ("histogram_cpu" not implemented for 'Long'), so
+    torchtitan's MoE (the qwen3 backbone's MoE layers) cannot run on a CPU.
+    -> ``count_integers_with_histc_on_cpu()`` lets ``torch.histc`` count integer CPU tensors as
+    float32 (exact below 2**24 per bin) and return the counts in the input's dtype, as CUDA's
+    does; every other call is torch's own.
+    (patches/0010-moe-histc-on-cpu.diff)
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan with the
-    patches/ diffs applied needs none of them)."""
+    """Fixes 1-8 and 10 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
+    with the patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
         raise RuntimeError(f"{SWITCH}={value!r}: expected 'on' (the default) or 'off'")
