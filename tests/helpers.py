@@ -29,6 +29,7 @@ def save_tiny_backbone(path, family="qwen3", vocab_size=96, tie=False, seed=0, *
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
     model = cls[1](cls[0](**common))
     model.save_pretrained(path)

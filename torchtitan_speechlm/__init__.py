@@ -8,6 +8,7 @@ torchtitan_speechlm` parses the same TOML and is told to use one of those.
 """
 
 from torchtitan_speechlm.utils.compat import (
+    count_integers_with_histc_on_cpu,
     install_checkpoint_safety,
     install_torchtitan_cpu_patches,
     use_cpu_when_no_accelerator,
@@ -16,6 +17,7 @@ from torchtitan_speechlm.utils.compat import (
 use_cpu_when_no_accelerator()
 install_torchtitan_cpu_patches()
 install_checkpoint_safety()
+count_integers_with_histc_on_cpu()
 
 from torchtitan_speechlm.trainer.spec import SPEC_NAME, register  # noqa: E402
 

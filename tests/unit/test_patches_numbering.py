@@ -67,7 +67,7 @@ def test_the_main_forms_follow_the_same_numbers():
 
 
 def test_the_switch_turns_every_torchtitan_fix_off_and_each_has_an_upstream_test():
-    """Fixes 1-8 (those with a torchtitan diff) read the switch, and each is exercised by a
+    """Fixes 1-8 and 10 (those with a torchtitan diff) read the switch, and each is exercised by a
     test of tests/upstream/test_each_fix.py; fix 9 (torch's) is not switched."""
     diffs = {n for n, paths in patch_files().items() if any(p.suffix == ".diff" for p in paths)}
     assert sorted({n for fixes in FIXES.values() for n in fixes}) == sorted(diffs)

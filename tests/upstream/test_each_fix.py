@@ -1,4 +1,4 @@
-"""What each workaround in utils/compat.py (fixes 1-8 and 10) does, tried as torchtitan is used.
+"""What each workaround in utils/compat.py (fixes 1-8, 10 and 11) does, tried as torchtitan is used.
 
 These are the tests of the sufficiency check (patches/check_sufficiency.py, `make
 patches-check`): with ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` they pass on a torchtitan with
@@ -32,6 +32,7 @@ FIXES = {
     "test_purge_never_counts_a_half_written_checkpoint": (8,),
     "test_a_resave_removes_the_old_index_before_the_ranks_write": (8,),
     "test_a_pipeline_matches_one_process": (10,),
+    "test_torchtitans_moe_routes_tokens_on_cpu": (11,),
 }
 
 STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--validation.enable", "false")
@@ -189,3 +190,39 @@ def test_a_pipeline_matches_one_process(train_llama):
         nproc=2,
     )  # fmt: skip
     assert_same_steps(got, ref)
+
+
+def test_torchtitans_moe_routes_tokens_on_cpu():
+    """Fix 11: torchtitan's MoE layer (token-choice router, for-loop experts) runs on a CPU,
+    its token counts integers that sum to tokens x top_k, its output each token's top-k
+    experts' SwiGLU outputs weighted by the router's scores."""
+    import torch
+    import torch.nn.functional as F
+    from torchtitan.models.moe import MoE, MoEArgs
+
+    torch.manual_seed(0)
+    args = MoEArgs(
+        num_experts=4,
+        num_shared_experts=0,
+        score_func="softmax",
+        top_k=2,
+        use_grouped_mm=False,
+        load_balance_coeff=None,
+        score_before_experts=False,
+    )
+    moe = MoE(args, dim=8, hidden_dim=16)
+    with torch.no_grad():
+        moe.init_weights(0.02, torch.device("cpu"))
+        x = torch.randn(2, 5, 8)
+        out = moe(x)
+        scores, chosen, counts = moe.router(x.view(-1, 8))
+    assert moe.tokens_per_expert.sum().item() == 2 * 5 * 2
+    assert not counts.is_floating_point() and counts.sum().item() == 20
+    e = moe.experts
+    want = torch.zeros(10, 8)
+    for t in range(10):
+        for k in range(2):
+            i, h = chosen[t, k], x.view(-1, 8)[t]
+            y = (F.silu(e.w1[i] @ h) * (e.w3[i] @ h)) @ e.w2[i].T
+            want[t] += scores[t, k] * y
+    torch.testing.assert_close(out.view(-1, 8), want, atol=1e-5, rtol=1e-5)

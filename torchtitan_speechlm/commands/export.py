@@ -25,6 +25,7 @@ import tempfile
 
 import torch
 
+from torchtitan_speechlm.model.backbones import split_stacked
 from torchtitan_speechlm.model.lora import (
     adapter_tensors,
     base_name,
@@ -64,7 +65,7 @@ def text_lm_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     out = {}
     for key, (name, rows) in text_tensor_map(model.args, state).items():
         value = state[name] if rows is None else state[name][rows]
-        out[key] = family.to_checkpoint(name, value, config)
+        out.update(split_stacked(key, family.to_checkpoint(name, value, config)))
     family = model.args.family
     if family.head_key and family.head_key not in out:  # a tied SpeechLM head: the embedding
         out[family.head_key] = out[family.embed_key]
@@ -77,11 +78,20 @@ def save_text_lm(model, state, out: str, dtype: torch.dtype, max_shard: int) -> 
 
     cfg = dict(model.args.backbone_config)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    text = {k: v.to(dtype) for k, v in text_lm_state(model, state).items()}
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config)
-    hf.load_state_dict(
-        {k: v.to(dtype) for k, v in text_lm_state(model, state).items()}, strict=True, assign=True
-    )
+    if set(text) != set(hf.state_dict()):
+        # checkpoint names that transformers' modules convert on load (e.g. the per-expert
+        # tensors of Qwen3-MoE, fused in its module): written as they are, as on the Hub
+        if config.tie_word_embeddings:
+            text.pop(model.args.family.head_key, None)
+        config.dtype = dtype
+        os.makedirs(out, exist_ok=True)
+        config.save_pretrained(out)
+        write_safetensors(text, out, max_shard)
+        return
+    hf.load_state_dict(text, strict=True, assign=True)
     hf.save_pretrained(out, max_shard_size=max_shard)
 
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.audio.encoders import AudioEncoderError
 from torchtitan_speechlm.model.audio.tower import AudioTower
-from torchtitan_speechlm.model.backbones import Backbone
+from torchtitan_speechlm.model.backbones import STACKED, Backbone, stacked_keys
 from torchtitan_speechlm.model.lora import is_lora_param, lora_init
 from torchtitan_speechlm.model.starting_point import load_starting_point
 from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
@@ -113,15 +113,20 @@ def _load_pretrained(
 ) -> None:
     """Copy checkpoint tensor ``key`` into parameter ``name``'s initial value (its text rows
     only for the embedding and head). A head missing from a tied checkpoint starts as the
-    embedding."""
-    if key not in reader and key == family.head_key and family.embed_key in reader:
+    embedding. A stacked key (``{}``: e.g. one tensor per expert) stacks its tensors along
+    dim 0."""
+    if key == family.head_key and key not in reader and family.embed_key in reader:
         key = family.embed_key
-    if key not in reader:
-        raise KeyError(
-            f"pretrained backbone {reader.directory} has no tensor {key!r} (needed for {name}); "
-            "is config.json from the same checkpoint as the safetensors?"
-        )
-    src = family.from_checkpoint(name, reader.get(key).float(), config)
+    keys = stacked_keys(key, full.shape[0])
+    for k in keys:
+        if k not in reader:
+            raise KeyError(
+                f"pretrained backbone {reader.directory} has no tensor {k!r} (needed for "
+                f"{name}); is config.json from the same checkpoint as the safetensors?"
+            )
+    tensors = [reader.get(k).float() for k in keys]
+    stacked = torch.stack(tensors) if STACKED in key else tensors[0]
+    src = family.from_checkpoint(name, stacked, config)
     target = full if rows is None else full[rows]
     if tuple(src.shape) != tuple(target.shape):
         raise ValueError(

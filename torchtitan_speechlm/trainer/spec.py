@@ -80,4 +80,4 @@ def register_speechlm_spec(
 def register() -> TrainSpec:
     """The built-in ``speechlm`` spec: flavor ``hf`` (transformers' decoders) and ``native``
     (torchtitan's llama3 blocks, tensor-parallel)."""
-    return register_speechlm_spec(SPEC_NAME, ("hf", "native"))
+    return register_speechlm_spec(SPEC_NAME, ("hf", "native", "qwen3"))

@@ -2,8 +2,8 @@
 
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
-texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8
-and 10 off, so that a torchtitan with the diffs applied can be shown to need none of them
+texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8,
+10 and 11 off, so that a torchtitan with the diffs applied can be shown to need none of them
 (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
@@ -57,14 +57,6 @@ Four more, not about CPUs:
    becomes ``CheckpointSaveError`` naming the folder, the error and the intact checkpoint a
    rerun resumes from, instead of DCP's multi-rank traceback (our message, not upstream's bug).
 
-10. ``torchtitan/train.py::Trainer.forward_backward_step``'s pipeline branch lets the schedule
-   backpropagate each microbatch's loss *sum* and divides by ``global_valid_tokens`` only after
-   ``pp_schedule.step`` (for the logged loss), so pipeline-parallel gradients (and grad_norm,
-   clipping) are ``global_valid_tokens`` times the non-pipeline ones (pytorch/torchtitan issue
-   #2972, fixed on main by passing the count to the loss, #2937). -> ``pipeline_stage_loss`` returns
-   a tensor whose value is the loss sum (what torchtitan adds up and divides) and whose gradient is
-   that of ``sum / global_valid_tokens``. (patches/0010-pipeline-loss-normalised-before-backward.diff)
-
 One of torch, not torchtitan:
 
 9. After a finished multi-process gloo run, interpreter teardown occasionally aborted a rank
@@ -74,6 +66,25 @@ One of torch, not torchtitan:
    rank leaves with ``os._exit``. No torchtitan diff can fix torch's teardown, and the root
    cause in torch is not isolated: patches/0009-gloo-teardown-abort.md is the upstream report
    (what is seen, how often, what would reproduce it). Kept with the switch off.
+
+Two more of torchtitan's, for pipelines and for mixture-of-experts layers on a CPU:
+
+10. ``torchtitan/train.py::Trainer.forward_backward_step``'s pipeline branch lets the schedule
+   backpropagate each microbatch's loss *sum* and divides by ``global_valid_tokens`` only after
+   ``pp_schedule.step`` (for the logged loss), so pipeline-parallel gradients (and grad_norm,
+   clipping) are ``global_valid_tokens`` times the non-pipeline ones (pytorch/torchtitan issue
+   #2972; main passes the count to the loss, per #2937 and #4194). -> ``pipeline_stage_loss`` returns
+   a tensor whose value is the loss sum (what torchtitan adds up and divides) and whose gradient is
+   that of ``sum / global_valid_tokens``. (patches/0010-pipeline-loss-normalised-before-backward.diff)
+
+11. ``torchtitan/models/moe/moe.py`` counts the tokens of each expert with ``torch.histc`` on the
+    router's int64 expert indices (``TokenChoiceTopKRouter.forward``, ``TokenReorderer.forward``),
+    which torch implements for CUDA only ("histogram_cpu" not implemented for 'Long'), so
+    torchtitan's MoE (the qwen3 backbone's MoE layers) cannot run on a CPU.
+    -> ``count_integers_with_histc_on_cpu()`` lets ``torch.histc`` count integer CPU tensors as
+    float32 (exact below 2**24 per bin) and return the counts in the input's dtype, as CUDA's
+    does; every other call is torch's own.
+    (patches/0011-moe-histc-on-cpu.diff)
 """
 
 from __future__ import annotations
@@ -95,8 +106,8 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8 and 10 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan with the
-    patches/ diffs applied needs none of them)."""
+    """Fixes 1-8, 10 and 11 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
+    with the patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
         raise RuntimeError(f"{SWITCH}={value!r}: expected 'on' (the default) or 'off'")
@@ -200,6 +211,23 @@ def install_torchtitan_cpu_patches() -> None:
     tt_metrics.build_device_memory_monitor = build_cpu_memory_monitor
     tt_dist.set_pg_timeouts = set_pg_timeouts_cpu
     tt_dist._speechlm_cpu_patched = True
+
+
+def count_integers_with_histc_on_cpu() -> None:
+    """Fix 11 (idempotent): ``torch.histc`` of an integer CPU tensor counts it as float32, as
+    torchtitan's MoE router needs, in the input's dtype (CUDA and float inputs: torch's own)."""
+    if not workarounds_on() or getattr(torch.histc, "_speechlm_cpu_ints", False):
+        return
+    histc = torch.histc
+
+    def histc_counting_cpu_integers(input, *args, **kwargs):
+        if input.device.type == "cpu" and not input.is_floating_point():
+            # counted as float32, returned in the input's dtype (what CUDA's histc returns)
+            return histc(input.float(), *args, **kwargs).to(input.dtype)
+        return histc(input, *args, **kwargs)
+
+    histc_counting_cpu_integers._speechlm_cpu_ints = True
+    torch.histc = histc_counting_cpu_integers
 
 
 class CheckpointSaveError(RuntimeError):

@@ -28,6 +28,9 @@ class Backbone:
     # its module runs a subset of ``.layers`` (a ModuleDict, others deleted) and ``norm = None``
     # as a pipeline stage (distributed/pipeline.py)
     pipeline_parallel = False
+    # its MoE layers are torchtitan's (``layers[i].moe_enabled``, ``.moe.experts``: what
+    # torchtitan's ``apply_moe_ep_tp`` shards over an expert-parallel mesh)
+    expert_parallel = False
     embed_key: str | None = None  # checkpoint tensor of the text embedding (None: no weights)
     head_key: str | None = None  # checkpoint tensor of the text output head (tied: embed_key)
 
@@ -54,6 +57,11 @@ class Backbone:
 
     def moe(self, config: dict) -> tuple[int, int] | None:
         """(experts, experts per token) of a mixture-of-experts decoder, else None."""
+        return None
+
+    def expert_load(self, module: nn.Module) -> torch.Tensor | None:
+        """Tokens routed to each expert by the last forward, [MoE layers, experts] (padding
+        frames included), or None (dense, or a family that does not count them)."""
         return None
 
     # ---- module ----------------------------------------------------------------------------
@@ -96,7 +104,10 @@ class Backbone:
         return None
 
     def checkpoint_key(self, name: str) -> str | None:
-        """The checkpoint tensor of our decoder parameter ``name`` (``backbone.<...>``)."""
+        """The checkpoint tensor of our decoder parameter ``name`` (``backbone.<...>``). A key
+        with ``{}`` (``STACKED``) names one tensor per index of the parameter's first dimension
+        (e.g. per-expert tensors stacked into one [experts, ...] parameter): see
+        ``stacked_keys``."""
         return None
 
     def from_checkpoint(self, name: str, tensor: torch.Tensor, config: dict) -> torch.Tensor:
@@ -107,6 +118,22 @@ class Backbone:
     def to_checkpoint(self, name: str, tensor: torch.Tensor, config: dict) -> torch.Tensor:
         """Inverse of ``from_checkpoint``."""
         return tensor
+
+
+STACKED = "{}"
+
+
+def stacked_keys(key: str, n: int) -> list[str]:
+    """The checkpoint tensors behind ``key``: ``key`` itself, or for a stacked key (with
+    ``{}``) the ``n`` tensors ``key.format(0)`` ... ``key.format(n - 1)``, in order."""
+    return [key.format(i) for i in range(n)] if STACKED in key else [key]
+
+
+def split_stacked(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{checkpoint name: tensor}: a stacked key's tensor unbound along its first dimension."""
+    if STACKED not in key:
+        return {key: tensor}
+    return dict(zip(stacked_keys(key, tensor.shape[0]), tensor.unbind(0), strict=True))
 
 
 BACKBONES: Registry[Backbone] = Registry("backbone")
