@@ -224,10 +224,10 @@ def read_metrics(dump) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def make_varied_kaldi_assets(root, n_utts=40, seed=0, **backbone) -> dict:
+def make_varied_kaldi_assets(root, n_utts=40, seed=0, family="llama", **backbone) -> dict:
     """A corpus unlike the demo's: espeak-ng speech of 1 to 3 sentences (0.4-6 s, texts of 1
     to 40 words), in a Kaldi data dir where some utterances are segments of longer recordings,
-    prepared through the real Kaldi reader; a tiny *Llama* backbone."""
+    prepared through the real Kaldi reader; a tiny *Llama* backbone (or ``family``'s)."""
     import os
     import random
     import subprocess
@@ -239,7 +239,7 @@ def make_varied_kaldi_assets(root, n_utts=40, seed=0, **backbone) -> dict:
     from torchtitan_speechlm.prepare.pipeline import prepare_dataset
     from torchtitan_speechlm.utils.audio import load_audio
 
-    paths = tiny_model_assets(root, family="llama", seed=seed, **backbone)
+    paths = tiny_model_assets(root, family=family, seed=seed, **backbone)
     root = str(root)
     sentences = load_sentences()
     rng = random.Random(seed)

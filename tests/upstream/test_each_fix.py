@@ -1,4 +1,4 @@
-"""What each workaround in utils/compat.py (fixes 1-8, 10 and 11) does, tried as torchtitan is used.
+"""What each workaround in utils/compat.py (fixes 1-8, 10-12) does, tried as torchtitan is used.
 
 These are the tests of the sufficiency check (patches/check_sufficiency.py, `make
 patches-check`): with ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` they pass on a torchtitan with
@@ -33,6 +33,7 @@ FIXES = {
     "test_a_resave_removes_the_old_index_before_the_ranks_write": (8,),
     "test_a_pipeline_matches_one_process": (10,),
     "test_torchtitans_moe_routes_tokens_on_cpu": (11,),
+    "test_expert_parallelism_matches_one_process": (12,),
 }
 
 STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--validation.enable", "false")
@@ -56,6 +57,13 @@ def train_llama(tmp_path_factory):
     return trainer(
         root, make_tiny_run_assets(root / "assets", n_items=24, family="llama", num_layers=4)
     )
+
+
+@pytest.fixture(scope="module")
+def train_moe(tmp_path_factory):
+    """``train`` with a Qwen3-MoE backbone (4 experts, top 2; the qwen3 flavor: experts)."""
+    root = tmp_path_factory.mktemp("moe")
+    return trainer(root, make_tiny_run_assets(root / "assets", n_items=24, family="qwen3_moe"))
 
 
 def trainer(root, assets):
@@ -226,3 +234,15 @@ def test_torchtitans_moe_routes_tokens_on_cpu():
             y = (F.silu(e.w1[i] @ h) * (e.w3[i] @ h)) @ e.w2[i].T
             want[t] += scores[t, k] * y
     torch.testing.assert_close(out.view(-1, 8), want, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_parallelism_matches_one_process(train_moe):
+    """Fix 12: expert parallelism's token permutation runs on CPU ranks (torchtitan's CPU
+    implementation, not its Triton kernel): EP=2 on 2 processes logs one process's losses and
+    grad norms with the same micro-batches (2 of 2 rows: the load-balance loss is a function of
+    each micro-batch's routing)."""
+    moe = ("--model.flavor", "qwen3", "--speechlm.load_balance_weight", "0.01",
+           "--training.local_batch_size", "2", "--training.global_batch_size", "4")  # fmt: skip
+    ref = train_moe(*moe)
+    got = train_moe(*moe, "--parallelism.expert_parallel_degree", "2", nproc=2)
+    assert_same_steps(got, ref)

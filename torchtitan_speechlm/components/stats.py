@@ -135,6 +135,9 @@ def finalise(sums: dict[str, float], micro_batches: float) -> dict[str, float]:
         if key.startswith("codes_"):
             out.update(code_usage(key, value))
             continue
+        if key == "expert_tokens":
+            out.update(expert_shares(value))
+            continue
         if key.startswith("count"):
             continue
         count_key = normaliser_of(key)
@@ -171,4 +174,16 @@ def code_usage(key: str, hist: torch.Tensor) -> dict[str, float]:
         p = h[h > 0] / total
         out[f"codes/stream{k}/{kind}_usage"] = float((h > 0).float().mean())
         out[f"codes/stream{k}/{kind}_perplexity"] = float(torch.exp(-(p * p.log()).sum()))
+    return out
+
+
+def expert_shares(tokens: torch.Tensor) -> dict[str, float]:
+    """An MoE's routing over the interval, from the tokens each expert received (all MoE layers,
+    all ranks): each expert's share (1 / experts when balanced) and the busiest expert's load
+    over the mean (1.0 when balanced; what expert-parallel ranks wait on)."""
+    total = float(tokens.sum())
+    if total <= 0:
+        return {}
+    out = {f"moe/expert{e}_share": float(t) / total for e, t in enumerate(tokens)}
+    out["moe/expert_load_max_over_mean"] = float(tokens.max()) * len(tokens) / total
     return out

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from torchtitan_speechlm.utils.compat import permute_tokens_on_cpu
+
 
 def check_expert_parallel(job_config, family, backbone_config: dict | None) -> None:
     """Refuse (ValueError naming the key and the fix) what expert parallelism cannot run."""
@@ -58,6 +60,7 @@ def apply_expert_parallel(model: nn.Module, parallel_dims) -> None:
     blocks, ``moe_enabled`` where they hold an MoE)."""
     from torchtitan.models.llama4.infra.parallelize import apply_moe_ep_tp
 
+    permute_tokens_on_cpu()  # compat fix 12
     apply_moe_ep_tp(
         model.backbone,
         tp_mesh=None,

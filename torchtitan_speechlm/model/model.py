@@ -135,6 +135,9 @@ class SpeechLM(ModelProtocol):
         if targets is None:
             return self.head.logits(h, tied)
         out = self._loss(h, aux, targets, loss_weights, tied)
+        load = self.family.expert_load(self.backbone)
+        if load is not None:  # tokens routed to each expert, all MoE layers (stats.py: shares)
+            out.stats["expert_tokens"] = load.detach().float().sum(0)
         if data_stats is not None:
             out.stats["data_stats"] = data_stats.detach().float().sum(0)
         if self.audio_encoder is not None:  # clips the tower ran on (MFU counts them)

@@ -3,7 +3,7 @@
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
 texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8,
-10 and 11 off, so that a torchtitan with the diffs applied can be shown to need none of them
+10-12 off, so that a torchtitan with the diffs applied can be shown to need none of them
 (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
@@ -67,7 +67,7 @@ One of torch, not torchtitan:
    cause in torch is not isolated: patches/0009-gloo-teardown-abort.md is the upstream report
    (what is seen, how often, what would reproduce it). Kept with the switch off.
 
-Two more of torchtitan's, for pipelines and for mixture-of-experts layers on a CPU:
+Three more of torchtitan's, for pipelines and for mixture-of-experts layers on a CPU:
 
 10. ``torchtitan/train.py::Trainer.forward_backward_step``'s pipeline branch lets the schedule
    backpropagate each microbatch's loss *sum* and divides by ``global_valid_tokens`` only after
@@ -85,6 +85,13 @@ Two more of torchtitan's, for pipelines and for mixture-of-experts layers on a C
     float32 (exact below 2**24 per bin) and return the counts in the input's dtype, as CUDA's
     does; every other call is torch's own.
     (patches/0011-moe-histc-on-cpu.diff)
+
+12. ``torchtitan/models/moe/utils.py::_permute`` (expert parallelism's token dispatch,
+    ``ExpertParallel._token_dispatch``) calls ``generate_permute_indices`` without its
+    ``use_cpu`` flag, so the permutation always runs torchtitan's Triton kernel, which has no CPU
+    driver: expert parallelism cannot run on CPU ranks. -> ``permute_tokens_on_cpu()`` passes
+    ``use_cpu=True`` for CPU tensors (torchtitan's own ``fill_indices_cpu``).
+    (patches/0012-moe-permute-on-cpu.diff)
 """
 
 from __future__ import annotations
@@ -106,7 +113,7 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8, 10 and 11 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
+    """Fixes 1-8 and 10-12 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
     with the patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
@@ -431,3 +438,21 @@ def pipeline_stage_loss(loss_sum: torch.Tensor, global_valid_tokens) -> torch.Te
     count = torch.as_tensor(global_valid_tokens, dtype=loss_sum.dtype, device=loss_sum.device)
     scaled = loss_sum / count
     return scaled + (loss_sum - scaled).detach()
+
+
+def permute_tokens_on_cpu() -> None:
+    """Fix 12 (idempotent): expert parallelism's token permutation on CPU tensors runs
+    torchtitan's CPU implementation instead of its Triton kernel."""
+    from torchtitan.models.moe import utils
+
+    if not workarounds_on() or getattr(utils.generate_permute_indices, "_speechlm_cpu", False):
+        return
+    original = utils.generate_permute_indices
+
+    def generate_permute_indices(tokens_per_expert_group, *args, **kwargs):
+        if tokens_per_expert_group.device.type == "cpu":
+            kwargs.setdefault("use_cpu", True)
+        return original(tokens_per_expert_group, *args, **kwargs)
+
+    generate_permute_indices._speechlm_cpu = True
+    utils.generate_permute_indices = generate_permute_indices
