@@ -61,12 +61,12 @@ def assets(args) -> dict:
     return a
 
 
-def train(args, a: dict, name: str, nproc: int, flags: list[str]) -> dict:
+def train(args, a: dict, name: str, nproc: int, flags: list[str], flavor: str = "native") -> dict:
     """One run: median step seconds after the first two steps, each rank's peak memory."""
     dump = Path(args.work) / name
     cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "train", "--job.config_file",
            a["config"], "--nproc-per-node", str(nproc), "--job.dump_folder", str(dump),
-           "--model.flavor", "native", "--validation.enable", "false",
+           "--model.flavor", flavor, "--validation.enable", "false",
            "--checkpoint.enable", "false", "--training.steps", str(args.steps),
            "--training.local_batch_size", str(args.local_batch),
            "--training.seq_len", str(args.seq_len), *flags]  # fmt: skip

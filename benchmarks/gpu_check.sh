@@ -16,7 +16,8 @@
 #      text-only configs: frames/s, MFU, peak memory, ratios;
 #   3. the same at the Qwen3-1.7B shape (speech, compiled);
 #   4. loss-side memory at a 151,936-word vocabulary x 8 streams x 8k frames vs naive logits;
-#   5. LoRA vs full fine-tuning at the Qwen3-0.6B shape: step time, peak memory (lora_cuda.json).
+#   5. LoRA vs full fine-tuning at the Qwen3-0.6B shape: step time, peak memory (lora_cuda.json);
+#   6-7. with 2 GPUs or more: a pipeline step per schedule and an expert-parallel step.
 set -uo pipefail
 out=${1:-benchmarks/results/gpu}
 mkdir -p "$out"
@@ -49,5 +50,18 @@ step vs_llama3_1.7b_compile 110 python3 benchmarks/bench_vs_llama3.py --shape qw
   --repeats 3 --compile --configs speech
 step loss_memory 40 python3 benchmarks/bench_loss_memory.py
 step lora 90 python3 benchmarks/bench_lora.py --device cuda --shape qwen3_0.6b --repeats 5
+# 6-7. pipeline (bubble per schedule vs theory, per-rank memory) and expert parallelism (EP step
+# vs EP=1 at equal global batch): 2 ranks each, and NCCL takes one GPU per rank, so they run only
+# on a machine with 2 GPUs or more (their corpus is espeak-ng speech: the image needs espeak-ng)
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$ngpu" -ge 2 ] && command -v espeak-ng >/dev/null; then
+  step pipeline 150 python3 benchmarks/bench_pipeline.py --steps 8 --hidden 1024 --layers 16 \
+    --seq-len 2048 --schedules 1F1B,Interleaved1F1B --micro 2,1 --out "$out/pipeline_cuda.json"
+  step expert_parallel 120 python3 benchmarks/bench_expert_parallel.py --steps 8 --hidden 1024 \
+    --layers 8 --experts 16 --seq-len 2048 --out "$out/expert_parallel_cuda.json"
+else
+  echo "== pipeline, expert_parallel: skipped ($ngpu GPU(s); each needs 2, and espeak-ng)" \
+    | tee -a "$out/steps.log"
+fi
 cp benchmarks/results/*gpu*.json "$out/" 2>/dev/null
 ls -la "$out"
