@@ -353,3 +353,29 @@ def make_step_dirs(folder, complete: list[int], partial: list[int]) -> None:
         (d / "__0_0.distcp").write_bytes(b"x")
         if s in complete:
             (d / ".metadata").write_bytes(b"m")
+
+
+def packed_row(layout, lengths: list[int], seed: int):
+    """[1, sum(lengths), 3] random frames and their positions, restarting at every sample."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    inputs = torch.stack(
+        [torch.randint(*layout.stream_range(k), (n,), generator=g) for k in range(3)], -1
+    )[None]
+    return inputs, torch.cat([torch.arange(m) for m in lengths])[None]
+
+
+def assert_packed_row_equals_each_sample(model, lengths: list[int], seed: int) -> None:
+    """The logits of a row packing samples of ``lengths`` (positions restarting at each) equal
+    each sample's logits alone: document attention and per-sample positions."""
+    inputs, pos = packed_row(model.args.layout, lengths, seed=seed)
+    with torch.no_grad():
+        packed = model.logits(inputs, position_ids=pos)
+        at = 0
+        for n in lengths:
+            alone = model.logits(inputs[:, at : at + n])
+            for k in range(len(alone)):
+                torch.testing.assert_close(
+                    packed[k][:, at : at + n], alone[k], atol=1e-5, rtol=1e-5
+                )
+            at += n

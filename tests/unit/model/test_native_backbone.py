@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import build_speechlm, random_batch, save_tiny_backbone, text_only_inputs
+from tests.helpers import (
+    assert_packed_row_equals_each_sample,
+    build_speechlm,
+    packed_row,
+    random_batch,
+    save_tiny_backbone,
+    text_only_inputs,
+)
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -32,32 +39,10 @@ def test_native_and_hf_backbones_give_the_same_loss(tmp_path):
     torch.testing.assert_close(a.loss_sum, b.loss_sum, atol=1e-4, rtol=1e-5)
 
 
-def packed_row(layout, lengths: list[int], seed: int):
-    """[1, sum(lengths), 3] random frames and their positions, restarting at every sample."""
-    g = torch.Generator().manual_seed(seed)
-    n = sum(lengths)
-    inputs = torch.stack(
-        [torch.randint(*layout.stream_range(k), (n,), generator=g) for k in range(3)], -1
-    )[None]
-    return inputs, torch.cat([torch.arange(m) for m in lengths])[None]
-
-
 def test_a_packed_row_equals_each_sample_alone(tmp_path):
     save_tiny_backbone(tmp_path / "llama", family="llama")
     model = build_speechlm(tmp_path / "llama", backbone="native").eval()
-    lay = model.args.layout
-    lengths = [5, 11, 3, 9]
-    inputs, pos = packed_row(lay, lengths, seed=1)
-    with torch.no_grad():
-        packed = model.logits(inputs, position_ids=pos)
-        at = 0
-        for n in lengths:
-            alone = model.logits(inputs[:, at : at + n])
-            for k in range(3):
-                torch.testing.assert_close(
-                    packed[k][:, at : at + n], alone[k], atol=1e-5, rtol=1e-5
-                )
-            at += n
+    assert_packed_row_equals_each_sample(model, [5, 11, 3, 9], seed=1)
 
 
 def test_text_lm_export_of_the_native_backbone_loads_in_transformers(tmp_path):

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from tests.helpers import (
+    assert_packed_row_equals_each_sample,
     build_speechlm,
     make_tiny_run_assets,
+    packed_row,
     random_batch,
     read_metrics,
     run_train,
@@ -19,7 +21,6 @@ from tests.helpers import (
     text_only_inputs,
     write_tiny_config,
 )
-from tests.unit.model.test_native_backbone import packed_row
 
 DENSE = dict(hidden_size=64, head_dim=16, intermediate_size=96)
 MOE = dict(
@@ -147,18 +148,7 @@ def test_tokens_per_expert_count_every_frame_top_k_times(tmp_path):
 def test_a_packed_row_equals_each_sample_alone(tmp_path, variant):
     save(tmp_path, variant)
     model = build_speechlm(tmp_path / variant, backbone="qwen3").eval()
-    lengths = [5, 11, 3, 9]
-    inputs, pos = packed_row(model.args.layout, lengths, seed=1)
-    with torch.no_grad():
-        packed = model.logits(inputs, position_ids=pos)
-        at = 0
-        for n in lengths:
-            alone = model.logits(inputs[:, at : at + n])
-            for k in range(3):
-                torch.testing.assert_close(
-                    packed[k][:, at : at + n], alone[k], atol=1e-5, rtol=1e-5
-                )
-            at += n
+    assert_packed_row_equals_each_sample(model, [5, 11, 3, 9], seed=1)
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe_mixed"])

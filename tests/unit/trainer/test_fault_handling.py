@@ -316,11 +316,12 @@ def test_heartbeats_name_the_rank_that_stopped(monkeypatch):
 
 
 # ---- 6. config and environment ------------------------------------------------------------------
-def _layout_cfg(world_replicate=1, shard=-1, tp=1, pp=1, cp=1, local=2, global_=0, **ckpt):
+def _layout_cfg(world_replicate=1, shard=-1, tp=1, pp=1, cp=1, ep=1, local=2, global_=0, **ckpt):
     return SimpleNamespace(
         parallelism=SimpleNamespace(
             data_parallel_replicate_degree=world_replicate, data_parallel_shard_degree=shard,
             tensor_parallel_degree=tp, pipeline_parallel_degree=pp, context_parallel_degree=cp,
+            expert_parallel_degree=ep,
         ),
         training=SimpleNamespace(local_batch_size=local, global_batch_size=global_, steps=10),
         checkpoint=SimpleNamespace(
@@ -349,6 +350,9 @@ def test_impossible_layouts_and_batches_are_refused_naming_key_and_fix():
     ):
         check_layout(_layout_cfg(tp=3), 4)
     check_layout(_layout_cfg(local=2, global_=8), 2)
+    check_layout(_layout_cfg(ep=2), 4)  # EP borrows 2 of the 4 data-parallel ranks
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree = 4 must divide .*\(2 x 1\)"):
+        check_layout(_layout_cfg(ep=4), 2)
     with pytest.raises(
         ConfigError,
         match=r"training.global_batch_size = 6 is not a multiple of training.local_batch_size \(2\) x the data-parallel degree \(2\) = 4: .*e.g. 4 or 8",
