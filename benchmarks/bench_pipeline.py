@@ -104,7 +104,8 @@ def main(argv=None) -> None:
             bubble = 1 - one["step_s"] / (p * got["step_s"])
             row = {"schedule": schedule, "microbatches": m, "theory_bubble": theory(schedule, p, m),
                    "measured_bubble": bubble, "speedup_vs_one_process": one["step_s"] / got["step_s"],
-                   "same_loss": abs(got["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"]),
+                   # float order differs (microbatch sums); lr 1e-2 amplifies it over the steps
+                   "loss_rel_diff": abs(got["loss"] - one["loss"]) / abs(one["loss"]),
                    "peak_memory_ratio_per_rank": [g / one["peak_memory_gib_per_rank"][0]
                                                   for g in got["peak_memory_gib_per_rank"]],
                    **got}  # fmt: skip
