@@ -49,6 +49,8 @@ from torchtitan.tools.logging import logger
 from torchtitan_speechlm.components.loss import SpeechLMLoss
 from torchtitan_speechlm.utils.compat import pipeline_stage_loss
 
+# zero-bubble schedules, whose backward runs in two halves (refused: see stage_layout)
+SPLIT_BACKWARD = ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV")
 # the trainer hands these to every stage (the first also gets the token frames)
 STAGE_KWARGS = ("targets", "loss_weights", "position_ids")
 
@@ -62,6 +64,12 @@ def stage_layout(parallelism, n_layers: int) -> tuple[list[list[str]], int]:
         schedule = get_schedule_class(p.pipeline_parallel_schedule)
     except ValueError as e:
         raise ValueError(f"{key} = {p.pipeline_parallel_schedule!r}: {e}") from None
+    if p.pipeline_parallel_schedule in SPLIT_BACKWARD:
+        raise ValueError(
+            f"{key} = {p.pipeline_parallel_schedule!r}: its split backward (input gradients, then "
+            "weight gradients) fails on the SpeechLM's stages in torch 2.13 (\"Can't detach "
+            'views in-place"); use 1F1B, Interleaved1F1B or GPipe'
+        )
     single = issubclass(schedule, PipelineScheduleSingle)
     first, last = (
         p.pipeline_parallel_first_stage_less_layers,

@@ -113,6 +113,7 @@ def test_ranks_run_looped_or_v_shaped_stages():
         (dict(pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=2), "does not divide the 3 stages"),
         (dict(pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=1), "runs one stage per rank, but the layout has 3"),
         (dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="Bogus"), "pipeline_parallel_schedule = 'Bogus'"),
+        (dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble"), "use 1F1B, Interleaved1F1B or GPipe"),
     ],
 )  # fmt: skip
 def test_a_layout_torchtitans_rules_refuse_names_the_key(settings, words):
