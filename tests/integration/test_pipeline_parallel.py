@@ -155,8 +155,11 @@ def test_a_checkpoint_continues_across_pipeline_layouts(assets, runs, tmp_path, 
     )
 
 
-def test_export_reads_a_pipeline_checkpoint(runs, tmp_path):
+def test_export_generate_and_eval_read_a_pipeline_checkpoint(runs, tmp_path):
+    """export writes the same model from a pipeline checkpoint as from a one-process one, and
+    the loader of generate and eval reads the pipeline's step folder as it is."""
     from tests import forked
+    from torchtitan_speechlm.generation.loading import load_model
     from torchtitan_speechlm.model.model import SpeechLM
 
     out = {}
@@ -173,9 +176,11 @@ def test_export_reads_a_pipeline_checkpoint(runs, tmp_path):
         )
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     a, b = SpeechLM.from_pretrained(str(out["one"])), SpeechLM.from_pretrained(str(out["pp_1f1b"]))
-    sa, sb = a.state_dict(), b.state_dict()
+    step = load_model(str(runs("pp_1f1b") / "checkpoint" / f"step-{STEPS}")).model
+    sa, sb, sc = a.state_dict(), b.state_dict(), step.state_dict()
     for key in sa:
         torch.testing.assert_close(sb[key], sa[key], atol=2e-5, rtol=1e-5, msg=key)
+        torch.testing.assert_close(sc[key], sb[key], atol=0, rtol=0, msg=key)
 
 
 REFUSED = [  # (flags, words the one-line error must hold); stage layouts: tests/unit/distributed
