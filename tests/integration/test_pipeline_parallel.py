@@ -35,6 +35,7 @@ PATTERNS = {  # flatten: a frame is N positions, so rows are N times longer
 }
 LAYOUTS = {  # name: (processes, flags)
     "one": (1, ()),
+    "fsdp": (2, ("--parallelism.data_parallel_shard_degree", "2")),
     "pp_1f1b": (2, (*PP, *MICRO)),
     "pp_interleaved": (
         2,
@@ -104,7 +105,7 @@ def assert_same_training(ref_dump, got_dump, step=STEPS):
 
 @pytest.mark.parametrize(
     "name, pattern",
-    [(n, "delay") for n in LAYOUTS if n != "one"]
+    [(n, "delay") for n in LAYOUTS if n.startswith("pp")]
     + [("pp_1f1b", "parallel"), ("pp_1f1b", "flatten")],
 )
 def test_a_pipeline_trains_as_one_process(runs, name, pattern):
@@ -134,14 +135,11 @@ def resume(assets, tmp_path, source, nproc, flags):
         ("pp_1f1b", "one"),
         ("one", "pp_interleaved"),
         ("pp_1f1b", "fsdp"),
+        ("fsdp", "pp_1f1b"),
     ],
 )
 def test_a_checkpoint_continues_across_pipeline_layouts(assets, runs, tmp_path, source, target):
-    nproc, flags = (
-        (2, ("--parallelism.data_parallel_shard_degree", "2"))
-        if target == "fsdp"
-        else LAYOUTS[target]
-    )
+    nproc, flags = LAYOUTS[target]
     dump = resume(assets, tmp_path, runs(source), nproc, flags)
     a, b = (
         params(runs("one") / "checkpoint" / f"step-{STEPS}"),
