@@ -60,7 +60,6 @@ def assets(args) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    args.micro = ""  # bench_pipeline.train reads the common fields only
     a = assets(args)
     common = ["--speechlm.load_balance_weight", "0.01"]
     ep_flags = [*common, "--parallelism.expert_parallel_degree", str(args.ranks)]

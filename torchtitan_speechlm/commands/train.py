@@ -40,7 +40,7 @@ def log_rank(job_config, nproc: int) -> int:
     """The rank whose console the launcher shows: 0, or with pipeline parallelism the first
     rank of the last stage, where torchtitan computes and logs the loss."""
     p = job_config.parallelism
-    if p.pipeline_parallel_degree <= 1 or p.pipeline_parallel_schedule == "ZBVZeroBubble":
+    if p.pipeline_parallel_degree <= 1:
         return 0
     return nproc - nproc // p.pipeline_parallel_degree
 

@@ -33,7 +33,7 @@ def check_expert_parallel(job_config, family, backbone_config: dict | None) -> N
                 "without expert parallelism: set it to 1"
             )
         return
-    if not getattr(family, "expert_parallel", False):
+    if not family.expert_parallel:
         raise ValueError(
             f"{key} needs a backbone built from torchtitan's MoE layers: set model.flavor = "
             f'"qwen3" with a Qwen3-MoE folder; flavor {family.name!r} cannot shard its experts'

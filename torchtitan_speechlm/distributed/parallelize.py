@@ -219,7 +219,8 @@ def apply_freeze(model: nn.Module, prefixes: list[str]) -> None:
             )
         for p in hits:
             p.requires_grad_(False)
-        logger.info("Froze %d parameters under %s", len(hits), prefix)
+        if hits:
+            logger.info("Froze %d parameters under %s", len(hits), prefix)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

@@ -35,8 +35,6 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
-    ScheduleDualPipeV,
-    ScheduleZBVZeroBubble,
     get_schedule_class,
 )
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -47,6 +45,7 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.loss import SpeechLMLoss
+from torchtitan_speechlm.distributed.parallelize import apply_freeze
 from torchtitan_speechlm.utils.compat import pipeline_stage_loss
 
 # zero-bubble schedules, whose backward runs in two halves (refused: see stage_layout)
@@ -136,10 +135,9 @@ def check_stage_names(names: list[list[str]], n_layers: int) -> None:
         raise ValueError(f"{key}: {problem}; got {names}")
 
 
-def stage_indices(stages: int, pp: int, pp_rank: int, schedule: str) -> tuple[int, ...]:
-    """The stages rank ``pp_rank`` runs: looped (r, r + pp, ...) or V-shaped (torchtitan's)."""
-    if get_schedule_class(schedule) in (ScheduleZBVZeroBubble, ScheduleDualPipeV):
-        return tuple(zip(range(pp), range(stages - 1, pp - 1, -1), strict=True))[pp_rank]
+def stage_indices(stages: int, pp: int, pp_rank: int) -> tuple[int, ...]:
+    """The stages rank ``pp_rank`` runs, looped as torchtitan's (r, r + pp, ...); the V-shaped
+    schedules are the zero-bubble ones, refused (``SPLIT_BACKWARD``)."""
     return tuple(pp_rank + s * pp for s in range(stages // pp))
 
 
@@ -213,11 +211,11 @@ def pipeline_speechlm(
     p = job_config.parallelism
     pp_mesh = parallel_dims.get_mesh("pp")
     names, _ = stage_layout(p, len(model.backbone.layers))
+    # on the whole model: a stage may hold none of a prefix's parameters, the model must
+    apply_freeze(model, job_config.speechlm.freeze)
     stages, parts = [], []
     example = stage_examples(job_config, parallel_dims, model_args, device)
-    for idx in stage_indices(
-        len(names), pp_mesh.size(), pp_mesh.get_local_rank(), p.pipeline_parallel_schedule
-    ):
+    for idx in stage_indices(len(names), pp_mesh.size(), pp_mesh.get_local_rank()):
         part = stage_module(model, names[idx])
         logger.info(f"PP rank {pp_mesh.get_local_rank()} runs stage {idx}: {names[idx]}")
         first, last = idx == 0, idx == len(names) - 1
