@@ -129,14 +129,8 @@ def subcommand_parser(sub: str, argv: list[str]) -> argparse.ArgumentParser:
 
         pipeline.import_extensions(argv)
         return pipeline.build_parser()
-    if sub in ("generate", "eval"):
-        from torchtitan_speechlm.commands import generate as command
-
-        return captured_parser(command.generate_main if sub == "generate" else command.eval_main)
-    if sub == "export":
-        from torchtitan_speechlm.commands.export import main
-
-        return captured_parser(main)
+    if sub in cli.PARSERS:
+        return cli.PARSERS[sub]()
     raise CommandError(f"torchtitan {sub}: no argparse parser (train: use parse_train)")
 
 

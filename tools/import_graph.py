@@ -74,7 +74,8 @@ LAYERS: tuple[Layer, ...] = (
         "builders, the trainer, the start-up checks, how a rank ends on a fault",
     }),
     Layer("commands", {
-        "": "the entry points: the package (registers the spec), `cli` (the console script), "
+        "": "the entry points: the package (torchtitan's fixes around its first import), `cli` "
+        "(the console script: arguments parsed before a command loads), "
         "`train` (a torchrun rank)",
         "commands": "one module per `torchtitan` subcommand",
         "demo": "`make demo`",

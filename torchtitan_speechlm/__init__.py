@@ -1,39 +1,55 @@
 """torchtitan-speechlm: train speech language models with torchtitan's own train loop.
 
-Importing the package selects the CPU device when no accelerator exists (before torchtitan is
-imported, see utils/compat.py) and registers the `speechlm` TrainSpec for our `torchtitan train`
-console script and `torchrun -m torchtitan_speechlm.train` (torchtitan's Trainer subclassed:
-trainer/trainer.py). Stock `python -m torchtitan.train --experimental.custom_import
-torchtitan_speechlm` parses the same TOML and is told to use one of those.
+Importing the package loads neither torch nor torchtitan (``torchtitan --help`` and every
+command's ``--help`` answer at once: cli.py). It arranges, through ``utils/import_hooks.py``, that
+the first ``import torchtitan`` of the process runs our fixes around it (utils/compat.py): the CPU
+device is selected before torchtitan's modules run, and torchtitan's CPU, checkpoint and MoE fixes
+are installed right after. The ``speechlm`` TrainSpec registers when ``trainer/spec.py`` is
+imported, as every training entry point does (``torchtitan train``, ``torchrun -m
+torchtitan_speechlm.train``, the Python API); stock ``python -m torchtitan.train
+--experimental.custom_import torchtitan_speechlm`` imports torchtitan first, and the package then
+registers the spec at once.
 """
 
-from torchtitan_speechlm.utils.compat import (
-    count_integers_with_histc_on_cpu,
-    install_checkpoint_safety,
-    install_torchtitan_cpu_patches,
-    use_cpu_when_no_accelerator,
-)
+import sys
 
-use_cpu_when_no_accelerator()
-install_torchtitan_cpu_patches()
-install_checkpoint_safety()
-count_integers_with_histc_on_cpu()
+from torchtitan_speechlm.utils.import_hooks import around_import
 
-from torchtitan_speechlm.trainer.spec import SPEC_NAME, register  # noqa: E402
 
-register()
+def _before_torchtitan() -> None:
+    from torchtitan_speechlm.utils import compat
+
+    compat.use_cpu_when_no_accelerator()
+    compat.count_integers_with_histc_on_cpu()
+
+
+def _after_torchtitan() -> None:
+    from torchtitan_speechlm.utils import compat
+
+    compat.install_torchtitan_cpu_patches()
+    compat.install_checkpoint_safety()
+
+
+_TORCHTITAN_FIRST = "torchtitan" in sys.modules
+around_import("torchtitan", _before_torchtitan, _after_torchtitan)
+if _TORCHTITAN_FIRST:  # torchtitan's custom_import: the spec is looked up next
+    from torchtitan_speechlm.trainer import spec as _spec  # noqa: F401  (registers it)
 
 __all__ = ["SPEC_NAME", "EspnetData", "PreparedData", "TitanTrainer", "register"]
 _PYTHON_API = ("EspnetData", "PreparedData", "TitanTrainer")
 
 
 def __getattr__(name: str):
-    """``from torchtitan_speechlm import TitanTrainer``: the Python API is imported on first
-    use only, so importing the package (every rank, every CLI command) stays cheap."""
+    """``from torchtitan_speechlm import TitanTrainer`` (or ``register``, ``SPEC_NAME``): loaded
+    on first use, so that importing the package (every rank, every command) stays cheap."""
     if name in _PYTHON_API:
         import torchtitan_speechlm.python_api as api
 
         return getattr(api, name)
+    if name in ("SPEC_NAME", "register"):
+        from torchtitan_speechlm.trainer import spec
+
+        return getattr(spec, name)
     raise AttributeError(f"module 'torchtitan_speechlm' has no attribute {name!r}")
 
 

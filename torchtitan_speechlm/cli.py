@@ -1,9 +1,20 @@
 """The `torchtitan` console script: one subcommand per job (`train`, `prepare`, ...), each
-implemented in its own module (commands/train.py, prepare/)."""
+implemented in its own module (commands/, prepare/).
+
+Start-up is one rule: a command line is parsed by the command's argument module (standard library
+only: commands/*_args.py) before the command's implementation, and with it torch, is imported.
+So `torchtitan --help`, `torchtitan generate --help` and a mistyped flag answer in a fraction of
+a second; tests/unit/commands/test_startup.py holds it. `train` and `prepare` parse with what
+they register (torchtitan's config manager; the prepare sources), so they import first.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from collections.abc import Callable
+
+from torchtitan_speechlm.commands import export_args, generate_args
 
 SUBCOMMANDS = {
     "train": "train a model with torchtitan's loop (torchtitan train --job.config_file X.toml)",
@@ -11,6 +22,13 @@ SUBCOMMANDS = {
     "export": "write a training checkpoint as a self-contained model folder (and its text LM)",
     "generate": "TTS to a wav, ASR to text, speech continuation, from a checkpoint or an export",
     "eval": "word/character error rates and TTS scores of a model on prepared data",
+}
+
+# the subcommands whose arguments are parsed before their implementation is imported
+PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
+    "generate": generate_args.build_generate_parser,
+    "eval": generate_args.build_eval_parser,
+    "export": export_args.build_parser,
 }
 
 
@@ -27,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     cmd, rest = argv[0], argv[1:]
+    if cmd not in SUBCOMMANDS:
+        print(f"torchtitan: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    args = PARSERS[cmd]().parse_args(rest) if cmd in PARSERS else None  # --help ends here
     if cmd == "train":
         from torchtitan_speechlm.commands.train import train_command
 
@@ -36,15 +58,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return prepare_main(rest) or 0
     if cmd in ("generate", "eval"):
-        from torchtitan_speechlm.commands.generate import eval_main, generate_main
+        from torchtitan_speechlm.commands.generate import run_eval, run_generate
 
-        return (generate_main if cmd == "generate" else eval_main)(rest)
-    if cmd == "export":
-        from torchtitan_speechlm.commands.export import main as export_main
+        return (run_generate if cmd == "generate" else run_eval)(args)
+    from torchtitan_speechlm.commands.export import run as run_export
 
-        return export_main(rest)
-    print(f"torchtitan: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
-    return 2
+    return run_export(args)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,10 @@ LAZY_IMPORTS = {
     ("cli", "prepare.pipeline"): "as above (prepare: codecs, sources)",
     ("cli", "commands.generate"): "as above (generate / eval: judges, the report page)",
     ("cli", "commands.export"): "as above (export)",
+    ("", "utils.compat"): "importing the package loads no torch: its torchtitan fixes run around "
+    "the first `import torchtitan` (utils/import_hooks.py)",
+    ("", "trainer.spec"): "`torchtitan_speechlm.register` / `SPEC_NAME` on first use (the spec "
+    "imports torchtitan and the model)",
     ("generation.loading", "codecs"): "a codec loads only when audio is decoded: training imports "
     "generation.loading for its samples and must never import a codec (test above)",
 }

@@ -25,6 +25,7 @@ import tempfile
 
 import torch
 
+from torchtitan_speechlm.commands.export_args import DTYPE_NAMES, build_parser
 from torchtitan_speechlm.model.backbones import split_stacked
 from torchtitan_speechlm.model.lora import (
     adapter_tensors,
@@ -46,7 +47,7 @@ from torchtitan_speechlm.model.run_record import model_record, record_for_checkp
 from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
 from torchtitan_speechlm.utils.fileio import write_json_atomic
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32), strict=True))
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -225,26 +226,10 @@ def parse_size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="torchtitan export", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--checkpoint", required=True, help="a checkpoint folder: DUMP/checkpoint/step-N"
-    )
-    p.add_argument("--out", required=True, help="the folder to write")
-    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    p.add_argument(
-        "--text-only",
-        action="store_true",
-        help="write only the text LM inside, as a transformers causal-LM folder",
-    )
-    p.add_argument(
-        "--adapter",
-        action="store_true",
-        help="a LoRA run: keep the adapters apart (text/ base weights + adapter/, a PEFT "
-        "adapter folder) instead of merging them into the weights",
-    )
-    p.add_argument("--max-shard-size", default="5GB", help="split weights above this (5GB)")
-    p.add_argument("--force", action="store_true", help="replace an existing --out")
-    a = p.parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
 
     try:
         summary = export(

@@ -28,6 +28,7 @@ import json
 import os
 import sys
 
+from torchtitan_speechlm.commands.generate_args import build_eval_parser, build_generate_parser
 from torchtitan_speechlm.data.catalog import open_prepared, split_indices
 from torchtitan_speechlm.evaluation.judge_setup import JudgeOptions, build_judges
 from torchtitan_speechlm.evaluation.recordings import find_recordings
@@ -39,23 +40,6 @@ from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import load_model
 from torchtitan_speechlm.generation.sampling import Sampling
-
-
-def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("decoding")
-    g.add_argument("--temperature", type=float, default=0.0, help="audio sampling (0 = greedy)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--text-temperature", type=float, default=0.0, help="text (0 = greedy)")
-    g.add_argument("--text-top-k", type=int, default=0)
-    g.add_argument("--text-top-p", type=float, default=1.0)
-    g.add_argument("--cfg-scale", type=float, default=1.0, help="TTS guidance (1 = off)")
-    g.add_argument("--min-frames", type=int, default=1)
-    g.add_argument("--max-frames", type=int, default=500)
-    g.add_argument("--max-text-tokens", type=int, default=200)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
-    g.add_argument("--device", default="cpu")
 
 
 def decode_config(a) -> DecodeConfig:
@@ -103,18 +87,10 @@ def run_request(loaded, req: dict, cfg: DecodeConfig, out: str | None) -> dict:
 
 
 def generate_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="torchtitan generate", description="generate with a SpeechLM")
-    p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
-    p.add_argument("--task", help="tts, asr, continuation or answer (spoken QA)")
-    p.add_argument("--text", help="tts: the text to speak; answer: an instruction (optional)")
-    p.add_argument(
-        "--audio", help="asr / continuation / answer: an audio file (any rate, any channels)"
-    )
-    p.add_argument("--out", help="the wav (tts, continuation) or text file (asr, answer)")
-    p.add_argument("--batch", help="a JSONL file of requests")
-    p.add_argument("--out-dir", help="with --batch: where outputs and results.jsonl go")
-    add_decoding_args(p)
-    a = p.parse_args(argv)
+    return run_generate(build_generate_parser().parse_args(argv))
+
+
+def run_generate(a: argparse.Namespace) -> int:
 
     try:
         loaded = load_model(a.model, a.device)
@@ -148,71 +124,11 @@ def _batch(loaded, path: str, out_dir: str, cfg: DecodeConfig) -> int:
     return 1 if failed else 0
 
 
-def add_judge_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("judges (independent models scoring TTS; see docs/generation.md)")
-    g.add_argument(
-        "--judge-asr",
-        default="pocketsphinx",
-        metavar="NAME_OR_DIR",
-        help="ASR judge: a judge name, a transformers ASR model folder, or none",
-    )
-    g.add_argument(
-        "--judge-vocabulary",
-        metavar="eval|open|FILE",
-        help="pocketsphinx: eval (default: a free word loop over the set's words), open (its "
-        "shipped LM) or a file of words",
-    )
-    g.add_argument("--judge-grammar", metavar="FILE.jsgf", help="pocketsphinx: a JSGF grammar")
-    g.add_argument(
-        "--judge-speaker",
-        default="resemblyzer",
-        metavar="NAME_OR_DIR",
-        help="speaker judge (SIM): a judge name, a transformers speaker-verification folder, or none",
-    )
-    g.add_argument(
-        "--judge-quality", default="dnsmos", metavar="NAME", help="quality judge: dnsmos or none"
-    )
-    g.add_argument(
-        "--judge-quality-items",
-        type=int,
-        default=0,
-        metavar="N",
-        help="the quality judge scores only the first N items of each TTS set (0: all); "
-        "DNSMOS costs about 1.5 s per short clip, for the generated and the reference audio",
-    )
-
-
 def eval_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="torchtitan eval", description="score a SpeechLM")
-    p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
-    p.add_argument(
-        "--valid",
-        action="append",
-        required=True,
-        metavar="TASK:DATA",
-        help="asr:NAME, tts:NAME or dialogue:NAME (a dataset of the run, or a prepared "
-        "folder; dialogue: the answer each dialogue ends in, e.g. spoken QA)",
-    )
-    p.add_argument(
-        "--valid-fraction",
-        type=float,
-        default=0.0,
-        help="only the items training held out with this fraction (its id hash)",
-    )
-    p.add_argument("--limit", type=int, default=0, help="at most this many items per set")
-    p.add_argument("--out", metavar="FILE.json", help="write the results as JSON here")
-    p.add_argument(
-        "--report", metavar="DIR", help="write DIR/index.html with audio and spectrograms"
-    )
-    p.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="no progress lines on stderr (items done, seconds per phase)",
-    )
-    add_judge_args(p)
-    add_decoding_args(p)
-    a = p.parse_args(argv)
+    return run_eval(build_eval_parser().parse_args(argv))
+
+
+def run_eval(a: argparse.Namespace) -> int:
     try:
         loaded = load_model(a.model, a.device)
         cfg, results, sets = decode_config(a), {}, []

@@ -81,3 +81,6 @@ def register() -> TrainSpec:
     """The built-in ``speechlm`` spec: flavor ``hf`` (transformers' decoders) and ``native``
     (torchtitan's llama3 blocks, tensor-parallel)."""
     return register_speechlm_spec(SPEC_NAME, ("hf", "native", "qwen3"))
+
+
+register()  # importing this module registers the spec, as torchtitan's own model packages do

@@ -1,0 +1,76 @@
+"""Start-up: `torchtitan --help`, each argparse command's `--help` and a mistyped flag answer
+without importing torch (cli.py parses before it imports a command), and the package's import
+hook still installs the torchtitan fixes before torchtitan's modules run (utils/import_hooks.py).
+Each case in a fresh interpreter, since this test process has torch loaded long ago."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from torchtitan_speechlm import cli
+
+PROBE = """
+import sys
+from torchtitan_speechlm import cli
+try:
+    code = cli.main({argv!r})
+except SystemExit as e:
+    code = e.code
+loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "torchtitan.")))
+print("RESULT", code, len(loaded), loaded[:5])
+"""
+
+
+def _probe(argv: list[str]) -> tuple[int, int, str]:
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True, timeout=60
+    )
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, r.stdout[-2000:] + r.stderr[-2000:]
+    _, code, count, names = line[0].split(" ", 3)
+    return int(code), int(count), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("command", [[], *([c] for c in cli.PARSERS)])
+def test_help_imports_no_torch(command):
+    code, loaded, out = _probe([*command, "--help"])
+    assert code == 0
+    assert loaded == 0, out
+    assert "usage: torchtitan" in out
+
+
+@pytest.mark.parametrize("command", list(cli.PARSERS))
+def test_a_mistyped_flag_is_refused_before_torch_loads(command):
+    code, loaded, out = _probe([command, "--no-such-flag"])
+    assert code == 2
+    assert loaded == 0, out
+    assert "unrecognized arguments: --no-such-flag" in out or "required" in out
+
+
+def test_an_unknown_command_is_refused_before_torch_loads():
+    code, loaded, out = _probe(["synthesise"])
+    assert (code, loaded) == (2, 0)
+    assert "unknown command 'synthesise'" in out
+
+
+def test_torchtitan_imported_after_the_package_gets_the_fixes_first():
+    """The hook runs fix 1 before torchtitan's modules cache their device, fixes 2, 4 and 8
+    after; a module of ours that imports torchtitan first (the native backbone) is unaffected."""
+    code = (
+        "import sys, torchtitan_speechlm\n"
+        "assert 'torch' not in sys.modules\n"
+        "import torchtitan_speechlm.model.backbones.native\n"
+        "import torch, torchtitan.tools.utils as tu, torchtitan.distributed.utils as du\n"
+        "from torchtitan.components.checkpoint import CheckpointManager\n"
+        "gpu = torch.cuda.is_available()\n"
+        "print(gpu, tu.device_type, getattr(du, '_speechlm_cpu_patched', gpu), "
+        "CheckpointManager._speechlm_safe)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    gpu, device, cpu_patched, safe = r.stdout.split()[-4:]
+    assert device == ("cuda" if gpu == "True" else "cpu")  # an accelerator keeps its own
+    assert (cpu_patched, safe) == ("True", "True")
