@@ -39,6 +39,7 @@ from torchtitan_speechlm.evaluation.tts_scores import score_tts
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import load_model
+from torchtitan_speechlm.generation.requests import TEXT_OUT, Outcome, Request, run_requests
 from torchtitan_speechlm.generation.sampling import Sampling
 
 
@@ -55,33 +56,19 @@ def decode_config(a) -> DecodeConfig:
     )
 
 
-def run_request(loaded, req: dict, cfg: DecodeConfig, out: str | None) -> dict:
-    """One request: ``task`` plus ``text`` or ``audio``; writes ``out`` (wav or txt)."""
-    task = req.get("task")
-    if task not in tasks.TASKS:
-        raise ValueError(f"unknown task {task!r}; choose one of {tasks.TASKS}")
+def write_outcome(loaded, task: str, outcome: Outcome, out: str | None, wav=None) -> dict:
+    """A request's result line; writes ``out`` (wav or txt). ``wav``: the audio already decoded
+    (a batch's, decoded together), else it is decoded here."""
+    if outcome.error is not None:
+        return {"task": task, "error": outcome.error}
+    if task in TEXT_OUT:
+        if out:
+            with open(out, "w") as f:
+                f.write(outcome.text + "\n")
+        return {"task": task, "text": outcome.text, "out": out}
+    result = {"task": task, "frames": int(len(outcome.codes)), "out": out}
     if out:
-        tasks.make_parent_folder(out)  # before generating: a bad --out fails at once
-    if task == "tts":
-        if not req.get("text"):
-            raise ValueError("task tts needs a text")
-        codes = tasks.tts(loaded, [req["text"]], cfg)[0]
-    else:
-        if not req.get("audio"):
-            raise ValueError(f"task {task} needs an audio file")
-        if task in ("asr", "answer"):
-            if task == "asr":
-                text = tasks.transcribe(loaded, req["audio"], cfg)
-            else:  # spoken QA: the optional text is the instruction after the audio
-                text = tasks.answer(loaded, req["audio"], req.get("text"), cfg)
-            if out:
-                with open(out, "w") as f:
-                    f.write(text + "\n")
-            return {"task": task, "text": text, "out": out}
-        codes = tasks.continuation(loaded, [tasks.audio_codes(loaded, req["audio"])], cfg)[0]
-    result = {"task": task, "frames": int(len(codes)), "out": out}
-    if out:
-        result["samples"] = tasks.write_wav(loaded, codes, out)
+        result["samples"] = tasks.write_wav(loaded, outcome.codes, out, wav)
         result["sample_rate"] = loaded.codec.sample_rate
     return result
 
@@ -96,29 +83,60 @@ def run_generate(a: argparse.Namespace) -> int:
         loaded = load_model(a.model, a.device)
         cfg = decode_config(a)
         if a.batch:
-            return _batch(loaded, a.batch, a.out_dir or ".", cfg)
-        result = run_request(loaded, {"task": a.task, "text": a.text, "audio": a.audio}, cfg, a.out)
+            return _batch(loaded, a.batch, a.out_dir or ".", cfg, a.batch_size)
+        if a.out:
+            tasks.make_parent_folder(a.out)  # before generating: a bad --out fails at once
+        outcome = run_requests(loaded, [Request(a.task, a.text, a.audio)], cfg)[0]
+        result = write_outcome(loaded, a.task, outcome, a.out)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"torchtitan generate: error: {e}", file=sys.stderr)
         return 2
-    print(result["text"] if result["task"] in ("asr", "answer") else json.dumps(result))
+    if "error" in result:
+        print(f"torchtitan generate: error: {result['error']}", file=sys.stderr)
+        return 2
+    print(result["text"] if a.task in TEXT_OUT else json.dumps(result))
     return 0
 
 
-def _batch(loaded, path: str, out_dir: str, cfg: DecodeConfig) -> int:
+def _batch(loaded, path: str, out_dir: str, cfg: DecodeConfig, batch_size: int = 8) -> int:
+    """A batch file's requests (one JSON object per line), run by ``run_requests``: grouped by
+    task and length into batched decoder calls; a bad line fails alone."""
     os.makedirs(out_dir, exist_ok=True)
-    failed = 0
-    with open(path) as f, open(os.path.join(out_dir, "results.jsonl"), "w") as res:
+    ids, reqs, bad = [], [], {}
+    with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            req = json.loads(line)
-            rid = str(req.get("id", f"line{lineno}"))
-            ext = ".txt" if req.get("task") in ("asr", "answer") else ".wav"
             try:
-                row = run_request(loaded, req, cfg, os.path.join(out_dir, rid + ext))
-            except (ValueError, OSError) as e:
-                row, failed = {"error": str(e)}, failed + 1
+                req = json.loads(line)
+                if not isinstance(req, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as e:
+                req, bad[len(reqs)] = {}, f"{path} line {lineno}: not a JSON request ({e})"
+            ids.append(str(req.get("id", f"line{lineno}")))
+            reqs.append(
+                Request(req.get("task"), req.get("text"), req.get("audio"), req.get("seed"))
+            )
+    outcomes = run_requests(
+        loaded, [r for i, r in enumerate(reqs) if i not in bad], cfg, batch_size
+    )
+    it = iter(outcomes)
+    outcomes = [Outcome(error=bad[i]) if i in bad else next(it) for i in range(len(reqs))]
+    audio = [i for i, o in enumerate(outcomes) if o.error is None and o.codes is not None]
+    wavs = dict(
+        zip(audio, tasks.decode_audio(loaded, [outcomes[i].codes for i in audio]), strict=True)
+    )
+    failed = 0
+    with open(os.path.join(out_dir, "results.jsonl"), "w") as res:
+        for i, (rid, req, outcome) in enumerate(zip(ids, reqs, outcomes, strict=True)):
+            ext = ".txt" if req.task in TEXT_OUT else ".wav"
+            try:
+                row = write_outcome(
+                    loaded, req.task, outcome, os.path.join(out_dir, rid + ext), wavs.get(i)
+                )
+            except OSError as e:
+                row = {"task": req.task, "error": str(e)}
+            failed += "error" in row
             res.write(json.dumps({"id": rid, **row}) + "\n")
     print(f"wrote {os.path.join(out_dir, 'results.jsonl')} ({failed} failed)")
     return 1 if failed else 0

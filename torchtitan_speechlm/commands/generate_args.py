@@ -20,6 +20,12 @@ def build_generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="the wav (tts, continuation) or text file (asr, answer)")
     p.add_argument("--batch", help="a JSONL file of requests")
     p.add_argument("--out-dir", help="with --batch: where outputs and results.jsonl go")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="with --batch: requests decoded together (grouped by task and length; 8)",
+    )
     add_decoding_args(p)
     return p
 
