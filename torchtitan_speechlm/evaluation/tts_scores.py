@@ -40,6 +40,7 @@ from torchtitan_speechlm.evaluation.tts_summary import summarise_tts
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import Loaded
+from torchtitan_speechlm.generation.requests import batches_by_length
 from torchtitan_speechlm.judges.base import JudgeError
 from torchtitan_speechlm.utils.audio import BadAudioError, load_audio
 
@@ -63,10 +64,10 @@ def score_tts(
     ``audio`` gives their paths relative to ``audio_root`` (the report's links). ``progress``
     gets a line after each batch (items done, seconds per phase)."""
     rate = int(loaded.codec.sample_rate)
-    per_item: list[dict] = []
+    per_item: dict[int, dict] = {}
     clock = PhaseClock()
-    for s in range(0, len(items), batch):
-        chunk = items[s : s + batch]
+    for part in batches_by_length([len(it.text) for it in items], batch):
+        chunk = [items[i] for i in part]
         with clock("generate"):
             codes, ended = tasks.tts_with_ends(loaded, [it.text for it in chunk], cfg)
         spoken = [i for i, c in enumerate(codes) if len(c)]
@@ -75,17 +76,18 @@ def score_tts(
             texts = tasks.asr(loaded, [codes[i] for i in spoken], cfg)
         for i, text in zip(spoken, texts, strict=True):
             self_hyps[i] = text
-        for k, it in enumerate(chunk):
+        for k, (i, it) in enumerate(zip(part, chunk, strict=True)):
             recording = (recordings or {}).get(it.id)
             rec, wavs = _score_item(
-                loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges.for_item(s + k),
+                loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges.for_item(i),
                 recording, clock,
             )  # fmt: skip
             if audio_root is not None:
-                rec["audio"] = save_item_wavs(audio_root, audio_dir, s + k, it, wavs, rate)
-            per_item.append(rec)
+                rec["audio"] = save_item_wavs(audio_root, audio_dir, i, it, wavs, rate)
+            per_item[i] = rec
         if progress is not None:
             progress(clock.line(len(per_item), len(items)))
+    per_item = [per_item[i] for i in range(len(items))]
     return summarise_tts(per_item, judges, token_accuracy(loaded, items))
 
 

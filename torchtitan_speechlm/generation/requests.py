@@ -114,9 +114,8 @@ def run_requests(
         except (ValueError, OSError) as e:
             out[i] = Outcome(error=_one_line(e))
     for task, rows in groups.items():
-        rows.sort(key=lambda r: _length(task, r[1]))
-        for s in range(0, len(rows), max(1, batch_size)):
-            chunk = rows[s : s + batch_size]
+        for part in batches_by_length([_length(task, v) for _, v in rows], batch_size):
+            chunk = [rows[k] for k in part]
             if on_batch is not None:
                 on_batch(task, len(chunk))
             for (i, _), outcome in zip(
@@ -124,6 +123,14 @@ def run_requests(
             ):
                 out[i] = outcome
     return out  # type: ignore[return-value]
+
+
+def batches_by_length(lengths: list[int], size: int) -> list[list[int]]:
+    """Indices into ``lengths`` in batches of at most ``size``, shortest first: rows of one
+    batch pad little and end close together. Ties keep their order (stable)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    size = max(1, size)
+    return [order[s : s + size] for s in range(0, len(order), size)]
 
 
 def _run_chunk(loaded, task, chunk, requests, cfg, on_frames) -> list[Outcome]:
