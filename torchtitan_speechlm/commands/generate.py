@@ -41,6 +41,7 @@ from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import load_model
 from torchtitan_speechlm.generation.requests import TEXT_OUT, Outcome, Request, run_requests
 from torchtitan_speechlm.generation.sampling import Sampling
+from torchtitan_speechlm.generation.streaming import WavFileStream
 
 
 def decode_config(a) -> DecodeConfig:
@@ -56,9 +57,14 @@ def decode_config(a) -> DecodeConfig:
     )
 
 
-def write_outcome(loaded, task: str, outcome: Outcome, out: str | None, wav=None) -> dict:
+def write_outcome(
+    loaded, task: str, outcome: Outcome, out: str | None, wav=None, stream=None
+) -> dict:
     """A request's result line; writes ``out`` (wav or txt). ``wav``: the audio already decoded
-    (a batch's, decoded together), else it is decoded here."""
+    (a batch's, decoded together), else it is decoded here; ``stream``: the request's
+    ``WavFileStream`` (``--stream``), which has written it as it was generated."""
+    if stream is not None and outcome.error is None:
+        samples = stream.finish(outcome.codes)
     if outcome.error is not None:
         return {"task": task, "error": outcome.error}
     if task in TEXT_OUT:
@@ -67,10 +73,31 @@ def write_outcome(loaded, task: str, outcome: Outcome, out: str | None, wav=None
                 f.write(outcome.text + "\n")
         return {"task": task, "text": outcome.text, "out": out}
     result = {"task": task, "frames": int(len(outcome.codes)), "out": out}
-    if out:
+    if stream is not None:
+        result.update(samples=samples, first_audio_s=round(stream.first_audio_s or 0.0, 4))
+    elif out:
         result["samples"] = tasks.write_wav(loaded, outcome.codes, out, wav)
+    if out:
         result["sample_rate"] = loaded.codec.sample_rate
     return result
+
+
+class _Streams(dict):
+    """``--stream``: request i's ``WavFileStream``, opened with its first frames (a request that
+    fails before it speaks leaves no file); ``on_frames`` for ``run_requests``."""
+
+    def __init__(self, loaded, outs: dict[int, str]) -> None:
+        super().__init__()
+        self.loaded, self.outs = loaded, outs
+
+    def on_frames(self, i: int, codes) -> None:
+        if i not in self.outs:
+            return
+        if i not in self or len(codes) < self[i].sent:  # new, or rerun alone after its batch failed
+            if i in self:
+                self[i].file.close()
+            self[i] = WavFileStream(self.loaded.codec, self.outs[i])
+        self[i].frames(codes)
 
 
 def generate_main(argv: list[str] | None = None) -> int:
@@ -83,11 +110,14 @@ def run_generate(a: argparse.Namespace) -> int:
         loaded = load_model(a.model, a.device)
         cfg = decode_config(a)
         if a.batch:
-            return _batch(loaded, a.batch, a.out_dir or ".", cfg, a.batch_size)
+            return _batch(loaded, a.batch, a.out_dir or ".", cfg, a.batch_size, a.stream)
         if a.out:
             tasks.make_parent_folder(a.out)  # before generating: a bad --out fails at once
-        outcome = run_requests(loaded, [Request(a.task, a.text, a.audio)], cfg)[0]
-        result = write_outcome(loaded, a.task, outcome, a.out)
+        streaming = a.stream and a.out and a.task not in TEXT_OUT
+        streams = _Streams(loaded, {0: a.out} if streaming else {})
+        req = Request(a.task, a.text, a.audio)
+        outcome = run_requests(loaded, [req], cfg, on_frames=streams.on_frames)[0]
+        result = write_outcome(loaded, a.task, outcome, a.out, stream=streams.get(0))
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"torchtitan generate: error: {e}", file=sys.stderr)
         return 2
@@ -98,7 +128,9 @@ def run_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _batch(loaded, path: str, out_dir: str, cfg: DecodeConfig, batch_size: int = 8) -> int:
+def _batch(
+    loaded, path: str, out_dir: str, cfg: DecodeConfig, batch_size: int = 8, stream: bool = False
+) -> int:
     """A batch file's requests (one JSON object per line), run by ``run_requests``: grouped by
     task and length into batched decoder calls; a bad line fails alone."""
     os.makedirs(out_dir, exist_ok=True)
@@ -117,22 +149,25 @@ def _batch(loaded, path: str, out_dir: str, cfg: DecodeConfig, batch_size: int =
             reqs.append(
                 Request(req.get("task"), req.get("text"), req.get("audio"), req.get("seed"))
             )
-    outcomes = run_requests(
-        loaded, [r for i, r in enumerate(reqs) if i not in bad], cfg, batch_size
-    )
-    it = iter(outcomes)
-    outcomes = [Outcome(error=bad[i]) if i in bad else next(it) for i in range(len(reqs))]
-    audio = [i for i, o in enumerate(outcomes) if o.error is None and o.codes is not None]
+    good = [i for i in range(len(reqs)) if i not in bad]
+    outs = [os.path.join(out_dir, ids[i] + _ext(reqs[i].task)) for i in range(len(reqs))]
+    audio_out = {k: outs[i] for k, i in enumerate(good) if reqs[i].task not in TEXT_OUT}
+    streams = _Streams(loaded, audio_out if stream else {})
+    found = run_requests(loaded, [reqs[i] for i in good], cfg, batch_size, streams.on_frames)
+    outcomes = [Outcome(error=bad.get(i)) for i in range(len(reqs))]
+    for i, outcome in zip(good, found, strict=True):
+        outcomes[i] = outcome
+    streamed = {good[k]: v for k, v in streams.items()}
+    audio = [i for i, o in enumerate(outcomes) if o.codes is not None and i not in streamed]
     wavs = dict(
         zip(audio, tasks.decode_audio(loaded, [outcomes[i].codes for i in audio]), strict=True)
     )
     failed = 0
     with open(os.path.join(out_dir, "results.jsonl"), "w") as res:
         for i, (rid, req, outcome) in enumerate(zip(ids, reqs, outcomes, strict=True)):
-            ext = ".txt" if req.task in TEXT_OUT else ".wav"
             try:
                 row = write_outcome(
-                    loaded, req.task, outcome, os.path.join(out_dir, rid + ext), wavs.get(i)
+                    loaded, req.task, outcome, outs[i], wavs.get(i), streamed.get(i)
                 )
             except OSError as e:
                 row = {"task": req.task, "error": str(e)}
@@ -140,6 +175,10 @@ def _batch(loaded, path: str, out_dir: str, cfg: DecodeConfig, batch_size: int =
             res.write(json.dumps({"id": rid, **row}) + "\n")
     print(f"wrote {os.path.join(out_dir, 'results.jsonl')} ({failed} failed)")
     return 1 if failed else 0
+
+
+def _ext(task: str | None) -> str:
+    return ".txt" if task in TEXT_OUT else ".wav"
 
 
 def eval_main(argv: list[str] | None = None) -> int:

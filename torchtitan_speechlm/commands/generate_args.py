@@ -26,6 +26,12 @@ def build_generate_parser() -> argparse.ArgumentParser:
         default=8,
         help="with --batch: requests decoded together (grouped by task and length; 8)",
     )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="write each wav while it is generated (the codec's stream decoder); the result "
+        "line gives the time to first audio",
+    )
     add_decoding_args(p)
     return p
 
