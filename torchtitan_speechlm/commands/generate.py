@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from torchtitan_speechlm.commands.generate_args import build_eval_parser, build_generate_parser
 from torchtitan_speechlm.data.catalog import open_prepared, split_indices
@@ -89,6 +90,7 @@ class _Streams(dict):
     def __init__(self, loaded, outs: dict[int, str]) -> None:
         super().__init__()
         self.loaded, self.outs = loaded, outs
+        self.started = time.perf_counter()  # the time to first audio counts from here
 
     def on_frames(self, i: int, codes) -> None:
         if i not in self.outs:
@@ -96,7 +98,7 @@ class _Streams(dict):
         if i not in self or len(codes) < self[i].sent:  # new, or rerun alone after its batch failed
             if i in self:
                 self[i].file.close()
-            self[i] = WavFileStream(self.loaded.codec, self.outs[i])
+            self[i] = WavFileStream(self.loaded.codec, self.outs[i], self.started)
         self[i].frames(codes)
 
 
