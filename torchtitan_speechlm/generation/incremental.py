@@ -16,6 +16,17 @@ import torch
 
 from torchtitan_speechlm.data.collation import continuous_batch
 
+COMPILE_SETTINGS = ("auto", "on", "off")
+
+
+def compile_wanted(setting: str, device: torch.device) -> bool:
+    """Whether ``DecodeConfig.compile`` asks for the compiled one-frame step on ``device``:
+    ``auto`` only on CUDA (on CPU, measured at the demo shape, the compiled step did not win:
+    docs/generation.md)."""
+    if setting not in COMPILE_SETTINGS:
+        raise ValueError(f"DecodeConfig.compile = {setting!r}: expected one of {COMPILE_SETTINGS}")
+    return setting == "on" or (setting == "auto" and torch.device(device).type == "cuda")
+
 
 class IncrementalForward:
     """``start(rows, audio)`` and then ``advance(frames)`` per step, each returning the last
@@ -26,6 +37,15 @@ class IncrementalForward:
     def __init__(self, model, cfg, pads: torch.Tensor, device: torch.device) -> None:
         self.model, self.cfg, self.pads, self.device = model, cfg, pads, device
         self.n = len(pads)
+        wanted = compile_wanted(getattr(cfg, "compile", "auto"), device)
+        self.compiled = model.compile_decode(wanted)
+        if wanted and not self.compiled and cfg.compile == "on":
+            from torchtitan.tools.logging import logger
+
+            logger.warning(
+                f"decode compile = 'on': the {model.family.name} backbone has no static cache "
+                "to compile a step over; decoding eagerly"
+            )
 
     @torch.no_grad()
     def start(self, rows: list[np.ndarray], audio: list[list] | None = None) -> list:

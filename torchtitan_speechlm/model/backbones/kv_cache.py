@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchtitan.tools.logging import logger
 
 MIN_CAPACITY = 256  # slots allocated at the first call (at least; a power of two)
 
@@ -246,13 +247,14 @@ def decode(
     compiled = _COMPILED.get(module) if t == 1 and cache.keys[0] is not None else None
     hidden = None
     if compiled is not None:  # static shapes: attend over the whole capacity
+        # fresh row-major inputs: a slice's strides (positions cut from a growing mask) would
+        # differ every step and recompile
+        fixed = [x.clone(memory_format=torch.contiguous_format) for x in args]
         try:
             hidden = compiled(
-                module, *args, cache.real, cache.capacity, cache.keys, cache.values, rotary, table
+                module, *fixed, cache.real, cache.capacity, cache.keys, cache.values, rotary, table
             )
         except Exception as e:  # noqa: BLE001  (any compiler failure: run eagerly instead)
-            from torchtitan.tools.logging import logger
-
             _COMPILED.pop(module, None)
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             logger.warning(
