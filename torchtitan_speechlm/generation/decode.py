@@ -42,6 +42,9 @@ class DecodeConfig:
     max_text_tokens: int = 200
     use_cache: bool = True
     seed: int = 0  # every row's seed unless the caller gives one per row
+    # the one-frame decode step under torch.compile: auto (on CUDA only) | on | off
+    # (generation/incremental.py::compile_wanted; backbones with a static cache: native, qwen3)
+    compile: str = "auto"
 
 
 def index_map(pattern, frames: int, num_streams: int) -> np.ndarray:

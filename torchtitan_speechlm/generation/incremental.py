@@ -16,6 +16,17 @@ import torch
 
 from torchtitan_speechlm.data.collation import continuous_batch
 
+COMPILE_SETTINGS = ("auto", "on", "off")
+
+
+def compile_wanted(setting: str, device: torch.device) -> bool:
+    """Whether ``DecodeConfig.compile`` asks for the compiled one-frame step on ``device``:
+    ``auto`` only on CUDA (on CPU, measured at the demo shape, the compiled step did not win:
+    docs/generation.md)."""
+    if setting not in COMPILE_SETTINGS:
+        raise ValueError(f"DecodeConfig.compile = {setting!r}: expected one of {COMPILE_SETTINGS}")
+    return setting == "on" or (setting == "auto" and torch.device(device).type == "cuda")
+
 
 class IncrementalForward:
     """``start(rows, audio)`` and then ``advance(frames)`` per step, each returning the last
@@ -27,6 +38,15 @@ class IncrementalForward:
     def __init__(self, model, cfg, pads: torch.Tensor, device: torch.device) -> None:
         self.model, self.cfg, self.pads, self.device = model, cfg, pads, device
         self.n = len(pads)
+        wanted = compile_wanted(getattr(cfg, "compile", "auto"), device)
+        self.compiled = model.compile_decode(wanted)
+        if wanted and not self.compiled and cfg.compile == "on":
+            from torchtitan.tools.logging import logger
+
+            logger.warning(
+                f"decode compile = 'on': the {model.family.name} backbone has no static cache "
+                "to compile a step over; decoding eagerly"
+            )
 
     @torch.no_grad()
     def start(self, rows: list[np.ndarray], audio: list[list] | None = None) -> list:
@@ -67,13 +87,12 @@ class IncrementalForward:
         """Keep only the rows at ``positions`` of the batch (the others have finished): their
         cache rows are selected and the rest freed. False (nothing changed) when the backbone
         cannot select cache rows; the caller then keeps feeding the finished rows."""
+        if self.compiled:
+            return False  # a compiled step keeps its shapes: finished rows stay, masked
         if self.cfg.use_cache:
             index = torch.tensor(positions, device=self.device)
-            select = getattr(self.model, "select_cache_rows", None)  # TODO(merge kv-cache)
             try:
-                if select is None:
-                    raise NotImplementedError
-                self.cache = select(self.cache, index)
+                self.cache = self.model.select_cache_rows(self.cache, index)
             except NotImplementedError:
                 return False
             self.mask = self.mask[index.cpu()]
