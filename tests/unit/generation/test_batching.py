@@ -10,6 +10,7 @@ from tests.helpers import build_speechlm, save_tiny_backbone
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.data.template_pieces import Segment
 from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
+from torchtitan_speechlm.generation.incremental import IncrementalForward
 from torchtitan_speechlm.generation.sampling import Sampling
 
 LENGTHS = (2, 11, 5, 15, 7)  # text tokens per prompt: unsorted, far apart
@@ -22,12 +23,20 @@ def backbone(tmp_path_factory):
     return path
 
 
-def setup(backbone, pattern, streams=3):
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama") / "llama"
+    save_tiny_backbone(path, family="llama", vocab_size=70, hidden_size=48, intermediate_size=96)
+    return path
+
+
+def setup(backbone, pattern, streams=3, family="hf"):
     model = build_speechlm(
-        backbone, num_streams=streams, codebook_size=8, pattern=pattern, init_seed=11
-    ).eval()
+        backbone, num_streams=streams, codebook_size=8, pattern=pattern, init_seed=11,
+        backbone=family,
+    ).eval()  # fmt: skip
     with torch.no_grad():  # a trained-looking head: the end is chosen at varied steps
-        model.head.stream_emb.weight.normal_(0, 0.7)
+        model.head.stream_emb.weight.normal_(0, 0.7, generator=torch.Generator().manual_seed(1))
     lay = model.args.layout
     builder = TemplateBuilder(lay, pattern, LossWeights(1.0, 1.0, (1 / streams,) * streams))
     rng = np.random.default_rng(0)
@@ -60,13 +69,37 @@ def test_a_batch_of_audio_rows_decodes_like_each_row_alone(backbone, pattern, st
     assert len({len(c) for c in together}) > 1, "rows ending together prove little"
 
 
+@pytest.mark.parametrize("family", ["hf", "native", "qwen3"])
+def test_finished_rows_leave_the_batch_on_every_backbone(backbone, llama_dir, family, monkeypatch):
+    """The rows fed to the model shrink as rows end (their cache rows dropped), and the tokens
+    stay those of each row alone: on transformers' cache and on the static one."""
+    path = llama_dir if family == "native" else backbone  # (a Qwen3 config: hf and qwen3)
+    model, _, prompts, _ = setup(path, "delay", 3, family)
+    fed = []
+    real = IncrementalForward.advance
+
+    def counting(self, frames):
+        fed.append(len(frames))
+        return real(self, frames)
+
+    monkeypatch.setattr(IncrementalForward, "advance", counting)
+    cfg = dict(max_frames=30, min_frames=2)
+    together = Decoder(model, DecodeConfig(**cfg)).audio(prompts)
+    lengths = sorted({len(c) for c in together})
+    assert len(lengths) > 1, "rows ending together prove little"
+    assert fed == sorted(fed, reverse=True) and fed[0] == len(prompts) and fed[-1] < len(prompts)
+    monkeypatch.setattr(IncrementalForward, "advance", real)
+    alone = [Decoder(model, DecodeConfig(**cfg)).audio([p])[0] for p in prompts]
+    assert [c.tolist() for c in together] == [c.tolist() for c in alone]
+
+
 def test_a_batch_of_text_rows_decodes_like_each_row_alone(backbone):
     model, builder, prompts, _ = setup(backbone, "delay")
     codes = Decoder(model, DecodeConfig(max_frames=14, min_frames=2)).audio(prompts)
     asr = [builder.prefix([Segment("user", "audio", c)], "assistant", "text") for c in codes]
-    cfg = DecodeConfig(max_text_tokens=9)
+    cfg = DecodeConfig(max_text_tokens=40)
     together = Decoder(model, cfg).text(asr)
-    alone = [Decoder(model, DecodeConfig(max_text_tokens=9)).text([p])[0] for p in asr]
+    alone = [Decoder(model, DecodeConfig(max_text_tokens=40)).text([p])[0] for p in asr]
     assert together == alone
     assert len({len(t) for t in together}) > 1
 
