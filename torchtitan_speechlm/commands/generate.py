@@ -55,6 +55,7 @@ def decode_config(a) -> DecodeConfig:
         max_text_tokens=a.max_text_tokens,
         use_cache=not a.no_cache,
         seed=a.seed,
+        compile=a.compile,
     )
 
 

@@ -83,6 +83,13 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-text-tokens", type=int, default=200)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
+    g.add_argument(
+        "--compile",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="the one-frame decode step under torch.compile (auto: on CUDA, for the native and "
+        "qwen3 backbones' static cache)",
+    )
     g.add_argument("--device", default="cpu")
 
 
