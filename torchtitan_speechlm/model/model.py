@@ -72,7 +72,8 @@ class SpeechLM(ModelProtocol):
         check_keys(model, state, path)
         model.load_state_dict(state, strict=False)  # checked above; buffers are not exported
         if dtype is not None:
-            model.to(dtype)
+            model.to(dtype)  # casts every buffer too: RoPE tables are recomputed in their own
+            model.family.reset_buffers(model.backbone, torch.device(device))
         return model.eval()
 
     # ---- forward ---------------------------------------------------------------------------
