@@ -148,12 +148,18 @@ def backbones(a, device: str) -> dict:
         run(native, prompts, a.frames, True, "on")
         first_compiled = time.perf_counter() - t
         runs: dict[str, list[float]] = {"native": [], "hf": [], "native_compiled": []}
+        graphs = device == "cuda"  # the compiled step replayed as CUDA graphs
+        if graphs:
+            run(native, prompts, a.frames, True, "graphs")  # its compilation and capture
+            runs["native_graphs"] = []
         if batch == 1:
             runs["native_recompute"] = []
         for _ in range(a.repeats):  # A/B/C/D
             runs["native"].append(run(native, prompts, a.frames, True))
             runs["hf"].append(run(hf, prompts, a.frames, True))
             runs["native_compiled"].append(run(native, prompts, a.frames, True, "on"))
+            if graphs:
+                runs["native_graphs"].append(run(native, prompts, a.frames, True, "graphs"))
             if batch == 1:
                 runs["native_recompute"].append(run(native, prompts, a.frames, False))
         row = {k: summary(v) for k, v in runs.items()}
@@ -161,6 +167,8 @@ def backbones(a, device: str) -> dict:
         row["native_vs_hf"] = fps["native"] / fps["hf"]
         row["compiled_vs_eager"] = fps["native_compiled"] / fps["native"]
         row["first_compiled_run_s"] = first_compiled  # compiling included
+        if graphs:
+            row["graphs_vs_eager"] = fps["native_graphs"] / fps["native"]
         if batch == 1:
             row["cache_speedup"] = fps["native"] / fps["native_recompute"]
         result[f"batch{batch}"] = row

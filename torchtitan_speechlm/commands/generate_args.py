@@ -86,9 +86,9 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--compile",
         default="auto",
-        choices=("auto", "on", "off"),
+        choices=("auto", "on", "graphs", "off"),
         help="the one-frame decode step under torch.compile (auto: on CUDA, for the native and "
-        "qwen3 backbones' static cache)",
+        "qwen3 backbones' static cache; graphs: replayed as CUDA graphs)",
     )
     g.add_argument("--device", default="cpu")
 

@@ -42,7 +42,8 @@ class DecodeConfig:
     max_text_tokens: int = 200
     use_cache: bool = True
     seed: int = 0  # every row's seed unless the caller gives one per row
-    # the one-frame decode step under torch.compile: auto (on CUDA only) | on | off
+    # the one-frame decode step under torch.compile: auto (on CUDA only) | on | off | graphs
+    # (compiled and replayed as a CUDA graph: torch.compile's mode="reduce-overhead")
     # (generation/incremental.py::compile_wanted; backbones with a static cache: native, qwen3)
     compile: str = "auto"
 

@@ -16,7 +16,7 @@ import torch
 
 from torchtitan_speechlm.data.collation import continuous_batch
 
-COMPILE_SETTINGS = ("auto", "on", "off")
+COMPILE_SETTINGS = ("auto", "on", "graphs", "off")
 
 
 def compile_wanted(setting: str, device: torch.device) -> bool:
@@ -25,7 +25,9 @@ def compile_wanted(setting: str, device: torch.device) -> bool:
     per frame but its compiling, 13-15 s, is not repaid by 512 frames: docs/generation.md)."""
     if setting not in COMPILE_SETTINGS:
         raise ValueError(f"DecodeConfig.compile = {setting!r}: expected one of {COMPILE_SETTINGS}")
-    return setting == "on" or (setting == "auto" and torch.device(device).type == "cuda")
+    return setting in ("on", "graphs") or (
+        setting == "auto" and torch.device(device).type == "cuda"
+    )
 
 
 class IncrementalForward:
@@ -38,8 +40,9 @@ class IncrementalForward:
     def __init__(self, model, cfg, pads: torch.Tensor, device: torch.device) -> None:
         self.model, self.cfg, self.pads, self.device = model, cfg, pads, device
         self.n = len(pads)
-        wanted = compile_wanted(getattr(cfg, "compile", "auto"), device)
-        self.compiled = model.compile_decode(wanted)
+        wanted = compile_wanted(cfg.compile, device)
+        mode = "reduce-overhead" if cfg.compile == "graphs" else "default"  # CUDA graphs
+        self.compiled = model.compile_decode(wanted, mode)
         if wanted and not self.compiled and cfg.compile == "on":
             from torchtitan.tools.logging import logger
 

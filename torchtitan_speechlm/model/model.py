@@ -218,10 +218,10 @@ class SpeechLM(ModelProtocol):
         NotImplementedError for a backbone without a cache."""
         return self.family.select_rows(cache, index)
 
-    def compile_decode(self, on: bool) -> bool:
+    def compile_decode(self, on: bool, mode: str = "default") -> bool:
         """``decode_step``'s one-frame steps under ``torch.compile`` (``on``) or eager; True when
         they are now compiled (False where the backbone has nothing to compile)."""
-        return self.family.compile_decode(self.backbone, on)
+        return self.family.compile_decode(self.backbone, on, mode)
 
     def logits(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, **audio):
         """Per-stream fp32 logits for every position (inference helper)."""

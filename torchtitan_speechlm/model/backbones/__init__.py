@@ -100,7 +100,7 @@ class Backbone:
         The caller selects the same rows of its attention mask."""
         raise NotImplementedError
 
-    def compile_decode(self, module: nn.Module, on: bool) -> bool:
+    def compile_decode(self, module: nn.Module, on: bool, mode: str = "default") -> bool:
         """Run ``decode``'s one-frame steps under ``torch.compile`` (``on``) or eagerly; True
         when they are now compiled. False by default: a family whose cache changes shape every
         step (transformers' ``DynamicCache``) would compile every step again."""

@@ -197,17 +197,22 @@ def forward_step(
     return h if module.norm is None else module.norm(h)
 
 
-# decoder module -> its compiled one-frame step (compile_decode)
+# decoder module -> its compiled one-frame step (compile_decode), the one in use
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# (torch.compile mode) -> the compiled step: switching modes reuses what was compiled
+_BY_MODE: dict[str, Callable] = {}
 
 
-def compile_decode(module: nn.Module, on: bool) -> bool:
-    """Run ``module``'s one-frame decode steps under ``torch.compile`` (static shapes) or
-    eagerly; True when they are compiled."""
+def compile_decode(module: nn.Module, on: bool, mode: str = "default") -> bool:
+    """Run ``module``'s one-frame decode steps under ``torch.compile`` (static shapes; ``mode``
+    torch.compile's: ``"reduce-overhead"`` replays the step as a CUDA graph) or eagerly; True
+    when they are compiled."""
     if not on:
         _COMPILED.pop(module, None)
-    elif module not in _COMPILED:
-        _COMPILED[module] = torch.compile(forward_step, dynamic=False)
+    else:
+        if mode not in _BY_MODE:
+            _BY_MODE[mode] = torch.compile(forward_step, dynamic=False, mode=mode)
+        _COMPILED[module] = _BY_MODE[mode]
     return module in _COMPILED
 
 

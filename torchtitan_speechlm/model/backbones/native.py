@@ -252,8 +252,8 @@ class NativeLlamaBackbone(Backbone):
     def select_rows(self, cache, index):
         return cache.select_rows(index)
 
-    def compile_decode(self, module, on: bool) -> bool:
-        return kv_cache.compile_decode(module, on)
+    def compile_decode(self, module, on: bool, mode: str = "default") -> bool:
+        return kv_cache.compile_decode(module, on, mode)
 
     def reset_buffers(self, module, device) -> None:
         module.freqs_cis = module._freqs().to(device)

@@ -259,8 +259,8 @@ class Qwen3Backbone(Backbone):
     def select_rows(self, cache, index):
         return cache.select_rows(index)
 
-    def compile_decode(self, module, on: bool) -> bool:
-        return kv_cache.compile_decode(module, on)
+    def compile_decode(self, module, on: bool, mode: str = "default") -> bool:
+        return kv_cache.compile_decode(module, on, mode)
 
     def expert_load(self, module) -> torch.Tensor | None:
         if not module.moe_layers:
