@@ -20,8 +20,10 @@ DNSMOS overall/signal/background the interval reaches 0 or the mean difference i
 Speed: the real-time factor (decode seconds / audio seconds) of the first 8 held-out clips at
 batch 1 (one decode per clip) and batch 8 (one ``decode_batch``), old decode vs new at 48
 iterations and at the chosen count, interleaved (A/B/C...) after a warm-up, medians of
-``--repeats``; the stream decoder at the chosen count (``--stream-chunk`` frames per push).
-Writes ``benchmarks/results/codec_decode_cpu.json`` (``--out``).
+``--repeats``, with ``--threads`` torch threads (1: on 2 shared, busy cores a second thread
+makes timings erratic); the stream decoder at the chosen count (``--stream-chunk`` and 4
+frames per push). Writes ``benchmarks/results/codec_decode_cpu.json`` (``--out``);
+``--speed-only`` times again and keeps that file's quality table.
 
     python benchmarks/bench_codec_decode.py [--held-out 200] [--iters 4,8,16,32,48] [--repeats 5]
 
@@ -194,16 +196,20 @@ def spectral_convergence(codec, codes: list[np.ndarray], wavs: list[np.ndarray])
 
 
 # ---- timing -------------------------------------------------------------------------------------
-def interleaved(calls: dict, repeats: int) -> dict[str, list[float]]:
+def interleaved(calls: dict, repeats: int) -> tuple[dict, dict]:
+    """Wall and process CPU seconds of each call, run A, B, C, ... ``repeats`` times after a
+    warm-up round."""
     for f in calls.values():
         f()
-    times: dict[str, list[float]] = {k: [] for k in calls}
+    wall: dict[str, list[float]] = {k: [] for k in calls}
+    cpu: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(repeats):
         for k, f in calls.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             f()
-            times[k].append(time.perf_counter() - t0)
-    return times
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+    return wall, cpu
 
 
 def set_gl(codec, iters: int, momentum: float) -> None:
@@ -222,23 +228,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", default="4,8,16,32,48", help="Griffin-Lim iteration counts")
     p.add_argument("--repeats", type=int, default=5, help="timing: interleaved runs of each")
     p.add_argument("--stream-chunk", type=int, default=1, help="frames per stream push")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: what 2 shared, busy cores time reliably; 0: torch's)",
+    )
+    p.add_argument(
+        "--speed-only",
+        action="store_true",
+        help="time again, keeping --out's quality table and chosen count",
+    )
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "speechlm_bench_codec"))
     p.add_argument("--out", default="benchmarks/results/codec_decode_cpu.json")
     return p
 
 
-def main(argv=None) -> None:
-    a = build_parser().parse_args(argv)
-    iters = sorted({int(x) for x in a.iters.split(",")} | {48})
-    load_start = os.getloadavg()
-    os.makedirs(a.work, exist_ok=True)
-    corpus = build(a)
+def measure_quality(a, corpus: dict, codes: list[np.ndarray]) -> dict:
+    """The WER/DNSMOS table of every decode setting, and the chosen iteration count."""
     codec, wavs, rate = corpus["codec"], corpus["wavs"], corpus["codec"].sample_rate
-    codes = codec.encode(wavs)
+    iters = sorted({int(x) for x in a.iters.split(",")} | {48})
     groups = dnsmos_groups([len(w) for w in wavs], rate)
     judges = Judges(corpus["texts"], a.work)
-    print(f"codec fitted in {corpus['fit_s']:.1f}s; {len(wavs)} held-out clips "
-          f"({sum(map(len, wavs)) / rate:.0f} s), {len(groups)} DNSMOS groups", flush=True)  # fmt: skip
+    print(f"{len(wavs)} held-out clips ({sum(map(len, wavs)) / rate:.0f} s), "
+          f"{len(groups)} DNSMOS groups", flush=True)  # fmt: skip
 
     decodes = {"recording": lambda: wavs, "old decode (fast GL, 48)":
                lambda: [legacy_decode(codec, c) for c in codes]}  # fmt: skip
@@ -259,10 +272,8 @@ def main(argv=None) -> None:
         print(f"{name}: WER {judged['errors'].sum() / judges.words.sum():.4f}, DNSMOS "
               f"{judged['dnsmos_ovrl'].mean():.3f} ({time.perf_counter() - t0:.0f}s)", flush=True)  # fmt: skip
 
-    refs = {"classic48": rows["classic GL, 48"], "old": rows["old decode (fast GL, 48)"]}
-    table = []
-    for name, row in rows.items():
-        entry = {
+    def entry(name: str, row: dict) -> dict:
+        return {
             "setting": name,
             "wer": float(row["errors"].sum() / judges.words.sum()),
             **{k: float(row[k].mean()) for k in MOS_KEYS},
@@ -275,68 +286,32 @@ def main(argv=None) -> None:
                 )
             ),  # fmt: skip
         }
+
+    refs = {"classic48": rows["classic GL, 48"], "old": rows["old decode (fast GL, 48)"]}
+    table = []
+    for name, row in rows.items():
+        e = entry(name, row)
         if name != "recording":
-            entry["spectral_convergence"] = spectral_convergence(codec, codes, row["wavs"])
-            entry["vs"] = {k: compare(row, ref, judges.words) for k, ref in refs.items()}
-        table.append(entry)
-    passing = [n for n in iters if all(v["same"] for v in
-               next(e for e in table if e["setting"] == f"fast GL, {n}")["vs"].values())]  # fmt: skip
+            e["spectral_convergence"] = spectral_convergence(codec, codes, row["wavs"])
+            e["vs"] = {k: compare(row, ref, judges.words) for k, ref in refs.items()}
+        table.append(e)
+    verdicts = {e["setting"]: e.get("vs") for e in table}
+    passing = [n for n in iters if all(v["same"] for v in verdicts[f"fast GL, {n}"].values())]
     chosen = min(passing) if passing else 48
+    vs_classic = [n for n in iters if verdicts[f"fast GL, {n}"]["classic48"]["same"]]
 
     # streaming at the chosen count, judged the same way
     set_gl(codec, chosen, 0.99)
     stream_wavs = [stream_decode(codec, c, a.stream_chunk) for c in codes]
     row = {"wavs": stream_wavs, **judges(stream_wavs, rate, groups)}
-    table.append({
-        "setting": f"stream ({a.stream_chunk} frame/push), fast GL, {chosen}",
-        "wer": float(row["errors"].sum() / judges.words.sum()),
-        **{k: float(row[k].mean()) for k in MOS_KEYS},
-        "log_mel_db": float(np.mean([log_mel_distance(w, y[: len(w)])
-                                     for w, y in zip(wavs, stream_wavs, strict=True)])),
-        "log_mel_db_vs_batch": float(np.mean([log_mel_distance(b, s) for b, s in zip(
-            codec.decode_batch(codes), stream_wavs, strict=True)])),
-        "spectral_convergence": spectral_convergence(codec, codes, stream_wavs),
-        "vs": {k: compare(row, ref, judges.words) for k, ref in refs.items()},
-    })  # fmt: skip
-
-    # speed: batch 1 and batch 8, old vs new
-    clips = codes[:8]
-    audio_s = sum(len(c) for c in clips) * codec.samples_per_frame / rate
-
-    def new(n, batch):
-        def f():
-            set_gl(codec, n, 0.99)
-            return codec.decode_batch(clips) if batch else [codec.decode(c) for c in clips]
-
-        return f
-
-    calls = {
-        "old": lambda: [legacy_decode(codec, c) for c in clips],
-        "new_48_batch1": new(48, False), "new_48_batch8": new(48, True),
-        f"new_{chosen}_batch1": new(chosen, False), f"new_{chosen}_batch8": new(chosen, True),
-        f"stream_{chosen}": lambda: [stream_decode(codec, c, a.stream_chunk) for c in clips],
-    }  # fmt: skip
-    times = interleaved(calls, a.repeats)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    speed = {k: {"median_s": med[k], "rtf": med[k] / audio_s, "spread_s": [min(v), max(v)]}
-             for k, v in times.items()}  # fmt: skip
-    ratios = {k: med["old"] / med[k] for k in med if k != "old"}
-
-    result = {
-        "what": "k-means codec decode: WER/DNSMOS vs Griffin-Lim iterations; RTF vs the old decode",
-        "device": device_name("cpu"),
-        "threads": torch.get_num_threads(),
-        "loadavg_start_end": [list(load_start), list(os.getloadavg())],
-        "codec": {
-            "frame_rate": codec.frame_rate,
-            "hop": codec.samples_per_frame,
-            "n_fft": codec.cfg.n_fft,
-            "codebooks": codec.num_streams,
-            "codebook_size": codec.codebook_size,
-            "fit_seconds": a.kmeans_seconds,
-            "fit_frames": json.load(open(os.path.join(corpus["dir"], "config.json")))["fit_frames"],
-            "config_hash": codec.config_hash,
-        },  # fmt: skip
+    e = entry(f"stream ({a.stream_chunk} frame/push), fast GL, {chosen}", row)
+    batch = codec.decode_batch(codes)
+    e["log_mel_db_vs_batch"] = float(np.mean([log_mel_distance(b, x)
+                                              for b, x in zip(batch, stream_wavs, strict=True)]))  # fmt: skip
+    e["spectral_convergence"] = spectral_convergence(codec, codes, stream_wavs)
+    e["vs"] = {k: compare(row, ref, judges.words) for k, ref in refs.items()}
+    table.append(e)
+    return {
         "held_out": {
             "clips": len(wavs),
             "seconds": sum(map(len, wavs)) / rate,
@@ -349,24 +324,102 @@ def main(argv=None) -> None:
         f"difference above -{MOS_MARGIN}, against classic GL 48 and the old decode",
         "quality": table,
         "passing_iters": passing,
+        "passing_iters_vs_classic48_only": vs_classic,
         "chosen_iters": chosen,
-        "speed": {
-            "clips": len(clips),
-            "audio_seconds": audio_s,
-            "repeats": a.repeats,
-            "stream_chunk_frames": a.stream_chunk,
-            **speed,
-            "speedup_vs_old": ratios,
-        },  # fmt: skip
     }
-    print("\n| setting | WER | DNSMOS ovrl | sig | bak | log-mel dB | SC |")
-    for e in table:
-        print(f"| {e['setting']} | {e['wer']:.3f} | {e['dnsmos_ovrl']:.3f} | {e['dnsmos_sig']:.3f} "
-              f"| {e['dnsmos_bak']:.3f} | {e['log_mel_db']:.2f} | "
-              f"{e.get('spectral_convergence', float('nan')):.3f} |")  # fmt: skip
-    print(f"chosen: {chosen} (passing {passing}); the code's default: {GRIFFIN_LIM_ITERS}")
-    print(json.dumps({"rtf": {k: round(v["rtf"], 4) for k, v in speed.items()},
-                      "speedup_vs_old": {k: round(v, 2) for k, v in ratios.items()}}))  # fmt: skip
+
+
+def measure_speed(a, codec, codes: list[np.ndarray], chosen: int) -> dict:
+    """RTF of the old decode and the new one (batch 1, batch 8, stream), interleaved."""
+    clips = codes[:8]
+    audio_s = sum(len(c) for c in clips) * codec.samples_per_frame / codec.sample_rate
+
+    def new(n, batch):
+        def f():
+            set_gl(codec, n, 0.99)
+            return codec.decode_batch(clips) if batch else [codec.decode(c) for c in clips]
+
+        return f
+
+    def stream(chunk):
+        def f():
+            set_gl(codec, chosen, 0.99)
+            return [stream_decode(codec, c, chunk) for c in clips]
+
+        return f
+
+    calls = {
+        "old": lambda: [legacy_decode(codec, c) for c in clips],
+        "new_48_batch1": new(48, False), "new_48_batch8": new(48, True),
+        f"new_{chosen}_batch1": new(chosen, False), f"new_{chosen}_batch8": new(chosen, True),
+        **{f"stream_{chosen}_chunk{k}": stream(k) for k in (a.stream_chunk, 4)},
+    }  # fmt: skip
+    load = os.getloadavg()
+    wall, cpu = interleaved(calls, a.repeats)
+    med = {k: statistics.median(v) for k, v in wall.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+    out = {k: {"median_s": med[k], "rtf": med[k] / audio_s, "spread_s": [min(v), max(v)],
+               "cpu_median_s": cpu_med[k], "rtf_cpu": cpu_med[k] / audio_s}
+           for k, v in wall.items()}  # fmt: skip
+    return {
+        "device": device_name("cpu"),
+        "threads": torch.get_num_threads(),
+        "loadavg_start_end": [list(load), list(os.getloadavg())],
+        "clips": len(clips),
+        "audio_seconds": audio_s,
+        "repeats": a.repeats,
+        "stream_chunk_frames": a.stream_chunk,
+        **out,
+        "speedup_vs_old": {k: med["old"] / med[k] for k in med if k != "old"},
+        "speedup_vs_old_cpu": {k: cpu_med["old"] / cpu_med[k] for k in cpu_med if k != "old"},
+    }
+
+
+def main(argv=None) -> None:
+    a = build_parser().parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    os.makedirs(a.work, exist_ok=True)
+    corpus = build(a)
+    codec = corpus["codec"]
+    codes = codec.encode(corpus["wavs"])
+    print(f"codec ready in {corpus['fit_s']:.1f}s (prepare refits only on other settings)")
+    if a.speed_only:
+        with open(a.out) as f:
+            result = json.load(f)
+    else:
+        result = {
+            "what": "k-means codec decode: WER/DNSMOS vs Griffin-Lim iterations; RTF vs the "
+            "old decode",
+            "quality_threads": torch.get_num_threads(),
+            "codec": {
+                "frame_rate": codec.frame_rate,
+                "hop": codec.samples_per_frame,
+                "n_fft": codec.cfg.n_fft,
+                "codebooks": codec.num_streams,
+                "codebook_size": codec.codebook_size,
+                "fit_seconds": a.kmeans_seconds,
+                "fit_frames": json.load(open(os.path.join(corpus["dir"], "config.json")))[
+                    "fit_frames"
+                ],
+                "config_hash": codec.config_hash,
+            },  # fmt: skip
+            **measure_quality(a, corpus, codes),
+        }
+        print("\n| setting | WER | DNSMOS ovrl | sig | bak | log-mel dB | SC |")
+        for e in result["quality"]:
+            print(f"| {e['setting']} | {e['wer']:.3f} | {e['dnsmos_ovrl']:.3f} "
+                  f"| {e['dnsmos_sig']:.3f} | {e['dnsmos_bak']:.3f} | {e['log_mel_db']:.2f} | "
+                  f"{e.get('spectral_convergence', float('nan')):.3f} |")  # fmt: skip
+    chosen = result["chosen_iters"]
+    print(f"chosen: {chosen} (passing {result['passing_iters']}); "
+          f"the code's default: {GRIFFIN_LIM_ITERS}")  # fmt: skip
+    result["speed"] = measure_speed(a, codec, codes, chosen)
+    sp = result["speed"]
+    print(json.dumps({"rtf": {k: round(sp[k]["rtf"], 4) for k in sp["speedup_vs_old"] | {"old": 0}},
+                      "speedup_vs_old": {k: round(v, 2) for k, v in sp["speedup_vs_old"].items()},
+                      "speedup_vs_old_cpu": {k: round(v, 2)
+                                             for k, v in sp["speedup_vs_old_cpu"].items()}}))  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)

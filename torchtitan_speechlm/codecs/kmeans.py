@@ -37,7 +37,7 @@ WEIGHTS = "model.safetensors"
 # Decode-time Griffin-Lim settings, ``KMeansCodec.griffin_lim_iters`` / ``griffin_lim_momentum``
 # (attributes: they are not in config.json, so they do not change the codec's config_hash).
 # Chosen with benchmarks/bench_codec_decode.py (docs/generation.md, "Audio decode").
-GRIFFIN_LIM_ITERS = 16
+GRIFFIN_LIM_ITERS = 32
 GRIFFIN_LIM_MOMENTUM = 0.99
 # decode_batch groups clips into batches of at most this many spectrogram bins on a CPU (about
 # 1 MB of complex64 per spectrogram): larger batches leave the cache and cost more per clip.

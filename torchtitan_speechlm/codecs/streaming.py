@@ -115,6 +115,8 @@ class ChunkedStreamDecoder:
             raise ValueError("give a crossfade or a holdback, not both")
         if self.holdback > self.context_frames * spf:
             raise ValueError(f"holdback {self.holdback} exceeds context_frames * {spf}")
+        if self.context_frames < 0 or self.lookahead_frames < 0:
+            raise ValueError("context_frames and lookahead_frames must be >= 0")
         self.min_block = max(1, int(min_block))
         self._decode = decode_window
         self._codes = np.zeros((0, self.num_streams), np.int64)
