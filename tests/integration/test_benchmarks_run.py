@@ -46,6 +46,8 @@ SMOKE = {
     "bench_audio_encoder.py": "--shape tiny --repeats 1 --out {tmp}/a.json",
     "bench_attention.py": "--shapes 64x2 --repeats 1 --hidden 64 --layers 1 --out {tmp}/a.json",
     "bench_decode.py": "--suite all --shape demo --frames 4 --repeats 1 --out {tmp}/a.json",
+    "bench_codec_decode.py": "--train-sentences 40 --kmeans-seconds 30 --codebook-size 16 "
+    "--held-out 2 --iters 2 --repeats 1 --work {tmp}/work --out {tmp}/a.json",
     "bench_loader.py": "--dps 1,2 --steps 1 --micro-batches 2 --repeats 1 --config {toml} "
     "--out {tmp}/a.json",
     "bench_loss_memory.py": "--frames 64 --hidden 16 --dtypes float32 --results {tmp}/a.json",

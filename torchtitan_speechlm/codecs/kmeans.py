@@ -37,7 +37,7 @@ WEIGHTS = "model.safetensors"
 # Decode-time Griffin-Lim settings, ``KMeansCodec.griffin_lim_iters`` / ``griffin_lim_momentum``
 # (attributes: they are not in config.json, so they do not change the codec's config_hash).
 # Chosen with benchmarks/bench_codec_decode.py (docs/generation.md, "Audio decode").
-GRIFFIN_LIM_ITERS = 16
+GRIFFIN_LIM_ITERS = 32
 GRIFFIN_LIM_MOMENTUM = 0.99
 # decode_batch groups clips into batches of at most this many spectrogram bins on a CPU (about
 # 1 MB of complex64 per spectrogram): larger batches leave the cache and cost more per clip.
@@ -399,24 +399,24 @@ def griffin_lim(geo: STFTFrames, mag: torch.Tensor, angles: torch.Tensor,
 
 
 class KMeansStreamDecoder(ChunkedStreamDecoder):
-    """Streaming Griffin-Lim: each push runs ``griffin_lim_iters`` iterations on a window of
-    the frames that came since the last push, ``context_frames`` before them with their phases
-    fixed (the audio already returned), and the lookahead frames after them; it returns the
-    samples that no later frame overlaps, less ``hop // 2`` samples held back and cross-faded
-    with the next window. Frames are refined again by the windows they are lookahead or
-    context of, so a stream converges about as well as a whole-clip decode; its phases differ
-    (Griffin-Lim is not unique), its magnitudes agree (docs/generation.md)."""
+    """Streaming Griffin-Lim in the manner of RTISI-LA (Zhu et al. 2007): each push runs
+    ``griffin_lim_iters`` iterations on the frames that came since the last push plus
+    ``lookahead_frames`` after them, with the frames before them (committed: their phases are
+    final) fixed; the new frames are committed after it. A sample is returned once every frame
+    overlapping it is committed (``n_fft // 2`` samples held back), so the stream is exactly the
+    overlap-add of its committed frames, one signal as in a whole-clip decode, with no seams to
+    cross-fade. Its phases are estimated causally, so its samples differ from ``decode``'s;
+    its magnitudes agree (docs/generation.md)."""
 
     def __init__(self, codec: KMeansCodec, lookahead_frames: int | None = None,
                  min_block: int = 1):  # fmt: skip
         geo = codec.geometry
         hop, n = geo.hop, geo.n_fft
-        need = math.ceil((n // 2 - 1) / hop)  # frames after a sample that overlap it
-        look = need if lookahead_frames is None else int(lookahead_frames)
-        if look < need:
-            raise ValueError(f"lookahead_frames must be >= {need} (frames that overlap a hop)")
+        look = math.ceil((n // 2 - 1) / hop) if lookahead_frames is None else lookahead_frames
+        # context: the committed frames whose windows reach the first new frame's
         super().__init__(hop, codec.num_streams, context_frames=max(1, geo.overlap - 1),
-                         lookahead_frames=look, crossfade=hop // 2, min_block=min_block)  # fmt: skip
+                         lookahead_frames=int(look), crossfade=0, min_block=min_block,
+                         holdback=n // 2)  # fmt: skip
         self.codec, self.geometry = codec, geo
         self.iters, self.momentum = codec.griffin_lim_iters, codec.griffin_lim_momentum
         self.mag = torch.zeros(0, geo.n_freq, device=codec.device)

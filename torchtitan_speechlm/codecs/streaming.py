@@ -80,7 +80,9 @@ class ChunkedStreamDecoder:
     ``context_frames`` frames before them and ``lookahead_frames`` after them (frames whose
     samples are not final yet), and returns the samples up to ``crossfade`` before the end of
     what it decoded. Those last ``crossfade`` samples are held back and linearly cross-faded with
-    the next window's version of them, so seams between windows do not click.
+    the next window's version of them, so seams between windows do not click. ``holdback``
+    (instead of a crossfade) withholds the last samples of each window without blending: the
+    next window decodes them again, from frames that are final by then.
 
     ``decode_window(start, codes)`` gives the audio of ``codes`` (frames ``start ...`` of the
     stream, each frame's ``samples_per_frame`` samples in order), the default a plain
@@ -97,6 +99,7 @@ class ChunkedStreamDecoder:
         lookahead_frames: int = 0,
         crossfade: int | None = None,
         min_block: int = 1,
+        holdback: int = 0,
     ):
         self.samples_per_frame, self.num_streams = int(samples_per_frame), int(num_streams)
         self.context_frames, self.lookahead_frames = int(context_frames), int(lookahead_frames)
@@ -104,8 +107,16 @@ class ChunkedStreamDecoder:
         self.crossfade = spf // 2 if crossfade is None else int(crossfade)
         if not 0 <= self.crossfade <= spf:
             raise ValueError(f"crossfade {self.crossfade} must be in 0..{spf} (one frame)")
-        if self.crossfade and not self.context_frames:
-            raise ValueError("a crossfade needs context_frames >= 1 (the window must reach back)")
+        self.holdback = int(holdback)
+        if (self.crossfade or self.holdback) and not self.context_frames:
+            raise ValueError("a crossfade or holdback needs context_frames >= 1 (the window must "
+                             "reach back to the samples not returned yet)")  # fmt: skip
+        if self.crossfade and self.holdback:
+            raise ValueError("give a crossfade or a holdback, not both")
+        if self.holdback > self.context_frames * spf:
+            raise ValueError(f"holdback {self.holdback} exceeds context_frames * {spf}")
+        if self.context_frames < 0 or self.lookahead_frames < 0:
+            raise ValueError("context_frames and lookahead_frames must be >= 0")
         self.min_block = max(1, int(min_block))
         self._decode = decode_window
         self._codes = np.zeros((0, self.num_streams), np.int64)
@@ -154,15 +165,20 @@ class ChunkedStreamDecoder:
     def _emit(self, block_end: int, final: bool) -> np.ndarray:
         spf, x = self.samples_per_frame, self.crossfade
         start = max(0, self.block_end - self.context_frames)
-        wav = self._decode_window(start, block_end, final)[: (block_end - start) * spf]
-        seg = wav[self.emitted - start * spf :].copy()  # samples [emitted, block_end * spf)
-        if self._tail is not None and x:
-            seg[:x] = self._tail * (1.0 - self._ramp) + seg[:x] * self._ramp
-        self.block_end = block_end
-        if final or not x:
-            self._tail = None
-            out = seg
-        else:
-            self._tail, out = seg[-x:].copy(), seg[:-x]
-        self.emitted += len(out)
+        base = start * spf
+        wav = self._decode_window(start, block_end, final)[: block_end * spf - base]
+        end = block_end * spf
+        if not final:
+            end = max(self.emitted, end - self.holdback - x)
+        out = wav[self.emitted - base : end - base].copy()
+        if self._tail is not None:
+            out[: len(self._tail)] = (self._tail * (1.0 - self._ramp[: len(self._tail)])
+                                      + out[: len(self._tail)] * self._ramp[: len(self._tail)])  # fmt: skip
+        self._tail = None if final or not x else wav[end - base : end - base + x].copy()
+        self.block_end, self.emitted = block_end, end
         return out
+
+    @property
+    def latency_samples(self) -> int:
+        """Samples pushed but not yet returned, at most (after a push that decoded)."""
+        return self.lookahead_frames * self.samples_per_frame + self.holdback + self.crossfade
