@@ -20,6 +20,7 @@ body is read), 500 the model failed on the row, 503 (with Retry-After) the queue
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -231,8 +232,9 @@ class App:
         try:
             wave = decode_audio_bytes(upload.data, self.upload_rate, name)
         except BadAudioError as e:
+            reason = re.sub(r"<_io\.BytesIO object at \w+>", "the upload", e.reason)
             raise HttpError(
-                400, f"the file {name!r} is not audio this server can read: {e.reason}", "file",
+                400, f"the file {name!r} is not audio this server can read: {reason}", "file",
                 "invalid_audio",
             ) from None  # fmt: skip
         job = self.submit("asr", wave)

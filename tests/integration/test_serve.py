@@ -1,0 +1,204 @@
+"""`torchtitan serve` end to end, called with the official `openai` client: a tiny trained and
+exported model (tests/helpers.py ``tiny_export``) behind the server in its own process. Speech
+comes back as a wav at the codec's rate (streamed: the same samples), transcription as text
+equal to the library's own for the same audio (another rate and stereo: resampled, downmixed),
+8 concurrent calls run in batches larger than one, every bad request gets its status and
+OpenAI's error JSON (the client raises the matching class), and the server still answers after
+all of them. A folder that is not a SpeechLM ends the command at start with one line. (A full
+queue's 503 and a failing row's 500: tests/unit/serving/test_serving_http.py, deterministic.)"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+from tests.helpers import tiny_export
+from torchtitan_speechlm import cli
+
+pytestmark = pytest.mark.slow
+MAX_FRAMES = 30
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_export(tmp_path_factory.mktemp("serve"), steps=60)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "serve", "--model", model["export"],
+           "--port", "0", "--max-frames", str(MAX_FRAMES), "--batch-wait-ms", "100",
+           "--max-upload-mb", "0.1", "--stream-chunk-ms", "100"]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)  # fmt: skip
+    lines: list[str] = []
+    url: list[str] = []
+    started = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if " on http://" in line and not url:
+                url.append(line.split(" on ")[1].split()[0])
+                started.set()
+        started.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert started.wait(180) and url, "\n".join(lines[-30:])
+    client = openai.OpenAI(base_url=url[0] + "/v1", api_key="none", max_retries=0, timeout=120)
+    yield {"url": url[0], "client": client, "lines": lines, "proc": proc}
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def library(model):
+    """The same model in this process: what the server must give."""
+    from torchtitan_speechlm.generation.loading import load_model
+
+    return load_model(model["export"])
+
+
+def health(server) -> dict:
+    with urllib.request.urlopen(server["url"] + "/health", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def utterance(model, i: int = 1) -> str:
+    rows = [json.loads(line) for line in open(model["manifest"])]
+    return rows[i]["audio"]
+
+
+def test_models_and_health(server, model):
+    ids = [m.id for m in server["client"].models.list().data]
+    assert ids == ["export"]
+    h = health(server)
+    assert h["status"] == "ok" and h["model"] == "export" and h["queue_depth"] == 0
+
+
+def test_speech_is_a_wav_at_the_codec_rate_and_streams_the_same_samples(server, library):
+    client = server["client"]
+    audio = client.audio.speech.create(
+        model="export", voice="alloy", input="The quick brown fox.", response_format="wav",
+        speed=1.5,
+    ).content  # fmt: skip
+    wave, rate = sf.read(io.BytesIO(audio), dtype="int16")
+    assert rate == library.codec.sample_rate
+    assert 0 < len(wave) <= MAX_FRAMES * library.codec.samples_per_frame
+    assert np.abs(wave).max() > 0
+    with client.audio.speech.with_streaming_response.create(
+        model="export", voice="alloy", input="The quick brown fox.", response_format="wav",
+        extra_body={"stream": True},
+    ) as r:  # fmt: skip
+        assert r.headers["transfer-encoding"] == "chunked"
+        pieces = list(r.iter_bytes())
+    streamed = np.frombuffer(b"".join(pieces)[44:], "<i2")
+    np.testing.assert_array_equal(streamed, wave)  # greedy: the same speech, in chunks
+
+
+def test_transcription_is_the_library_s_text_and_any_rate_or_channels_are_taken(
+    server, model, library, tmp_path
+):
+    from torchtitan_speechlm.generation import tasks
+    from torchtitan_speechlm.generation.decode import DecodeConfig
+
+    client = server["client"]
+    path = utterance(model)
+    with open(path, "rb") as f:
+        got = client.audio.transcriptions.create(model="export", file=f)
+    expected = tasks.transcribe(library, path, DecodeConfig(max_frames=MAX_FRAMES))
+    assert got.text == expected and expected.strip()  # words: 60 steps of training
+    with open(path, "rb") as f:
+        text = client.audio.transcriptions.create(model="export", file=f, response_format="text")
+    assert text.strip() == expected
+    # 22.05 kHz stereo (the codec takes 16 kHz mono): resampled and downmixed, as a flac
+    wave, rate = sf.read(path, dtype="float32")
+    from torchtitan_speechlm.utils.audio import resample
+
+    other = resample(wave, rate, 22050)
+    stereo = tmp_path / "stereo.flac"
+    sf.write(stereo, np.stack([other, 0.5 * other], axis=1), 22050)
+    with open(stereo, "rb") as f:
+        assert isinstance(client.audio.transcriptions.create(model="export", file=f).text, str)
+
+
+def test_eight_concurrent_calls_are_served_in_batches(server):
+    client = server["client"]
+    before = health(server)
+    results: dict[int, int] = {}
+
+    def call(i: int) -> None:
+        audio = client.audio.speech.create(
+            model="export", voice="alloy", input=f"Sentence number {i}.", response_format="wav"
+        ).content
+        results[i] = len(sf.read(io.BytesIO(audio))[0])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == list(range(8)) and all(n > 0 for n in results.values())
+    after = health(server)
+    batches = after["batches_run"] - before["batches_run"]
+    assert after["largest_batch"] > 1 and batches < 8, after
+    speech = [line for line in server["lines"] if line.startswith("POST /v1/audio/speech")][-8:]
+    assert all(line.split()[2] == "200" for line in speech)  # method route status ms batch
+    assert max(int(line.split()[-1]) for line in speech) > 1
+
+
+def test_bad_requests_get_their_status_and_openai_errors(server, model, tmp_path):
+    client = server["client"]
+    json_header = {"headers": {"Content-Type": "application/json"}}
+    with pytest.raises(openai.BadRequestError, match="could not parse the JSON"):
+        client.post("/audio/speech", cast_to=object, content=b"{bad", options=json_header)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.post("/audio/speech", cast_to=object, body={"model": "export"})
+    assert e.value.body["param"] == "input" and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="'input' is empty"):
+        client.audio.speech.create(model="export", voice="alloy", input="   ")
+    with pytest.raises(openai.BadRequestError, match="supported: wav"):
+        client.audio.speech.create(model="export", voice="alloy", input="Hi.",
+                                   response_format="mp3")  # fmt: skip
+    with pytest.raises(openai.NotFoundError, match="Invalid URL"):
+        client.get("/no/such/route", cast_to=object)
+    with pytest.raises(openai.BadRequestError, match="not audio") as e:
+        client.audio.transcriptions.create(model="export", file=("notes.wav", b"not audio" * 50))
+    assert e.value.body["param"] == "file" and "BytesIO" not in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="supported: json, text"):
+        with open(utterance(model), "rb") as f:
+            client.audio.transcriptions.create(model="export", file=f, response_format="srt")
+    big = tmp_path / "long.wav"  # 4 s at 16 kHz: 128 KB, over --max-upload-mb 0.1
+    sf.write(big, np.zeros(64000, np.float32), 16000, subtype="PCM_16")
+    with pytest.raises(openai.APIStatusError) as e, open(big, "rb") as f:
+        client.audio.transcriptions.create(model="export", file=f)
+    assert e.value.status_code == 413 and e.value.body["code"] == "request_too_large"
+    # and after all of that the server is up, its worker alive, every request counted
+    h = health(server)
+    assert h["status"] == "ok" and h["requests_failed"] >= 8
+    assert server["proc"].poll() is None
+    statuses = [line.split()[2] for line in server["lines"] if line.startswith(("GET", "POST"))]
+    assert {"400", "404", "413"} <= set(statuses)
+
+
+def test_a_folder_that_is_not_a_speechlm_ends_the_command_with_one_line(tmp_path, capsys):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    for folder in (tmp_path / "llama", tmp_path / "missing", tmp_path):
+        t = time.monotonic()
+        assert cli.main(["serve", "--model", str(folder), "--port", "0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("torchtitan serve: error: ") and "\n" not in err, err
+        assert time.monotonic() - t < 30
