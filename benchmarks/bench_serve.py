@@ -65,7 +65,7 @@ def make_model(a, work: str) -> str:
     from tests.helpers import tiny_export
 
     out = tiny_export(
-        os.path.join(work, "model"), steps=a.steps, n_items=4, family="llama",
+        os.path.join(work, "model"), steps=a.steps, n_items=4, fresh=True, family="llama",
         hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.heads,
         intermediate_size=3 * a.hidden,
     )  # fmt: skip
@@ -210,6 +210,7 @@ def main(argv=None) -> None:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],  # a shared machine
     }  # fmt: skip
     result["cli_sequential"] = cli_calls(a, model, work)
     print(json.dumps({"cli_sequential": result["cli_sequential"]}), flush=True)
@@ -232,6 +233,7 @@ def main(argv=None) -> None:
     result["ratios"][f"cli_p50_over_serve_{levels[0]}_p50"] = round(
         cli["p50_ms"] / result["serve"][str(levels[0])]["p50_ms"], 2
     )
+    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps({"ratios": result["ratios"]}), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

@@ -2,7 +2,8 @@
 exported model (tests/helpers.py ``tiny_export``) behind the server in its own process. Speech
 comes back as a wav at the codec's rate (streamed: the same samples), transcription as text
 equal to the library's own for the same audio (another rate and stereo: resampled, downmixed),
-8 concurrent calls run in batches larger than one, every bad request gets its status and
+8 concurrent calls run in batches larger than one (a ninth, too long for the model, fails its
+batch and alone gets its 400), every bad request gets its status and
 OpenAI's error JSON (the client raises the matching class), and the server still answers after
 all of them. A folder that is not a SpeechLM ends the command at start with one line. (A full
 queue's 503 and a failing row's 500: tests/unit/serving/test_serving_http.py, deterministic.)"""
@@ -145,17 +146,26 @@ def test_eight_concurrent_calls_are_served_in_batches(server):
         ).content
         results[i] = len(sf.read(io.BytesIO(audio))[0])
 
+    def too_long() -> None:  # over the model's 4096 positions: its batch fails, then it alone
+        try:
+            client.audio.speech.create(model="export", voice="alloy", input="word " * 1000)
+        except openai.BadRequestError as e:
+            results[-1] = e.message
+
     threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    threads.insert(3, threading.Thread(target=too_long))
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
+    assert "the model's context is 4096" in results.pop(-1)
     assert sorted(results) == list(range(8)) and all(n > 0 for n in results.values())
     after = health(server)
     batches = after["batches_run"] - before["batches_run"]
-    assert after["largest_batch"] > 1 and batches < 8, after
-    speech = [line for line in server["lines"] if line.startswith("POST /v1/audio/speech")][-8:]
-    assert all(line.split()[2] == "200" for line in speech)  # method route status ms batch
+    assert after["largest_batch"] > 1 and batches < 9, after
+    speech = [line for line in server["lines"] if line.startswith("POST /v1/audio/speech")][-9:]
+    statuses = sorted(line.split()[2] for line in speech)  # method route status ms batch
+    assert statuses == ["200"] * 8 + ["400"]
     assert max(int(line.split()[-1]) for line in speech) > 1
 
 

@@ -89,6 +89,9 @@ class App:
         t0 = time.perf_counter()
         url = urlsplit(h.path)
         status, batch = 500, 0
+        h.serve_job = (
+            None  # the job of this request, once queued (a connection's handler is reused)
+        )
         try:
             body = self.read_body(h) if method == "POST" else b""
             route = self.routes().get((method, url.path))
@@ -109,6 +112,8 @@ class App:
                 send_json(h, 500, HttpError(500, f"internal error: {e}").body())
             except OSError:
                 h.close_connection = True
+        if h.serve_job is not None:  # a failed row too: the batch it ran in
+            batch = h.serve_job.batch_size
         self.done(method, url.path, status, 1000 * (time.perf_counter() - t0), batch)
 
     def done(self, method: str, path: str, status: int, ms: float, batch: int = 0) -> None:
@@ -186,7 +191,7 @@ class App:
             or stream_format == "audio"
             or query.get("stream", [""])[-1].lower() in ("1", "true", "yes")
         )
-        job = self.submit("tts", text)
+        job = self.submit(h, "tts", text)
         chunks = self.pieces(job.stream(self.request_timeout_s))
         if not stream:
             audio = [c for c in chunks]
@@ -237,7 +242,7 @@ class App:
                 400, f"the file {name!r} is not audio this server can read: {reason}", "file",
                 "invalid_audio",
             ) from None  # fmt: skip
-        job = self.submit("asr", wave)
+        job = self.submit(h, "asr", wave)
         text = self.result(job)
         if fmt == "text":
             send_bytes(h, 200, (text + "\n").encode(), "text/plain; charset=utf-8")
@@ -266,9 +271,10 @@ class App:
         return 200, 0
 
     # ---- the queue ---------------------------------------------------------------------------
-    def submit(self, task: str, payload):
+    def submit(self, h, task: str, payload):
         try:
-            return self.batcher.submit(task, payload)
+            h.serve_job = self.batcher.submit(task, payload)
+            return h.serve_job
         except QueueFull as e:
             raise HttpError(
                 503, f"{e}; retry after {self.retry_after_s} s", code="queue_full",
