@@ -89,9 +89,8 @@ class App:
         t0 = time.perf_counter()
         url = urlsplit(h.path)
         status, batch = 500, 0
-        h.serve_job = (
-            None  # the job of this request, once queued (a connection's handler is reused)
-        )
+        # the job of this request once queued (a keep-alive connection reuses its handler)
+        h.serve_job = None
         try:
             body = self.read_body(h) if method == "POST" else b""
             route = self.routes().get((method, url.path))
