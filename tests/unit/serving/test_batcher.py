@@ -51,7 +51,7 @@ def test_max_batch_bounds_a_batch_and_ends_the_wait_early():
 
 
 def test_the_wait_window_gathers_late_jobs_and_then_runs_without_them():
-    b = Batcher({"tts": Recorder()}, max_batch=8, batch_wait_s=0.4)
+    b = Batcher({"tts": Recorder()}, max_batch=8, batch_wait_s=1.0)
     got = {}
 
     def take():
@@ -67,7 +67,7 @@ def test_the_wait_window_gathers_late_jobs_and_then_runs_without_them():
     taker.join(5)
     b.submit("tts", "after the window")
     assert [j.payload for j in got["batch"]] == ["first", "within the window"]
-    assert 0.35 <= got["waited"] < 2.0  # the whole window: the batch was not full
+    assert 0.95 <= got["waited"] < 5.0  # the whole window: the batch was not full
     assert [j.payload for j in b.next_batch()] == ["after the window"]
 
 
@@ -78,7 +78,7 @@ def test_a_full_queue_refuses_at_once_and_takes_jobs_again_once_drained():
     t = time.monotonic()
     with pytest.raises(QueueFull, match="2 requests waiting"):
         b.submit("tts", "c")
-    assert time.monotonic() - t < 0.1
+    assert time.monotonic() - t < 1.0  # at once (the queue waits for nothing)
     assert b.stats()["queue_depth"] == 2
     b.next_batch()
     b.submit("tts", "c")

@@ -10,6 +10,7 @@ import io
 import json
 import socket
 import threading
+import time
 import wave
 
 import numpy as np
@@ -68,6 +69,17 @@ def served():
     batcher.stop()
 
 
+def eventually(check, timeout: float = 10.0) -> bool:
+    """``check()`` turns true within ``timeout`` s: a request is counted and logged by its
+    handler thread just after its answer is sent."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def health(server) -> dict:
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
     conn.request("GET", "/health")
@@ -93,8 +105,8 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(served):
     model.gate.set()
     first.join(10)
     waiting.join(10)
-    assert any(line.startswith("POST /v1/audio/speech 503 ") for line in lines)
-    assert health(server)["requests_failed"] == 1
+    assert eventually(lambda: any(x.startswith("POST /v1/audio/speech 503 ") for x in lines))
+    assert eventually(lambda: health(server)["requests_failed"] == 1)
 
 
 def test_a_failing_request_gets_its_error_and_the_server_goes_on(served):
@@ -108,6 +120,7 @@ def test_a_failing_request_gets_its_error_and_the_server_goes_on(served):
     audio = client.audio.speech.create(model="fake", voice="alloy", input="abc").content
     with wave.open(io.BytesIO(audio)) as w:
         assert (w.getframerate(), w.getnframes(), w.getsampwidth()) == (RATE, 300, 2)
+    assert eventually(lambda: health(server)["requests_served"] == 1)
     h = health(server)
     assert h["status"] == "ok" and (h["requests_served"], h["requests_failed"]) == (1, 2)
 
@@ -158,6 +171,7 @@ def test_an_oversized_body_is_refused_from_its_content_length_before_it_is_read(
     with pytest.raises(openai.APIStatusError) as e:
         client.audio.transcriptions.create(model="fake", file=("a.wav", b"x" * 2000))
     assert e.value.status_code == 413
+    assert eventually(lambda: len(lines) == 3)
     assert [line.split()[2] for line in lines] == ["413", "413", "413"]
     assert health(server)["status"] == "ok"
 
