@@ -11,6 +11,7 @@ BENCHES = [  # each writes its JSON under benchmarks/results/ (docs/performance.
     ["benchmarks/bench_step_overhead.py"],
     ["benchmarks/bench_prepare.py"],
     ["benchmarks/bench_decode.py"],
+    ["benchmarks/bench_decode.py", "--suite", "backbones", "--frames", "512"],  # native vs hf
     ["benchmarks/bench_serve.py"],  # `torchtitan serve` at 1/4/16 clients vs sequential CLI calls
     ["benchmarks/bench_wave_store.py"],  # prepared forms for a continuous audio encoder
     ["benchmarks/bench_audio_encoder.py"],  # continuous audio vs codec tokens: step, memory

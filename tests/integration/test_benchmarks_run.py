@@ -45,7 +45,7 @@ SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py"))
 SMOKE = {
     "bench_audio_encoder.py": "--shape tiny --repeats 1 --out {tmp}/a.json",
     "bench_attention.py": "--shapes 64x2 --repeats 1 --hidden 64 --layers 1 --out {tmp}/a.json",
-    "bench_decode.py": "--shape demo --frames 4 --repeats 1 --out {tmp}/a.json",
+    "bench_decode.py": "--suite all --shape demo --frames 4 --repeats 1 --out {tmp}/a.json",
     "bench_loader.py": "--dps 1,2 --steps 1 --micro-batches 2 --repeats 1 --config {toml} "
     "--out {tmp}/a.json",
     "bench_loss_memory.py": "--frames 64 --hidden 16 --dtypes float32 --results {tmp}/a.json",

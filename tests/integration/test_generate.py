@@ -221,3 +221,83 @@ def test_samples_during_training_on_two_ranks(overfit, tmp_path):
     acc = EventAccumulator(str(tb), size_guidance={"audio": 0, "tensors": 0})
     acc.Reload()
     assert "samples/tts_0" in acc.Tags()["audio"]
+
+
+def test_a_batch_file_runs_batched_like_one_request_at_a_time(overfit, tmp_path):
+    """``generate --batch``: the requests, mixed tasks in a shuffled order with bad lines among
+    them, give at --batch-size 8 exactly what each gives alone (--batch-size 1), in the file's
+    order; each bad line fails alone with its reason."""
+    ds = overfit["data"]
+    manifest = [json.loads(x) for x in open(overfit["root"] / "assets" / "manifest.jsonl")]
+    noise = tmp_path / "noise.wav"
+    noise.write_bytes(b"RIFF not really a wav")
+    lines = [
+        json.dumps({"id": "t3", "task": "tts", "text": ds[3].text}),
+        json.dumps({"id": "a1", "task": "asr", "audio": manifest[1]["audio"]}),
+        "{not json",
+        json.dumps({"id": "t0", "task": "tts", "text": ds[0].text, "seed": 4}),
+        json.dumps({"id": "empty", "task": "tts", "text": ""}),
+        json.dumps({"id": "a0", "task": "asr", "audio": manifest[0]["audio"]}),
+        json.dumps({"id": "noise", "task": "asr", "audio": str(noise)}),
+        json.dumps({"id": "t2", "task": "tts", "text": ds[2].text}),
+        json.dumps({"id": "c1", "task": "continuation", "audio": manifest[1]["audio"]}),
+        json.dumps({"id": "t1", "task": "tts", "text": ds[1].text}),
+    ]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(lines) + "\n")
+    rows = {}
+    for b in (8, 1):
+        out = tmp_path / f"b{b}"
+        argv = ["--model", overfit["step"], "--batch", str(requests), "--out-dir", str(out)]
+        assert generate_main([*argv, "--batch-size", str(b), "--max-frames", "200"]) == 1
+        rows[b] = [json.loads(x) for x in open(out / "results.jsonl")]
+        assert [r["id"] for r in rows[b]] == [
+            "t3", "a1", "line3", "t0", "empty", "a0", "noise", "t2", "c1", "t1"
+        ]  # fmt: skip
+        for r in rows[b]:
+            if r["id"].startswith("t"):
+                assert sf.read(out / f"{r['id']}.wav")[0].shape[0] == r["samples"]
+    assert [{k: v for k, v in r.items() if k != "out"} for r in rows[8]] == [
+        {k: v for k, v in r.items() if k != "out"} for r in rows[1]
+    ]
+    by_id = {r["id"]: r for r in rows[8]}
+    for i in range(N_ITEMS):  # the memorised data, through the batched path
+        assert by_id[f"t{i}"]["frames"] == len(ds[i].audio_codes)
+    assert by_id["a0"]["text"] == ds[0].text and by_id["a1"]["text"] == ds[1].text
+    assert "not a JSON request" in by_id["line3"]["error"]
+    assert "task tts needs a text" in by_id["empty"]["error"]
+    assert str(noise) in by_id["noise"]["error"]
+
+
+def test_stream_writes_the_same_length_of_audio_as_it_is_generated(overfit, tmp_path):
+    """``--stream``: the wav has the whole decode's length, the same spectrum within the stream
+    decoder's tolerance (Griffin-Lim per window: other phases, the same magnitudes), and the
+    result line reports the time to first audio; a batch file streams each row."""
+    from scipy.signal import stft
+
+    ds = overfit["data"]
+    base = ["--model", overfit["step"], "--task", "tts", "--text", ds[2].text]
+    whole, streamed = tmp_path / "whole.wav", tmp_path / "streamed.wav"
+    assert generate_main([*base, "--out", str(whole)]) == 0
+    assert generate_main([*base, "--out", str(streamed), "--stream"]) == 0
+    a, b = sf.read(whole)[0], sf.read(streamed)[0]
+    assert (
+        len(a)
+        == len(b)
+        == len(ds[2].audio_codes) * load_model(overfit["step"]).codec.samples_per_frame
+    )
+    spec_a, spec_b = (np.log1p(np.abs(stft(x, nperseg=512)[2])).ravel() for x in (a, b))
+    assert np.corrcoef(spec_a, spec_b)[0, 1] > 0.8
+    requests = tmp_path / "r.jsonl"
+    requests.write_text(
+        "".join(
+            json.dumps({"id": f"t{i}", "task": "tts", "text": ds[i].text}) + "\n" for i in range(3)
+        )
+    )
+    out = tmp_path / "out"
+    argv = ["--model", overfit["step"], "--batch", str(requests), "--out-dir", str(out), "--stream"]
+    assert generate_main(argv) == 0
+    rows = [json.loads(x) for x in open(out / "results.jsonl")]
+    for i, r in enumerate(rows):
+        assert 0 < r["first_audio_s"] and r["samples"] == len(sf.read(out / f"t{i}.wav")[0])
+        assert r["frames"] == len(ds[i].audio_codes)

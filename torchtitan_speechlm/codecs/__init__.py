@@ -15,6 +15,11 @@ from torchtitan_speechlm.codecs.base import (
     config_hash,
     register_codec,
 )
+from torchtitan_speechlm.codecs.streaming import (
+    ChunkedStreamDecoder,
+    StreamDecoder,
+    add_default_decoders,
+)
 
 # registration order = the order errors list them: neural codecs first
 # isort: off
@@ -47,6 +52,7 @@ def load_codec(path: str, device: str = "cpu", num_streams: int | None = None) -
         )
     codec = CODECS.get(model_type)(path, config, device)
     codec.total_streams = getattr(codec, "total_streams", 0) or codec.num_streams
+    add_default_decoders(codec)  # decode_batch / stream_decoder for a codec without its own
     if num_streams is not None:
         if not 1 <= num_streams <= codec.total_streams:
             raise CodecError(
@@ -60,8 +66,10 @@ def load_codec(path: str, device: str = "cpu", num_streams: int | None = None) -
 __all__ = [
     "CODECS",
     "SUPPORTED_CODECS",
+    "ChunkedStreamDecoder",
     "Codec",
     "CodecError",
+    "StreamDecoder",
     "config_hash",
     "load_codec",
     "register_codec",

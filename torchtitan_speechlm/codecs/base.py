@@ -4,7 +4,8 @@ A codec turns mono waveforms into integer codes ``[frames, num_streams]`` and ba
 datasets record its identity (``name``, ``config_hash``, rates, streams) so that datasets made
 with different codecs are never mixed. A codec folder holds a ``config.json`` whose
 ``model_type`` picks the loader: ``register_codec(model_type, loader)`` adds one
-(docs/extending.md).
+(docs/extending.md). Besides ``decode``, every loaded codec has ``decode_batch`` and
+``stream_decoder`` (its own, or the defaults of ``codecs/streaming.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from torchtitan_speechlm.codecs.streaming import StreamDecoder
 from torchtitan_speechlm.utils.fileio import json_hash
 from torchtitan_speechlm.utils.registry import Registry
 
@@ -57,6 +59,16 @@ class Codec(Protocol):
 
     def keep_streams(self, n: int) -> None:
         """Use only the first ``n`` codebooks from now on (coarse-to-fine residual codes)."""
+
+    # Optional in a codec class: load_codec gives a codec without them the defaults of
+    # codecs/streaming.py (a loop over decode; a chunked decode with overlap).
+    def decode_batch(self, codes: list[np.ndarray]) -> list[np.ndarray]:
+        """Several ``[frames_i, num_streams]`` code arrays -> their audio, each equal (to float
+        tolerance) to ``decode`` of it alone."""
+
+    def stream_decoder(self) -> StreamDecoder:
+        """A fresh decoder for one stream: ``push(codes [f, num_streams])`` -> the samples final
+        so far, ``flush()`` -> the rest; ``frames * samples_per_frame`` samples in all."""
 
 
 # model_type in config.json -> loader(path, config dict, device) -> Codec

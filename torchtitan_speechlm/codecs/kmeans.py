@@ -28,10 +28,20 @@ import numpy as np
 import torch
 
 from torchtitan_speechlm.codecs.base import config_hash, register_codec
+from torchtitan_speechlm.codecs.streaming import ChunkedStreamDecoder
 from torchtitan_speechlm.utils.fileio import write_json_atomic
 
 MODEL_TYPE = "speechlm_kmeans"
 WEIGHTS = "model.safetensors"
+
+# Decode-time Griffin-Lim settings, ``KMeansCodec.griffin_lim_iters`` / ``griffin_lim_momentum``
+# (attributes: they are not in config.json, so they do not change the codec's config_hash).
+# Chosen with benchmarks/bench_codec_decode.py (docs/generation.md, "Audio decode").
+GRIFFIN_LIM_ITERS = 16
+GRIFFIN_LIM_MOMENTUM = 0.99
+# decode_batch groups clips into batches of at most this many spectrogram bins on a CPU (about
+# 1 MB of complex64 per spectrogram): larger batches leave the cache and cost more per clip.
+CPU_BATCH_BINS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,8 @@ class KMeansConfig:
     num_codebooks: int = 4
     codebook_size: int = 256
     seed: int = 0
+    # Written to config.json by every fit, so it stays in config_hash; decode does not read it
+    # (``KMeansCodec.griffin_lim_iters`` is a decode-time setting, default GRIFFIN_LIM_ITERS).
     griffin_lim_iters: int = 48
 
 
@@ -203,6 +215,12 @@ class KMeansCodec:
         self.codebook_size = int(self.centroids.shape[1])
         self.features = LogMel(self.cfg, device)
         self._pinv = torch.linalg.pinv(self.features.fb)
+        self.geometry = STFTFrames(self.cfg.n_fft, self.cfg.hop_length, self.features.window)
+        self._phase_table = torch.zeros(0, self.geometry.n_freq, dtype=torch.complex64)
+        # decode-time settings: not part of the codec's identity (config_hash)
+        self.griffin_lim_iters = GRIFFIN_LIM_ITERS
+        self.griffin_lim_momentum = GRIFFIN_LIM_MOMENTUM
+        self.batch_bins = None if str(device).startswith("cuda") else CPU_BATCH_BINS
 
     def keep_streams(self, n: int) -> None:
         self.num_streams = n
@@ -232,37 +250,201 @@ class KMeansCodec:
         q = sum(self.centroids[k][c[:, k]] for k in range(self.num_streams))
         return q * self.std + self.mean
 
+    def magnitude(self, codes: np.ndarray) -> torch.Tensor:
+        """Linear STFT magnitudes ``[F, n_fft // 2 + 1]`` of ``codes``: mel magnitudes through the
+        filterbank's pseudo-inverse, refined by 10 non-negative least-squares (multiplicative)
+        updates. Each frame on its own, so a batch is the concatenation of its items."""
+        mel = torch.exp(self.log_mel(codes))  # [F, n_mels]
+        fb = self.features.fb  # [n_mels, n_freq]
+        mag = (mel @ self._pinv.T).clamp(min=1e-6)
+        target = mel @ fb
+        for _ in range(10):
+            mag = mag * target / ((mag @ fb.T) @ fb + 1e-9)
+        return mag
+
+    def initial_angles(self, start: int, stop: int) -> torch.Tensor:
+        """Griffin-Lim's initial phases of frames ``[start, stop)``: unit complex ``[stop - start,
+        n_freq]``, a fixed-seed table indexed by frame, so a clip starts from the same phases
+        whether decoded alone, in a batch or streamed."""
+        if stop > len(self._phase_table):
+            rows = 1 << max(10, (stop - 1).bit_length())  # grows by doubling; prefixes stay
+            u = np.random.default_rng(0).random((rows, self.geometry.n_freq), dtype=np.float32)
+            self._phase_table = torch.polar(torch.ones(()), torch.from_numpy(2 * np.pi * u))
+        return self._phase_table[start:stop].to(self.device)
+
     def decode(self, codes: np.ndarray) -> np.ndarray:
         """Codes ``[F, num_streams]`` -> mono float32 audio of ``F * samples_per_frame`` samples."""
+        return self.decode_batch([codes])[0]
+
+    def decode_batch(self, codes: list[np.ndarray]) -> list[np.ndarray]:
+        """Several clips through batched Griffin-Lim: padded to the longest of a group, padded
+        frames and samples masked out, so each output equals ``decode`` of it alone to float
+        tolerance. Clips are grouped longest first into batches of at most ``batch_bins``
+        spectrogram bins (on a CPU a bigger batch leaves the cache and gets slower per clip;
+        ``None``: one batch)."""
+        frames = [int(np.shape(c)[0]) for c in codes]
+        out = [np.zeros(0, np.float32) for _ in codes]
+        for c in codes:
+            if np.ndim(c) != 2 or np.shape(c)[1] != self.num_streams:
+                raise ValueError(f"expected codes [frames, {self.num_streams}], got {np.shape(c)}")
+        order = sorted((i for i, f in enumerate(frames) if f > 0), key=lambda i: -frames[i])
+        budget = self.batch_bins
+        while order:
+            size = 1
+            if budget is None:
+                size = len(order)
+            else:  # the first (longest) clip sets the padded length
+                per_clip = (frames[order[0]] + 1) * self.geometry.n_freq
+                size = max(1, min(len(order), budget // per_clip))
+            group, order = order[:size], order[size:]
+            for i, wav in zip(
+                group, self._griffin_lim_batch([codes[i] for i in group]), strict=True
+            ):
+                out[i] = wav
+        return out
+
+    def _griffin_lim_batch(self, codes: list[np.ndarray]) -> list[np.ndarray]:
+        geo, hop, half = self.geometry, self.samples_per_frame, self.geometry.n_fft // 2
+        frames = [len(c) for c in codes]
         with torch.inference_mode():
-            mel = torch.exp(self.log_mel(codes)).T  # [n_mels, F]
-            fb = self.features.fb
-            mag = (self._pinv @ mel).clamp(min=1e-6)
-            for _ in range(10):  # non-negative least squares (multiplicative updates)
-                mag = mag * (fb.T @ mel) / (fb.T @ (fb @ mag) + 1e-9)
-            mag = torch.cat([mag, mag[:, -1:]], 1)  # F+1 frames <-> F * hop samples
-            return griffin_lim(mag, self.features, mel.shape[1] * self.samples_per_frame,
-                               self.cfg.griffin_lim_iters).cpu().numpy()  # fmt: skip
+            mags = self.magnitude(np.concatenate([np.asarray(c) for c in codes]))
+            t = max(frames) + 1  # F + 1 STFT frames <-> F * hop samples (the last one repeated)
+            mag = mags.new_zeros(len(codes), t, geo.n_freq)
+            frame_ok = torch.zeros(len(codes), t, dtype=torch.bool, device=self.device)
+            keep = torch.zeros(len(codes), (t - 1) * hop + geo.n_fft, dtype=torch.bool,
+                               device=self.device)  # fmt: skip
+            at = 0
+            for j, f in enumerate(frames):
+                mag[j, :f] = mags[at : at + f]
+                mag[j, f] = mags[at + f - 1]
+                frame_ok[j, : f + 1] = True
+                keep[j, half : half + f * hop] = True  # samples [0, F * hop) of the clip
+                at += f
+            inv_env = geo.inverse_envelope(frame_ok, keep)
+            angles = self.initial_angles(0, t)[None].expand(len(codes), -1, -1)
+            wav, _ = griffin_lim(geo, mag, angles, inv_env, self.griffin_lim_iters,
+                                 self.griffin_lim_momentum)  # fmt: skip
+            wav = wav.float().cpu().numpy()
+        return [np.ascontiguousarray(wav[j, half : half + f * hop]) for j, f in enumerate(frames)]
+
+    def stream_decoder(self, lookahead_frames: int | None = None, min_block: int = 1):
+        """A ``KMeansStreamDecoder`` (push codes, get the audio that is final so far) with this
+        codec's Griffin-Lim settings at the time of the call."""
+        return KMeansStreamDecoder(self, lookahead_frames, min_block)
 
 
-def griffin_lim(mag: torch.Tensor, feat: LogMel, length: int, iters: int,
-                momentum: float = 0.99) -> torch.Tensor:  # fmt: skip
-    """Fast Griffin-Lim (Perraudin et al. 2013) with a fixed-seed initial phase."""
-    cfg = feat.cfg
-    gen = torch.Generator().manual_seed(0)
-    angles = torch.exp(2j * torch.pi * torch.rand(mag.shape, generator=gen)).to(mag.device)
-    prev = torch.zeros_like(angles)
+class STFTFrames:
+    """The codec's STFT (Hann window of ``n_fft`` samples every ``hop``), frame-major and
+    batched, without centring: frame ``k`` of a signal starts at its sample ``k * hop``. Callers
+    place the signal so that frame ``t`` is centred on sample ``t * hop`` of the clip."""
 
-    def istft(spec):
-        return torch.istft(spec, cfg.n_fft, cfg.hop_length, window=feat.window, center=True,
-                           length=length)  # fmt: skip
+    def __init__(self, n_fft: int, hop: int, window: torch.Tensor):
+        self.n_fft, self.hop, self.window = n_fft, hop, window
+        self.n_freq = n_fft // 2 + 1
+        self.overlap = math.ceil(n_fft / hop)  # hops one window spans
 
+    def analyse(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, S]`` -> spectra ``[B, (S - n_fft) // hop + 1, n_freq]``."""
+        return torch.fft.rfft(x.unfold(-1, self.n_fft, self.hop) * self.window)
+
+    def overlap_add(self, frames: torch.Tensor) -> torch.Tensor:
+        """``[B, T, n_fft]`` -> ``[B, (T - 1) * hop + n_fft]``, frame k added at ``k * hop``."""
+        b, t, n = frames.shape
+        r, hop = self.overlap, self.hop
+        out = frames.new_zeros(b, t + r - 1, hop)
+        for k in range(r):  # the k-th hop of every frame lands k hops after its start
+            width = min(hop, n - k * hop)
+            out[:, k : k + t, :width] += frames[:, :, k * hop : k * hop + width]
+        return out.view(b, -1)[:, : (t - 1) * hop + n]
+
+    def synthesise(self, spec: torch.Tensor) -> torch.Tensor:
+        """Spectra ``[B, T, n_freq]`` -> the overlap-add of their windowed frames (not yet
+        divided by the window envelope: see ``inverse_envelope``)."""
+        return self.overlap_add(torch.fft.irfft(spec, self.n_fft) * self.window)
+
+    def inverse_envelope(self, frame_ok: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``1 / sum of squared windows`` of the frames ``frame_ok [B, T]`` where ``keep [B, S]``,
+        0 elsewhere: the least-squares signal of a set of frames (as ``torch.istft``), with the
+        samples outside ``keep`` (before the clip, after its end) forced to 0."""
+        w2 = (self.window**2).expand(*frame_ok.shape, self.n_fft)
+        env = self.overlap_add(w2 * frame_ok[..., None].to(w2.dtype))
+        ok = keep & (env > 1e-11)
+        return torch.where(ok, 1.0 / env.clamp(min=1e-11), torch.zeros((), dtype=env.dtype))
+
+
+def griffin_lim(geo: STFTFrames, mag: torch.Tensor, angles: torch.Tensor,
+                inv_env: torch.Tensor, iters: int, momentum: float = 0.99,
+                fixed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Griffin-Lim on frame-major magnitudes ``mag [B, T, n_freq]`` from unit phases ``angles``;
+    ``momentum`` > 0 is the fast variant (Perraudin et al. 2013, torchaudio's form), 0 the
+    classic one. The first ``fixed`` frames keep their phases (a stream's frames already
+    played). Returns the signal ``[B, (T - 1) * hop + n_fft]`` (sample 0 = the left edge of
+    frame 0's window) and the final phases."""
+    c = momentum / (1.0 + momentum)
+    start = fixed * geo.hop
+    spec = mag * angles
+    held, free_mag = spec[:, :fixed], mag[:, fixed:].to(angles.dtype)
+    free, prev = angles[:, fixed:], None
     for _ in range(iters):
-        rebuilt = feat.stft(istft(mag * angles))
-        angles = rebuilt - prev * (momentum / (1 + momentum))
-        angles = angles / (angles.abs() + 1e-16)
+        rebuilt = geo.analyse((geo.synthesise(spec) * inv_env)[:, start:])
+        new = torch.add(rebuilt, prev, alpha=-c) if (c and prev is not None) else rebuilt
+        inv_abs = (new * new.conj()).real.add(1e-32).rsqrt_()  # 1 / |new|, 0 -> 0 below
+        free = new * inv_abs.to(new.dtype)  # unit phases
+        spec = free * free_mag
+        if fixed:
+            spec = torch.cat([held, spec], 1)
         prev = rebuilt
-    return istft(mag * angles).float()
+    angles = torch.cat([angles[:, :fixed], free], 1) if fixed else free
+    return geo.synthesise(spec) * inv_env, angles
+
+
+class KMeansStreamDecoder(ChunkedStreamDecoder):
+    """Streaming Griffin-Lim: each push runs ``griffin_lim_iters`` iterations on a window of
+    the frames that came since the last push, ``context_frames`` before them with their phases
+    fixed (the audio already returned), and the lookahead frames after them; it returns the
+    samples that no later frame overlaps, less ``hop // 2`` samples held back and cross-faded
+    with the next window. Frames are refined again by the windows they are lookahead or
+    context of, so a stream converges about as well as a whole-clip decode; its phases differ
+    (Griffin-Lim is not unique), its magnitudes agree (docs/generation.md)."""
+
+    def __init__(self, codec: KMeansCodec, lookahead_frames: int | None = None,
+                 min_block: int = 1):  # fmt: skip
+        geo = codec.geometry
+        hop, n = geo.hop, geo.n_fft
+        need = math.ceil((n // 2 - 1) / hop)  # frames after a sample that overlap it
+        look = need if lookahead_frames is None else int(lookahead_frames)
+        if look < need:
+            raise ValueError(f"lookahead_frames must be >= {need} (frames that overlap a hop)")
+        super().__init__(hop, codec.num_streams, context_frames=max(1, geo.overlap - 1),
+                         lookahead_frames=look, crossfade=hop // 2, min_block=min_block)  # fmt: skip
+        self.codec, self.geometry = codec, geo
+        self.iters, self.momentum = codec.griffin_lim_iters, codec.griffin_lim_momentum
+        self.mag = torch.zeros(0, geo.n_freq, device=codec.device)
+        self.angles = torch.zeros(0, geo.n_freq, dtype=torch.complex64, device=codec.device)
+
+    def _append(self, codes: np.ndarray) -> None:
+        if len(codes):
+            with torch.inference_mode():
+                self.mag = torch.cat([self.mag, self.codec.magnitude(codes)])
+
+    def _decode_window(self, start: int, block_end: int, final: bool) -> np.ndarray:
+        geo, hop, half = self.geometry, self.geometry.hop, self.geometry.n_fft // 2
+        with torch.inference_mode():
+            mag = torch.cat([self.mag, self.mag[-1:]]) if final else self.mag
+            known, have = len(mag), len(self.angles)
+            angles = torch.cat([self.angles[start:], self.codec.initial_angles(have, known)])
+            t = known - start
+            first = start * hop - half  # the clip's sample at the window signal's sample 0
+            pos = torch.arange((t - 1) * hop + geo.n_fft, device=mag.device) + first
+            keep = pos >= 0
+            if final:
+                keep &= pos < self.frames * hop
+            frame_ok = torch.ones(1, t, dtype=torch.bool, device=mag.device)
+            inv_env = geo.inverse_envelope(frame_ok, keep[None])
+            wav, angles = griffin_lim(geo, mag[None, start:], angles[None], inv_env, self.iters,
+                                      self.momentum, fixed=self.block_end - start)  # fmt: skip
+            self.angles = torch.cat([self.angles[:start], angles[0]])
+            return wav[0, half : half + (block_end - start) * hop].float().cpu().numpy()
 
 
 @register_codec(MODEL_TYPE)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from torchtitan_speechlm.codecs.base import CodecError, config_hash, register_codec
+from torchtitan_speechlm.codecs.streaming import ChunkedStreamDecoder, default_stream_decoder
 
 
 class TransformersCodec:
@@ -25,6 +26,9 @@ class TransformersCodec:
 
     name = ""  # config.json model_type
     model_class = ""  # transformers class name
+    causal_decoder = True  # a clip's samples do not depend on the frames after it
+    pad_exact_from = 16  # frames from which padding a clip leaves its samples as they are alone
+    stream_lookahead_frames = 0  # frames a streaming push holds back (a non-causal decoder's)
 
     def __init__(self, path: str, config: dict, device: str = "cpu"):
         import transformers
@@ -98,6 +102,46 @@ class TransformersCodec:
         audio = audio.reshape(-1)[:n].float().cpu().numpy()
         return np.pad(audio, (0, n - len(audio)))  # DAC's decoder can come up a few samples short
 
+    def decode_batch(self, codes: list[np.ndarray]) -> list[np.ndarray]:
+        """One model call for the clips padded (with code 0) to the longest, each output cut to
+        its ``frames * samples_per_frame``. A causal decoder (Encodec, Mimi) gives each clip the
+        samples it gives alone, except a clip shorter than ``pad_exact_from`` frames (Encodec's
+        first convolution reflect-pads a short input differently); those, and every clip of a
+        non-causal decoder (DAC: padding would reach a clip's last samples), are batched only
+        with clips of their own length."""
+        arrays = [np.asarray(c) for c in codes]
+        for c in arrays:
+            if c.ndim != 2 or c.shape[1] != self.num_streams:
+                raise ValueError(f"expected codes [frames, {self.num_streams}], got {c.shape}")
+        out = [np.zeros(0, np.float32) for _ in arrays]
+        todo = [i for i, c in enumerate(arrays) if len(c)]
+        short = self.pad_exact_from if self.causal_decoder else math.inf
+        padded = [i for i in todo if len(arrays[i]) >= short]
+        alike = [i for i in todo if len(arrays[i]) < short]
+        groups = [padded] + [[i for i in alike if len(arrays[i]) == n]
+                             for n in sorted({len(arrays[i]) for i in alike})]  # fmt: skip
+        spf = self.samples_per_frame
+        for group in filter(None, groups):
+            longest = max(len(arrays[i]) for i in group)
+            batch = np.zeros((len(group), self.num_streams, longest), np.int64)
+            for j, i in enumerate(group):
+                batch[j, :, : len(arrays[i])] = arrays[i].T
+            with torch.inference_mode():
+                audio = self._decode(torch.from_numpy(batch).to(self.device))
+            audio = audio.reshape(len(group), -1).float().cpu().numpy()
+            for j, i in enumerate(group):
+                n = len(arrays[i]) * spf
+                out[i] = np.pad(audio[j, :n], (0, max(0, n - audio.shape[1])))
+        return out
+
+    def stream_decoder(self, context_frames: int | None = None,
+                       lookahead_frames: int | None = None) -> ChunkedStreamDecoder:  # fmt: skip
+        """Chunked decode with overlap (``codecs/streaming.py``): transformers' codecs carry no
+        decoder state between calls (Mimi's has a cache for its transformer, not for its
+        convolutions), so each push re-decodes ``stream_context_frames`` frames before the new
+        ones; ``stream_lookahead_frames`` are held back for a non-causal decoder."""
+        return default_stream_decoder(self, context_frames, lookahead_frames)
+
 
 class Encodec(TransformersCodec):
     """Run at its highest configured bandwidth, i.e. with every codebook it has."""
@@ -142,6 +186,8 @@ class Mimi(TransformersCodec):
 
 class DAC(TransformersCodec):
     name, model_class = "dac", "DacModel"
+    causal_decoder = False  # centred convolutions: each sample also hears frames after it
+    stream_lookahead_frames = 2
 
     def codebooks(self, cfg) -> int:
         return cfg.n_codebooks

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from torchtitan_speechlm.commands.generate_args import build_eval_parser, build_generate_parser
 from torchtitan_speechlm.data.catalog import open_prepared, split_indices
@@ -39,7 +40,9 @@ from torchtitan_speechlm.evaluation.tts_scores import score_tts
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import load_model
+from torchtitan_speechlm.generation.requests import TEXT_OUT, Outcome, Request, run_requests
 from torchtitan_speechlm.generation.sampling import Sampling
+from torchtitan_speechlm.generation.streaming import WavFileStream
 
 
 def decode_config(a) -> DecodeConfig:
@@ -52,38 +55,52 @@ def decode_config(a) -> DecodeConfig:
         max_text_tokens=a.max_text_tokens,
         use_cache=not a.no_cache,
         seed=a.seed,
+        compile=a.compile,
     )
 
 
-def run_request(loaded, req: dict, cfg: DecodeConfig, out: str | None) -> dict:
-    """One request: ``task`` plus ``text`` or ``audio``; writes ``out`` (wav or txt)."""
-    task = req.get("task")
-    if task not in tasks.TASKS:
-        raise ValueError(f"unknown task {task!r}; choose one of {tasks.TASKS}")
+def write_outcome(
+    loaded, task: str, outcome: Outcome, out: str | None, wav=None, stream=None
+) -> dict:
+    """A request's result line; writes ``out`` (wav or txt). ``wav``: the audio already decoded
+    (a batch's, decoded together), else it is decoded here; ``stream``: the request's
+    ``WavFileStream`` (``--stream``), which has written it as it was generated."""
+    if stream is not None and outcome.error is None:
+        samples = stream.finish(outcome.codes)
+    if outcome.error is not None:
+        return {"task": task, "error": outcome.error}
+    if task in TEXT_OUT:
+        if out:
+            with open(out, "w") as f:
+                f.write(outcome.text + "\n")
+        return {"task": task, "text": outcome.text, "out": out}
+    result = {"task": task, "frames": int(len(outcome.codes)), "out": out}
+    if stream is not None:
+        result.update(samples=samples, first_audio_s=round(stream.first_audio_s or 0.0, 4))
+    elif out:
+        result["samples"] = tasks.write_wav(loaded, outcome.codes, out, wav)
     if out:
-        tasks.make_parent_folder(out)  # before generating: a bad --out fails at once
-    if task == "tts":
-        if not req.get("text"):
-            raise ValueError("task tts needs a text")
-        codes = tasks.tts(loaded, [req["text"]], cfg)[0]
-    else:
-        if not req.get("audio"):
-            raise ValueError(f"task {task} needs an audio file")
-        if task in ("asr", "answer"):
-            if task == "asr":
-                text = tasks.transcribe(loaded, req["audio"], cfg)
-            else:  # spoken QA: the optional text is the instruction after the audio
-                text = tasks.answer(loaded, req["audio"], req.get("text"), cfg)
-            if out:
-                with open(out, "w") as f:
-                    f.write(text + "\n")
-            return {"task": task, "text": text, "out": out}
-        codes = tasks.continuation(loaded, [tasks.audio_codes(loaded, req["audio"])], cfg)[0]
-    result = {"task": task, "frames": int(len(codes)), "out": out}
-    if out:
-        result["samples"] = tasks.write_wav(loaded, codes, out)
         result["sample_rate"] = loaded.codec.sample_rate
     return result
+
+
+class _Streams(dict):
+    """``--stream``: request i's ``WavFileStream``, opened with its first frames (a request that
+    fails before it speaks leaves no file); ``on_frames`` for ``run_requests``."""
+
+    def __init__(self, loaded, outs: dict[int, str]) -> None:
+        super().__init__()
+        self.loaded, self.outs = loaded, outs
+        self.started = time.perf_counter()  # the time to first audio counts from here
+
+    def on_frames(self, i: int, codes) -> None:
+        if i not in self.outs:
+            return
+        if i not in self or len(codes) < self[i].sent:  # new, or rerun alone after its batch failed
+            if i in self:
+                self[i].file.close()
+            self[i] = WavFileStream(self.loaded.codec, self.outs[i], self.started)
+        self[i].frames(codes)
 
 
 def generate_main(argv: list[str] | None = None) -> int:
@@ -96,32 +113,75 @@ def run_generate(a: argparse.Namespace) -> int:
         loaded = load_model(a.model, a.device)
         cfg = decode_config(a)
         if a.batch:
-            return _batch(loaded, a.batch, a.out_dir or ".", cfg)
-        result = run_request(loaded, {"task": a.task, "text": a.text, "audio": a.audio}, cfg, a.out)
+            return _batch(loaded, a.batch, a.out_dir or ".", cfg, a.batch_size, a.stream)
+        if a.out:
+            tasks.make_parent_folder(a.out)  # before generating: a bad --out fails at once
+        streaming = a.stream and a.out and a.task not in TEXT_OUT
+        streams = _Streams(loaded, {0: a.out} if streaming else {})
+        req = Request(a.task, a.text, a.audio)
+        outcome = run_requests(loaded, [req], cfg, on_frames=streams.on_frames)[0]
+        result = write_outcome(loaded, a.task, outcome, a.out, stream=streams.get(0))
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"torchtitan generate: error: {e}", file=sys.stderr)
         return 2
-    print(result["text"] if result["task"] in ("asr", "answer") else json.dumps(result))
+    if "error" in result:
+        print(f"torchtitan generate: error: {result['error']}", file=sys.stderr)
+        return 2
+    print(result["text"] if a.task in TEXT_OUT else json.dumps(result))
     return 0
 
 
-def _batch(loaded, path: str, out_dir: str, cfg: DecodeConfig) -> int:
+def _batch(
+    loaded, path: str, out_dir: str, cfg: DecodeConfig, batch_size: int = 8, stream: bool = False
+) -> int:
+    """A batch file's requests (one JSON object per line), run by ``run_requests``: grouped by
+    task and length into batched decoder calls; a bad line fails alone."""
     os.makedirs(out_dir, exist_ok=True)
-    failed = 0
-    with open(path) as f, open(os.path.join(out_dir, "results.jsonl"), "w") as res:
+    ids, reqs, bad = [], [], {}
+    with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            req = json.loads(line)
-            rid = str(req.get("id", f"line{lineno}"))
-            ext = ".txt" if req.get("task") in ("asr", "answer") else ".wav"
             try:
-                row = run_request(loaded, req, cfg, os.path.join(out_dir, rid + ext))
-            except (ValueError, OSError) as e:
-                row, failed = {"error": str(e)}, failed + 1
+                req = json.loads(line)
+                if not isinstance(req, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as e:
+                req, bad[len(reqs)] = {}, f"{path} line {lineno}: not a JSON request ({e})"
+            ids.append(str(req.get("id", f"line{lineno}")))
+            reqs.append(
+                Request(req.get("task"), req.get("text"), req.get("audio"), req.get("seed"))
+            )
+    good = [i for i in range(len(reqs)) if i not in bad]
+    outs = [os.path.join(out_dir, ids[i] + _ext(reqs[i].task)) for i in range(len(reqs))]
+    audio_out = {k: outs[i] for k, i in enumerate(good) if reqs[i].task not in TEXT_OUT}
+    streams = _Streams(loaded, audio_out if stream else {})
+    found = run_requests(loaded, [reqs[i] for i in good], cfg, batch_size, streams.on_frames)
+    outcomes = [Outcome(error=bad.get(i)) for i in range(len(reqs))]
+    for i, outcome in zip(good, found, strict=True):
+        outcomes[i] = outcome
+    streamed = {good[k]: v for k, v in streams.items()}
+    audio = [i for i, o in enumerate(outcomes) if o.codes is not None and i not in streamed]
+    wavs = dict(
+        zip(audio, tasks.decode_audio(loaded, [outcomes[i].codes for i in audio]), strict=True)
+    )
+    failed = 0
+    with open(os.path.join(out_dir, "results.jsonl"), "w") as res:
+        for i, (rid, req, outcome) in enumerate(zip(ids, reqs, outcomes, strict=True)):
+            try:
+                row = write_outcome(
+                    loaded, req.task, outcome, outs[i], wavs.get(i), streamed.get(i)
+                )
+            except OSError as e:
+                row = {"task": req.task, "error": str(e)}
+            failed += "error" in row
             res.write(json.dumps({"id": rid, **row}) + "\n")
     print(f"wrote {os.path.join(out_dir, 'results.jsonl')} ({failed} failed)")
     return 1 if failed else 0
+
+
+def _ext(task: str | None) -> str:
+    return ".txt" if task in TEXT_OUT else ".wav"
 
 
 def eval_main(argv: list[str] | None = None) -> int:

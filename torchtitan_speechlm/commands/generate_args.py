@@ -20,6 +20,18 @@ def build_generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="the wav (tts, continuation) or text file (asr, answer)")
     p.add_argument("--batch", help="a JSONL file of requests")
     p.add_argument("--out-dir", help="with --batch: where outputs and results.jsonl go")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="with --batch: requests decoded together (grouped by task and length; 8)",
+    )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="write each wav while it is generated (the codec's stream decoder); the result "
+        "line gives the time to first audio",
+    )
     add_decoding_args(p)
     return p
 
@@ -71,6 +83,13 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-text-tokens", type=int, default=200)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
+    g.add_argument(
+        "--compile",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="the one-frame decode step under torch.compile (auto: on CUDA, for the native and "
+        "qwen3 backbones' static cache)",
+    )
     g.add_argument("--device", default="cpu")
 
 

@@ -82,9 +82,11 @@ class TrainingSamples:
         out = os.path.join(self.folder, f"step-{step}")
         os.makedirs(out, exist_ok=True)
         panels = {}
-        for i, (text, codes) in enumerate(zip(texts, tasks.tts(loaded, texts, cfg), strict=True)):
+        spoken = tasks.tts(loaded, texts, cfg)  # one batch, decoded by the codec together
+        wavs = tasks.decode_audio(loaded, spoken)
+        for i, (text, codes, wav) in enumerate(zip(texts, spoken, wavs, strict=True)):
             path = os.path.join(out, f"tts_{i}.wav")
-            tasks.write_wav(loaded, codes, path)
+            tasks.write_wav(loaded, codes, path, wav)
             with open(os.path.join(out, f"tts_{i}.txt"), "w") as f:
                 f.write(text + "\n")
             panels[f"samples/tts_{i}"] = (path, text)

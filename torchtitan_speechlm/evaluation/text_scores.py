@@ -16,6 +16,7 @@ from torchtitan_speechlm.evaluation.rates import item_rates, mean_of, pooled_rat
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import Loaded
+from torchtitan_speechlm.generation.requests import batches_by_length
 
 
 def score_asr(
@@ -65,13 +66,14 @@ def evaluate_asr(loaded: Loaded, items: list, cfg: DecodeConfig, batch: int = 8)
 def _score_text(task: str, items, refs, generate, loaded, cfg, batch, progress) -> dict:
     """Text the model generates per item (``generate(loaded, items, cfg)``) scored against
     ``refs``: per item, the mean, and pooled."""
-    hyps: list[str] = []
+    found: dict[int, str] = {}
     clock = PhaseClock()
-    for s in range(0, len(items), batch):
+    for part in batches_by_length([_input_length(it) for it in items], batch):
         with clock("generate"):
-            hyps += generate(loaded, items[s : s + batch], cfg)
+            found.update(zip(part, generate(loaded, [items[i] for i in part], cfg), strict=True))
         if progress is not None:
-            progress(clock.line(len(hyps), len(items)))
+            progress(clock.line(len(found), len(items)))
+    hyps = [found[i] for i in range(len(items))]
     per_item = []
     for it, ref, hyp in zip(items, refs, hyps, strict=True):
         wer, cer = item_rates(ref, hyp)
@@ -89,3 +91,15 @@ def _score_text(task: str, items, refs, generate, loaded, cfg, batch, progress) 
         "failures": [],
         "per_item": per_item,
     }
+
+
+def _input_length(item) -> int:
+    """An item's prompt size, for batching items of like length: its waveform or codes, or
+    its dialogue turns."""
+    wave = getattr(item, "wave", None)
+    if wave is not None:
+        return len(wave)
+    codes = getattr(item, "audio_codes", None)
+    if codes is not None and len(codes):
+        return len(codes)
+    return sum(len(getattr(t, "tokens", ())) for t in getattr(item, "turns", None) or ())

@@ -40,6 +40,7 @@ from torchtitan_speechlm.evaluation.tts_summary import summarise_tts
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import Loaded
+from torchtitan_speechlm.generation.requests import batches_by_length
 from torchtitan_speechlm.judges.base import JudgeError
 from torchtitan_speechlm.utils.audio import BadAudioError, load_audio
 
@@ -63,10 +64,10 @@ def score_tts(
     ``audio`` gives their paths relative to ``audio_root`` (the report's links). ``progress``
     gets a line after each batch (items done, seconds per phase)."""
     rate = int(loaded.codec.sample_rate)
-    per_item: list[dict] = []
+    per_item: dict[int, dict] = {}
     clock = PhaseClock()
-    for s in range(0, len(items), batch):
-        chunk = items[s : s + batch]
+    for part in batches_by_length([len(it.text) for it in items], batch):
+        chunk = [items[i] for i in part]
         with clock("generate"):
             codes, ended = tasks.tts_with_ends(loaded, [it.text for it in chunk], cfg)
         spoken = [i for i, c in enumerate(codes) if len(c)]
@@ -75,18 +76,29 @@ def score_tts(
             texts = tasks.asr(loaded, [codes[i] for i in spoken], cfg)
         for i, text in zip(spoken, texts, strict=True):
             self_hyps[i] = text
-        for k, it in enumerate(chunk):
+        with clock("codec decode"):  # the chunk's generated and reference audio together
+            gen = _decoded(loaded, codes)
+            ref = _decoded(loaded, [it.audio_codes for it in chunk])
+        for k, (i, it) in enumerate(zip(part, chunk, strict=True)):
             recording = (recordings or {}).get(it.id)
             rec, wavs = _score_item(
-                loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges.for_item(s + k),
-                recording, clock,
+                loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges.for_item(i),
+                recording, clock, (gen[k], ref[k]),
             )  # fmt: skip
             if audio_root is not None:
-                rec["audio"] = save_item_wavs(audio_root, audio_dir, s + k, it, wavs, rate)
-            per_item.append(rec)
+                rec["audio"] = save_item_wavs(audio_root, audio_dir, i, it, wavs, rate)
+            per_item[i] = rec
         if progress is not None:
             progress(clock.line(len(per_item), len(items)))
+    per_item = [per_item[i] for i in range(len(items))]
     return summarise_tts(per_item, judges, token_accuracy(loaded, items))
+
+
+def _decoded(loaded, codes: list) -> list:
+    """The codec's audio of each [F, N] codes, decoded together; None for no frames."""
+    have = [i for i, c in enumerate(codes) if len(c)]
+    wavs = dict(zip(have, tasks.decode_audio(loaded, [codes[i] for i in have]), strict=True))
+    return [wavs.get(i) for i in range(len(codes))]
 
 
 def _load_recording(path: str | None, rate: int, failures: list[str]) -> np.ndarray | None:
@@ -110,13 +122,16 @@ def _score_item(
     judges: Judges,
     recording: str | None = None,
     clock: PhaseClock | None = None,
+    decoded: tuple | None = None,
 ):
     """One item's record and its {generated, reference, recording} waveforms (None where there
-    is none); ``recording`` is the item's original audio file, if found."""
+    is none); ``recording`` is the item's original audio file, if found; ``decoded``: the
+    (generated, reference) audio already decoded (``_decoded``), else decoded here."""
     rate, failures, clock = int(loaded.codec.sample_rate), [], clock or PhaseClock()
-    with clock("codec decode"):
-        ref = loaded.codec.decode(it.audio_codes) if len(it.audio_codes) else None
-        gen = loaded.codec.decode(codes) if len(codes) else None
+    if decoded is None:
+        with clock("codec decode"):
+            decoded = (_decoded(loaded, [codes])[0], _decoded(loaded, [it.audio_codes])[0])
+    gen, ref = decoded
     if gen is None:
         failures.append("empty generation (0 frames)")
     if ref is None:

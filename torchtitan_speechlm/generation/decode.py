@@ -3,6 +3,12 @@ backbone's KV cache (or a full recompute where a backbone has none), batched (le
 rows; feeding the model is ``generation/incremental.py``'s), per-modality sampling,
 classifier-free guidance and masks.
 
+Every step is one model call and, per stream, one masked pick over all rows of the batch (the
+rows' masks stacked into one [rows, vocabulary] tensor); a row that ends leaves the batch (its KV
+cache rows are dropped, ``IncrementalForward.keep``), so the others run at the cost of their own
+number. Each row draws from its own generator, seeded with its own seed: a sampled row is the
+same whether it runs alone or beside others.
+
 Audio follows the interleave pattern: an *index map* (the pattern applied to code indices)
 says, for frame j and stream s, which code (frame f, codebook k) sits there or that it is the
 stream's pad. Pads are forced, known codes (a continuation prompt) are forced, every other slot
@@ -14,6 +20,7 @@ completed and the turn ends.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +41,10 @@ class DecodeConfig:
     max_frames: int = 500
     max_text_tokens: int = 200
     use_cache: bool = True
-    seed: int = 0
+    seed: int = 0  # every row's seed unless the caller gives one per row
+    # the one-frame decode step under torch.compile: auto (on CUDA only) | on | off
+    # (generation/incremental.py::compile_wanted; backbones with a static cache: native, qwen3)
+    compile: str = "auto"
 
 
 def index_map(pattern, frames: int, num_streams: int) -> np.ndarray:
@@ -54,6 +64,18 @@ class AudioRow:
     done: bool = False  # the segment is complete: nothing left to emit
     ended: bool = False  # the model chose the end (not the max_frames limit)
 
+    def complete(self) -> int:
+        """How many leading codec frames have all their codes: those whose every slot in
+        ``map`` lies before ``j`` (all of them once the segment is done)."""
+        if self.done:
+            return int(self.length or 0)
+        slots = self.map[: self.j]
+        have = np.zeros(len(self.codes) * self.codes.shape[1] + 1, dtype=bool)
+        have[slots[slots >= 0]] = True
+        frames = have[:-1].reshape(len(self.codes), -1).all(1)
+        upto = len(frames) if self.length is None else self.length
+        return int(np.argmin(np.append(frames[:upto], False)))
+
 
 class Decoder:
     """Generates audio codes (``audio``) or text ids (``text``) after prompts, all rows of a
@@ -68,12 +90,12 @@ class Decoder:
         self.pads = torch.tensor([lay.stream_pad(k) for k in range(self.n)])
         self.ends = (lay.special("<|eos|>"), lay.special("<|eot|>"))
         self.device = next(model.parameters()).device
-        self.generator = torch.Generator().manual_seed(self.cfg.seed)
         # does stream 0 end a segment with its pad before the segment ends (delay)? Then that
         # pad is the trained end marker (data/template_pieces.py::end_of_stream0), else the end
         # token is
         self.pad_ends = end_of_stream0(index_map(self.pattern, 2, self.n), -1) is not None
         self.forward = IncrementalForward(self.model, self.cfg, self.pads, self.device)
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def seqs(self) -> list[torch.Tensor]:
@@ -92,10 +114,36 @@ class Decoder:
         start = self.layout.code(k, 0)
         return list(range(start, start + self.layout.codebook_size))
 
-    def _scores(self, logits, s: int, i: int, rows: int) -> torch.Tensor:
-        cond = logits[s][i : i + 1]
-        uncond = logits[s][i + rows : i + rows + 1] if len(logits[s]) > rows else None
+    def _mask(self, s: int, k: int) -> torch.Tensor:
+        """Stream ``s``'s mask of codebook ``k``'s codes (``k = -1``: the end markers), cached."""
+        if (s, k) not in self._masks:
+            ends = [self.layout.stream_pad(s)] if self.pad_ends else list(self.ends)
+            self._masks[s, k] = self.allowed(s, ends if k < 0 else self.code_ids(k))
+        return self._masks[s, k]
+
+    def _scores(self, logits, s: int, pos: list[int], rows: int) -> torch.Tensor:
+        """Guided scores of batch positions ``pos`` (their unconditional twins ``rows`` later)."""
+        cond = logits[s][pos]
+        uncond = logits[s][[p + rows for p in pos]] if len(logits[s]) > rows else None
         return guided(cond, uncond, self.cfg.cfg_scale)
+
+    def _generators(self, b: int, seeds: list[int] | None) -> list[torch.Generator]:
+        seeds = [self.cfg.seed] * b if seeds is None else list(seeds)
+        if len(seeds) != b:
+            raise ValueError(f"{len(seeds)} seeds for {b} prompts")
+        return [torch.Generator().manual_seed(int(x)) for x in seeds]
+
+    def _leave(self, batch: list[int], done, guided_rows: bool) -> list[int]:
+        """Drop the rows that are ``done`` from the batch (and their unconditional twins);
+        returns the rows left, or ``batch`` unchanged when the backbone cannot drop cache rows
+        (the finished rows are then fed padding, masked, until the others end)."""
+        keep = [p for p, i in enumerate(batch) if not done(i)]
+        if len(keep) == len(batch) or not keep:
+            return batch
+        twins = [p + len(batch) for p in keep] if guided_rows else []
+        if not self.forward.keep(keep + twins):
+            return batch
+        return [batch[p] for p in keep]
 
     # ---- audio ---------------------------------------------------------------------------------
     def audio(
@@ -103,102 +151,149 @@ class Decoder:
         prompts: list[np.ndarray],
         uncond: list[np.ndarray] | None = None,
         known: list[np.ndarray | None] | None = None,
+        seeds: list[int] | None = None,
+        on_frames: Callable[[int, np.ndarray], None] | None = None,
     ) -> list[np.ndarray]:
         """Codes [F, N] generated after each prompt (which ends with ``<|audio|>``); ``uncond``
-        prompts enable guidance; ``known`` codes start each segment (continuation).
+        prompts enable guidance; ``known`` codes start each segment (continuation); ``seeds``:
+        one per prompt (default ``cfg.seed`` for all). ``on_frames(i, codes)`` is called each
+        time row i's leading complete codec frames grow (streaming: a frame is complete once
+        the pattern has emitted all its codebooks), with all of them so far.
 
         Afterwards ``self.ended[i]`` says whether row i's end was the model's choice (True) or
         the ``max_frames`` limit's (False): evaluation reports the share that ended by itself."""
         b, n, cfg = len(prompts), self.n, self.cfg
         known = known or [None] * b
-        rows = list(prompts) + list(uncond or [])
         full = index_map(self.pattern, cfg.max_frames, n)
         state = [AudioRow(full, np.zeros((cfg.max_frames, n), dtype=np.int64)) for _ in range(b)]
-        logits = self.forward.start(rows)
+        gens = self._generators(b, seeds)
+        sent = [0] * b  # complete frames passed to on_frames
+        logits = self.forward.start(list(prompts) + list(uncond or []))
+        batch = list(range(b))  # the rows in the model's batch, in its order
         while True:
-            frames = [self._audio_frame(st, logits, i, b, known[i]) for i, st in enumerate(state)]
-            if all(st.done for st in state):
+            frames = self._audio_step(state, batch, logits, known, gens)
+            if on_frames is not None:
+                for i in batch:
+                    ready = state[i].complete()
+                    if ready > sent[i]:
+                        on_frames(i, state[i].codes[:ready])
+                        sent[i] = ready
+            if all(state[i].done for i in batch):
                 break
-            logits = self.forward.advance(frames + frames[: len(rows) - b])
+            left = self._leave(batch, lambda i: state[i].done, uncond is not None)
+            frames, batch = frames[_positions(batch, left)], left
+            logits = self.forward.advance(torch.cat([frames, frames]) if uncond else frames)
         self.ended = [st.ended for st in state]
         return [st.codes[: st.length] for st in state]
 
-    def _audio_frame(self, st: AudioRow, logits, i: int, rows: int, known) -> torch.Tensor:
-        frame = self.pads.clone()
-        if st.done:
-            return frame
-        n, j = self.n, st.j
+    def _audio_step(self, state, batch, logits, known, gens) -> torch.Tensor:
+        """The next frame of every row of ``batch`` ([rows, N]): per stream, the forced slots
+        (pattern pads, known codes) are set and the rest picked in one masked call."""
+        n, lay, cfg = self.n, self.layout, self.cfg
+        frames = self.pads.repeat(len(batch), 1)
+        stop = [state[i].done for i in batch]  # rows whose frame is complete already
         for s in range(n):
-            slot = int(st.map[j, s])
-            if slot < 0:
-                continue  # the pattern's pad
-            f, k = divmod(slot, n)
-            if known is not None and f < len(known):
-                frame[s] = self.layout.code(k, int(known[f, k]))
-                st.codes[f, k] = int(known[f, k])
-                continue
-            ids = self.code_ids(k)
-            may_end = (
-                st.length is None
-                and k == 0
-                and f >= self.cfg.min_frames + (0 if known is None else len(known))
-            )
-            if may_end:  # where training put the end: stream 0's pad (a tail), else end tokens
-                ids = ids + ([self.layout.stream_pad(s)] if self.pad_ends else list(self.ends))
-            a = self.ranges[s][0]
-            token = a + int(
-                pick(
-                    self._scores(logits, s, i, rows),
-                    self.allowed(s, ids),
-                    self.cfg.audio,
-                    self.generator,
+            pos, ks, may_end = [], [], []
+            for p, i in enumerate(batch):
+                st = state[i]
+                slot = -1 if stop[p] else int(st.map[st.j, s])
+                if slot < 0:
+                    continue  # the pattern's pad
+                f, k = divmod(slot, n)
+                kn = known[i]
+                if kn is not None and f < len(kn):
+                    frames[p, s] = lay.code(k, int(kn[f, k]))
+                    st.codes[f, k] = int(kn[f, k])
+                    continue
+                pos.append(p)
+                ks.append(k)
+                may_end.append(
+                    st.length is None
+                    and k == 0
+                    and f >= cfg.min_frames + len(kn if kn is not None else ())
                 )
-            )
-            if may_end and token not in ids[: self.layout.codebook_size]:
-                st.length = f  # the model ended the audio before code (f, 0)
-                st.ended = True
-                st.map = index_map(self.pattern, f, n)
-                if token in self.ends or len(st.map) <= j:
-                    frame[:] = self.pads
-                    frame[0] = token if token in self.ends else self.ends[0]
-                    st.done = True
-                    return frame
-                frame[s] = token
+            if not pos:
                 continue
-            frame[s] = token
-            st.codes[f, k] = token - self.layout.code(k, 0)
-        st.j = j + 1
-        if st.length is None and st.j >= len(st.map):
-            st.length = self.cfg.max_frames  # the longest allowed: the segment is complete
-        if st.length is not None and st.j >= len(st.map):
-            st.done = True  # the turn's end token would come next
-        return frame
+            allowed = torch.stack([self._mask(s, k) for k in ks])
+            if any(may_end):  # where training put the end: stream 0's pad (a tail), else end tokens
+                allowed |= torch.tensor(may_end)[:, None] & self._mask(s, -1)
+            picked = pick(
+                self._scores(logits, s, pos, len(batch)),
+                allowed,
+                cfg.audio,
+                [gens[batch[p]] for p in pos],
+            )
+            a = self.ranges[s][0]
+            for p, k, end, idx in zip(pos, ks, may_end, picked.tolist(), strict=True):
+                st, token = state[batch[p]], a + idx
+                f = int(st.map[st.j, s]) // n
+                first = lay.code(k, 0)
+                if end and not first <= token < first + lay.codebook_size:
+                    st.length = f  # the model ended the audio before code (f, 0)
+                    st.ended = True
+                    st.map = index_map(self.pattern, f, n)
+                    if token in self.ends or len(st.map) <= st.j:
+                        frames[p] = self.pads
+                        frames[p, 0] = token if token in self.ends else self.ends[0]
+                        st.done = stop[p] = True
+                        continue
+                frames[p, s] = token
+                if first <= token < first + lay.codebook_size:
+                    st.codes[f, k] = token - first
+        for i in batch:
+            st = state[i]
+            if st.done:
+                continue
+            st.j += 1
+            if st.length is None and st.j >= len(st.map):
+                st.length = cfg.max_frames  # the longest allowed: the segment is complete
+            if st.length is not None and st.j >= len(st.map):
+                st.done = True  # the turn's end token would come next
+        return frames
 
     # ---- text ----------------------------------------------------------------------------------
-    def text(self, prompts: list[np.ndarray], audio: list[list] | None = None) -> list[list[int]]:
+    def text(
+        self,
+        prompts: list[np.ndarray],
+        audio: list[list] | None = None,
+        seeds: list[int] | None = None,
+    ) -> list[list[int]]:
         """Text token ids (the tokenizer's) generated after each prompt (ending ``<|text|>``);
-        ``audio``: the prompts' continuous segments (``IncrementalForward.start``)."""
+        ``audio``: the prompts' continuous segments (``IncrementalForward.start``); ``seeds``:
+        one per prompt (default ``cfg.seed``)."""
         lay, b = self.layout, len(prompts)
         ids = list(range(lay.text_offset, lay.text_offset + lay.text_size)) + list(self.ends)
         mask = self.allowed(0, ids)
+        gens = self._generators(b, seeds)
         out: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
         logits = self.forward.start(list(prompts), audio)
+        batch = list(range(b))
         for _ in range(self.cfg.max_text_tokens):
-            frames = []
-            for i in range(b):
-                frame = self.pads.clone()
-                if not done[i]:
-                    token = self.ranges[0][0] + int(
-                        pick(self._scores(logits, 0, i, b), mask, self.cfg.text, self.generator)
-                    )
-                    if token in self.ends:
-                        done[i] = True
-                    else:
-                        out[i].append(token - lay.text_offset)
-                    frame[0] = token
-                frames.append(frame)
+            live = [p for p, i in enumerate(batch) if not done[i]]
+            picked = pick(
+                self._scores(logits, 0, live, len(batch)),
+                mask,
+                self.cfg.text,
+                [gens[batch[p]] for p in live],
+            )
+            frames = self.pads.repeat(len(batch), 1)
+            for p, idx in zip(live, picked.tolist(), strict=True):
+                token = self.ranges[0][0] + idx
+                if token in self.ends:
+                    done[batch[p]] = True
+                else:
+                    out[batch[p]].append(token - lay.text_offset)
+                frames[p, 0] = token
             if all(done):
                 break
+            left = self._leave(batch, lambda i: done[i], False)
+            frames, batch = frames[_positions(batch, left)], left
             logits = self.forward.advance(frames)
         return out
+
+
+def _positions(batch: list[int], left: list[int]) -> list[int]:
+    """Where the rows ``left`` sit in ``batch``."""
+    kept = set(left)
+    return [p for p, i in enumerate(batch) if i in kept]

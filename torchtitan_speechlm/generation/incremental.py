@@ -16,16 +16,37 @@ import torch
 
 from torchtitan_speechlm.data.collation import continuous_batch
 
+COMPILE_SETTINGS = ("auto", "on", "off")
+
+
+def compile_wanted(setting: str, device: torch.device) -> bool:
+    """Whether ``DecodeConfig.compile`` asks for the compiled one-frame step on ``device``:
+    ``auto`` only on CUDA (on CPU, measured at the demo shape, the compiled step is ~10% faster
+    per frame but its compiling, 13-15 s, is not repaid by 512 frames: docs/generation.md)."""
+    if setting not in COMPILE_SETTINGS:
+        raise ValueError(f"DecodeConfig.compile = {setting!r}: expected one of {COMPILE_SETTINGS}")
+    return setting == "on" or (setting == "auto" and torch.device(device).type == "cuda")
+
 
 class IncrementalForward:
     """``start(rows, audio)`` and then ``advance(frames)`` per step, each returning the last
-    position's logits per stream (``[rows, stream vocabulary]`` float CPU tensors); ``seqs``
-    holds each row's frames so far. ``cfg.use_cache`` is cleared (on the shared config) once a
-    backbone turns out to have no cache, so that later decoders recompute from the start."""
+    position's logits per stream (``[rows, stream vocabulary]`` float CPU tensors) of the rows in
+    the batch; ``keep(positions)`` drops the others (finished rows). ``seqs`` holds every row's
+    frames so far. ``cfg.use_cache`` is cleared (on the shared config) once a backbone turns out
+    to have no cache, so that later decoders recompute from the start."""
 
     def __init__(self, model, cfg, pads: torch.Tensor, device: torch.device) -> None:
         self.model, self.cfg, self.pads, self.device = model, cfg, pads, device
         self.n = len(pads)
+        wanted = compile_wanted(getattr(cfg, "compile", "auto"), device)
+        self.compiled = model.compile_decode(wanted)
+        if wanted and not self.compiled and cfg.compile == "on":
+            from torchtitan.tools.logging import logger
+
+            logger.warning(
+                f"decode compile = 'on': the {model.family.name} backbone has no static cache "
+                "to compile a step over; decoding eagerly"
+            )
 
     @torch.no_grad()
     def start(self, rows: list[np.ndarray], audio: list[list] | None = None) -> list:
@@ -33,6 +54,7 @@ class IncrementalForward:
         (model/audio/tower.py), encoded with the prompt."""
         self.seqs = [torch.as_tensor(r, dtype=torch.long) for r in rows]
         self.audio = audio or [[] for _ in rows]
+        self.rows = list(range(len(rows)))  # the batch: indices into seqs
         if not self.cfg.use_cache:
             return self._full()
         width = max(len(r) for r in self.seqs)
@@ -50,14 +72,32 @@ class IncrementalForward:
             return self._full()
 
     @torch.no_grad()
-    def advance(self, frames: list[torch.Tensor]) -> list:
-        """Append one frame to each row and return the logits after it."""
-        new = torch.stack(frames)[:, None]  # [rows, 1, N]
-        self.seqs = [torch.cat([r, f[None]]) for r, f in zip(self.seqs, frames, strict=True)]
+    def advance(self, frames: torch.Tensor | list[torch.Tensor]) -> list:
+        """Append one frame ([N]) to each row of the batch and return the logits after it."""
+        frames = torch.stack(list(frames)) if isinstance(frames, list) else frames
+        new = frames[:, None]  # [rows, 1, N]
+        for i, f in zip(self.rows, frames, strict=True):
+            self.seqs[i] = torch.cat([self.seqs[i], f[None]])
         if not self.cfg.use_cache:
             return self._full()
         self.mask = torch.cat([self.mask, torch.ones(len(frames), 1, dtype=torch.long)], 1)
         return self._cached(new)
+
+    def keep(self, positions: list[int]) -> bool:
+        """Keep only the rows at ``positions`` of the batch (the others have finished): their
+        cache rows are selected and the rest freed. False (nothing changed) when the backbone
+        cannot select cache rows; the caller then keeps feeding the finished rows."""
+        if self.compiled:
+            return False  # a compiled step keeps its shapes: finished rows stay, masked
+        if self.cfg.use_cache:
+            index = torch.tensor(positions, device=self.device)
+            try:
+                self.cache = self.model.select_cache_rows(self.cache, index)
+            except NotImplementedError:
+                return False
+            self.mask = self.mask[index.cpu()]
+        self.rows = [self.rows[p] for p in positions]
+        return True
 
     def _audio_inputs(self, rows, shifts, width: int) -> dict:
         """The model's continuous inputs of ``rows`` (their frames shifted right by ``shifts``,
@@ -82,6 +122,6 @@ class IncrementalForward:
     def _full(self):
         outs = [
             self.model.logits(r[None].to(self.device), **self._audio_inputs([i], [0], len(r)))
-            for i, r in enumerate(self.seqs)
+            for i, r in ((i, self.seqs[i]) for i in self.rows)
         ]
         return [torch.cat([o[s][:, -1] for o in outs]).float().cpu() for s in range(self.n)]

@@ -29,9 +29,13 @@ def pick(
     scores: torch.Tensor,
     allowed: torch.Tensor,
     sampling: Sampling,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> torch.Tensor:
-    """One index per row of ``scores`` [B, V], among ``allowed`` ([V] or [B, V] bool)."""
+    """One index per row of ``scores`` [B, V], among ``allowed`` ([V] or [B, V] bool).
+
+    Sampling draws one uniform number per row and takes the token where the row's cumulative
+    probability reaches it; with ``generator`` a list (one per row), each row's number comes
+    from its own generator, so a row's draw does not depend on the rows beside it."""
     scores = scores.float().masked_fill(~allowed.expand_as(scores), float("-inf"))
     if not bool(allowed.expand_as(scores).any(-1).all()):
         raise ValueError("nothing is allowed to be sampled here")
@@ -46,5 +50,13 @@ def pick(
         probs = sorted_scores.softmax(-1)
         drop = probs.cumsum(-1) - probs > sampling.top_p  # keep the smallest set reaching p
         scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
-    probs = scores.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = scores.softmax(-1).cumsum(-1)
+    if isinstance(generator, list):
+        if len(generator) != len(scores):
+            raise ValueError(f"{len(generator)} generators for {len(scores)} rows")
+        u = torch.cat([torch.rand(1, generator=g) for g in generator])
+    else:
+        u = torch.rand(len(scores), generator=generator)
+    # u in (0, 1], scaled to the row's total: the first token reaching it has a probability > 0
+    target = (1.0 - u)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).squeeze(-1).clamp(max=scores.shape[-1] - 1)

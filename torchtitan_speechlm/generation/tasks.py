@@ -9,6 +9,8 @@ unconditional prompt replaces the text by ``<|cfg_drop|>``, as CFG dropout did i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from torchtitan_speechlm.data.format import to_int16
@@ -19,6 +21,7 @@ from torchtitan_speechlm.generation.loading import Loaded
 from torchtitan_speechlm.utils.audio import load_audio
 
 TASKS = ("tts", "asr", "continuation", "answer")
+FramesCallback = Callable[[int, np.ndarray], None]  # Decoder.audio's on_frames
 
 
 def text_ids(loaded: Loaded, text: str) -> np.ndarray:
@@ -42,10 +45,15 @@ def tts(loaded: Loaded, texts: list[str], cfg: DecodeConfig) -> list[np.ndarray]
 
 
 def tts_with_ends(
-    loaded: Loaded, texts: list[str], cfg: DecodeConfig
+    loaded: Loaded,
+    texts: list[str],
+    cfg: DecodeConfig,
+    seeds: list[int] | None = None,
+    on_frames: FramesCallback | None = None,
 ) -> tuple[list[np.ndarray], list[bool]]:
     """``tts`` plus, per text, whether the model ended the speech itself (False: the
-    ``max_frames`` limit cut it), which evaluation reports as the end-of-speech rate."""
+    ``max_frames`` limit cut it), which evaluation reports as the end-of-speech rate.
+    ``seeds`` and ``on_frames``: ``Decoder.audio``'s (per-row seeds; streaming)."""
     b = loaded.builder
     prompts = [
         b.prefix([Segment("user", "text", text_ids(loaded, t))], "assistant", "audio")
@@ -56,26 +64,46 @@ def tts_with_ends(
         drop = np.array([loaded.layout.special("<|cfg_drop|>") - loaded.layout.text_offset])
         uncond = [b.prefix([Segment("user", "text", drop)], "assistant", "audio")] * len(texts)
     decoder = Decoder(loaded.model, cfg)
-    codes = decoder.audio(_fit(loaded, prompts, cfg), uncond)
+    codes = decoder.audio(_fit(loaded, prompts, cfg), uncond, seeds=seeds, on_frames=on_frames)
     return codes, decoder.ended
 
 
-def asr(loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig) -> list[str]:
+def asr(
+    loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig, seeds: list[int] | None = None
+) -> list[str]:
     """The transcript of each utterance's codes."""
     b = loaded.builder
     prompts = [b.prefix([Segment("user", "audio", c)], "assistant", "text") for c in codes]
-    ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg))
+    ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg), seeds=seeds)
     return [loaded.tokenizer.decode(i) for i in ids]
 
 
-def asr_wave(loaded: Loaded, waves: list[np.ndarray], cfg: DecodeConfig) -> list[str]:
+def asr_wave(
+    loaded: Loaded, waves: list[np.ndarray], cfg: DecodeConfig, seeds: list[int] | None = None
+) -> list[str]:
     """The transcript of each waveform (float, or int16 as stored, at the audio encoder's rate)
     through the model's continuous audio encoder (the ``asr_wave`` template)."""
     waves = [w if w.dtype == np.int16 else to_int16(w) for w in waves]
     pairs = [loaded.builder.continuous_prefix(w, "assistant", "text") for w in waves]
     prompts = _fit(loaded, [p for p, _ in pairs], cfg)
-    ids = Decoder(loaded.model, cfg).text(prompts, [a for _, a in pairs])
+    ids = Decoder(loaded.model, cfg).text(prompts, [a for _, a in pairs], seeds=seeds)
     return [loaded.tokenizer.decode(i) for i in ids]
+
+
+def input_rate(loaded: Loaded) -> int:
+    """The rate a task's input audio is read at: the audio encoder's, else the codec's."""
+    encoder = loaded.model.args.audio
+    return int(encoder.sample_rate if encoder is not None else loaded.codec.sample_rate)
+
+
+def transcribe_waves(
+    loaded: Loaded, waves: list[np.ndarray], cfg: DecodeConfig, seeds: list[int] | None = None
+) -> list[str]:
+    """``generate --task asr`` on waveforms at ``input_rate``: through the model's continuous
+    audio encoder when it has one (docs/audio-encoder.md), else as the data codec's codes."""
+    if loaded.model.args.audio is not None:
+        return asr_wave(loaded, waves, cfg, seeds)
+    return asr(loaded, loaded.codec.encode(waves), cfg, seeds)
 
 
 def transcribe_items(loaded: Loaded, items: list, cfg: DecodeConfig) -> list[str]:
@@ -126,38 +154,53 @@ def answer_items(loaded: Loaded, items: list, cfg: DecodeConfig) -> list[str]:
     return [loaded.tokenizer.decode(i) for i in ids]
 
 
+def answers(
+    loaded: Loaded,
+    questions: list[tuple[np.ndarray, str | None]],
+    cfg: DecodeConfig,
+    seeds: list[int] | None = None,
+) -> list[str]:
+    """``generate --task answer``: the text answer to each spoken question (a waveform at
+    ``input_rate`` and an optional instruction; the dialogue layout ``[user audio] [user text:
+    instruction] -> [assistant text]``); the audio read through the model's audio encoder when
+    it has one, else as the data codec's codes."""
+    encoder = loaded.model.args.audio is not None
+    prompts, audio = [], []
+    for wave, instruction in questions:
+        heard = to_int16(wave) if encoder else loaded.codec.encode([wave])[0]
+        segs = [Segment("user", "audio", heard)]
+        if instruction:
+            segs.append(Segment("user", "text", text_ids(loaded, instruction)))
+        frames, waves = loaded.builder.prompt(segs, "assistant", "text", encoder)
+        prompts.append(frames)
+        audio.append(waves)
+    ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg), audio, seeds=seeds)
+    return [loaded.tokenizer.decode(i) for i in ids]
+
+
 def answer(loaded: Loaded, wav_path: str, instruction: str | None, cfg: DecodeConfig) -> str:
-    """``generate --task answer``: the text answer to a spoken question (the dialogue layout
-    ``[user audio] [user text: instruction, optional] -> [assistant text]``); the audio read
-    through the model's audio encoder when it has one, else as the data codec's codes."""
-    encoder = loaded.model.args.audio
-    if encoder is not None:
-        audio = to_int16(load_audio(wav_path, encoder.sample_rate))
-    else:
-        audio = audio_codes(loaded, wav_path)
-    segs = [Segment("user", "audio", audio)]
-    if instruction:
-        segs.append(Segment("user", "text", text_ids(loaded, instruction)))
-    frames, waves = loaded.builder.prompt(segs, "assistant", "text", encoder is not None)
-    ids = Decoder(loaded.model, cfg).text(_fit(loaded, [frames], cfg), [waves])
-    return loaded.tokenizer.decode(ids[0])
+    """``answers`` of one wav file (any rate, any channels)."""
+    return answers(loaded, [(load_audio(wav_path, input_rate(loaded)), instruction)], cfg)[0]
 
 
 def transcribe(loaded: Loaded, wav_path: str, cfg: DecodeConfig) -> str:
-    """``generate --task asr``: a wav through the model's continuous audio encoder when it has
-    one (docs/audio-encoder.md), else as the data codec's codes."""
-    audio = loaded.model.args.audio
-    if audio is not None:
-        return asr_wave(loaded, [load_audio(wav_path, audio.sample_rate)], cfg)[0]
-    return asr(loaded, [audio_codes(loaded, wav_path)], cfg)[0]
+    """``transcribe_waves`` of one wav file (any rate, any channels)."""
+    return transcribe_waves(loaded, [load_audio(wav_path, input_rate(loaded))], cfg)[0]
 
 
-def continuation(loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig) -> list[np.ndarray]:
+def continuation(
+    loaded: Loaded,
+    codes: list[np.ndarray],
+    cfg: DecodeConfig,
+    seeds: list[int] | None = None,
+    on_frames: FramesCallback | None = None,
+) -> list[np.ndarray]:
     """Each prompt's codes continued (the result starts with the prompt)."""
     prompt = loaded.builder.prefix([], "assistant", "audio")
     return Decoder(loaded.model, cfg).audio(
-        _fit(loaded, [prompt] * len(codes), cfg), known=list(codes)
-    )
+        _fit(loaded, [prompt] * len(codes), cfg), known=list(codes), seeds=seeds,
+        on_frames=on_frames,
+    )  # fmt: skip
 
 
 def _fit(loaded: Loaded, prompts: list[np.ndarray], cfg: DecodeConfig) -> list[np.ndarray]:
@@ -196,13 +239,23 @@ def make_parent_folder(path: str) -> None:
         ) from None
 
 
-def write_wav(loaded: Loaded, codes: np.ndarray, path: str) -> int:
-    """Decode codes with the data's codec and write a wav at its rate (its folder created if
-    missing); returns samples. Raises OSError naming ``path`` if it cannot be written."""
+def decode_audio(loaded: Loaded, codes: list[np.ndarray]) -> list[np.ndarray]:
+    """Waveforms of codes [F, N] each, decoded together by a codec with ``decode_batch``, one
+    by one without (a registered codec need only have ``decode``)."""
+    batch = getattr(loaded.codec, "decode_batch", None)
+    if batch is None or not codes:
+        return [loaded.codec.decode(c) for c in codes]
+    return batch(codes)
+
+
+def write_wav(loaded: Loaded, codes: np.ndarray, path: str, wav: np.ndarray | None = None) -> int:
+    """Decode codes with the data's codec (unless ``wav`` is their decoded audio already) and
+    write a wav at its rate (its folder created if missing); returns samples. Raises OSError
+    naming ``path`` if it cannot be written."""
     import soundfile as sf
 
     make_parent_folder(path)
-    wav = loaded.codec.decode(codes)
+    wav = loaded.codec.decode(codes) if wav is None else wav
     try:
         sf.write(path, wav, loaded.codec.sample_rate)
     except RuntimeError as e:  # soundfile's LibsndfileError: "System error" and the like

@@ -211,6 +211,17 @@ class SpeechLM(ModelProtocol):
         tied = self.tok_embeddings.weight if self.args.tie_embeddings else None
         return self.head.logits(hidden, tied), cache
 
+    def select_cache_rows(self, cache, index: torch.Tensor):
+        """``decode_step``'s cache of the batch rows ``index`` only (finished rows dropped);
+        the given cache may be changed in place: use the one returned. Raises
+        NotImplementedError for a backbone without a cache."""
+        return self.family.select_rows(cache, index)
+
+    def compile_decode(self, on: bool) -> bool:
+        """``decode_step``'s one-frame steps under ``torch.compile`` (``on``) or eager; True when
+        they are now compiled (False where the backbone has nothing to compile)."""
+        return self.family.compile_decode(self.backbone, on)
+
     def logits(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, **audio):
         """Per-stream fp32 logits for every position (inference helper)."""
         return self.forward(inputs, position_ids=position_ids, **audio)

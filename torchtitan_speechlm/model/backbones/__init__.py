@@ -94,6 +94,18 @@ class Backbone:
         recomputes each sequence in full with ``run`` (slower, same tokens)."""
         raise NotImplementedError
 
+    def select_rows(self, cache, index: torch.Tensor):
+        """The cache of the batch rows ``index`` only, in that order (e.g. finished rows
+        dropped from a batch); the given cache may be changed in place: use the one returned.
+        The caller selects the same rows of its attention mask."""
+        raise NotImplementedError
+
+    def compile_decode(self, module: nn.Module, on: bool) -> bool:
+        """Run ``decode``'s one-frame steps under ``torch.compile`` (``on``) or eagerly; True
+        when they are now compiled. False by default: a family whose cache changes shape every
+        step (transformers' ``DynamicCache``) would compile every step again."""
+        return False
+
     def reset_buffers(self, module: nn.Module, device: torch.device) -> None:
         """Recompute non-persistent buffers (e.g. RoPE frequencies) after meta init."""
 

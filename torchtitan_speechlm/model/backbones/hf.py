@@ -208,6 +208,11 @@ class HFBackbone(Backbone):
         )
         return out.last_hidden_state, out.cache
 
+    def select_rows(self, cache, index):
+        """transformers' ``Cache.batch_select_indices`` (in place)."""
+        cache.batch_select_indices(index)
+        return cache
+
     def reset_buffers(self, module, device) -> None:
         reset_non_persistent_buffers(module, device)
 

@@ -23,9 +23,13 @@ import torch
 from torch import nn
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper
 from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
-from torchtitan.models.llama3.model.model import TransformerBlock, precompute_freqs_cis
+from torchtitan.models.llama3.model.model import (
+    TransformerBlock,
+    apply_rotary_emb,
+    precompute_freqs_cis,
+)
 
-from torchtitan_speechlm.model.backbones import Backbone, register_backbone
+from torchtitan_speechlm.model.backbones import Backbone, kv_cache, register_backbone
 from torchtitan_speechlm.model.backbones.hf import PretrainedWeights, load_hf_config
 from torchtitan_speechlm.model.documents import Documents, documents_of
 
@@ -232,6 +236,24 @@ class NativeLlamaBackbone(Backbone):
 
     def run(self, module, inputs_embeds, position_ids, real):
         return module(inputs_embeds, position_ids), None
+
+    def decode(self, module, inputs_embeds, position_ids, attention_mask, cache):
+        """The static KV cache of ``kv_cache.py`` (refused under tensor parallelism: there)."""
+        return kv_cache.decode(
+            module,
+            inputs_embeds,
+            position_ids,
+            attention_mask,
+            cache,
+            apply_rotary_emb,
+            module.freqs_cis,
+        )
+
+    def select_rows(self, cache, index):
+        return cache.select_rows(index)
+
+    def compile_decode(self, module, on: bool) -> bool:
+        return kv_cache.compile_decode(module, on)
 
     def reset_buffers(self, module, device) -> None:
         module.freqs_cis = module._freqs().to(device)

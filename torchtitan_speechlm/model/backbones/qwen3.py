@@ -28,9 +28,13 @@ import torch
 from torch import nn
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-from torchtitan.models.qwen3.model.model import TransformerBlock, precompute_rope_cache
+from torchtitan.models.qwen3.model.model import (
+    TransformerBlock,
+    apply_rotary_emb,
+    precompute_rope_cache,
+)
 
-from torchtitan_speechlm.model.backbones import Backbone, register_backbone
+from torchtitan_speechlm.model.backbones import Backbone, kv_cache, register_backbone
 from torchtitan_speechlm.model.backbones.hf import PretrainedWeights, load_hf_config
 from torchtitan_speechlm.model.backbones.native import DocumentSDPA, document_block_mask
 from torchtitan_speechlm.model.backbones.qwen3_weights import hf_key
@@ -235,6 +239,28 @@ class Qwen3Backbone(Backbone):
         moe = module.args.moe_args
         logits = [module.router_logits[i] for i in module.moe_layers]
         return hidden, load_balance_loss(logits, moe.num_experts, moe.top_k, real)
+
+    def decode(self, module, inputs_embeds, position_ids, attention_mask, cache):
+        """The static KV cache of ``kv_cache.py``, MoE layers included (token-choice routing
+        is per frame: a frame's experts do not depend on the others in the batch)."""
+        module._use_grouped_mm(inputs_embeds.device.type == "cuda")
+        module.router_logits.clear()
+        module.expert_counts.clear()
+        return kv_cache.decode(
+            module,
+            inputs_embeds,
+            position_ids,
+            attention_mask,
+            cache,
+            apply_rotary_emb,
+            module.rope_cache,
+        )
+
+    def select_rows(self, cache, index):
+        return cache.select_rows(index)
+
+    def compile_decode(self, module, on: bool) -> bool:
+        return kv_cache.compile_decode(module, on)
 
     def expert_load(self, module) -> torch.Tensor | None:
         if not module.moe_layers:

@@ -1,0 +1,138 @@
+"""Batched decoding is one-at-a-time decoding: rows of different lengths that end at different
+steps, every interleave pattern, with guidance, for audio and text; sampled rows with their own
+seeds draw what they draw alone; a finished row leaves the batch."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import build_speechlm, save_tiny_backbone
+from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+from torchtitan_speechlm.data.template_pieces import Segment
+from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
+from torchtitan_speechlm.generation.incremental import IncrementalForward
+from torchtitan_speechlm.generation.sampling import Sampling
+
+LENGTHS = (2, 11, 5, 15, 7)  # text tokens per prompt: unsorted, far apart
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bb") / "bb"
+    save_tiny_backbone(path, vocab_size=70, hidden_size=48, intermediate_size=96)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama") / "llama"
+    save_tiny_backbone(path, family="llama", vocab_size=70, hidden_size=48, intermediate_size=96)
+    return path
+
+
+def setup(backbone, pattern, streams=3, family="hf"):
+    model = build_speechlm(
+        backbone, num_streams=streams, codebook_size=8, pattern=pattern, init_seed=11,
+        backbone=family,
+    ).eval()  # fmt: skip
+    with torch.no_grad():  # a trained-looking head: the end is chosen at varied steps
+        model.head.stream_emb.weight.normal_(0, 0.7, generator=torch.Generator().manual_seed(1))
+    lay = model.args.layout
+    builder = TemplateBuilder(lay, pattern, LossWeights(1.0, 1.0, (1 / streams,) * streams))
+    rng = np.random.default_rng(0)
+    prompts = [
+        builder.prefix([Segment("user", "text", rng.integers(3, 60, n))], "assistant", "audio")
+        for n in LENGTHS
+    ]
+    drop = np.array([lay.special("<|cfg_drop|>") - lay.text_offset])
+    uncond = [builder.prefix([Segment("user", "text", drop)], "assistant", "audio")] * len(LENGTHS)
+    return model, builder, prompts, uncond
+
+
+@pytest.mark.parametrize(
+    "pattern,streams,cfg_scale",
+    [("delay", 3, 1.0), ("parallel", 2, 1.0), ("parallel", 2, 1.5), ("flatten", 3, 1.5)],
+)
+def test_a_batch_of_audio_rows_decodes_like_each_row_alone(backbone, pattern, streams, cfg_scale):
+    model, _, prompts, uncond = setup(backbone, pattern, streams)
+    cfg = dict(max_frames=30, min_frames=2, cfg_scale=cfg_scale)
+    guided = uncond if cfg_scale != 1.0 else None
+    dec = Decoder(model, DecodeConfig(**cfg))
+    together = dec.audio(prompts, guided)
+    alone, ended = [], []
+    for i, p in enumerate(prompts):
+        one = Decoder(model, DecodeConfig(**cfg))
+        alone.append(one.audio([p], None if guided is None else guided[i : i + 1])[0])
+        ended += one.ended
+    assert [c.tolist() for c in together] == [c.tolist() for c in alone]
+    assert dec.ended == ended
+    assert len({len(c) for c in together}) > 1, "rows ending together prove little"
+
+
+@pytest.mark.parametrize("family", ["hf", "native", "qwen3"])
+def test_finished_rows_leave_the_batch_on_every_backbone(backbone, llama_dir, family, monkeypatch):
+    """The rows fed to the model shrink as rows end (their cache rows dropped), and the tokens
+    stay those of each row alone: on transformers' cache and on the static one."""
+    path = llama_dir if family == "native" else backbone  # (a Qwen3 config: hf and qwen3)
+    model, _, prompts, _ = setup(path, "delay", 3, family)
+    fed = []
+    real = IncrementalForward.advance
+
+    def counting(self, frames):
+        fed.append(len(frames))
+        return real(self, frames)
+
+    monkeypatch.setattr(IncrementalForward, "advance", counting)
+    cfg = dict(max_frames=30, min_frames=2)
+    together = Decoder(model, DecodeConfig(**cfg)).audio(prompts)
+    lengths = sorted({len(c) for c in together})
+    assert len(lengths) > 1, "rows ending together prove little"
+    assert fed == sorted(fed, reverse=True) and fed[0] == len(prompts) and fed[-1] < len(prompts)
+    monkeypatch.setattr(IncrementalForward, "advance", real)
+    alone = [Decoder(model, DecodeConfig(**cfg)).audio([p])[0] for p in prompts]
+    assert [c.tolist() for c in together] == [c.tolist() for c in alone]
+
+
+def test_a_batch_of_text_rows_decodes_like_each_row_alone(backbone):
+    model, builder, prompts, _ = setup(backbone, "delay")
+    codes = Decoder(model, DecodeConfig(max_frames=14, min_frames=2)).audio(prompts)
+    asr = [builder.prefix([Segment("user", "audio", c)], "assistant", "text") for c in codes]
+    cfg = DecodeConfig(max_text_tokens=40)
+    together = Decoder(model, cfg).text(asr)
+    alone = [Decoder(model, DecodeConfig(max_text_tokens=40)).text([p])[0] for p in asr]
+    assert together == alone
+    assert len({len(t) for t in together}) > 1
+
+
+def test_sampled_rows_draw_from_their_own_seed(backbone):
+    """Row i with seed s_i draws the same beside any others as alone with seed s_i; two rows
+    of one prompt with other seeds differ."""
+    model, _, prompts, _ = setup(backbone, "delay")
+    cfg = DecodeConfig(audio=Sampling(temperature=1.0, top_k=5), max_frames=12, min_frames=3)
+    seeds = [7, 3, 7, 100, 5]
+    together = Decoder(model, cfg).audio(prompts, seeds=seeds)
+    for i in (0, 3):
+        alone = Decoder(model, cfg).audio([prompts[i]], seeds=[seeds[i]])[0]
+        assert together[i].tolist() == alone.tolist()
+    reordered = Decoder(model, cfg).audio(prompts[::-1], seeds=seeds[::-1])
+    assert [c.tolist() for c in reordered[::-1]] == [c.tolist() for c in together]
+    twins = Decoder(model, cfg).audio([prompts[1]] * 2, seeds=[1, 2])
+    assert twins[0].tolist() != twins[1].tolist()
+    with pytest.raises(ValueError, match="2 seeds for 5 prompts"):
+        Decoder(model, cfg).audio(prompts, seeds=[1, 2])
+
+
+def test_streamed_frames_are_the_returned_codes_as_they_complete(backbone):
+    """``on_frames`` hands each row its complete frames, growing, ending with all of them; with
+    the delay pattern frame f is complete ``streams - 1`` steps after it starts."""
+    model, _, prompts, _ = setup(backbone, "delay", streams=4)
+    seen: dict[int, list[np.ndarray]] = {}
+    dec = Decoder(model, DecodeConfig(max_frames=14, min_frames=2))
+    codes = dec.audio(prompts, on_frames=lambda i, c: seen.setdefault(i, []).append(c.copy()))
+    for i, c in enumerate(codes):
+        calls = seen[i]
+        assert [len(x) for x in calls] == sorted({len(x) for x in calls})  # strictly growing
+        assert np.array_equal(calls[-1], c)
+        assert all(np.array_equal(x, c[: len(x)]) for x in calls)
+    first = [len(seen[i][0]) for i in seen]  # the first call: frame 0 done, at step 3
+    assert first == [1] * len(codes)
