@@ -20,9 +20,10 @@ import threading
 from torchtitan_speechlm.commands.generate import decode_config
 from torchtitan_speechlm.commands.serve_args import build_parser
 from torchtitan_speechlm.generation.loading import load_model
+from torchtitan_speechlm.generation.tasks import input_rate
 from torchtitan_speechlm.serving.batcher import Batcher
 from torchtitan_speechlm.serving.http import App, SpeechServer
-from torchtitan_speechlm.serving.speech import runners, upload_rate
+from torchtitan_speechlm.serving.speech import runners
 
 ROUTES = "POST /v1/audio/speech, POST /v1/audio/transcriptions, GET /health, GET /v1/models"
 
@@ -41,9 +42,8 @@ def run(a: argparse.Namespace) -> int:
         loaded.tokenizer, loaded.codec  # noqa: B018  (their errors now, not at the first request)
         rate = int(loaded.codec.sample_rate)
         cfg = decode_config(a)
-        chunk = max(1, int(rate * a.stream_chunk_ms / 1000))
         batcher = Batcher(
-            runners(loaded, cfg, chunk),
+            runners(loaded, cfg),
             queue_size=a.queue_size,
             max_batch=a.max_batch,
             batch_wait_s=a.batch_wait_ms / 1000,
@@ -53,7 +53,7 @@ def run(a: argparse.Namespace) -> int:
             batcher,
             os.path.basename(os.path.normpath(os.path.abspath(a.model))),
             rate,
-            upload_rate(loaded),
+            input_rate(loaded),
             max_upload_bytes=int(a.max_upload_mb * (1 << 20)),
             request_timeout_s=a.request_timeout,
             log=_say,

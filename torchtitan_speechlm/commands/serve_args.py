@@ -39,12 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="request bodies over this many MiB are refused with 413 (25)",
     )
     g.add_argument(
-        "--stream-chunk-ms",
-        type=float,
-        default=200.0,
-        help="the audio of a streamed speech response, in chunks of this many ms (200)",
-    )
-    g.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,

@@ -6,7 +6,8 @@ the answer. Routes (docs/serving.md):
 
 - ``POST /v1/audio/speech``: JSON ``{"model", "input", "voice", "response_format": "wav",
   "speed", "stream"}`` -> ``audio/wav`` (16-bit PCM at the codec's rate); ``"stream": true``,
-  ``?stream=1`` or ``"stream_format": "audio"``: chunked transfer, chunk by chunk as emitted;
+  ``?stream=1`` or ``"stream_format": "audio"``: chunked transfer, the samples as they are
+  generated (serving/speech.py);
 - ``POST /v1/audio/transcriptions``: multipart ``file`` (any rate, any channels) and
   ``model``, ``response_format`` json|text -> ``{"text": ...}`` or the text;
 - ``GET /health``, ``GET /v1/models``.
@@ -32,6 +33,7 @@ import numpy as np
 
 from torchtitan_speechlm.serving.batcher import Batcher, QueueFull
 from torchtitan_speechlm.serving.multipart import MultipartError, parse_multipart
+from torchtitan_speechlm.serving.rows import SpeechRow
 from torchtitan_speechlm.serving.wav import pcm16, wav_bytes, wav_header
 from torchtitan_speechlm.utils.audio import BadAudioError, decode_audio_bytes
 
@@ -190,7 +192,7 @@ class App:
             or stream_format == "audio"
             or query.get("stream", [""])[-1].lower() in ("1", "true", "yes")
         )
-        job = self.submit(h, "tts", text)
+        job = self.submit(h, "tts", SpeechRow(text, stream))
         chunks = self.pieces(job.stream(self.request_timeout_s))
         if not stream:
             audio = [c for c in chunks]

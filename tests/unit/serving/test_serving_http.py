@@ -33,8 +33,9 @@ class FakeModel:
         self.entered = threading.Event()
         self.calls: list[list] = []
 
-    def tts(self, texts, emit):
-        self.calls.append(list(texts))
+    def tts(self, rows, emit):
+        texts = [r.text for r in rows]  # SpeechRow (serving/rows.py)
+        self.calls.append(texts)
         for row, text in enumerate(texts):
             if text == "crash":
                 raise RuntimeError("the decoder fell over")
