@@ -132,6 +132,29 @@ def test_speech_is_the_library_s_wav_at_the_codec_rate_and_streams_as_long(serve
     assert np.corrcoef(a, b)[0, 1] > 0.8
 
 
+def test_the_worker_s_speech_call_streams_rows_while_decoding(library):
+    """serving/speech.py ``speak`` on one batch of a streamed and a whole row: the streamed
+    row's samples come in many pieces, as its frames complete; the other's in one piece, the
+    batch's whole decode."""
+    from torchtitan_speechlm.generation import tasks
+    from torchtitan_speechlm.generation.decode import DecodeConfig
+    from torchtitan_speechlm.serving.rows import SpeechRow
+    from torchtitan_speechlm.serving.speech import speak
+
+    cfg = DecodeConfig(max_frames=MAX_FRAMES)
+    pieces: dict[int, list] = {0: [], 1: []}
+    texts = ["She sells fresh bread.", "The train leaves at noon."]
+    rows = [SpeechRow(texts[0], stream=True), SpeechRow(texts[1])]
+    samples = speak(library, rows, cfg, lambda i, block: pieces[i].append(block))
+    assert len(pieces[0]) > 2 and len(pieces[1]) == 1
+    assert samples == [sum(map(len, pieces[0])), len(pieces[1][0])]
+    whole = tasks.decode_audio(library, tasks.tts(library, texts, cfg))
+    np.testing.assert_allclose(
+        pieces[1][0], whole[1], atol=1e-5
+    )  # decode_batch: to float tolerance
+    assert samples[0] == len(whole[0])
+
+
 def test_transcription_is_the_library_s_text_and_any_rate_or_channels_are_taken(
     server, model, library, tmp_path
 ):
