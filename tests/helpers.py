@@ -187,6 +187,42 @@ def write_tiny_config(path, assets: dict, dump) -> str:
     return str(path)
 
 
+def tiny_export(root, steps: int = 60, n_items: int = 4, fresh: bool = False, **backbone) -> dict:
+    """A tiny model trained ``steps`` steps on ``n_items`` synthetic utterances (the tiny run's
+    assets and config above, through `torchtitan train`) and exported with `torchtitan export`:
+    ``{"export": DIR, "assets": ..., "step": ...}``. About 15 s on 2 cores at the defaults; 60
+    steps are enough for ASR to give words (not the right ones) and TTS to give audio.
+    ``fresh``: train in a new process (``run_train``), for callers without the test process's
+    ``OMP_NUM_THREADS=1`` (a fork after OpenMP has run can hang)."""
+    import os
+
+    from torchtitan_speechlm.commands.export import export
+
+    root = str(root)
+    assets = make_tiny_run_assets(os.path.join(root, "assets"), n_items=n_items, **backbone)
+    config = write_tiny_config(os.path.join(root, "tiny.toml"), assets, os.path.join(root, "run"))
+    r = run_train(
+        config,
+        "--training.steps", str(steps),
+        "--checkpoint.interval", str(steps),
+        "--validation.enable", "false",
+        "--optimizer.weight_decay", "0",
+        "--metrics.log_freq", str(steps),
+        timeout=600,
+        fresh=fresh,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    step = os.path.join(root, "run", "checkpoint", f"step-{steps}")
+    out = os.path.join(root, "export")
+    export(step, out)
+    return {
+        "export": out,
+        "assets": assets,
+        "step": step,
+        "manifest": os.path.join(root, "assets", "manifest.jsonl"),
+    }
+
+
 def run_train(config: str, *extra: str, nproc: int = 1, timeout: int = 300, fresh: bool = False):
     """Run `torchtitan train` as a user would; returns the CompletedProcess. By default in a
     fork of the test process (tests/forked.py: the same command without importing everything

@@ -64,6 +64,10 @@ LAYERS: tuple[Layer, ...] = (
     Layer("evaluation", {
         "evaluation": "scoring a model with the judges on held-out data; the listening page",
     }),
+    Layer("serving", {
+        "serving": "`torchtitan serve`'s server: OpenAI's audio routes over the standard "
+        "library's HTTP server, the model worker's queue and dynamic batching, form uploads, wav",
+    }),
     Layer("components", {
         "components": "what torchtitan's loop calls: the data loader, loss, metrics, "
         "optimizers, validator, samples, resume rule, step guard, the run's training state",

@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from torchtitan_speechlm.commands import export_args, generate_args
+from torchtitan_speechlm.commands import export_args, generate_args, serve_args
 
 SUBCOMMANDS = {
     "train": "train a model with torchtitan's loop (torchtitan train --job.config_file X.toml)",
@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "export": "write a training checkpoint as a self-contained model folder (and its text LM)",
     "generate": "TTS to a wav, ASR to text, speech continuation, from a checkpoint or an export",
     "eval": "word/character error rates and TTS scores of a model on prepared data",
+    "serve": "an HTTP server with OpenAI's speech and transcription routes over one model",
 }
 
 # the subcommands whose arguments are parsed before their implementation is imported
@@ -29,6 +30,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "generate": generate_args.build_generate_parser,
     "eval": generate_args.build_eval_parser,
     "export": export_args.build_parser,
+    "serve": serve_args.build_parser,
 }
 
 
@@ -61,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         from torchtitan_speechlm.commands.generate import run_eval, run_generate
 
         return (run_generate if cmd == "generate" else run_eval)(args)
+    if cmd == "serve":
+        from torchtitan_speechlm.commands.serve import run as run_serve
+
+        return run_serve(args)
     from torchtitan_speechlm.commands.export import run as run_export
 
     return run_export(args)

@@ -138,7 +138,7 @@ def test_a_broken_command_is_caught():
         "torchtitan export --checkpoint C --out O --dtype fp8",  # not a choice
         "torchtitan train --job.config_file train_configs/no_such.toml",
         "torchtitan train --job.config_file X.toml --training.no_such_key 3",
-        "torchtitan serve --model DIR",
+        "torchtitan synthesise --model DIR",  # no such subcommand
         "make no-such-target",
         "python -m torchtitan_speechlm.commands.wandb_offline",  # RUN_DIR missing
         "torchtitan generate --model DIR [--temperature-typo 0.7]",  # synopsis, bad flag

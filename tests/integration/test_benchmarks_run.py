@@ -59,6 +59,8 @@ SMOKE = {
     "bench_pipeline.py": "--steps 2 --micro 2 --hidden 32 --layers 4 --seq-len 512 "
     "--schedules 1F1B --work {tmp}/work --out {tmp}/a.json",
     "bench_prepare.py": "--n 8 --held-out 2 --codecs kmeans --cache {tmp}/cache --out {tmp}/a.json",
+    "bench_serve.py": "--frames 2 --requests 2 --cli-calls 1 --concurrency 1,2 --hidden 32 "
+    "--layers 1 --work {tmp}/work --out {tmp}/a.json",
     "bench_step_overhead.py": "--steps 2 --config {toml} --out {tmp}/a.json",
     "bench_vs_llama3.py": "--shape tiny --repeats 1 --configs speech --variants "
     "'speechlm hf-llama' --results-dir {tmp}",

@@ -1,0 +1,245 @@
+"""Serving: `torchtitan serve` at 1, 4 and 16 concurrent clients against sequential
+`torchtitan generate` CLI calls, requests/s and p50/p95 latency, in the same run.
+
+The model has the shape of `make demo`'s (a Llama backbone, hidden 256, 6 layers, 4 heads,
+FFN 768) over the tests' tiny Encodec (4 codebooks, 50 frames/s at 16 kHz), trained --steps
+steps on the tiny synthetic corpus and exported (tests/helpers.py ``tiny_export``). Every request
+speaks one sentence for exactly --frames frames (``--min-frames`` = ``--max-frames``: the same
+work per request, whatever the model would choose), greedy, on the CPU. The CLI baseline runs
+--cli-calls `torchtitan generate --task tts` processes one after another (each one starts
+Python, imports torch, loads the model, speaks, writes the wav); the server is started once
+(not timed), warmed up with 2 requests, then each concurrency level sends --requests requests
+from that many client threads in a closed loop (each thread its own keep-alive connection).
+The server's /health before and after each level gives its batches and mean batch size.
+Results: benchmarks/results/serve_cpu.json.
+
+    python benchmarks/bench_serve.py [--frames 50] [--requests 48] [--cli-calls 16] [--concurrency 1,4,16]
+
+Smallest setting (a smoke test of the script): ``--frames 2 --requests 2 --cli-calls 1
+--concurrency 1,2 --hidden 32 --layers 1 --work DIR --out FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "She sells fresh bread at the corner market.",
+    "Please close the window before you leave.",
+    "The train to the city leaves at noon.",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--frames", type=int, default=50, help="audio frames per request (50 = 1 s)")
+    p.add_argument("--requests", type=int, default=48, help="requests per concurrency level")
+    p.add_argument("--cli-calls", type=int, default=16, help="sequential `generate` calls")
+    p.add_argument("--concurrency", default="1,4,16", help="client threads, one level each")
+    p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch")
+    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="the server's window")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2, help="training steps before the export")
+    p.add_argument("--work", help="where the model is made (default: a temporary folder)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_cpu.json"))
+    return p
+
+
+def make_model(a, work: str) -> str:
+    sys.path.insert(0, str(ROOT))
+    from tests.helpers import tiny_export
+
+    out = tiny_export(
+        os.path.join(work, "model"), steps=a.steps, n_items=4, fresh=True, family="llama",
+        hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.heads,
+        intermediate_size=3 * a.hidden,
+    )  # fmt: skip
+    return out["export"]
+
+
+def decoding(a) -> list[str]:
+    return ["--min-frames", str(a.frames), "--max-frames", str(a.frames)]
+
+
+def summary(latencies: list[float], wall: float) -> dict:
+    ordered = sorted(latencies)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {
+        "requests": len(latencies),
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(latencies) / wall, 3),
+        "p50_ms": round(1000 * statistics.median(ordered), 1),
+        "p95_ms": round(1000 * pick(0.95), 1),
+        "mean_ms": round(1000 * statistics.fmean(ordered), 1),
+    }
+
+
+def cli_calls(a, model: str, work: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    latencies = []
+    t0 = time.perf_counter()
+    for i in range(a.cli_calls):
+        cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "generate", "--model", model,
+               "--task", "tts", "--text", SENTENCES[i % len(SENTENCES)],
+               "--out", os.path.join(work, f"cli{i}.wav"), *decoding(a)]  # fmt: skip
+        t = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        latencies.append(time.perf_counter() - t)
+        if r.returncode != 0:
+            raise SystemExit(f"torchtitan generate failed: {r.stderr[-2000:]}")
+    return summary(latencies, time.perf_counter() - t0)
+
+
+class Server:
+    def __init__(self, a, model: str):
+        cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "serve", "--model", model,
+               "--port", "0", "--max-batch", str(a.max_batch),
+               "--batch-wait-ms", str(a.batch_wait_ms), *decoding(a)]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, cwd=ROOT)  # fmt: skip
+        self.lines: list[str] = []
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if " on http://" in line:
+                host_port = line.split(" on http://")[1].split()[0]
+                self.host, port = host_port.rsplit(":", 1)
+                self.port = int(port)
+                break
+        else:
+            raise SystemExit("torchtitan serve did not start:\n" + "".join(self.lines[-30:]))
+        threading.Thread(target=lambda: [self.lines.append(x) for x in self.proc.stdout],
+                         daemon=True).start()  # fmt: skip
+
+    def health(self) -> dict:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        conn.request("GET", "/health")
+        return json.loads(conn.getresponse().read())
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def speak(conn: http.client.HTTPConnection, text: str) -> None:
+    body = json.dumps({"model": "m", "input": text, "voice": "alloy", "response_format": "wav"})
+    conn.request("POST", "/v1/audio/speech", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read()
+    if r.status != 200 or len(data) <= 44:
+        raise RuntimeError(f"speech answered {r.status}: {data[:300]!r}")
+
+
+def level(server: Server, clients: int, requests: int) -> dict:
+    """``requests`` speech requests from ``clients`` threads, closed loop."""
+    before = server.health()
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    issued = [0]
+
+    def client() -> None:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=600)
+        while True:
+            with lock:
+                if issued[0] >= requests:
+                    return
+                i = issued[0]
+                issued[0] += 1
+            t = time.perf_counter()
+            try:
+                speak(conn, SENTENCES[i % len(SENTENCES)])
+            except Exception as e:
+                errors.append(e)
+                return
+            with lock:
+                latencies.append(time.perf_counter() - t)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise SystemExit(f"{len(errors)} requests failed at {clients} clients: {errors[0]}")
+    after = server.health()
+    batches = after["batches_run"] - before["batches_run"]
+    return {
+        "clients": clients,
+        **summary(latencies, wall),
+        "batches": batches,
+        "mean_batch_size": round(requests / batches, 2) if batches else 0.0,
+    }
+
+
+def main(argv=None) -> None:
+    a = build_parser().parse_args(argv)
+    levels = [int(c) for c in a.concurrency.split(",")]
+    work = a.work or tempfile.mkdtemp(prefix="bench_serve_")
+    os.makedirs(work, exist_ok=True)
+    t_make = time.perf_counter()
+    model = make_model(a, work)
+    print(f"model exported in {time.perf_counter() - t_make:.0f} s: {model}", flush=True)
+    import torch
+
+    result = {
+        "shape": {"family": "llama", "hidden": a.hidden, "layers": a.layers, "heads": a.heads,
+                  "ffn": 3 * a.hidden, "codec": "tiny Encodec, 4 codebooks, 50 frames/s"},
+        "frames_per_request": a.frames,
+        "requests_per_level": a.requests,
+        "server": {"max_batch": a.max_batch, "batch_wait_ms": a.batch_wait_ms},
+        "device": "cpu",
+        "machine": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],  # a shared machine
+    }  # fmt: skip
+    result["cli_sequential"] = cli_calls(a, model, work)
+    print(json.dumps({"cli_sequential": result["cli_sequential"]}), flush=True)
+    server = Server(a, model)
+    try:
+        level(server, 1, 2)  # warm-up
+        result["serve"] = {}
+        for c in levels:
+            result["serve"][str(c)] = level(server, c, a.requests)
+            print(json.dumps({f"serve_{c}": result["serve"][str(c)]}), flush=True)
+    finally:
+        server.close()
+    cli = result["cli_sequential"]
+    result["ratios"] = {
+        f"serve_{c}_vs_cli_requests_per_s": round(
+            result["serve"][str(c)]["requests_per_s"] / cli["requests_per_s"], 2
+        )
+        for c in levels
+    }
+    result["ratios"][f"cli_p50_over_serve_{levels[0]}_p50"] = round(
+        cli["p50_ms"] / result["serve"][str(levels[0])]["p50_ms"], 2
+    )
+    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps({"ratios": result["ratios"]}), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

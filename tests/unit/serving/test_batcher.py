@@ -1,0 +1,183 @@
+"""The model worker's dynamic batching (serving/batcher.py) with runners that record their
+calls: jobs group by task (other tasks keep their place), the wait window and max batch bound
+a batch, each batch is one runner call, a failing batch falls back to one call per row so that
+only the bad row fails, a full queue refuses at once, and nothing a runner raises ends the
+worker."""
+
+import threading
+import time
+
+import pytest
+
+from torchtitan_speechlm.serving.batcher import Batcher, QueueFull
+
+
+class Recorder:
+    """A runner: records each call's payloads; ``bad`` payloads make a call raise."""
+
+    def __init__(self, bad=(), gate: threading.Event | None = None):
+        self.calls, self.bad, self.gate = [], set(bad), gate
+
+    def __call__(self, payloads, emit):
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.calls.append(list(payloads))
+        if self.bad & set(payloads):
+            raise ValueError(f"bad row among {payloads}")
+        return [p.upper() for p in payloads]
+
+
+def tasks(b: Batcher, batch) -> list[tuple[str, str]]:
+    return [(j.task, j.payload) for j in batch]
+
+
+def test_jobs_group_by_task_in_order_and_others_keep_their_place():
+    b = Batcher({"tts": Recorder(), "asr": Recorder()}, max_batch=8, batch_wait_s=0)
+    for task, p in [("tts", "a"), ("asr", "b"), ("tts", "c"), ("asr", "d"), ("tts", "e")]:
+        b.submit(task, p)
+    assert tasks(b, b.next_batch()) == [("tts", "a"), ("tts", "c"), ("tts", "e")]
+    assert tasks(b, b.next_batch()) == [("asr", "b"), ("asr", "d")]
+    assert b.queue_depth == 0
+
+
+def test_max_batch_bounds_a_batch_and_ends_the_wait_early():
+    b = Batcher({"tts": Recorder()}, max_batch=2, batch_wait_s=5.0)
+    for p in "abcde":
+        b.submit("tts", p)
+    t = time.monotonic()
+    sizes = [len(b.next_batch()) for _ in range(2)]
+    assert sizes == [2, 2] and time.monotonic() - t < 1.0  # full batches never wait
+    assert b.queue_depth == 1
+
+
+def test_the_wait_window_gathers_late_jobs_and_then_runs_without_them():
+    b = Batcher({"tts": Recorder()}, max_batch=8, batch_wait_s=1.0)
+    got = {}
+
+    def take():
+        t = time.monotonic()
+        got["batch"] = b.next_batch()
+        got["waited"] = time.monotonic() - t
+
+    b.submit("tts", "first")
+    taker = threading.Thread(target=take)
+    taker.start()
+    time.sleep(0.1)
+    b.submit("tts", "within the window")
+    taker.join(5)
+    b.submit("tts", "after the window")
+    assert [j.payload for j in got["batch"]] == ["first", "within the window"]
+    assert 0.95 <= got["waited"] < 5.0  # the whole window: the batch was not full
+    assert [j.payload for j in b.next_batch()] == ["after the window"]
+
+
+def test_a_full_queue_refuses_at_once_and_takes_jobs_again_once_drained():
+    b = Batcher({"tts": Recorder()}, queue_size=2, batch_wait_s=0)
+    b.submit("tts", "a")
+    b.submit("tts", "b")
+    t = time.monotonic()
+    with pytest.raises(QueueFull, match="2 requests waiting"):
+        b.submit("tts", "c")
+    assert time.monotonic() - t < 1.0  # at once (the queue waits for nothing)
+    assert b.stats()["queue_depth"] == 2
+    b.next_batch()
+    b.submit("tts", "c")
+    with pytest.raises(KeyError):
+        b.submit("sing", "la")
+
+
+def test_one_runner_call_per_batch_and_each_job_gets_its_row():
+    runner = Recorder()
+    b = Batcher({"tts": runner}, batch_wait_s=0.05)
+    jobs = [b.submit("tts", p) for p in "abc"]
+    b.start()
+    try:
+        assert [j.result(5) for j in jobs] == ["A", "B", "C"]
+        assert runner.calls == [["a", "b", "c"]]
+        assert {j.batch_size for j in jobs} == {3}
+        s = b.stats()
+        assert (s["batches_run"], s["mean_batch_size"], s["largest_batch"]) == (1, 3.0, 3)
+    finally:
+        b.stop()
+
+
+def test_a_failing_batch_retries_each_row_alone_and_only_the_bad_row_fails():
+    runner = Recorder(bad={"bad"})
+    b = Batcher({"tts": runner}, batch_wait_s=0.05)
+    jobs = [b.submit("tts", p) for p in ("ok1", "bad", "ok2")]
+    b.start()
+    try:
+        assert jobs[0].result(5) == "OK1" and jobs[2].result(5) == "OK2"
+        with pytest.raises(ValueError, match="bad row"):
+            jobs[1].result(5)
+        assert runner.calls == [["ok1", "bad", "ok2"], ["ok1"], ["bad"], ["ok2"]]
+        assert b.stats()["rows_retried_alone"] == 3
+    finally:
+        b.stop()
+
+
+def test_a_row_that_began_to_stream_fails_with_the_batch_and_is_not_run_again():
+    calls = []
+
+    def runner(payloads, emit):
+        calls.append(list(payloads))
+        if len(payloads) > 1:
+            emit(0, "chunk of row 0")
+            raise RuntimeError("the decoder broke mid-batch")
+        emit(0, f"chunk of {payloads[0]}")
+        return ["done"]
+
+    b = Batcher({"tts": runner}, batch_wait_s=0.05)
+    first, second = b.submit("tts", "x"), b.submit("tts", "y")
+    b.start()
+    try:
+        pieces = []
+        with pytest.raises(RuntimeError, match="mid-batch"):
+            for piece in first.stream(5):
+                pieces.append(piece)
+        assert pieces == ["chunk of row 0"]
+        assert list(second.stream(5)) == ["chunk of y"] and second.value == "done"
+        assert calls == [["x", "y"], ["y"]]
+    finally:
+        b.stop()
+
+
+def test_nothing_a_runner_raises_ends_the_worker():
+    state = {"mode": "exit"}
+
+    def runner(payloads, emit):
+        if state["mode"] == "exit":
+            raise SystemExit(3)  # not even this
+        if state["mode"] == "short":
+            return []  # a wrong number of results
+        return ["fine"] * len(payloads)
+
+    errors = []
+    b = Batcher({"tts": runner}, batch_wait_s=0, on_error=lambda where, e: errors.append(e))
+    b.start()
+    try:
+        with pytest.raises(RuntimeError, match="SystemExit"):
+            b.submit("tts", "a").result(5)
+        state["mode"] = "short"
+        with pytest.raises(RuntimeError, match="0 results for 1 rows"):
+            b.submit("tts", "b").result(5)
+        state["mode"] = "ok"
+        assert b.submit("tts", "c").result(5) == "fine"
+        assert b.alive and any(isinstance(e, SystemExit) for e in errors)
+    finally:
+        b.stop()
+
+
+def test_stop_fails_the_queued_jobs():
+    gate = threading.Event()
+    b = Batcher({"tts": Recorder(gate=gate)}, batch_wait_s=0, max_batch=1).start()
+    running = b.submit("tts", "a")
+    while b.queue_depth:  # the worker took it and waits at the gate
+        time.sleep(0.01)
+    queued = b.submit("tts", "b")
+    threading.Timer(0.2, gate.set).start()
+    b.stop()
+    assert running.result(5) == "A"
+    with pytest.raises(RuntimeError, match="shutting down"):
+        queued.result(5)
+    assert not b.alive

@@ -1,0 +1,48 @@
+"""The arguments of ``torchtitan serve`` (commands/serve.py).
+
+Standard library only: cli.py parses a command line with this parser before it imports the
+server (torch, the model), so ``--help`` and a mistyped flag answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from torchtitan_speechlm.commands.generate_args import add_decoding_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torchtitan serve",
+        description="serve a SpeechLM over HTTP with OpenAI's audio routes (docs/serving.md)",
+    )
+    p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="the port (0: any free one; 8000)")
+    g = p.add_argument_group("queue and batching")
+    g.add_argument(
+        "--queue-size", type=int, default=64, help="requests waiting at most; more get 503 (64)"
+    )
+    g.add_argument(
+        "--max-batch", type=int, default=8, help="rows of one task in one model call at most (8)"
+    )
+    g.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=10.0,
+        help="how long the worker waits for more requests of a task before running a batch (10)",
+    )
+    g.add_argument(
+        "--max-upload-mb",
+        type=float,
+        default=25.0,
+        help="request bodies over this many MiB are refused with 413 (25)",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request waits for the model worker before it fails with 500 (600)",
+    )
+    add_decoding_args(p)
+    return p

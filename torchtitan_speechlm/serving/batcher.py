@@ -1,0 +1,243 @@
+"""The model worker: one thread owns the model and runs its jobs in dynamic batches.
+
+Request threads ``submit`` a job (a task name and a payload) to a bounded queue: a full queue
+raises :class:`QueueFull` at once (the HTTP layer answers 503 with Retry-After). The worker takes
+the oldest job, then waits up to ``batch_wait_s`` for more jobs *of the same task* (from anywhere
+in the queue; other tasks keep their place), up to ``max_batch`` rows, and makes ONE call of that
+task's runner for the whole batch. A runner is::
+
+    runner(payloads: list, emit: Callable[[int, object], None]) -> list  # one result per row
+
+``emit(row, piece)`` hands a row's partial output (a chunk of audio) to its job while the batch
+is still running: a streamed response writes it at once. If the batched call raises, each row
+that has emitted nothing yet runs again alone, so that one bad row fails only its own job (a
+row whose output had begun to stream fails with the batch's error: its start cannot be taken
+back). No exception of a runner ends the worker.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+Runner = Callable[[list, Callable[[int, Any], None]], list]
+
+_PIECE, _DONE, _ERROR = "piece", "done", "error"
+
+
+class QueueFull(Exception):
+    """The job queue holds ``queue_size`` jobs: try again later."""
+
+
+class Job:
+    """One request's row: what the worker emits and its result or error, read by the request
+    thread through ``stream()`` (the pieces as they come) or ``result()``."""
+
+    def __init__(self, task: str, payload: Any):
+        self.task, self.payload = task, payload
+        self.batch_size = 0  # the batch it ran in (0 until it runs)
+        self.value: Any = None
+        self._events: queue.Queue = queue.Queue()
+        self._closed = False
+
+    # the worker's side
+    def emit(self, piece: Any) -> None:
+        if not self._closed:
+            self._events.put((_PIECE, piece))
+
+    def finish(self, value: Any) -> None:
+        if not self._closed:
+            self._closed = True
+            self._events.put((_DONE, value))
+
+    def fail(self, error: BaseException) -> None:
+        if not self._closed:
+            self._closed = True
+            self._events.put((_ERROR, error))
+
+    @property
+    def done(self) -> bool:
+        return self._closed
+
+    # the request thread's side
+    def stream(self, timeout: float | None = None) -> Iterator[Any]:
+        """The emitted pieces in order; then the result is in ``value``, or the row's error is
+        raised (TimeoutError if nothing came for ``timeout`` seconds)."""
+        while True:
+            try:
+                kind, item = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no answer from the model worker in {timeout} s") from None
+            if kind == _PIECE:
+                yield item
+            elif kind == _DONE:
+                self.value = item
+                return
+            else:
+                raise item
+
+    def result(self, timeout: float | None = None) -> Any:
+        for _ in self.stream(timeout):
+            pass
+        return self.value
+
+
+class Batcher:
+    """The bounded job queue and the worker thread running ``runners[task]`` in batches."""
+
+    def __init__(
+        self,
+        runners: dict[str, Runner],
+        queue_size: int = 64,
+        max_batch: int = 8,
+        batch_wait_s: float = 0.01,
+        on_error: Callable[[str, BaseException], None] | None = None,
+    ):
+        if queue_size < 1 or max_batch < 1 or batch_wait_s < 0:
+            raise ValueError("queue_size and max_batch must be >= 1, batch_wait_s >= 0")
+        self.runners = dict(runners)
+        self.queue_size, self.max_batch, self.batch_wait_s = queue_size, max_batch, batch_wait_s
+        self.on_error = on_error or (lambda where, e: None)
+        self._pending: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.batches_run = 0
+        self.rows_run = 0
+        self.largest_batch = 0
+        self.rows_retried_alone = 0
+
+    # ---- request threads -------------------------------------------------------------------
+    def submit(self, task: str, payload: Any) -> Job:
+        """Queue one row of ``task``; raises QueueFull when ``queue_size`` jobs wait."""
+        if task not in self.runners:
+            raise KeyError(f"no runner for task {task!r} ({sorted(self.runners)})")
+        job = Job(task, payload)
+        with self._cond:
+            if len(self._pending) >= self.queue_size:
+                raise QueueFull(f"the model's queue is full ({self.queue_size} requests waiting)")
+            self._pending.append(job)
+            self._cond.notify_all()
+        return job
+
+    @property
+    def queue_depth(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def stats(self) -> dict:
+        return {
+            "queue_depth": self.queue_depth,
+            "queue_size": self.queue_size,
+            "batches_run": self.batches_run,
+            "mean_batch_size": round(self.rows_run / self.batches_run, 3)
+            if self.batches_run
+            else 0.0,
+            "largest_batch": self.largest_batch,
+            "rows_retried_alone": self.rows_retried_alone,
+        }
+
+    # ---- the worker --------------------------------------------------------------------------
+    def start(self) -> Batcher:
+        self._thread = threading.Thread(target=self._work, name="model-worker", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop after the batch in progress; the jobs still queued fail."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._cond:
+            left, self._pending = list(self._pending), deque()
+        for job in left:
+            job.fail(RuntimeError("the server is shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def next_batch(self) -> list[Job]:
+        """Block for the oldest job, then gather up to ``max_batch`` jobs of its task, waiting
+        at most ``batch_wait_s`` from when the first was taken. [] once stopping."""
+        with self._cond:
+            while not self._pending and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return []
+            batch = [self._pending.popleft()]
+            task = batch[0].task
+            deadline = time.monotonic() + self.batch_wait_s
+            while len(batch) < self.max_batch:
+                same = [j for j in self._pending if j.task == task][: self.max_batch - len(batch)]
+                for job in same:
+                    self._pending.remove(job)
+                batch += same
+                left = deadline - time.monotonic()
+                if len(batch) >= self.max_batch or left <= 0 or self._stopping:
+                    break
+                self._cond.wait(left)
+            return batch
+
+    def run_batch(self, batch: list[Job]) -> None:
+        """One batched runner call for ``batch`` (one task), with the per-row fallback."""
+        runner = self.runners[batch[0].task]
+        self.batches_run += 1
+        self.rows_run += len(batch)
+        self.largest_batch = max(self.largest_batch, len(batch))
+        for job in batch:
+            job.batch_size = len(batch)
+        emitted: set[int] = set()
+
+        def emit(row: int, piece: Any) -> None:
+            emitted.add(row)
+            batch[row].emit(piece)
+
+        try:
+            results = _checked(runner([j.payload for j in batch], emit), len(batch))
+        except Exception as e:
+            if len(batch) == 1:
+                batch[0].fail(e)
+                return
+            self.on_error(f"a batch of {len(batch)} {batch[0].task} rows (retrying each alone)", e)
+            for row, job in enumerate(batch):
+                if row in emitted:
+                    job.fail(e)
+                else:
+                    self.rows_retried_alone += 1
+                    self._run_alone(runner, job)
+            return
+        for job, value in zip(batch, results, strict=True):
+            job.finish(value)
+
+    def _run_alone(self, runner: Runner, job: Job) -> None:
+        try:
+            job.finish(_checked(runner([job.payload], lambda _, piece: job.emit(piece)), 1)[0])
+        except Exception as e:
+            job.fail(e)
+
+    def _work(self) -> None:
+        while True:
+            batch: list[Job] = []
+            try:
+                batch = self.next_batch()
+                if not batch:
+                    return
+                self.run_batch(batch)
+            except BaseException as e:  # noqa: B036  (nothing may end the worker)
+                self.on_error("the model worker", e)
+                for job in batch:
+                    job.fail(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+
+
+def _checked(results: Any, n: int) -> list:
+    results = list(results)
+    if len(results) != n:
+        raise RuntimeError(f"the runner gave {len(results)} results for {n} rows")
+    return results

@@ -1,0 +1,70 @@
+"""What the model worker runs (serving/batcher.py): one batched model call per batch, through
+generation/tasks.py, on the worker thread only.
+
+- ``tts``: payloads are ``SpeechRow``s (serving/rows.py); one ``tasks.tts_with_ends`` call for
+  the batch. A streamed row's samples are emitted while it is generated: the decoder hands its
+  complete codec frames (``on_frames``) to an ``AudioStream`` over the codec's stream decoder
+  (generation/streaming.py), whose blocks go to the row's job as they come. The other rows are
+  decoded whole once the batch ends (``tasks.decode_audio``, together) and emitted as one piece,
+  the exact audio ``torchtitan generate`` writes. Each row's result is its sample count.
+- ``asr``: payloads are float32 mono waveforms at ``tasks.input_rate(loaded)``; one
+  ``tasks.transcribe_waves`` call (``asr_wave`` through a continuous audio encoder, else one
+  ``codec.encode`` of the batch and ``asr``); results are the transcripts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from torchtitan_speechlm.generation import tasks
+from torchtitan_speechlm.generation.decode import DecodeConfig
+from torchtitan_speechlm.generation.loading import Loaded
+from torchtitan_speechlm.generation.streaming import AudioStream
+from torchtitan_speechlm.serving.batcher import Runner
+from torchtitan_speechlm.serving.rows import SpeechRow
+
+
+def speak(
+    loaded: Loaded,
+    rows: list[SpeechRow],
+    cfg: DecodeConfig,
+    emit: Callable[[int, np.ndarray], None],
+) -> list[int]:
+    """Speak every row in one batched call; ``emit(row, float32 samples)`` in order within a row
+    (streamed rows while decoding, the others at the end); returns each row's sample count."""
+    streams = {
+        i: AudioStream(loaded.codec, lambda block, i=i: emit(i, block))
+        for i, row in enumerate(rows)
+        if row.stream
+    }
+
+    def on_frames(i: int, codes: np.ndarray) -> None:
+        if i in streams:
+            streams[i].frames(codes)
+
+    codes, _ = tasks.tts_with_ends(
+        loaded, [r.text for r in rows], cfg, on_frames=on_frames if streams else None
+    )
+    samples = [0] * len(rows)
+    for i, stream in streams.items():
+        samples[i] = stream.finish(codes[i])
+    whole = [i for i in range(len(rows)) if i not in streams]
+    for i, wave in zip(whole, tasks.decode_audio(loaded, [codes[i] for i in whole]), strict=True):
+        wave = np.asarray(wave, dtype=np.float32).reshape(-1)
+        samples[i] = len(wave)
+        emit(i, wave)
+    return samples
+
+
+def runners(loaded: Loaded, cfg: DecodeConfig) -> dict[str, Runner]:
+    """The batcher's runners of the two tasks."""
+
+    def tts(rows: list, emit) -> list[int]:
+        return speak(loaded, list(rows), cfg, emit)
+
+    def asr(waves: list, emit) -> list[str]:
+        return tasks.transcribe_waves(loaded, list(waves), cfg)
+
+    return {"tts": tts, "asr": asr}
