@@ -14,7 +14,8 @@ ratios in one run. Writes benchmarks/results/generate_cpu.json (``--out``).
 
     python benchmarks/bench_generate.py [--model DIR] [--sentences 16] [--repeats 2]
 
-Smallest setting (a smoke test of the script): ``--model DIR --sentences 2 --repeats 1 --out FILE``.
+Smallest setting (a smoke test of the script): ``--model DIR --sentences 2 --repeats 1
+--max-frames 8 --out FILE``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEMO, help="a checkpoint step or export folder (make demo)")
     p.add_argument("--sentences", type=int, default=16, help="TTS requests per batched run")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-frames", type=int, default=500, help="decoding's limit (500)")
     p.add_argument("--out", default="benchmarks/results/generate_cpu.json")
     return p
 
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(a.model)
     _, held = split_sentences(0, max(a.sentences, 8), seed=1)
     texts = held[: max(a.sentences, 2)]
-    cfg = DecodeConfig()
+    cfg = DecodeConfig(max_frames=a.max_frames)
     result = {
         "model": a.model,
         "threads": torch.get_num_threads(),

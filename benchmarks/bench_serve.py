@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--steps", type=int, default=2, help="training steps before the export")
     p.add_argument("--work", help="where the model is made (default: a temporary folder)")
+    p.add_argument("--device", default="cpu", help="the server's and the CLI's device (cuda)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_cpu.json"))
     return p
 
@@ -73,7 +74,7 @@ def make_model(a, work: str) -> str:
 
 
 def decoding(a) -> list[str]:
-    return ["--min-frames", str(a.frames), "--max-frames", str(a.frames)]
+    return ["--min-frames", str(a.frames), "--max-frames", str(a.frames), "--device", a.device]
 
 
 def summary(latencies: list[float], wall: float) -> dict:
@@ -205,7 +206,7 @@ def main(argv=None) -> None:
         "frames_per_request": a.frames,
         "requests_per_level": a.requests,
         "server": {"max_batch": a.max_batch, "batch_wait_ms": a.batch_wait_ms},
-        "device": "cpu",
+        "device": a.device,
         "machine": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

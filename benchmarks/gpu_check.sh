@@ -17,7 +17,7 @@
 #   3. the same at the Qwen3-1.7B shape (speech, compiled);
 #   4. loss-side memory at a 151,936-word vocabulary x 8 streams x 8k frames vs naive logits;
 #   5. LoRA vs full fine-tuning at the Qwen3-0.6B shape: step time, peak memory (lora_cuda.json);
-#   8. the decode step compiled and as CUDA graphs; 9. the server, both at the Qwen3-0.6B shape;
+#   8. the decode step compiled and as CUDA graphs (Qwen3-0.6B shape); 9. the server (hidden 1024);
 #   6-7. with 2 GPUs or more: a pipeline step per schedule and an expert-parallel step.
 set -uo pipefail
 out=${1:-benchmarks/results/gpu}
@@ -55,9 +55,10 @@ step lora 90 python3 benchmarks/bench_lora.py --device cuda --shape qwen3_0.6b -
 # replayed as CUDA graphs (DecodeConfig.compile on / graphs), vs hf cached, batch 1 and 8
 step decode_compile 150 python3 benchmarks/bench_decode.py --suite backbones --shape qwen3_0.6b \
   --frames 256 --repeats 3 --out "$out/decode_backbones_cuda.json"
-# 9. torchtitan serve at the Qwen3-0.6B shape (a random-init export): 1/4/16 concurrent clients
-step serve 120 python3 benchmarks/bench_serve.py --shape qwen3_0.6b --device cuda \
-  --out "$out/serve_cuda.json"
+# 9. torchtitan serve at a Qwen3-0.6B-like size (hidden 1024, 28 layers; a briefly trained
+# export): 1/4/16 concurrent clients vs sequential CLI calls
+step serve 150 python3 benchmarks/bench_serve.py --hidden 1024 --layers 28 --heads 16 \
+  --device cuda --cli-calls 4 --out "$out/serve_cuda.json"
 # 6-7. pipeline (bubble per schedule vs theory, per-rank memory) and expert parallelism (EP step
 # vs EP=1 at equal global batch): 2 ranks each, and NCCL takes one GPU per rank, so they run only
 # on a machine with 2 GPUs or more (their corpus is espeak-ng speech: the image needs espeak-ng)

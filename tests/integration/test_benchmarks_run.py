@@ -45,6 +45,8 @@ SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py"))
 SMOKE = {
     "bench_audio_encoder.py": "--shape tiny --repeats 1 --out {tmp}/a.json",
     "bench_attention.py": "--shapes 64x2 --repeats 1 --hidden 64 --layers 1 --out {tmp}/a.json",
+    "bench_generate.py": "--model {model} --sentences 2 --repeats 1 --max-frames 8 "
+    "--out {tmp}/a.json",
     "bench_decode.py": "--suite all --shape demo --frames 4 --repeats 1 --out {tmp}/a.json",
     "bench_codec_decode.py": "--train-sentences 40 --kmeans-seconds 30 --codebook-size 16 "
     "--held-out 2 --iters 2 --repeats 1 --work {tmp}/work --out {tmp}/a.json",
@@ -96,6 +98,15 @@ def tiny_toml(tmp_path_factory):
     return write_tiny_config(root / "tiny.toml", assets, root / "dump")
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny trained export (tests/helpers.py ``tiny_export``) for the benchmark that reads a
+    model folder."""
+    from tests.helpers import tiny_export
+
+    return tiny_export(tmp_path_factory.mktemp("bench_model"))["export"]
+
+
 def _results_state() -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in RESULTS.iterdir() if p.is_file()}
 
@@ -107,7 +118,8 @@ def test_runs_at_its_smallest_setting(name, tmp_path, request):
     import shlex
 
     toml = request.getfixturevalue("tiny_toml") if "{toml}" in SMOKE[name] else ""
-    argv = shlex.split(SMOKE[name].format(tmp=tmp_path, toml=toml))
+    model = request.getfixturevalue("tiny_model") if "{model}" in SMOKE[name] else ""
+    argv = shlex.split(SMOKE[name].format(tmp=tmp_path, toml=toml, model=model))
     parse(script_parser(BENCHMARKS / name), argv)
     before = _results_state()
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
