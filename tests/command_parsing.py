@@ -277,6 +277,11 @@ def check(shown: Shown) -> None:
         sub, argv = (words[1], words[2:]) if len(words) > 1 else (None, [])
         if sub is None or (shown.inline and sub.endswith(":")):
             return  # `torchtitan` alone, or a quoted message (`torchtitan train: rank 3: ...`)
+        if sub in ("-h", "--help", "help") and not argv:
+            return  # the console script's own usage (cli.main)
+        if argv in (["-h"], ["--help"]) and sub != "train":
+            subcommand_parser(sub, [])  # a subcommand's usage: the subcommand must exist
+            return
         if sub not in SUBCOMMANDS:
             raise CommandError(f"torchtitan has no subcommand {sub!r}")
         if shown.inline and not argv:
