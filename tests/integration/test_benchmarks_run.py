@@ -67,6 +67,7 @@ SMOKE = {
     "bench_vs_llama3.py": "--shape tiny --repeats 1 --configs speech --variants "
     "'speechlm hf-llama' --results-dir {tmp}",
     "bench_wave_store.py": "--n 4 --repeats 1 --work {tmp}/work --out {tmp}/a.json",
+    "voice_table.py": "--voices us,us-m1 --sentences 2 --no-asr --out {tmp}/a.json",
 }
 NOT_RUN = ("bench_audio_learning.py", "bench_common.py", "bench_learning.py", "run_all.py")
 

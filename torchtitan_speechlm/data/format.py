@@ -7,7 +7,8 @@ Layout (``FORMAT_VERSION = 2``, described in docs/data.md)::
                              and sha256), totals (written last)
     plan.json                what ``torchtitan prepare`` was asked to do (for resuming)
     failures.jsonl, summary.json
-    shards/NNNNN/items.jsonl       per item: id, kind, text, source, offsets, lengths, seconds
+    shards/NNNNN/items.jsonl       per item: id, kind, [speaker], text, source, offsets, lengths,
+                                   seconds
     shards/NNNNN/text_tokens.npy   int32 [shard_text_tokens]
     shards/NNNNN/audio_codes.npy   int16 (int32 if codebook_size > 32767) [shard_frames, num_streams]
     shards/NNNNN/shard.json        format version, codec/tokenizer identity, totals
@@ -49,6 +50,10 @@ def to_int16(wav: np.ndarray) -> np.ndarray:
         WAVE_DTYPE
     )
 
+
+# optional items.jsonl key (format 2 as before: readers that do not know it ignore it): the
+# speaker the source named for the item. An item without it is unlabelled: its own speaker.
+SPEAKER = "speaker"
 
 INDEX_COLUMNS = ("text_offset", "text_len", "audio_offset", "audio_frames", "seconds")
 KINDS = ("speech", "text", "audio", "dialogue")  # what an item holds (items.jsonl "kind")
@@ -93,6 +98,23 @@ class PreparedItem:
     seconds: float
     turns: list[Turn] | None = None  # dialogue items only
     wave: np.ndarray | None = None  # int16 [samples] where the dataset carries waveforms
+
+
+def speaker_summary(labelled: dict[str, int], unlabelled: int) -> dict:
+    """The ``speakers`` entry of summary.json (and of metadata.json when the source named
+    speakers): ``labelled`` = utterances of each speaker the source named, ``unlabelled`` =
+    items without a speaker, each counted as its own speaker with one utterance."""
+    counts = np.sort(np.array([*labelled.values(), *([1] * unlabelled)], dtype=np.int64))
+    median = float(np.median(counts)) if counts.size else 0.0
+    return {
+        "count": int(counts.size),
+        "labelled": len(labelled),
+        "unlabelled_items": int(unlabelled),
+        "utterances_min": int(counts[0]) if counts.size else 0,
+        "utterances_median": int(median) if median.is_integer() else median,
+        "utterances_max": int(counts[-1]) if counts.size else 0,
+        "single_utterance": int((counts == 1).sum()),
+    }
 
 
 def first_difference(a: dict, b: dict) -> str | None:

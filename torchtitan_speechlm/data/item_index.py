@@ -1,16 +1,19 @@
 """The index of a prepared dataset: each shard's ``items.jsonl`` read into columns, and the
 columns of every shard concatenated in ``metadata.json``'s order. Lengths, kinds and turn
-counts come from here, so a loader budgets examples without reading an array."""
+counts come from here, so a loader budgets examples without reading an array; so do speakers
+(``data/speakers.py``)."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
-from torchtitan_speechlm.data.format import INDEX_COLUMNS, REGENERATE, CorruptDatasetError
+from torchtitan_speechlm.data.format import INDEX_COLUMNS, REGENERATE, SPEAKER, CorruptDatasetError
+from torchtitan_speechlm.data.speakers import SpeakerTable
 
 TURN_KEYS = ("role", "modality", "offset", "length", "text")
 
@@ -18,13 +21,15 @@ TURN_KEYS = ("role", "modality", "offset", "length", "text")
 @dataclass
 class IndexLines:
     """One shard's ``items.jsonl``: ``rows`` float64 [n, 5] (``INDEX_COLUMNS``), the items'
-    ids, texts and kinds, and the turns of its dialogues by item of the shard."""
+    ids, texts and kinds, the turns of its dialogues by item of the shard, and the items'
+    speakers as the source named them (None: unlabelled)."""
 
     rows: np.ndarray
     ids: list[str]
     texts: list[str]
     kinds: list[str]
     turns: dict[int, list[dict]]
+    speakers: list[str | None] = field(default_factory=list)
 
 
 def read_index(items_path: str) -> IndexLines:
@@ -32,7 +37,7 @@ def read_index(items_path: str) -> IndexLines:
     naming the line."""
     if not os.path.isfile(items_path):
         raise CorruptDatasetError(f"{items_path} is missing; {REGENERATE}")
-    lines = IndexLines(np.zeros(0), [], [], [], {})
+    lines = IndexLines(np.zeros(0), [], [], [], {}, [])
     cols: list[tuple] = []
     with open(items_path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -40,6 +45,9 @@ def read_index(items_path: str) -> IndexLines:
                 r = json.loads(line)
                 cols.append(tuple(float(r[k]) for k in INDEX_COLUMNS))
                 item_id, text, kind = str(r["id"]), str(r["text"]), str(r["kind"])
+                speaker = r.get(SPEAKER)
+                if speaker is not None and (not isinstance(speaker, str) or not speaker):
+                    raise ValueError(f"speaker {speaker!r} is not a non-empty string")
                 if "turns" in r:
                     lines.turns[len(cols) - 1] = [{k: t[k] for k in TURN_KEYS} for t in r["turns"]]
             except (ValueError, KeyError, TypeError) as e:
@@ -49,6 +57,7 @@ def read_index(items_path: str) -> IndexLines:
             lines.ids.append(item_id)
             lines.texts.append(text)
             lines.kinds.append(kind)
+            lines.speakers.append(speaker)
     lines.rows = np.asarray(cols, dtype=np.float64).reshape(-1, 5)
     return lines
 
@@ -60,6 +69,8 @@ class ItemIndex:
     def __init__(self, shards: list[IndexLines]):
         self.ids: list[str] = [i for s in shards for i in s.ids]
         self.texts: list[str] = [t for s in shards for t in s.texts]
+        # per item: the speaker its source named, None if unlabelled (SpeakerTable: numbered)
+        self.speaker_labels: list[str | None] = [x for s in shards for x in s.speakers]
         self.turns: dict[int, list[dict]] = {}  # dialogue items: their turns (TURN_KEYS)
         base = 0
         for s in shards:
@@ -80,3 +91,14 @@ class ItemIndex:
     def shard_items(self, s: int) -> tuple[int, int]:
         """The first item of shard ``s`` and its number of items."""
         return int(np.searchsorted(self.shard, s)), int((self.shard == s).sum())
+
+    @cached_property
+    def has_speakers(self) -> bool:
+        """Whether the source named any item's speaker (False for datasets prepared before
+        speakers existed: every item is then its own speaker)."""
+        return any(x is not None for x in self.speaker_labels)
+
+    @cached_property
+    def speakers(self) -> SpeakerTable:
+        """The speaker table, built on first use (one pass over the labels)."""
+        return SpeakerTable.from_labels(self.ids, self.speaker_labels)

@@ -19,6 +19,7 @@ from torchtitan_speechlm.data.format import (
 )
 from torchtitan_speechlm.data.item_index import ItemIndex
 from torchtitan_speechlm.data.shard_files import open_shard, open_waves
+from torchtitan_speechlm.data.speakers import SpeakerTable
 
 
 def decode_turns(turns: list[dict], text: np.ndarray, codes: np.ndarray) -> list[Turn]:
@@ -115,6 +116,48 @@ class PreparedDataset:
     def num_audio_turns(self) -> np.ndarray:
         """Audio turns per dialogue item (0 for other kinds), from the index."""
         return self.index.num_turns[:, 1]
+
+    # --- speakers (data/speakers.py): from the index, no array read ---------------------------
+
+    @property
+    def has_speakers(self) -> bool:
+        """Whether the source named speakers (False: every item is its own speaker, as for
+        every dataset prepared before speakers existed)."""
+        return self.index.has_speakers
+
+    @property
+    def speaker_table(self) -> SpeakerTable:
+        """Names, labelled flags, each item's speaker and each speaker's items."""
+        return self.index.speakers
+
+    @property
+    def speakers(self) -> list[str]:
+        """Speaker names, numbered in order of their first item: the source's label, or for an
+        unlabelled item (its own speaker) the item's id (``speaker_labelled`` tells which)."""
+        return self.index.speakers.names
+
+    @property
+    def speaker_labelled(self) -> np.ndarray:
+        """bool [speakers]: False for an unlabelled item's own speaker."""
+        return self.index.speakers.labelled
+
+    @property
+    def item_speakers(self) -> np.ndarray:
+        """int32 [items]: each item's speaker (an index into ``speakers``)."""
+        return self.index.speakers.of_item
+
+    def speaker_of(self, i: int) -> int:
+        """Item ``i``'s speaker (an index into ``speakers``)."""
+        return int(self.index.speakers.of_item[i])
+
+    def items_of_speaker(self, s: int) -> np.ndarray:
+        """int64: the items of speaker ``s``, in dataset order."""
+        return self.index.speakers.items_of(s)
+
+    @property
+    def utterances_per_speaker(self) -> np.ndarray:
+        """int64 [speakers]: items of each speaker."""
+        return self.index.speakers.utterances
 
     @property
     def wave_samples(self) -> np.ndarray | None:

@@ -120,6 +120,35 @@ def _count_lines(path: str) -> int:
         return sum(1 for line in f if line.strip())
 
 
+def espeak_exe() -> str:
+    """The espeak-ng binary, or a RuntimeError saying how to install it."""
+    exe = shutil.which("espeak-ng")
+    if exe is None:
+        raise RuntimeError(
+            "espeak-ng not found: install it with `apt-get install espeak-ng` (the Makefile does)"
+        )
+    return exe
+
+
+def speak(
+    text: str,
+    voice: str,
+    speed: int,
+    sample_rate: int = 16000,
+    pitch: int | None = None,
+    tmp_dir: str | None = None,
+) -> np.ndarray:
+    """espeak-ng's speech of ``text`` (``-v voice -s speed``, and ``-p pitch`` if given: 0-99,
+    espeak-ng's default 50) at ``sample_rate``, float32, peak-normalised to 0.9."""
+    with tempfile.NamedTemporaryFile(suffix=".wav", dir=tmp_dir) as raw:
+        cmd = [espeak_exe(), "-w", raw.name, "-v", voice, "-s", str(speed)]
+        cmd += ["-p", str(pitch)] if pitch is not None else []
+        subprocess.run([*cmd, "--stdin"], input=text.encode(), check=True, capture_output=True)
+        wav = load_audio(raw.name, sample_rate)
+    peak = float(np.abs(wav).max()) or 1.0
+    return (0.9 * wav / peak).astype(np.float32)
+
+
 def synthesize_corpus(
     out_dir: str,
     sentences: list[str],
@@ -132,42 +161,27 @@ def synthesize_corpus(
 
     Voices and speeds (words per minute) cycle for variety. A manifest with ``n`` lines already present means the
     work is done (the manifest is written last, atomically). Returns the manifest path.
+    (A corpus of several speakers, each line naming its speaker: ``demo/voices.py``.)
     """
     manifest = os.path.join(out_dir, "manifest.jsonl")
     if os.path.isfile(manifest) and _count_lines(manifest) == n:
         return manifest
-    exe = shutil.which("espeak-ng")
-    if exe is None:
-        raise RuntimeError(
-            "espeak-ng not found: install it with `apt-get install espeak-ng` (the Makefile does)"
-        )
+    espeak_exe()
     if not sentences:
         raise ValueError("synthesize_corpus needs at least one sentence")
     voices = list(voices or DEFAULT_VOICES)
     wav_dir = os.path.join(out_dir, "wavs")
     os.makedirs(wav_dir, exist_ok=True)
 
-    def speak(i: int) -> dict:
+    def one(i: int) -> dict:
         text = sentences[i % len(sentences)]
         rel = f"wavs/utt{i:05d}.wav"
-        with tempfile.NamedTemporaryFile(suffix=".wav", dir=wav_dir) as raw:
-            cmd = [
-                exe,
-                "-w",
-                raw.name,
-                "-v",
-                voices[i % len(voices)],
-                "-s",
-                str(speeds[(i // len(voices)) % len(speeds)]),
-                "--stdin",
-            ]
-            subprocess.run(cmd, input=text.encode(), check=True, capture_output=True)
-            wav = load_audio(raw.name, sample_rate)
-        peak = float(np.abs(wav).max()) or 1.0
-        sf.write(os.path.join(out_dir, rel), 0.9 * wav / peak, sample_rate, subtype="PCM_16")
+        voice, speed = voices[i % len(voices)], speeds[(i // len(voices)) % len(speeds)]
+        wav = speak(text, voice, speed, sample_rate, tmp_dir=wav_dir)
+        sf.write(os.path.join(out_dir, rel), wav, sample_rate, subtype="PCM_16")
         return {"id": f"utt{i:05d}", "audio": rel, "text": text}
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        rows = list(pool.map(speak, range(n)))
+        rows = list(pool.map(one, range(n)))
     write_text_atomic(manifest, "".join(json.dumps(row) + "\n" for row in rows))
     return manifest

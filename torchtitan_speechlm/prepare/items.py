@@ -6,6 +6,12 @@ encoding, writing shards) does not care where items came from. An item only *ref
 (a file, a segment of a file, a row of an HF dataset, a lhotse cut); audio is read by the worker
 that encodes it.
 
+An item may name its speaker (``ManifestItem.speaker``: JSONL ``speaker``, Kaldi ``utt2spk`` /
+``spk2utt``, an HF column, lhotse ``supervision.speaker``); an item without one is *unlabelled*
+and counts as its own speaker. The label is stored in the prepared index (``items.jsonl``
+``speaker``), which answers a dataset's speakers without reading its arrays
+(``PreparedDataset.speakers``, docs/data.md).
+
 Errors in the structure of a line (bad JSON, missing or mistyped key, duplicate id) are fatal
 and name the file and line; problems with the audio or text *content* are found later and make
 the item a recorded failure instead.
@@ -13,6 +19,7 @@ the item a recorded failure instead.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from torchtitan_speechlm.data.format import KINDS, ROLES  # noqa: F401  (re-exported)
@@ -56,7 +63,8 @@ class TurnSpec:
 @dataclass
 class ManifestItem:
     """One input item. ``audio`` is the file path (kept for the common speech case), ``ref``
-    the full audio reference (segment / HF row); ``where`` names the source line or key."""
+    the full audio reference (segment / HF row); ``where`` names the source line or key;
+    ``speaker`` the speaker the source named (None: unlabelled, the item is its own speaker)."""
 
     id: str
     audio: str | None
@@ -65,6 +73,7 @@ class ManifestItem:
     where: str = ""
     ref: AudioRef | None = None
     turns: list[TurnSpec] | None = None
+    speaker: str | None = None
 
     def __post_init__(self) -> None:
         if self.ref is None and self.audio is not None:
@@ -78,3 +87,20 @@ class ManifestItem:
         if self.ref is None:
             return "text"
         return "speech" if self.text.strip() else "audio"
+
+
+def speaker_label(value, where: str) -> str | None:
+    """A source's speaker value as a label: a non-empty string or an integer (as its decimal
+    string: HF and lhotse corpora often number their speakers); None stays None (unlabelled).
+    Anything else is a ManifestError naming ``where``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not value.strip():
+            raise ManifestError(f"{where}: empty speaker (leave it out, or null, for none)")
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return str(int(value))
+    raise ManifestError(
+        f"{where}: speaker must be a string or an integer, got {type(value).__name__}"
+    )

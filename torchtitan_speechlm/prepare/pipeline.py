@@ -320,15 +320,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def format_speakers(v: dict) -> str:
+    """The summary's speakers line (``speakers`` of summary.json, ``format.speaker_summary``)."""
+    if not v["labelled"]:
+        return f"speakers: none named by the source (each of the {v['count']} items is its own)"
+    own = v["unlabelled_items"]
+    given = f"{v['labelled']} named" + (f" + {own} items without one, each its own" if own else "")
+    return (
+        f"speakers: {v['count']} ({given}); utterances per speaker: min {v['utterances_min']}, "
+        f"median {v['utterances_median']:g}, max {v['utterances_max']}; "
+        f"{v['single_utterance']} with a single utterance"
+    )
+
+
 def format_summary(s: dict) -> str:
     skipped = ", ".join(f"{k}: {v}" for k, v in s["skipped_by_reason"].items()) or "none"
-    return (
+    line = (
         f"prepared {s['out_dir']}: {s['num_items']} items written ({s['kinds']}), "
         f"{s['items_skipped']} skipped ({skipped}); {s['hours']:.3f} h of audio, "
         f"{s['audio_tokens_per_stream']} audio tokens per stream x {s['num_streams']} streams, "
         f"{s['total_text_tokens']} text tokens; {s['shards_written']} shards written, "
         f"{s['shards_reused']} reused ({s['elapsed_seconds']:.1f}s)"
     )
+    return line + ("\n" + format_speakers(s["speakers"]) if "speakers" in s else "")
 
 
 __all__ = ["BadItemError", "LossyTokenizerError", "NoItemsError", "main", "prepare_dataset"]

@@ -4,8 +4,8 @@ The *plan* (``<out>/plan.json``) records what a run was asked to do: the source,
 tokenizer identity, the shard size and a hash of each shard's inputs. A rerun with the same plan
 resumes (finished shards whose ``shard.json`` matches are kept); a different plan in the same
 folder is refused, naming the first differing key, unless ``--overwrite``. Shard input hashes
-cover each item's id, text, audio reference and audio file size, so editing the corpus
-invalidates exactly the shards it touches.
+cover each item's id, text, audio reference and audio file size (and its speaker, if the source
+names one), so editing the corpus invalidates exactly the shards it touches.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torchtitan_speechlm.data.format import (
     first_difference,
     read_json,
     shard_name,
+    speaker_summary,
 )
 from torchtitan_speechlm.prepare.items import ManifestItem
 from torchtitan_speechlm.prepare.worker import FAILURES
@@ -56,7 +57,8 @@ def _item_key(it: ManifestItem) -> list:
         return key if r.lhotse is None else [*key, r.lhotse]  # older plans' keys unchanged
 
     turns = [[t.role, t.text, ref(t.audio)] for t in it.turns] if it.turns is not None else None
-    return [it.id, it.kind, it.text, ref(it.ref), turns]
+    key = [it.id, it.kind, it.text, ref(it.ref), turns]
+    return key if it.speaker is None else [*key, it.speaker]  # unlabelled items' keys unchanged
 
 
 def build_plan(items, source: dict, codec, tokenizer: dict, shard_size: int,
@@ -75,6 +77,8 @@ def build_plan(items, source: dict, codec, tokenizer: dict, shard_size: int,
             "tokenizer": tokenizer, "shard_size": shard_size,
             "allow_audio_only": allow_audio_only, "num_inputs": len(items),
             "inputs_hash_version": INPUTS_HASH_VERSION, "shard_inputs": hashes}  # fmt: skip
+    if any(it.speaker is not None for it in items):  # absent without: older plans unchanged
+        plan["speakers"] = True
     return json.loads(json.dumps(plan))  # same types as when read back from plan.json
 
 
@@ -87,6 +91,7 @@ def plan_difference(old: dict, new: dict) -> str | None:
         "format_version",
         "inputs_hash_version",
         "source",
+        "speakers",
         "shard_size",
         "allow_audio_only",
         "num_inputs",
@@ -162,7 +167,7 @@ def finalize(out_dir: str, plan: dict, run_info: dict, checks: dict | None = Non
     """Merge shard failures into failures.jsonl, write summary.json and (if any item survived)
     metadata.json, last; return the summary. ``checks``: the outcome of whole-corpus checks
     (``tokenizer_roundtrip``), recorded in metadata.json for training to read."""
-    shards, failures = [], []
+    shards, failures, speakers = [], [], {}
     for s in range(len(plan["shard_inputs"])):
         sdir = os.path.join(out_dir, SHARDS_DIR, shard_name(s))
         meta = read_json(os.path.join(sdir, SHARD_META))
@@ -172,6 +177,8 @@ def finalize(out_dir: str, plan: dict, run_info: dict, checks: dict | None = Non
                        "total_frames": meta["total_frames"], "kinds": meta["kinds"],
                        "num_failed": meta["num_failed"],
                        "files": fingerprint_shard(sdir)})  # fmt: skip
+        for name, n in meta.get("speakers", {}).items():
+            speakers[name] = speakers.get(name, 0) + n
         with open(os.path.join(sdir, FAILURES), encoding="utf-8") as f:
             failures.extend(f.readlines())
     reasons: dict[str, int] = {}
@@ -190,11 +197,12 @@ def finalize(out_dir: str, plan: dict, run_info: dict, checks: dict | None = Non
         "kinds": dict(sorted(kinds.items())),
     }
     n_streams = plan["codec"]["num_streams"]
+    voices = speaker_summary(speakers, totals["num_items"] - sum(speakers.values()))
     summary = dict(totals, out_dir=out_dir, hours=totals["total_audio_seconds"] / 3600,
                    num_streams=n_streams, audio_tokens_per_stream=totals["total_frames"],
                    audio_tokens=totals["total_frames"] * n_streams, items_written=totals["num_items"],
                    items_skipped=len(failures), skipped_by_reason=dict(sorted(reasons.items())),
-                   num_shards=len(shards), **run_info)  # fmt: skip
+                   num_shards=len(shards), speakers=voices, **run_info)  # fmt: skip
     write_text_atomic(os.path.join(out_dir, FAILURES), "".join(failures))
     write_json_atomic(os.path.join(out_dir, SUMMARY), summary)
     meta_path = os.path.join(out_dir, METADATA)
@@ -205,5 +213,7 @@ def finalize(out_dir: str, plan: dict, run_info: dict, checks: dict | None = Non
     meta = {"format_version": FORMAT_VERSION, "codec": plan["codec"], "tokenizer": plan["tokenizer"],
             "source": plan["source"], "shard_size": plan["shard_size"], "shards": shards,
             "num_failed": len(failures), **(checks or {}), **totals}  # fmt: skip
+    if speakers:  # only where the source named speakers: other datasets' metadata unchanged
+        meta["speakers"] = voices
     write_json_atomic(meta_path, meta)
     return summary

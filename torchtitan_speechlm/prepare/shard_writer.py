@@ -19,6 +19,7 @@ from torchtitan_speechlm.data.format import (
     FORMAT_VERSION,
     ITEMS,
     SHARD_META,
+    SPEAKER,
     TEXT_DTYPE,
     TEXT_TOKENS,
     Turn,
@@ -41,6 +42,7 @@ class ShardWriter:
         self.num_items = self.total_text_tokens = self.total_frames = 0
         self.total_audio_seconds = 0.0
         self.kinds: dict[str, int] = {}
+        self.speakers: dict[str, int] = {}  # utterances of each speaker the source named
 
     def _put_text(self, item_id: str, tokens) -> tuple[int, int]:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -74,9 +76,12 @@ class ShardWriter:
         seconds: float,
         source: str = "",
         turns: list[Turn] | None = None,
+        speaker: str | None = None,
     ) -> None:
         """Append an item. A dialogue passes ``turns`` (and empty tokens/codes); its turns are
-        stored back to back, so the item's text/audio ranges cover exactly its turns."""
+        stored back to back, so the item's text/audio ranges cover exactly its turns.
+        ``speaker``: the speaker the source named (None: unlabelled, no ``speaker`` key, so
+        such items' lines are those of datasets made before speakers existed)."""
         t0, a0 = self.total_text_tokens, self.total_frames
         row_turns = None
         if turns is not None:
@@ -89,9 +94,11 @@ class ShardWriter:
         else:
             self._put_text(item_id, text_tokens)
             self._put_codes(item_id, audio_codes)
-        row = {
-            "id": item_id,
-            "kind": kind,
+        row = {"id": item_id, "kind": kind}
+        if speaker is not None:
+            row[SPEAKER] = speaker
+            self.speakers[speaker] = self.speakers.get(speaker, 0) + 1
+        row.update({
             "text": text,
             "source": source,
             "text_offset": t0,
@@ -99,7 +106,7 @@ class ShardWriter:
             "audio_offset": a0,
             "audio_frames": self.total_frames - a0,
             "seconds": round(float(seconds), 6),
-        }
+        })  # fmt: skip
         if row_turns is not None:
             row["turns"] = row_turns
         self._items.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -118,13 +125,16 @@ class ShardWriter:
         return meta
 
     def totals(self) -> dict:
-        return {
+        totals = {
             "num_items": self.num_items,
             "total_audio_seconds": round(self.total_audio_seconds, 6),
             "total_text_tokens": self.total_text_tokens,
             "total_frames": self.total_frames,
             "kinds": dict(sorted(self.kinds.items())),
         }
+        if self.speakers:  # labelled items only (absent: shard.json as before speakers)
+            totals["speakers"] = dict(sorted(self.speakers.items()))
+        return totals
 
     def close(self) -> None:
         """Close open files (also on failure, before the temp dir is removed)."""

@@ -169,10 +169,11 @@ def _write(writer: ShardWriter, item: ManifestItem, d: dict) -> float:
     if d["turns"] is not None:
         turns = [Turn(role, mod, np.asarray(d["codes"][x] if mod == "audio" else x), text)
                  for role, mod, x, text in d["turns"]]  # fmt: skip
-        writer.add(item.id, "dialogue", "", [], None, seconds, item.where, turns)
+        writer.add(item.id, "dialogue", "", [], None, seconds, item.where, turns, item.speaker)
     else:
         codes = d["codes"][0] if d["codes"] else np.zeros((0, codec.num_streams), np.int64)
-        writer.add(item.id, item.kind, item.text, d["tokens"], codes, seconds, item.where)
+        writer.add(item.id, item.kind, item.text, d["tokens"], codes, seconds, item.where,
+                   speaker=item.speaker)  # fmt: skip
     return seconds
 
 

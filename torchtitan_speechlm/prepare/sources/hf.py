@@ -6,6 +6,10 @@ stored Arrow struct ``{"bytes", "path"}`` directly and decodes the bytes (or the
 soundfile, like every other source. A column of plain ``{"array", "sampling_rate"}`` structs
 is also accepted. Workers open the dataset themselves (memory-mapped Arrow, cheap) and read the
 rows they encode, so audio bytes never travel between processes.
+
+Speakers: ``--speaker-column NAME`` (strings or integers; None = unlabelled); by default the
+``speaker_id`` column, else the ``speaker`` column, if the dataset has one (LibriTTS, VCTK and
+Common Voice exports name it so); ``--speaker-column none``: no speakers.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import os
 
 import numpy as np
 
-from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem
+from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem, speaker_label
 from torchtitan_speechlm.prepare.sources.base import (
     PrepareSource,
     SourceOption,
@@ -57,13 +61,35 @@ def open_hf_dataset(path: str, split: str | None = None):
     return ds, None
 
 
+SPEAKER_COLUMNS = ("speaker_id", "speaker")  # the default speaker column: the first one present
+NO_SPEAKERS = "none"
+
+
+def speaker_column_of(columns: list[str], speaker_column: str | None, where: str) -> str | None:
+    """The column speakers are read from (None: no speakers): ``speaker_column`` itself (a
+    ManifestError if the dataset lacks it), ``"none"``, or by default the first of
+    ``SPEAKER_COLUMNS`` the dataset has."""
+    if speaker_column is None:
+        return next((c for c in SPEAKER_COLUMNS if c in columns), None)
+    if speaker_column == NO_SPEAKERS:
+        return None
+    if speaker_column not in columns:
+        raise ManifestError(
+            f"{where}: no speaker column {speaker_column!r} (columns: {columns}); pass "
+            f"--speaker-column NAME, or {NO_SPEAKERS} for no speakers"
+        )
+    return speaker_column
+
+
 def read_hf_items(
     path: str,
     audio_column: str = "audio",
     text_column: str | None = "text",
     split: str | None = None,
+    speaker_column: str | None = None,
 ) -> list[ManifestItem]:
-    """One item per row; ids come from an ``id`` column if there is one, else ``row-N``."""
+    """One item per row; ids come from an ``id`` column if there is one, else ``row-N``;
+    speakers from ``speaker_column_of(columns, speaker_column)``."""
     ds, split = open_hf_dataset(path, split)
     where0 = f"{os.path.abspath(path)}" + (f"[{split}]" if split else "")
     cols = ds.column_names
@@ -73,10 +99,12 @@ def read_hf_items(
         raise ManifestError(
             f"{where0}: no text column {text_column!r} (columns: {cols}); pass --text-column"
         )
-    keep = [c for c in ("id", text_column) if c in cols]
+    spk_col = speaker_column_of(cols, speaker_column, where0)
+    keep = list(dict.fromkeys(c for c in ("id", text_column, spk_col) if c in cols))
     table = ds.select_columns(keep).with_format("arrow")[:] if keep else None
     ids = [str(x) for x in table.column("id").to_pylist()] if "id" in keep else None
     texts = table.column(text_column).to_pylist() if text_column in keep else None
+    spks = table.column(spk_col).to_pylist() if spk_col is not None else None
     items, seen = [], set()
     for row in range(len(ds)):
         item_id = ids[row] if ids else f"row-{row:08d}"
@@ -87,7 +115,11 @@ def read_hf_items(
         text = texts[row] if texts is not None else ""
         if text is not None and not isinstance(text, str):
             raise ManifestError(f"{where}: text must be a string, got {type(text).__name__}")
-        items.append(ManifestItem(item_id, None, text or "", row + 1, where, ref=AudioRef(row=row)))
+        speaker = (
+            speaker_label(spks[row], f"{where}: column {spk_col!r}") if spks is not None else None
+        )
+        items.append(ManifestItem(item_id, None, text or "", row + 1, where,
+                                  ref=AudioRef(row=row), speaker=speaker))  # fmt: skip
     return items
 
 
@@ -120,9 +152,13 @@ class HFAudioReader:
 
 
 def _read(
-    path: str, audio_column: str = "audio", text_column: str = "text", split: str | None = None
+    path: str,
+    audio_column: str = "audio",
+    text_column: str = "text",
+    split: str | None = None,
+    speaker_column: str | None = None,
 ) -> SourceRead:
-    items = read_hf_items(path, audio_column, text_column, split)
+    items = read_hf_items(path, audio_column, text_column, split, speaker_column)
     ds, split = open_hf_dataset(path, split)
     description = {
         "type": "hf_dataset",
@@ -131,6 +167,9 @@ def _read(
         "text_column": text_column,
         "fingerprint": getattr(ds, "_fingerprint", None),
     }
+    spk_col = speaker_column_of(ds.column_names, speaker_column, path)
+    if spk_col is not None:  # (absent without speakers: such plans are unchanged)
+        description["speaker_column"] = spk_col
     return SourceRead(items, description, (os.path.abspath(path), audio_column, split))
 
 
@@ -145,6 +184,11 @@ register_source(
             SourceOption("audio_column", "audio", "HF audio column (default: audio)"),
             SourceOption("text_column", "text", "HF text column (default: text)"),
             SourceOption("split", None, "HF split of a saved DatasetDict"),
+            SourceOption(
+                "speaker_column",
+                None,
+                "HF speaker column (default: speaker_id or speaker if present; none: no speakers)",
+            ),
         ),
     )
 )

@@ -7,6 +7,9 @@ One JSON object per line (docs/data.md has the full description)::
     {"id": "a1", "audio": "wavs/a1.wav"}                           audio only (--allow-audio-only)
     {"id": "d1", "turns": [{"role": "user", "audio": "q.wav"},
                            {"role": "assistant", "text": "an answer"}]}   dialogue
+
+Any line may name its speaker, ``"speaker": "spk12"`` (a string or an integer; missing or null:
+the item is its own speaker).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torchtitan_speechlm.prepare.items import (
     ManifestError,
     ManifestItem,
     TurnSpec,
+    speaker_label,
 )
 from torchtitan_speechlm.prepare.sources.base import (
     PrepareSource,
@@ -92,20 +96,23 @@ def read_jsonl_manifest(path: str) -> list[ManifestItem]:
                     f"{where}: duplicate id {item_id!r} (first on line {seen[item_id]})"
                 )
             seen[item_id] = lineno
+            speaker = speaker_label(row.get("speaker"), where)
             if "turns" in row:
                 if "audio" in row or "text" in row:
                     raise ManifestError(
                         f"{where}: a dialogue line has 'turns' only, not 'audio'/'text'"
                     )
                 turns = _parse_turns(row["turns"], base, where)
-                items.append(ManifestItem(item_id, None, "", lineno, where, turns=turns))
+                items.append(
+                    ManifestItem(item_id, None, "", lineno, where, turns=turns, speaker=speaker)
+                )
                 continue
             audio = _str_key(row, "audio", where, False)
             text = _str_key(row, "text", where, False)
             if audio is None and text is None:
                 raise ManifestError(f"{where}: needs 'audio', 'text' or 'turns'")
             audio = _resolve(base, audio) if audio is not None else None
-            items.append(ManifestItem(item_id, audio, text or "", lineno, where))
+            items.append(ManifestItem(item_id, audio, text or "", lineno, where, speaker=speaker))
     return items
 
 

@@ -6,12 +6,15 @@ WeNet)::
     wav.scp    <recording-id> <path>                  one audio file per recording
     text       <utterance-id> <transcript>
     segments   <utterance-id> <recording-id> <start> <end>   (optional; seconds, end -1 = to EOF)
+    utt2spk    <utterance-id> <speaker-id>              (optional)
+    spk2utt    <speaker-id> <utterance-id> ...          (optional; with utt2spk, must agree)
 
 Without ``segments`` each recording is one utterance with the same id. Only plain file paths are
 supported in ``wav.scp``: piped commands (``sox ... |``) and ark offsets (``foo.ark:123``) are
 refused up front, since running shell commands from a data file is neither safe nor portable.
 Relative paths follow Kaldi's convention (the recipe directory, i.e. the current working
-directory); if not found there, the data dir itself is tried.
+directory); if not found there, the data dir itself is tried. Speakers come from ``utt2spk``
+(else ``spk2utt``); an utterance listed in neither is its own speaker.
 """
 
 from __future__ import annotations
@@ -63,12 +66,55 @@ def _audio_path(entry: str, where: str, base: str) -> str:
     return cwd_path if os.path.exists(cwd_path) else os.path.normpath(os.path.join(base, path))
 
 
+def read_speakers(data_dir: str) -> dict[str, str]:
+    """``{utterance: speaker}`` from ``utt2spk`` and/or ``spk2utt`` (empty if neither exists).
+    A duplicate utterance, a line with the wrong number of fields, or the two files disagreeing
+    is a ManifestError naming the file and line."""
+    utt2spk, spk2utt = os.path.join(data_dir, "utt2spk"), os.path.join(data_dir, "spk2utt")
+    speakers: dict[str, str] = {}
+    if os.path.isfile(utt2spk):
+        for lineno, (utt, spk) in _read_table(utt2spk, 2):
+            where = f"{utt2spk}:{lineno}"
+            if len(spk.split()) != 1:
+                raise ManifestError(f"{where}: expected <utterance-id> <speaker-id>, got {spk!r}")
+            if utt in speakers:
+                raise ManifestError(f"{where}: duplicate utterance id {utt!r}")
+            speakers[utt] = spk
+    if not os.path.isfile(spk2utt):
+        return speakers
+    from_spk2utt: dict[str, str] = {}
+    for lineno, (spk, utts) in _read_table(spk2utt, 2):
+        where = f"{spk2utt}:{lineno}"
+        for utt in utts.split():
+            if utt in from_spk2utt:
+                raise ManifestError(
+                    f"{where}: utterance {utt!r} is listed again (already under speaker "
+                    f"{from_spk2utt[utt]!r})"
+                )
+            if speakers and speakers.get(utt) != spk:
+                said = f"says {speakers[utt]!r}" if utt in speakers else "does not list it"
+                raise ManifestError(
+                    f"{where}: utterance {utt!r} is under speaker {spk!r} here but utt2spk "
+                    f"{said}; regenerate spk2utt from utt2spk (utils/utt2spk_to_spk2utt.pl) "
+                    "or remove it"
+                )
+            from_spk2utt[utt] = spk
+    missing = set(speakers) - set(from_spk2utt)
+    if speakers and missing:
+        raise ManifestError(
+            f"{spk2utt}: utterance {sorted(missing)[0]!r} of utt2spk is not in it (and "
+            f"{len(missing) - 1} more); regenerate spk2utt from utt2spk or remove it"
+        )
+    return speakers or from_spk2utt
+
+
 def read_kaldi_dir(data_dir: str) -> list[ManifestItem]:
     """Items of a Kaldi data dir, in ``segments`` (else ``wav.scp``) order.
 
     An utterance with no line in ``text`` gets empty text (a failure unless audio-only items are
     allowed); an utterance in ``text`` with no audio is kept and fails as missing audio, so every
-    transcript is accounted for in ``failures.jsonl``.
+    transcript is accounted for in ``failures.jsonl``. Each item's speaker is its utterance's in
+    ``utt2spk`` / ``spk2utt`` (None when neither lists it).
     """
     data_dir = os.path.abspath(data_dir)
     wav_scp, text_file = os.path.join(data_dir, "wav.scp"), os.path.join(data_dir, "text")
@@ -120,6 +166,9 @@ def read_kaldi_dir(data_dir: str) -> list[ManifestItem]:
             where = f"{text_file}:{lineno}"
             missing = os.path.join(data_dir, f"<no audio for {utt}>")
             items.append(ManifestItem(utt, missing, texts[utt], lineno, where))
+    speakers = read_speakers(data_dir)
+    for it in items:
+        it.speaker = speakers.get(it.id)
     return items
 
 
@@ -128,5 +177,7 @@ def _read(path: str) -> SourceRead:
 
 
 register_source(
-    PrepareSource("kaldi", "--kaldi", "DIR", "Kaldi data dir: wav.scp, text, [segments]", _read)
+    PrepareSource(
+        "kaldi", "--kaldi", "DIR", "Kaldi data dir: wav.scp, text, [segments, utt2spk]", _read
+    )
 )

@@ -18,6 +18,8 @@ a multi-channel cut's channels averaged, like the other sources' multi-channel f
 (recording channel ``N`` of every multi-channel cut, via ``cut.with_channels``; a cut without
 that channel is refused while planning). Mixed cuts are always averaged to mono. Text: the
 texts of the cut's supervisions (those on its channels), in time order, joined by a space.
+Speaker: the ``speaker`` those supervisions name; a cut whose supervisions name none, or more
+than one speaker, is its own speaker (unlabelled).
 
 Workers get the cut itself: each item's ``AudioRef.lhotse`` is the chosen cut's dict as JSON
 (``memory`` sources' bytes as base64), so a worker rebuilds it with lhotse's own
@@ -37,7 +39,7 @@ import os
 
 import numpy as np
 
-from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem
+from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem, speaker_label
 from torchtitan_speechlm.prepare.sources.base import (
     PrepareSource,
     SourceOption,
@@ -149,8 +151,8 @@ def choose(cut, padding: str, channel: int | None, where: str):
     return cut
 
 
-def cut_text(cut) -> str:
-    """Supervision texts on the cut's channels, in time order, joined by a space."""
+def _supervisions(cut) -> list:
+    """The cut's supervisions on its channels, in time order."""
     from lhotse.cut.data import DataCut
 
     sups = list(cut.supervisions)
@@ -163,7 +165,20 @@ def cut_text(cut) -> str:
             or bool(mine & set(s.channel if isinstance(s.channel, list) else [s.channel]))
         ]
     sups.sort(key=lambda s: s.start)
-    return " ".join(s.text.strip() for s in sups if s.text and s.text.strip())
+    return sups
+
+
+def cut_text(cut) -> str:
+    """Supervision texts on the cut's channels, in time order, joined by a space."""
+    return " ".join(s.text.strip() for s in _supervisions(cut) if s.text and s.text.strip())
+
+
+def cut_speaker(cut, where: str) -> str | None:
+    """The one speaker the supervisions on the cut's channels name (None if they name none or
+    several: the item is then its own speaker)."""
+    named = {speaker_label(s.speaker, f"{where}: supervision {s.id!r}") for s in _supervisions(cut)}
+    named.discard(None)
+    return named.pop() if len(named) == 1 else None
 
 
 def cut_item(cut, where: str, line: int, options: tuple[str, int | None], base: str,
@@ -186,7 +201,8 @@ def cut_item(cut, where: str, line: int, options: tuple[str, int | None], base: 
     # default=str: a custom field JSON cannot hold (a Path ...) is not needed to load the audio
     text = json.dumps(record, ensure_ascii=False, separators=(",", ":"), default=str)
     ref = AudioRef(path=path, lhotse=text)
-    return ManifestItem(cut.id, path, cut_text(chosen), line, where, ref=ref)
+    speaker = cut_speaker(chosen, where)
+    return ManifestItem(cut.id, path, cut_text(chosen), line, where, ref=ref, speaker=speaker)
 
 
 def _shar_recording(shar: dict, name: str):
