@@ -9,6 +9,13 @@ from torchtitan_speechlm.model.backbones.hf import load_hf_config
 from torchtitan_speechlm.model.model import SpeechLM
 from torchtitan_speechlm.model.vocab import VocabLayout
 
+# tiny Qwen3 configs (save_tiny_backbone overrides): dense, and mixture-of-experts
+QWEN3_DENSE = dict(hidden_size=64, head_dim=16, intermediate_size=96)
+QWEN3_MOE = dict(
+    **QWEN3_DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    norm_topk_prob=True,
+)  # fmt: skip
+
 
 def save_tiny_backbone(path, family="qwen3", vocab_size=96, tie=False, seed=0, **overrides):
     import transformers

@@ -187,7 +187,9 @@ class Mimi(TransformersCodec):
 class DAC(TransformersCodec):
     name, model_class = "dac", "DacModel"
     causal_decoder = False  # centred convolutions: each sample also hears frames after it
-    stream_lookahead_frames = 4  # the decoder's reach into later frames (kernel 7 at the latent rate
+    stream_lookahead_frames = (
+        4  # the decoder's reach into later frames (kernel 7 at the latent rate
+    )
     # and the dilated residual units after it)
 
     def codebooks(self, cfg) -> int:

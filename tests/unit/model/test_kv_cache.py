@@ -8,18 +8,10 @@ by name; ``DecodeConfig.compile`` off / auto / on."""
 import pytest
 import torch
 
-from tests.helpers import build_speechlm, random_batch, save_tiny_backbone
+from tests.helpers import QWEN3_MOE, build_speechlm, random_batch, save_tiny_backbone
 from torchtitan_speechlm.model.backbones import kv_cache
 
-MOE = dict(
-    hidden_size=64,
-    head_dim=16,
-    intermediate_size=96,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    norm_topk_prob=True,
-)
+MOE = QWEN3_MOE
 VARIANTS = {  # name: (HF family, backbone, config overrides)
     "native": ("llama", "native", {}),
     "qwen3": ("qwen3", "qwen3", dict(hidden_size=64, head_dim=16, intermediate_size=96)),

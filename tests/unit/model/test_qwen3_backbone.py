@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from tests.helpers import (
+    QWEN3_DENSE,
+    QWEN3_MOE,
     assert_packed_row_equals_each_sample,
     build_speechlm,
     make_tiny_run_assets,
@@ -22,16 +24,8 @@ from tests.helpers import (
     write_tiny_config,
 )
 
-DENSE = dict(hidden_size=64, head_dim=16, intermediate_size=96)
-MOE = dict(
-    hidden_size=64,
-    head_dim=16,
-    intermediate_size=96,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    norm_topk_prob=True,
-)
+DENSE = QWEN3_DENSE
+MOE = QWEN3_MOE
 VARIANTS = {
     "dense": ("qwen3", DENSE),
     "dense_tied": ("qwen3", dict(DENSE, tie=True)),

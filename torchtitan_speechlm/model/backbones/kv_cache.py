@@ -216,6 +216,26 @@ def compile_decode(module: nn.Module, on: bool, mode: str = "default") -> bool:
     return module in _COMPILED
 
 
+class StaticCacheDecoding:
+    """A ``Backbone`` mixin for decoders of torchtitan blocks: ``decode`` through this module's
+    static cache, ``select_rows`` and ``compile_decode``. The family says how its blocks apply
+    RoPE (``rotary``: torchtitan's function of that model and the module's table)."""
+
+    def rotary(self, module: nn.Module) -> tuple[Rotary, torch.Tensor]:
+        raise NotImplementedError
+
+    def decode(self, module, inputs_embeds, position_ids, attention_mask, cache):
+        return decode(
+            module, inputs_embeds, position_ids, attention_mask, cache, *self.rotary(module)
+        )
+
+    def select_rows(self, cache, index):
+        return cache.select_rows(index)
+
+    def compile_decode(self, module, on: bool, mode: str = "default") -> bool:
+        return compile_decode(module, on, mode)
+
+
 def decode(
     module: nn.Module,
     inputs_embeds: torch.Tensor,

@@ -221,7 +221,7 @@ def document_block_mask(position_ids: torch.Tensor | None, t: int, padded: int):
     )
 
 
-class NativeLlamaBackbone(Backbone):
+class NativeLlamaBackbone(kv_cache.StaticCacheDecoding, Backbone):
     embed_key, head_key = "model.embed_tokens.weight", "lm_head.weight"
     tensor_parallel = True
     pipeline_parallel = True
@@ -237,23 +237,9 @@ class NativeLlamaBackbone(Backbone):
     def run(self, module, inputs_embeds, position_ids, real):
         return module(inputs_embeds, position_ids), None
 
-    def decode(self, module, inputs_embeds, position_ids, attention_mask, cache):
-        """The static KV cache of ``kv_cache.py`` (refused under tensor parallelism: there)."""
-        return kv_cache.decode(
-            module,
-            inputs_embeds,
-            position_ids,
-            attention_mask,
-            cache,
-            apply_rotary_emb,
-            module.freqs_cis,
-        )
-
-    def select_rows(self, cache, index):
-        return cache.select_rows(index)
-
-    def compile_decode(self, module, on: bool, mode: str = "default") -> bool:
-        return kv_cache.compile_decode(module, on, mode)
+    def rotary(self, module):
+        """(decode: the static KV cache of ``kv_cache.py``, refused under tensor parallelism)"""
+        return apply_rotary_emb, module.freqs_cis
 
     def reset_buffers(self, module, device) -> None:
         module.freqs_cis = module._freqs().to(device)

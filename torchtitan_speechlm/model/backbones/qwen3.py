@@ -214,7 +214,7 @@ def load_balance_loss(
     return experts * torch.sum((routed / frames) * (prob / frames))
 
 
-class Qwen3Backbone(Backbone):
+class Qwen3Backbone(kv_cache.StaticCacheDecoding, Backbone):
     embed_key, head_key = "model.embed_tokens.weight", "lm_head.weight"
     tensor_parallel = False  # TODO: torchtitan's qwen3 TP plan (apply_non_moe_tp)
     expert_parallel = True
@@ -246,21 +246,10 @@ class Qwen3Backbone(Backbone):
         module._use_grouped_mm(inputs_embeds.device.type == "cuda")
         module.router_logits.clear()
         module.expert_counts.clear()
-        return kv_cache.decode(
-            module,
-            inputs_embeds,
-            position_ids,
-            attention_mask,
-            cache,
-            apply_rotary_emb,
-            module.rope_cache,
-        )
+        return super().decode(module, inputs_embeds, position_ids, attention_mask, cache)
 
-    def select_rows(self, cache, index):
-        return cache.select_rows(index)
-
-    def compile_decode(self, module, on: bool, mode: str = "default") -> bool:
-        return kv_cache.compile_decode(module, on, mode)
+    def rotary(self, module):
+        return apply_rotary_emb, module.rope_cache
 
     def expert_load(self, module) -> torch.Tensor | None:
         if not module.moe_layers:
