@@ -307,7 +307,9 @@ class KMeansCodec:
         geo, hop, half = self.geometry, self.samples_per_frame, self.geometry.n_fft // 2
         frames = [len(c) for c in codes]
         with torch.inference_mode():
-            mags = self.magnitude(np.concatenate([np.asarray(c) for c in codes]))
+            # per clip: a matrix product's rounding can depend on the other rows, and fast
+            # Griffin-Lim's momentum would grow such a difference over the iterations
+            mags = torch.cat([self.magnitude(c) for c in codes])
             t = max(frames) + 1  # F + 1 STFT frames <-> F * hop samples (the last one repeated)
             mag = mags.new_zeros(len(codes), t, geo.n_freq)
             frame_ok = torch.zeros(len(codes), t, dtype=torch.bool, device=self.device)
