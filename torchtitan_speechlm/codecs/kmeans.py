@@ -9,9 +9,11 @@ prepare, train on and listen to speech tokens. It is deliberately simple:
   0..k-1 left), fitted with k-means++ and a few Lloyd iterations on a frame subsample, with a
   seeded generator, so a fit is reproducible (same data, seed and machine => same centroids);
 * decode: centroid sums -> log-mel -> linear magnitude through the pseudo-inverse of the mel
-  filterbank (refined by non-negative least-squares updates) -> Griffin-Lim phase with
-  ``torch.stft``/``istft`` (no torchaudio). Intelligible-ish, robotic: good enough to listen to
-  what a model generates, not a substitute for Mimi/Encodec.
+  filterbank (refined by non-negative least-squares updates) -> fast Griffin-Lim phase
+  (``griffin_lim_iters``, ``griffin_lim_momentum``: decode-time attributes), batched over clips
+  with its own frame-major STFT (no torchaudio), or streamed frame by frame
+  (``KMeansStreamDecoder``). Intelligible-ish, robotic: good enough to listen to what a model
+  generates, not a substitute for Mimi/Encodec.
 
 Saved like an HF model (``config.json`` with ``model_type: speechlm_kmeans`` plus
 ``model.safetensors``); registered for that model_type, so ``codecs.load_codec`` loads it.
@@ -191,7 +193,8 @@ def fit_kmeans_codec(
 
 
 class KMeansCodec:
-    """A ``codecs.base.Codec`` (name, rates, streams, encode, decode)."""
+    """A ``codecs.base.Codec`` (name, rates, streams, encode, decode, decode_batch,
+    stream_decoder)."""
 
     name = "kmeans"
     class_name = "KMeansCodec"
@@ -253,7 +256,7 @@ class KMeansCodec:
     def magnitude(self, codes: np.ndarray) -> torch.Tensor:
         """Linear STFT magnitudes ``[F, n_fft // 2 + 1]`` of ``codes``: mel magnitudes through the
         filterbank's pseudo-inverse, refined by 10 non-negative least-squares (multiplicative)
-        updates. Each frame on its own, so a batch is the concatenation of its items."""
+        updates. Each frame on its own (up to the rounding of the matrix products)."""
         mel = torch.exp(self.log_mel(codes))  # [F, n_mels]
         fb = self.features.fb  # [n_mels, n_freq]
         mag = (mel @ self._pinv.T).clamp(min=1e-6)
@@ -307,7 +310,9 @@ class KMeansCodec:
         geo, hop, half = self.geometry, self.samples_per_frame, self.geometry.n_fft // 2
         frames = [len(c) for c in codes]
         with torch.inference_mode():
-            mags = self.magnitude(np.concatenate([np.asarray(c) for c in codes]))
+            # per clip: a matrix product's rounding can depend on the other rows, and fast
+            # Griffin-Lim's momentum would grow such a difference over the iterations
+            mags = torch.cat([self.magnitude(c) for c in codes])
             t = max(frames) + 1  # F + 1 STFT frames <-> F * hop samples (the last one repeated)
             mag = mags.new_zeros(len(codes), t, geo.n_freq)
             frame_ok = torch.zeros(len(codes), t, dtype=torch.bool, device=self.device)

@@ -187,10 +187,8 @@ class Mimi(TransformersCodec):
 class DAC(TransformersCodec):
     name, model_class = "dac", "DacModel"
     causal_decoder = False  # centred convolutions: each sample also hears frames after it
-    stream_lookahead_frames = (
-        4  # the decoder's reach into later frames (kernel 7 at the latent rate
-    )
-    # and the dilated residual units after it)
+    # the decoder's reach into later frames: kernel 7 at the latent rate, then dilated units
+    stream_lookahead_frames = 4
 
     def codebooks(self, cfg) -> int:
         return cfg.n_codebooks
