@@ -92,7 +92,7 @@ class SpeakerPrompts:
         # is the group's longest unless it is the item itself
         audio = np.asarray(data.audio_lengths, dtype=np.int64)[members]
         longest = np.full(n, -1, dtype=np.int64)
-        for g, (a, m) in enumerate(zip(starts_g, sizes_g, strict=True)):
+        for a, m in zip(starts_g, sizes_g, strict=True):
             if m < 2:
                 continue
             lengths = audio[a : a + m]
