@@ -27,13 +27,16 @@ class Item:
 class FakePrepared:
     """In-memory stand-in for PreparedDataset (same reader API the stream uses)."""
 
-    def __init__(self, n=60, seed=0, bad=()):
+    def __init__(self, n=60, seed=0, bad=(), speakers=0):
+        """``speakers``: item i is spoken by speaker i % speakers (0: no speaker labels)."""
         rng = np.random.default_rng(seed)
         self.text_lengths = rng.integers(3, 30, n)
         self.audio_lengths = rng.integers(10, 120, n)
         self.ids = [f"utt{i}" for i in range(n)]
         self.kinds = ["speech"] * n
         self.bad = set(bad)
+        self.has_speakers = speakers > 0
+        self.item_speakers = np.arange(n) % max(1, speakers) if speakers else np.arange(n)
 
     def __len__(self):
         return len(self.ids)
@@ -65,11 +68,17 @@ def make(
     tasks=("tts", "asr"),
     accum=1,
     max_tokens=0,
+    prompt_frames=0,
+    seed=3,
 ):
     data = data or FakePrepared()
     sources = [Source(t, "fake", 1.0, data, np.arange(len(data))) for t in tasks]
     builder = TemplateBuilder(
-        LAYOUT, "delay", LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)), loss_region=loss_region
+        LAYOUT,
+        "delay",
+        LossWeights(1.0, 1.0, (0.5, 0.25, 0.25)),
+        loss_region=loss_region,
+        max_prompt_frames=prompt_frames,
     )
     return SpeechLMDataset(
         sources,
@@ -82,7 +91,7 @@ def make(
         dp_rank=rank,
         dp_world_size=world,
         accumulation=accum,
-        seed=3,
+        seed=seed,
         shuffle=infinite,
         infinite=infinite,
         cfg_dropout=cfg,

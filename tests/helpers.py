@@ -106,10 +106,13 @@ def tiny_model_assets(root, family="qwen3", seed=0, tie=False, **backbone) -> di
     return paths
 
 
-def make_tiny_run_assets(root, n_items=48, seed=0, tie=False, family="qwen3", **backbone) -> dict:
+def make_tiny_run_assets(
+    root, n_items=48, seed=0, tie=False, family="qwen3", speakers=0, **backbone
+) -> dict:
     """Tokenizer, codec, backbone (saved with save_pretrained) and a prepared dataset made from
     synthetic tones (deterministic, no espeak needed), through the real prepare code.
-    ``tie=True`` saves the backbone with tie_word_embeddings=True."""
+    ``tie=True`` saves the backbone with tie_word_embeddings=True; ``speakers``: item i's
+    manifest line names speaker ``s{i % speakers}`` (0: no speaker labels)."""
     import json
     import os
 
@@ -134,7 +137,10 @@ def make_tiny_run_assets(root, n_items=48, seed=0, tie=False, family="qwen3", **
             )
             path = os.path.join(root, "wavs", f"u{i}.wav")
             sf.write(path, wav.astype(np.float32), sr)
-            f.write(json.dumps({"id": f"u{i}", "audio": path, "text": text}) + "\n")
+            line = {"id": f"u{i}", "audio": path, "text": text}
+            if speakers:
+                line["speaker"] = f"s{i % speakers}"
+            f.write(json.dumps(line) + "\n")
     prepare_dataset(manifest, paths["codec"], paths["tokenizer"], paths["prepared"], progress=False)
     return paths
 

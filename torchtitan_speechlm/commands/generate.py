@@ -1,6 +1,7 @@
 """``torchtitan generate`` and ``torchtitan eval``.
 
     torchtitan generate --model DIR --task tts --text "Hello there." --out out.wav
+    torchtitan generate --model DIR --task tts --text "Hello there." --prompt ref.wav --out out.wav
     torchtitan generate --model DIR --task asr --audio in.wav
     torchtitan generate --model DIR --task continuation --audio prompt.wav --out out.wav
     torchtitan generate --model DIR --task answer --audio question.wav [--text "Who?"]
@@ -12,7 +13,7 @@
 
 DIR is a training checkpoint's step folder (the run's config, vocabulary and codec are found from
 it) or a ``torchtitan export`` folder. A batch file has one JSON object per line: ``{"id": ...,
-"task": "tts", "text": ...}`` or ``{"id": ..., "task": "asr" | "continuation" | "answer",
+"task": "tts", "text": ...[, "prompt": WAV]}`` or ``{"id": ..., "task": "asr" | "continuation" | "answer",
 "audio": ...}`` (``answer``: and an optional ``text`` instruction);
 each result is written to ``out-dir/ID.wav`` or ``ID.txt`` and a line of ``results.jsonl``.
 ``eval`` scores TTS with independent judges (``evaluation/judge_setup.py``: which judges,
@@ -118,7 +119,7 @@ def run_generate(a: argparse.Namespace) -> int:
             tasks.make_parent_folder(a.out)  # before generating: a bad --out fails at once
         streaming = a.stream and a.out and a.task not in TEXT_OUT
         streams = _Streams(loaded, {0: a.out} if streaming else {})
-        req = Request(a.task, a.text, a.audio)
+        req = Request(a.task, a.text, a.audio, prompt=a.prompt)
         outcome = run_requests(loaded, [req], cfg, on_frames=streams.on_frames)[0]
         result = write_outcome(loaded, a.task, outcome, a.out, stream=streams.get(0))
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -150,7 +151,13 @@ def _batch(
                 req, bad[len(reqs)] = {}, f"{path} line {lineno}: not a JSON request ({e})"
             ids.append(str(req.get("id", f"line{lineno}")))
             reqs.append(
-                Request(req.get("task"), req.get("text"), req.get("audio"), req.get("seed"))
+                Request(
+                    req.get("task"),
+                    req.get("text"),
+                    req.get("audio"),
+                    req.get("seed"),
+                    req.get("prompt"),
+                )
             )
     good = [i for i in range(len(reqs)) if i not in bad]
     outs = [os.path.join(out_dir, ids[i] + _ext(reqs[i].task)) for i in range(len(reqs))]

@@ -17,6 +17,11 @@ def build_generate_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--audio", help="asr / continuation / answer: an audio file (any rate, any channels)"
     )
+    p.add_argument(
+        "--prompt",
+        help="tts: a recording of the voice to speak in (any rate, any channels; cut to the "
+        "model's prompt_seconds); for models trained with the tts_prompt task",
+    )
     p.add_argument("--out", help="the wav (tts, continuation) or text file (asr, answer)")
     p.add_argument("--batch", help="a JSONL file of requests")
     p.add_argument("--out-dir", help="with --batch: where outputs and results.jsonl go")

@@ -89,6 +89,10 @@ class SpeechLM:
     freeze: list[str] = field(default_factory=list)
     """Parameter-name prefixes to freeze (e.g. `backbone.layers.0`); each must match a
     parameter."""
+    prompt_seconds: float = 3.0
+    """Speaker prompts of the `tts_prompt` task (another utterance of the item's speaker) and
+    of `generate --prompt` are cut to their first this many seconds; read only when the
+    training mixture has a prompted task (the model then records it)."""
 
 
 @dataclass

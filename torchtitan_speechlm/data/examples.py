@@ -33,7 +33,8 @@ class Examples:
         """The draw's example, or None (with a warning, once per item) if it cannot be read."""
         s = self.sources[d.src]
         try:
-            return self.builder.build(s.task, s.data[d.item], d.cfg_drop)
+            prompt = s.data[d.prompt] if d.prompt >= 0 else None
+            return self.builder.build(s.task, s.data[d.item], d.cfg_drop, prompt)
         except Exception as e:  # a corrupt item must not kill a multi-day run
             if (d.src, d.item) not in self._warned_bad:
                 self._warned_bad.add((d.src, d.item))

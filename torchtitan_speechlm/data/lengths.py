@@ -2,8 +2,9 @@
 
 The planner needs only lengths, so a stream never builds an example to plan it: each source's
 example lengths (with and without CFG drop) come once from the index's text and audio lengths
-(``TemplateBuilder.length``), and a draw looks its length up. Only a dialogue reader without
-turn counts is measured by building the example.
+(``TemplateBuilder.length``), and a draw looks its length up. A speaker prompt adds its own
+turn's frames, from the prompt item's index length (``TemplateBuilder.prompt_length``). Only
+a dialogue reader without turn counts is measured by building the example.
 """
 
 from __future__ import annotations
@@ -21,22 +22,35 @@ class DataLengthError(ValueError):
 class LengthTable:
     """Frames of every item's example, per source and CFG drop, computed on first use."""
 
-    def __init__(self, sources: list[Source], builder: TemplateBuilder):
-        self.sources, self.builder = sources, builder
+    def __init__(self, sources: list[Source], builder: TemplateBuilder, prompts=None):
+        """``prompts``: the sources' speaker prompts (speaker_prompts.py), for the longest
+        prompt an item can draw (``lengths``)."""
+        self.sources, self.builder, self.prompts = sources, builder, prompts
         self._tables: dict[tuple[int, bool], np.ndarray | None] = {}
 
     def lengths(self, src: int) -> np.ndarray:
-        """Frames of every eligible item's example (no CFG drop), from the index alone."""
+        """Frames of every eligible item's example (no CFG drop), from the index alone; a
+        prompted source's with the longest prompt the item can draw."""
         s = self.sources[src]
         table = self.table(src, False)
         if table is not None:
-            return table[s.indices]
+            out = table[s.indices]
+            if self.prompts is not None and self.prompts.prompted(src):
+                longest = self.prompts.longest_prompt(src)[s.indices]
+                has = longest >= 0
+                out = out.astype(np.int64)
+                out[has] += self.builder.prompt_length(longest[has])
+            return out
         return np.array([self.length(src, int(i), False) for i in s.indices], dtype=np.int64)
 
-    def length(self, src: int, item: int, cfg_drop: bool) -> int:
-        """Frames of the example of item ``item`` of source ``src``."""
+    def length(self, src: int, item: int, cfg_drop: bool, prompt: int = -1) -> int:
+        """Frames of the example of item ``item`` of source ``src`` (with the speaker prompt
+        item ``prompt``, -1: none)."""
         table = self.table(src, cfg_drop)
         if table is not None:
+            if prompt >= 0:
+                n = int(self.sources[src].data.audio_lengths[prompt])
+                return int(table[item]) + int(self.builder.prompt_length(n))
             return int(table[item])
         # a dialogue reader without turn counts: build the example to measure it
         s = self.sources[src]

@@ -65,9 +65,13 @@ class Mixture:
         shuffle: bool,
         infinite: bool,
         cfg_dropout: float,
-        length: Callable[[int, int, bool], int],
+        length: Callable[..., int],
+        prompts=None,
     ):
+        """``prompts``: the speaker prompts of prompted sources (speaker_prompts.py); a draw
+        of such a source carries its prompt, and its length counts the prompt's frames."""
         self.sources, self.step_pieces, self.length = sources, step_pieces, length
+        self.prompts = prompts
         self.seed, self.shuffle, self.infinite = seed, shuffle, infinite
         self.cfg_dropout = cfg_dropout
         self._cfg = [get_task(s.task).cfg_turn is not None for s in sources]  # CFG-droppable
@@ -125,8 +129,13 @@ class Mixture:
             return None
         perm = self.perm(src, epoch[src], shard)
         item = int(perm[pos[src]])
+        drawn_in = epoch[src]
         pos[src] += 1
         if pos[src] >= len(perm):
             pos[src], epoch[src] = 0, epoch[src] + 1
         drop = bool(self._cfg[src] and self.cfg_dropout > 0 and rng.random() < self.cfg_dropout)
+        if self.prompts is not None and self.prompts.prompted(src):
+            # a pure function of (seed, source, epoch, shard, item): no generator is advanced
+            prompt = self.prompts.draw(src, item, drawn_in, shard)
+            return Draw(src, item, drop, self.length(src, item, drop, prompt), prompt=prompt)
         return Draw(src, item, drop, self.length(src, item, drop))

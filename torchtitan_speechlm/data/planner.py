@@ -27,13 +27,17 @@ class Draw:
     cfg_drop: bool
     length: int  # frames of the example (the sample uses length - 1 input positions)
     age: int = 0  # windows this draw has been carried over (bounded: see carry_underfilled)
+    prompt: int = -1  # a prompted task's speaker prompt (an item of the source); -1: none
 
     def aged(self) -> Draw:
         """The same sample, carried into one more window."""
-        return Draw(self.src, self.item, self.cfg_drop, self.length, self.age + 1)
+        return Draw(self.src, self.item, self.cfg_drop, self.length, self.age + 1, self.prompt)
 
-    def as_tuple(self) -> tuple[int, int, bool, int, int]:
-        """The form a carried draw has in a saved window state."""
+    def as_tuple(self) -> tuple:
+        """The form a carried draw has in a saved window state (a draw with a speaker prompt
+        has it sixth; one without keeps the five values saved states always had)."""
+        if self.prompt >= 0:
+            return (self.src, self.item, self.cfg_drop, self.length, self.age, self.prompt)
         return (self.src, self.item, self.cfg_drop, self.length, self.age)
 
 

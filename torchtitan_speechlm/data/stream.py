@@ -36,8 +36,8 @@ weighted draw), ``lengths`` (example lengths from the index, the too-long check)
 (pieces per step, a rank's shards), ``planner`` (window -> pieces, pure functions over
 lengths), ``windows`` (a shard's walk, window after window), ``position`` (the typed resume
 position and its checkpoint form), ``sampler`` (plans and the resume checks), ``examples``
-(a plan's samples read) and ``collation`` (tensors, statistics, hashes). ``SpeechLMDataset``
-below composes them.
+(a plan's samples read), ``speaker_prompts`` (a prompted task's speaker prompt of each draw)
+and ``collation`` (tensors, statistics, hashes). ``SpeechLMDataset`` below composes them.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from torchtitan_speechlm.data.planner import Draw, Unit
 from torchtitan_speechlm.data.sampler import Plan, StreamSampler
 from torchtitan_speechlm.data.settings import StreamSettings
 from torchtitan_speechlm.data.shards import ShardLayout
+from torchtitan_speechlm.data.speaker_prompts import SpeakerPrompts
 from torchtitan_speechlm.data.tasks import TemplateBuilder, get_task
 
 __all__ = ["SpeechLMDataset"]
@@ -116,7 +117,10 @@ class SpeechLMDataset(IterableDataset, Stateful):
         self.sources, self.builder, self.layout = sources, builder, builder.layout
         self.stats_keys = data_stats_keys(self.layout.num_streams)
         keep_eligible(sources)
-        self.lengths_table = LengthTable(sources, builder)
+        # speaker prompts of the prompted tasks (tts_prompt), drawn within each source's split
+        prompted = any(get_task(s.task).prompted for s in sources)
+        self.prompts = SpeakerPrompts(sources, seed) if prompted else None
+        self.lengths_table = LengthTable(sources, builder, self.prompts)
         self.check_lengths(max_too_long_fraction, seq_len_key)
         mixture = Mixture(
             sources,
@@ -126,6 +130,7 @@ class SpeechLMDataset(IterableDataset, Stateful):
             infinite=infinite,
             cfg_dropout=self.settings.train_cfg_dropout,
             length=self.lengths_table.length,
+            prompts=self.prompts,
         )
         self.sampler = StreamSampler(mixture, self.settings, self.shards)
         self.examples = Examples(sources, builder)

@@ -7,6 +7,10 @@ one segment at a time, so pattern padding never crosses a segment or sample boun
 
 Chat-style template, one block per turn:  <|role|><|modality|> content <|eot|>
     tts:           <bos> [user text] [assistant audio] <eos>
+    tts_prompt:    <bos> [user audio: speaker prompt] [user text] [assistant audio] <eos>
+                   the prompt: the codes of another utterance of the item's speaker, cut to
+                   speechlm.prompt_seconds (data/speaker_prompts.py draws it); an item whose
+                   speaker has no other utterance in the split is laid out as tts
     asr:           <bos> [user audio] [assistant text] <eos>
     continuation:  <bos> [assistant audio] <eos>        (speech LM on audio alone)
     text:          <bos> [assistant text] <eos>         (text LM)
@@ -68,6 +72,10 @@ class Task:
     continuous: bool = False
     """Audio turns are the item's waveform through the audio encoder (model/audio/tower.py):
     placeholder frames whose embeddings the adaptor replaces, never with loss."""
+    prompt_turn: int | None = None
+    """Index of the audio turn holding a speaker prompt: the codes of another utterance of the
+    item's speaker (a draw's ``prompt``), cut to ``TemplateBuilder.max_prompt_frames``. A
+    draw without a prompt (the speaker has no other utterance) leaves the turn out."""
 
     def __post_init__(self) -> None:
         bad = [k for k in self.kinds if k not in KINDS]
@@ -83,9 +91,18 @@ class Task:
             self.turns is None or self.turns[self.cfg_turn][1] != "text"
         ):
             raise ValueError(f"task {self.name!r}: cfg_turn must index a text turn")
+        if self.prompt_turn is not None and (
+            self.turns is None or self.continuous or self.turns[self.prompt_turn][1] != "audio"
+        ):
+            raise ValueError(f"task {self.name!r}: prompt_turn must index a codec audio turn")
 
     def count(self, modality: str) -> int:
         return sum(m == modality for _, m in self.turns or ())
+
+    @property
+    def prompted(self) -> bool:
+        """Whether the task's examples carry a speaker prompt."""
+        return self.prompt_turn is not None
 
 
 TASKS: Registry[Task] = Registry("task")
@@ -97,6 +114,13 @@ def register_task(task: Task) -> Task:
 
 for _task in (
     Task("tts", ("speech",), (("user", "text"), ("assistant", "audio")), cfg_turn=0),
+    Task(
+        "tts_prompt",
+        ("speech",),
+        (("user", "audio"), ("user", "text"), ("assistant", "audio")),
+        cfg_turn=1,
+        prompt_turn=0,
+    ),
     Task("asr", ("speech",), (("user", "audio"), ("assistant", "text"))),
     Task("continuation", ("speech", "audio"), (("assistant", "audio"),)),
     Task("text", ("speech", "text"), (("assistant", "text"),)),
@@ -193,9 +217,12 @@ class TemplateBuilder:
         weights: LossWeights,
         loss_region: str = "assistant",
         continuous_frames: Callable | None = None,
+        max_prompt_frames: int = 0,
     ):
         """``continuous_frames``: LM frames of a continuous segment of ``n`` samples (ints or
-        numpy arrays; the run's AudioEncoderArgs.output_frames), None without an encoder."""
+        numpy arrays; the run's AudioEncoderArgs.output_frames), None without an encoder.
+        ``max_prompt_frames``: codec frames a speaker prompt is cut to (``prompt_seconds`` x
+        the codec's frame rate); 0: the run has no prompted task."""
         if loss_region not in LOSS_REGIONS:
             raise ValueError(f"loss_region must be one of {LOSS_REGIONS}, got {loss_region!r}")
         self.layout = layout
@@ -203,12 +230,14 @@ class TemplateBuilder:
         self.w = weights
         self.loss_region = loss_region
         self.continuous_frames = continuous_frames
+        self.max_prompt_frames = int(max_prompt_frames)
         self.pieces = TemplatePieces(
             layout, self.pattern, weights.text, weights.audio, weights.streams, continuous_frames
         )
 
-    def segments(self, task: str, item, cfg_drop: bool = False) -> list[Segment]:
-        """The turns a task makes of a prepared item."""
+    def segments(self, task: str, item, cfg_drop: bool = False, prompt=None) -> list[Segment]:
+        """The turns a task makes of a prepared item (``prompt``: the prepared item whose codes
+        fill a prompted task's prompt turn; None: the turn is left out)."""
         spec = get_task(task)
         if spec.turns is None:
             turns = getattr(item, "turns", None)
@@ -219,6 +248,10 @@ class TemplateBuilder:
         drop = np.array([self.layout.special("<|cfg_drop|>") - self.layout.text_offset])
         out = []
         for i, (role, modality) in enumerate(spec.turns):
+            if i == spec.prompt_turn:
+                if prompt is not None:
+                    out.append(Segment(role, modality, self.cut_prompt(prompt.audio_codes)))
+                continue
             if modality == "audio" and spec.continuous:
                 tokens = item_wave(item, task)
             elif modality == "audio":
@@ -227,6 +260,22 @@ class TemplateBuilder:
                 tokens = drop if cfg_drop and i == spec.cfg_turn else item.text_tokens
             out.append(Segment(role, modality, np.asarray(tokens)))
         return out
+
+    def cut_prompt(self, codes) -> np.ndarray:
+        """A speaker prompt's codes [F, N], cut to its first ``max_prompt_frames``."""
+        if self.max_prompt_frames <= 0:
+            raise ValueError(
+                "a speaker-prompted task in a run without a prompt budget: set "
+                "speechlm.prompt_seconds > 0"
+            )
+        return np.asarray(codes)[: self.max_prompt_frames]
+
+    def prompt_length(self, n_prompt_frames):
+        """Frames a speaker-prompt turn of ``n_prompt_frames`` codec frames (before the cut;
+        ints or numpy arrays) adds to an example: its role, modality and end tokens and its
+        interleaved codes."""
+        n = np.minimum(n_prompt_frames, self.max_prompt_frames)
+        return 3 + self.pattern.num_frames(n, 1, self.layout.num_streams)
 
     def prefix(self, segments: list[Segment], role: str, modality: str) -> np.ndarray:
         """Frames of a generation prompt: ``<bos>``, every complete turn, then the opening of
@@ -247,11 +296,11 @@ class TemplateBuilder:
         out as placeholder frames) and their segments ``(first frame, wave)`` come with it."""
         return prompt_frames(self.pieces, segments, role, modality, continuous)
 
-    def build(self, task: str, item, cfg_drop: bool = False) -> Example:
+    def build(self, task: str, item, cfg_drop: bool = False, prompt=None) -> Example:
         lay, pieces = self.layout, self.pieces
         sp = lay.special
         spec = get_task(task)
-        segs = self.segments(task, item, cfg_drop)
+        segs = self.segments(task, item, cfg_drop, prompt)
         parts = [pieces.tokens([sp("<|bos|>")], False)]
         continuous = []
         for i, seg in enumerate(segs):
@@ -279,10 +328,13 @@ class TemplateBuilder:
         self, task: str, n_text, n_audio_frames, n_audio_turns=1, n_turns=2, cfg_drop: bool = False
     ):
         """Frames an example will take, from index lengths alone (for budgeting); ints or numpy
-        arrays. ``n_audio_turns``/``n_turns`` are read only for tasks taking the item's turns."""
+        arrays. ``n_audio_turns``/``n_turns`` are read only for tasks taking the item's turns.
+        A prompted task's length is without its prompt turn (``prompt_length`` adds it)."""
         spec = get_task(task)
         if spec.turns is not None:
             n_turns, n_audio_turns = len(spec.turns), spec.count("audio")
+            if spec.prompted:
+                n_turns, n_audio_turns = n_turns - 1, n_audio_turns - 1
             n_text_total = spec.count("text") * n_text
             if cfg_drop and spec.cfg_turn is not None:
                 n_text_total = n_text_total - n_text + 1

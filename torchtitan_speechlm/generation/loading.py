@@ -39,8 +39,27 @@ class Loaded:
         audio = self.model.args.audio  # a continuous audio encoder: its prompts' frame counts
         frames = audio.frames_of if audio else None
         return TemplateBuilder(
-            self.layout, self.model.args.pattern, weights, continuous_frames=frames
+            self.layout,
+            self.model.args.pattern,
+            weights,
+            continuous_frames=frames,
+            max_prompt_frames=self.max_prompt_frames,
         )
+
+    @property
+    def prompt_seconds(self) -> float:
+        """The speaker-prompt budget the model was trained with (0: trained without the
+        prompted task, ``tts_prompt``)."""
+        return float(getattr(self.model.args, "prompt_seconds", 0.0) or 0.0)
+
+    @property
+    def max_prompt_frames(self) -> int:
+        """Codec frames a speaker prompt is cut to (0: the model takes no prompt)."""
+        if not self.prompt_seconds:
+            return 0
+        rate = self.record.get("codec", {}).get("frame_rate")
+        rate = float(rate) if rate else float(self.codec.frame_rate)
+        return max(1, round(self.prompt_seconds * rate))
 
     @cached_property
     def tokenizer(self):

@@ -31,6 +31,7 @@ class Request:
     text: str | None = None
     audio: str | BinaryIO | None = None  # a file (path or open binary file): any rate, channels
     seed: int | None = None  # None: the decoding config's
+    prompt: str | BinaryIO | None = None  # tts: a speaker prompt (a file, read like audio)
 
 
 @dataclass
@@ -50,7 +51,14 @@ def read(loaded: Loaded, req: Request):
         if not req.text:
             raise ValueError("task tts needs a text")
         tasks.text_ids(loaded, req.text)  # the tokenizer's checks
+        if _prompted(req):
+            tasks.check_prompted(loaded)  # before reading the file: the reason comes first
+            wave = _load(req.prompt, loaded.codec.sample_rate)
+            name = req.prompt if isinstance(req.prompt, str) else "the prompt upload"
+            return (req.text, tasks.speaker_prompt(loaded, wave, f"prompt {name}"))
         return req.text
+    if _prompted(req):
+        raise ValueError(f"a speaker prompt is for task tts, not {req.task}")
     if req.audio is None or (isinstance(req.audio, str) and not req.audio):
         raise ValueError(f"task {req.task} needs an audio file")
     if req.task == "continuation":
@@ -75,9 +83,20 @@ def _load(audio: str | BinaryIO, rate: int) -> np.ndarray:
     return to_codec_audio(data, sr, rate, 1, "the upload")
 
 
+def _prompted(req: Request) -> bool:
+    return req.prompt is not None and not (isinstance(req.prompt, str) and not req.prompt)
+
+
+def _group(req: Request) -> str:
+    """The batched call a request goes to: its task, a speaker-prompted tts its own."""
+    return "tts_prompt" if req.task == "tts" and _prompted(req) else req.task
+
+
 def _length(task: str, value) -> int:
     if task == "tts":
         return len(value)
+    if task == "tts_prompt":
+        return len(value[0]) + len(value[1])
     return len(value[0] if task == "answer" else value)
 
 
@@ -85,8 +104,9 @@ def _decode(
     loaded: Loaded, task: str, inputs: list, cfg: DecodeConfig, seeds: list[int], on_frames
 ) -> list[Outcome]:
     """One batched decoder call of ``task``."""
-    if task == "tts":
-        codes, ended = tasks.tts_with_ends(loaded, inputs, cfg, seeds, on_frames)
+    if task in ("tts", "tts_prompt"):
+        texts, prompts = (inputs, None) if task == "tts" else map(list, zip(*inputs, strict=True))
+        codes, ended = tasks.tts_with_ends(loaded, texts, cfg, seeds, on_frames, prompts)
         return [Outcome(codes=c, ended=e) for c, e in zip(codes, ended, strict=True)]
     if task == "continuation":
         return [Outcome(codes=c) for c in tasks.continuation(loaded, inputs, cfg, seeds, on_frames)]
@@ -110,7 +130,7 @@ def run_requests(
     groups: dict[str, list[tuple[int, object]]] = {}
     for i, req in enumerate(requests):
         try:
-            groups.setdefault(req.task, []).append((i, read(loaded, req)))
+            groups.setdefault(_group(req), []).append((i, read(loaded, req)))
         except (ValueError, OSError) as e:
             out[i] = Outcome(error=_one_line(e))
     for task, rows in groups.items():

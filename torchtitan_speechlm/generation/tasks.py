@@ -2,9 +2,12 @@
 
 Prompts are built with the training template (``TemplateBuilder.prefix``), so generation sees
 exactly what training did: ``<bos><|user|><|text|> text <|eot|><|assistant|><|audio|>`` for TTS,
+``<bos><|user|><|audio|> prompt codes <|eot|><|user|><|text|> text <|eot|><|assistant|><|audio|>``
+for TTS with a speaker prompt (``tts_prompt``'s template; the prompt cut as training cut it),
 ``<bos><|user|><|audio|> codes <|eot|><|assistant|><|text|>`` for ASR, and ``<bos><|assistant|>
 <|audio|>`` followed by the prompt's own codes for a continuation. For TTS guidance the
-unconditional prompt replaces the text by ``<|cfg_drop|>``, as CFG dropout did in training.
+unconditional prompt replaces the text by ``<|cfg_drop|>``, as CFG dropout did in training
+(a speaker prompt stays: training dropped only the text).
 """
 
 from __future__ import annotations
@@ -44,25 +47,69 @@ def tts(loaded: Loaded, texts: list[str], cfg: DecodeConfig) -> list[np.ndarray]
     return tts_with_ends(loaded, texts, cfg)[0]
 
 
+class PromptRefused(ValueError):
+    """A speaker prompt asked of a model trained without the prompted task."""
+
+
+def check_prompted(loaded: Loaded) -> None:
+    """Refuse a speaker prompt to a model trained without ``tts_prompt``, saying why."""
+    if loaded.max_prompt_frames <= 0:
+        raise PromptRefused(
+            f"{loaded.source} was trained without speaker prompts (its training mixture had "
+            "no tts_prompt task, so its model args record prompt_seconds = 0): it cannot "
+            "take --prompt; drop --prompt, or train with tts_prompt:NAME on a dataset with "
+            "speaker labels"
+        )
+
+
+def speaker_prompt(loaded: Loaded, wave: np.ndarray, name: str = "the prompt") -> np.ndarray:
+    """A speaker prompt's codes [F, N] from a waveform at the codec's rate, cut to the model's
+    ``prompt_seconds`` as training cut its prompts (a line on stderr says so)."""
+    import sys
+
+    check_prompted(loaded)
+    codes = loaded.codec.encode([wave])[0]
+    cut = loaded.max_prompt_frames
+    if len(codes) > cut:
+        seconds = len(wave) / loaded.codec.sample_rate
+        print(
+            f"{name}: {seconds:.2f} s, cut to its first {loaded.prompt_seconds:g} s "
+            "(the model's prompt_seconds)",
+            file=sys.stderr,
+        )
+    return loaded.builder.cut_prompt(codes)
+
+
 def tts_with_ends(
     loaded: Loaded,
     texts: list[str],
     cfg: DecodeConfig,
     seeds: list[int] | None = None,
     on_frames: FramesCallback | None = None,
+    prompts_codes: list[np.ndarray | None] | None = None,
 ) -> tuple[list[np.ndarray], list[bool]]:
     """``tts`` plus, per text, whether the model ended the speech itself (False: the
     ``max_frames`` limit cut it), which evaluation reports as the end-of-speech rate.
-    ``seeds`` and ``on_frames``: ``Decoder.audio``'s (per-row seeds; streaming)."""
+    ``seeds`` and ``on_frames``: ``Decoder.audio``'s (per-row seeds; streaming).
+    ``prompts_codes``: per text, a speaker prompt's codes (``speaker_prompt``; None: none),
+    laid out as ``tts_prompt`` trained."""
     b = loaded.builder
+    speakers = prompts_codes or [None] * len(texts)
+    if any(p is not None for p in speakers):
+        check_prompted(loaded)
+
+    def turns(text: np.ndarray, speaker) -> list[Segment]:
+        head = [] if speaker is None else [Segment("user", "audio", b.cut_prompt(speaker))]
+        return head + [Segment("user", "text", text)]
+
     prompts = [
-        b.prefix([Segment("user", "text", text_ids(loaded, t))], "assistant", "audio")
-        for t in texts
+        b.prefix(turns(text_ids(loaded, t), p), "assistant", "audio")
+        for t, p in zip(texts, speakers, strict=True)
     ]
     uncond = None
     if cfg.cfg_scale != 1.0:
         drop = np.array([loaded.layout.special("<|cfg_drop|>") - loaded.layout.text_offset])
-        uncond = [b.prefix([Segment("user", "text", drop)], "assistant", "audio")] * len(texts)
+        uncond = [b.prefix(turns(drop, p), "assistant", "audio") for p in speakers]
     decoder = Decoder(loaded.model, cfg)
     codes = decoder.audio(_fit(loaded, prompts, cfg), uncond, seeds=seeds, on_frames=on_frames)
     return codes, decoder.ended

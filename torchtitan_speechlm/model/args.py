@@ -47,6 +47,9 @@ class SpeechLMModelArgs(BaseModelArgs):
     """LoRA's settings (model/lora.py) when the run converts the model with it; empty: none."""
     audio_encoder: dict = field(default_factory=dict)
     """The continuous audio input (``AudioEncoderArgs.to_dict()``); empty: none."""
+    prompt_seconds: float = 0.0
+    """The speaker-prompt budget of the prompted task it was trained with (``tts_prompt``,
+    ``speechlm.prompt_seconds``); 0: trained without one, so generation refuses a prompt."""
 
     @classmethod
     def from_config(
@@ -60,6 +63,7 @@ class SpeechLMModelArgs(BaseModelArgs):
         codec_hash: str,
         lora: dict,
         audio_encoder: dict,
+        prompt_seconds: float = 0.0,
     ) -> SpeechLMModelArgs:
         """The model args of a run: ``[speechlm]``'s model keys (read here, each by name) and
         what the run plan resolved (backbone, vocabulary, codec, LoRA, audio encoder)."""
@@ -94,6 +98,7 @@ class SpeechLMModelArgs(BaseModelArgs):
             loss_chunk_mb=speechlm.loss_chunk_mb,
             lora=lora,
             audio_encoder=audio_encoder,
+            prompt_seconds=float(prompt_seconds),
         )
 
     # ---- derived ---------------------------------------------------------------------------

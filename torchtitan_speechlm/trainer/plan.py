@@ -137,7 +137,26 @@ class RunPlan:
             codec_hash=str(self.codec.get("config_hash", "")),
             lora=self.lora,
             audio_encoder=self.audio_encoder,
+            prompt_seconds=self.prompt_seconds(job_config),
         )
+
+    def prompt_seconds(self, job_config) -> float:
+        """``speechlm.prompt_seconds`` when the run has a speaker-prompted task (checked > 0),
+        else 0 (the model records it: generation refuses a prompt to a model without it)."""
+        if not any(get_task(e.task).prompted for e in self.data.entries()):
+            return 0.0
+        seconds = float(job_config.speechlm.prompt_seconds)
+        if not seconds > 0:
+            raise ConfigError(
+                f"speechlm.prompt_seconds = {seconds}: a speaker-prompted task (tts_prompt) "
+                "needs a prompt budget > 0 seconds (default 3.0)"
+            )
+        return seconds
+
+    def max_prompt_frames(self, job_config) -> int:
+        """Codec frames a speaker prompt is cut to (0: the run has no prompted task)."""
+        seconds = self.prompt_seconds(job_config)
+        return max(1, round(seconds * self.frame_rate)) if seconds else 0
 
     def template_builder(self, job_config) -> TemplateBuilder:
         """Items -> frames and loss weights, as this run lays them out (data/tasks.py)."""
@@ -148,6 +167,7 @@ class RunPlan:
             self.loss_weights,
             loss_region=job_config.speechlm_data.loss_region,
             continuous_frames=audio.frames_of if audio else None,
+            max_prompt_frames=self.max_prompt_frames(job_config),
         )
 
     def check_continuous(self) -> None:

@@ -74,14 +74,21 @@ def test_one_rank_and_two_ranks_see_the_same_global_batches():
             assert torch.equal(one[g][0][key], joined), (g, key)
 
 
-def test_resume_yields_the_same_micro_batches():
-    full = [batch_hash(b[0]) for b in take(make(), 12)]
-    ds = make()
+PROMPTED = {"tasks": ("tts_prompt", "asr"), "prompt_frames": 40}
+
+
+@pytest.mark.parametrize("kw", [{}, PROMPTED], ids=["tts+asr", "tts_prompt+asr"])
+def test_resume_yields_the_same_micro_batches(kw):
+    def data():  # tts_prompt: speaker-prompted items, the prompts drawn by the stream
+        return FakePrepared(speakers=7) if kw else None
+
+    full = [batch_hash(b[0]) for b in take(make(data=data(), **kw), 12)]
+    ds = make(data=data(), **kw)
     it = iter(ds)
     for _ in range(5):
         next(it)
     state = ds.state_dict()
-    resumed = make()
+    resumed = make(data=data(), **kw)
     resumed.load_state_dict(state)
     assert [batch_hash(b[0]) for b in take(resumed, 7)] == full[5:]
 
