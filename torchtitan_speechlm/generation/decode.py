@@ -96,7 +96,7 @@ class Decoder:
         # token is
         self.pad_ends = end_of_stream0(index_map(self.pattern, 2, self.n), -1) is not None
         self.forward = IncrementalForward(self.model, self.cfg, self.pads, self.device)
-        self._masks: dict[tuple[int, int], torch.Tensor] = {}
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
 
     @property
     def seqs(self) -> list[torch.Tensor]:
@@ -121,6 +121,20 @@ class Decoder:
             ends = [self.layout.stream_pad(s)] if self.pad_ends else list(self.ends)
             self._masks[s, k] = self.allowed(s, ends if k < 0 else self.code_ids(k))
         return self._masks[s, k]
+
+    def _codebook_masks(self, s: int) -> torch.Tensor:
+        """[N, V_s]: stream ``s``'s mask of each codebook's codes (rows indexed by codebook)."""
+        if (s, None) not in self._masks:
+            a, b = self.ranges[s]
+            inside = [
+                a <= self.layout.code(k, 0) and self.layout.code(k, 0) < b for k in range(self.n)
+            ]
+            rows = [
+                self._mask(s, k) if ok else torch.zeros(b - a, dtype=torch.bool)
+                for k, ok in enumerate(inside)
+            ]
+            self._masks[s, None] = torch.stack(rows)  # (a codebook outside the range: never asked)
+        return self._masks[s, None]
 
     def _scores(self, logits, s: int, pos: list[int], rows: int) -> torch.Tensor:
         """Guided scores of batch positions ``pos`` (their unconditional twins ``rows`` later)."""
@@ -215,7 +229,7 @@ class Decoder:
                 )
             if not pos:
                 continue
-            allowed = torch.stack([self._mask(s, k) for k in ks])
+            allowed = self._codebook_masks(s)[torch.tensor(ks)]
             if any(may_end):  # where training put the end: stream 0's pad (a tail), else end tokens
                 allowed |= torch.tensor(may_end)[:, None] & self._mask(s, -1)
             picked = pick(

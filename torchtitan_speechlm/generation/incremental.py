@@ -55,19 +55,20 @@ class IncrementalForward:
     def start(self, rows: list[np.ndarray], audio: list[list] | None = None) -> list:
         """``audio``: per row, its prompt's continuous segments ``(first frame, int16 wave)``
         (model/audio/tower.py), encoded with the prompt."""
-        self.seqs = [torch.as_tensor(r, dtype=torch.long) for r in rows]
+        self.prompts = [torch.as_tensor(r, dtype=torch.long) for r in rows]
+        self.fed: list[list[torch.Tensor]] = [[] for _ in rows]  # frames fed after the prompts
         self.audio = audio or [[] for _ in rows]
         self.rows = list(range(len(rows)))  # the batch: indices into seqs
         if not self.cfg.use_cache:
             return self._full()
-        width = max(len(r) for r in self.seqs)
+        width = max(len(r) for r in self.prompts)
         inputs = self.pads.repeat(len(rows), width, 1)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, r in enumerate(self.seqs):
+        for i, r in enumerate(self.prompts):
             inputs[i, width - len(r) :] = r
             mask[i, width - len(r) :] = 1
         self.mask, self.cache = mask, None
-        shifts = [width - len(r) for r in self.seqs]
+        shifts = [width - len(r) for r in self.prompts]
         try:
             return self._cached(inputs, **self._audio_inputs(range(len(rows)), shifts, width))
         except NotImplementedError:  # this backbone has no cache: recompute in full
@@ -80,11 +81,19 @@ class IncrementalForward:
         frames = torch.stack(list(frames)) if isinstance(frames, list) else frames
         new = frames[:, None]  # [rows, 1, N]
         for i, f in zip(self.rows, frames, strict=True):
-            self.seqs[i] = torch.cat([self.seqs[i], f[None]])
+            self.fed[i].append(f)
         if not self.cfg.use_cache:
             return self._full()
         self.mask = torch.cat([self.mask, torch.ones(len(frames), 1, dtype=torch.long)], 1)
         return self._cached(new)
+
+    @property
+    def seqs(self) -> list[torch.Tensor]:
+        """Each row's frames so far [T, N]: its prompt, then the frames fed after it."""
+        return [self.seq(i) for i in range(len(self.prompts))]
+
+    def seq(self, i: int) -> torch.Tensor:
+        return torch.cat([self.prompts[i], *(f[None] for f in self.fed[i])])
 
     def keep(self, positions: list[int]) -> bool:
         """Keep only the rows at ``positions`` of the batch (the others have finished): their
@@ -125,6 +134,6 @@ class IncrementalForward:
     def _full(self):
         outs = [
             self.model.logits(r[None].to(self.device), **self._audio_inputs([i], [0], len(r)))
-            for i, r in ((i, self.seqs[i]) for i in self.rows)
+            for i, r in ((i, self.seq(i)) for i in self.rows)
         ]
         return [torch.cat([o[s][:, -1] for o in outs]).float().cpu() for s in range(self.n)]

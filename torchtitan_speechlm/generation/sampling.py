@@ -17,10 +17,12 @@ class Sampling:
 
 
 def guided(cond: torch.Tensor, uncond: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Classifier-free guidance on log-probabilities: uncond + scale * (cond - uncond)."""
-    lc = torch.log_softmax(cond.float(), -1)
+    """Classifier-free guidance on log-probabilities: uncond + scale * (cond - uncond). Without
+    guidance the logits themselves: ``pick`` is shift-invariant (argmax, temperature, top-k,
+    top-p and the softmax all give what the log-probabilities give)."""
     if uncond is None or scale == 1.0:
-        return lc
+        return cond.float()
+    lc = torch.log_softmax(cond.float(), -1)
     lu = torch.log_softmax(uncond.float(), -1)
     return lu + scale * (lc - lu)
 
