@@ -368,8 +368,8 @@ def test_empty_generation_and_refused_audio_are_recorded_failures(model, monkeyp
     items = eval_items(loaded, model["prepared"], 0.0, 3)
     real = tts_scores.tasks.tts_with_ends
 
-    def first_empty(loaded, texts, cfg):  # items[0]'s generation is empty (batches by length)
-        codes, ended = real(loaded, texts, cfg)
+    def first_empty(loaded, texts, cfg, **kw):  # items[0]'s generation is empty (by length)
+        codes, ended = real(loaded, texts, cfg, **kw)
         k = texts.index(items[0].text)
         codes = [c[:0] if i == k else c for i, c in enumerate(codes)]
         return codes, [True if i == k else e for i, e in enumerate(ended)]

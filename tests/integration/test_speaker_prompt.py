@@ -12,6 +12,8 @@ import soundfile as sf
 
 from tests.helpers import make_tiny_run_assets, run_train, write_tiny_config
 from torchtitan_speechlm.commands.generate import generate_main
+from torchtitan_speechlm.judges import register_judge
+from torchtitan_speechlm.judges.base import SpeakerJudge
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +49,8 @@ def runs(tmp_path_factory):
     t = np.arange(int(22050 * 5.0)) / 22050
     tone = (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32)
     sf.write(ref, np.stack([tone, tone], 1), 22050)
-    return {"prompted": prompted, "plain": plain, "ref": str(ref), "tmp": tmp, "log": log}
+    return {"prompted": prompted, "plain": plain, "ref": str(ref), "tmp": tmp, "log": log,
+            "prepared": assets["prepared"]}  # fmt: skip
 
 
 def test_training_records_the_prompt_budget(runs):
@@ -94,3 +97,70 @@ def test_a_model_trained_without_prompts_refuses_one(runs, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "trained without speaker prompts" in err and "tts_prompt" in err
+
+
+@register_judge("band-speaker")
+class BandSpeaker(SpeakerJudge):
+    """A speaker "embedding" of 8 log band energies: cheap, and the same on a 16-bit wav."""
+
+    name = "band-speaker"
+
+    def embed(self, wav: np.ndarray, rate: int) -> np.ndarray:
+        spec = np.abs(np.fft.rfft(np.asarray(wav, np.float64)))
+        return np.log1p(np.array([b.mean() for b in np.array_split(spec, 8)]) * 100)
+
+
+def test_eval_scores_prompted_tts_against_the_prompts_and_other_speakers(runs, tmp_path, capsys):
+    """``eval --valid tts_prompt:DIR``: each item prompted with another utterance of its
+    speaker; SIM(generated, prompt), SIM(generated, other speakers) and speaker-ID accuracy
+    recomputed here from the report's wavs and the prompts as the model heard them."""
+    from torchtitan_speechlm.commands.generate import eval_main
+    from torchtitan_speechlm.data.catalog import open_prepared
+    from torchtitan_speechlm.generation.loading import load_model
+
+    out, report = tmp_path / "r.json", tmp_path / "report"
+    spec = f"tts_prompt:{runs['prepared']}"
+    argv = ["--model", runs["prompted"], "--valid", spec, "--max-frames", "30",
+            "--judge-asr", "none", "--judge-speaker", "band-speaker", "--judge-quality", "none",
+            "--out", str(out), "--report", str(report)]  # fmt: skip
+    assert eval_main(argv) == 0
+    printed = capsys.readouterr().out
+    res = json.loads(out.read_text())[spec]
+    q = res["prompted"]
+    ds = open_prepared(runs["prepared"])
+    assert q["speakers"] == 4 and q["skipped"] == 0 and len(res["per_item"]) == len(ds)
+    loaded = load_model(runs["prompted"])
+    judge = BandSpeaker()
+    ids = {ds.ids[i]: i for i in range(len(ds))}
+    rows = [ids[r["id"]] for r in res["per_item"]]
+    speaker = [int(ds.speaker_of(i)) for i in rows]
+    same = {s: [i for i, t in zip(rows, speaker, strict=True) if t == s] for s in set(speaker)}
+    prompt = [
+        same[s][(same[s].index(i) + 1) % len(same[s])] for i, s in zip(rows, speaker, strict=True)
+    ]
+    assert all(
+        p != i and int(ds.speaker_of(p)) == int(ds.speaker_of(i))
+        for p, i in zip(prompt, rows, strict=True)
+    )
+    unit = lambda v: v / np.linalg.norm(v)  # noqa: E731
+    heard = [loaded.codec.decode(loaded.builder.cut_prompt(ds[p].audio_codes)) for p in prompt]
+    p_emb = [unit(judge.embed(w, 16000)) for w in heard]
+    enrol = {
+        s: unit(np.mean([e for e, t in zip(p_emb, speaker, strict=True) if t == s], 0))
+        for s in same
+    }
+    own, other, hits = [], [], []
+    for r, e, s in zip(res["per_item"], p_emb, speaker, strict=True):
+        wav, rate = sf.read(report / r["audio"]["generated"])
+        g = unit(judge.embed(wav, rate))
+        own.append(float(e @ g))
+        other += [float(enrol[t] @ g) for t in enrol if t != s]
+        hits.append(max(enrol, key=lambda t: float(enrol[t] @ g)) == s)
+        assert r["sim_prompt"] == pytest.approx(own[-1], abs=2e-3)
+    assert q["sim_prompt"] == pytest.approx(np.mean(own), abs=2e-3)
+    assert q["sim_other"] == pytest.approx(np.mean(other), abs=2e-3)
+    assert q["speaker_id_accuracy"] == pytest.approx(np.mean(hits))
+    assert f"{spec}: SIM(generated, prompt)" in printed
+    no_speakers = make_tiny_run_assets(tmp_path / "plain_assets", n_items=4)["prepared"]
+    assert eval_main([*argv[:2], "--valid", f"tts_prompt:{no_speakers}", *argv[4:]]) == 2
+    assert "need speaker labels" in capsys.readouterr().err

@@ -33,6 +33,7 @@ import time
 from torchtitan_speechlm.commands.generate_args import build_eval_parser, build_generate_parser
 from torchtitan_speechlm.data.catalog import open_prepared, split_indices
 from torchtitan_speechlm.evaluation.judge_setup import JudgeOptions, build_judges
+from torchtitan_speechlm.evaluation.prompted_tts import prompted_set
 from torchtitan_speechlm.evaluation.recordings import find_recordings
 from torchtitan_speechlm.evaluation.report import slug, write_report
 from torchtitan_speechlm.evaluation.results_table import format_table
@@ -198,19 +199,24 @@ def eval_main(argv: list[str] | None = None) -> int:
 def run_eval(a: argparse.Namespace) -> int:
     try:
         loaded = load_model(a.model, a.device)
-        cfg, results, sets = decode_config(a), {}, []
+        cfg, results, sets, prompted = decode_config(a), {}, [], {}
         for spec in a.valid:
             task, _, name = spec.partition(":")
             if task not in EVAL_KINDS:
-                raise ValueError(f"--valid {spec!r}: the task is asr, tts or dialogue")
-            items = eval_items(loaded, name, a.valid_fraction, a.limit, EVAL_KINDS[task])
+                raise ValueError(f"--valid {spec!r}: the task is asr, tts, tts_prompt or dialogue")
+            if task == "tts_prompt":  # each item with another utterance of its speaker
+                prompted[spec] = prompted_set(eval_dataset(loaded, name), a.valid_fraction, a.limit)
+                items = prompted[spec]["items"]
+            else:
+                items = eval_items(loaded, name, a.valid_fraction, a.limit, EVAL_KINDS[task])
             sets.append((spec, task, eval_dataset(loaded, name), items))
         options = JudgeOptions(
             a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality,
             a.judge_quality_items,
         )  # fmt: skip
         judges = build_judges(
-            options, {s: [it.text for it in items] for s, t, _, items in sets if t == "tts"}
+            options,
+            {s: [it.text for it in items] for s, t, _, items in sets if t in ("tts", "tts_prompt")},
         )
 
         manifests: dict = {}  # manifest lines read, shared by the sets
@@ -223,16 +229,28 @@ def run_eval(a: argparse.Namespace) -> int:
             else:
                 folder = f"{i}-{_slug(spec)}"  # the set's wavs and spectrograms in --report
                 found = find_recordings(path, [it.id for it in items], manifests)
+                p = prompted.get(spec, {})
                 results[spec] = score_tts(
                     loaded, items, cfg, judges[spec], a.report, folder, recordings=found,
-                    progress=progress,
+                    progress=progress, prompts=p.get("prompts"), speakers=p.get("speakers"),
                 )  # fmt: skip
+                if p:
+                    results[spec].setdefault("prompted", {})["skipped"] = p["skipped"]
         if a.report:
             page = write_report(results, a.report, f"torchtitan eval: {a.model}")
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"torchtitan eval: error: {_one_line(e)}", file=sys.stderr)
         return 2
     print(format_table(results))
+    for spec, res in results.items():
+        if "prompted" in res and res["prompted"].get("sim_prompt") is not None:
+            q = res["prompted"]
+            print(
+                f"{spec}: SIM(generated, prompt) {q['sim_prompt']:.3f} vs SIM(generated, other "
+                f"speakers) {q['sim_other']:.3f}; speaker ID {q['speaker_id_accuracy']:.2f} among "
+                f"{q['speakers']} speakers; {q['skipped']} items without a second utterance "
+                "of their speaker left out"
+            )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=2)
@@ -269,7 +287,12 @@ def eval_dataset(loaded, name: str) -> str:
     return os.path.abspath(path)
 
 
-EVAL_KINDS = {"asr": "speech", "tts": "speech", "dialogue": "dialogue"}  # set -> item kind
+EVAL_KINDS = {
+    "asr": "speech",
+    "tts": "speech",
+    "tts_prompt": "speech",
+    "dialogue": "dialogue",
+}  # set -> item kind
 
 
 def eval_items(loaded, name: str, valid_fraction: float, limit: int, kind: str = "speech") -> list:

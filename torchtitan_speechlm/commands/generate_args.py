@@ -49,8 +49,10 @@ def build_eval_parser() -> argparse.ArgumentParser:
         action="append",
         required=True,
         metavar="TASK:DATA",
-        help="asr:NAME, tts:NAME or dialogue:NAME (a dataset of the run, or a prepared "
-        "folder; dialogue: the answer each dialogue ends in, e.g. spoken QA)",
+        help="asr:NAME, tts:NAME, tts_prompt:NAME or dialogue:NAME (a dataset of the run, or "
+        "a prepared folder; tts_prompt: each item prompted with another utterance of its "
+        "speaker, scored by SIM to the prompt and speaker ID; dialogue: the answer each "
+        "dialogue ends in, e.g. spoken QA)",
     )
     p.add_argument(
         "--valid-fraction",

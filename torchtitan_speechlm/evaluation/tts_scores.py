@@ -35,6 +35,7 @@ import torch
 from torchtitan_speechlm.evaluation.item_wavs import save_item_wavs
 from torchtitan_speechlm.evaluation.judge_setup import Judges
 from torchtitan_speechlm.evaluation.phase_clock import PhaseClock
+from torchtitan_speechlm.evaluation.prompted_tts import speaker_scores
 from torchtitan_speechlm.evaluation.rates import item_rates
 from torchtitan_speechlm.evaluation.tts_summary import summarise_tts
 from torchtitan_speechlm.generation import tasks
@@ -55,6 +56,8 @@ def score_tts(
     batch: int = 8,
     recordings: dict[str, str | None] | None = None,
     progress: Callable[[str], None] | None = None,
+    prompts: list | None = None,
+    speakers: list[int] | None = None,
 ) -> dict:
     """Generate each item's speech from its text and score it with ``judges`` (see the module
     docstring). ``recordings``: ``{item id: its original audio file or None}``
@@ -62,14 +65,21 @@ def score_tts(
     ``audio_root``, the generated, reference and recording wavs are written under
     ``audio_root/audio_dir`` (the recording re-encoded as it was judged) and each item's
     ``audio`` gives their paths relative to ``audio_root`` (the report's links). ``progress``
-    gets a line after each batch (items done, seconds per phase)."""
+    gets a line after each batch (items done, seconds per phase). ``prompts`` (a speaker-prompted
+    set, evaluation/prompted_tts.py): per item, the item whose codes prompt it, and ``speakers``
+    its speaker; the result then has ``prompted``: SIM to the prompt and to the other speakers,
+    and the speaker-identification accuracy."""
     rate = int(loaded.codec.sample_rate)
     per_item: dict[int, dict] = {}
+    generated: dict[int, np.ndarray | None] = {}
     clock = PhaseClock()
     for part in batches_by_length([len(it.text) for it in items], batch):
         chunk = [items[i] for i in part]
         with clock("generate"):
-            codes, ended = tasks.tts_with_ends(loaded, [it.text for it in chunk], cfg)
+            heard = None if prompts is None else [prompts[i].audio_codes for i in part]
+            codes, ended = tasks.tts_with_ends(
+                loaded, [it.text for it in chunk], cfg, prompts_codes=heard
+            )
         spoken = [i for i, c in enumerate(codes) if len(c)]
         self_hyps = [""] * len(chunk)
         with clock("model's own ASR"):
@@ -88,10 +98,20 @@ def score_tts(
             if audio_root is not None:
                 rec["audio"] = save_item_wavs(audio_root, audio_dir, i, it, wavs, rate)
             per_item[i] = rec
+            generated[i] = wavs["generated"]
         if progress is not None:
             progress(clock.line(len(per_item), len(items)))
     per_item = [per_item[i] for i in range(len(items))]
-    return summarise_tts(per_item, judges, token_accuracy(loaded, items))
+    result = summarise_tts(per_item, judges, token_accuracy(loaded, items))
+    if prompts is not None and judges.speaker is not None:
+        with clock("speaker judge"):
+            result["prompted"] = speaker_scores(
+                loaded, judges.speaker, [generated[i] for i in range(len(items))],
+                [p.audio_codes for p in prompts], list(speakers),
+            )  # fmt: skip
+        for rec, row in zip(result["per_item"], result["prompted"].pop("per_item"), strict=True):
+            rec.update(row)
+    return result
 
 
 def _decoded(loaded, codes: list) -> list:
