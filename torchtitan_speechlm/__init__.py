@@ -4,9 +4,10 @@ Importing the package loads neither torch nor torchtitan (``torchtitan --help`` 
 command's ``--help`` answer at once: cli.py). It arranges, through ``utils/import_hooks.py``, that
 the first ``import torchtitan`` of the process runs our fixes around it (utils/compat.py): the CPU
 device is selected before torchtitan's modules run, and torchtitan's CPU, checkpoint and MoE fixes
-are installed right after. The ``speechlm`` TrainSpec registers when ``trainer/spec.py`` is
-imported, as every training entry point does (``torchtitan train``, ``torchrun -m
-torchtitan_speechlm.train``, the Python API); stock ``python -m torchtitan.train
+are installed right after. The ``speechlm`` TrainSpec registers when any module of
+``trainer/`` is imported, as every training entry point and every reader of a job config does
+(``torchtitan train``, ``torchrun -m torchtitan_speechlm.train``, the Python API,
+``trainer.run.prepare_run``); ``torchtitan_speechlm.register()`` does it too. Stock ``python -m torchtitan.train
 --experimental.custom_import torchtitan_speechlm`` imports torchtitan first, and the package then
 registers the spec at once.
 """
