@@ -1,5 +1,5 @@
 """Generation requests run in batches: what ``torchtitan generate`` (one request or a batch file)
-and ``torchtitan serve`` hand the model.
+hands the model (``torchtitan serve`` batches its own uploads: serving/speech.py).
 
 Each request is read on its own first (``read``: the text checked against the tokenizer, the
 audio loaded, resampled and downmixed), so a bad request fails alone with its message. The good
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import numpy as np
 
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import Loaded
-from torchtitan_speechlm.utils.audio import BadAudioError, load_audio, to_codec_audio
+from torchtitan_speechlm.utils.audio import load_audio
 
 TEXT_OUT = ("asr", "answer")  # tasks whose result is text; the others give audio codes
 
@@ -29,9 +28,9 @@ TEXT_OUT = ("asr", "answer")  # tasks whose result is text; the others give audi
 class Request:
     task: str
     text: str | None = None
-    audio: str | BinaryIO | None = None  # a file (path or open binary file): any rate, channels
+    audio: str | None = None  # an audio file: any rate, any channels
     seed: int | None = None  # None: the decoding config's
-    prompt: str | BinaryIO | None = None  # tts: a speaker prompt (a file, read like audio)
+    prompt: str | None = None  # tts: a speaker prompt (a file, read like audio)
 
 
 @dataclass
@@ -53,17 +52,16 @@ def read(loaded: Loaded, req: Request):
         tasks.text_ids(loaded, req.text)  # the tokenizer's checks
         if _prompted(req):
             tasks.check_prompted(loaded)  # before reading the file: the reason comes first
-            wave = _load(req.prompt, loaded.codec.sample_rate)
-            name = req.prompt if isinstance(req.prompt, str) else "the prompt upload"
-            return (req.text, tasks.speaker_prompt(loaded, wave, f"prompt {name}"))
+            wave = load_audio(req.prompt, loaded.codec.sample_rate)
+            return (req.text, tasks.speaker_prompt(loaded, wave, f"prompt {req.prompt}"))
         return req.text
     if _prompted(req):
         raise ValueError(f"a speaker prompt is for task tts, not {req.task}")
-    if req.audio is None or (isinstance(req.audio, str) and not req.audio):
+    if not req.audio:
         raise ValueError(f"task {req.task} needs an audio file")
     if req.task == "continuation":
-        return loaded.codec.encode([_load(req.audio, loaded.codec.sample_rate)])[0]
-    wave = _load(req.audio, tasks.input_rate(loaded))
+        return loaded.codec.encode([load_audio(req.audio, loaded.codec.sample_rate)])[0]
+    wave = load_audio(req.audio, tasks.input_rate(loaded))
     if req.task == "answer":
         if req.text:
             tasks.text_ids(loaded, req.text)
@@ -71,20 +69,8 @@ def read(loaded: Loaded, req: Request):
     return wave
 
 
-def _load(audio: str | BinaryIO, rate: int) -> np.ndarray:
-    if isinstance(audio, str):
-        return load_audio(audio, rate)
-    import soundfile as sf  # (a file object: an upload)
-
-    try:
-        data, sr = sf.read(audio, dtype="float32", always_2d=True)
-    except (RuntimeError, sf.LibsndfileError) as e:
-        raise BadAudioError("the upload", f"not readable audio ({e})") from None
-    return to_codec_audio(data, sr, rate, 1, "the upload")
-
-
 def _prompted(req: Request) -> bool:
-    return req.prompt is not None and not (isinstance(req.prompt, str) and not req.prompt)
+    return bool(req.prompt)
 
 
 def _group(req: Request) -> str:
