@@ -196,7 +196,8 @@ class Decoder:
             if all(state[i].done for i in batch):
                 break
             left = self._leave(batch, lambda i: state[i].done, uncond is not None)
-            frames, batch = frames[_positions(batch, left)], left
+            if left is not batch:  # rows left the batch: their frames are not fed
+                frames, batch = frames[_positions(batch, left)], left
             logits = self.forward.advance(torch.cat([frames, frames]) if uncond else frames)
         self.ended = [st.ended for st in state]
         return [st.codes[: st.length] for st in state]
@@ -303,7 +304,8 @@ class Decoder:
             if all(done):
                 break
             left = self._leave(batch, lambda i: done[i], False)
-            frames, batch = frames[_positions(batch, left)], left
+            if left is not batch:  # rows left the batch: their frames are not fed
+                frames, batch = frames[_positions(batch, left)], left
             logits = self.forward.advance(frames)
         return out
 
