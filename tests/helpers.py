@@ -200,6 +200,31 @@ def write_tiny_config(path, assets: dict, dump) -> str:
     return str(path)
 
 
+def train_mixture(root, assets: dict, name: str, mixture: list[str], steps: int = 4):
+    """The tiny run (config above) trained ``steps`` steps on the task ``mixture`` (e.g.
+    ``["tts_prompt:tiny:0.5", "asr:tiny:0.5"]``: a speaker-prompted model, on assets made with
+    ``speakers``): ``(its step folder, the run's output)``. A few seconds at 4 steps."""
+    import json
+    import os
+
+    dump = os.path.join(str(root), name)
+    cfg = write_tiny_config(os.path.join(str(root), f"{name}.toml"), assets, dump)
+    with open(cfg) as f:
+        text = f.read().replace(
+            'train = ["tts:tiny:0.5", "asr:tiny:0.5"]', f"train = {json.dumps(mixture)}"
+        )
+    with open(cfg, "w") as f:
+        f.write(text)
+    r = run_train(
+        cfg,
+        "--training.steps", str(steps),
+        "--checkpoint.interval", str(steps),
+        "--validation.enable", "false",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return os.path.join(dump, "checkpoint", f"step-{steps}"), r.stdout + r.stderr
+
+
 def tiny_export(root, steps: int = 60, n_items: int = 4, fresh: bool = False, **backbone) -> dict:
     """A tiny model trained ``steps`` steps on ``n_items`` synthetic utterances (the tiny run's
     assets and config above, through `torchtitan train`) and exported with `torchtitan export`:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.helpers import make_tiny_run_assets, run_train, write_tiny_config
+from tests.helpers import make_tiny_run_assets, train_mixture
 from torchtitan_speechlm.commands.generate import generate_main
 from torchtitan_speechlm.judges import register_judge
 from torchtitan_speechlm.judges.base import SpeakerJudge
@@ -20,31 +20,14 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 
 
-def train(tmp, assets, name, mixture):
-    dump = tmp / name
-    cfg = write_tiny_config(tmp / f"{name}.toml", assets, dump)
-    text = (
-        open(cfg)
-        .read()
-        .replace('train = ["tts:tiny:0.5", "asr:tiny:0.5"]', f"train = {json.dumps(mixture)}")
-    )
-    open(cfg, "w").write(text)
-    r = run_train(
-        cfg,
-        "--training.steps", str(STEPS),
-        "--checkpoint.interval", str(STEPS),
-        "--validation.enable", "false",
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    return str(dump / "checkpoint" / f"step-{STEPS}"), r.stdout + r.stderr
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prompted")
     assets = make_tiny_run_assets(tmp / "assets", n_items=13, speakers=4)  # s0 has 4, s1-s3 3
-    prompted, log = train(tmp, assets, "prompted", ["tts_prompt:tiny:0.5", "asr:tiny:0.5"])
-    plain, _ = train(tmp, assets, "plain", ["tts:tiny:0.5", "asr:tiny:0.5"])
+    prompted, log = train_mixture(
+        tmp, assets, "prompted", ["tts_prompt:tiny:0.5", "asr:tiny:0.5"], STEPS
+    )
+    plain, _ = train_mixture(tmp, assets, "plain", ["tts:tiny:0.5", "asr:tiny:0.5"], STEPS)
     ref = tmp / "ref.wav"  # 5 s, stereo, 22.05 kHz: resampled, downmixed, cut to 3 s
     t = np.arange(int(22050 * 5.0)) / 22050
     tone = (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32)

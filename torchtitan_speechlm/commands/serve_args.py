@@ -19,6 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the port (0: any free one; 8000)")
+    p.add_argument(
+        "--voices",
+        metavar="DIR",
+        help="a folder of speaker prompts, one audio file per voice: voice=NAME speaks like "
+        "NAME.wav (a model trained with tts_prompt; without --voices, voice is ignored)",
+    )
     g = p.add_argument_group("queue and batching")
     g.add_argument(
         "--queue-size", type=int, default=64, help="requests waiting at most; more get 503 (64)"

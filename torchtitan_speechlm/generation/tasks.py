@@ -51,23 +51,28 @@ class PromptRefused(ValueError):
     """A speaker prompt asked of a model trained without the prompted task."""
 
 
-def check_prompted(loaded: Loaded) -> None:
-    """Refuse a speaker prompt to a model trained without ``tts_prompt``, saying why."""
+def check_prompted(loaded: Loaded, what: str = "--prompt") -> None:
+    """Refuse a speaker prompt to a model trained without ``tts_prompt``, saying why; ``what``
+    names the prompt as the caller took it (``--prompt``; serve's ``--voices``,
+    ``prompt_audio``), so that the reason says what to drop."""
     if loaded.max_prompt_frames <= 0:
         raise PromptRefused(
             f"{loaded.source} was trained without speaker prompts (its training mixture had "
             "no tts_prompt task, so its model args record prompt_seconds = 0): it cannot "
-            "take --prompt; drop --prompt, or train with tts_prompt:NAME on a dataset with "
+            f"take {what}; drop {what}, or train with tts_prompt:NAME on a dataset with "
             "speaker labels"
         )
 
 
-def speaker_prompt(loaded: Loaded, wave: np.ndarray, name: str = "the prompt") -> np.ndarray:
+def speaker_prompt(
+    loaded: Loaded, wave: np.ndarray, name: str = "the prompt", what: str = "--prompt"
+) -> np.ndarray:
     """A speaker prompt's codes [F, N] from a waveform at the codec's rate, cut to the model's
-    ``prompt_seconds`` as training cut its prompts (a line on stderr says so)."""
+    ``prompt_seconds`` as training cut its prompts (a line on stderr says so). ``what``:
+    ``check_prompted``'s."""
     import sys
 
-    check_prompted(loaded)
+    check_prompted(loaded, what)
     codes = loaded.codec.encode([wave])[0]
     cut = loaded.max_prompt_frames
     if len(codes) > cut:

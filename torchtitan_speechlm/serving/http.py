@@ -5,12 +5,13 @@ the batcher's queue (serving/batcher.py); the model worker runs it; the request 
 the answer. Routes (docs/serving.md):
 
 - ``POST /v1/audio/speech``: JSON ``{"model", "input", "voice", "response_format": "wav",
-  "speed", "stream"}`` -> ``audio/wav`` (16-bit PCM at the codec's rate); ``"stream": true``,
-  ``?stream=1`` or ``"stream_format": "audio"``: chunked transfer, the samples as they are
-  generated (serving/speech.py);
+  "speed", "stream", "prompt_audio"}`` -> ``audio/wav`` (16-bit PCM at the codec's rate);
+  ``"stream": true``, ``?stream=1`` or ``"stream_format": "audio"``: chunked transfer, the
+  samples as they are generated (serving/speech.py); ``voice`` (one of ``--voices``) or
+  ``prompt_audio`` (base64 audio): a speaker prompt (serving/prompts.py);
 - ``POST /v1/audio/transcriptions``: multipart ``file`` (any rate, any channels) and
   ``model``, ``response_format`` json|text -> ``{"text": ...}`` or the text;
-- ``GET /health``, ``GET /v1/models``.
+- ``GET /health``, ``GET /v1/models``, ``GET /v1/voices``.
 
 Errors are OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``: 400 a bad
 request, 404 an unknown route, 405 a known route with another method, 411 a POST without
@@ -33,6 +34,7 @@ import numpy as np
 
 from torchtitan_speechlm.serving.batcher import Batcher, QueueFull
 from torchtitan_speechlm.serving.multipart import MultipartError, parse_multipart
+from torchtitan_speechlm.serving.prompts import PromptError, Voice, request_prompt
 from torchtitan_speechlm.serving.rows import SpeechRow
 from torchtitan_speechlm.serving.wav import pcm16, wav_bytes, wav_header
 from torchtitan_speechlm.utils.audio import BadAudioError, decode_audio_bytes
@@ -63,7 +65,9 @@ class HttpError(Exception):
 
 @dataclass
 class App:
-    """The routes over a started batcher (tasks ``tts`` and ``asr``, serving/speech.py)."""
+    """The routes over a started batcher (tasks ``tts`` and ``asr``, serving/speech.py).
+    ``voices``: ``--voices`` (serving/voices.py; empty: ``voice`` is ignored);
+    ``prompt_refusal``: why the model takes no speaker prompt (None: it takes them)."""
 
     batcher: Batcher
     model_name: str
@@ -72,6 +76,8 @@ class App:
     max_upload_bytes: int = 25 << 20
     retry_after_s: int = 1
     request_timeout_s: float = 600.0
+    voices: dict[str, Voice] = field(default_factory=dict)
+    prompt_refusal: str | None = None
     log: Callable[[str], None] = print
     started: float = field(default_factory=time.time)
     served: int = 0
@@ -85,6 +91,7 @@ class App:
             ("POST", "/v1/audio/transcriptions"): self.transcriptions,
             ("GET", "/health"): self.health,
             ("GET", "/v1/models"): self.models,
+            ("GET", "/v1/voices"): self.list_voices,
         }
 
     def handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
@@ -192,7 +199,11 @@ class App:
             or stream_format == "audio"
             or query.get("stream", [""])[-1].lower() in ("1", "true", "yes")
         )
-        job = self.submit(h, "tts", SpeechRow(text, stream))
+        try:
+            prompt = request_prompt(req, self.voices, self.prompt_refusal, self.sample_rate)
+        except PromptError as e:
+            raise HttpError(400, e.message, e.param, e.code) from None
+        job = self.submit(h, "tts", SpeechRow(text, stream, prompt.codes, prompt.wave))
         chunks = self.pieces(job.stream(self.request_timeout_s))
         if not stream:
             audio = [c for c in chunks]
@@ -269,6 +280,12 @@ class App:
         entry = {"id": self.model_name, "object": "model", "created": int(self.started),
                  "owned_by": "torchtitan-speechlm"}  # fmt: skip
         send_json(h, 200, {"object": "list", "data": [entry]})
+        return 200, 0
+
+    def list_voices(self, h, body: bytes, query: dict) -> tuple[int, int]:
+        """``--voices``, one entry each (none without it: ``voice`` is then ignored)."""
+        data = [self.voices[name].entry() for name in sorted(self.voices)]
+        send_json(h, 200, {"object": "list", "data": data})
         return 200, 0
 
     # ---- the queue ---------------------------------------------------------------------------

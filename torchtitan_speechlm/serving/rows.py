@@ -4,10 +4,18 @@ a ``SpeechRow``; a transcription row is the upload's float32 mono waveform, alre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(frozen=True)
 class SpeechRow:
+    """One speech request. Its speaker prompt, if any, is either a voice's codes (encoded once
+    at start-up, serving/voices.py) or an upload's waveform at the codec's rate, which the
+    worker encodes: the codec, like the model, is used on the worker thread only."""
+
     text: str
     stream: bool = False  # the response streams: emit the samples as they are generated
+    prompt: np.ndarray | None = field(default=None, compare=False)  # codes [F, N] (a voice)
+    prompt_wave: np.ndarray | None = field(default=None, compare=False)  # prompt_audio

@@ -2,11 +2,13 @@
 generation/tasks.py, on the worker thread only.
 
 - ``tts``: payloads are ``SpeechRow``s (serving/rows.py); one ``tasks.tts_with_ends`` call for
-  the batch. A streamed row's samples are emitted while it is generated: the decoder hands its
-  complete codec frames (``on_frames``) to an ``AudioStream`` over the codec's stream decoder
-  (generation/streaming.py), whose blocks go to the row's job as they come. The other rows are
-  decoded whole once the batch ends (``tasks.decode_audio``, together) and emitted as one piece,
-  the exact audio ``torchtitan generate`` writes. Each row's result is its sample count.
+  the batch, its rows with or without a speaker prompt (a voice's codes, an upload encoded
+  here), of any lengths: the decoder batches prompts of different lengths. A streamed row's
+  samples are emitted while it is generated: the decoder hands its complete codec frames
+  (``on_frames``) to an ``AudioStream`` over the codec's stream decoder (generation/streaming.py),
+  whose blocks go to the row's job as they come. The other rows are decoded whole once the batch
+  ends (``tasks.decode_audio``, together) and emitted as one piece, the exact audio ``torchtitan
+  generate`` writes. Each row's result is its sample count.
 - ``asr``: payloads are float32 mono waveforms at ``tasks.input_rate(loaded)``; one
   ``tasks.transcribe_waves`` call (``asr_wave`` through a continuous audio encoder, else one
   ``codec.encode`` of the batch and ``asr``); results are the transcripts.
@@ -44,8 +46,13 @@ def speak(
         if i in streams:
             streams[i].frames(codes)
 
+    prompts = [prompt_codes(loaded, r) for r in rows]
     codes, _ = tasks.tts_with_ends(
-        loaded, [r.text for r in rows], cfg, on_frames=on_frames if streams else None
+        loaded,
+        [r.text for r in rows],
+        cfg,
+        on_frames=on_frames if streams else None,
+        prompts_codes=prompts if any(p is not None for p in prompts) else None,
     )
     samples = [0] * len(rows)
     for i, stream in streams.items():
@@ -56,6 +63,16 @@ def speak(
         samples[i] = len(wave)
         emit(i, wave)
     return samples
+
+
+def prompt_codes(loaded: Loaded, row: SpeechRow) -> np.ndarray | None:
+    """A row's speaker prompt as codes: a voice's as loaded, an upload's encoded here (on the
+    worker) and cut to the model's ``prompt_seconds`` as ``generate --prompt`` cuts it."""
+    if row.prompt is not None:
+        return row.prompt
+    if row.prompt_wave is not None:
+        return tasks.speaker_prompt(loaded, row.prompt_wave, "prompt_audio", what="prompt_audio")
+    return None
 
 
 def runners(loaded: Loaded, cfg: DecodeConfig) -> dict[str, Runner]:
