@@ -270,6 +270,8 @@ def test_espnet_batch_conversion():
 
     with pytest.raises(EspnetBatchError, match="tokenise that audio offline"):
         data.convert({"seqs": seqs, "loss_masks": masks, "speech_feats": [1]}, layout)
+    with pytest.raises(EspnetBatchError, match=r"`speaker`.*tts_prompt:NAME"):
+        data.convert({"seqs": seqs, "loss_masks": masks, "speaker": ["spk1"]}, layout)
     with pytest.raises(EspnetBatchError, match=r"conti_feats.*no audio\s+encoder"):
         data.convert({"seqs": seqs, "loss_masks": masks, "conti_feats": {"a": [1]}}, layout)
     with pytest.raises(EspnetBatchError, match="has no place"):
@@ -278,6 +280,46 @@ def test_espnet_batch_conversion():
         data.convert({"input_ids": seqs}, layout)
     with pytest.raises(ConfigError, match="wrap it"):
         resolve_data(FakeFactory(intervals), {}, {})
+
+
+def test_an_espnet_dialogue_with_a_prompt_turn_converts_as_its_tokens():
+    """ESPnet has no speaker-prompt input (docs/python-api.md, *Speaker prompts*); the one way a
+    prompt reaches its batches is a dialogue whose user turn holds another utterance's codes.
+    Those are tokens like any other: they arrive as our codes in the user turn, without loss,
+    laid out by ESPnet's chat template (``<|eos|>`` where the role changes, not our
+    ``<|eot|>``), and nothing marks them as a prompt."""
+    import numpy as np
+
+    from tests.espnet_fake import (
+        ASSISTANT,
+        AUDIO,
+        BOS,
+        CODEBOOK,
+        EOS,
+        TEXT,
+        USER,
+        FakeFactory,
+        vocab_intervals,
+    )
+    from torchtitan_speechlm.model.vocab import VocabLayout
+    from torchtitan_speechlm.python_api import EspnetData
+
+    intervals = vocab_intervals(40)
+    layout = VocabLayout(text_size=40, num_streams=3, codebook_size=CODEBOOK)
+    data = EspnetData(FakeFactory(intervals), intervals)
+    (c0, _), (c1, _), (c2, _) = intervals["codec"]
+    eot = 3
+    seqs = [[BOS, 0, 0], [USER, 0, 0], [AUDIO, 0, 0], [c0 + 4, c1 + 9, c2 + 1], [eot, 0, 0],
+            [USER, 0, 0], [TEXT, 0, 0], [256 + 7, 0, 0], [EOS, 0, 0],
+            [ASSISTANT, 0, 0], [AUDIO, 0, 0], [c0 + 2, c1 + 3, c2 + 5], [EOS, 0, 0]]  # fmt: skip
+    masks = np.zeros((1, len(seqs), 3), dtype=np.float32)
+    masks[0, 9:, 0], masks[0, 11] = 1.0, 1.0  # the assistant turn only
+    inputs, _ = data.convert({"seqs": np.array([seqs]), "loss_masks": masks}, layout)
+    ids = inputs["input"][0]
+    assert [layout.specials[int(i)] for i in ids[[0, 1, 2, 4, 8], 0]] == [
+        "<|bos|>", "<|user|>", "<|audio|>", "<|eot|>", "<|eos|>"]  # fmt: skip
+    assert ids[3].tolist() == [layout.code(0, 4), layout.code(1, 9), layout.code(2, 1)]
+    assert float(inputs["loss_weights"][0, :8].sum()) == 0.0  # up to the text's <|eos|>
 
 
 def test_docs_map_every_espnet_key():

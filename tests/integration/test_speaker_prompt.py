@@ -1,16 +1,24 @@
 """Speaker-prompted TTS end to end: a tiny model trained a few steps with the tts_prompt task
 on a small multi-speaker corpus, then `torchtitan generate --task tts --prompt ref.wav` (one
 request and a batch file); a model trained without the task refuses a prompt with the
-reason."""
+reason; `torchtitan eval --valid tts_prompt:DIR --report` scores it and its page plays each
+item's prompt beside the reference and the generated speech."""
 
+import contextlib
+import io
 import json
 import os
+import re
+import shutil
+from html import unescape
+from urllib.parse import unquote, urlparse
 
 import numpy as np
 import pytest
 import soundfile as sf
 
 from tests.helpers import make_tiny_run_assets, train_mixture
+from tests.integration.test_eval import browse
 from torchtitan_speechlm.commands.generate import generate_main
 from torchtitan_speechlm.judges import register_judge
 from torchtitan_speechlm.judges.base import SpeakerJudge
@@ -93,27 +101,26 @@ class BandSpeaker(SpeakerJudge):
         return np.log1p(np.array([b.mean() for b in np.array_split(spec, 8)]) * 100)
 
 
-def test_eval_scores_prompted_tts_against_the_prompts_and_other_speakers(runs, tmp_path, capsys):
-    """``eval --valid tts_prompt:DIR``: each item prompted with another utterance of its
-    speaker; SIM(generated, prompt), SIM(generated, other speakers) and speaker-ID accuracy
-    recomputed here from the report's wavs and the prompts as the model heard them."""
+@pytest.fixture(scope="module")
+def prompted_eval(runs, tmp_path_factory):
+    """One ``eval --valid tts_prompt:DIR --out --report`` of the prompted model (the tests below
+    read its JSON, page and wavs), with the prompts as the model heard them recomputed here."""
     from torchtitan_speechlm.commands.generate import eval_main
     from torchtitan_speechlm.data.catalog import open_prepared
     from torchtitan_speechlm.generation.loading import load_model
 
-    out, report = tmp_path / "r.json", tmp_path / "report"
+    tmp = tmp_path_factory.mktemp("prompted_eval")
+    out, report = tmp / "r.json", tmp / "report"
     spec = f"tts_prompt:{runs['prepared']}"
     argv = ["--model", runs["prompted"], "--valid", spec, "--max-frames", "30",
             "--judge-asr", "none", "--judge-speaker", "band-speaker", "--judge-quality", "none",
             "--out", str(out), "--report", str(report)]  # fmt: skip
-    assert eval_main(argv) == 0
-    printed = capsys.readouterr().out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert eval_main(argv) == 0
     res = json.loads(out.read_text())[spec]
-    q = res["prompted"]
     ds = open_prepared(runs["prepared"])
-    assert q["speakers"] == 4 and q["skipped"] == 0 and len(res["per_item"]) == len(ds)
     loaded = load_model(runs["prompted"])
-    judge = BandSpeaker()
     ids = {ds.ids[i]: i for i in range(len(ds))}
     rows = [ids[r["id"]] for r in res["per_item"]]
     speaker = [int(ds.speaker_of(i)) for i in rows]
@@ -121,16 +128,35 @@ def test_eval_scores_prompted_tts_against_the_prompts_and_other_speakers(runs, t
     prompt = [
         same[s][(same[s].index(i) + 1) % len(same[s])] for i, s in zip(rows, speaker, strict=True)
     ]
+    heard = [loaded.codec.decode(loaded.builder.cut_prompt(ds[p].audio_codes)) for p in prompt]
+    return {"argv": argv, "spec": spec, "res": res, "printed": printed.getvalue(), "ds": ds,
+            "rows": rows, "speaker": speaker, "prompt": prompt, "heard": heard,
+            "report": report, "rate": int(loaded.codec.sample_rate)}  # fmt: skip
+
+
+def test_eval_scores_prompted_tts_against_the_prompts_and_other_speakers(
+    prompted_eval, tmp_path, capsys
+):
+    """``eval --valid tts_prompt:DIR``: each item prompted with another utterance of its
+    speaker; SIM(generated, prompt), SIM(generated, other speakers) and speaker-ID accuracy
+    recomputed here from the report's wavs and the prompts as the model heard them."""
+    from torchtitan_speechlm.commands.generate import eval_main
+
+    ev = prompted_eval
+    res, ds, spec, report, printed = ev["res"], ev["ds"], ev["spec"], ev["report"], ev["printed"]
+    rows, speaker, prompt, heard = ev["rows"], ev["speaker"], ev["prompt"], ev["heard"]
+    q = res["prompted"]
+    assert q["speakers"] == 4 and q["skipped"] == 0 and len(res["per_item"]) == len(ds)
+    judge = BandSpeaker()
     assert all(
         p != i and int(ds.speaker_of(p)) == int(ds.speaker_of(i))
         for p, i in zip(prompt, rows, strict=True)
     )
     unit = lambda v: v / np.linalg.norm(v)  # noqa: E731
-    heard = [loaded.codec.decode(loaded.builder.cut_prompt(ds[p].audio_codes)) for p in prompt]
     p_emb = [unit(judge.embed(w, 16000)) for w in heard]
     enrol = {
         s: unit(np.mean([e for e, t in zip(p_emb, speaker, strict=True) if t == s], 0))
-        for s in same
+        for s in set(speaker)
     }
     own, other, hits = [], [], []
     for r, e, s in zip(res["per_item"], p_emb, speaker, strict=True):
@@ -145,5 +171,72 @@ def test_eval_scores_prompted_tts_against_the_prompts_and_other_speakers(runs, t
     assert q["speaker_id_accuracy"] == pytest.approx(np.mean(hits))
     assert f"{spec}: SIM(generated, prompt)" in printed
     no_speakers = make_tiny_run_assets(tmp_path / "plain_assets", n_items=4)["prepared"]
+    argv = ev["argv"]
     assert eval_main([*argv[:2], "--valid", f"tts_prompt:{no_speakers}", *argv[4:]]) == 2
     assert "need speaker labels" in capsys.readouterr().err
+
+
+def _items(page: str) -> list[str]:
+    """The page's TTS items, one HTML chunk each."""
+    return page.split('<div class="item">')[1:]
+
+
+def test_the_report_plays_each_prompt_beside_the_reference_and_the_generated_speech(
+    prompted_eval,
+):
+    """Per item, the page plays the prompt as the model heard it (cut to prompt_seconds,
+    resynthesised: its wav is exactly that long), the prompt's original recording, the
+    reference and the generated speech, shows SIM to the prompt and the speaker ID; the JSON
+    names the prompt wavs (relative to the report folder) and which item prompted."""
+    ev = prompted_eval
+    res, ds, report, rate = ev["res"], ev["ds"], ev["report"], ev["rate"]
+    page = (report / "index.html").read_text()
+    chunks = _items(page)
+    assert len(chunks) == len(res["per_item"])
+    assert "speaker prompts: SIM to prompt" in page
+    for r, chunk, p, heard in zip(res["per_item"], chunks, ev["prompt"], ev["heard"], strict=True):
+        a = r["audio"]
+        assert r["prompt_id"] == ds.ids[p] and r["prompt_seconds"] == pytest.approx(
+            len(heard) / rate
+        )
+        srcs = [unquote(x) for x in re.findall(r'<audio[^>]* src="([^"]*)"', chunk)]
+        # prompt heard, prompt recording, reference, generated, item recording: in that order
+        assert srcs == [a["prompt"], a["prompt_recording"], a["reference"], a["generated"],
+                        a["recording"]]  # fmt: skip
+        assert a["prompt"].endswith(".prompt.wav") and a["prompt_recording"].endswith(
+            ".prompt-rec.wav"
+        )
+        for rel in srcs:
+            assert (report / rel).is_file() and sf.info(str(report / rel)).format == "WAV", rel
+        info = sf.info(str(report / a["prompt"]))
+        assert info.samplerate == rate and info.frames == len(heard)  # exactly what was heard
+        original = sf.info(r["prompt_recording"])  # the prompt item's own recording, whole
+        assert r["prompt_recording"].endswith(f"/{ds.ids[p]}.wav")
+        assert sf.info(str(report / a["prompt_recording"])).duration == pytest.approx(
+            original.duration, abs=1e-3
+        )
+        meta = unescape(re.search(r'<p class="meta prompt">([^<]*)</p>', chunk).group(1))
+        who = "correct" if r["speaker_id_correct"] else "wrong"
+        assert f"prompt {ds.ids[p]} " in meta and f"SIM to prompt {r['sim_prompt']:.3f}" in meta
+        assert f"speaker ID {who}" in meta
+        assert "prompt (as the model heard it)</figcaption>" in chunk
+
+
+def test_the_prompted_report_plays_in_headless_chromium(prompted_eval):
+    """The prompted page renders in a real browser without an error, and every player's
+    duration is its wav's (five per item)."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing in CI (the Makefile's system-deps installs it)")
+        pytest.skip("chromium is not installed (`make system-deps` installs it)")
+    report = prompted_eval["report"]
+    page = browse(chromium, (report / "index.html").as_uri())
+    assert page["errors"] == [], page["errors"]
+    assert len(page["audio"]) == 5 * len(prompted_eval["res"]["per_item"])
+    for a in page["audio"]:
+        path = unquote(urlparse(a["src"]).path)
+        assert "error" not in a, a
+        assert a["duration"] == pytest.approx(sf.info(path).duration, abs=0.05), path
+    assert len(page["images"]) == len(page["audio"])
+    assert all(img["width"] > 0 for img in page["images"]), page["images"]

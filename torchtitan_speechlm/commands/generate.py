@@ -228,8 +228,10 @@ def run_eval(a: argparse.Namespace) -> int:
                 results[spec] = score_answers(loaded, items, cfg, progress=progress)
             else:
                 folder = f"{i}-{_slug(spec)}"  # the set's wavs and spectrograms in --report
-                found = find_recordings(path, [it.id for it in items], manifests)
                 p = prompted.get(spec, {})
+                # the prompts' recordings too: the report plays them beside the prompts heard
+                ids = [it.id for it in items] + [q.id for q in p.get("prompts", [])]
+                found = find_recordings(path, list(dict.fromkeys(ids)), manifests)
                 results[spec] = score_tts(
                     loaded, items, cfg, judges[spec], a.report, folder, recordings=found,
                     progress=progress, prompts=p.get("prompts"), speakers=p.get("speakers"),

@@ -13,6 +13,10 @@ independent ASR judge, SIM to the reference, ...) and, by the speaker judge:
   embedding of its utterances' prompts;
 - ``speaker_id_accuracy``: the share of items whose generated voice's nearest enrolled speaker
   is its own (the prompt's).
+
+The prompts as heard (``heard_prompts``) are decoded once, by ``tts_scores.score_tts``, for both
+the speaker judge and ``--report`` (which plays them beside the reference and generated audio):
+what the listener hears is exactly what was scored.
 """
 
 from __future__ import annotations
@@ -59,13 +63,28 @@ def prompted_set(path: str, valid_fraction: float, limit: int) -> dict:
     }
 
 
+def heard_prompts(loaded: Loaded, prompt_codes: list) -> list[np.ndarray]:
+    """Each prompt as the model heard it: its codes cut to ``prompt_seconds`` (as training and
+    ``generate --prompt`` cut them), resynthesised by the codec. SIM to the prompt is measured
+    against this, not the full recording, since this is all the model was given."""
+    return tasks.decode_audio(loaded, [loaded.builder.cut_prompt(c) for c in prompt_codes])
+
+
 def speaker_scores(
-    loaded: Loaded, spk, generated: list, prompt_codes: list, speakers: list[int]
+    loaded: Loaded,
+    spk,
+    generated: list,
+    prompt_codes: list,
+    speakers: list[int],
+    heard: list | None = None,
 ) -> dict:
     """``sim_prompt``, ``sim_other`` and ``speaker_id_accuracy`` (the module docstring) from the
-    generated waveforms (None where there is none) and the prompts' codes."""
+    generated waveforms (None where there is none) and the prompts' codes; ``heard``: those
+    prompts already decoded by ``heard_prompts`` (``score_tts`` decodes them once for the judge
+    and the report), else decoded here."""
     rate = int(loaded.codec.sample_rate)
-    heard = tasks.decode_audio(loaded, [loaded.builder.cut_prompt(c) for c in prompt_codes])
+    if heard is None:
+        heard = heard_prompts(loaded, prompt_codes)
     prompt_emb = [_unit(spk.embed(w, rate)) for w in heard]
     names = sorted(set(speakers))
     enrolled = np.stack(

@@ -3,13 +3,17 @@
 Numbers alone hide what went wrong (a WER of 0.4 may be one dropped word per utterance or
 gibberish half the time), so the page puts, per TTS item, the reference (resynthesised) and
 generated audio side by side (players and spectrograms), and the original recording as a third
-where it was found, the reference text and each transcript with its errors marked (substitutions, insertions, deletions from ``judges.item_errors``), SIM and DNSMOS; per
-ASR item, the reference and the model's transcript marked the same way. The summary table
-(``results_table.summary_rows``) is on top.
+where it was found (a speaker-prompted item, ``tts_prompt``, first its prompt as the model heard
+it and the prompt's original recording, with SIM to the prompt and whether the voice was
+identified as the prompt's speaker: does the voice follow the prompt?), the reference text and
+each transcript with its errors marked (substitutions, insertions, deletions from
+``judges.item_errors``), SIM and DNSMOS; per ASR item, the reference and the model's
+transcript marked the same way. The summary table (``results_table.summary_rows``) is on top.
 
-Everything the page uses lies in DIR beside ``index.html`` (wavs written by ``tts_scores.score_tts``,
-the recordings re-encoded there as they were judged, spectrogram PNGs written here, ``results.json``) and is linked relatively: no external URL, no
-script, so the folder can be copied or archived and opened anywhere.
+Everything the page uses lies in DIR beside ``index.html`` (wavs written by
+``tts_scores.score_tts``, the recordings re-encoded there as they were judged, spectrogram PNGs
+written here, ``results.json``) and is linked relatively: no external URL, no script, so the
+folder can be copied or archived and opened anywhere.
 """
 
 from __future__ import annotations
@@ -132,8 +136,23 @@ def _side(root: str, label: str, rel: str | None, seconds: float) -> str:
     )
 
 
+def _prompt_meta(r: dict) -> str:
+    """A prompted item's line: which utterance prompted it, SIM to the prompt as heard, and
+    whether its voice was identified as the prompt's speaker (the numbers of ``prompted``)."""
+    if "prompt_id" not in r:
+        return ""
+    ident = r.get("speaker_id_correct")
+    who = "-" if ident is None else ("correct" if ident else "wrong")
+    heard = r.get("prompt_seconds")
+    return (
+        f"prompt {r['prompt_id']} ({'-' if heard is None else f'{heard:.2f}'} s heard) · "
+        f"SIM to prompt {_fmt(r.get('sim_prompt'))} · speaker ID {who}"
+    )
+
+
 def _tts_item(root: str, r: dict) -> str:
     audio = r.get("audio") or {}
+    prompted = "prompt_id" in r
     q = (r.get("dnsmos") or {}).get("dnsmos_ovrl")
     rq = (r.get("reference_dnsmos") or {}).get("dnsmos_ovrl")
     recorded = audio.get("recording") is not None
@@ -153,11 +172,26 @@ def _tts_item(root: str, r: dict) -> str:
     )
     fails = "".join(f'<li class="fail">{escape(f)}</li>' for f in r["failures"])
     text = r["text"]
-    longest = max(r["seconds"], r["reference_seconds"], r.get("recording_seconds") or 0.0)
+    longest = max(
+        r["seconds"], r["reference_seconds"], r.get("recording_seconds") or 0.0,
+        _wav_seconds(root, audio.get("prompt")), _wav_seconds(root, audio.get("prompt_recording")),
+    )  # fmt: skip
+    prompt_meta = _prompt_meta(r)
     return (
         f'<div class="item"><h3>{escape(r["id"])}</h3><p class="meta">{escape(meta)}</p>'
+        + (f'<p class="meta prompt">{escape(prompt_meta)}</p>' if prompt_meta else "")
         + (f"<ul>{fails}</ul>" if fails else "")
         + '<div class="pair">'
+        + (
+            _side(root, "prompt (as the model heard it)", audio.get("prompt"), longest)
+            if prompted
+            else ""
+        )
+        + (
+            _side(root, "prompt, original recording", audio["prompt_recording"], longest)
+            if audio.get("prompt_recording")
+            else ""
+        )
         + _side(root, "reference (resynthesised)", audio.get("reference"), longest)
         + _side(root, "generated", audio.get("generated"), longest)
         + (_side(root, "original recording", audio["recording"], longest) if recorded else "")
@@ -174,6 +208,29 @@ def _tts_item(root: str, r: dict) -> str:
         + "<dt>self (model's own ASR), generated</dt>"
         + f"<dd>{marked(text, r['self_transcript'] if r['frames'] else None)}</dd>"
         + "</dl></div>"
+    )
+
+
+def _wav_seconds(root: str, rel: str | None) -> float:
+    """A written wav's length (0 without one): the shared time axis must fit the prompts too."""
+    if rel is None:
+        return 0.0
+    import soundfile as sf
+
+    return float(sf.info(os.path.join(root, rel)).duration)
+
+
+def _prompted_meta(r: dict) -> str:
+    """A prompted set's speaker numbers (prompted_tts.py) under its judges' line."""
+    q = r.get("prompted")
+    if not q:
+        return ""
+    acc = q.get("speaker_id_accuracy")
+    return (
+        f'<p class="meta">speaker prompts: SIM to prompt {_fmt(q.get("sim_prompt"))} vs SIM to '
+        f"other speakers {_fmt(q.get('sim_other'))}; speaker ID "
+        f"{'-' if acc is None else f'{acc:.2f}'} among {q.get('speakers', '-')} speakers; "
+        f"{q.get('skipped', 0)} items without a second utterance of their speaker left out</p>"
     )
 
 
@@ -215,7 +272,7 @@ def write_report(results: dict, root: str, title: str = "torchtitan eval") -> st
                 f'<p class="meta">judges: asr {escape(str(j["asr"]))}, speaker '
                 f"{escape(str(j['speaker']))}, quality {escape(str(j['quality']))}; "
                 f"original recordings found for {r.get('recordings_found', 0)} of {r['items']} "
-                "items</p>"
+                "items</p>" + _prompted_meta(r)
             )
             parts += [_tts_item(root, x) for x in r["per_item"]]
         else:

@@ -35,7 +35,7 @@ import torch
 from torchtitan_speechlm.evaluation.item_wavs import save_item_wavs
 from torchtitan_speechlm.evaluation.judge_setup import Judges
 from torchtitan_speechlm.evaluation.phase_clock import PhaseClock
-from torchtitan_speechlm.evaluation.prompted_tts import speaker_scores
+from torchtitan_speechlm.evaluation.prompted_tts import heard_prompts, speaker_scores
 from torchtitan_speechlm.evaluation.rates import item_rates
 from torchtitan_speechlm.evaluation.tts_summary import summarise_tts
 from torchtitan_speechlm.generation import tasks
@@ -68,17 +68,20 @@ def score_tts(
     gets a line after each batch (items done, seconds per phase). ``prompts`` (a speaker-prompted
     set, evaluation/prompted_tts.py): per item, the item whose codes prompt it, and ``speakers``
     its speaker; the result then has ``prompted``: SIM to the prompt and to the other speakers,
-    and the speaker-identification accuracy."""
+    and the speaker-identification accuracy, and each item ``prompt_id`` and ``prompt_seconds``
+    (as heard); with ``audio_root`` also the prompt's wavs (``_prompt_audio``), so that the
+    report plays what the model was given beside what it made."""
     rate = int(loaded.codec.sample_rate)
     per_item: dict[int, dict] = {}
     generated: dict[int, np.ndarray | None] = {}
+    heard: dict[int, np.ndarray] = {}  # the prompts as the model heard them
     clock = PhaseClock()
     for part in batches_by_length([len(it.text) for it in items], batch):
         chunk = [items[i] for i in part]
         with clock("generate"):
-            heard = None if prompts is None else [prompts[i].audio_codes for i in part]
+            given = None if prompts is None else [prompts[i].audio_codes for i in part]
             codes, ended = tasks.tts_with_ends(
-                loaded, [it.text for it in chunk], cfg, prompts_codes=heard
+                loaded, [it.text for it in chunk], cfg, prompts_codes=given
             )
         spoken = [i for i, c in enumerate(codes) if len(c)]
         self_hyps = [""] * len(chunk)
@@ -89,14 +92,23 @@ def score_tts(
         with clock("codec decode"):  # the chunk's generated and reference audio together
             gen = _decoded(loaded, codes)
             ref = _decoded(loaded, [it.audio_codes for it in chunk])
+            if given is not None and (audio_root is not None or judges.speaker is not None):
+                heard.update(zip(part, heard_prompts(loaded, given), strict=True))
         for k, (i, it) in enumerate(zip(part, chunk, strict=True)):
             recording = (recordings or {}).get(it.id)
             rec, wavs = _score_item(
                 loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges.for_item(i),
                 recording, clock, (gen[k], ref[k]),
             )  # fmt: skip
+            if prompts is not None:
+                rec.update(prompt_id=prompts[i].id, prompt_seconds=_seconds(heard.get(i), rate))
             if audio_root is not None:
                 rec["audio"] = save_item_wavs(audio_root, audio_dir, i, it, wavs, rate)
+                if prompts is not None:
+                    found = (recordings or {}).get(prompts[i].id)
+                    rec["audio"].update(
+                        _prompt_audio(audio_root, audio_dir, i, it, heard.get(i), found, rate, rec)
+                    )
             per_item[i] = rec
             generated[i] = wavs["generated"]
         if progress is not None:
@@ -108,10 +120,32 @@ def score_tts(
             result["prompted"] = speaker_scores(
                 loaded, judges.speaker, [generated[i] for i in range(len(items))],
                 [p.audio_codes for p in prompts], list(speakers),
+                heard=[heard[i] for i in range(len(items))],
             )  # fmt: skip
         for rec, row in zip(result["per_item"], result["prompted"].pop("per_item"), strict=True):
             rec.update(row)
     return result
+
+
+def _prompt_audio(
+    root: str, sub: str, i: int, it, heard: np.ndarray | None, recording: str | None,
+    rate: int, rec: dict,
+) -> dict:  # fmt: skip
+    """The report's wavs of item ``i``'s prompt: ``prompt`` (as the model heard it) and
+    ``prompt_recording`` (the prompt item's original recording, whole, at the codec's rate;
+    None where none is found), ``{kind: path relative to root}``; ``rec["prompt_recording"]``
+    is that recording's path. One that cannot be read is listed in ``rec["failures"]``: the
+    listener should know why it is missing."""
+    failures: list[str] = []
+    orig = _load_recording(recording, rate, failures)
+    rec["failures"] += [f"prompt {f}" for f in failures]
+    rec["prompt_recording"] = recording if orig is not None else None
+    wavs = {"prompt": heard, "prompt_recording": orig}
+    return save_item_wavs(root, sub, i, it, wavs, rate)
+
+
+def _seconds(wav: np.ndarray | None, rate: int) -> float | None:
+    return None if wav is None else len(wav) / rate
 
 
 def _decoded(loaded, codes: list) -> list:

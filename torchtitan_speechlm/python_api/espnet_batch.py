@@ -19,10 +19,22 @@ class EspnetBatchError(ValueError):
     """An ESPnet batch that cannot be converted; the message says why and what to do."""
 
 
+# ESPnet's data side accepts an entry named ``speaker`` (dataloader/task_conf.py) but none of its
+# task templates puts it in ``seqs`` (docs/python-api.md, *Speaker prompts*): a batch that
+# carried one beside the tokens would otherwise train as if it were not there.
+SPEAKER_REFUSAL = (
+    "the batch carries `speaker`, which ESPnet's task templates do not place in `seqs`; "
+    "this trainer has no input for it: for speaker-prompted TTS prepare the corpus with its "
+    "speakers (`torchtitan prepare`) and train `tts_prompt:NAME` through PreparedData "
+    "(docs/python-api.md, Speaker prompts)"
+)
+
+
 def batch_arrays(batch: Mapping, n: int, audio: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``seqs`` (int64) and ``loss_masks`` (float) of a batch, both [B, T, n] with T >= 2; a
     batch with raw features (other than ``conti_feats``) is refused: ESPnet encodes those
-    inside its model, and only tokens or one continuous io come through here."""
+    inside its model, and only tokens or one continuous io come through here; so is one with a
+    ``speaker`` entry (``SPEAKER_REFUSAL``)."""
     if not isinstance(batch, Mapping) or "seqs" not in batch or "loss_masks" not in batch:
         got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
         raise EspnetBatchError(
@@ -41,6 +53,8 @@ def batch_arrays(batch: Mapping, n: int, audio: str) -> tuple[torch.Tensor, torc
             "tokenise that audio offline (ESPnet's offline codec tokens, or `torchtitan "
             "prepare` and PreparedData)"
         )
+    if batch.get("speaker") is not None:
+        raise EspnetBatchError(SPEAKER_REFUSAL)
     seqs = torch.as_tensor(np.asarray(batch["seqs"])).long()
     masks = torch.as_tensor(np.asarray(batch["loss_masks"])).float()
     if seqs.ndim != 3 or seqs.shape[-1] != n or masks.shape != seqs.shape:
