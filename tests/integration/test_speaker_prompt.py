@@ -240,3 +240,42 @@ def test_the_prompted_report_plays_in_headless_chromium(prompted_eval):
         assert a["duration"] == pytest.approx(sf.info(path).duration, abs=0.05), path
     assert len(page["images"]) == len(page["audio"])
     assert all(img["width"] > 0 for img in page["images"]), page["images"]
+
+
+def test_training_samples_of_a_prompted_run_are_spoken_in_a_prompt_voice(tmp_path):
+    """``speechlm.sample_every`` on a ``tts_prompt`` run: each TTS sample is prompted with the
+    next utterance of its item's speaker in the validation split (as eval draws it), and the
+    prompt, as the model heard it, is written beside the sample."""
+    from tests.helpers import run_train, write_tiny_config
+    from torchtitan_speechlm.codecs import load_codec
+    from torchtitan_speechlm.data.catalog import open_prepared, split_indices
+
+    assets = make_tiny_run_assets(tmp_path / "assets", n_items=24, speakers=4)
+    dump = tmp_path / "run"
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
+    text = (
+        open(cfg)
+        .read()
+        .replace('train = ["tts:tiny:0.5", "asr:tiny:0.5"]', 'train = ["tts_prompt:tiny:1.0"]')
+    )
+    open(cfg, "w").write(text)
+    r = run_train(
+        cfg,
+        "--training.steps", "2", "--speechlm.sample_every", "2", "--speechlm.sample_count", "2",
+        "--checkpoint.enable", "false", "--validation.enable", "false",
+        "--speechlm_data.valid_fraction", "0.5",
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    ds = open_prepared(assets["prepared"])
+    valid = [int(i) for i in split_indices(ds.ids, 0.5, "valid") if ds.kinds[i] == "speech"]
+    codec = load_codec(assets["codec"])
+    frames = max(1, round(3.0 * codec.frame_rate))  # prompt_seconds = 3, as the run cuts it
+    out = dump / "samples" / "step-2"
+    for k, item in enumerate(valid[:2]):
+        same = [i for i in valid if ds.speaker_of(i) == ds.speaker_of(item)]
+        assert len(same) > 1  # 6 utterances per speaker, about half of them held out
+        want = codec.decode(ds[same[(same.index(item) + 1) % len(same)]].audio_codes[:frames])
+        heard, rate = sf.read(out / f"tts_{k}_prompt.wav", dtype="float32")
+        assert rate == codec.sample_rate and heard.shape == want.shape
+        assert np.abs(heard - want).max() < 2e-4  # the wav's 16-bit rounding
+        assert sf.info(str(out / f"tts_{k}.wav")).frames > 0

@@ -30,12 +30,15 @@ from torchtitan_speechlm.model.run_record import model_record
 class SamplePrompts:
     """What the sample set is decoded with: the data's codec and text tokenizer, its frame rate
     and its ASR prompts (``items(count)``: the first speech items of the first validation set,
-    [] without one)."""
+    [] without one); ``speaker_prompts(count)``: per item, another utterance of its speaker
+    (None where there is none), which prompts the TTS samples of a model trained with a
+    prompted task."""
 
     codec: dict
     tokenizer_path: str
     frame_rate: float
     items: Callable[[int], list]
+    speaker_prompts: Callable[[int], list] = lambda count: []
 
 
 class TrainingSamples:
@@ -82,7 +85,9 @@ class TrainingSamples:
         out = os.path.join(self.folder, f"step-{step}")
         os.makedirs(out, exist_ok=True)
         panels = {}
-        spoken = tasks.tts(loaded, texts, cfg)  # one batch, decoded by the codec together
+        speakers = self._speaker_prompts(loaded, len(texts))
+        # one batch, decoded by the codec together
+        spoken = tasks.tts_with_ends(loaded, texts, cfg, prompts_codes=speakers)[0]
         wavs = tasks.decode_audio(loaded, spoken)
         for i, (text, codes, wav) in enumerate(zip(texts, spoken, wavs, strict=True)):
             path = os.path.join(out, f"tts_{i}.wav")
@@ -90,6 +95,11 @@ class TrainingSamples:
             with open(os.path.join(out, f"tts_{i}.txt"), "w") as f:
                 f.write(text + "\n")
             panels[f"samples/tts_{i}"] = (path, text)
+            if speakers[i] is not None:  # the voice it was asked for, as the model heard it
+                heard = loaded.builder.cut_prompt(speakers[i])
+                prompt_path = os.path.join(out, f"tts_{i}_prompt.wav")
+                tasks.write_wav(loaded, heard, prompt_path)
+                panels[f"samples/tts_{i}_prompt"] = (prompt_path, f"speaker prompt of: {text}")
         if items:
             for i, (it, hyp) in enumerate(
                 zip(items, tasks.asr(loaded, [it.audio_codes for it in items], cfg), strict=True)
@@ -99,6 +109,25 @@ class TrainingSamples:
                 panels[f"samples/asr_{i}"] = (None, f"ref: {it.text}  \nhyp: {hyp}")
         _log_panels(loggers, panels, step, loaded.codec.sample_rate)
         logger.info(f"samples at step {step}: {out}")
+
+    def _speaker_prompts(self, loaded: Loaded, n: int) -> list:
+        """Per TTS sample, its speaker prompt's codes: a model trained with a prompted task
+        speaks each sample in the voice of another utterance of the sample item's speaker
+        (a sample without one of its own, or beyond the items: ``sample_texts``, takes the
+        prompts found in turn, so that every sample of such a model is prompted); None for a
+        model trained without prompts, or a validation set without speaker labels."""
+        if loaded.max_prompt_frames <= 0:
+            return [None] * n
+        own = [
+            None if p is None else p.audio_codes for p in self.prompts.speaker_prompts(self.count)
+        ]
+        found = [p for p in own if p is not None]
+        if not found:
+            return [None] * n
+        return [
+            own[i] if i < len(own) and own[i] is not None else found[i % len(found)]
+            for i in range(n)
+        ]
 
 
 def _copy_args(args):

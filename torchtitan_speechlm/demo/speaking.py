@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields
 from torchtitan_speechlm.demo import grammar
 from torchtitan_speechlm.demo.assets import build_backbone, build_tokenizer, synthesize_corpus
 
-VOICE = "en-us"  # one voice: TTS has no speaker prompt, so the voice is part of the task
+VOICE = "en-us"  # one voice: the demo trains unprompted tts, so the voice is part of the task
 OTHER_VOICE = "en-us+f3"  # another speaker saying the same texts: SIM's comparison point
 SPEED = 175  # words per minute, espeak-ng's default
 

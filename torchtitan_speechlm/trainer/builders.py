@@ -222,19 +222,38 @@ def build_loss(job_config, *, run=None, **kwargs) -> SpeechLMLoss:
 
 def sample_prompts(job_config, plan: RunPlan) -> SamplePrompts:
     """The sample set's codec, tokenizer and ASR prompts: the first speech items of the first
-    validation set."""
+    validation set, and their speaker prompts (for a run with a prompted task)."""
 
-    def items(count: int) -> list:
+    def speech(count: int) -> tuple[list, list]:
+        """The first ``count`` speech items and, per item, its speaker prompt: the next
+        speech item of its speaker in the set, cyclically (None: no speaker labels, or no
+        other utterance), as ``eval --valid tts_prompt`` draws them."""
         if not plan.data.valid or plan.external is not None:
-            return []
+            return [], []
         entries, split = next(iter(plan.data.valid.values()))
         (source,) = plan.data.sources(entries[:1], split)
-        return [
-            source.data[int(i)] for i in source.indices if source.data.kinds[int(i)] == "speech"
-        ][:count]
+        ds = source.data
+        idx = [int(i) for i in source.indices if ds.kinds[int(i)] == "speech"]
+        chosen = idx[:count]
+        if not ds.has_speakers:
+            return [ds[i] for i in chosen], [None] * len(chosen)
+        by_speaker: dict[int, list[int]] = {}
+        for i in idx:
+            by_speaker.setdefault(int(ds.speaker_of(i)), []).append(i)
+        prompts = []
+        for i in chosen:
+            same = by_speaker[int(ds.speaker_of(i))]
+            prompts.append(ds[same[(same.index(i) + 1) % len(same)]] if len(same) > 1 else None)
+        return [ds[i] for i in chosen], prompts
 
     tokenizer = next(iter(plan.data.metadata.values()))["tokenizer"]
-    return SamplePrompts(plan.codec, tokenizer.get("path", ""), plan.frame_rate, items)
+    return SamplePrompts(
+        plan.codec,
+        tokenizer.get("path", ""),
+        plan.frame_rate,
+        lambda count: speech(count)[0],
+        lambda count: speech(count)[1],
+    )
 
 
 def training_samples(job_config, plan: RunPlan) -> TrainingSamples:
