@@ -279,3 +279,24 @@ def test_training_samples_of_a_prompted_run_are_spoken_in_a_prompt_voice(tmp_pat
         assert rate == codec.sample_rate and heard.shape == want.shape
         assert np.abs(heard - want).max() < 2e-4  # the wav's 16-bit rounding
         assert sf.info(str(out / f"tts_{k}.wav")).frames > 0
+
+
+def test_an_export_keeps_the_prompt_budget_and_speaks_as_its_checkpoint(runs, capsys):
+    """``torchtitan export`` of a prompted checkpoint: the folder records ``prompt_seconds``,
+    so ``generate --prompt`` from it takes the prompt and speaks exactly what the
+    checkpoint speaks."""
+    from torchtitan_speechlm.commands.export import export
+    from torchtitan_speechlm.generation.loading import load_model
+
+    folder = runs["tmp"] / "exported"
+    if not folder.exists():
+        export(runs["prompted"], str(folder))
+    assert load_model(str(folder)).prompt_seconds == 3.0
+    wavs = []
+    for model in (runs["prompted"], str(folder)):
+        out = runs["tmp"] / f"export_check_{len(wavs)}.wav"
+        argv = ["--model", model, "--task", "tts", "--text", "hello there", "--prompt",
+                runs["ref"], "--out", str(out), "--max-frames", "10"]  # fmt: skip
+        assert generate_main(argv) == 0, capsys.readouterr().err
+        wavs.append(sf.read(out)[0])
+    assert wavs[0].shape == wavs[1].shape and np.array_equal(wavs[0], wavs[1])
