@@ -9,7 +9,6 @@ import io
 import json
 import os
 import re
-import shutil
 from html import unescape
 from urllib.parse import unquote, urlparse
 
@@ -17,8 +16,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.browser import browse, chromium_or_skip
 from tests.helpers import make_tiny_run_assets, train_mixture
-from tests.integration.test_eval import browse
 from torchtitan_speechlm.commands.generate import generate_main
 from torchtitan_speechlm.judges import register_judge
 from torchtitan_speechlm.judges.base import SpeakerJudge
@@ -225,11 +224,7 @@ def test_the_report_plays_each_prompt_beside_the_reference_and_the_generated_spe
 def test_the_prompted_report_plays_in_headless_chromium(prompted_eval):
     """The prompted page renders in a real browser without an error, and every player's
     duration is its wav's (five per item)."""
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is missing in CI (the Makefile's system-deps installs it)")
-        pytest.skip("chromium is not installed (`make system-deps` installs it)")
+    chromium = chromium_or_skip()
     report = prompted_eval["report"]
     page = browse(chromium, (report / "index.html").as_uri())
     assert page["errors"] == [], page["errors"]
