@@ -28,13 +28,23 @@ speakers: the figure, whatever it is.
         --heldout-per-speaker 2 --eval-limit 8 --quality-items 0 \
         --work /tmp/sp --out /tmp/sp.json                     # a smoke run (a minute or two)
 
+Defaults: 600 training sentences per seen speaker (8,400 in all), 10 held-out sentences per
+speaker, 1,600 steps, 3-second prompts, a 25 frames/s codec fitted on 2,400 s of training audio.
+Variants: ``--prompt-seconds``, ``--plain-tts-share`` (part of the TTS share trained unprompted
+on the same data), ``--frame-rate`` (the prompted recipe's codec), ``--tag`` (names the variant's
+run; variants share the data and the baseline), ``--no-baseline``, and extra
+``--section.key value`` train overrides. The tried variants and their figures are in
+docs/quality.md, *Speaker-prompted TTS: the learning benchmark*.
+
 Writes benchmarks/results/speaker_prompt.json (``--out``); the work folder is reused (corpora,
-prepared sets, trained runs: a finished step is not redone).
+prepared sets, trained runs: a finished step is not redone; a run's folder names a digest of
+the settings that change it, so another setting never reuses it).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -52,8 +62,25 @@ BASELINE_VOICE = "us"  # the demo's voice (en-us), demo/speaking.py VOICE
 
 
 def build_data(work: str, a: argparse.Namespace) -> dict:
-    """Both corpora, the shared tokenizer and backbone, and every prepared set."""
+    """Both corpora, the shared tokenizer and backbone, and every prepared set (a work folder
+    made with other data settings is refused: its prepared sets would not be these)."""
     from transformers import AutoTokenizer
+
+    os.makedirs(work, exist_ok=True)
+    plan = {
+        "train_per_speaker": a.train_per_speaker,
+        "heldout_per_speaker": a.heldout_per_speaker,
+        "kmeans_seconds": a.kmeans_seconds,
+    }
+    record = os.path.join(work, "plan.json")  # fmt: skip
+    if os.path.isfile(record):
+        with open(record) as f:
+            if json.load(f) != plan:
+                raise SystemExit(f"{work} was made with other data settings ({record}); "
+                                 "remove it or give another --work")  # fmt: skip
+    else:
+        with open(record, "w") as f:
+            json.dump(plan, f)
 
     multi = build_voice_corpus(
         os.path.join(work, "corpus_voices"), a.train_per_speaker, a.heldout_per_speaker
@@ -74,22 +101,23 @@ def build_data(work: str, a: argparse.Namespace) -> dict:
     grammar_file = os.path.join(work, "grammar.jsgf")
     with open(grammar_file, "w") as f:
         f.write(grammar.jsgf())
-    sets = {
-        "voices": {"train": multi.train, "heldout": multi.heldout,
-                   "heldout_speakers": multi.heldout_speakers},
-        "one_voice": {"train": single.train, "heldout": single.heldout},
+    sets = {  # (manifests, codec frame rate): the baseline is the demo recipe's 25 frames/s
+        "voices": ({"train": multi.train, "heldout": multi.heldout,
+                    "heldout_speakers": multi.heldout_speakers}, a.frame_rate),
+        "one_voice": ({"train": single.train, "heldout": single.heldout}, 25),
     }  # fmt: skip
     prepared: dict[str, dict[str, str]] = {}
-    for corpus, manifests in sets.items():
-        codec = os.path.join(work, corpus, "codec")
+    for corpus, (manifests, rate) in sets.items():
+        folder = os.path.join(work, corpus if rate == 25 else f"{corpus}_{rate}fps")
+        codec = os.path.join(folder, "codec")
         for name, manifest in manifests.items():
-            out = os.path.join(work, corpus, "prepared", name)
+            out = os.path.join(folder, "prepared", name)
             prepared.setdefault(corpus, {})[name] = out
             if os.path.isfile(os.path.join(out, "metadata.json")):
                 continue
             how = ["--codec", codec]
             if name == "train":  # each recipe fits its codec on its own training audio
-                how = ["--fit-kmeans-codec", codec, "--kmeans-frame-rate", "25",
+                how = ["--fit-kmeans-codec", codec, "--kmeans-frame-rate", str(rate),
                        "--kmeans-seconds", f"{a.kmeans_seconds:g}"]  # fmt: skip
             run_command(
                 [console("torchtitan"), "prepare", "--manifest", manifest, *how, "--tokenizer",
@@ -99,19 +127,39 @@ def build_data(work: str, a: argparse.Namespace) -> dict:
             "seen": multi.seen, "held_out": multi.held_out, "n_train": n_train}  # fmt: skip
 
 
-def train(work: str, name: str, prepared: dict, backbone: str, task: str, a) -> str:
-    """``torchtitan train`` of the demo recipe on ``prepared`` with ``task`` (plus ASR);
-    returns the last checkpoint (a finished run is not redone)."""
+def mixture(task: str, a) -> str:
+    """The training mixture: ``task`` at ``--tts-share`` (of which ``--plain-tts-share`` goes
+    to unprompted ``tts`` of the same data, for a prompted ``task``), ASR the rest."""
+    parts = {task: a.tts_share - (a.plain_tts_share if task != "tts" else 0.0)}
+    if task != "tts" and a.plain_tts_share > 0:
+        parts["tts"] = a.plain_tts_share
+    parts["asr"] = 1.0 - a.tts_share
+    return ",".join(f"{t}:train:{round(w, 6)}" for t, w in parts.items() if w > 0)
+
+
+def run_name(kind: str, mix: str, a, prompted: bool) -> str:
+    """A run's folder: ``kind`` (and ``--tag``) plus a digest of every setting that changes
+    what it trains, so that another setting never resumes (or reuses) a run made with this
+    one."""
+    settings = [a.steps, mix, a.kmeans_seconds, a.train_args]
+    if prompted:
+        settings += [a.prompt_seconds, a.frame_rate]
+    digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:8]
+    return f"{kind}{a.tag if prompted else ''}-{digest}"
+
+
+def train(work: str, name: str, prepared: dict, backbone: str, task: str, mix: str, a) -> str:
+    """``torchtitan train`` of the demo recipe on ``prepared``, training mixture ``mix``,
+    validated on ``task``; returns the last checkpoint (a finished run is not redone)."""
     dump = os.path.join(work, "runs", name)
     ckpt = os.path.join(dump, "checkpoint", f"step-{a.steps}")
     if os.path.isdir(ckpt):
         return ckpt
-    asr = round(1.0 - a.tts_share, 6)
     run_command(
         [console("torchtitan"), "train", "--job.config_file", CONFIG,
          "--job.dump_folder", dump, "--model.hf_assets_path", backbone,
          "--speechlm_data.datasets", f"train={prepared['train']},heldout={prepared['heldout']}",
-         "--speechlm_data.train", f"{task}:train:{a.tts_share},asr:train:{asr}",
+         "--speechlm_data.train", mix,
          "--speechlm_data.valid", f"{task}:heldout", "--speechlm.prompt_seconds",
          str(a.prompt_seconds), "--speechlm.sample_every", "0", "--training.steps", str(a.steps),
          "--lr_scheduler.warmup_steps", str(min(30, a.steps // 4)),
@@ -167,11 +215,20 @@ def summary(res: dict) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", default=os.path.join(HERE, "work", "speaker_prompt"))
-    p.add_argument("--train-per-speaker", type=int, default=150)
+    p.add_argument("--train-per-speaker", type=int, default=600)
     p.add_argument("--heldout-per-speaker", type=int, default=10)
     p.add_argument("--steps", type=int, default=1600)
     p.add_argument("--tts-share", type=float, default=0.75)
+    p.add_argument(
+        "--plain-tts-share",
+        type=float,
+        default=0.0,
+        help="of --tts-share, unprompted tts on the prompted recipe's data",
+    )
     p.add_argument("--prompt-seconds", type=float, default=3.0)
+    p.add_argument(
+        "--frame-rate", type=int, default=25, help="the prompted recipe's k-means codec frames/s"
+    )
     p.add_argument(
         "--quality-items", type=int, default=5, help="DNSMOS items per scored set (0: none)"
     )
@@ -195,25 +252,29 @@ def main() -> int:
     voices, one = d["prepared"]["voices"], d["prepared"]["one_voice"]
     seconds = {"data": t_data}
     t = time.perf_counter()
-    prompted = train(work, f"prompted{a.tag}", voices, d["backbone"], "tts_prompt", a)
+    mix = mixture("tts_prompt", a)
+    name = run_name("prompted", mix, a, prompted=True)
+    prompted = train(work, name, voices, d["backbone"], "tts_prompt", mix, a)
+    base_mix = mixture("tts", a)
+    base_name = run_name("baseline", base_mix, a, prompted=False)
     seconds["train_prompted"] = time.perf_counter() - t
     baseline = None
     if not a.no_baseline:
         t = time.perf_counter()
-        baseline = train(work, "baseline", one, d["backbone"], "tts", a)
+        baseline = train(work, base_name, one, d["backbone"], "tts", base_mix, a)
         seconds["train_baseline"] = time.perf_counter() - t
     t = time.perf_counter()
     seen_spec = f"tts_prompt:{voices['heldout']}"
     held_spec = f"tts_prompt:{voices['heldout_speakers']}"
-    scores = evaluate(prompted, [seen_spec, held_spec],
-                      os.path.join(work, f"eval_prompted{a.tag}.json"), d["grammar"], a)  # fmt: skip
+    scores = evaluate(prompted, [seen_spec, held_spec], os.path.join(work, f"eval_{name}.json"),
+                      d["grammar"], a)  # fmt: skip
     result = {
         "seen_speakers": summary(scores[seen_spec]),
         "held_out_speakers": summary(scores[held_spec]),
     }
     if baseline:
         base_spec = f"tts:{one['heldout']}"
-        base = evaluate(baseline, [base_spec], os.path.join(work, "eval_baseline.json"),
+        base = evaluate(baseline, [base_spec], os.path.join(work, f"eval_{base_name}.json"),
                         d["grammar"], a)  # fmt: skip
         result["baseline_one_voice"] = summary(base[base_spec])
     seconds["eval"] = time.perf_counter() - t
@@ -246,14 +307,20 @@ def main() -> int:
         },  # fmt: skip
         "train": {
             "steps": a.steps,
-            "tts_share": a.tts_share,
+            "mixture": mix,
+            "baseline_mixture": base_mix,
             "prompt_seconds": a.prompt_seconds,
+            "frame_rate": a.frame_rate,
             "config": os.path.relpath(CONFIG, os.path.dirname(HERE)),
             "overrides": a.train_args,
             "tag": a.tag,
         },  # fmt: skip
         **result,
         "codec_ceiling": ceiling,
+        "checkpoints": {
+            "prompted": os.path.relpath(prompted, work),
+            "baseline": baseline and os.path.relpath(baseline, work),
+        },  # fmt: skip
         "targets": targets,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
     }
