@@ -56,6 +56,8 @@ SMOKE = {
     "bench_lora.py": "--shape tiny --repeats 1 --out {tmp}/a.json",
     "bench_memory_model.py": "--hidden 64 --layers 1 --seq-len 64 --docs 2 --modes none "
     "--out {tmp}/a.json",
+    "codec_floor.py": "--fits 60:2:16:25 --oracle-rates 25 --train-per-speaker 2 "
+    "--heldout-per-speaker 2 --work {tmp}/work --out {tmp}/a.json",
     "bench_expert_parallel.py": "--steps 2 --hidden 32 --experts 4 --seq-len 512 "
     "--work {tmp}/work --out {tmp}/a.json",
     "bench_pipeline.py": "--steps 2 --micro 2 --hidden 32 --layers 4 --seq-len 512 "
