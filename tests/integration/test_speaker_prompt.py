@@ -63,6 +63,12 @@ def test_generate_with_a_prompt(runs, capsys):
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error" in line]
     assert rc == 2 and len(errors) == 1 and "nope.wav" in errors[0]
+    # a prompt file that is not audio: the same
+    (runs["tmp"] / "text.wav").write_text("not a wav\n")
+    rc = generate_main([*argv, "--prompt", str(runs["tmp"] / "text.wav"), "--max-frames", "4"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert rc == 2 and len(errors) == 1 and "text.wav" in errors[0], err
 
 
 def test_a_batch_file_takes_prompts(runs, capsys):
