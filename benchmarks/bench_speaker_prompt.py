@@ -23,7 +23,7 @@ perfect model would get through this codec. Targets (the issue): on seen speaker
 >= 0.9 and SIM(gen, prompt) >= SIM(gen, others) + 0.1; WER <= 1.5x the baseline's; held-out
 speakers: the figure, whatever it is.
 
-    python benchmarks/bench_speaker_prompt.py                 # about 30 minutes on 2 CPU cores
+    python benchmarks/bench_speaker_prompt.py                 # about 40 minutes on 2 CPU cores
     python benchmarks/bench_speaker_prompt.py --steps 4 --train-per-speaker 2 \
         --heldout-per-speaker 2 --eval-limit 8 --quality-items 0 \
         --work /tmp/sp --out /tmp/sp.json                     # a smoke run (a minute or two)

@@ -22,7 +22,7 @@ BENCHES = [  # each writes its JSON under benchmarks/results/ (docs/performance.
     ["benchmarks/bench_expert_parallel.py"],  # the EP step vs EP=1 at equal global batch
     ["benchmarks/bench_memory_model.py"],  # activation memory per frame and layer (performance.md)
     ["benchmarks/voice_table.py"],  # espeak-ng voices told apart by Resemblyzer (quality.md)
-    ["benchmarks/bench_speaker_prompt.py"],  # prompted TTS: speaker-ID, SIM, WER (~30 min)
+    ["benchmarks/bench_speaker_prompt.py"],  # prompted TTS: speaker-ID, SIM, WER (~40 min)
     ["benchmarks/codec_floor.py"],  # the codec's WER floor on many voices (~10 min)
     ["benchmarks/bench_learning.py", "--sweep"],  # ~30 min alone on 2 cores (docs/quality.md)
 ]
