@@ -30,7 +30,7 @@ from torchtitan_speechlm.generation.decode import DecodeConfig, Sampling
 from torchtitan_speechlm.generation.loading import load_model
 from torchtitan_speechlm.generation.requests import Request, run_requests
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # end-to-end runs of prompted TTS: make faults
 MAX_FRAMES = 12
 # sampled, not greedy: 4 steps of training give one frame over and over greedily, whatever the
 # prompt; sampled, each row with its own seeded generator, the voices tell apart

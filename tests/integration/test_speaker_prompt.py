@@ -22,7 +22,7 @@ from torchtitan_speechlm.commands.generate import generate_main
 from torchtitan_speechlm.judges import register_judge
 from torchtitan_speechlm.judges.base import SpeakerJudge
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # end-to-end runs of prompted TTS: make faults
 
 STEPS = 4
 
