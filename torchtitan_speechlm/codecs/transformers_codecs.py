@@ -144,7 +144,13 @@ class TransformersCodec:
 
 
 class Encodec(TransformersCodec):
-    """Run at its highest configured bandwidth, i.e. with every codebook it has."""
+    """Run at the lowest configured bandwidth that gives the codebooks kept: all of them (its
+    highest bandwidth) by default; with ``keep_streams(K)``, the smallest of
+    ``config.target_bandwidths`` giving at least K codebooks (e.g. 6 kbps = 8 codebooks for
+    ``encodec_24khz`` with K = 8), so the quantiser stops there instead of computing 32
+    codebooks to keep 8. Residual quantisers go coarse to fine, so the first K codes are the
+    same at every bandwidth giving K or more; the extra codebooks of a bandwidth that gives
+    more than K are dropped (``bandwidth_note`` says so)."""
 
     name, model_class = "encodec", "EncodecModel"
 
@@ -158,7 +164,20 @@ class Encodec(TransformersCodec):
 
     def codebooks(self, cfg) -> int:
         self.bandwidth = max(cfg.target_bandwidths)
+        self.bandwidth_note = ""
         return self.model.quantizer.get_num_quantizers_for_bandwidth(self.bandwidth)
+
+    def keep_streams(self, n: int) -> None:
+        q = self.model.quantizer
+        options = sorted(
+            (q.get_num_quantizers_for_bandwidth(b), b) for b in self.model.config.target_bandwidths
+        )
+        count, self.bandwidth = next((c, b) for c, b in options if c >= n)
+        self.num_streams = n
+        self.bandwidth_note = (
+            f"encodec: encoding at {self.bandwidth:g} kbps ({count} codebooks)"
+            + ("" if count == n else f", keeping the first {n}: no target bandwidth gives {n}")
+        )
 
     def _encode(self, x):
         out = self.model.encode(x, return_dict=True, bandwidth=self.bandwidth)

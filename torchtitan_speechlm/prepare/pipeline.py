@@ -135,6 +135,8 @@ def prepare_dataset(
                                          kmeans_seconds, seed, overwrite, progress, hf_reader,
                                          kmeans_frame_rate)  # fmt: skip
     codec = load_codec(codec_path, device if workers == 1 else "cpu", num_streams)
+    if getattr(codec, "bandwidth_note", ""):  # which Encodec bandwidth --num-streams chose
+        print(f"prepare: {codec.bandwidth_note}", file=sys.stderr, flush=True)
     plan = build_plan(
         items, read.description, codec, tokenizer_fingerprint(tok), shard_size, allow_audio_only
     )
