@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.real_checkpoints import SHIPPED_AS, dress_as_shipped
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.backbones.hf import load_hf_config
 from torchtitan_speechlm.model.model import SpeechLM
@@ -103,6 +104,8 @@ def tiny_model_assets(root, family="qwen3", seed=0, tie=False, **backbone) -> di
         tie_word_embeddings=tie,
         **{**TINY_BACKBONE, **backbone},
     )
+    # the keys, dtype (bf16) and generation config of the checkpoint users bring of this family
+    dress_as_shipped(paths["backbone"], SHIPPED_AS[family])
     return paths
 
 

@@ -91,3 +91,44 @@ def save_real_backbone(
     generation = CONFIG_DIR / f"{name}.generation_config.json"
     (path / "generation_config.json").write_text(generation.read_text())
     return shipped
+
+
+# the keys of a model's size and layout: the ones a tiny test model keeps of its own
+SHAPE_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+    "max_position_embeddings", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "bos_token_id", "eos_token_id",
+    "pad_token_id",
+)  # fmt: skip
+# the shipped checkpoint whose conventions each tiny test family wears
+SHIPPED_AS = {
+    "qwen3": "qwen3_0.6b",
+    "llama": "llama3.2_1b",
+    "qwen2": "qwen2.5_0.5b",
+    "qwen3_moe": "qwen3_30b_a3b",
+}
+
+
+def dress_as_shipped(folder, name: str) -> dict:
+    """Rewrite a ``save_pretrained`` folder as checkpoint ``name`` ships: its config.json becomes
+    the shipped one with this model's sizes (SHAPE_KEYS; the counts of layers follow), its
+    generation_config.json the shipped one, and its weights are stored in the shipped dtype
+    (bf16). The model itself is unchanged but for that rounding. Returns the new config."""
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    shipped = cut_config(name, saved["num_hidden_layers"])
+    shipped.update({k: saved[k] for k in SHAPE_KEYS if k in saved})
+    if "num_local_experts" in saved:  # transformers 5 writes num_experts under this name
+        shipped["num_experts"] = saved["num_local_experts"]
+    (folder / "config.json").write_text(json.dumps(shipped, indent=2) + "\n")
+    generation = CONFIG_DIR / f"{name}.generation_config.json"
+    (folder / "generation_config.json").write_text(generation.read_text())
+    dtype = getattr(torch, stored_dtype(shipped) or "float32")
+    for f in folder.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        cast = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
+        save_file(cast, str(f), metadata={"format": "pt"})
+    return shipped

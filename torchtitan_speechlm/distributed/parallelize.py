@@ -87,7 +87,12 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
         apply_fsdp(
             model,
             parallel_dims.get_mesh(names),
-            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            # bf16 master weights (training.dtype) run with mixed precision off (trainer/checks.py)
+            param_dtype=(
+                TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+                if job_config.training.dtype == "float32"
+                else None
+            ),
             reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
             cpu_offload=job_config.training.enable_cpu_offload,
             reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward != "never",

@@ -108,6 +108,37 @@ def check_conflicts(job_config) -> None:
         raise ConfigError(f"checkpoint.interval = {c.interval}: must be >= 1")
     if job_config.training.steps < 1:
         raise ConfigError(f"training.steps = {job_config.training.steps}: must be >= 1")
+    t = job_config.training
+    if t.dtype != "float32" and t.mixed_precision_param != "float32":
+        raise ConfigError(
+            f"training.dtype = {t.dtype!r} asks for {t.dtype} master weights (parameters, "
+            "gradients and optimizer states; every update below its resolution is lost), which "
+            f"is honoured only with mixed precision off, but training.mixed_precision_param = "
+            f"{t.mixed_precision_param!r}. Keep training.dtype = 'float32' (recommended: "
+            "float32 master weights, bf16 compute through mixed_precision_param), or set "
+            "training.mixed_precision_param = 'float32' as well"
+        )
+
+
+def master_weights_note(job_config, plan: RunPlan) -> str | None:
+    """What a rank says once about its parameters' dtype, when the backbone's checkpoint or the
+    run asks for anything but float32 master weights (None otherwise)."""
+    t = job_config.training
+    stored = plan.family.stored_dtype(plan.backbone_config)
+    if t.dtype != "float32":
+        return (
+            f"training.dtype = {t.dtype!r}: parameters, gradients and optimizer states are "
+            f"{t.dtype} (no float32 master copy) and FSDP's mixed precision is off; updates "
+            f"below {t.dtype}'s resolution are lost"
+        )
+    if stored and stored != "float32":
+        return (
+            f"{plan.backbone_path}/config.json stores the weights as {stored}: they are loaded "
+            "into float32 master weights (training.dtype); compute runs in "
+            f"{t.mixed_precision_param} (training.mixed_precision_param, through FSDP2's "
+            "mixed precision or autocast)"
+        )
+    return None
 
 
 def check_lora(job_config, plan: RunPlan) -> None:

@@ -75,7 +75,7 @@ class RunPlan:
         path = job_config.model.hf_assets_path
         try:
             backbone_config = family.read_config(path)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:
             raise ConfigError(str(e)) from None
         text = family.text_vocab_size(backbone_config)
         data = job_config.speechlm_data

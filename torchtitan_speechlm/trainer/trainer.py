@@ -25,6 +25,7 @@ from torchtitan.train import Trainer
 from torchtitan_speechlm.data.external import ExternalData
 from torchtitan_speechlm.distributed.pipeline import STAGE_KWARGS
 from torchtitan_speechlm.trainer.builders import bind
+from torchtitan_speechlm.trainer.checks import master_weights_note
 from torchtitan_speechlm.trainer.faults import (
     CollectiveFailure,
     describe_collective_failure,
@@ -71,6 +72,9 @@ class SpeechLMTrainer(Trainer):
         self.run = start_run(job_config, external) if is_speechlm(job_config) else None
         if self.run is not None:
             withdraw_save_request(job_config)
+            note = master_weights_note(job_config, self.run.plan)
+            if note and _rank() == 0:
+                logger.warning(note)
         super().__init__(job_config)
 
     # torchtitan's __init__ reads the TrainSpec from its registry into ``self.train_spec``;

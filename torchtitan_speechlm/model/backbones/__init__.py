@@ -55,6 +55,14 @@ class Backbone:
     def init_std(self, config: dict) -> float:
         return float(config.get("initializer_range", 0.02))
 
+    def stored_dtype(self, config: dict) -> str | None:
+        """The dtype the checkpoint's weights are stored in (``dtype``, or transformers 4's
+        ``torch_dtype``), e.g. ``"bfloat16"`` for every released Qwen3/Llama. It never decides
+        the parameters' dtype: that is the run's ``training.dtype`` (float32 master weights by
+        default, torchtitan's rule), with bf16 compute from FSDP's mixed precision."""
+        value = config.get("dtype") or config.get("torch_dtype")
+        return str(value).replace("torch.", "") if value else None
+
     def moe(self, config: dict) -> tuple[int, int] | None:
         """(experts, experts per token) of a mixture-of-experts decoder, else None."""
         return None

@@ -38,10 +38,48 @@ def require_backbone_dir(path: str) -> Path:
     return p
 
 
+# keys of transformers 4 checkpoints that transformers 5 converts on load (to ``dtype`` and
+# ``rope_parameters``): known, although no config class declares them any more
+CONVERTED_KEYS = frozenset({"torch_dtype", "rope_scaling", "rope_theta"})
+
+
 def load_hf_config(path: str):
+    """The transformers config of a checkpoint folder; an unknown ``model_type`` is one line
+    naming the file and the installed transformers."""
+    import transformers
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(require_backbone_dir(path)), local_files_only=True)
+    folder = require_backbone_dir(path)
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (ValueError, KeyError) as e:
+        raw = _read_json(folder / "config.json")
+        raise ValueError(
+            f"{folder / 'config.json'}: model_type {raw.get('model_type')!r} is unknown to the "
+            f"installed transformers {transformers.__version__} ({str(e).splitlines()[0]}); "
+            "install a transformers that has it, or point model.hf_assets_path at another "
+            "backbone"
+        ) from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON config ({e})") from None
+
+
+def unknown_config_keys(path: str, hf_config) -> list[str]:
+    """Keys of the folder's config.json that the installed transformers' config class neither
+    declares nor converts: transformers keeps them as attributes, and no layer reads them, so a
+    key meant to change the model (a newer release's option) would be ignored."""
+    from transformers import PretrainedConfig
+
+    raw = _read_json(Path(path) / "config.json")
+    cls = type(hf_config)
+    known = set(cls().to_dict()) | set(PretrainedConfig().to_dict()) | CONVERTED_KEYS
+    known |= set(getattr(cls, "attribute_map", {}))
+    return sorted(k for k in raw if k not in known and not hasattr(cls, k))
 
 
 def build_backbone(hf_config, attn_implementation: str = "sdpa") -> nn.Module:
@@ -59,7 +97,13 @@ def build_backbone(hf_config, attn_implementation: str = "sdpa") -> nn.Module:
             f"{DOCUMENT_ATTENTION!r} attends within each document without one"
         )
     hf_config._attn_implementation = attn_implementation
-    backbone = AutoModel.from_config(hf_config, attn_implementation=attn_implementation)
+    # The parameters take the run's dtype (torchtitan builds the model under
+    # ``set_default_dtype(training.dtype)``, float32 by default), never the checkpoint's stored
+    # ``dtype`` (bf16 for released checkpoints): FSDP2 refuses a model of mixed dtypes, and bf16
+    # master weights would lose every update below bf16's resolution.
+    backbone = AutoModel.from_config(
+        hf_config, attn_implementation=attn_implementation, dtype=torch.get_default_dtype()
+    )
     for attr in ("layers", "norm"):
         if not hasattr(backbone, attr):
             raise ValueError(
@@ -165,7 +209,18 @@ class HFBackbone(Backbone):
     embed_key, head_key = HF_EMBED, HF_HEAD
 
     def read_config(self, path: str) -> dict:
-        return load_hf_config(path).to_dict()
+        config = load_hf_config(path)
+        unknown = unknown_config_keys(path, config)
+        if unknown:
+            import transformers
+            from torchtitan.tools.logging import logger
+
+            logger.warning(
+                f"{Path(path) / 'config.json'}: {', '.join(unknown)} unknown to transformers "
+                f"{transformers.__version__}'s {type(config).__name__} (kept, but no layer of "
+                "this version reads them)"
+            )
+        return config.to_dict()
 
     def hf_config(self, config: dict):
         from transformers import AutoConfig
