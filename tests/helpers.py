@@ -39,9 +39,11 @@ def save_tiny_backbone(path, family="qwen3", vocab_size=96, tie=False, seed=0, *
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
-    model = cls[1](cls[0](**common))
-    model.save_pretrained(path)
-    return model
+    cls[1](cls[0](**common)).save_pretrained(path)
+    # the keys, dtype (bf16) and generation config of the checkpoint users bring of this
+    # family; the model returned is the folder as transformers reads it (float32)
+    dress_as_shipped(path, SHIPPED_AS[family])
+    return cls[1].from_pretrained(path, dtype=torch.float32)
 
 
 def build_speechlm(backbone_dir, num_streams=3, codebook_size=16, tie=None, **kw) -> SpeechLM:

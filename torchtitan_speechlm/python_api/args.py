@@ -164,7 +164,10 @@ def _titan_sections(titan: Mapping) -> dict[str, dict]:
         )
     return {
         "training": {
-            "mixed_precision_param": titan.get("mixed_precision_param", "bfloat16"),
+            # bf16 storage (master weights) runs with mixed precision off (trainer/checks.py)
+            "mixed_precision_param": titan.get(
+                "mixed_precision_param", "bfloat16" if storage == "float32" else "float32"
+            ),
             "mixed_precision_reduce": titan.get("mixed_precision_reduce", "float32"),
             "max_norm": float(titan.get("gradient_clipping", 1.0)),
             "dtype": storage,

@@ -104,7 +104,7 @@ def test_logits_equal_an_independent_assembly(assets):
     adapted = F.linear(F.gelu(F.linear(stacked, p["proj_in.weight"], p["proj_in.bias"])),
                        p["proj_out.weight"], p["proj_out.bias"])  # fmt: skip
     n = int(model.args.audio.output_frames(len(wave)))
-    lm = AutoModelForCausalLM.from_pretrained(assets["backbone"]).eval()
+    lm = AutoModelForCausalLM.from_pretrained(assets["backbone"], dtype=torch.float32).eval()
     ids = torch.tensor(text)
     emb = lm.get_input_embeddings()(ids)
     embeds = torch.cat([emb[:2], adapted[:n], emb[2:]])[None]

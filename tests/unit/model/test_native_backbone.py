@@ -55,7 +55,7 @@ def test_text_lm_export_of_the_native_backbone_loads_in_transformers(tmp_path):
     state = {n: p.detach() for n, p in model.named_parameters()}
     save_text_lm(model, state, str(tmp_path / "text"), torch.float32, 1 << 30)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "text")).eval()
-    src = AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama")).eval()
+    src = AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama"), dtype=torch.float32).eval()
     for (n, p), (_, q) in zip(hf.named_parameters(), src.named_parameters(), strict=True):
         assert torch.equal(p, q), n  # the permutation round-trips exactly
     assert np.isfinite(float(model.head.output.weight.sum()))

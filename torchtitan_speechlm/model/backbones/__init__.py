@@ -140,6 +140,22 @@ class Backbone:
         return tensor
 
 
+def rope_of(config: dict) -> dict:
+    """A config's RoPE settings as one dict (``rope_type``, ``rope_theta`` and the scaling's
+    keys), whichever convention wrote it: transformers 5's ``rope_parameters`` (what
+    ``to_dict()`` of any loaded config gives, also for a transformers 4 checkpoint) or
+    transformers 4's top-level ``rope_theta`` + ``rope_scaling`` (as Llama-3 checkpoints ship).
+    Families that build their own blocks read RoPE here: reading only the old keys from a
+    transformers 5 dict silently gives theta 10,000 and no scaling."""
+    rope = dict(config.get("rope_scaling") or {})
+    rope.update(config.get("rope_parameters") or {})
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", float(config.get("rope_theta") or 10000.0))
+    return rope
+
+
 STACKED = "{}"
 
 

@@ -29,7 +29,7 @@ from torchtitan.models.llama3.model.model import (
     precompute_freqs_cis,
 )
 
-from torchtitan_speechlm.model.backbones import Backbone, kv_cache, register_backbone
+from torchtitan_speechlm.model.backbones import Backbone, kv_cache, register_backbone, rope_of
 from torchtitan_speechlm.model.backbones.hf import PretrainedWeights, load_hf_config
 from torchtitan_speechlm.model.documents import Documents, documents_of
 
@@ -60,9 +60,9 @@ def transformer_args(config: dict, attn_implementation: str = "sdpa") -> Transfo
         raise ValueError(f"native backbone: head_dim {config['head_dim']} != hidden/heads")
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ValueError("native backbone: attention or MLP biases are not supported")
-    scaling = config.get("rope_scaling") or {}
-    if scaling and scaling.get("rope_type", scaling.get("type")) != "llama3":
-        raise ValueError(f"native backbone: rope_scaling {scaling} is not supported")
+    scaling = rope_of(config)
+    if scaling["rope_type"] not in ("default", "llama3"):
+        raise ValueError(f"native backbone: RoPE {scaling} is not supported (default, llama3)")
     rope = (
         RoPEScalingArgs(
             float(scaling["factor"]),
@@ -70,7 +70,7 @@ def transformer_args(config: dict, attn_implementation: str = "sdpa") -> Transfo
             float(scaling["high_freq_factor"]),
             int(scaling["original_max_position_embeddings"]),
         )
-        if scaling
+        if scaling["rope_type"] == "llama3"
         else RoPEScalingArgs(scaling_factor=1.0)
     )  # 1.0: no scaling
     base = int(2 * 4 * dim / 3)  # what FeedForward derives from dim before the multiplier
@@ -83,7 +83,7 @@ def transformer_args(config: dict, attn_implementation: str = "sdpa") -> Transfo
         multiple_of=1,
         ffn_dim_multiplier=(int(config["intermediate_size"]) + 0.5) / base,
         norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=float(scaling["rope_theta"]),
         rope_scaling_args=rope,
         max_seq_len=int(config.get("max_position_embeddings", 4096)),
         depth_init=True,

@@ -34,7 +34,7 @@ from torchtitan.models.qwen3.model.model import (
     precompute_rope_cache,
 )
 
-from torchtitan_speechlm.model.backbones import Backbone, kv_cache, register_backbone
+from torchtitan_speechlm.model.backbones import Backbone, kv_cache, register_backbone, rope_of
 from torchtitan_speechlm.model.backbones.hf import PretrainedWeights, load_hf_config
 from torchtitan_speechlm.model.backbones.native import DocumentSDPA, document_block_mask
 from torchtitan_speechlm.model.backbones.qwen3_weights import hf_key
@@ -64,12 +64,12 @@ def moe_layer_ids(config: dict) -> list[int]:
 
 
 def _rope_theta(config: dict) -> float:
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}  # transformers 4 configs
-    kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise _refuse("rope_parameters.rope_type", kind, "only unscaled RoPE is supported")
-    return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    rope = rope_of(config)
+    if rope["rope_type"] != "default":
+        raise _refuse(
+            "rope_parameters.rope_type", rope["rope_type"], "only unscaled RoPE is supported"
+        )
+    return float(rope["rope_theta"])
 
 
 def qwen3_args(config: dict, attn_implementation: str = "sdpa") -> Qwen3ModelArgs:
