@@ -11,6 +11,8 @@ done. ``metadata.json`` is written last; its presence means the dataset is compl
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import shutil
 import sys
@@ -21,6 +23,7 @@ from torchtitan_speechlm.data.format import CorruptDatasetError
 from torchtitan_speechlm.data.tokenizer_check import LossyTokenizerError, check_inputs
 from torchtitan_speechlm.prepare.items import ManifestError, ManifestItem
 from torchtitan_speechlm.prepare.plan import (
+    PLAN,
     PlanMismatchError,
     build_plan,
     finalize,
@@ -29,6 +32,13 @@ from torchtitan_speechlm.prepare.plan import (
 )
 from torchtitan_speechlm.prepare.run import fit_or_reuse_kmeans, run_shards
 from torchtitan_speechlm.prepare.sources import SOURCES, read_source
+from torchtitan_speechlm.prepare.split import (
+    SPLIT_FILE,
+    SplitError,
+    check_fraction,
+    describe_split,
+    split_items,
+)
 from torchtitan_speechlm.prepare.waveforms import add_waveforms, describe
 from torchtitan_speechlm.prepare.worker import (
     BadItemError,
@@ -37,6 +47,7 @@ from torchtitan_speechlm.prepare.worker import (
     import_modules,
 )
 from torchtitan_speechlm.utils.audio import BadAudioError
+from torchtitan_speechlm.utils.fileio import write_json_atomic
 from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
 
 
@@ -91,8 +102,15 @@ def prepare_dataset(
     source: tuple[str, str] | None = None,
     source_options: dict | None = None,
     imports: tuple[str, ...] = (),
+    dev_fraction: float | None = None,
+    dev_seed: int = 0,
 ) -> dict:
     """Prepare (or finish preparing) a dataset in ``out_dir``; return the summary dict.
+
+    ``dev_fraction=F`` (``--dev-fraction``): carve a deterministic dev split (by speaker where
+    the source names speakers, else by item; ``prepare/split.py``, seeded by ``dev_seed``) and
+    write two datasets, ``out_dir/train`` and ``out_dir/dev``, plus ``out_dir/split.json``;
+    the return value is then ``{"train": summary, "dev": summary, "split": info}``.
 
     Exactly one source: ``manifest``, ``kaldi``, ``hf_dataset`` (with ``audio_column``,
     ``text_column``, ``split``) or ``source=(name, path)`` for any registered source (e.g.
@@ -104,6 +122,8 @@ def prepare_dataset(
     :class:`LossyTokenizerError` before any output exists, unless ``allow_lossy_tokenizer``.
     """
     t0 = time.monotonic()
+    if dev_fraction is not None:
+        check_fraction(dev_fraction)
     import_modules(imports)
     given = [
         (n, p)
@@ -130,21 +150,48 @@ def prepare_dataset(
         _strict_precheck(items, allow_audio_only)
     tok = load_text_tokenizer(tokenizer_path)  # checked before any output or codec work
     roundtrip = check_inputs(tok, items, os.path.abspath(tokenizer_path), allow_lossy_tokenizer)
-    if fit_kmeans_codec is not None:
-        codec_path = fit_or_reuse_kmeans(fit_kmeans_codec, items, codebooks, codebook_size,
-                                         kmeans_seconds, seed, overwrite, progress, hf_reader,
+    split = split_items(items, dev_fraction, dev_seed) if dev_fraction is not None else None
+    if fit_kmeans_codec is not None:  # fitted on the training items only
+        codec_path = fit_or_reuse_kmeans(fit_kmeans_codec, split.train if split else items,
+                                         codebooks, codebook_size, kmeans_seconds, seed,
+                                         overwrite, progress, hf_reader,
                                          kmeans_frame_rate)  # fmt: skip
     codec = load_codec(codec_path, device if workers == 1 else "cpu", num_streams)
     if getattr(codec, "bandwidth_note", ""):  # which Encodec bandwidth --num-streams chose
         print(f"prepare: {codec.bandwidth_note}", file=sys.stderr, flush=True)
-    plan = build_plan(
-        items, read.description, codec, tokenizer_fingerprint(tok), shard_size, allow_audio_only
-    )
-    created = open_out_dir(out_dir, plan, overwrite)
-    header = {"codec": plan["codec"], "tokenizer": plan["tokenizer"]}
     cfg = WorkerConfig(os.path.abspath(codec_path), os.path.abspath(tokenizer_path), device,
                        num_streams, hf_reader, allow_audio_only, strict, batch_size,
-                       header, tuple(imports))  # fmt: skip
+                       {}, tuple(imports))  # fmt: skip
+    part = functools.partial(_prepare_part, codec=codec, tok=tok, cfg=cfg, workers=workers,
+                             shard_size=shard_size, allow_audio_only=allow_audio_only,
+                             overwrite=overwrite, progress=progress, roundtrip=roundtrip)  # fmt: skip
+    if split is None:
+        return part(items, read.description, out_dir, t0)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"output path {out_dir} exists and is not a directory")
+    if os.path.isfile(os.path.join(out_dir, PLAN)):
+        raise PlanMismatchError(
+            f"{out_dir} holds a preparation without a dev split; with --dev-fraction, --out is "
+            "the folder of the two splits (OUT/train, OUT/dev): use another --out"
+        )
+    summaries = {}
+    for name, subset in (("train", split.train), ("dev", split.dev)):
+        what = dict(read.description, split=dict(name=name, **{k: split.info[k] for k in
+                    ("dev_fraction", "seed", "by")}))  # fmt: skip
+        summaries[name] = part(subset, what, os.path.join(out_dir, name), t0)
+    write_json_atomic(os.path.join(out_dir, SPLIT_FILE), split.info)
+    return {**summaries, "split": split.info}
+
+
+def _prepare_part(items, description: dict, out_dir: str, t0: float, *, codec, tok, cfg,
+                  workers: int, shard_size: int, allow_audio_only: bool, overwrite: bool,
+                  progress: bool, roundtrip: dict) -> dict:  # fmt: skip
+    """Plan, encode and finish one prepared dataset of ``items`` in ``out_dir``."""
+    plan = build_plan(
+        items, description, codec, tokenizer_fingerprint(tok), shard_size, allow_audio_only
+    )
+    created = open_out_dir(out_dir, plan, overwrite)
+    cfg = dataclasses.replace(cfg, header={"codec": plan["codec"], "tokenizer": plan["tokenizer"]})
     tasks = [
         ShardTask(s, items[s * shard_size : (s + 1) * shard_size], h)
         for s, h in enumerate(plan["shard_inputs"])
@@ -212,7 +259,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="k-means codec: frames per second (50; 25 halves the LM's sequences)",
     )
     p.add_argument("--seed", type=int, default=0, help="k-means codec: seed (0)")
-    p.add_argument("--num-streams", type=int, help="keep only the first K codebooks")
+    p.add_argument(
+        "--num-streams",
+        type=int,
+        help="keep only the first K codebooks (e.g. 8 of Mimi's 32, as Moshi does; an Encodec "
+        "then encodes at the smallest bandwidth giving K)",
+    )
+    p.add_argument(
+        "--dev-fraction",
+        type=float,
+        metavar="F",
+        help="also carve a dev split holding about F of the items (0 < F < 1): whole speakers "
+        "where the source names them (no speaker in both splits), else single items, chosen "
+        "by a hash of speaker/id and --dev-seed (not by order or --workers); writes two "
+        "datasets, OUT/train and OUT/dev, and OUT/split.json",
+    )
+    p.add_argument("--dev-seed", type=int, default=0, help="seed of the dev split's hash (0)")
     p.add_argument("--tokenizer", required=True, help="local text tokenizer directory")
     p.add_argument("--out", required=True, help="output directory for the prepared dataset")
     p.add_argument("--batch-size", type=int, default=8)
@@ -311,14 +373,21 @@ def main(argv: list[str] | None = None) -> int:
             kmeans_seconds=args.kmeans_seconds, kmeans_frame_rate=args.kmeans_frame_rate,
             seed=args.seed,
             allow_lossy_tokenizer=args.allow_lossy_tokenizer,
+            dev_fraction=args.dev_fraction, dev_seed=args.dev_seed,
         )  # fmt: skip
+        parts = [(args.out, s)] if args.dev_fraction is None else [
+            (os.path.join(args.out, n), s[n]) for n in ("train", "dev")]  # fmt: skip
         if args.waveforms:
-            print(describe(args.out, add_waveforms(args.out, args.source_manifest, args.waveforms)))
+            for out, _ in parts:
+                print(describe(out, add_waveforms(out, args.source_manifest, args.waveforms)))
     except (OSError, ValueError, ImportError, CodecError, BadAudioError, CorruptDatasetError,
-            PlanMismatchError, NoItemsError) as e:  # fmt: skip
+            PlanMismatchError, NoItemsError, SplitError) as e:  # fmt: skip
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(format_summary(s))
+    for _, summary in parts:
+        print(format_summary(summary))
+    if args.dev_fraction is not None:
+        print(describe_split(s["split"], {n: s[n]["num_items"] for n in ("train", "dev")}))
     return 0
 
 
