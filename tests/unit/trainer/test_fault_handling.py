@@ -323,7 +323,10 @@ def _layout_cfg(world_replicate=1, shard=-1, tp=1, pp=1, cp=1, ep=1, local=2, gl
             tensor_parallel_degree=tp, pipeline_parallel_degree=pp, context_parallel_degree=cp,
             expert_parallel_degree=ep,
         ),
-        training=SimpleNamespace(local_batch_size=local, global_batch_size=global_, steps=10),
+        training=SimpleNamespace(
+            local_batch_size=local, global_batch_size=global_, steps=10, dtype="float32",
+            mixed_precision_param="bfloat16",
+        ),
         checkpoint=SimpleNamespace(
             keep_latest_k=ckpt.get("k", 0), last_save_in_hf=ckpt.get("hf", False),
             last_save_model_only=ckpt.get("model_only", False),
