@@ -122,13 +122,23 @@ class Documents:
         return out.index_select(0, self.slot)
 
 
-_last: list = [None, None]  # (position_ids, its Documents): computed once per forward
-
-
-def documents_of(position_ids: torch.Tensor) -> Documents:
-    if _last[0] is not position_ids:
-        _last[0], _last[1] = position_ids, Documents(position_ids)
-    return _last[1]
+@torch.compiler.disable
+def attend(
+    documents: Documents | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``documents.attend(q, k, v)`` (the documents of ``positions`` when ``documents`` is None,
+    computed here: one host sync per call). Never traced by dynamo: the only code that sees the
+    groups' shapes, so a compiled layer is two graphs of the row's fixed shape around it."""
+    if documents is None:
+        documents = Documents(positions)
+    return documents.attend(q, k, v, scale=scale, dropout=dropout)
 
 
 def document_attention(
@@ -140,23 +150,27 @@ def document_attention(
     dropout=0.0,
     scaling=None,
     position_ids=None,
+    documents: Documents | None = None,
     **kwargs,
 ):
     """transformers attention interface: q [B, H, T, d], k/v [B, Hkv, T, d] ->
-    ([B, T, H, d], None)."""
+    ([B, T, H, d], None). ``documents``: those of ``position_ids``, computed once per forward by
+    the caller (``HFBackbone.run`` passes them as a keyword transformers hands every layer's
+    attention); without them each call computes its own."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     b, h, t, d = query.shape
     if (
-        position_ids is None
-        or attention_mask is not None
+        attention_mask is not None
         or key.shape[2] != t
-        or position_ids.shape != (b, t)
+        or (documents is None and (position_ids is None or position_ids.shape != (b, t)))
     ):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    out = documents_of(position_ids).attend(query, key, value, scale=scaling, dropout=dropout)
+    out = attend(
+        documents, query, key, value, scale=scaling, dropout=dropout, positions=position_ids
+    )
     return out.view(b, t, h, d), None
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from torchtitan_speechlm.model.backbones import Backbone, register_backbone
 from torchtitan_speechlm.model.documents import NAME as DOCUMENT_ATTENTION
+from torchtitan_speechlm.model.documents import Documents
 from torchtitan_speechlm.model.documents import register as register_document_attention
 
 # transformers implementations that turn per-document position ids into a dense mask
@@ -240,6 +241,10 @@ class HFBackbone(Backbone):
     def run(self, module, inputs_embeds, position_ids, real):
         moe = self.moe(module.config.to_dict())
         extra = {"output_router_logits": True} if moe else {}
+        if module.config._attn_implementation == DOCUMENT_ATTENTION and position_ids is not None:
+            # grouped once per forward, outside the compiled layers: every layer's attention
+            # gets them (transformers hands extra keywords to the attention interface)
+            extra["documents"] = Documents(position_ids)
         out = module(
             inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, **extra
         )

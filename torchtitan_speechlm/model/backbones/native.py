@@ -31,7 +31,7 @@ from torchtitan.models.llama3.model.model import (
 
 from torchtitan_speechlm.model.backbones import Backbone, kv_cache, register_backbone, rope_of
 from torchtitan_speechlm.model.backbones.hf import PretrainedWeights, load_hf_config
-from torchtitan_speechlm.model.documents import Documents, documents_of
+from torchtitan_speechlm.model.documents import Documents
 
 # our name inside the decoder -> the HF Llama checkpoint name ({} = layer)
 HF_NAMES = {
@@ -91,20 +91,62 @@ def transformer_args(config: dict, attn_implementation: str = "sdpa") -> Transfo
     )
 
 
+class DocumentsInFlight:
+    """The documents of the forwards in flight, by their ``positions`` tensor (a few: a
+    pipeline's micro-batches), grouped by the decoder's forward outside the compiled layers, and
+    the ones the next attention call of a layer attends within (``current``)."""
+
+    def __init__(self, keep: int = 8):
+        self.recent: deque = deque(maxlen=keep)  # (positions, their Documents)
+        self.current: Documents | None = None
+
+    def add(self, positions: torch.Tensor) -> None:
+        """The decoder's forward, once per micro-batch (one host sync)."""
+        self.of(positions)
+
+    def of(self, positions: torch.Tensor) -> Documents:
+        for seen, docs in self.recent:
+            if seen is positions:
+                return docs
+        docs = Documents(positions)  # a caller that did not ``add`` them: computed here
+        self.recent.append((positions, docs))
+        return docs
+
+    @torch.compiler.disable
+    def select(self, attention: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of each layer's attention: the documents of the ``positions`` it
+        is given (torchtitan's ``Attention.forward(x, freqs_cis, masks, positions)``). Read per
+        call, not per decoder forward: activation checkpointing recomputes a layer in backward
+        after the forwards of other microbatches (a pipeline's 1F1B), with that layer's own
+        positions. Not traced: dynamo would guard on the tensor's identity."""
+        positions = args[3] if len(args) > 3 else None
+        self.current = None if positions is None else self.of(positions)
+
+
 class DocumentSDPA(ScaledDotProductAttentionWrapper):
-    """torchtitan's SDPA wrapper, attending within the documents of packed rows that the
-    decoder set for this call (``holder[0]``, NativeDecoder._set_documents)."""
+    """torchtitan's SDPA wrapper, attending within the documents that the layer's pre-hook
+    selected for this call (``DocumentsInFlight.select``). Not traced by dynamo: the groups'
+    shapes vary per micro-batch, so a compiled layer is split into graphs of the row's fixed
+    shape around this call."""
 
-    def __init__(self, holder: list):
+    def __init__(self, documents: DocumentsInFlight):
         super().__init__()
-        self.holder = holder
+        self.documents = documents
 
+    @torch.compiler.disable
     def forward(self, q, k, v, *, scale=None, enable_gqa=False, is_causal=True):
-        docs: Documents | None = self.holder[0]
+        docs = self.documents.current
         if docs is None or not is_causal:
             return super().forward(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal)
         b, h, t, d = q.shape
         return docs.attend(q, k, v, scale=scale).view(b, t, h, d).transpose(1, 2)
+
+
+def use_document_attention(layers, documents: DocumentsInFlight) -> None:
+    """Each torchtitan block's SDPA attends within the documents ``documents`` selects."""
+    for layer in layers:
+        layer.attention.inner_attention = DocumentSDPA(documents)
+        layer.attention.register_forward_pre_hook(documents.select)
 
 
 class NativeDecoder(nn.Module):
@@ -120,30 +162,9 @@ class NativeDecoder(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.register_buffer("freqs_cis", self._freqs(), persistent=False)
         self.tp_mesh = None  # set by the parallelize function with sequence parallelism
-        self._documents: list[Documents | None] = [None]
-        self._recent: deque = deque(maxlen=8)  # (positions, their documents)
+        self.documents = DocumentsInFlight()
         if args.attn_type == "sdpa":
-            for layer in self.layers.values():
-                layer.attention.inner_attention = DocumentSDPA(self._documents)
-                layer.attention.register_forward_pre_hook(self._set_documents)
-
-    def _set_documents(self, attention: nn.Module, args: tuple) -> None:
-        """Before each attention call, its documents: those of the ``positions`` it is given
-        (torchtitan's ``Attention.forward(x, freqs_cis, masks, positions)``). Read per call, not
-        per decoder forward: activation checkpointing recomputes a layer in backward after the
-        forwards of other microbatches (a pipeline's 1F1B), with that layer's own positions."""
-        positions = args[3] if len(args) > 3 else None
-        self._documents[0] = None if positions is None else self._documents_of(positions)
-
-    def _documents_of(self, positions: torch.Tensor) -> Documents:
-        """``documents_of(positions)``, computed once per positions tensor (every layer of a
-        forward, and its recomputation, gets the same tensor)."""
-        for seen, docs in self._recent:
-            if seen is positions:
-                return docs
-        docs = documents_of(positions)
-        self._recent.append((positions, docs))
-        return docs
+            use_document_attention(self.layers.values(), self.documents)
 
     def _freqs(self) -> torch.Tensor:
         a = self.args
@@ -166,6 +187,8 @@ class NativeDecoder(nn.Module):
             )
         if self.args.attn_type == "flex":
             masks = document_block_mask(position_ids, t, padded)
+        elif positions is not None:
+            self.documents.add(positions)  # grouped here, outside the compiled layers
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis, attention_masks=masks, positions=positions)
         if self.norm is not None:  # None: a pipeline stage before the last

@@ -36,9 +36,12 @@ from torchtitan.models.qwen3.model.model import (
 
 from torchtitan_speechlm.model.backbones import Backbone, kv_cache, register_backbone, rope_of
 from torchtitan_speechlm.model.backbones.hf import PretrainedWeights, load_hf_config
-from torchtitan_speechlm.model.backbones.native import DocumentSDPA, document_block_mask
+from torchtitan_speechlm.model.backbones.native import (
+    DocumentsInFlight,
+    document_block_mask,
+    use_document_attention,
+)
 from torchtitan_speechlm.model.backbones.qwen3_weights import hf_key
-from torchtitan_speechlm.model.documents import documents_of
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 
@@ -148,13 +151,13 @@ class Qwen3Decoder(nn.Module):
         )
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.register_buffer("rope_cache", self._rope(), persistent=False)
-        self._documents: list = [None]
+        self.documents = DocumentsInFlight()
         self.router_logits: dict[int, torch.Tensor] = {}
         self.expert_counts: dict[int, torch.Tensor] = {}
         self._grouped_mm: bool | None = None
+        if args.attn_type == "sdpa":
+            use_document_attention(self.layers.values(), self.documents)
         for i, layer in self.layers.items():
-            if args.attn_type == "sdpa":
-                layer.attention.inner_attention = DocumentSDPA(self._documents)
             if layer.moe_enabled:
                 layer.moe.router.gate.register_forward_hook(self._keep(self.router_logits, i))
                 layer.moe.router.register_forward_hook(self._keep(self.expert_counts, i, 2))
@@ -188,8 +191,8 @@ class Qwen3Decoder(nn.Module):
         masks = None
         if self.args.attn_type == "flex":
             masks = document_block_mask(position_ids, t, t)
-        else:
-            self._documents[0] = None if position_ids is None else documents_of(position_ids)
+        elif position_ids is not None:
+            self.documents.add(position_ids)  # grouped here, outside the compiled layers
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, masks, position_ids)
         return self.norm(h)
