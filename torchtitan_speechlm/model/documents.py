@@ -9,14 +9,22 @@ rows. Exact (a right-padded causal sequence does not change its real positions),
 costs about the documents' squares instead of the row's. Grouping by length keeps padding low
 when lengths vary: one group padded to the longest document would cost ``documents x longest^2``.
 
-Used by both backbones: registered with transformers as the attention implementation
+Used by every backbone: registered with transformers as the attention implementation
 ``"sdpa_documents"`` (the default of ``speechlm.attn_implementation``), whose mask hook returns
 no mask at all; any call this cannot serve (a KV-cache step, a padding mask, sliding windows)
-goes to transformers' own SDPA with the mask it would have built. The native backbone swaps it
-in for torchtitan's SDPA wrapper (model/backbones/native.py).
+goes to transformers' own SDPA with the mask it would have built. The native and qwen3
+backbones swap it in for torchtitan's SDPA wrapper (model/backbones/native.py).
 
-The grouping needs the document lengths on the host: one device sync per forward (it is cached
-across layers). On GPUs, ``flex_attention`` / the native backbone's ``flex`` avoid it.
+The grouping needs the document lengths on the host: one host sync point per micro-batch
+(``nonzero``, then ``.tolist()`` of the lengths), made by the backbone's forward before its layers
+(``HFBackbone.run`` passes the ``Documents`` to every layer's attention as a keyword; the native
+and qwen3 decoders keep them per ``positions`` tensor and an attention pre-hook picks them per
+call), never inside a layer. The grouped SDPA, the only code that sees the groups' variable shapes
+(``attend`` here, ``DocumentSDPA`` there), is ``torch.compiler.disable``d: with per-layer
+``torch.compile`` a layer is graphs of the row's fixed [B, T] shape around it, so rows whose
+documents change every step do not recompile (tests/unit/model/test_compile_recompiles.py). No
+state outlives a forward but the decoders' few recent ``positions`` -> ``Documents`` entries. On
+GPUs, ``flex_attention`` / the native backbone's ``flex`` build a block mask instead of grouping.
 """
 
 from __future__ import annotations
@@ -40,12 +48,12 @@ class Documents:
         frame = torch.arange(b * t, device=position_ids.device)
         is_start = (flat_pos == 0) | (frame % t == 0)
         starts = is_start.nonzero().squeeze(-1)
-        ends = torch.cat([starts[1:], starts.new_tensor([b * t])])
+        ends = torch.cat([starts[1:], starts.new_full((1,), b * t)])  # a fill: no host copy
         lengths = ends - starts
         self.one_per_row = starts.numel() == b
         doc_of = is_start.cumsum(0) - 1  # each frame's document
         offset = frame - starts[doc_of]
-        # groups of similar length, longest first (host-side: one sync)
+        # groups of similar length, longest first (host-side: read right after nonzero's)
         order = lengths.argsort(descending=True)
         sorted_lengths = lengths[order].tolist()
         self.groups: list[tuple[torch.Tensor, int, int]] = []  # (gather index, docs, width)
