@@ -258,6 +258,11 @@ class HFBackbone(Backbone):
     def decode(self, module, inputs_embeds, position_ids, attention_mask, cache):
         from transformers import DynamicCache
 
+        extra = {}
+        if cache is None and module.config._attn_implementation == DOCUMENT_ATTENTION:
+            # the prefill: grouped once for all layers (they attend without a mask when the
+            # prompt has no padding; later one-frame steps attend over the cache)
+            extra["documents"] = Documents(position_ids)
         cache = DynamicCache(config=module.config) if cache is None else cache
         out = module(
             inputs_embeds=inputs_embeds,
@@ -265,6 +270,7 @@ class HFBackbone(Backbone):
             attention_mask=attention_mask,
             cache=cache,
             use_cache=True,
+            **extra,
         )
         return out.last_hidden_state, out.cache
 
