@@ -12,7 +12,6 @@ validation sets and no prepared datasets (``DataCatalog.external``).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import numpy as np
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.config import ConfigError
-from torchtitan_speechlm.data.format import check_compatible
+from torchtitan_speechlm.data.format import check_compatible, id_hash
 from torchtitan_speechlm.data.mixing import Source
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.data.tasks import TASKS
@@ -164,7 +163,7 @@ class DataCatalog:
         out = []
         for e in entries:
             data = open_prepared(os.path.abspath(self.datasets[e.dataset]), self.verify_shards)
-            indices = split_indices(data.ids, self.valid_fraction, split)
+            indices = split_indices(data, self.valid_fraction, split)
             out.append(Source(e.task, e.dataset, e.weight, data, indices))
         return out
 
@@ -208,18 +207,24 @@ def validation_sets(
 
 
 def _hash01(s: str) -> float:
-    return int(hashlib.sha256(s.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return id_hash(s) / 0xFFFFFFFF
 
 
-def split_indices(ids: list[str], valid_fraction: float, split: str) -> np.ndarray:
+def split_indices(ids, valid_fraction: float, split: str) -> np.ndarray:
     """Deterministic hold-out by id hash: stable across runs, ranks and dataset order.
 
-    ``split`` is "train" (items not held out), "valid" (held out) or "all"."""
+    ``ids``: the items' ids, or a dataset whose index holds their hashes (``id_hashes``: no id
+    is read). ``split`` is "train" (items not held out), "valid" (held out) or "all"."""
+    n = len(ids)
     if split == "all":
-        return np.arange(len(ids))
+        return np.arange(n)
     if valid_fraction <= 0:
-        return np.arange(len(ids)) if split == "train" else np.arange(0)
-    held = np.array([_hash01(i) < valid_fraction for i in ids], dtype=bool)
+        return np.arange(n) if split == "train" else np.arange(0)
+    hashes = getattr(ids, "id_hashes", None)
+    if hashes is not None:  # the same double division as _hash01, vectorised
+        held = np.asarray(hashes).astype(np.float64) / float(0xFFFFFFFF) < valid_fraction
+    else:
+        held = np.array([_hash01(i) < valid_fraction for i in ids], dtype=bool)
     return np.nonzero(~held if split == "train" else held)[0]
 
 

@@ -12,6 +12,12 @@ Layout (``FORMAT_VERSION = 2``, described in docs/data.md)::
     shards/NNNNN/text_tokens.npy   int32 [shard_text_tokens]
     shards/NNNNN/audio_codes.npy   int16 (int32 if codebook_size > 32767) [shard_frames, num_streams]
     shards/NNNNN/shard.json        format version, codec/tokenizer identity, totals
+    shards/NNNNN/columns.npy       the index of items.jsonl as fixed-width columns
+                                   (``COLUMN_DTYPE``; absent in datasets prepared before it)
+    index/                         written by the first process that opens the dataset (or
+                                   ``torchtitan prepare``): every shard's columns concatenated,
+                                   one ``.npy`` per column, memory-mapped by every rank
+                                   (data/index_store.py)
 
 Shards let several processes write in parallel and let an interrupted run keep what it
 finished: each shard directory appears atomically (temp dir + rename). Within a shard, two flat
@@ -59,6 +65,35 @@ INDEX_COLUMNS = ("text_offset", "text_len", "audio_offset", "audio_frames", "sec
 KINDS = ("speech", "text", "audio", "dialogue")  # what an item holds (items.jsonl "kind")
 ROLES = ("system", "user", "assistant")  # dialogue turn roles
 MODALITIES = ("text", "audio")
+# the binary index of a shard (``COLUMNS``): per item of items.jsonl, in its order, fixed-width
+# columns a reader memory-maps instead of parsing JSON: the offsets and lengths, the seconds,
+# ``kind`` (a code of ``KINDS``), the dialogue turn counts, whether the source named a speaker,
+# ``line`` (the byte offset of the item's line in items.jsonl: ids, texts, turns and speakers
+# are read from there, lazily) and ``id_hash`` (``id_hash(id)``: the validation hold-out)
+COLUMNS = "columns.npy"
+COLUMN_DTYPE = np.dtype([
+    ("text_offset", "<i8"), ("text_len", "<i4"), ("audio_offset", "<i8"),
+    ("audio_frames", "<i4"), ("seconds", "<f8"), ("line", "<i8"), ("id_hash", "<u4"),
+    ("turns", "<u2"), ("audio_turns", "<u2"), ("kind", "u1"), ("labelled", "u1"),
+])  # fmt: skip
+
+
+def id_hash(item_id: str) -> int:
+    """The first 32 bits of sha256(id): the validation hold-out's hash (``catalog.py``)."""
+    return int(hashlib.sha256(item_id.encode()).hexdigest()[:8], 16)
+
+
+def column_row(row: dict, line_offset: int) -> tuple:
+    """One ``COLUMN_DTYPE`` record of an items.jsonl row (a dict) at byte ``line_offset``."""
+    turns = row.get("turns") or ()
+    return (
+        int(row["text_offset"]), int(row["text_len"]), int(row["audio_offset"]),
+        int(row["audio_frames"]), float(row["seconds"]), line_offset, id_hash(str(row["id"])),
+        len(turns), sum(t["modality"] == "audio" for t in turns), KINDS.index(row["kind"]),
+        row.get(SPEAKER) is not None,
+    )  # fmt: skip
+
+
 REGENERATE = "re-create it with `torchtitan prepare` (see docs/data.md)"
 CODEC_COMPAT_KEYS = ("name", "num_streams", "codebook_size", "config_hash", "frame_rate")
 
@@ -146,7 +181,7 @@ def check_compatible(meta_a: dict, meta_b: dict) -> None:
 
 # what metadata.json fingerprints (shard.json is checked field by field against metadata.json,
 # which gives a better message: the codec or tokenizer key that differs)
-SHARD_FILES = (ITEMS, TEXT_TOKENS, AUDIO_CODES)
+SHARD_FILES = (ITEMS, TEXT_TOKENS, AUDIO_CODES, COLUMNS)  # COLUMNS: where the shard has it
 
 
 def file_digest(path: str) -> str:
@@ -167,6 +202,7 @@ def fingerprint_shard(shard_dir: str) -> dict:
             "sha256": file_digest(os.path.join(shard_dir, name)),
         }
         for name in SHARD_FILES
+        if name != COLUMNS or os.path.isfile(os.path.join(shard_dir, name))
     }
 
 

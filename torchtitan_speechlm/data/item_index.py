@@ -1,104 +1,222 @@
-"""The index of a prepared dataset: each shard's ``items.jsonl`` read into columns, and the
-columns of every shard concatenated in ``metadata.json``'s order. Lengths, kinds and turn
-counts come from here, so a loader budgets examples without reading an array; so do speakers
-(``data/speakers.py``)."""
+"""The index of a prepared dataset: fixed-width columns per item (``format.COLUMN_DTYPE``),
+every shard's concatenated in ``metadata.json``'s order and memory-mapped from the dataset's
+``index/`` folder (``data/index_store.py``), so an index costs bytes of page cache shared by the
+ranks of a node, not Python objects per rank. Lengths, kinds and turn counts come from the
+columns, so a loader budgets examples without reading an array; ids, texts, turns and speaker
+labels are read from ``items.jsonl`` only when asked for (one line at ``line``, or a shard at a
+time), through the shards' bounded cache (``data/shard_files.py``)."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 
 import numpy as np
 
-from torchtitan_speechlm.data.format import INDEX_COLUMNS, REGENERATE, SPEAKER, CorruptDatasetError
+from torchtitan_speechlm.data.format import (
+    COLUMN_DTYPE,
+    KINDS,
+    REGENERATE,
+    SPEAKER,
+    CorruptDatasetError,
+    column_row,
+)
 from torchtitan_speechlm.data.speakers import SpeakerTable
 
 TURN_KEYS = ("role", "modality", "offset", "length", "text")
+DIALOGUE = KINDS.index("dialogue")
 
 
-@dataclass
-class IndexLines:
-    """One shard's ``items.jsonl``: ``rows`` float64 [n, 5] (``INDEX_COLUMNS``), the items'
-    ids, texts and kinds, the turns of its dialogues by item of the shard, and the items'
-    speakers as the source named them (None: unlabelled)."""
-
-    rows: np.ndarray
-    ids: list[str]
-    texts: list[str]
-    kinds: list[str]
-    turns: dict[int, list[dict]]
-    speakers: list[str | None] = field(default_factory=list)
+def check_row(row: dict) -> None:
+    """Refuse an items.jsonl row whose keys or values a reader cannot use (``ValueError``)."""
+    str(row["id"]), str(row["text"])
+    speaker = row.get(SPEAKER)
+    if speaker is not None and (not isinstance(speaker, str) or not speaker):
+        raise ValueError(f"speaker {speaker!r} is not a non-empty string")
+    if row["kind"] not in KINDS:
+        raise ValueError(f"kind {row['kind']!r} is not one of {KINDS}")
+    for t in row.get("turns") or ():
+        [t[k] for k in TURN_KEYS]
 
 
-def read_index(items_path: str) -> IndexLines:
-    """A shard's ``items.jsonl``; a missing file or a bad line is a ``CorruptDatasetError``
-    naming the line."""
+def columns_from_items(items_path: str) -> np.ndarray:
+    """A shard's ``COLUMN_DTYPE`` columns parsed from its ``items.jsonl`` (datasets prepared
+    before prepare wrote ``columns.npy``); a missing file or a bad line is a
+    ``CorruptDatasetError`` naming the line."""
     if not os.path.isfile(items_path):
         raise CorruptDatasetError(f"{items_path} is missing; {REGENERATE}")
-    lines = IndexLines(np.zeros(0), [], [], [], {}, [])
-    cols: list[tuple] = []
-    with open(items_path, encoding="utf-8") as f:
+    rows, offset = [], 0
+    with open(items_path, "rb") as f:
         for lineno, line in enumerate(f, start=1):
             try:
                 r = json.loads(line)
-                cols.append(tuple(float(r[k]) for k in INDEX_COLUMNS))
-                item_id, text, kind = str(r["id"]), str(r["text"]), str(r["kind"])
-                speaker = r.get(SPEAKER)
-                if speaker is not None and (not isinstance(speaker, str) or not speaker):
-                    raise ValueError(f"speaker {speaker!r} is not a non-empty string")
-                if "turns" in r:
-                    lines.turns[len(cols) - 1] = [{k: t[k] for k in TURN_KEYS} for t in r["turns"]]
+                check_row(r)
+                rows.append(column_row(r, offset))
             except (ValueError, KeyError, TypeError) as e:
                 raise CorruptDatasetError(
                     f"{items_path}:{lineno}: bad index line ({e}); {REGENERATE}"
                 ) from e
-            lines.ids.append(item_id)
-            lines.texts.append(text)
-            lines.kinds.append(kind)
-            lines.speakers.append(speaker)
-    lines.rows = np.asarray(cols, dtype=np.float64).reshape(-1, 5)
-    return lines
+            offset += len(line)
+    return np.array(rows, dtype=COLUMN_DTYPE)
+
+
+class LazyStrings(Sequence):
+    """``ids`` / ``texts`` of a dataset: item ``i``'s value read from its items.jsonl line when
+    asked for; iteration reads a shard at a time."""
+
+    def __init__(self, index: ItemIndex, key: str):
+        self.index, self.key = index, key
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"item {i} out of range for {n} items")
+        return str(self.index.row(int(i) % n)[self.key])
+
+    def __iter__(self) -> Iterator[str]:
+        for s in range(self.index.num_shards):
+            for r in self.index.shard_rows(s):
+                yield str(r[self.key])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (LazyStrings, list, tuple)):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None
+
+    def __add__(self, other) -> list[str]:
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list[str]:
+        return list(other) + list(self)
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} {self.key}s, read from items.jsonl when asked for>"
 
 
 class ItemIndex:
     """The index columns of every item, shards concatenated in order: item ``i`` of the
-    dataset is item ``i - start(s)`` of shard ``s``."""
+    dataset is item ``i - starts[s]`` of shard ``s``. ``columns``: ``COLUMN_DTYPE``'s name ->
+    an array of every item (memory-mapped); ``starts``: int64 [shards + 1]; ``lines(s)``: shard
+    ``s``'s items.jsonl as bytes-like (the shard cache's map of it); ``where(s)``: its path."""
 
-    def __init__(self, shards: list[IndexLines]):
-        self.ids: list[str] = [i for s in shards for i in s.ids]
-        self.texts: list[str] = [t for s in shards for t in s.texts]
-        # per item: the speaker its source named, None if unlabelled (SpeakerTable: numbered)
-        self.speaker_labels: list[str | None] = [x for s in shards for x in s.speakers]
-        self.turns: dict[int, list[dict]] = {}  # dialogue items: their turns (TURN_KEYS)
-        base = 0
-        for s in shards:
-            self.turns.update({base + k: turns for k, turns in s.turns.items()})
-            base += len(s.ids)
-        idx = np.concatenate([s.rows for s in shards]) if shards else np.zeros((0, 5))
-        shard_of = [np.full(len(s.rows), k, dtype=np.int32) for k, s in enumerate(shards)]
-        self.shard = np.concatenate(shard_of) if shard_of else np.zeros(0, dtype=np.int32)
-        self.seconds = idx[:, 4]
-        self.text_off, self.text_len, self.audio_off, self.audio_frames = (
-            idx[:, :4].astype(np.int64).T
-        )
-        self.kinds = np.array([k for s in shards for k in s.kinds], dtype="<U8")
-        self.num_turns = np.zeros((len(self.ids), 2), dtype=np.int64)  # turns, audio turns
-        for i, turns in self.turns.items():
-            self.num_turns[i] = (len(turns), sum(t["modality"] == "audio" for t in turns))
+    def __init__(
+        self,
+        columns: dict[str, np.ndarray],
+        starts: np.ndarray,
+        lines: Callable[[int], bytes],
+        where: Callable[[int], str],
+    ):
+        self.columns, self.starts, self._lines, self._where = columns, starts, lines, where
+        self.seconds = columns["seconds"]
+        self.text_off, self.text_len = columns["text_offset"], columns["text_len"]
+        self.audio_off, self.audio_frames = columns["audio_offset"], columns["audio_frames"]
+        self.kind_codes = columns["kind"]  # uint8: an index into format.KINDS
+        self.id_hash = columns["id_hash"]
+        self.ids = LazyStrings(self, "id")
+        self.texts = LazyStrings(self, "text")
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.starts) - 1
+
+    def shard_of(self, i: int) -> int:
+        """The shard holding item ``i``."""
+        return int(self.starts.searchsorted(i, side="right")) - 1
 
     def shard_items(self, s: int) -> tuple[int, int]:
         """The first item of shard ``s`` and its number of items."""
-        return int(np.searchsorted(self.shard, s)), int((self.shard == s).sum())
+        return int(self.starts[s]), int(self.starts[s + 1] - self.starts[s])
+
+    @cached_property
+    def kinds(self) -> KindColumn:
+        return KindColumn(self.kind_codes)
+
+    def is_dialogue(self, i: int) -> bool:
+        return int(self.kind_codes[i]) == DIALOGUE
+
+    def row(self, i: int) -> dict:
+        """Item ``i``'s items.jsonl line, parsed (its id, text, speaker, turns, ...)."""
+        s = self.shard_of(i)
+        data, off = self._lines(s), int(self.columns["line"][i])
+        end = data.find(b"\n", off)
+        try:
+            return json.loads(data[off : end if end >= 0 else len(data)])
+        except ValueError as e:
+            raise CorruptDatasetError(
+                f"{self._where(s)}: no index line at byte {off} for item {i - self.starts[s]} "
+                f"of the shard ({e}); {REGENERATE}"
+            ) from e
+
+    def shard_rows(self, s: int) -> Iterator[dict]:
+        """Shard ``s``'s items.jsonl lines, parsed, in order."""
+        data = self._lines(s)
+        for lineno, line in enumerate(bytes(data).splitlines(), start=1):
+            try:
+                r = json.loads(line)
+                check_row(r)
+            except (ValueError, KeyError, TypeError) as e:
+                raise CorruptDatasetError(
+                    f"{self._where(s)}/items.jsonl:{lineno}: bad index line ({e}); {REGENERATE}"
+                ) from e
+            yield r
+
+    def turns(self, i: int) -> list[dict]:
+        """A dialogue item's turns (``TURN_KEYS``)."""
+        return [{k: t[k] for k in TURN_KEYS} for t in self.row(i)["turns"]]
 
     @cached_property
     def has_speakers(self) -> bool:
         """Whether the source named any item's speaker (False for datasets prepared before
         speakers existed: every item is then its own speaker)."""
-        return any(x is not None for x in self.speaker_labels)
+        return bool(np.asarray(self.columns["labelled"]).any())
+
+    @cached_property
+    def speaker_labels(self) -> list[str | None]:
+        """Per item: the speaker its source named, None if unlabelled (read on first use)."""
+        if not self.has_speakers:
+            return [None] * len(self)
+        return [r.get(SPEAKER) for s in range(self.num_shards) for r in self.shard_rows(s)]
 
     @cached_property
     def speakers(self) -> SpeakerTable:
         """The speaker table, built on first use (one pass over the labels)."""
         return SpeakerTable.from_labels(self.ids, self.speaker_labels)
+
+
+class KindColumn(Sequence):
+    """Per item: ``"speech"``, ``"text"``, ``"audio"`` or ``"dialogue"``, over the uint8 codes
+    (``codes``; ``np.asarray`` gives the strings of every item)."""
+
+    _names = np.array(KINDS, dtype="<U8")
+
+    def __init__(self, codes: np.ndarray):
+        self.codes = codes
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def __getitem__(self, i):
+        if isinstance(i, (int, np.integer)):
+            return KINDS[int(self.codes[i])]
+        return self._names[np.asarray(self.codes[i])]
+
+    def __array__(self, dtype=None, copy=None):
+        out = self._names[np.asarray(self.codes)]
+        return out if dtype is None else out.astype(dtype)
+
+    def __eq__(self, other):
+        return np.asarray(self.codes) == KINDS.index(other) if other in KINDS else NotImplemented
+
+    __hash__ = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from torchtitan_speechlm.data.format import KINDS
 from torchtitan_speechlm.data.planner import Draw
 from torchtitan_speechlm.data.tasks import get_task
 
@@ -32,12 +33,26 @@ class Source:
 
 
 def eligible(source: Source) -> np.ndarray:
-    """The source's indices whose kind of item its task can use."""
+    """The source's indices whose kind of item its task can use (int32 where they fit: 4
+    bytes per item of every source on every rank)."""
+    idx = np.asarray(source.indices)
+    codes = getattr(source.data, "kind_codes", None)
     kinds = getattr(source.data, "kinds", None)
-    if kinds is None:
-        return source.indices
     ok = get_task(source.task).kinds
-    return np.array([i for i in source.indices if kinds[i] in ok], dtype=np.int64)
+    if codes is not None:
+        want = np.array([KINDS.index(k) for k in ok], dtype=np.uint8)
+        idx = idx[np.isin(np.asarray(codes)[idx], want)]
+    elif kinds is not None:
+        idx = np.array([i for i in idx if kinds[i] in ok], dtype=np.int64)
+    else:
+        return source.indices
+    return compact(idx)
+
+
+def compact(idx: np.ndarray) -> np.ndarray:
+    """Item numbers as int32 where they fit (every item number is below 2**31), else int64."""
+    small = len(idx) == 0 or int(idx.max()) < 2**31
+    return np.asarray(idx, dtype=np.int32 if small else np.int64)
 
 
 def keep_eligible(sources: list[Source]) -> None:
@@ -81,11 +96,14 @@ class Mixture:
         # draw from the same random double, without choice's per-call validation (~15 us)
         self._cdf = weights.cumsum()
         self._cdf /= self._cdf[-1]
+        # (src, shard) -> (epoch, the shard's items); (src, epoch) -> the epoch's permutation
+        # of the source, computed once for every shard of this rank and sliced per shard
         self._perm_cache: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
+        self._epoch_perm: dict[tuple[int, int], np.ndarray] = {}
 
     def reset(self) -> None:
         """Forget the cached permutations (they are recomputed identically on demand)."""
-        self._perm_cache = {}
+        self._perm_cache, self._epoch_perm = {}, {}
 
     def perm(self, src: int, epoch: int, shard: int) -> np.ndarray:
         """Shard ``shard``'s items of source ``src`` in epoch ``epoch``: every S-th item of the
@@ -97,12 +115,26 @@ class Mixture:
             cached = self._perm_cache[key] = (epoch, self._shard_items(src, epoch, shard))
         return cached[1]
 
+    def epoch_order(self, src: int, epoch: int) -> np.ndarray:
+        """Source ``src``'s items in epoch ``epoch``'s seeded order (compact: int32 where item
+        numbers fit), computed once per (source, epoch) however many shards walk it; only the
+        epochs some shard of this rank is in are kept."""
+        key = (src, epoch)
+        order = self._epoch_perm.get(key)
+        if order is None:
+            idx = self.sources[src].indices
+            perm = np.random.default_rng([self.seed, src, epoch, PERM_SEED])
+            order = self._epoch_perm[key] = compact(idx[perm.permutation(len(idx))])
+            live = {(s, e) for (s, _), (e, _) in self._perm_cache.items()} | {key}
+            for k in [k for k in self._epoch_perm if k not in live]:
+                del self._epoch_perm[k]
+        return order
+
     def _shard_items(self, src: int, epoch: int, shard: int) -> np.ndarray:
         idx, n = self.sources[src].indices, self.step_pieces
         if self.shuffle:
             if len(idx) >= n:
-                perm = np.random.default_rng([self.seed, src, epoch, PERM_SEED])
-                return idx[perm.permutation(len(idx))][shard::n]
+                return self.epoch_order(src, epoch)[shard::n]  # a view: no copy per shard
             perm = np.random.default_rng([self.seed, src, epoch, shard, PERM_SEED])
             return idx[perm.permutation(len(idx))]
         if self.infinite and len(idx) < n:

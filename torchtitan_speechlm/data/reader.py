@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -15,10 +16,10 @@ from torchtitan_speechlm.data.format import (
     CorruptDatasetError,
     PreparedItem,
     Turn,
-    read_json,
 )
-from torchtitan_speechlm.data.item_index import ItemIndex
-from torchtitan_speechlm.data.shard_files import open_shard, open_waves
+from torchtitan_speechlm.data.index_store import STARTS, open_index
+from torchtitan_speechlm.data.item_index import ItemIndex, KindColumn
+from torchtitan_speechlm.data.shard_files import ShardCache, read_wave_index
 from torchtitan_speechlm.data.speakers import SpeakerTable
 
 
@@ -37,13 +38,16 @@ class PreparedDataset:
     """Read-only, memory-mapped view of a prepared dataset (all shards as one); validated on open.
 
     Item ``i`` of the dataset is item ``i - start(s)`` of shard ``s``: shards are concatenated
-    in the order ``metadata.json`` lists them, which is input order.
+    in the order ``metadata.json`` lists them, which is input order. The index is mapped from
+    the dataset's ``index/`` folder (data/index_store.py: built by the first open); shards are
+    opened when first read, at most ``shard_cache`` at a time (data/shard_files.py).
     """
 
-    def __init__(self, path: str, verify: str = "size"):
+    def __init__(self, path: str, verify: str = "size", shard_cache: int | None = None):
         """``verify``: what is checked against the file sizes and sha256s that metadata.json
-        recorded for each shard: ``"size"`` (cheap: truncated or appended files), ``"full"``
-        (also the checksums: any modification; reads every byte once), ``"none"``."""
+        recorded for each shard: ``"size"`` (cheap: truncated or appended files; every open),
+        ``"full"`` (also the checksums: any modification; reads every byte once per dataset,
+        then recorded in its index), ``"none"``."""
         self.path = os.path.abspath(path)
         self.verify = verify
         if not os.path.isdir(self.path):
@@ -51,7 +55,16 @@ class PreparedDataset:
                 f"prepared dataset {self.path} not found; create it with `torchtitan prepare`"
             )
         meta_path = os.path.join(self.path, METADATA)
-        self.metadata: dict = read_json(meta_path, " (unfinished or not a prepared dataset)")
+        if not os.path.isfile(meta_path):
+            raise CorruptDatasetError(
+                f"{meta_path} is missing (unfinished or not a prepared dataset); {REGENERATE}"
+            )
+        with open(meta_path, "rb") as f:
+            meta_bytes = f.read()
+        try:
+            self.metadata: dict = json.loads(meta_bytes)
+        except ValueError as e:
+            raise CorruptDatasetError(f"{meta_path} is not valid JSON ({e}); {REGENERATE}") from e
         version = self.metadata.get("format_version")
         if version != FORMAT_VERSION:
             raise CorruptDatasetError(
@@ -59,37 +72,37 @@ class PreparedDataset:
                 f"{FORMAT_VERSION}); {REGENERATE} with this version of torchtitan_speechlm"
             )
         self.num_streams = int(self.metadata["codec"]["num_streams"])
-        shards = [
-            open_shard(self.path, entry, self.metadata, verify)
-            for entry in self.metadata.get("shards", [])
-        ]
-        self.shard_paths: list[str] = [s.path for s in shards]
-        self._text_arrays = [s.text for s in shards]
-        self._code_arrays = [s.codes for s in shards]
-        self.index = ItemIndex([s.lines for s in shards])
-        self.ids: list[str] = self.index.ids
-        self.texts: list[str] = self.index.texts
-        if self.metadata.get("num_items") != len(self.ids):
+        columns, self.index_info = open_index(self.path, self.metadata, meta_bytes, verify)
+        starts = columns.pop(STARTS)
+        self.waveform: dict | None = self.metadata.get("waveform")
+        self.shards = ShardCache(self.path, self.metadata, columns, starts, shard_cache,
+                                 waves=bool(self.waveform))  # fmt: skip
+        self.index = ItemIndex(columns, starts, lambda s: self.shards.get(s).lines,
+                               self.shards.path)  # fmt: skip
+        self.ids = self.index.ids  # read lazily (data/item_index.py)
+        self.texts = self.index.texts
+        if self.metadata.get("num_items") != len(self.index):
             raise CorruptDatasetError(
                 f"{meta_path} says {self.metadata.get('num_items')} items but its shards hold "
-                f"{len(self.ids)}; {REGENERATE}"
+                f"{len(self.index)}; {REGENERATE}"
             )
-        self.waveform: dict | None = self.metadata.get("waveform")
-        self._wave_arrays: list[np.ndarray] = []
         self._wave_index = np.zeros((0, 2), dtype=np.int64)  # per item: offset, samples
         if self.waveform:
             self._open_waves()
 
+    @property
+    def shard_paths(self) -> list[str]:
+        return [self.shards.path(s) for s in range(self.index.num_shards)]
+
     def _open_waves(self) -> None:
-        """Every shard's waveforms, checked against metadata.json's record and the items."""
+        """Every shard's waveform index, checked against metadata.json's record and the items."""
         rows = [np.zeros((0, 2), dtype=np.int64)]
         for s, entry in enumerate(self.metadata["shards"]):
             files = self.waveform.get("files", {}).get(str(entry.get("name")))
-            wave, index = open_waves(
-                self.shard_paths[s], files, self.verify, self.ids, *self.index.shard_items(s)
-            )
-            self._wave_arrays.append(wave)
-            rows.append(index)
+            ids = [str(r["id"]) for r in self.index.shard_rows(s)]
+            rows.append(read_wave_index(
+                self.shards.path(s), files, self.verify, ids, self.index.shard_items(s)[1], None
+            ))  # fmt: skip
         self._wave_index = np.concatenate(rows)
 
     @property
@@ -103,19 +116,30 @@ class PreparedDataset:
         return self.index.audio_frames
 
     @property
-    def kinds(self) -> np.ndarray:
-        """Per item: "speech" (text + audio), "text", "audio" or "dialogue"."""
+    def kinds(self) -> KindColumn:
+        """Per item: "speech" (text + audio), "text", "audio" or "dialogue" (``kinds.codes``:
+        uint8 indices into ``format.KINDS``, memory-mapped)."""
         return self.index.kinds
+
+    @property
+    def kind_codes(self) -> np.ndarray:
+        """uint8 [items]: each item's kind as an index into ``format.KINDS``."""
+        return self.index.kind_codes
+
+    @property
+    def id_hashes(self) -> np.ndarray:
+        """uint32 [items]: ``format.id_hash`` of each item's id (the validation hold-out)."""
+        return self.index.id_hash
 
     @property
     def num_turns(self) -> np.ndarray:
         """Turns per dialogue item (0 for other kinds), from the index: for length budgeting."""
-        return self.index.num_turns[:, 0]
+        return np.asarray(self.index.columns["turns"], dtype=np.int64)
 
     @property
     def num_audio_turns(self) -> np.ndarray:
         """Audio turns per dialogue item (0 for other kinds), from the index."""
-        return self.index.num_turns[:, 1]
+        return np.asarray(self.index.columns["audio_turns"], dtype=np.int64)
 
     # --- speakers (data/speakers.py): from the index, no array read ---------------------------
 
@@ -168,34 +192,38 @@ class PreparedDataset:
         if not self.waveform:
             return None
         off, n = self._wave_index[i]
-        return np.array(self._wave_arrays[self.index.shard[i]][off : off + n])
+        return np.array(self.shards.get(self.index.shard_of(i)).wave[off : off + n])
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.index)
 
     def __getitem__(self, i: int) -> PreparedItem:
-        n = len(self.ids)
+        n = len(self.index)
         if not -n <= i < n:
             raise IndexError(f"item {i} out of range for {n} items")
-        i %= n
-        x, s = self.index, self.index.shard[i]
-        text, codes = self._text_arrays[s], self._code_arrays[s]
-        if i in x.turns:
+        i = int(i) % n
+        x = self.index
+        shard = self.shards.get(x.shard_of(i))
+        row = x.row(i)  # its items.jsonl line: id, text (and a dialogue's turns)
+        item_id, text = str(row["id"]), str(row["text"])
+        if x.is_dialogue(i):
+            turns = [{k: t[k] for k in ("role", "modality", "offset", "length", "text")}
+                     for t in row["turns"]]  # fmt: skip
             return PreparedItem(
-                id=self.ids[i],
-                text=self.texts[i],
+                id=item_id,
+                text=text,
                 text_tokens=np.zeros(0, dtype=np.int64),
                 audio_codes=np.zeros((0, self.num_streams), dtype=np.int64),
                 seconds=float(x.seconds[i]),
-                turns=decode_turns(x.turns[i], text, codes),
+                turns=decode_turns(turns, shard.text, shard.codes),
                 wave=self.wave(i),
             )
-        t0, a0 = x.text_off[i], x.audio_off[i]
+        t0, a0 = int(x.text_off[i]), int(x.audio_off[i])
         return PreparedItem(
-            id=self.ids[i],
-            text=self.texts[i],
-            text_tokens=np.array(text[t0 : t0 + x.text_len[i]], dtype=np.int64),
-            audio_codes=np.array(codes[a0 : a0 + x.audio_frames[i]], dtype=np.int64),
+            id=item_id,
+            text=text,
+            text_tokens=np.array(shard.text[t0 : t0 + int(x.text_len[i])], dtype=np.int64),
+            audio_codes=np.array(shard.codes[a0 : a0 + int(x.audio_frames[i])], dtype=np.int64),
             seconds=float(x.seconds[i]),
             wave=self.wave(i),
         )

@@ -1,12 +1,18 @@
-"""Opening one shard of a prepared dataset for reading: its files checked against the sizes (and
-sha256s) ``metadata.json`` recorded, its ``shard.json`` against the dataset's codec and tokenizer,
-its index against its arrays, the arrays memory-mapped. Every problem is a
-``CorruptDatasetError`` naming the file, so a broken dataset fails on open, not mid-run."""
+"""Opening the shards of a prepared dataset for reading: a shard's ``shard.json`` checked against
+the dataset's codec and tokenizer, its arrays against its index, the arrays and its
+``items.jsonl`` memory-mapped. Shards are opened when first read, through a bounded cache
+(``ShardCache``), so the open files and memory maps of a process do not grow with the number of
+shards. Every problem is a ``CorruptDatasetError`` naming the file; a limit of the process
+(open files, memory maps) is a ``ShardLimitError`` naming the limit and how to raise it."""
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
+import resource
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,9 +35,48 @@ from torchtitan_speechlm.data.format import (
     metadata_value,
     read_json,
 )
-from torchtitan_speechlm.data.item_index import IndexLines, read_index
 
 WAVE_FIX = "add them again with prepare/waveforms.py"
+# shards a process keeps open at once (3 files and maps each: text, codes, items.jsonl; 4 with
+# waveforms); the environment variable overrides it
+SHARD_CACHE = int(os.environ.get("TORCHTITAN_SPEECHLM_SHARD_CACHE", "32"))
+
+
+class ShardLimitError(CorruptDatasetError):
+    """A shard could not be opened because of a limit of the process (open files, memory maps),
+    not because anything is wrong with it; the message names the limit and how to raise it."""
+
+
+def limit_error(path: str, e: OSError) -> ShardLimitError | None:
+    """The ``ShardLimitError`` for an ``OSError`` of opening or mapping ``path`` that a process
+    limit caused (EMFILE, ENFILE, ENOMEM), else None."""
+    cache = f"TORCHTITAN_SPEECHLM_SHARD_CACHE (now {SHARD_CACHE} shards open at most)"
+    if e.errno == errno.EMFILE:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
+        return ShardLimitError(
+            f"cannot open {path}: this process has reached its limit of open files "
+            f"(RLIMIT_NOFILE: soft {soft}, hard {hard}); raise it before starting, e.g. "
+            f"`ulimit -n {want}` (in the shell or the SLURM script), or lower {cache}; the "
+            "file itself is fine"
+        )
+    if e.errno == errno.ENFILE:
+        return ShardLimitError(
+            f"cannot open {path}: the system's table of open files is full (fs.file-max); "
+            f"raise it (`sysctl -w fs.file-max=...`) or lower {cache}; the file itself is fine"
+        )
+    if e.errno == errno.ENOMEM:
+        try:
+            with open("/proc/sys/vm/max_map_count") as f:
+                maps = f"vm.max_map_count = {f.read().strip()}"
+        except OSError:
+            maps = "vm.max_map_count"
+        return ShardLimitError(
+            f"cannot memory-map {path}: out of memory maps ({maps}) or address space "
+            f"(`ulimit -v`); raise them (`sysctl -w vm.max_map_count=1048576`, `ulimit -v "
+            f"unlimited`) or lower {cache}; the file itself is fine"
+        )
+    return None
 
 
 def open_array(path: str, dtype_kinds: str, ndim: int) -> np.ndarray:
@@ -41,53 +86,50 @@ def open_array(path: str, dtype_kinds: str, ndim: int) -> np.ndarray:
         raise CorruptDatasetError(f"{path} is missing; {REGENERATE}")
     try:
         arr = np.load(path, mmap_mode="r")
-    except (ValueError, OSError, EOFError) as e:
+    except OSError as e:
+        limit = limit_error(path, e)
+        if limit is not None:
+            raise limit from e
+        raise CorruptDatasetError(f"{path} is unreadable or truncated ({e}); {REGENERATE}") from e
+    except (ValueError, EOFError) as e:
         raise CorruptDatasetError(f"{path} is unreadable or truncated ({e}); {REGENERATE}") from e
     if arr.ndim != ndim or arr.dtype.kind not in dtype_kinds:
         raise CorruptDatasetError(f"{path} has shape {arr.shape} dtype {arr.dtype}; {REGENERATE}")
     return arr
 
 
-@dataclass
-class OpenShard:
-    """One shard, checked: its folder, index, and memory-mapped text tokens and codes."""
-
-    path: str
-    lines: IndexLines
-    text: np.ndarray
-    codes: np.ndarray
-
-
-def open_shard(root: str, entry: dict, metadata: dict, verify: str) -> OpenShard:
-    """Shard ``entry`` (of ``metadata["shards"]``) of the dataset at ``root``. ``verify``:
-    ``"size"``, ``"full"`` (also the sha256s) or ``"none"``: what is checked against the
-    files metadata.json recorded."""
-    sdir = os.path.join(root, SHARDS_DIR, str(entry.get("name")))
-    if not os.path.isdir(sdir):
-        raise CorruptDatasetError(f"shard {sdir} is missing; {REGENERATE}")
-    if verify != "none" and entry.get("files"):
-        check_shard_files(sdir, entry["files"], checksums=verify == "full")
-    smeta = _shard_meta(sdir, root, metadata)
-    lines = read_index(os.path.join(sdir, ITEMS))
-    n = len(lines.rows)
-    if not n == smeta.get("num_items") == entry.get("num_items"):
-        raise CorruptDatasetError(
-            f"shard {sdir}: {ITEMS} has {n} items, shard.json says {smeta.get('num_items')}, "
-            f"metadata.json says {entry.get('num_items')}; {REGENERATE}"
-        )
-    text = open_array(os.path.join(sdir, TEXT_TOKENS), "i", 1)
-    codes = open_array(os.path.join(sdir, AUDIO_CODES), "i", 2)
-    _check_index_range(sdir, smeta, lines.rows, text, codes)
-    num_streams = int(metadata["codec"]["num_streams"])
-    if codes.shape[1] != num_streams:
-        raise CorruptDatasetError(
-            f"{os.path.join(sdir, AUDIO_CODES)} has {codes.shape[1]} streams, metadata says "
-            f"{num_streams}; {REGENERATE}"
-        )
-    return OpenShard(sdir, lines, text, codes)
+def map_bytes(path: str):
+    """A read-only memory map of a file's bytes (``b""`` for an empty file)."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return b""
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError:
+        raise CorruptDatasetError(f"{path} is missing; {REGENERATE}") from None
+    except OSError as e:
+        limit = limit_error(path, e)
+        if limit is not None:
+            raise limit from e
+        raise CorruptDatasetError(f"{path} is unreadable ({e}); {REGENERATE}") from e
 
 
-def _shard_meta(sdir: str, root: str, metadata: dict) -> dict:
+def shard_dir(root: str, entry: dict) -> str:
+    return os.path.join(root, SHARDS_DIR, str(entry.get("name")))
+
+
+def check_sizes(root: str, entries: list[dict], checksums: bool = False) -> None:
+    """Every shard's files against the sizes (``checksums``: and sha256s) metadata.json
+    recorded; a missing shard folder is named."""
+    for entry in entries:
+        sdir = shard_dir(root, entry)
+        if not os.path.isdir(sdir):
+            raise CorruptDatasetError(f"shard {sdir} is missing; {REGENERATE}")
+        if entry.get("files"):
+            check_shard_files(sdir, entry["files"], checksums=checksums)
+
+
+def shard_meta(sdir: str, root: str, metadata: dict) -> dict:
     """The shard's ``shard.json``, refused if its format, codec layout or tokenizer is not the
     dataset's (shards of different codecs or tokenizers cannot be mixed)."""
     smeta = read_json(os.path.join(sdir, SHARD_META))
@@ -106,47 +148,124 @@ def _shard_meta(sdir: str, root: str, metadata: dict) -> dict:
     return smeta
 
 
-def _check_index_range(
-    sdir: str, smeta: dict, rows: np.ndarray, text: np.ndarray, codes: np.ndarray
-) -> None:
-    """Both arrays have the rows shard.json says, and every index offset lies inside them."""
+def check_shard(
+    sdir: str, root: str, metadata: dict, entry: dict, cols: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """A shard against its index columns ``cols`` (``COLUMN_DTYPE`` rows, or a dict of column
+    arrays): its shard.json, item count and both arrays (shape, dtype, every offset inside
+    them). Returns the memory-mapped text tokens and codes."""
+    smeta = shard_meta(sdir, root, metadata)
+    n = len(cols["text_len"])
+    if not n == smeta.get("num_items") == entry.get("num_items"):
+        raise CorruptDatasetError(
+            f"shard {sdir}: {ITEMS} has {n} items, shard.json says {smeta.get('num_items')}, "
+            f"metadata.json says {entry.get('num_items')}; {REGENERATE}"
+        )
+    text = open_array(os.path.join(sdir, TEXT_TOKENS), "i", 1)
+    codes = open_array(os.path.join(sdir, AUDIO_CODES), "i", 2)
     checks = [
-        (TEXT_TOKENS, text.shape[0], smeta.get("total_text_tokens"), rows[:, 0], rows[:, 1]),
-        (AUDIO_CODES, codes.shape[0], smeta.get("total_frames"), rows[:, 2], rows[:, 3]),
+        (TEXT_TOKENS, text.shape[0], smeta.get("total_text_tokens"), "text_offset", "text_len"),
+        (AUDIO_CODES, codes.shape[0], smeta.get("total_frames"), "audio_offset", "audio_frames"),
     ]
-    for name, have, want, off, length in checks:
+    for name, have, want, off_key, len_key in checks:
         file = os.path.join(sdir, name)
         if have != want:
             raise CorruptDatasetError(
                 f"{file} has {have} rows, shard.json says {want}; {REGENERATE}"
             )
-        if len(rows) and ((off < 0).any() or (length < 0).any() or (off + length > have).any()):
+        off = np.asarray(cols[off_key], dtype=np.int64)
+        length = np.asarray(cols[len_key], dtype=np.int64)
+        if n and ((off < 0).any() or (length < 0).any() or (off + length > have).any()):
             raise CorruptDatasetError(f"{file}: {ITEMS} points past its {have} rows; {REGENERATE}")
+    num_streams = int(metadata["codec"]["num_streams"])
+    if codes.shape[1] != num_streams:
+        raise CorruptDatasetError(
+            f"{os.path.join(sdir, AUDIO_CODES)} has {codes.shape[1]} streams, metadata says "
+            f"{num_streams}; {REGENERATE}"
+        )
+    return text, codes
 
 
-def open_waves(
-    sdir: str, files: dict | None, verify: str, ids: list[str], first: int, n: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """A shard's waveforms (prepare/waveforms.py): ``files`` is metadata.json's record of them,
-    ``ids[first : first + n]`` the shard's items. Returns the memory-mapped int16 samples and
-    each item's [offset, samples]."""
+@dataclass
+class OpenShard:
+    """One shard, checked: its folder, memory-mapped text tokens, codes, items.jsonl (and
+    waveforms, for a dataset that has them)."""
+
+    path: str
+    text: np.ndarray
+    codes: np.ndarray
+    lines: object  # mmap of items.jsonl (bytes-like)
+    wave: np.ndarray | None = None
+
+
+class ShardCache:
+    """The open shards of one dataset, at most ``capacity`` at a time (least recently used
+    closed first: its maps are released when nothing refers to them any more). ``columns``
+    and ``starts`` are the dataset's index (data/item_index.py)."""
+
+    def __init__(self, root: str, metadata: dict, columns: dict, starts: np.ndarray,
+                 capacity: int | None = None, waves: bool = False):  # fmt: skip
+        self.root, self.metadata, self.columns, self.starts = root, metadata, columns, starts
+        self.entries = metadata.get("shards", [])
+        self.capacity = max(1, capacity if capacity is not None else SHARD_CACHE)
+        self.waves = waves
+        self._open: OrderedDict[int, OpenShard] = OrderedDict()
+        self.opened = 0  # shards opened so far (a shard evicted and opened again counts twice)
+
+    def path(self, s: int) -> str:
+        return shard_dir(self.root, self.entries[s])
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def get(self, s: int) -> OpenShard:
+        shard = self._open.get(s)
+        if shard is not None:
+            self._open.move_to_end(s)
+            return shard
+        while len(self._open) >= self.capacity:
+            self._open.popitem(last=False)
+        shard = self._open[s] = self._load(s)
+        self.opened += 1
+        return shard
+
+    def _load(self, s: int) -> OpenShard:
+        sdir, a, b = self.path(s), int(self.starts[s]), int(self.starts[s + 1])
+        cols = {k: self.columns[k][a:b] for k in ("text_offset", "text_len", "audio_offset",
+                                                  "audio_frames")}  # fmt: skip
+        text, codes = check_shard(sdir, self.root, self.metadata, self.entries[s], cols)
+        lines = map_bytes(os.path.join(sdir, ITEMS))
+        wave = open_array(os.path.join(sdir, AUDIO_WAVE), "i", 1) if self.waves else None
+        return OpenShard(sdir, text, codes, lines, wave)
+
+    def clear(self) -> None:
+        self._open.clear()
+
+
+def read_wave_index(
+    sdir: str, files: dict | None, verify: str, ids: list[str], n: int, wave_len: int | None
+) -> np.ndarray:
+    """A shard's waveform index (prepare/waveforms.py): ``files`` is metadata.json's record of
+    them, ``ids`` the shard's item ids (``n`` of them). Returns each item's [offset, samples];
+    ``wave_len``: the samples of the shard's waveform array, checked when given."""
     if files is None:
         raise CorruptDatasetError(f"{sdir}: metadata.json records no waveforms; {WAVE_FIX}")
     if verify != "none":
         check_shard_files(sdir, files, checksums=verify == "full")
-    wave = open_array(os.path.join(sdir, AUDIO_WAVE), "i", 1)
+    if wave_len is None:
+        wave_len = len(open_array(os.path.join(sdir, AUDIO_WAVE), "i", 1))
     rows = []
     with open(os.path.join(sdir, WAVE_INDEX), encoding="utf-8") as f:
         for k, line in enumerate(f):
             r = json.loads(line)
-            if first + k >= len(ids) or r["id"] != ids[first + k]:
+            if k >= len(ids) or r["id"] != ids[k]:
                 raise CorruptDatasetError(
                     f"{sdir}/{WAVE_INDEX}:{k + 1}: not the shard's item order; {WAVE_FIX}"
                 )
             rows.append((int(r["offset"]), int(r["samples"])))
     rows = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
-    if len(rows) != n or (len(rows) and (rows.sum(1) > len(wave)).any()):
+    if len(rows) != n or (len(rows) and (rows.sum(1) > wave_len).any()):
         raise CorruptDatasetError(
             f"{sdir}/{WAVE_INDEX}: does not index the shard's {n} items; {WAVE_FIX}"
         )
-    return wave, rows
+    return rows

@@ -156,7 +156,15 @@ def dataset_samples(ds, name: str = "") -> list[Sample]:
     text, spread over it."""
     import numpy as np
 
-    idx = np.nonzero(np.isin(ds.kinds, ("speech", "text", "dialogue")))[0]
+    from torchtitan_speechlm.data.format import KINDS
+
+    with_text = ("speech", "text", "dialogue")
+    codes = getattr(ds, "kind_codes", None)
+    if codes is not None:  # the index's uint8 kinds: no string per item
+        want = [KINDS.index(k) for k in with_text]
+        idx = np.nonzero(np.isin(np.asarray(codes), want))[0]
+    else:
+        idx = np.nonzero(np.isin(np.asarray(ds.kinds), with_text))[0]
     out = []
     for j in sample_indices(len(idx)):
         it = ds[int(idx[j])]

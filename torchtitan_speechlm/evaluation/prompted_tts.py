@@ -39,7 +39,7 @@ def prompted_set(path: str, valid_fraction: float, limit: int) -> dict:
             "(prepare it from a source with speakers: docs/data.md)"
         )
     split = "valid" if valid_fraction > 0 else "all"
-    idx = [int(i) for i in split_indices(ds.ids, valid_fraction, split) if ds.kinds[i] == "speech"]
+    idx = [int(i) for i in split_indices(ds, valid_fraction, split) if ds.kinds[i] == "speech"]
     by_speaker: dict[int, list[int]] = {}
     for i in idx:
         by_speaker.setdefault(int(ds.speaker_of(i)), []).append(i)

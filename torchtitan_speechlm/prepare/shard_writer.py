@@ -16,6 +16,8 @@ import numpy as np
 
 from torchtitan_speechlm.data.format import (
     AUDIO_CODES,
+    COLUMN_DTYPE,
+    COLUMNS,
     FORMAT_VERSION,
     ITEMS,
     SHARD_META,
@@ -24,6 +26,7 @@ from torchtitan_speechlm.data.format import (
     TEXT_TOKENS,
     Turn,
     codes_dtype,
+    column_row,
 )
 from torchtitan_speechlm.utils.fileio import write_json_atomic
 
@@ -43,6 +46,8 @@ class ShardWriter:
         self.total_audio_seconds = 0.0
         self.kinds: dict[str, int] = {}
         self.speakers: dict[str, int] = {}  # utterances of each speaker the source named
+        self._columns: list[tuple] = []  # COLUMN_DTYPE rows of the items written
+        self._items_bytes = 0  # bytes of items.jsonl written: the next line's offset
 
     def _put_text(self, item_id: str, tokens) -> tuple[int, int]:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -109,7 +114,10 @@ class ShardWriter:
         })  # fmt: skip
         if row_turns is not None:
             row["turns"] = row_turns
-        self._items.write(json.dumps(row, ensure_ascii=False) + "\n")
+        line = json.dumps(row, ensure_ascii=False) + "\n"
+        self._items.write(line)
+        self._columns.append(column_row(row, self._items_bytes))
+        self._items_bytes += len(line.encode("utf-8"))
         self.num_items += 1
         self.total_audio_seconds += float(seconds)
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
@@ -120,6 +128,9 @@ class ShardWriter:
         _raw_to_npy(os.path.join(self.path, TEXT_TOKENS), TEXT_DTYPE, (self.total_text_tokens,))
         _raw_to_npy(os.path.join(self.path, AUDIO_CODES), self.codes_dtype,
                     (self.total_frames, self.num_streams))  # fmt: skip
+        # the index as fixed-width columns (data/index_store.py maps them; items.jsonl stays
+        # the record of ids, texts and turns)
+        np.save(os.path.join(self.path, COLUMNS), np.array(self._columns, dtype=COLUMN_DTYPE))
         meta = dict(header, format_version=FORMAT_VERSION, **self.totals())
         write_json_atomic(os.path.join(self.path, SHARD_META), meta)
         return meta

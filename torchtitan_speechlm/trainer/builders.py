@@ -14,6 +14,7 @@ import os
 from dataclasses import fields, replace
 from functools import partial
 
+import numpy as np
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader
@@ -27,6 +28,7 @@ from torchtitan_speechlm.components.samples import SamplePrompts, TrainingSample
 from torchtitan_speechlm.components.validate import SpeechLMValidator
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.catalog import MixEntry
+from torchtitan_speechlm.data.format import KINDS
 from torchtitan_speechlm.data.stream import SpeechLMDataset
 from torchtitan_speechlm.distributed.batch import accumulation_steps
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -233,7 +235,12 @@ def sample_prompts(job_config, plan: RunPlan) -> SamplePrompts:
         entries, split = next(iter(plan.data.valid.values()))
         (source,) = plan.data.sources(entries[:1], split)
         ds = source.data
-        idx = [int(i) for i in source.indices if ds.kinds[int(i)] == "speech"]
+        kinds = getattr(ds, "kind_codes", None)
+        if kinds is not None:  # vectorised over the index (no string per item)
+            ind = np.asarray(source.indices)
+            idx = [int(i) for i in ind[np.asarray(kinds)[ind] == KINDS.index("speech")]]
+        else:
+            idx = [int(i) for i in source.indices if ds.kinds[int(i)] == "speech"]
         chosen = idx[:count]
         if not ds.has_speakers:
             return [ds[i] for i in chosen], [None] * len(chosen)

@@ -82,6 +82,7 @@ def strip_speakers(path: str) -> None:
         shard = json.load(open(os.path.join(sdir, "shard.json")))
         shard.pop("speakers")
         json.dump(shard, open(os.path.join(sdir, "shard.json"), "w"))
+        os.remove(os.path.join(sdir, "columns.npy"))  # written since: not by that code either
         entry["files"] = fingerprint_shard(sdir)
     meta.pop("speakers")
     json.dump(meta, open(meta_path, "w"))

@@ -281,10 +281,11 @@ def test_prepare_refuses_to_overwrite_then_overwrites(assets, tmp_path, capsys):
     assert main(args + ["--overwrite", "--batch-size", "3"]) == 0
     captured = capsys.readouterr()
     assert "6 items written" in captured.out and "prepare: 6/6 items" in captured.err
-    assert len(PreparedDataset(str(out))) == 6 and not (out / "keep.txt").exists()
     assert sorted(os.listdir(tmp_path)) == ["out"]
     assert sorted(os.listdir(out)) == ["failures.jsonl", "metadata.json", "plan.json", "shards",
                                        "summary.json"]  # fmt: skip
+    assert len(PreparedDataset(str(out))) == 6 and not (out / "keep.txt").exists()
+    assert "index" in os.listdir(out)  # the reader's mapped index (data/index_store.py)
 
 
 def test_corrupt_prepared_dataset_is_reported(assets, tmp_path):
