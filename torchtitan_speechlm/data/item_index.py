@@ -17,12 +17,14 @@ import numpy as np
 
 from torchtitan_speechlm.data.format import (
     COLUMN_DTYPE,
+    ITEMS,
     KINDS,
     REGENERATE,
     SPEAKER,
     CorruptDatasetError,
     column_row,
 )
+from torchtitan_speechlm.data.shard_files import limit_error
 from torchtitan_speechlm.data.speakers import SpeakerTable
 
 TURN_KEYS = ("role", "modality", "offset", "length", "text")
@@ -105,17 +107,14 @@ class LazyStrings(Sequence):
 class ItemIndex:
     """The index columns of every item, shards concatenated in order: item ``i`` of the
     dataset is item ``i - starts[s]`` of shard ``s``. ``columns``: ``COLUMN_DTYPE``'s name ->
-    an array of every item (memory-mapped); ``starts``: int64 [shards + 1]; ``lines(s)``: shard
-    ``s``'s items.jsonl as bytes-like (the shard cache's map of it); ``where(s)``: its path."""
+    an array of every item (memory-mapped); ``starts``: int64 [shards + 1]; ``where(s)``: shard
+    ``s``'s folder. An item's line is read with one ``pread`` of its items.jsonl, opened and
+    closed again (no descriptor stays open for it)."""
 
     def __init__(
-        self,
-        columns: dict[str, np.ndarray],
-        starts: np.ndarray,
-        lines: Callable[[int], bytes],
-        where: Callable[[int], str],
+        self, columns: dict[str, np.ndarray], starts: np.ndarray, where: Callable[[int], str]
     ):
-        self.columns, self.starts, self._lines, self._where = columns, starts, lines, where
+        self.columns, self.starts, self._where = columns, starts, where
         self.seconds = columns["seconds"]
         self.text_off, self.text_len = columns["text_offset"], columns["text_len"]
         self.audio_off, self.audio_frames = columns["audio_offset"], columns["audio_frames"]
@@ -146,29 +145,42 @@ class ItemIndex:
     def is_dialogue(self, i: int) -> bool:
         return int(self.kind_codes[i]) == DIALOGUE
 
+    def _items_path(self, s: int) -> str:
+        return os.path.join(self._where(s), ITEMS)
+
     def row(self, i: int) -> dict:
         """Item ``i``'s items.jsonl line, parsed (its id, text, speaker, turns, ...)."""
         s = self.shard_of(i)
-        data, off = self._lines(s), int(self.columns["line"][i])
-        end = data.find(b"\n", off)
+        path, off = self._items_path(s), int(self.columns["line"][i])
         try:
-            return json.loads(data[off : end if end >= 0 else len(data)])
+            with open(path, "rb") as f:
+                f.seek(off)
+                line = f.readline()
+        except OSError as e:
+            limit = limit_error(path, e)
+            if limit is not None:
+                raise limit from e
+            raise CorruptDatasetError(f"{path} is unreadable ({e}); {REGENERATE}") from e
+        try:
+            return json.loads(line)
         except ValueError as e:
             raise CorruptDatasetError(
-                f"{self._where(s)}: no index line at byte {off} for item {i - self.starts[s]} "
-                f"of the shard ({e}); {REGENERATE}"
+                f"{path}: no index line at byte {off} for item {i - int(self.starts[s])} of the "
+                f"shard ({e}); {REGENERATE}"
             ) from e
 
     def shard_rows(self, s: int) -> Iterator[dict]:
         """Shard ``s``'s items.jsonl lines, parsed, in order."""
-        data = self._lines(s)
-        for lineno, line in enumerate(bytes(data).splitlines(), start=1):
+        path = self._items_path(s)
+        with open(path, "rb") as f:
+            data = f.read()
+        for lineno, line in enumerate(data.splitlines(), start=1):
             try:
                 r = json.loads(line)
                 check_row(r)
             except (ValueError, KeyError, TypeError) as e:
                 raise CorruptDatasetError(
-                    f"{self._where(s)}/items.jsonl:{lineno}: bad index line ({e}); {REGENERATE}"
+                    f"{path}:{lineno}: bad index line ({e}); {REGENERATE}"
                 ) from e
             yield r
 

@@ -77,8 +77,7 @@ class PreparedDataset:
         self.waveform: dict | None = self.metadata.get("waveform")
         self.shards = ShardCache(self.path, self.metadata, columns, starts, shard_cache,
                                  waves=bool(self.waveform))  # fmt: skip
-        self.index = ItemIndex(columns, starts, lambda s: self.shards.get(s).lines,
-                               self.shards.path)  # fmt: skip
+        self.index = ItemIndex(columns, starts, self.shards.path)
         self.ids = self.index.ids  # read lazily (data/item_index.py)
         self.texts = self.index.texts
         if self.metadata.get("num_items") != len(self.index):

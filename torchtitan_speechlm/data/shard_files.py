@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import resource
 from collections import OrderedDict
@@ -37,7 +36,7 @@ from torchtitan_speechlm.data.format import (
 )
 
 WAVE_FIX = "add them again with prepare/waveforms.py"
-# shards a process keeps open at once (3 files and maps each: text, codes, items.jsonl; 4 with
+# shards a process keeps open at once (2 files and maps each: text tokens and codes; 3 with
 # waveforms); the environment variable overrides it
 SHARD_CACHE = int(os.environ.get("TORCHTITAN_SPEECHLM_SHARD_CACHE", "32"))
 
@@ -96,22 +95,6 @@ def open_array(path: str, dtype_kinds: str, ndim: int) -> np.ndarray:
     if arr.ndim != ndim or arr.dtype.kind not in dtype_kinds:
         raise CorruptDatasetError(f"{path} has shape {arr.shape} dtype {arr.dtype}; {REGENERATE}")
     return arr
-
-
-def map_bytes(path: str):
-    """A read-only memory map of a file's bytes (``b""`` for an empty file)."""
-    try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                return b""
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except FileNotFoundError:
-        raise CorruptDatasetError(f"{path} is missing; {REGENERATE}") from None
-    except OSError as e:
-        limit = limit_error(path, e)
-        if limit is not None:
-            raise limit from e
-        raise CorruptDatasetError(f"{path} is unreadable ({e}); {REGENERATE}") from e
 
 
 def shard_dir(root: str, entry: dict) -> str:
@@ -188,13 +171,12 @@ def check_shard(
 
 @dataclass
 class OpenShard:
-    """One shard, checked: its folder, memory-mapped text tokens, codes, items.jsonl (and
-    waveforms, for a dataset that has them)."""
+    """One shard, checked: its folder, memory-mapped text tokens and codes (and waveforms, for
+    a dataset that has them)."""
 
     path: str
     text: np.ndarray
     codes: np.ndarray
-    lines: object  # mmap of items.jsonl (bytes-like)
     wave: np.ndarray | None = None
 
 
@@ -234,9 +216,8 @@ class ShardCache:
         cols = {k: self.columns[k][a:b] for k in ("text_offset", "text_len", "audio_offset",
                                                   "audio_frames")}  # fmt: skip
         text, codes = check_shard(sdir, self.root, self.metadata, self.entries[s], cols)
-        lines = map_bytes(os.path.join(sdir, ITEMS))
         wave = open_array(os.path.join(sdir, AUDIO_WAVE), "i", 1) if self.waves else None
-        return OpenShard(sdir, text, codes, lines, wave)
+        return OpenShard(sdir, text, codes, wave)
 
     def clear(self) -> None:
         self._open.clear()

@@ -150,10 +150,10 @@ def test_descriptors_stay_bounded_with_more_shards_than_the_cache(varied):
     for _ in range(2):
         for i in range(len(ds)):
             ds[i]
-            assert len(ds.shards) <= 2 and fds() <= before + 2 * 3
+            assert len(ds.shards) <= 2 and fds() <= before + 2 * 2
     assert ds.shards.opened > 2 * ds.index.num_shards - 1  # shards were closed and reopened
     stream_hashes(ds, 4)  # a stream over every shard through the same cache
-    assert fds() <= before + 2 * 3
+    assert fds() <= before + 2 * 2
 
 
 def test_full_verification_is_done_once_per_dataset(varied, tmp_path, monkeypatch):
