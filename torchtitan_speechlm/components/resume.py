@@ -17,8 +17,16 @@ from functools import lru_cache
 
 from torchtitan.tools.logging import logger
 
-from torchtitan_speechlm.model.run_record import RunRecordError, record_for_checkpoint
-from torchtitan_speechlm.model.starting_point import check_same
+from torchtitan_speechlm.data.catalog import parse_datasets, read_dataset_metadata
+from torchtitan_speechlm.model.pretrained import PretrainedError, read_export_config
+from torchtitan_speechlm.model.run_record import (
+    RUN_RECORD,
+    RunRecordError,
+    check_same_data,
+    read_run_record,
+    record_for_checkpoint,
+)
+from torchtitan_speechlm.model.starting_point import SAME, check_same
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
 
 
@@ -50,12 +58,16 @@ def resolve_resume(job_config, model_args) -> None:
     """Set ``checkpoint.load_step`` so that torchtitan resumes from a full checkpoint
     (``model_args``: the run's, to refuse an ``initial_load_path`` made for another model)."""
     ckpt = job_config.checkpoint
+    check_resume_data(job_config, model_args)
     if not ckpt.enable:
+        check_init_from(model_args)
         return
     folder = checkpoint_folder(job_config)
     steps = complete_checkpoints(folder, warn=True)
     if not steps and ckpt.initial_load_path:
         check_initial_load(job_config, model_args)
+    if not steps:
+        check_init_from(model_args)
     if ckpt.load_step >= 0:
         path = os.path.join(folder, f"step-{ckpt.load_step}")
         if ckpt.load_step in steps and ckpt.load_step > 0 and not is_full(path):
@@ -86,6 +98,64 @@ def resolve_resume(job_config, model_args) -> None:
         "false to extend runs from their last step."
     )
     ckpt.load_step = full
+
+
+def data_identity(job_config, model_args) -> tuple[dict, dict | None, dict]:
+    """The codec, text tokenizer and datasets (name -> absolute path) of the data this job
+    reads, as its prepared ``metadata.json`` files record them (a Python data object: its
+    codec hash only)."""
+    datasets = {
+        name: os.path.abspath(path)
+        for name, path in parse_datasets(list(job_config.speechlm_data.datasets)).items()
+    }
+    if not datasets:
+        return {"config_hash": model_args.codec_hash}, None, {}
+    meta = read_dataset_metadata(next(iter(datasets.values())))
+    codec = meta.get("codec") or {}
+    if codec.get("config_hash") != model_args.codec_hash:  # not the data it trains on
+        return {"config_hash": model_args.codec_hash}, None, {}
+    return codec, meta.get("tokenizer"), datasets
+
+
+def check_resume_data(job_config, model_args) -> None:
+    """The dump folder's run record names the codec and tokenizer its checkpoints were trained
+    on; data made with another one is refused (model/run_record.py: ``check_same_data``),
+    before torchtitan loads a checkpoint and before any rank starts."""
+    path = os.path.join(job_config.job.dump_folder, RUN_RECORD)
+    if not os.path.isfile(path):
+        return
+    start_from = None
+    if job_config.checkpoint.enable:
+        folder = checkpoint_folder(job_config)
+        done = complete_checkpoints(folder)
+        start_from = os.path.join(folder, f"step-{done[-1]}") if done else None
+    codec, tokenizer, datasets = data_identity(job_config, model_args)
+    check_same_data(
+        read_run_record(path), codec, tokenizer, datasets, path, start_from, logger.warning
+    )
+
+
+def check_init_from(model_args) -> None:
+    """``speechlm.init_from`` of an export or a training checkpoint made for another
+    vocabulary, pattern, backbone or codec: refused here, before any rank starts (each rank
+    checks it again when it loads the weights: model/starting_point.py)."""
+    if not model_args.init_from:
+        return
+    path = os.path.abspath(model_args.init_from)
+    if not os.path.isdir(path):
+        return  # a .pt state dict (no record), or missing: the rank's load says what is wrong
+    try:
+        if os.path.isfile(os.path.join(path, "config.json")):
+            source = read_export_config(path)
+        else:
+            source = record_for_checkpoint(path)
+    except (PretrainedError, RunRecordError):
+        return  # the rank's load names what is wrong with the folder
+    ours = {k: getattr(model_args, k) for k in SAME}
+    try:
+        check_same(source, ours, model_args.codec_hash, f"speechlm.init_from = {path}")
+    except PretrainedError as e:
+        raise ResumeError(str(e)) from None
 
 
 def check_initial_load(job_config, model_args) -> None:

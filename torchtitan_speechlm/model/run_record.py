@@ -113,3 +113,78 @@ def record_for_checkpoint(step_dir: str) -> dict:
     """The run record of a ``{dump}/{folder}/step-N`` checkpoint."""
     dump = os.path.dirname(os.path.dirname(os.path.abspath(step_dir)))
     return read_run_record(os.path.join(dump, RUN_RECORD))
+
+
+def describe_codec(codec: dict | None, datasets: dict | None = None) -> str:
+    """``encodec (config_hash 4806d537bd4d07ec, /path/codec; datasets tiny=/path)``."""
+    codec = codec or {}
+    where = f", {codec['path']}" if codec.get("path") else ""
+    data = f"; datasets {_datasets(datasets)}" if datasets else ""
+    return f"{codec.get('name', '?')} (config_hash {codec.get('config_hash') or '?'}{where}{data})"
+
+
+def _datasets(datasets: dict | None) -> str:
+    return ", ".join(f"{k}={v}" for k, v in (datasets or {}).items()) or "?"
+
+
+def check_same_data(
+    record: dict,
+    codec: dict | None,
+    tokenizer: dict | None,
+    datasets: dict | None,
+    where: str,
+    start_from: str | None = None,
+    warn=None,
+) -> None:
+    """The data a (re)started run reads was made with the codec and text tokenizer of the
+    recorded run (the resume identity, beside IDENTITY_KEYS): a checkpoint's audio rows mean the
+    codes of its codec and its text rows the ids of its tokenizer, and export / generate decode
+    with the recorded codec. Raise naming both codecs (or tokenizers), the datasets and the fix.
+
+    A record without a codec hash or tokenizer hash (older runs, or a Python data object with
+    none) cannot be checked: ``warn`` says so and the run goes on."""
+    old_codec, old_tok = record.get("codec") or {}, record.get("tokenizer") or {}
+    old_hash = old_codec.get("config_hash") or record.get("model_args", {}).get("codec_hash")
+    old_codec = {**old_codec, "config_hash": old_hash}
+    new_hash = (codec or {}).get("config_hash")
+    old_data, new_data = _datasets(record.get("datasets")), _datasets(datasets)
+    new_run = "start a new run in another job.dump_folder, from the backbone"
+    if old_hash and new_hash and old_hash != new_hash:
+        raise RunRecordError(
+            f"{where} was trained on data made with codec "
+            f"{describe_codec(old_codec, record.get('datasets'))}, but speechlm_data.datasets "
+            f"was made with codec {describe_codec(codec, datasets)}: the checkpoints' audio rows mean "
+            "the other codec's codes, and export and generate would decode with the recorded "
+            "one. To continue that run, point speechlm_data.datasets at data prepared with "
+            f"its codec (`torchtitan prepare ... --codec {old_codec.get('path') or 'CODEC_DIR'} "
+            f"--out DIR`); to train on this data, {new_run} (speechlm.init_from refuses "
+            f"weights trained on another codec's codes{_refused(start_from)})"
+        )
+    if not old_hash and new_hash and warn is not None:
+        warn(
+            f"{where} does not record the codec its checkpoints were trained with (an older "
+            "run record): cannot check that speechlm_data.datasets was made with the same "
+            f"one (it was made with codec {describe_codec(codec, datasets)}); resuming anyway"
+        )
+    old_tok_hash, new_tok_hash = old_tok.get("hash"), (tokenizer or {}).get("hash")
+    if old_tok_hash and new_tok_hash and old_tok_hash != new_tok_hash:
+        raise RunRecordError(
+            f"{where} was trained on data made with the text tokenizer {old_tok.get('path')} "
+            f"(hash {old_tok_hash}, {old_tok.get('vocab_size')} tokens; datasets {old_data}), "
+            f"but speechlm_data.datasets was made with {(tokenizer or {}).get('path')} (hash "
+            f"{new_tok_hash}, {(tokenizer or {}).get('vocab_size')} tokens; datasets "
+            f"{new_data}): the checkpoints' text rows mean the other tokenizer's ids. To "
+            "continue that run, point speechlm_data.datasets at data prepared with its "
+            f"tokenizer (`torchtitan prepare ... --tokenizer {old_tok.get('path') or 'DIR'} "
+            f"--out DIR`); to train on this data, {new_run}"
+        )
+    if not old_tok_hash and new_tok_hash and warn is not None:
+        warn(
+            f"{where} does not record the text tokenizer its checkpoints were trained with "
+            "(an older run record): cannot check that speechlm_data.datasets "
+            f"({new_data}) was made with the same one; resuming anyway"
+        )
+
+
+def _refused(start_from: str | None) -> str:
+    return f", such as {start_from}" if start_from else ""
