@@ -1,76 +1,53 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks, as one script for a session lent a GPU (never run by CI).
+# The GPU check: one command that proves the product on every GPU it finds (never run by CI).
 #
 # Prepare here (CPU machine, package registry reachable):  make gpu-wheels
-#   -> .whl/ holds the pure-Python packages a bare GPU image lacks (torchtitan 0.2.2,
-#      torchdata, tyro, datasets, ...); the image brings its own CUDA torch and transformers.
-# Run there, from the repo root, carrying .whl:  bash benchmarks/gpu_check.sh "$OUT"
+#   -> .whl/ holds the packages a bare GPU image (Python 3.12, its own CUDA torch and
+#      transformers) lacks: torchtitan 0.2.2, torchdata, tyro, tensorboard (torchtitan's metrics
+#      import it), soundfile, ... (the Makefile's GPU_WHEELS).
+# Run there, from the repo root, carrying .whl:   bash benchmarks/gpu_check.sh OUT
+# The same steps on CPU at tiny shapes (gloo, 2 processes for "all ranks"), here:
+#                                                  bash benchmarks/gpu_check.sh --dry-run OUT
+# Further flags go to benchmarks/gpu_check.py (--steps a,b  --no-micro  --recipes DIR  --keep-work).
 #
-# Budget: under 8 minutes on one H100/H200. Each step has its own time limit and a failed step
-# does not stop the next; the results land in $1 (default benchmarks/results/gpu): gpu.txt,
-# steps.log (every step's output) and each benchmark's JSON (8 files, lora_cuda.json among them):
-#   1. attention paths at T=8192, 16 documents per row (plain, sdpa_documents, dense mask,
-#      flex_attention, native flex, native grouped SDPA), packed/plain step-time ratios;
-#   2. SpeechLM (hf-llama, hf-qwen3, native) vs torchtitan's llama3 with its own flex
-#      block-causal attention, Qwen3-0.6B shape, bf16, eager and torch.compile, speech and
-#      text-only configs: frames/s, MFU, peak memory, ratios;
-#   3. the same at the Qwen3-1.7B shape (speech, compiled);
-#   4. loss-side memory at a 151,936-word vocabulary x 8 streams x 8k frames vs naive logits;
-#   5. LoRA vs full fine-tuning at the Qwen3-0.6B shape: step time, peak memory (lora_cuda.json);
-#   8. the decode step compiled and as CUDA graphs (Qwen3-0.6B shape); 9. the server (hidden 1024);
-#   6-7. with 2 GPUs or more: a pipeline step per schedule and an expert-parallel step.
+# Steps (benchmarks/gpu_check.py has the details), with their limits on one H200 in seconds:
+#   assets 40 (random-init Mimi from MimiConfig, tone clips, Qwen3-0.6B/1.7B-keyed bf16 backbones
+#   at real widths and vocabulary, layers cut to 8 / 4), prepare 35 (`torchtitan prepare` with the
+#   Mimi on cuda, 8 streams, --dev-fraction), train_0.6b_1rank 70 and train_1.7b_1rank 70 (the
+#   shipped recipes, FILL-IN paths and size overrides only: 20 steps of 4 x 4096 frames, compile,
+#   AC, bf16 FSDP2 as shipped), export 20, generate_tts 25, generate_asr 25, serve 35 (one
+#   request), and the micro-benchmarks: bench_attention 25, bench_vs_llama3 40 (0.6B shape,
+#   compiled), bench_loss_memory 15, bench_lora 25, bench_decode 25, bench_serve 20.
+#   Sum on one GPU: 470 s (< 8 minutes). With N >= 2 GPUs these add: train_0.6b_all_ranks 75
+#   and train_1.7b_all_ranks 75 (--nproc-per-node N), bench_pipeline 60, bench_expert_parallel 60.
+# Output: OUT/summary.md + OUT/summary.json (one table: per step pass/fail, wall time; for
+# training frames/s, MFU, peak memory, each step's time), OUT/logs/*.log, OUT/gpu.txt and each
+# micro-benchmark's JSON. The runs' folders (OUT/work) are removed at the end unless --keep-work.
+# Exit status: 1 if any step failed (the others still ran), 2 if no GPU (without --dry-run).
 set -uo pipefail
+dry=""
+if [ "${1:-}" = "--dry-run" ]; then dry="--dry-run"; shift; fi
 out=${1:-benchmarks/results/gpu}
+shift || true
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+py=python3
+if [ -n "$dry" ] && [ -x .venv/bin/python ]; then py=.venv/bin/python; fi
+if [ -z "$dry" ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 else
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, torchtitan; print('torch', torch.__version__, \
-'transformers', transformers.__version__, 'torchtitan', torchtitan.__version__ \
-if hasattr(torchtitan, '__version__') else '0.2.2')"; } 2>&1 | tee "$out/gpu.txt"
-
-step() {  # step NAME SECONDS COMMAND...: run with a limit, log it, never stop the script
-  local name=$1 limit=$2; shift 2
-  echo "== $name (limit ${limit}s): $*" | tee -a "$out/steps.log"
-  local t0=$SECONDS
-  timeout "$limit" "$@" >>"$out/steps.log" 2>&1
-  echo "   exit $? after $((SECONDS - t0))s" | tee -a "$out/steps.log"
-}
-
-step attention 100 python3 benchmarks/bench_attention.py --shapes 8192x16 --repeats 3
-step vs_llama3_0.6b 100 python3 benchmarks/bench_vs_llama3.py --shape qwen3_0.6b --repeats 5
-step vs_llama3_0.6b_compile 150 python3 benchmarks/bench_vs_llama3.py --shape qwen3_0.6b \
-  --repeats 5 --compile
-step vs_llama3_1.7b_compile 110 python3 benchmarks/bench_vs_llama3.py --shape qwen3_1.7b \
-  --repeats 3 --compile --configs speech
-step loss_memory 40 python3 benchmarks/bench_loss_memory.py
-step lora 90 python3 benchmarks/bench_lora.py --device cuda --shape qwen3_0.6b --repeats 5
-# 8. the decode step at the Qwen3-0.6B shape: native cached eager vs compiled vs compiled and
-# replayed as CUDA graphs (DecodeConfig.compile on / graphs), vs hf cached, batch 1 and 8
-step decode_compile 150 python3 benchmarks/bench_decode.py --suite backbones --shape qwen3_0.6b \
-  --frames 256 --repeats 3 --out "$out/decode_backbones_cuda.json"
-# 9. torchtitan serve at a Qwen3-0.6B-like size (hidden 1024, 28 layers; a briefly trained
-# export): 1/4/16 concurrent clients vs sequential CLI calls
-step serve 150 python3 benchmarks/bench_serve.py --hidden 1024 --layers 28 --heads 16 \
-  --device cuda --cli-calls 4 --out "$out/serve_cuda.json"
-# 6-7. pipeline (bubble per schedule vs theory, per-rank memory) and expert parallelism (EP step
-# vs EP=1 at equal global batch): 2 ranks each, and NCCL takes one GPU per rank, so they run only
-# on a machine with 2 GPUs or more (their corpus is espeak-ng speech: the image needs espeak-ng)
-ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
-if [ "$ngpu" -ge 2 ] && command -v espeak-ng >/dev/null; then
-  step pipeline 150 python3 benchmarks/bench_pipeline.py --steps 8 --hidden 1024 --layers 16 \
-    --seq-len 2048 --schedules 1F1B,Interleaved1F1B --micro 2,1 --out "$out/pipeline_cuda.json"
-  step expert_parallel 120 python3 benchmarks/bench_expert_parallel.py --steps 8 --hidden 1024 \
-    --layers 8 --experts 16 --seq-len 2048 --out "$out/expert_parallel_cuda.json"
-else
-  echo "== pipeline, expert_parallel: skipped ($ngpu GPU(s); each needs 2, and espeak-ng)" \
-    | tee -a "$out/steps.log"
+{ if [ -z "$dry" ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; fi
+  "$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count())"; } \
+  2>&1 | tee "$out/gpu.txt"
+"$py" benchmarks/gpu_check.py $dry "$out" "$@"
+rc=$?
+if [ -z "$dry" ]; then  # the session keeps the table under benchmarks/results/
+  cp "$out/summary.md" benchmarks/results/gpu_check_summary.md 2>/dev/null
+  cp "$out/summary.json" benchmarks/results/gpu_check_summary.json 2>/dev/null
 fi
-cp benchmarks/results/*gpu*.json "$out/" 2>/dev/null
-ls -la "$out"
+exit $rc

@@ -14,7 +14,8 @@ goes through torchtitan's ConfigManager, and its pure functions (`val_losses`, `
 `plot`) run on fabricated inputs shaped like `torchtitan eval`'s results (the keys it reads
 are ones docs/generation.md documents). `run_all.py` (every benchmark at full size): every
 script it lists exists and its flags parse. `gpu_check.sh`: `bash -n`, and every benchmark
-command it runs parses. `bench_common.py` is the others' library (imported by them)."""
+command it runs (benchmarks/gpu_check.py's MICRO) parses; its dry run is
+tests/integration/test_gpu_check.py. `bench_common.py` is the others' library (imported by them)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,13 @@ SMOKE = {
     "bench_wave_store.py": "--n 4 --repeats 1 --work {tmp}/work --out {tmp}/a.json",
     "voice_table.py": "--voices us,us-m1 --sentences 2 --no-asr --out {tmp}/a.json",
 }
-NOT_RUN = ("bench_audio_learning.py", "bench_common.py", "bench_learning.py", "run_all.py")
+NOT_RUN = (
+    "bench_audio_learning.py",
+    "bench_common.py",
+    "bench_learning.py",
+    "gpu_check.py",
+    "run_all.py",
+)  # gpu_check.py: its dry run is tests/integration/test_gpu_check.py
 
 
 def test_every_script_is_run_or_said_why_not():
@@ -153,12 +160,15 @@ def test_run_all_lists_existing_scripts_whose_flags_parse():
 
 
 def test_gpu_check_script_is_valid_bash_and_its_commands_parse():
+    import shlex
+
     bash_syntax_ok("benchmarks/gpu_check.sh")
-    text = (BENCHMARKS / "gpu_check.sh").read_text().replace("\\\n", " ")
-    commands = re.findall(r"python3 (benchmarks/\w+\.py[^\n]*)", text)
-    assert len(commands) >= 5, commands
-    for command in commands:
-        check(Shown("gpu_check.sh", "python " + command, inline=False))
+    gpu_check = load_script(BENCHMARKS / "gpu_check.py")
+    assert len(gpu_check.MICRO) >= 5, gpu_check.MICRO
+    for name, argvs in gpu_check.MICRO.items():  # the GPU and the --dry-run command
+        for argv in argvs:
+            command = shlex.join(shlex.split(argv.format(o="/tmp/out")))
+            check(Shown(f"gpu_check.py {name}", "python " + command, inline=False))
 
 
 # ---- bench_learning.py without running it -----------------------------------------------------
