@@ -74,11 +74,16 @@ lint: deps
 bench: deps
 	$(PY) benchmarks/run_all.py
 
-# Pure-Python packages a bare GPU image (Python 3.12, its own CUDA torch + transformers) lacks,
-# for benchmarks/gpu_check.sh (carry .whl to the GPU machine).
+# The packages a bare GPU image (Python 3.12, its own CUDA torch + transformers) lacks, for
+# benchmarks/gpu_check.sh (carry .whl to the GPU machine; about 15 MB): pure Python, and cp312
+# manylinux binaries (cffi; protobuf abi3; soundfile bundles libsndfile). tensorboard, protobuf,
+# absl-py: torchtitan's metrics module imports torch.utils.tensorboard; soundfile, cffi, pycparser:
+# prepare, generate, serve. datasets' pyarrow and pandas (55 MB) are left out: gpu_check.sh puts
+# benchmarks/gpu_shims (the names torchtitan imports) first on the path when `import datasets` fails.
 GPU_WHEELS = torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 \
   typeguard==4.6.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
-  peft==0.21.2 accelerate==1.15.0 psutil==7.2.2
+  peft==0.21.2 accelerate==1.15.0 psutil==7.2.2 \
+  tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12
 gpu-wheels: deps
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

@@ -59,16 +59,16 @@ LIMITS = {
     "train_0.6b_all_ranks": 75,
     "train_1.7b_1rank": 70,
     "train_1.7b_all_ranks": 75,
-    "export": 20,
-    "generate_tts": 25,
-    "generate_asr": 25,
-    "serve": 35,
+    "export": 15,
+    "generate_tts": 20,
+    "generate_asr": 20,
+    "serve": 30,
     "bench_attention": 25,
     "bench_vs_llama3": 40,
-    "bench_loss_memory": 15,
+    "bench_loss_memory": 20,
     "bench_lora": 25,
-    "bench_decode": 25,
-    "bench_serve": 20,
+    "bench_decode": 30,
+    "bench_serve": 35,
     "bench_pipeline": 60,
     "bench_expert_parallel": 60,
 }
@@ -81,18 +81,18 @@ ONE_GPU_BUDGET = 480
 BACKBONES = {"0.6b": ("qwen3_0.6b", 8), "1.7b": ("qwen3_1.7b", 4)}
 DRY_LAYERS = 2
 RECIPES = {"0.6b": "qwen3_0.6b_tts_asr.toml", "1.7b": "qwen3_1.7b_tts_asr.toml"}
-GPU_STEPS, DRY_STEPS = 20, 4
+GPU_STEPS, DRY_STEPS = 12, 4
 
 # the micro-benchmarks (GPU argv, --dry-run argv); {o}: the output folder
 MICRO = {
     "bench_attention": (
-        "benchmarks/bench_attention.py --shapes 4096x8 --repeats 2 --out {o}/attention_cuda.json",
+        "benchmarks/bench_attention.py --shapes 2048x8 --repeats 1 --out {o}/attention_cuda.json",
         "benchmarks/bench_attention.py --shapes 64x2 --repeats 1 --hidden 64 --layers 1 "
         "--out {o}/attention_cpu.json",
     ),
     "bench_vs_llama3": (
-        "benchmarks/bench_vs_llama3.py --shape qwen3_0.6b --repeats 3 --compile --configs speech "
-        "--results-dir {o}",
+        "benchmarks/bench_vs_llama3.py --shape qwen3_0.6b --repeats 2 --configs speech "
+        "--variants 'speechlm hf-qwen3' --results-dir {o}",
         "benchmarks/bench_vs_llama3.py --shape tiny --repeats 1 --configs speech "
         "--variants 'speechlm hf-llama' --results-dir {o}",
     ),
@@ -107,13 +107,13 @@ MICRO = {
         "benchmarks/bench_lora.py --shape tiny --repeats 1 --out {o}/lora_cpu.json",
     ),
     "bench_decode": (
-        "benchmarks/bench_decode.py --suite backbones --shape qwen3_0.6b --frames 64 --repeats 2 "
+        "benchmarks/bench_decode.py --suite backbones --shape qwen3_0.6b --frames 32 --repeats 1 "
         "--out {o}/decode_backbones_cuda.json",
         "benchmarks/bench_decode.py --suite backbones --shape demo --frames 4 --repeats 1 "
         "--out {o}/decode_backbones_cpu.json",
     ),
     "bench_serve": (
-        "benchmarks/bench_serve.py --hidden 1024 --layers 8 --heads 16 --device cuda "
+        "benchmarks/bench_serve.py --hidden 512 --layers 4 --heads 8 --device cuda "
         "--frames 25 --requests 8 --concurrency 1,4 --cli-calls 1 --work {o}/work/bench_serve "
         "--out {o}/serve_cuda.json",
         "benchmarks/bench_serve.py --frames 2 --requests 2 --cli-calls 1 --concurrency 1,2 "
