@@ -12,16 +12,20 @@ from __future__ import annotations
 import io
 import math
 import os
+import struct
 
 import numpy as np
 
 # Reason codes of BadAudioError, as recorded in failures.jsonl.
-MISSING, UNREADABLE, EMPTY, NONFINITE = (
+MISSING, UNREADABLE, EMPTY, NONFINITE, TRUNCATED = (
     "missing_audio",
     "unreadable_audio",
     "empty_audio",
     "nonfinite_audio",
+    "truncated_audio",
 )
+# data chunk sizes a writer that could not seek back leaves as "unknown" (ffmpeg, sox on a pipe)
+_UNKNOWN_SIZES = (0, 0xFFFFFFFF, 0x7FFFFFFF)
 
 
 class BadAudioError(ValueError):
@@ -78,6 +82,45 @@ def to_codec_audio(
     return np.ascontiguousarray(wav, dtype=np.float32)
 
 
+def wav_header_frames(source) -> int | None:
+    """The frames a RIFF/WAVE file's header says its ``data`` chunk holds (its declared byte
+    size / the block size of its ``fmt`` chunk); None for another format, an RF64 file or a
+    size a writer left unknown. ``source``: a path or a seekable binary file object (its
+    position is restored)."""
+    own = isinstance(source, (str, os.PathLike))
+    f = open(source, "rb") if own else source
+    pos = None if own else f.tell()
+    try:
+        f.seek(0)
+        head = f.read(12)
+        if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+            return None
+        block = None
+        while True:
+            chunk = f.read(8)
+            if len(chunk) < 8:
+                return None
+            cid, size = chunk[:4], struct.unpack("<I", chunk[4:])[0]
+            if cid == b"fmt ":
+                fmt = f.read(size + (size & 1))
+                if len(fmt) < 14:
+                    return None
+                block = struct.unpack("<H", fmt[12:14])[0]
+            elif cid == b"data":
+                if not block or size in _UNKNOWN_SIZES:
+                    return None
+                return size // block
+            else:
+                f.seek(size + (size & 1), 1)
+    except (OSError, struct.error):
+        return None
+    finally:
+        if own:
+            f.close()
+        else:
+            f.seek(pos)
+
+
 def _read(source, name: str, start: float | None, end: float | None) -> tuple[np.ndarray, int]:
     try:
         import soundfile as sf  # here: training imports this module, never reads audio
@@ -86,11 +129,30 @@ def _read(source, name: str, start: float | None, end: float | None) -> tuple[np
             sr = f.samplerate
             first = 0 if start is None else min(int(round(start * sr)), f.frames)
             last = f.frames if end is None or end < 0 else min(int(round(end * sr)), f.frames)
+            want = None if end is None or end < 0 else int(round(end * sr))
             f.seek(first)
             data = f.read(max(last - first, 0), dtype="float32", always_2d=True)
+            present = f.frames
     except Exception as e:  # soundfile raises LibsndfileError/RuntimeError/TypeError variants
         raise BadAudioError(name, f"unreadable audio ({type(e).__name__}: {e})") from e
+    _check_complete(source, name, sr, present, want)
     return data, sr
+
+
+def _check_complete(source, name: str, sr: int, present: int, want: int | None) -> None:
+    """A wav cut short (its header counts more frames than the file holds: a copy or a
+    download that stopped) is refused when the part asked for (the whole file, or a segment
+    up to ``want`` frames) reaches past what is there: libsndfile reads what is left without a
+    word, and the item would keep its whole transcript over part of its speech."""
+    declared = wav_header_frames(source)
+    if declared is None or declared <= present or (want is not None and want <= present):
+        return
+    raise BadAudioError(
+        name,
+        f"truncated: its header says {declared} frames ({declared / sr:.2f} s) but the file "
+        f"holds {present} ({present / sr:.2f} s); copy or download it again",
+        TRUNCATED,
+    )
 
 
 def load_audio(

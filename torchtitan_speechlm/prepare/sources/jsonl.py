@@ -30,6 +30,7 @@ from torchtitan_speechlm.prepare.sources.base import (
     SourceRead,
     register_source,
 )
+from torchtitan_speechlm.utils.text_files import text_lines
 
 
 def _str_key(row: dict, key: str, where: str, required: bool) -> str | None:
@@ -77,42 +78,41 @@ def read_jsonl_manifest(path: str) -> list[ManifestItem]:
     base = os.path.dirname(path)
     items: list[ManifestItem] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ManifestError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
-            if not isinstance(row, dict):
-                raise ManifestError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            item_id = _str_key(row, "id", where, True)
-            if not item_id:
-                raise ManifestError(f"{where}: empty id")
-            if item_id in seen:
+    for lineno, line in text_lines(path, ManifestError):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+        if not isinstance(row, dict):
+            raise ManifestError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        item_id = _str_key(row, "id", where, True)
+        if not item_id:
+            raise ManifestError(f"{where}: empty id")
+        if item_id in seen:
+            raise ManifestError(
+                f"{where}: duplicate id {item_id!r} (first on line {seen[item_id]})"
+            )
+        seen[item_id] = lineno
+        speaker = speaker_label(row.get("speaker"), where)
+        if "turns" in row:
+            if "audio" in row or "text" in row:
                 raise ManifestError(
-                    f"{where}: duplicate id {item_id!r} (first on line {seen[item_id]})"
+                    f"{where}: a dialogue line has 'turns' only, not 'audio'/'text'"
                 )
-            seen[item_id] = lineno
-            speaker = speaker_label(row.get("speaker"), where)
-            if "turns" in row:
-                if "audio" in row or "text" in row:
-                    raise ManifestError(
-                        f"{where}: a dialogue line has 'turns' only, not 'audio'/'text'"
-                    )
-                turns = _parse_turns(row["turns"], base, where)
-                items.append(
-                    ManifestItem(item_id, None, "", lineno, where, turns=turns, speaker=speaker)
-                )
-                continue
-            audio = _str_key(row, "audio", where, False)
-            text = _str_key(row, "text", where, False)
-            if audio is None and text is None:
-                raise ManifestError(f"{where}: needs 'audio', 'text' or 'turns'")
-            audio = _resolve(base, audio) if audio is not None else None
-            items.append(ManifestItem(item_id, audio, text or "", lineno, where, speaker=speaker))
+            turns = _parse_turns(row["turns"], base, where)
+            items.append(
+                ManifestItem(item_id, None, "", lineno, where, turns=turns, speaker=speaker)
+            )
+            continue
+        audio = _str_key(row, "audio", where, False)
+        text = _str_key(row, "text", where, False)
+        if audio is None and text is None:
+            raise ManifestError(f"{where}: needs 'audio', 'text' or 'turns'")
+        audio = _resolve(base, audio) if audio is not None else None
+        items.append(ManifestItem(item_id, audio, text or "", lineno, where, speaker=speaker))
     return items
 
 

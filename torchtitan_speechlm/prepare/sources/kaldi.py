@@ -28,6 +28,7 @@ from torchtitan_speechlm.prepare.sources.base import (
     SourceRead,
     register_source,
 )
+from torchtitan_speechlm.utils.text_files import text_lines
 
 _ARK_OFFSET = re.compile(r"\.ark:\d+$")
 
@@ -35,15 +36,14 @@ _ARK_OFFSET = re.compile(r"\.ark:\d+$")
 def _read_table(path: str, min_fields: int) -> list[tuple[int, list[str]]]:
     """(line number, [key, rest...]) for each non-blank line; the last field keeps its spaces."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.strip()
-            if not line:
-                continue
-            parts = line.split(None, min_fields - 1)
-            if len(parts) < min_fields:
-                raise ManifestError(f"{path}:{lineno}: expected {min_fields} fields, got {line!r}")
-            rows.append((lineno, parts))
+    for lineno, line in text_lines(path, ManifestError):
+        line = line.strip()
+        if not line:
+            continue
+        parts = line.split(None, min_fields - 1)
+        if len(parts) < min_fields:
+            raise ManifestError(f"{path}:{lineno}: expected {min_fields} fields, got {line!r}")
+        rows.append((lineno, parts))
     return rows
 
 
