@@ -45,6 +45,7 @@ from torchtitan_speechlm.generation.loading import load_model
 from torchtitan_speechlm.generation.requests import TEXT_OUT, Outcome, Request, run_requests
 from torchtitan_speechlm.generation.sampling import Sampling
 from torchtitan_speechlm.generation.streaming import WavFileStream
+from torchtitan_speechlm.utils.text_files import line_not_utf8
 
 
 def decode_config(a) -> DecodeConfig:
@@ -140,14 +141,18 @@ def _batch(
     task and length into batched decoder calls; a bad line fails alone."""
     os.makedirs(out_dir, exist_ok=True)
     ids, reqs, bad = [], [], {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:  # per line: a line that is not UTF-8 fails alone, named
+        offset = 0
+        for lineno, raw in enumerate(f, 1):
+            start, offset = offset, offset + len(raw)
+            if not raw.strip():
                 continue
             try:
-                req = json.loads(line)
+                req = json.loads(raw.decode("utf-8"))
                 if not isinstance(req, dict):
                     raise ValueError("not a JSON object")
+            except UnicodeDecodeError as e:
+                req, bad[len(reqs)] = {}, line_not_utf8(path, lineno, raw, start, e)
             except ValueError as e:
                 req, bad[len(reqs)] = {}, f"{path} line {lineno}: not a JSON request ({e})"
             ids.append(str(req.get("id", f"line{lineno}")))

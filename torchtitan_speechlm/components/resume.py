@@ -34,11 +34,45 @@ class ResumeError(ValueError):
     """The checkpoint folder cannot be continued; the message says what to do."""
 
 
-@lru_cache(maxsize=256)
-def _keys(path: str, mtime_ns: int) -> frozenset[str]:
+def read_checkpoint_metadata(path: str):
+    """DCP's ``Metadata`` of the checkpoint folder ``path`` (its ``.metadata``, a pickle), or a
+    ResumeError naming the file, where its bytes stop making sense and the fix. A byte flipped
+    on disk made DCP end in a bare ``'utf-8' codec can't decode byte 0x9d in position 19``."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    return frozenset(FileSystemReader(path).read_metadata().state_dict_metadata)
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as e:  # pickle: UnicodeDecodeError, UnpicklingError, EOFError, ...
+        error = e
+    meta = os.path.join(path, ".metadata")
+    where = ""
+    try:  # how far the unpickler got: the byte offset of the damage
+        import pickle
+
+        with open(meta, "rb") as f:
+            try:
+                pickle.load(f)
+            except Exception:
+                where = f" near byte {f.tell()} of {os.path.getsize(meta)}"
+    except OSError:
+        pass
+    folder, name = os.path.split(os.path.abspath(path))
+    step = int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
+    before = [s for s in complete_checkpoints(folder) if step is not None and s < step]
+    instead = (
+        f"Delete {path} to resume from step-{before[-1]}"
+        if before
+        else f"Delete {path} (no complete checkpoint before it: the run starts over)"
+    )
+    raise ResumeError(
+        f"{meta} is corrupt{where} ({type(error).__name__}: {error}): the checkpoint cannot "
+        f"be read. {instead}, or use another job.dump_folder"
+    )
+
+
+@lru_cache(maxsize=256)
+def _keys(path: str, mtime_ns: int) -> frozenset[str]:
+    return frozenset(read_checkpoint_metadata(path).state_dict_metadata)
 
 
 def is_full(path: str) -> bool:

@@ -4,12 +4,19 @@ key what replaces it, and a value that must name a registered extension the regi
 (the registries are handed in by the caller, which knows them)."""
 
 import difflib
+import re
 import types
 import typing
 from dataclasses import fields, is_dataclass
 from typing import Any, Literal
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as torchtitan's own loader uses
+    import tomli as tomllib
+
 from torchtitan_speechlm.config.errors import ConfigError
+from torchtitan_speechlm.utils.text_files import not_utf8
 
 # keys that were replaced, with what to do instead
 MOVED_KEYS = {
@@ -77,3 +84,51 @@ def check_toml(
                 registered[dotted].get(value, dotted)
             except ValueError as e:
                 raise ConfigError(f"{source}: {e}") from None
+
+
+CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
+_AT = re.compile(r"^(?P<msg>.*) \(at line (?P<line>\d+), column (?P<col>\d+)\)$", re.S)
+
+
+def load_toml_file(path: str) -> dict:
+    """``tomllib.load`` of a config file whose errors name the file and the line: bytes that
+    are not UTF-8 (``PATH:LINE: byte 0xe9 at column 3 ... save the file as UTF-8``) and TOML
+    syntax (``PATH:LINE: Invalid value (column 9): `steps = = 6```), as ConfigError; torchtitan's
+    own loader raises the bare decoder error, with a traceback."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"job.config_file: {path} not found") from None
+    except OSError as e:
+        raise ConfigError(f"job.config_file: {path} cannot be read ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(not_utf8(path, data, e)) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        m = _AT.match(str(e))
+        if m is None:
+            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        lineno = int(m["line"])
+        lines = text.splitlines()
+        shown = lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
+        raise ConfigError(
+            f"{path}:{lineno}: not valid TOML: {m['msg']} (column {m['col']})"
+            + (f": `{shown}`" if shown else "")
+            + "; fix that line (TOML: key = value, strings in quotes, [section] headers)"
+        ) from None
+
+
+def check_toml_file(args: list[str]) -> dict | None:
+    """The TOML named by ``--job.config_file`` in ``args`` loaded by ``load_toml_file`` (None
+    without one): call it before torchtitan's ConfigManager reads the file, so that a file
+    that is not UTF-8 or not TOML is one ``config error`` line naming the file and line."""
+    for i, a in enumerate(args):
+        key, eq, value = a.partition("=")
+        if key in CONFIG_FILE_FLAGS:
+            path = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            return load_toml_file(path) if path else None
+    return None
