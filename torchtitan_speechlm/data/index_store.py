@@ -69,18 +69,28 @@ def cache_folder(root: str) -> str:
     return os.path.join(base, hashlib.sha256(root.encode()).hexdigest()[:16])
 
 
-def index_key(root: str, metadata_bytes: bytes, entries: list[dict]) -> str:
+KEY_FILES = (ITEMS, COLUMNS, TEXT_TOKENS, AUDIO_CODES, SHARD_META)
+
+
+def index_key(root: str, metadata_bytes: bytes, entries: list[dict], check: bool) -> str:
     """What the index is made from: metadata.json's bytes and each shard file's size and
-    modification time (a shard changed since is indexed and verified again)."""
+    modification time (a shard changed since is indexed and verified again). ``check``: also
+    refuse a shard file whose size is not the one metadata.json recorded (the same ``stat``)."""
     h = hashlib.sha256(metadata_bytes)
     for entry in entries:
         sdir = shard_dir(root, entry)
-        for name in (ITEMS, COLUMNS, TEXT_TOKENS, AUDIO_CODES, SHARD_META):
+        files = entry.get("files") or {}
+        for name in KEY_FILES:
             try:
                 st = os.stat(os.path.join(sdir, name))
-                h.update(f"{entry.get('name')}/{name}:{st.st_size}:{st.st_mtime_ns};".encode())
             except FileNotFoundError:
+                if check and (name in files or not os.path.isdir(sdir)):
+                    check_sizes(root, [entry])  # raises, naming the shard or the file
                 h.update(f"{entry.get('name')}/{name}:-;".encode())
+                continue
+            if check and name in files and st.st_size != files[name].get("bytes"):
+                check_sizes(root, [entry])  # raises, naming the file and both sizes
+            h.update(f"{entry.get('name')}/{name}:{st.st_size}:{st.st_mtime_ns};".encode())
     return f"{INDEX_VERSION}:{h.hexdigest()}"
 
 
@@ -234,9 +244,7 @@ def open_index(
     every open, except ``"none"``; the sha256s once per dataset, recorded)."""
     t0 = time.perf_counter()
     entries = metadata.get("shards", [])
-    if verify != "none":
-        check_sizes(root, entries)
-    key = index_key(root, metadata_bytes, entries)
+    key = index_key(root, metadata_bytes, entries, check=verify != "none")  # sizes, always
     n_items = sum(int(e.get("num_items") or 0) for e in entries)
     folders = [os.path.join(root, INDEX_DIR), cache_folder(root)]
     for folder in folders:

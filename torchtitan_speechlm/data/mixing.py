@@ -56,9 +56,15 @@ def compact(idx: np.ndarray) -> np.ndarray:
 
 
 def keep_eligible(sources: list[Source]) -> None:
-    """Narrow every source to its eligible items (in place); refuse a source left empty."""
+    """Narrow every source to its eligible items (in place); refuse a source left empty.
+    Sources of one dataset with the same items (tts and asr over its speech) share one array."""
+    kept: list[np.ndarray] = []
     for s in sources:
-        s.indices = eligible(s)
+        idx = eligible(s)
+        same = next((k for k in kept if k.dtype == idx.dtype and np.array_equal(k, idx)), None)
+        s.indices = idx if same is None else same
+        if same is None and len(idx) > 4096:
+            kept.append(idx)
         if len(s.indices) == 0:
             raise ValueError(
                 f"{s.task}:{s.name} has no items usable for task {s.task!r} (after the "
@@ -82,9 +88,12 @@ class Mixture:
         cfg_dropout: float,
         length: Callable[..., int],
         prompts=None,
+        own_shards: list[int] | None = None,
     ):
         """``prompts``: the speaker prompts of prompted sources (speaker_prompts.py); a draw
-        of such a source carries its prompt, and its length counts the prompt's frames."""
+        of such a source carries its prompt, and its length counts the prompt's frames.
+        ``own_shards``: the shards this process walks (None: any); an epoch's permutation is
+        then cut into their shares at once and not kept (a rank of dp 8 keeps 1/8 of it)."""
         self.sources, self.step_pieces, self.length = sources, step_pieces, length
         self.prompts = prompts
         self.seed, self.shuffle, self.infinite = seed, shuffle, infinite
@@ -99,7 +108,8 @@ class Mixture:
         # (src, shard) -> (epoch, the shard's items); (src, epoch) -> the epoch's permutation
         # of the source, computed once for every shard of this rank and sliced per shard
         self._perm_cache: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
-        self._epoch_perm: dict[tuple[int, int], np.ndarray] = {}
+        self._epoch_perm: dict[tuple[int, int], np.ndarray | dict[int, np.ndarray]] = {}
+        self.own_shards = None if own_shards is None else sorted(set(own_shards))
 
     def reset(self) -> None:
         """Forget the cached permutations (they are recomputed identically on demand)."""
@@ -117,24 +127,39 @@ class Mixture:
 
     def epoch_order(self, src: int, epoch: int) -> np.ndarray:
         """Source ``src``'s items in epoch ``epoch``'s seeded order (compact: int32 where item
-        numbers fit), computed once per (source, epoch) however many shards walk it; only the
-        epochs some shard of this rank is in are kept."""
+        numbers fit)."""
+        idx = self.sources[src].indices
+        perm = np.random.default_rng([self.seed, src, epoch, PERM_SEED])
+        return compact(idx[perm.permutation(len(idx))])
+
+    def _epoch_share(self, src: int, epoch: int, shard: int) -> np.ndarray:
+        """Shard ``shard``'s every-S-th items of the epoch's order, the order computed once per
+        (source, epoch) for every shard of this process; only the epochs some shard of it is
+        in are kept, and with ``own_shards`` only their shares (copies), not the order."""
         key = (src, epoch)
-        order = self._epoch_perm.get(key)
-        if order is None:
-            idx = self.sources[src].indices
-            perm = np.random.default_rng([self.seed, src, epoch, PERM_SEED])
-            order = self._epoch_perm[key] = compact(idx[perm.permutation(len(idx))])
+        got = self._epoch_perm.get(key)
+        if got is None:
+            order, n = self.epoch_order(src, epoch), self.step_pieces
+            if self.own_shards is not None and shard in self.own_shards:
+                got = {j: order[j::n].copy() for j in self.own_shards}
+            else:
+                got = order
             live = {(s, e) for (s, _), (e, _) in self._perm_cache.items()} | {key}
             for k in [k for k in self._epoch_perm if k not in live]:
                 del self._epoch_perm[k]
-        return order
+            self._epoch_perm[key] = got
+        if isinstance(got, dict):
+            share = got.get(shard)
+            if share is not None:
+                return share
+            return self.epoch_order(src, epoch)[shard :: self.step_pieces].copy()
+        return got[shard :: self.step_pieces]  # a view: no copy per shard
 
     def _shard_items(self, src: int, epoch: int, shard: int) -> np.ndarray:
         idx, n = self.sources[src].indices, self.step_pieces
         if self.shuffle:
             if len(idx) >= n:
-                return self.epoch_order(src, epoch)[shard::n]  # a view: no copy per shard
+                return self._epoch_share(src, epoch, shard)
             perm = np.random.default_rng([self.seed, src, epoch, shard, PERM_SEED])
             return idx[perm.permutation(len(idx))]
         if self.infinite and len(idx) < n:

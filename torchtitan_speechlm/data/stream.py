@@ -131,6 +131,7 @@ class SpeechLMDataset(IterableDataset, Stateful):
             cfg_dropout=self.settings.train_cfg_dropout,
             length=self.lengths_table.length,
             prompts=self.prompts,
+            own_shards=self.own_shards(),
         )
         self.sampler = StreamSampler(mixture, self.settings, self.shards)
         self.examples = Examples(sources, builder)
