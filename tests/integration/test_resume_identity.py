@@ -31,9 +31,7 @@ def test_resume_onto_data_of_another_codec_is_refused_naming_both(tmp_path):
     other_codec = build_codec(str(tmp_path / "codec_seed1"), seed=1)
     other = str(tmp_path / "prepared_seed1")
     prepare_dataset(manifest, other_codec, assets["tokenizer"], other, progress=False)
-    new_hash = json.loads(open(os.path.join(other, "metadata.json")).read())["codec"][
-        "config_hash"
-    ]
+    new_hash = json.loads(open(os.path.join(other, "metadata.json")).read())["codec"]["config_hash"]
     assert new_hash != old_hash
 
     extend = ("--training.steps", "4", "--checkpoint.interval", "2", *FAST)

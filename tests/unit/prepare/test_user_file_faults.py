@@ -58,8 +58,7 @@ def test_a_latin1_byte_in_a_jsonl_manifest_names_file_line_and_fix(assets, tmp_p
     ), err
     assert 'caf\\xe9 est chaud"}`' in err  # the bytes around it, the bad one escaped
     assert err.endswith(
-        f": save it as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8 {manifest} > "
-        f"{manifest}.utf8)"
+        f": save it as UTF-8 (from Latin-1: iconv -f latin1 -t utf-8 {manifest} > {manifest}.utf8)"
     )
     assert not (tmp_path / "out" / "metadata.json").exists()
 
@@ -111,7 +110,11 @@ def test_a_truncated_wav_is_skipped_and_counted(assets, tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["skipped_by_reason"] == {"truncated_audio": 1}
     (fail,) = [json.loads(x) for x in open(out / "failures.jsonl")]
-    assert (fail["id"], fail["reason"], fail["source"]) == ("cut", "truncated_audio", f"{manifest}:2")
+    assert (fail["id"], fail["reason"], fail["source"]) == (
+        "cut",
+        "truncated_audio",
+        f"{manifest}:2",
+    )
     assert "header says 32000 frames (2.00 s) but the file holds" in fail["detail"]
 
 
