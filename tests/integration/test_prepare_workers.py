@@ -103,7 +103,7 @@ def test_two_workers_after_torch_work_finish_and_match_one_worker(kaldi, tmp_pat
             script=str(script),
         )
         want = shard_bytes(ref)
-        assert len(want) == 3 * 4  # 3 shards x (items, failures, 2 arrays)
+        assert len(want) == 3 * 5  # 3 shards x (items, failures, columns, 2 arrays)
         assert shard_bytes(two) == want, name
         if name == "kmeans":
             assert shard_bytes(tmp_path / "fit_w2") == want

@@ -19,9 +19,24 @@ import sys
 import time
 
 from torchtitan_speechlm.codecs import CodecError, load_codec
-from torchtitan_speechlm.data.format import CorruptDatasetError
+from torchtitan_speechlm.data.format import CorruptDatasetError, read_json
 from torchtitan_speechlm.data.tokenizer_check import LossyTokenizerError, check_inputs
 from torchtitan_speechlm.prepare.items import ManifestError, ManifestItem
+from torchtitan_speechlm.prepare.parts import (
+    Mutex,
+    PartError,
+    PartLock,
+    missing_message,
+    owned,
+    parse_part,
+    part_device,
+    read_checks,
+    read_records,
+    remove_state,
+    run_id,
+    write_checks,
+    write_record,
+)
 from torchtitan_speechlm.prepare.plan import (
     PLAN,
     PlanMismatchError,
@@ -104,6 +119,7 @@ def prepare_dataset(
     imports: tuple[str, ...] = (),
     dev_fraction: float | None = None,
     dev_seed: int = 0,
+    part: str | None = None,
 ) -> dict:
     """Prepare (or finish preparing) a dataset in ``out_dir``; return the summary dict.
 
@@ -120,6 +136,11 @@ def prepare_dataset(
     modules (registering codecs or sources) to import here and in every worker process.
     The tokenizer must give back the input texts (``tokenizer_check``): a lossy one raises
     :class:`LossyTokenizerError` before any output exists, unless ``allow_lossy_tokenizer``.
+
+    ``part="i/N"`` (``--part``; else torchrun's or a SLURM array's variables, see
+    ``prepare/parts.py``): encode only the shards ``j % N == i``, with ``device="cuda"`` on
+    ``cuda:LOCAL_RANK``; the part that finds every shard finished joins them. A part that does
+    not join returns ``{"complete": False, "part": "i/N", "missing": ..., ...}``.
     """
     t0 = time.monotonic()
     if dev_fraction is not None:
@@ -142,6 +163,8 @@ def prepare_dataset(
     if batch_size < 1 or workers < 1 or shard_size < 1:
         raise ValueError("batch_size, workers and shard_size must be >= 1")
     out_dir = os.path.abspath(out_dir)
+    this_part = parse_part(part)
+    device = part_device(device)
     read = read_source(source_name, source_path, options)
     items, hf_reader = read.items, read.hf_reader
     if not items:
@@ -152,10 +175,15 @@ def prepare_dataset(
     roundtrip = check_inputs(tok, items, os.path.abspath(tokenizer_path), allow_lossy_tokenizer)
     split = split_items(items, dev_fraction, dev_seed) if dev_fraction is not None else None
     if fit_kmeans_codec is not None:  # fitted on the training items only
-        codec_path = fit_or_reuse_kmeans(fit_kmeans_codec, split.train if split else items,
-                                         codebooks, codebook_size, kmeans_seconds, seed,
-                                         overwrite, progress, hf_reader,
-                                         kmeans_frame_rate)  # fmt: skip
+        fit = functools.partial(fit_or_reuse_kmeans, fit_kmeans_codec,
+                                split.train if split else items, codebooks, codebook_size,
+                                kmeans_seconds, seed, overwrite, progress, hf_reader,
+                                kmeans_frame_rate)  # fmt: skip
+        if this_part[1] == 1:
+            codec_path = fit()
+        else:  # one part fits, the others then reuse its codec
+            with Mutex(out_dir):
+                codec_path = fit()
     codec = load_codec(codec_path, device if workers == 1 else "cpu", num_streams)
     if getattr(codec, "bandwidth_note", ""):  # which Encodec bandwidth --num-streams chose
         print(f"prepare: {codec.bandwidth_note}", file=sys.stderr, flush=True)
@@ -164,7 +192,8 @@ def prepare_dataset(
                        {}, tuple(imports))  # fmt: skip
     part = functools.partial(_prepare_part, codec=codec, tok=tok, cfg=cfg, workers=workers,
                              shard_size=shard_size, allow_audio_only=allow_audio_only,
-                             overwrite=overwrite, progress=progress, roundtrip=roundtrip)  # fmt: skip
+                             overwrite=overwrite, progress=progress, roundtrip=roundtrip,
+                             part=this_part)  # fmt: skip
     if split is None:
         return part(items, read.description, out_dir, t0)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -185,37 +214,114 @@ def prepare_dataset(
 
 def _prepare_part(items, description: dict, out_dir: str, t0: float, *, codec, tok, cfg,
                   workers: int, shard_size: int, allow_audio_only: bool, overwrite: bool,
-                  progress: bool, roundtrip: dict) -> dict:  # fmt: skip
-    """Plan, encode and finish one prepared dataset of ``items`` in ``out_dir``."""
+                  progress: bool, roundtrip: dict, part: tuple[int, int] = (0, 1)) -> dict:  # fmt: skip
+    """Plan, encode and finish one prepared dataset of ``items`` in ``out_dir``: the shards of
+    ``part`` (i, N) (all with (0, 1)), then the join if every shard is finished."""
     plan = build_plan(
         items, description, codec, tokenizer_fingerprint(tok), shard_size, allow_audio_only
     )
-    created = open_out_dir(out_dir, plan, overwrite)
-    cfg = dataclasses.replace(cfg, header={"codec": plan["codec"], "tokenizer": plan["tokenizer"]})
-    tasks = [
-        ShardTask(s, items[s * shard_size : (s + 1) * shard_size], h)
-        for s, h in enumerate(plan["shard_inputs"])
-        if not shard_done(out_dir, s, h, plan)
-    ]
-    reused = len(plan["shard_inputs"]) - len(tasks)
+    num_shards = len(plan["shard_inputs"])
+    mine = owned(num_shards, part)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"output path {out_dir} exists and is not a directory")
+    created = not os.path.isdir(out_dir)
+    rid = run_id(plan)
+    lock = PartLock(out_dir, part, rid)
+    with Mutex(out_dir):
+        lock.check_others()
+        open_out_dir(out_dir, plan, overwrite, set(mine))
+        lock.acquire()
+        write_checks(out_dir, {"tokenizer_roundtrip": roundtrip})
     try:
-        audio_s = run_shards(tasks, out_dir, cfg, workers, codec, tok, progress)
-    except BaseException:
-        if created and not any(shard_done(out_dir, s, h, plan)
-                               for s, h in enumerate(plan["shard_inputs"])):  # fmt: skip
-            shutil.rmtree(out_dir, ignore_errors=True)  # this run made it and finished nothing
-        raise
-    elapsed = time.monotonic() - t0
-    summary = finalize(out_dir, plan, {
-        "shards_reused": reused, "shards_written": len(tasks), "elapsed_seconds": round(elapsed, 3),
-        "audio_seconds_per_second": round(audio_s / max(elapsed, 1e-9), 2),
-    }, {"tokenizer_roundtrip": roundtrip})  # fmt: skip
+        cfg = dataclasses.replace(
+            cfg, header={"codec": plan["codec"], "tokenizer": plan["tokenizer"]}
+        )
+        tasks = [
+            ShardTask(s, items[s * shard_size : (s + 1) * shard_size], plan["shard_inputs"][s])
+            for s in mine
+            if not shard_done(out_dir, s, plan["shard_inputs"][s], plan)
+        ]
+        reused = len(mine) - len(tasks)
+        try:
+            audio_s = run_shards(tasks, out_dir, cfg, workers, codec, tok, progress)
+        except BaseException:
+            if (
+                created
+                and part[1] == 1
+                and not any(
+                    shard_done(out_dir, s, h, plan) for s, h in enumerate(plan["shard_inputs"])
+                )
+            ):
+                lock.release()
+                shutil.rmtree(out_dir, ignore_errors=True)  # made by this run, nothing finished
+            raise
+        elapsed = time.monotonic() - t0
+        run_info = {"shards_reused": reused, "shards_written": len(tasks),
+                    "elapsed_seconds": round(elapsed, 3),
+                    "audio_seconds_per_second": round(audio_s / max(elapsed, 1e-9), 2)}  # fmt: skip
+        if part[1] > 1:
+            write_record(out_dir, part, rid, dict(run_info, audio_seconds=round(audio_s, 3)))
+        with Mutex(out_dir):  # the last part to finish joins (one at a time)
+            missing = [s for s, h in enumerate(plan["shard_inputs"])
+                       if not shard_done(out_dir, s, h, plan)]  # fmt: skip
+            if missing:
+                return dict(run_info, out_dir=out_dir, part=f"{part[0]}/{part[1]}",
+                            complete=False, missing_shards=len(missing),
+                            missing=missing_message(out_dir, missing, part[1]))  # fmt: skip
+            if part[1] > 1:
+                run_info = joined_run_info(out_dir, rid, part[1])
+            lock.release()
+            try:
+                return _finish(out_dir, plan, run_info, {"tokenizer_roundtrip": roundtrip})
+            finally:
+                if part[1] == 1:
+                    remove_state(out_dir)
+    finally:
+        lock.release()
+
+
+def _finish(out_dir: str, plan: dict, run_info: dict, checks: dict) -> dict:
+    summary = finalize(out_dir, plan, run_info, checks)
     if summary["num_items"] == 0:
         raise NoItemsError(
             f"all {summary['items_skipped']} items failed ({summary['skipped_by_reason']}); "
             f"see {os.path.join(out_dir, 'failures.jsonl')}"
         )
     return summary
+
+
+def joined_run_info(out_dir: str, rid: str, n_parts: int | None = None) -> dict:
+    """summary.json's run figures of a joined dataset: the parts' records summed (elapsed:
+    the longest part; throughput: all parts' audio over it)."""
+    recs = [r for r in read_records(out_dir, rid)
+            if n_parts is None or r["part"].endswith(f"/{n_parts}")]  # fmt: skip
+    elapsed = max([r["elapsed_seconds"] for r in recs], default=0.0)
+    audio = sum(r.get("audio_seconds", 0.0) for r in recs)
+    return {"shards_reused": sum(r["shards_reused"] for r in recs),
+            "shards_written": sum(r["shards_written"] for r in recs),
+            "elapsed_seconds": elapsed,
+            "audio_seconds_per_second": round(audio / max(elapsed, 1e-9), 2),
+            "parts": sorted(r["part"] for r in recs)}  # fmt: skip
+
+
+def join_parts(out_dir: str) -> dict:
+    """``torchtitan prepare --join OUT``: write the final files of a dataset prepared in parts
+    once every shard is finished; raise :class:`PartError` naming the missing shards (and their
+    parts) otherwise. Returns the summary. Safe to run while parts run, and again."""
+    out_dir = os.path.abspath(out_dir)
+    plan_file = os.path.join(out_dir, PLAN)
+    if not os.path.isfile(plan_file):
+        raise PartError(f"{out_dir} holds no {PLAN}: not a preparation (run the parts first)")
+    plan = read_json(plan_file)
+    rid = run_id(plan)
+    with Mutex(out_dir):
+        missing = [s for s, h in enumerate(plan["shard_inputs"])
+                   if not shard_done(out_dir, s, h, plan)]  # fmt: skip
+        recs = read_records(out_dir, rid)
+        n = max((int(r["part"].split("/")[1]) for r in recs), default=None)
+        if missing:
+            raise PartError(missing_message(out_dir, missing, n))
+        return _finish(out_dir, plan, joined_run_info(out_dir, rid, n), read_checks(out_dir))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,8 +384,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", required=True, help="local text tokenizer directory")
     p.add_argument("--out", required=True, help="output directory for the prepared dataset")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default="cpu", help="torch device for the codec, e.g. cuda")
-    p.add_argument("--workers", type=int, default=1, help="encoding processes (1)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device for the codec, e.g. cuda (cuda:LOCAL_RANK under torchrun/srun)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="encoding processes (1); with --device cuda and several GPUs, each on its own",
+    )
+    p.add_argument(
+        "--part",
+        metavar="I/N",
+        help="encode only part I of N (the shards j with j %% N == I) into --out; the last part "
+        "to finish joins the dataset. Default: RANK/WORLD_SIZE under torchrun, "
+        "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT in a SLURM array, SLURM_PROCID/SLURM_NTASKS "
+        "under srun, else 0/1 (all). With --device cuda each part uses cuda:LOCAL_RANK",
+    )
     p.add_argument("--shard-size", type=int, default=1000, help="items per shard (1000)")
     p.add_argument(
         "--allow-audio-only",
@@ -338,6 +461,20 @@ def import_extensions(argv: list[str] | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point for ``torchtitan prepare``; returns the exit status."""
+    join = argparse.ArgumentParser(add_help=False)
+    join.add_argument("--join", metavar="OUT")
+    join.add_argument("--no-progress", action="store_true")
+    ja, rest = join.parse_known_args(argv)
+    if ja.join is not None:
+        if rest:
+            print(f"error: --join OUT takes no other flags (got {' '.join(rest)})", file=sys.stderr)
+            return 1
+        try:
+            print(format_summary(join_parts(ja.join)))
+        except (OSError, ValueError, CorruptDatasetError, NoItemsError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     imports = import_extensions(argv)
     args = build_parser().parse_args(argv)
     given = [name for name, _ in SOURCES.items() if getattr(args, f"source_{name}") is not None]
@@ -373,12 +510,12 @@ def main(argv: list[str] | None = None) -> int:
             kmeans_seconds=args.kmeans_seconds, kmeans_frame_rate=args.kmeans_frame_rate,
             seed=args.seed,
             allow_lossy_tokenizer=args.allow_lossy_tokenizer,
-            dev_fraction=args.dev_fraction, dev_seed=args.dev_seed,
+            dev_fraction=args.dev_fraction, dev_seed=args.dev_seed, part=args.part,
         )  # fmt: skip
         parts = [(args.out, s)] if args.dev_fraction is None else [
             (os.path.join(args.out, n), s[n]) for n in ("train", "dev")]  # fmt: skip
-        if args.waveforms:
-            for out, _ in parts:
+        if args.waveforms:  # by the part that joined (waveforms of a --join: see docs/data.md)
+            for out, _ in [(o, x) for o, x in parts if x.get("complete") is not False]:
                 print(describe(out, add_waveforms(out, args.source_manifest, args.waveforms)))
     except (OSError, ValueError, ImportError, CodecError, BadAudioError, CorruptDatasetError,
             PlanMismatchError, NoItemsError, SplitError) as e:  # fmt: skip
@@ -386,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for _, summary in parts:
         print(format_summary(summary))
-    if args.dev_fraction is not None:
+    if args.dev_fraction is not None and all("num_items" in s[n] for n in ("train", "dev")):
         print(describe_split(s["split"], {n: s[n]["num_items"] for n in ("train", "dev")}))
     return 0
 
@@ -405,6 +542,12 @@ def format_speakers(v: dict) -> str:
 
 
 def format_summary(s: dict) -> str:
+    if s.get("complete") is False:  # a part that did not join
+        return (
+            f"prepared part {s['part']} of {s['out_dir']}: {s['shards_written']} shards written, "
+            f"{s['shards_reused']} reused ({s['elapsed_seconds']:.1f}s); not joined yet: "
+            f"{s['missing']}"
+        )
     skipped = ", ".join(f"{k}: {v}" for k, v in s["skipped_by_reason"].items()) or "none"
     line = (
         f"prepared {s['out_dir']}: {s['num_items']} items written ({s['kinds']}), "

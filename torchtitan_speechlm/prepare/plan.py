@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 from torchtitan_speechlm.data.format import (
@@ -26,6 +27,7 @@ from torchtitan_speechlm.data.format import (
     speaker_summary,
 )
 from torchtitan_speechlm.prepare.items import ManifestItem
+from torchtitan_speechlm.prepare.parts import STATE_DIR
 from torchtitan_speechlm.prepare.worker import FAILURES
 from torchtitan_speechlm.utils.fileio import json_hash, write_json_atomic, write_text_atomic
 
@@ -113,17 +115,20 @@ def _clear(out_dir: str) -> None:
     if os.path.exists(meta):
         os.remove(meta)  # first: the folder must stop looking like a finished dataset
     for name in os.listdir(out_dir):
+        if name == STATE_DIR:  # the locks of the running parts (prepare/parts.py)
+            continue
         p = os.path.join(out_dir, name)
         shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
 
 
-def open_out_dir(out_dir: str, plan: dict, overwrite: bool) -> bool:
+def open_out_dir(out_dir: str, plan: dict, overwrite: bool, own: set[int] | None = None) -> bool:
     """Make ``out_dir`` ready for ``plan`` (resume, or refuse/replace another one); write
-    plan.json; return True if this call created the folder."""
+    plan.json; return True if this call created the folder. Stale temporary shard folders are
+    deleted, only those of the shards in ``own`` (this part's; None: all)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"output path {out_dir} exists and is not a directory")
     created = not os.path.isdir(out_dir)
-    if not created and os.listdir(out_dir):
+    if not created and set(os.listdir(out_dir)) - {STATE_DIR}:
         plan_file = os.path.join(out_dir, PLAN)
         if not os.path.isfile(plan_file):
             why = f"output directory {out_dir} is not empty and holds no {PLAN} of a preparation"
@@ -146,7 +151,8 @@ def open_out_dir(out_dir: str, plan: dict, overwrite: bool) -> bool:
     shards = os.path.join(out_dir, SHARDS_DIR)
     os.makedirs(shards, exist_ok=True)
     for name in os.listdir(shards):
-        if name.startswith(".tmp-"):  # left by an interrupted run
+        m = re.match(r"\.tmp-(\d+)-", name)
+        if m and (own is None or int(m.group(1)) in own):  # left by an interrupted run
             shutil.rmtree(os.path.join(shards, name), ignore_errors=True)
     write_json_atomic(os.path.join(out_dir, PLAN), plan)
     return created

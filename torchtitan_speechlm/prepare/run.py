@@ -19,6 +19,7 @@ import numpy as np
 
 from torchtitan_speechlm.codecs import CodecError
 from torchtitan_speechlm.codecs.kmeans import MODEL_TYPE, KMeansConfig, fit_kmeans_codec
+from torchtitan_speechlm.prepare.parts import worker_devices
 from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
 from torchtitan_speechlm.prepare.worker import (
     ShardTask,
@@ -67,8 +68,14 @@ def run_shards(tasks: list[ShardTask], out_dir: str, cfg: WorkerConfig, workers:
     queue = ctx.Queue()
     n = min(workers, len(tasks))
     threads = None if "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // n)
+    devices = worker_devices(cfg.device, n)
+    device_queue = None
+    if len(set(devices)) > 1:  # several GPUs: each worker takes one (init_worker)
+        device_queue = ctx.Queue()
+        for d in devices:
+            device_queue.put(d)
     with ProcessPoolExecutor(n, mp_context=ctx, initializer=init_worker,
-                             initargs=(cfg, queue, threads)) as pool:  # fmt: skip
+                             initargs=(cfg, queue, threads, device_queue)) as pool:  # fmt: skip
         pending = {pool.submit(run_shard, t, out_dir) for t in tasks}
         try:
             while pending:

@@ -71,10 +71,16 @@ def import_modules(names) -> None:
         importlib.import_module(name)
 
 
-def init_worker(cfg: WorkerConfig, progress_queue=None, threads: int | None = None) -> None:
-    """Load this process' codec, tokenizer and (for HF sources) audio reader."""
+def init_worker(cfg: WorkerConfig, progress_queue=None, threads: int | None = None,
+                device_queue=None) -> None:  # fmt: skip
+    """Load this process' codec, tokenizer and (for HF sources) audio reader; with a
+    ``device_queue`` (one device per worker), on the device taken from it."""
+    import dataclasses
+
     import torch
 
+    if device_queue is not None:
+        cfg = dataclasses.replace(cfg, device=device_queue.get())
     import_modules(cfg.imports)
     if threads:
         torch.set_num_threads(threads)
