@@ -6,7 +6,9 @@ calls them. Calling one says what is missing."""
 
 
 def _missing(*args, **kwargs):
-    raise ImportError("the real `datasets` package is not installed (benchmarks/gpu_shims stand-in)")
+    raise ImportError(
+        "the real `datasets` package is not installed (benchmarks/gpu_shims stand-in)"
+    )
 
 
 class Dataset:
