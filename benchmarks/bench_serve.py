@@ -43,6 +43,11 @@ SENTENCES = [
 ]
 
 
+def _pythonpath() -> str:
+    """The repository first, then the caller's path (a GPU image's wheels under /tmp/site)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--frames", type=int, default=50, help="audio frames per request (50 = 1 s)")
@@ -91,7 +96,7 @@ def summary(latencies: list[float], wall: float) -> dict:
 
 
 def cli_calls(a, model: str, work: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
     latencies = []
     t0 = time.perf_counter()
     for i in range(a.cli_calls):
@@ -111,7 +116,7 @@ class Server:
         cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "serve", "--model", model,
                "--port", "0", "--max-batch", str(a.max_batch),
                "--batch-wait-ms", str(a.batch_wait_ms), *decoding(a)]  # fmt: skip
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, cwd=ROOT)  # fmt: skip
         self.lines: list[str] = []

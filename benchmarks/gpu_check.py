@@ -37,6 +37,7 @@ OUT/logs/STEP.log; the runs under OUT/work/ (removed at the end unless --keep-wo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -417,8 +418,9 @@ class Check:
                 if self.nproc < 2:
                     self.skip(name, f"{self.ngpu} GPU(s): needs 2")
                     continue
-                if shutil.which("espeak-ng") is None:  # their corpus is espeak-ng speech
-                    self.skip(name, "no espeak-ng on this machine (its corpus is espeak-ng speech)")
+                # their corpus is espeak-ng speech, resampled with scipy (neither in a bare image)
+                if shutil.which("espeak-ng") is None or importlib.util.find_spec("scipy") is None:
+                    self.skip(name, "needs espeak-ng and scipy (its corpus is espeak-ng speech)")
                     continue
             argv = shlex.split((dry if self.dry else gpu).format(o=self.out))
             self.run(name, self.py(*argv))
