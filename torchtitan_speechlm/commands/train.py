@@ -23,6 +23,7 @@ from dataclasses import fields, is_dataclass
 
 from torchtitan_speechlm.components.resume import completed_run_step
 from torchtitan_speechlm.config import ConfigError, check_toml
+from torchtitan_speechlm.trainer import lifecycle
 from torchtitan_speechlm.trainer.builders import check_data
 from torchtitan_speechlm.trainer.faults import exit_on_user_fault
 from torchtitan_speechlm.trainer.plan import REGISTERED_VALUES, RunPlan
@@ -237,6 +238,13 @@ def train_command(args: list[str]) -> int:
     if done:
         print(f"torchtitan train: {done}", file=sys.stderr)
         return 0
+    if plan is not None and "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+        try:  # one run per dump folder (trainer/lifecycle.py); the ranks hold it too
+            lifecycle.hold_run_folder(job_config.job.dump_folder)
+        except lifecycle.RunFolderBusy as e:
+            print(f"torchtitan train: {e}", file=sys.stderr)
+            return 2
+        lifecycle.forget_stop(job_config.job.dump_folder)
 
     _adopt_slurm_env()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -245,6 +253,7 @@ def train_command(args: list[str]) -> int:
     if nproc == 1:
         set_single_process_env()
         return run_worker(args)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("LOG_RANK", str(log_rank(job_config, nproc)))
@@ -262,6 +271,12 @@ def train_command(args: list[str]) -> int:
     )
     try:
         run(launch)
+    except SignalException as e:  # Ctrl-C / SIGTERM: the ranks ended at once, quietly
+        dump = job_config.job.dump_folder
+        ckpt = checkpoint_folder(job_config) if job_config.checkpoint.enable else None
+        line = lifecycle.stop_line(e.sigval, lifecycle.stopped_step(dump), ckpt)
+        print(f"torchtitan train: {line}", file=sys.stderr)
+        return 128 + int(e.sigval)
     except Exception as e:  # the failing rank already printed why (trainer/faults.py)
         print(f"torchtitan train: {describe_rank_failures(e)}", file=sys.stderr)
         return 1
@@ -293,6 +308,8 @@ def run_worker(args: list[str]) -> int:
     A fault the user can act on (a config or data error, a non-finite step under
     ``stop``, a failed checkpoint save, a hung or dead peer) ends the rank with one line naming
     the rank and the fix instead of a traceback (trainer/faults.py decides which)."""
+    lifecycle.die_with_launcher()
+    lifecycle.stop_on_signals()
     with exit_on_user_fault():
         # idempotent on already normalised args
         run_torchtitan_main(torchtitan_args(args), SpeechLMTrainer)

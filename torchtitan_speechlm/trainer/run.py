@@ -8,10 +8,13 @@ training state made (components/training_state.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+from torchtitan.tools.logging import logger
+
 from torchtitan_speechlm.components.nonfinite import GuardSettings
-from torchtitan_speechlm.components.resume import resolve_resume
+from torchtitan_speechlm.components.resume import ResumeError, resolve_resume
 from torchtitan_speechlm.components.training_state import TrainingState
 from torchtitan_speechlm.data.collation import data_stats_keys
 from torchtitan_speechlm.data.external import ExternalData
@@ -19,6 +22,8 @@ from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.run_record import record_run
 from torchtitan_speechlm.trainer.checks import validate_job_config
 from torchtitan_speechlm.trainer.plan import RunPlan
+from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
+from torchtitan_speechlm.utils.checkpoint_manifest import LEGACY, verify
 
 
 @dataclass
@@ -41,8 +46,68 @@ def prepare_run(
     validate_job_config(job_config, plan)
     guard = GuardSettings.from_config(job_config.speechlm_faults)
     model_args = plan.model_args(job_config)
+    choose_intact_step(job_config)  # before anything reads a checkpoint's .metadata
     resolve_resume(job_config, model_args)  # before torchtitan's checkpointer picks a step
     return plan, model_args, guard
+
+
+VERIFIED_ENV = "TORCHTITAN_SPEECHLM_VERIFIED"  # "{step folder}": the launcher checked it
+
+
+def choose_intact_step(job_config, warn=None) -> None:
+    """Check the checkpoint a resume would load against its manifest
+    (utils/checkpoint_manifest.py). A damaged step is named (the file and what differs) and
+    the newest intact one is loaded instead, with a warning (``checkpoint.load_step`` is set to
+    it); a damaged step the user asked for (``checkpoint.load_step = N``) is refused. A step
+    without a manifest (written before manifests) loads with a warning.
+
+    The launcher sums every file; its ranks then check the sizes only of the step it chose
+    (``TORCHTITAN_SPEECHLM_VERIFIED``), not reading the checkpoint once per rank."""
+    ckpt = job_config.checkpoint
+    if not ckpt.enable:
+        return
+    warn = warn or logger.warning
+    folder = checkpoint_folder(job_config)
+    steps = complete_checkpoints(folder)
+    if ckpt.load_step > 0 and ckpt.load_step in steps:
+        candidates, explicit = [ckpt.load_step], True
+    elif ckpt.load_step < 0:
+        candidates, explicit = list(reversed(steps)), False
+    else:
+        return
+    if not candidates:
+        return
+    damaged = []
+    for step in candidates:
+        path = os.path.join(folder, f"step-{step}")
+        verified = os.environ.get(VERIFIED_ENV) == os.path.abspath(path)
+        problem = verify(path, checksums=not verified)
+        if problem == LEGACY:
+            warn(f"{path} has {LEGACY}: loading it unverified")
+            problem = ""
+        if not problem:
+            if damaged:
+                warn(
+                    f"checkpoint {damaged[0][0]} is damaged: {damaged[0][1]}. "
+                    + "".join(f"{p} is damaged too: {why}. " for p, why in damaged[1:])
+                    + f"Loading {path}, the newest intact checkpoint, instead (the steps after "
+                    f"it are trained again); delete the damaged folder(s) once you no longer "
+                    "need them"
+                )
+                ckpt.load_step = step
+            os.environ[VERIFIED_ENV] = os.path.abspath(path)  # the ranks inherit it
+            return
+        if explicit:
+            raise ResumeError(
+                f"checkpoint.load_step = {step}: {path} is damaged: {problem}. Choose another "
+                f"step (complete: {steps}) or -1 for the newest intact one"
+            )
+        damaged.append((path, problem))
+    raise ResumeError(
+        f"every checkpoint in {folder} is damaged ("
+        + "; ".join(f"{p}: {why}" for p, why in damaged)
+        + f"). Move {folder} away to start over, or restore a copy"
+    )
 
 
 def start_run(job_config, external: ExternalData | None = None) -> SpeechLMRun:

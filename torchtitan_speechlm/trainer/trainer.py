@@ -31,8 +31,10 @@ from torchtitan_speechlm.trainer.faults import (
     describe_collective_failure,
     is_unexplained_collective_failure,
 )
+from torchtitan_speechlm.trainer.lifecycle import hold_as_rank, release, track_run
 from torchtitan_speechlm.trainer.run import start_run
 from torchtitan_speechlm.trainer.spec import is_speechlm
+from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
 
 SAVE_AND_STOP = "SAVE_AND_STOP"
 
@@ -69,6 +71,11 @@ class SpeechLMTrainer(Trainer):
     (data/external.py; the Python API's ESPnet iterators)."""
 
     def __init__(self, job_config, external: ExternalData | None = None):
+        if is_speechlm(job_config):  # one run per dump folder (trainer/lifecycle.py)
+            dump = job_config.job.dump_folder
+            hold_as_rank(dump, _rank())
+            ckpt = checkpoint_folder(job_config) if job_config.checkpoint.enable else None
+            track_run(dump, ckpt, lambda: getattr(self, "step", None))
         self.run = start_run(job_config, external) if is_speechlm(job_config) else None
         if self.run is not None:
             withdraw_save_request(job_config)
@@ -76,6 +83,12 @@ class SpeechLMTrainer(Trainer):
             if note and _rank() == 0:
                 logger.warning(note)
         super().__init__(job_config)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            release()
 
     # torchtitan's __init__ reads the TrainSpec from its registry into ``self.train_spec``;
     # the SpeechLM spec is read as this run's (builders.bind)

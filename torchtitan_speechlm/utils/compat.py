@@ -107,6 +107,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_speechlm.utils.checkpoint_folders import complete_checkpoints
+from torchtitan_speechlm.utils.checkpoint_manifest import mark_pending, write_manifest
 from torchtitan_speechlm.utils.collective_errors import is_collective_failure
 
 SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
@@ -251,9 +252,31 @@ def _save_failure(exc: BaseException) -> tuple[list[int], BaseException]:
     return [dist.get_rank() if dist.is_initialized() else 0], exc
 
 
+def _disk_full(cause: BaseException, folder: str) -> bool:
+    """The save failed for want of space: ENOSPC anywhere in the chain, or torch's zip writer
+    stopping short ("unexpected pos 704 vs 598", a RuntimeError without errno) on a disk with
+    less than 1 MiB left."""
+    import errno
+    import shutil
+
+    seen, e = set(), cause
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        e = e.__cause__ or e.__context__
+    text = str(cause)
+    if "unexpected pos" in text or "file write failed" in text or "No space left" in text:
+        try:
+            free = shutil.disk_usage(folder if os.path.isdir(folder) else ".").free
+        except OSError:
+            return True
+        return "No space left" in text or free < 1 << 20
+    return False
+
+
 def install_checkpoint_safety() -> None:
     """Fix 8 and the save-error message (idempotent; on every device)."""
-    import errno
     import shutil
 
     from torchtitan.components import checkpoint as tt_ckpt
@@ -276,8 +299,10 @@ def install_checkpoint_safety() -> None:
             # before dcp.save's first collective, hence before any rank writes data
             logger.warning(f"{checkpoint_id} already holds a checkpoint: overwriting it")
             os.remove(stale)
+        if is_rank0():  # the folder is not intact until its manifest (checkpoint_manifest.py)
+            mark_pending(str(checkpoint_id))
         try:
-            return original_save(self, state_dict, checkpoint_id, async_mode, *args, **kwargs)
+            result = original_save(self, state_dict, checkpoint_id, async_mode, *args, **kwargs)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -292,7 +317,7 @@ def install_checkpoint_safety() -> None:
             reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0][:300]}"
             if is_collective_failure(cause):
                 reason = f"a peer rank died or hung during the save ({reason})"
-            elif isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            elif _disk_full(cause, folder):
                 usage = shutil.disk_usage(folder if os.path.isdir(folder) else ".")
                 reason = (
                     f"the disk is full (ENOSPC, {usage.free / 2**30:.2f} GiB free) writing "
@@ -306,6 +331,15 @@ def install_checkpoint_safety() -> None:
                 "or point job.dump_folder elsewhere, and lower checkpoint.keep_latest_k if disk "
                 "space is tight"
             ) from None
+        if is_rank0():  # every rank's files and .metadata are written (or will be: async)
+            done = getattr(result, "upload_completion", result)
+            if hasattr(done, "add_done_callback"):  # an async save: confirmed once written
+                done.add_done_callback(
+                    lambda f: f.exception() is None and write_manifest(str(checkpoint_id))
+                )
+            else:
+                write_manifest(str(checkpoint_id))
+        return result
 
     def purge(self) -> None:
         if getattr(self, "enable_ft_dataloader_checkpoints", False):
