@@ -17,8 +17,8 @@ batch layout (pack, local batch 4, global batch 128 = dp 8 x accumulation 4, seq
   stream and the validation set built once; ``check_training_data``: the tokenizer round trip
   of sampled items), first on a dataset never opened (it builds the mapped index and verifies
   every byte once, ``verify_shards = "full"``), then again;
-- ``rank``: open (``open_prepared``), start -> first micro-batch (after the torch import,
-  which is timed apart), memory (``RssAnon``: private, anonymous; ``RssFile``: file pages,
+- ``rank``: open (``open_prepared``), start -> first micro-batch (after the torch and
+  transformers imports, which are timed apart), memory (``RssAnon``: private, anonymous; ``RssFile``: file pages,
   the page cache the ranks of a node share), open descriptors, per-batch time;
 - ``resume``: a fresh rank loading a position deep into an epoch (90% through every shard's
   share, epoch 3), start -> its first micro-batch;
@@ -171,6 +171,7 @@ def job(toml: str):
 def child(kind: str, toml: str, state_path: str) -> dict:
     t_imp = time.perf_counter()
     import torch  # noqa: F401  (timed apart: the target is without it)
+    import transformers  # noqa: F401  (a library import too: prepare_run reads an HF config)
 
     from torchtitan_speechlm.data.catalog import open_prepared
     from torchtitan_speechlm.trainer.builders import check_data, stream
@@ -180,22 +181,23 @@ def child(kind: str, toml: str, state_path: str) -> dict:
     out = {"import_s": time.perf_counter() - t_imp}
     base = memory()
     out["base_memory"] = base
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     jc = job(toml)
     if kind == "launcher":
         plan = prepare_run(jc)[0]
         check_data(jc, plan)
         check_training_data(jc, plan)
-        out["check_s"] = time.perf_counter() - t0
+        out["check_s"], out["check_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
         ds = open_prepared(os.path.abspath(plan.data.datasets["train"]), plan.data.verify_shards)
         info = ds.index_info
-        out["index"] = {"built": info.built, "verified_full": info.verified_full}
+        out["index"] = {"built": info.built, "verified_full": info.verified_full,
+                        "build_s": info.build_s, "verify_s": info.verify_s}  # fmt: skip
         out["memory"] = memory()
         return out
     plan = prepare_run(jc)[0]
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     ds = open_prepared(os.path.abspath(plan.data.datasets["train"]), plan.data.verify_shards)
-    out["open_s"] = time.perf_counter() - t1
+    out["open_s"], out["open_cpu_s"] = time.perf_counter() - t1, time.process_time() - c1
     out["index"] = {"built": ds.index_info.built, "verified_full": ds.index_info.verified_full}
     st = stream(jc, plan, plan.data.train, "train", dp_rank=RANK, dp_world_size=DP, training=True)
     if kind == "resume":
@@ -204,13 +206,15 @@ def child(kind: str, toml: str, state_path: str) -> dict:
     it = iter(st)
     next(it)
     out["start_to_first_batch_s"] = time.perf_counter() - t0
+    out["start_to_first_batch_cpu_s"] = time.process_time() - c0
     out["memory"], out["fds"] = memory(), fds()
     out["shards_open"] = len(ds.shards)
     if kind == "rank":
-        t2, n = time.perf_counter(), 40
+        t2, c2, n = time.perf_counter(), time.process_time(), 40
         for _ in range(n):
             next(it)
         out["per_batch_ms"] = 1000 * (time.perf_counter() - t2) / n
+        out["per_batch_cpu_ms"] = 1000 * (time.process_time() - c2) / n
         out["memory_after_batches"], out["fds_after_batches"] = memory(), fds()
         state = st.state_dict()
         for cursor in state["position"]["shards"].values():  # deep into epoch 3
@@ -283,7 +287,9 @@ def scale(work: str, paths: dict, n_items: int, n_shards: int) -> dict:
     private = r["memory"]["RssAnon"] - r["base_memory"]["RssAnon"]
     res["summary"] = {
         "open_s": r["open_s"],
+        "open_cpu_s": r["open_cpu_s"],
         "start_to_first_batch_s": r["start_to_first_batch_s"],
+        "start_to_first_batch_cpu_s": r["start_to_first_batch_cpu_s"],
         "import_s": r["import_s"],
         "private_bytes": r["memory"]["RssAnon"],
         "private_bytes_over_import": private,
@@ -293,9 +299,16 @@ def scale(work: str, paths: dict, n_items: int, n_shards: int) -> dict:
         "fds": r["fds"],
         "fds_after_batches": r["fds_after_batches"],
         "per_batch_ms": r["per_batch_ms"],
+        "per_batch_cpu_ms": r["per_batch_cpu_ms"],
         "resume_deep_s": res["resume"]["start_to_first_batch_s"],
+        "resume_deep_cpu_s": res["resume"]["start_to_first_batch_cpu_s"],
         "launcher_check_first_s": res["launcher_first"]["check_s"],
+        "launcher_check_first_cpu_s": res["launcher_first"]["check_cpu_s"],
+        "launcher_first_index_build_s": res["launcher_first"]["index"]["build_s"],
+        "launcher_first_full_verify_s": res["launcher_first"]["index"]["verify_s"],
         "launcher_check_s": res["launcher"]["check_s"],
+        "launcher_check_cpu_s": res["launcher"]["check_cpu_s"],
+        "loadavg_1min": os.getloadavg()[0],
     }
     print(json.dumps({n_items: res["summary"]}), flush=True)
     return res
@@ -318,7 +331,7 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(a.work, exist_ok=True)
     paths = seed_assets(a.work)
-    results = {"dp": DP, "rank": RANK, "ulimit_n": NOFILE, "seed_items": SEED_ITEMS,
+    results = {"cpus": os.cpu_count(), "dp": DP, "rank": RANK, "ulimit_n": NOFILE, "seed_items": SEED_ITEMS,
                "layout": "pack, local batch 4, global 128 (accumulation 4), seq_len 4096, "
                          "tts:0.7 + asr:0.3 (the 1.7B recipe's)", "scales": []}  # fmt: skip
     for spec in a.scales.split(","):

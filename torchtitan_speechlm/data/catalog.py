@@ -90,7 +90,11 @@ def read_dataset_metadata(path: str) -> dict:
             "`torchtitan prepare --manifest M.jsonl --codec DIR --tokenizer DIR --out "
             f"{path}`."
         )
-    return json.loads(meta.read_text())
+    out = json.loads(meta.read_text())
+    # the run needs the codec, tokenizer and totals; each shard's record (a few hundred bytes
+    # of objects per 1000 items) is the reader's business (data/reader.py)
+    out.pop("shards", None)
+    return out
 
 
 @dataclass(frozen=True)

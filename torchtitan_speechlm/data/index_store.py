@@ -60,6 +60,8 @@ class IndexInfo:
     from_items: int  # shards whose index was parsed from items.jsonl (no columns.npy)
     seconds: float  # time of the build or of the mapping
     verified_full: bool  # every byte was checked against the recorded sha256s (by any open)
+    build_s: float = 0.0  # of which building the index (this open)
+    verify_s: float = 0.0  # of which reading every byte for the sha256s (this open)
 
 
 def cache_folder(root: str) -> str:
@@ -272,8 +274,11 @@ def open_index(
                 f"{COLUMNS} (prepared before the columnar index); their index was read from "
                 f"{ITEMS} ({time.perf_counter() - t0:.1f} s) and {where}"
             )
+    info.build_s = time.perf_counter() - t0 if info.built else 0.0
     if verify == "full" and not info.verified_full:
+        t1 = time.perf_counter()
         check_sizes(root, entries, checksums=True)  # every byte, once per dataset
+        info.verify_s = time.perf_counter() - t1
         info.verified_full = True
         if folder is not None:
             write_json_atomic(os.path.join(folder, INDEX_META), dict(meta, verified_full=True))

@@ -120,6 +120,7 @@ class ItemIndex:
         self.audio_off, self.audio_frames = columns["audio_offset"], columns["audio_frames"]
         self.kind_codes = columns["kind"]  # uint8: an index into format.KINDS
         self.id_hash = columns["id_hash"]
+        self._rows: dict[int, dict] = {}  # the last items read (an example, then its id)
         self.ids = LazyStrings(self, "id")
         self.texts = LazyStrings(self, "text")
 
@@ -150,6 +151,15 @@ class ItemIndex:
 
     def row(self, i: int) -> dict:
         """Item ``i``'s items.jsonl line, parsed (its id, text, speaker, turns, ...)."""
+        got = self._rows.get(i)
+        if got is None:
+            got = self._read_row(i)
+            if len(self._rows) >= 1024:
+                self._rows.pop(next(iter(self._rows)))
+            self._rows[i] = got
+        return got
+
+    def _read_row(self, i: int) -> dict:
         s = self.shard_of(i)
         path, off = self._items_path(s), int(self.columns["line"][i])
         try:

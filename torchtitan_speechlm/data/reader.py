@@ -74,6 +74,8 @@ class PreparedDataset:
         self.num_streams = int(self.metadata["codec"]["num_streams"])
         columns, self.index_info = open_index(self.path, self.metadata, meta_bytes, verify)
         starts = columns.pop(STARTS)
+        for entry in self.metadata.get("shards", []):  # checked: their objects are not kept
+            entry.pop("files", None)
         self.waveform: dict | None = self.metadata.get("waveform")
         self.shards = ShardCache(self.path, self.metadata, columns, starts, shard_cache,
                                  waves=bool(self.waveform))  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import resource
 from collections import OrderedDict
@@ -95,6 +96,25 @@ def open_array(path: str, dtype_kinds: str, ndim: int) -> np.ndarray:
     if arr.ndim != ndim or arr.dtype.kind not in dtype_kinds:
         raise CorruptDatasetError(f"{path} has shape {arr.shape} dtype {arr.dtype}; {REGENERATE}")
     return arr
+
+
+def _map_array(path: str, offset: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
+    """The array of a ``.npy`` whose data start at byte ``offset`` (known from its first,
+    checked open), memory-mapped read-only (the map holds one descriptor)."""
+    count = int(np.prod(shape))
+    if count == 0:
+        return np.zeros(shape, dtype)
+    try:
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        limit = limit_error(path, e)
+        if limit is not None:
+            raise limit from e
+        raise CorruptDatasetError(f"{path} is unreadable or truncated ({e}); {REGENERATE}") from e
+    if len(mm) < offset + count * dtype.itemsize:
+        raise CorruptDatasetError(f"{path} is truncated (since it was opened); {REGENERATE}")
+    return np.frombuffer(mm, dtype, count, offset).reshape(shape)
 
 
 def shard_dir(root: str, entry: dict) -> str:
@@ -192,6 +212,9 @@ class ShardCache:
         self.capacity = max(1, capacity if capacity is not None else SHARD_CACHE)
         self.waves = waves
         self._open: OrderedDict[int, OpenShard] = OrderedDict()
+        # shards checked by this process (check_shard: once each): where their arrays' data
+        # start, dtype and shape, so that opening one again is two plain maps (~20 us)
+        self._layout: dict[int, tuple] = {}
         self.opened = 0  # shards opened so far (a shard evicted and opened again counts twice)
 
     def path(self, s: int) -> str:
@@ -212,10 +235,18 @@ class ShardCache:
         return shard
 
     def _load(self, s: int) -> OpenShard:
-        sdir, a, b = self.path(s), int(self.starts[s]), int(self.starts[s + 1])
+        sdir = self.path(s)
+        layout = self._layout.get(s)
+        if layout is not None:
+            text, codes = (_map_array(os.path.join(sdir, f), *lay)
+                           for f, lay in zip((TEXT_TOKENS, AUDIO_CODES), layout, strict=True))  # fmt: skip
+            wave = open_array(os.path.join(sdir, AUDIO_WAVE), "i", 1) if self.waves else None
+            return OpenShard(sdir, text, codes, wave)
+        a, b = int(self.starts[s]), int(self.starts[s + 1])
         cols = {k: self.columns[k][a:b] for k in ("text_offset", "text_len", "audio_offset",
                                                   "audio_frames")}  # fmt: skip
         text, codes = check_shard(sdir, self.root, self.metadata, self.entries[s], cols)
+        self._layout[s] = tuple((int(x.offset), x.dtype, x.shape) for x in (text, codes))
         wave = open_array(os.path.join(sdir, AUDIO_WAVE), "i", 1) if self.waves else None
         return OpenShard(sdir, text, codes, wave)
 
