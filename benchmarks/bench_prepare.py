@@ -114,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --lhotse results/prepare_lhotse.json)")  # fmt: skip
     p.add_argument("--lhotse", action="store_true",
                    help="compare lhotse Shar with the same cuts as JSONL + wav files")  # fmt: skip
-    p.add_argument("--repeats", type=int, default=2, help="--lhotse: runs of each source")
+    p.add_argument("--repeats", type=int, default=2, help="--lhotse/--parts: runs of each")
+    p.add_argument("--parts", type=int, default=0, metavar="N",
+                   help="scaling of `torchtitan prepare --part i/N`: 1 part (one process) vs N "
+                   "parts (N concurrent processes), each of 1 torch thread, k-means codec; "
+                   "checks the joined dataset equals the one-part one")  # fmt: skip
     return p
 
 
@@ -169,9 +173,77 @@ def lhotse_main(args, paths: dict) -> dict:
     return {"runs": rows, "median_audio_s_per_s": medians, "ratios": ratios}
 
 
+def _tree(out: str) -> dict:
+    res = {}
+    for d, dirs, files in os.walk(out):
+        dirs[:] = [x for x in dirs if x != ".prepare"]
+        for f in files:
+            if f != "summary.json":
+                with open(os.path.join(d, f), "rb") as fh:
+                    res[os.path.relpath(os.path.join(d, f), out)] = fh.read()
+    return res
+
+
+def parts_run(paths: dict, n_parts: int, shard_size: int) -> dict:
+    """``n_parts`` concurrent ``torchtitan prepare --part i/N`` processes (1 thread each)."""
+    import subprocess
+
+    out = tempfile.mkdtemp(prefix="bench_parts_")
+    exe = shutil.which("torchtitan", path=os.path.dirname(sys.executable))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [exe, "prepare", "--manifest", paths["manifest"], "--codec", paths["kmeans"],
+           "--tokenizer", paths["tok"], "--out", os.path.join(out, "ds"), "--shard-size",
+           str(shard_size), "--no-progress"]  # fmt: skip
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([*cmd, "--part", f"{i}/{n_parts}"], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in range(n_parts)]  # fmt: skip
+    for p in procs:
+        _, err = p.communicate()
+        if p.returncode:
+            raise RuntimeError(err[-2000:])
+    wall = time.perf_counter() - t0
+    with open(os.path.join(out, "ds", "summary.json")) as f:
+        s = json.load(f)
+    return {"parts": n_parts, "out": out, "items": s["num_items"],
+            "audio_seconds": s["total_audio_seconds"], "wall_seconds": round(wall, 2),
+            "audio_s_per_s": round(s["total_audio_seconds"] / wall, 2)}  # fmt: skip
+
+
+def parts_main(args, paths: dict) -> dict:
+    """1 part vs ``args.parts`` parts, interleaved ``args.repeats`` times; the speed-up is the
+    ratio of the median walls (ideal: N, if the machine has N free cores)."""
+    rows, same = [], True
+    for _ in range(args.repeats):
+        one = parts_run(paths, 1, args.shard_size)
+        many = parts_run(paths, args.parts, args.shard_size)
+        same = same and _tree(os.path.join(one["out"], "ds")) == _tree(
+            os.path.join(many["out"], "ds"))  # fmt: skip
+        for r in (one, many):
+            shutil.rmtree(r.pop("out"), ignore_errors=True)
+            rows.append(r)
+    med = {n: float(np.median([r["wall_seconds"] for r in rows if r["parts"] == n]))
+           for n in (1, args.parts)}  # fmt: skip
+    speedup = round(med[1] / med[args.parts], 3)
+    print_table(rows, ("parts", "items", "audio_seconds", "wall_seconds", "audio_s_per_s"))
+    print(f"median wall: {med}; speed-up of {args.parts} parts: {speedup}x "
+          f"({speedup / args.parts:.0%} of ideal); joined == one part byte for byte: {same}")  # fmt: skip
+    return {"runs": rows, "median_wall_seconds": med, "speedup": speedup,
+            "efficiency": round(speedup / args.parts, 3), "identical": same}  # fmt: skip
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     paths = build_assets(args.cache, args.n)
+    if args.parts:
+        if not os.path.isfile(os.path.join(paths["kmeans"], "config.json")):
+            kmeans_fit(paths, args.held_out)
+        results = parts_main(args, paths)
+        corpus = {"utterances": args.n, "shard_size": args.shard_size, "batch_size": 8,
+                  "codec": "k-means 4 x 256", "threads_per_part": 1}  # fmt: skip
+        write_results(args.out or RESULTS.replace("prepare.json", "prepare_parts.json"),
+                      dict(machine=machine(), corpus=corpus, **results))  # fmt: skip
+        return
     if args.lhotse:
         results = lhotse_main(args, paths)
         corpus = {"utterances": args.n, "shard_size": args.shard_size, "batch_size": 8,

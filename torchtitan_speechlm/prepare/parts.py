@@ -62,14 +62,23 @@ def parse_part(spec: str | None, env: dict | None = None) -> tuple[int, int]:
 
 def part_device(device: str, env: dict | None = None) -> str:
     """The codec device of this part: ``cuda`` becomes ``cuda:LOCAL_RANK`` (torchrun) or
-    ``cuda:SLURM_LOCALID`` where set; an explicit ``cuda:K`` or other device is kept."""
+    ``cuda:SLURM_LOCALID`` where set (modulo the GPUs this process sees); an explicit
+    ``cuda:K`` or other device is kept."""
     env = os.environ if env is None else env
     if device != "cuda":
         return device
     for k in ("LOCAL_RANK", "SLURM_LOCALID"):
         if k in env:
-            return f"cuda:{int(env[k])}"
+            return f"cuda:{int(env[k]) % max(count, 1) if (count := _cuda_count()) else env[k]}"
     return device
+
+
+def _cuda_count() -> int:
+    """GPUs this process sees (0 without CUDA): a task that sees only its own GPU
+    (``CUDA_VISIBLE_DEVICES`` set per task by SLURM) uses ``cuda:0`` whatever its local id."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def worker_devices(device: str, workers: int) -> list[str]:

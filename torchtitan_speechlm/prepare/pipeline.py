@@ -381,8 +381,15 @@ def build_parser() -> argparse.ArgumentParser:
         "datasets, OUT/train and OUT/dev, and OUT/split.json",
     )
     p.add_argument("--dev-seed", type=int, default=0, help="seed of the dev split's hash (0)")
-    p.add_argument("--tokenizer", required=True, help="local text tokenizer directory")
-    p.add_argument("--out", required=True, help="output directory for the prepared dataset")
+    p.add_argument("--tokenizer", help="local text tokenizer directory (required)")
+    p.add_argument("--out", help="output directory for the prepared dataset (required)")
+    p.add_argument(
+        "--join",
+        metavar="OUT",
+        help="alone: join the parts prepared into OUT (writes metadata.json) once every shard "
+        "is finished, else list the missing shards and parts and exit 1; the last part to "
+        "finish does this itself",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument(
         "--device",
@@ -476,7 +483,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     imports = import_extensions(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.tokenizer is None or args.out is None:
+        parser.error("the following arguments are required: --tokenizer, --out")
     given = [name for name, _ in SOURCES.items() if getattr(args, f"source_{name}") is not None]
     if len(given) != 1:
         print(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -192,15 +193,21 @@ def run_shard(task: ShardTask, out_dir: str) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     writer = ShardWriter(tmp, codec.num_streams, codec.codebook_size)
     failures: list[dict] = []
+    window = max(cfg.batch_size * 8, 1)
+    windows = [task.items[w0 : w0 + window] for w0 in range(0, len(task.items), window)]
+    # the next window's audio is read and resampled by a thread while this one is encoded
+    pool = ThreadPoolExecutor(1, thread_name_prefix="prepare-load")
     try:
-        window = max(cfg.batch_size * 8, 1)
-        for w0 in range(0, len(task.items), window):
+        ahead = pool.submit(_load_window, windows[0]) if windows else None
+        for k, win in enumerate(windows):
+            results = ahead.result()
+            ahead = pool.submit(_load_window, windows[k + 1]) if k + 1 < len(windows) else None
             items, loaded = [], []
-            for item in task.items[w0 : w0 + window]:
-                try:
-                    loaded.append(_load_item(item))
+            for item, d, e in results:
+                if e is None:
+                    loaded.append(d)
                     items.append(item)
-                except _Skip as e:
+                else:
                     ref = item.ref.describe() if item.ref is not None else "none"
                     if cfg.strict:
                         raise BadItemError(
@@ -210,7 +217,8 @@ def run_shard(task: ShardTask, out_dir: str) -> dict:
                                      "detail": e.detail, "audio": ref, "shard": name})  # fmt: skip
             _encode_all(loaded)
             seconds = sum(_write(writer, it, d) for it, d in zip(items, loaded, strict=True))
-            _report(len(task.items[w0 : w0 + window]), seconds)
+            _report(len(win), seconds)
+        pool.shutdown()
         with open(os.path.join(tmp, FAILURES), "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in failures)
         reasons: dict[str, int] = {}
@@ -224,6 +232,18 @@ def run_shard(task: ShardTask, out_dir: str) -> dict:
         os.replace(tmp, final)
         return meta
     except BaseException:
+        pool.shutdown(cancel_futures=True)
         writer.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _load_window(items: list[ManifestItem]) -> list[tuple]:
+    """(item, loaded or None, _Skip or None) of each item (on the loading thread)."""
+    out = []
+    for item in items:
+        try:
+            out.append((item, _load_item(item), None))
+        except _Skip as e:
+            out.append((item, None, e))
+    return out
