@@ -49,6 +49,7 @@ SMOKE = {
     "bench_generate.py": "--model {model} --sentences 2 --repeats 1 --max-frames 8 "
     "--out {tmp}/a.json",
     "bench_decode.py": "--suite all --shape demo --frames 4 --repeats 1 --out {tmp}/a.json",
+    "bench_checkpoint_manifest.py": "--params 1000000 --tensors 8 --repeats 1 --out {tmp}/a.json",
     "bench_codec_decode.py": "--train-sentences 40 --kmeans-seconds 30 --codebook-size 16 "
     "--held-out 2 --iters 2 --repeats 1 --work {tmp}/work --out {tmp}/a.json",
     "bench_loader.py": "--dps 1,2 --steps 1 --micro-batches 2 --repeats 1 --config {toml} "

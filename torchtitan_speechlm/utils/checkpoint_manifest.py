@@ -1,5 +1,5 @@
 """Checkpoints that prove themselves: ``step-N/.manifest.json`` lists every file of the
-checkpoint with its size and CRC-32, written last (after DCP's ``.metadata``), and is checked
+checkpoint with its size and CRC-32C, written last (after DCP's ``.metadata``), and is checked
 before a rerun loads the step.
 
 Flipped or truncated bytes in a ``.distcp`` or in ``.metadata`` loaded silently (NaN losses
@@ -13,8 +13,10 @@ then every rank's files and ``.metadata`` are written). A folder with ``.metadat
 marker is a save stopped before its manifest: not intact. A folder with neither (written before
 manifests existed) loads with a warning.
 
-The checksum is zlib's CRC-32 (stdlib; it releases the GIL, so the files are summed in
-parallel threads, read back from the page cache right after the save). Its cost is measured by
+The checksum is CRC-32C computed in hardware (the ``crc32c`` package; zlib's CRC-32 where it is
+missing, recorded in the manifest), which releases the GIL: the files are summed in parallel
+threads. Each rank sums the files it writes as DCP writes them (``install_stream_sums``: no file is
+read again); what was written otherwise (``.metadata``) is read back right after the save. Its cost is measured by
 benchmarks/bench_checkpoint_manifest.py (results/checkpoint_manifest_cpu.json).
 """
 
@@ -30,17 +32,35 @@ PENDING = ".manifest.pending"
 _CHUNK = 8 << 20
 
 
+SUM = ".sum"  # "{file}.sum": "{size} {checksum}", summed while the file was written
+
+
 def _files(step_dir: str) -> list[str]:
     out = []
     for root, _, names in os.walk(step_dir):
         for name in names:
-            if name in (MANIFEST, PENDING) or name.endswith(".tmp"):
+            if name in (MANIFEST, PENDING) or name.endswith((".tmp", SUM)):
                 continue
             out.append(os.path.relpath(os.path.join(root, name), step_dir))
     return sorted(out)
 
 
-def file_crc32(path: str) -> str:
+try:  # CRC-32C in hardware (SSE4.2 / ARMv8): ~4x zlib's CRC-32 (the benchmark)
+    from crc32c import crc32c as _crc32c
+
+    CHECKSUM = "crc32c"
+except ImportError:  # the package is a dependency; a copy without it uses zlib's CRC-32
+    _crc32c = None
+    CHECKSUM = "crc32"
+
+
+def _update(kind: str, data, value: int) -> int:
+    if kind == "crc32c":
+        return _crc32c(data, value=value)
+    return zlib.crc32(data, value)
+
+
+def file_checksum(path: str, kind: str = CHECKSUM) -> str:
     crc = 0
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
@@ -49,7 +69,7 @@ def file_crc32(path: str) -> str:
             n = f.readinto(buf)
             if not n:
                 break
-            crc = zlib.crc32(view[:n], crc)
+            crc = _update(kind, view[:n], crc)
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
@@ -57,15 +77,79 @@ def _workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+class _SummingStream:
+    """DCP's file stream, summing the bytes as they are written (no re-read after the save)."""
+
+    def __init__(self, stream) -> None:
+        self._stream, self.crc, self.size, self.sequential = stream, 0, 0, True
+
+    def write(self, data):
+        n = self._stream.write(data)
+        view = memoryview(data).cast("B")
+        view = view if n is None else view[:n]
+        self.crc = _update(CHECKSUM, view, self.crc)
+        self.size += len(view)
+        return n
+
+    def seek(self, *args):
+        self.sequential = False  # summed by reading the file instead
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def install_stream_sums() -> None:
+    """Sum each file of a ``step-N`` checkpoint as DCP writes it, into ``{file}.sum`` (every
+    rank its own files; rank 0's manifest collects them). Idempotent."""
+    from contextlib import contextmanager
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    if getattr(FileSystem, "_speechlm_sums", False):
+        return
+    original = FileSystem.create_stream
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        summing = None
+        with original(self, path, mode) as stream:
+            folder = os.path.basename(os.path.dirname(str(path)))
+            if "w" in mode and folder.startswith("step-") and _crc32c is not None:
+                summing = _SummingStream(stream)
+                yield summing
+            else:
+                yield stream
+        if summing is not None and summing.sequential:
+            with open(str(path) + SUM, "w") as f:
+                f.write(f"{summing.size} {summing.crc & 0xFFFFFFFF:08x}")
+
+    FileSystem.create_stream = create_stream
+    FileSystem._speechlm_sums = True
+    FileSystem._speechlm_plain_create_stream = original  # the benchmark's save without
+
+
+def _summed(path: str) -> str:
+    """The checksum summed while ``path`` was written, if its size still matches, else read."""
+    try:
+        with open(path + SUM) as f:
+            size, crc = f.read().split()
+        if int(size) == os.path.getsize(path):
+            return crc
+    except (OSError, ValueError):
+        pass
+    return file_checksum(path)
+
+
 def describe(step_dir: str) -> dict[str, dict]:
-    """``{relative path: {"size", "crc32"}}`` of every file of the checkpoint, summed in
-    parallel."""
+    """``{relative path: {"size", "checksum"}}`` of every file of the checkpoint: summed as
+    written, else (``.metadata``, a file written another way) read back in parallel."""
     names = _files(step_dir)
     paths = [os.path.join(step_dir, n) for n in names]
     with ThreadPoolExecutor(_workers()) as pool:
-        crcs = list(pool.map(file_crc32, paths))
+        crcs = list(pool.map(_summed, paths))
     return {
-        n: {"size": os.path.getsize(p), "crc32": c}
+        n: {"size": os.path.getsize(p), "checksum": c}
         for n, p, c in zip(names, paths, crcs, strict=True)
     }
 
@@ -83,7 +167,7 @@ def mark_pending(step_dir: str) -> None:
 def write_manifest(step_dir: str) -> dict:
     """After the save: the manifest of every file (tmp + rename, then the marker goes)."""
     files = describe(step_dir)
-    body = {"version": 1, "checksum": "crc32", "files": files}
+    body = {"version": 1, "checksum": CHECKSUM, "files": files}
     tmp = os.path.join(step_dir, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(body, f, indent=1, sort_keys=True)
@@ -93,6 +177,10 @@ def write_manifest(step_dir: str) -> dict:
     pending = os.path.join(step_dir, PENDING)
     if os.path.exists(pending):
         os.remove(pending)
+    for root, _, names in os.walk(step_dir):
+        for name in names:
+            if name.endswith(SUM):
+                os.remove(os.path.join(root, name))
     return body
 
 
@@ -100,7 +188,7 @@ LEGACY = "no manifest (written before checkpoints had one)"
 
 
 def verify(step_dir: str, checksums: bool = True) -> str:
-    """ "" if every file the manifest lists has its size and CRC-32 and nothing is missing;
+    """ "" if every file the manifest lists has its size and checksum and nothing is missing;
     ``LEGACY`` when there is no manifest and no pending marker; else what differs (the file
     and the difference). ``checksums=False``: sizes only (no file is read)."""
     manifest = os.path.join(step_dir, MANIFEST)
@@ -113,7 +201,8 @@ def verify(step_dir: str, checksums: bool = True) -> str:
         return LEGACY
     try:
         with open(manifest) as f:
-            files = json.load(f)["files"]
+            body = json.load(f)
+        files, kind = body["files"], body["checksum"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{manifest} is unreadable ({type(e).__name__}: {e})"
     for name, want in sorted(files.items()):
@@ -123,15 +212,17 @@ def verify(step_dir: str, checksums: bool = True) -> str:
         size = os.path.getsize(path)
         if size != want["size"]:
             return f"{path} has {size} bytes, its manifest says {want['size']} (truncated or grown)"
-    if not checksums:
-        return ""
+    if not checksums or (kind == "crc32c" and _crc32c is None):
+        return ""  # sizes only (without the crc32c package no CRC-32C can be computed)
     names = sorted(files)
     with ThreadPoolExecutor(_workers()) as pool:
-        crcs = list(pool.map(file_crc32, [os.path.join(step_dir, n) for n in names]))
+        paths = [os.path.join(step_dir, n) for n in names]
+        crcs = list(pool.map(lambda p: file_checksum(p, kind), paths))
+    label = {"crc32c": "CRC-32C", "crc32": "CRC-32"}.get(kind, kind)
     for name, crc in zip(names, crcs, strict=True):
-        if crc != files[name]["crc32"]:
+        if crc != files[name]["checksum"]:
             return (
-                f"{os.path.join(step_dir, name)} has CRC-32 {crc}, its manifest says "
-                f"{files[name]['crc32']} (bytes changed on disk)"
+                f"{os.path.join(step_dir, name)} has {label} {crc}, its manifest says "
+                f"{files[name]['checksum']} (bytes changed on disk)"
             )
     return ""

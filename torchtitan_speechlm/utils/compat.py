@@ -107,7 +107,11 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_speechlm.utils.checkpoint_folders import complete_checkpoints
-from torchtitan_speechlm.utils.checkpoint_manifest import mark_pending, write_manifest
+from torchtitan_speechlm.utils.checkpoint_manifest import (
+    install_stream_sums,
+    mark_pending,
+    write_manifest,
+)
 from torchtitan_speechlm.utils.collective_errors import is_collective_failure
 
 SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
@@ -285,6 +289,7 @@ def install_checkpoint_safety() -> None:
     manager = tt_ckpt.CheckpointManager
     if getattr(manager, "_speechlm_safe", False):
         return
+    install_stream_sums()
     original_save = manager.dcp_save
     original_purge = manager._purge_stale_checkpoints
 

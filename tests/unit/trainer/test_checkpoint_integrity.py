@@ -47,9 +47,9 @@ def _cut(path: str) -> None:
 
 
 DAMAGE = {
-    "distcp_flipped": ("__0_0.distcp", _flip, "CRC-32"),
+    "distcp_flipped": ("__0_0.distcp", _flip, "CRC-32C"),
     "distcp_truncated": ("__0_0.distcp", _cut, "truncated or grown"),
-    "metadata_flipped": (".metadata", _flip, "CRC-32"),
+    "metadata_flipped": (".metadata", _flip, "CRC-32C"),
     "metadata_truncated": (".metadata", _cut, "truncated or grown"),
 }
 
@@ -70,6 +70,7 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_loads(
     manifest = json.loads((folder / "step-2" / MANIFEST).read_text())
     assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
     assert not (folder / "step-2" / PENDING).exists()
+    assert not list((folder / "step-2").glob("*.sum"))  # summed while written, collected
     assert verify(step2) == ""
     name, how, words = DAMAGE[damage]
     how(os.path.join(step2, name), 40) if how is _flip else how(os.path.join(step2, name))
