@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from torchtitan_speechlm.data.format import KINDS
 from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
 
 SAMPLE_SIZE = 200
@@ -155,8 +156,6 @@ def dataset_samples(ds, name: str = "") -> list[Sample]:
     """The stored texts and ids of up to ``SAMPLE_SIZE`` items of a ``PreparedDataset`` that have
     text, spread over it."""
     import numpy as np
-
-    from torchtitan_speechlm.data.format import KINDS
 
     with_text = ("speech", "text", "dialogue")
     codes = getattr(ds, "kind_codes", None)
