@@ -28,7 +28,7 @@ from torchtitan_speechlm.trainer.builders import check_data
 from torchtitan_speechlm.trainer.faults import exit_on_user_fault
 from torchtitan_speechlm.trainer.plan import REGISTERED_VALUES, RunPlan
 from torchtitan_speechlm.trainer.preflight import check_training_data, preflight
-from torchtitan_speechlm.trainer.run import prepare_run
+from torchtitan_speechlm.trainer.run import VERIFIED_ENV, prepare_run
 from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.trainer.trainer import SpeechLMTrainer
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
@@ -227,6 +227,8 @@ def train_command(args: list[str]) -> int:
         return 0
     nproc, args = _split_launcher_args(args)
     args = torchtitan_args(args)
+    if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+        os.environ.pop(VERIFIED_ENV, None)  # the launcher sums every file of what it loads
     try:
         job_config, plan = checked_config(args)
         if plan is not None:
@@ -245,7 +247,14 @@ def train_command(args: list[str]) -> int:
             print(f"torchtitan train: {e}", file=sys.stderr)
             return 2
         lifecycle.forget_stop(job_config.job.dump_folder)
+    try:
+        return _launch(args, job_config, nproc)
+    finally:
+        lifecycle.release()  # an in-process call (a test, the demo) lets the folder go
 
+
+def _launch(args: list[str], job_config, nproc: int) -> int:
+    """Run as this rank, as one process, or as ``nproc`` local ranks (torch's elastic agent)."""
     _adopt_slurm_env()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -309,8 +318,11 @@ def run_worker(args: list[str]) -> int:
     ``stop``, a failed checkpoint save, a hung or dead peer) ends the rank with one line naming
     the rank and the fix instead of a traceback (trainer/faults.py decides which)."""
     lifecycle.die_with_launcher()
-    lifecycle.stop_on_signals()
-    with exit_on_user_fault():
-        # idempotent on already normalised args
-        run_torchtitan_main(torchtitan_args(args), SpeechLMTrainer)
+    restore = lifecycle.stop_on_signals()  # Ctrl-C / SIGTERM: one line, no traceback
+    try:
+        with exit_on_user_fault():
+            # idempotent on already normalised args
+            run_torchtitan_main(torchtitan_args(args), SpeechLMTrainer)
+    finally:
+        restore()
     return 0

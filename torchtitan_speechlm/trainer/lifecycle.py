@@ -42,7 +42,8 @@ RUN_LOCK = ".speechlm-run.lock"
 RANKS_LOCK = ".speechlm-ranks.lock"
 STOPPED = ".speechlm-stopped.json"
 LAUNCHER_ENV = "TORCHTITAN_SPEECHLM_LAUNCHER_PID"
-_HELD: list[int] = []  # descriptors kept open (the locks) for the life of the process
+_HELD: list[int] = []  # the launcher's lock, kept open for the life of the run
+_RANK_HELD: list[int] = []  # this rank's
 PR_SET_PDEATHSIG = 1
 
 
@@ -88,6 +89,7 @@ def hold_run_folder(dump: str) -> None:
     holder. Held until this process ends."""
     os.makedirs(dump, exist_ok=True)
     run_lock = os.path.join(dump, RUN_LOCK)
+    release()  # this process's earlier run (an in-process call) is over
     fd = _lock(run_lock, fcntl.LOCK_EX)
     if fd is None:
         raise _busy(dump, run_lock, "its launcher")
@@ -111,20 +113,28 @@ def hold_as_rank(dump: str, rank: int) -> None:
         fd = _lock(run_lock, fcntl.LOCK_SH)
         if fd is None:
             raise _busy(dump, run_lock, "its launcher")
-        _HELD.append(fd)
+        _RANK_HELD.append(fd)
     ranks_lock = os.path.join(dump, RANKS_LOCK)
     fd = _lock(ranks_lock, fcntl.LOCK_SH)
     if fd is None:
         raise _busy(dump, ranks_lock, "a launcher starting")
     if rank == 0:
         _say_who(fd, "rank 0")
-    _HELD.append(fd)
+    _RANK_HELD.append(fd)
+
+
+def release_rank() -> None:
+    """A rank lets go (its trainer closed; a process that ends lets go anyway)."""
+    while _RANK_HELD:
+        os.close(_RANK_HELD.pop())
 
 
 def release() -> None:
-    """Let go of the folder (an in-process run that ended; a process that ends lets go anyway)."""
+    """The launcher lets go (an in-process call that ended)."""
+    release_rank()
     while _HELD:
         os.close(_HELD.pop())
+    os.environ.pop(LAUNCHER_ENV, None)
 
 
 def die_with_launcher() -> None:
@@ -153,7 +163,7 @@ def newest_checkpoint(folder: str) -> str | None:
 
 def stop_line(signum: int, step: int | None, ckpt_folder: str | None) -> str:
     name = signal.Signals(signum).name
-    reached = f"during step {step}" if step else "before its first step"
+    reached = f"at step {step}" if step else "before its first step"
     newest = newest_checkpoint(ckpt_folder) if ckpt_folder else None
     resume = (
         f"the newest complete checkpoint is {newest}: rerun the same command to resume from it"
@@ -171,10 +181,13 @@ def track_run(dump: str, ckpt_folder: str | None, current_step) -> None:
     _RUN.update(dump=dump, checkpoints=ckpt_folder, step=current_step)
 
 
-def stop_on_signals() -> None:
+def stop_on_signals():
     """SIGINT / SIGTERM end this rank at once, without a traceback. Rank 0 records the step
     reached for the launcher; a run of one process (no launcher above it) prints the line
-    itself. A training rank's (commands/train.py ``run_worker``), not the Python API's."""
+    itself. A training rank's (commands/train.py ``run_worker``), not the Python API's.
+    Returns what puts the previous handlers back (an in-process run that ended)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # Python sets signal handlers from the main thread only
     rank = int(os.environ.get("RANK", "0"))
     alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
 
@@ -192,22 +205,34 @@ def stop_on_signals() -> None:
             sys.stderr.flush()
             os._exit(128 + signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
+    before = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     # Python runs ``handler`` in the main thread between bytecodes, so not while it waits in a
     # collective or a long kernel; the C-level handler writes the signal number into this pipe
     # at once, and a thread ends the rank from there.
     r, w = os.pipe()
     os.set_blocking(w, False)
-    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
 
     def watch() -> None:
         while True:
-            got = os.read(r, 1)
-            if got and got[0] in (signal.SIGINT, signal.SIGTERM):
+            try:
+                got = os.read(r, 1)
+            except OSError:
+                return  # restored: the pipe is closed
+            if not got:
+                return
+            if got[0] in (signal.SIGINT, signal.SIGTERM):
                 handler(got[0], None)
 
     threading.Thread(target=watch, name="speechlm-stop", daemon=True).start()
+
+    def restore() -> None:
+        signal.set_wakeup_fd(wakeup)
+        for sig, previous in before.items():
+            signal.signal(sig, previous)
+        os.close(w)
+
+    return restore
 
 
 def stopped_step(dump: str) -> int | None:

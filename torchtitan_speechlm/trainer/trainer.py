@@ -31,7 +31,7 @@ from torchtitan_speechlm.trainer.faults import (
     describe_collective_failure,
     is_unexplained_collective_failure,
 )
-from torchtitan_speechlm.trainer.lifecycle import hold_as_rank, release, track_run
+from torchtitan_speechlm.trainer.lifecycle import hold_as_rank, release_rank, track_run
 from torchtitan_speechlm.trainer.run import start_run
 from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
@@ -88,7 +88,7 @@ class SpeechLMTrainer(Trainer):
         try:
             super().close()
         finally:
-            release()
+            release_rank()
 
     # torchtitan's __init__ reads the TrainSpec from its registry into ``self.train_spec``;
     # the SpeechLM spec is read as this run's (builders.bind)
