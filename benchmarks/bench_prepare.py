@@ -15,6 +15,12 @@ cuts (``--lhotse-shar``, flac in tars), prepared with the tiny Encodec, interlea
 (``--repeats``), with 1 and 2 workers of 1 thread; reports each run's wall time and planning
 time (reading the source: for Shar the tar headers too), the median throughputs and their
 ratios; writes ``benchmarks/results/prepare_lhotse.json``.
+
+``--parts N``: 1 part vs N concurrent ``torchtitan prepare --part i/N`` processes (1 torch
+thread each, k-means codec, the corpus ``--copies`` times over), interleaved ``--repeats``;
+reports the walls, each part's CPU time, the fixed cost of one process (a rerun of the finished
+dataset), the speed-ups, and whether the joined dataset equals the one-part one byte for byte;
+writes ``benchmarks/results/prepare_parts.json``.
 """
 
 from __future__ import annotations
@@ -115,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lhotse", action="store_true",
                    help="compare lhotse Shar with the same cuts as JSONL + wav files")  # fmt: skip
     p.add_argument("--repeats", type=int, default=2, help="--lhotse/--parts: runs of each")
+    p.add_argument("--copies", type=int, default=1,
+                   help="--parts: the corpus K times over (new ids, same wavs), so that encoding "
+                   "outweighs each process' start (imports, planning, codec)")  # fmt: skip
     p.add_argument("--parts", type=int, default=0, metavar="N",
                    help="scaling of `torchtitan prepare --part i/N`: 1 part (one process) vs N "
                    "parts (N concurrent processes), each of 1 torch thread, k-means codec; "
@@ -195,24 +204,50 @@ def parts_run(paths: dict, n_parts: int, shard_size: int) -> dict:
            "--tokenizer", paths["tok"], "--out", os.path.join(out, "ds"), "--shard-size",
            str(shard_size), "--no-progress"]  # fmt: skip
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([*cmd, "--part", f"{i}/{n_parts}"], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    logs = [open(os.path.join(out, f"part{i}.log"), "w+") for i in range(n_parts)]
+    procs = [subprocess.Popen([*cmd, "--part", f"{i}/{n_parts}"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=logs[i])
              for i in range(n_parts)]  # fmt: skip
-    for p in procs:
-        _, err = p.communicate()
+    cpu = []
+    for p, log in zip(procs, logs, strict=True):
+        _, status, ru = os.wait4(p.pid, 0)  # the part's own CPU time (user + sys)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        cpu.append(round(ru.ru_utime + ru.ru_stime, 2))
+        log.seek(0)
         if p.returncode:
-            raise RuntimeError(err[-2000:])
+            raise RuntimeError(log.read()[-2000:])
+        log.close()
     wall = time.perf_counter() - t0
     with open(os.path.join(out, "ds", "summary.json")) as f:
         s = json.load(f)
     return {"parts": n_parts, "out": out, "items": s["num_items"],
             "audio_seconds": s["total_audio_seconds"], "wall_seconds": round(wall, 2),
-            "audio_s_per_s": round(s["total_audio_seconds"] / wall, 2)}  # fmt: skip
+            "audio_s_per_s": round(s["total_audio_seconds"] / wall, 2),
+            "cpu_seconds_per_part": cpu, "cpu_seconds_max_part": max(cpu)}  # fmt: skip
+
+
+def copied_manifest(paths: dict, copies: int) -> str:
+    """The corpus manifest ``copies`` times over, each copy's ids suffixed (same wavs)."""
+    if copies == 1:
+        return paths["manifest"]
+    out = paths["manifest"].replace(".jsonl", f"_x{copies}.jsonl")
+    base = os.path.dirname(paths["manifest"])
+    with open(paths["manifest"]) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    with open(out, "w") as f:
+        for k in range(copies):
+            for r in rows:
+                f.write(json.dumps(dict(r, id=f"{r['id']}_{k}",
+                                        audio=os.path.join(base, r["audio"]))) + "\n")  # fmt: skip
+    return out
 
 
 def parts_main(args, paths: dict) -> dict:
     """1 part vs ``args.parts`` parts, interleaved ``args.repeats`` times; the speed-up is the
-    ratio of the median walls (ideal: N, if the machine has N free cores)."""
+    ratio of the median walls (ideal: N, if the machine has N free cores). Also the wall of a
+    rerun of the finished dataset (nothing to encode: each process' fixed cost of starting,
+    planning and loading the codec), and the speed-up of the walls less that cost."""
+    paths = dict(paths, manifest=copied_manifest(paths, args.copies))
     rows, same = [], True
     for _ in range(args.repeats):
         one = parts_run(paths, 1, args.shard_size)
@@ -225,11 +260,47 @@ def parts_main(args, paths: dict) -> dict:
     med = {n: float(np.median([r["wall_seconds"] for r in rows if r["parts"] == n]))
            for n in (1, args.parts)}  # fmt: skip
     speedup = round(med[1] / med[args.parts], 3)
-    print_table(rows, ("parts", "items", "audio_seconds", "wall_seconds", "audio_s_per_s"))
+    fixed = fixed_cost(paths, args.shard_size)
+    net = round((med[1] - fixed) / max(med[args.parts] - fixed, 1e-9), 3)
+    # on a machine without N free cores, the walls say little: the longest part's CPU time is
+    # what its wall would be on a core of its own
+    cpu = {n: float(np.median([r["cpu_seconds_max_part"] for r in rows if r["parts"] == n]))
+           for n in (1, args.parts)}  # fmt: skip
+    cpu_speedup = round(cpu[1] / cpu[args.parts], 3)
+    print_table(rows, ("parts", "items", "audio_seconds", "wall_seconds", "audio_s_per_s",
+                       "cpu_seconds_max_part"))  # fmt: skip
+    print(
+        f"median CPU seconds of the longest part: {cpu}; speed-up by CPU time "
+        f"{cpu_speedup}x ({cpu_speedup / args.parts:.0%} of ideal)"
+    )
     print(f"median wall: {med}; speed-up of {args.parts} parts: {speedup}x "
-          f"({speedup / args.parts:.0%} of ideal); joined == one part byte for byte: {same}")  # fmt: skip
+          f"({speedup / args.parts:.0%} of ideal); fixed cost per process {fixed:.2f}s, "
+          f"speed-up without it {net}x; joined == one part byte for byte: {same}; "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")  # fmt: skip
     return {"runs": rows, "median_wall_seconds": med, "speedup": speedup,
-            "efficiency": round(speedup / args.parts, 3), "identical": same}  # fmt: skip
+            "efficiency": round(speedup / args.parts, 3), "fixed_seconds": fixed,
+            "speedup_less_fixed": net, "median_cpu_seconds_longest_part": cpu,
+            "speedup_by_cpu_time": cpu_speedup, "identical": same}  # fmt: skip
+
+
+def fixed_cost(paths: dict, shard_size: int) -> float:
+    """Wall of one process rerunning a finished dataset (starts, plans, loads, encodes none)."""
+    import subprocess
+
+    out = tempfile.mkdtemp(prefix="bench_parts_fixed_")
+    exe = shutil.which("torchtitan", path=os.path.dirname(sys.executable))
+    cmd = [exe, "prepare", "--manifest", paths["manifest"], "--codec", paths["kmeans"],
+           "--tokenizer", paths["tok"], "--out", os.path.join(out, "ds"), "--shard-size",
+           str(shard_size), "--no-progress"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    walls = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+        walls.append(time.perf_counter() - t0)
+    shutil.rmtree(out, ignore_errors=True)
+    return round(min(walls), 2)
 
 
 def main(argv=None) -> None:
@@ -240,7 +311,8 @@ def main(argv=None) -> None:
             kmeans_fit(paths, args.held_out)
         results = parts_main(args, paths)
         corpus = {"utterances": args.n, "shard_size": args.shard_size, "batch_size": 8,
-                  "codec": "k-means 4 x 256", "threads_per_part": 1}  # fmt: skip
+                  "codec": "k-means 4 x 256", "threads_per_part": 1,
+                  "copies": args.copies}  # fmt: skip
         write_results(args.out or RESULTS.replace("prepare.json", "prepare_parts.json"),
                       dict(machine=machine(), corpus=corpus, **results))  # fmt: skip
         return
