@@ -55,7 +55,11 @@ Four more, not about CPUs:
    ``.metadata`` before the ranks write. (patches/0008-checkpoint-purge-complete-only.diff)
    Not a workaround, and kept with the switch off: a failed save (a full disk, a dead peer)
    becomes ``CheckpointSaveError`` naming the folder, the error and the intact checkpoint a
-   rerun resumes from, instead of DCP's multi-rank traceback (our message, not upstream's bug).
+   rerun resumes from, instead of DCP's multi-rank traceback (our message, not upstream's bug);
+   a save that filled the disk without an errno (torch's zip writer: "unexpected pos") says so.
+   Also kept with the switch off, our feature rather than a workaround: each checkpoint's
+   manifest (utils/checkpoint_manifest.py: ``.manifest.pending`` before the ranks write, every
+   file's size and CRC-32C summed as DCP writes it, ``.manifest.json`` after the save).
 
 One of torch, not torchtitan:
 
