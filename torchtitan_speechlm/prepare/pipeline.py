@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         "by a hash of speaker/id and --dev-seed (not by order or --workers); writes two "
         "datasets, OUT/train and OUT/dev, and OUT/split.json",
     )
-    p.add_argument("--dev-seed", type=int, default=0, help="seed of the dev split's hash (0)")
+    p.add_argument("--dev-seed", type=int, default=None, help="seed of the dev split's hash (0)")
     p.add_argument("--tokenizer", help="local text tokenizer directory (required)")
     p.add_argument("--out", help="output directory for the prepared dataset (required)")
     p.add_argument(
@@ -495,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     name = given[0]
+    if args.dev_seed is not None and args.dev_fraction is None:
+        print("error: --dev-seed seeds the split of --dev-fraction: give both", file=sys.stderr)
+        return 1
     options = {o.name: getattr(args, f"option_{o.name}") for o in SOURCES.get(name).options}
     if args.waveforms and name != "manifest":
         print(
@@ -520,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             kmeans_seconds=args.kmeans_seconds, kmeans_frame_rate=args.kmeans_frame_rate,
             seed=args.seed,
             allow_lossy_tokenizer=args.allow_lossy_tokenizer,
-            dev_fraction=args.dev_fraction, dev_seed=args.dev_seed, part=args.part,
+            dev_fraction=args.dev_fraction, dev_seed=args.dev_seed or 0, part=args.part,
         )  # fmt: skip
         parts = [(args.out, s)] if args.dev_fraction is None else [
             (os.path.join(args.out, n), s[n]) for n in ("train", "dev")]  # fmt: skip

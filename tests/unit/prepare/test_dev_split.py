@@ -100,6 +100,15 @@ def test_cli_refuses_bad_fractions_before_doing_anything(bad, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_cli_refuses_a_dev_seed_without_a_dev_fraction(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--manifest", str(tmp_path / "none.jsonl"), "--codec", str(tmp_path / "c"),
+            "--tokenizer", str(tmp_path / "t"), "--out", str(out), "--dev-seed", "3"]  # fmt: skip
+    assert main(argv) == 1
+    assert "--dev-seed seeds the split of --dev-fraction: give both" in capsys.readouterr().err
+    assert not out.exists()
+
+
 # --- end to end: prepare, then train on train and validate on dev ----------------------------
 
 
