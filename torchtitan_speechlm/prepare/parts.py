@@ -24,6 +24,7 @@ import os
 import re
 import socket
 
+from torchtitan_speechlm.data.format import shard_name
 from torchtitan_speechlm.utils.fileio import json_hash, write_json_atomic
 
 STATE_DIR = ".prepare"  # OUT/.prepare: locks, part records, the whole-corpus checks
@@ -264,8 +265,6 @@ def read_checks(out_dir: str) -> dict:
 
 def missing_message(out_dir: str, missing: list[int], n_parts: int | None) -> str:
     """Which shards (and, for ``n_parts``, which parts) are not finished yet."""
-    from torchtitan_speechlm.data.format import shard_name
-
     names = ", ".join(shard_name(s) for s in missing[:20]) + (" ..." if len(missing) > 20 else "")
     msg = f"{out_dir}: {len(missing)} shard(s) not finished yet ({names})"
     if n_parts:
