@@ -23,6 +23,7 @@ from dataclasses import fields, is_dataclass
 
 from torchtitan_speechlm.components.resume import completed_run_step
 from torchtitan_speechlm.config import ConfigError, check_toml
+from torchtitan_speechlm.config.toml_check import check_toml_file
 from torchtitan_speechlm.trainer import lifecycle
 from torchtitan_speechlm.trainer.builders import check_data
 from torchtitan_speechlm.trainer.faults import exit_on_user_fault
@@ -226,6 +227,11 @@ def train_command(args: list[str]) -> int:
             pass
         return 0
     nproc, args = _split_launcher_args(args)
+    try:  # a TOML that is not UTF-8 or not TOML: its file and line, before torchtitan reads it
+        check_toml_file(args)
+    except ConfigError as e:
+        print(f"torchtitan train: config error: {e}", file=sys.stderr)
+        return 2
     args = torchtitan_args(args)
     if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         os.environ.pop(VERIFIED_ENV, None)  # the launcher sums every file of what it loads
