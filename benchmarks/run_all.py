@@ -8,6 +8,8 @@ BENCHES = [  # each writes its JSON under benchmarks/results/ (docs/performance.
     ["benchmarks/bench_attention.py"],
     ["benchmarks/bench_loss_memory.py"],
     ["benchmarks/bench_loader.py"],
+    ["benchmarks/bench_scale.py"],  # 10^5..10^7-item datasets: open, first batch, memory, fds
+    ["benchmarks/bench_checkpoint_manifest.py"],  # the checkpoint manifest's cost in a save
     ["benchmarks/bench_step_overhead.py"],
     ["benchmarks/bench_prepare.py"],
     ["benchmarks/bench_decode.py"],

@@ -65,6 +65,7 @@ SMOKE = {
     "bench_pipeline.py": "--steps 2 --micro 2 --hidden 32 --layers 4 --seq-len 512 "
     "--schedules 1F1B --work {tmp}/work --out {tmp}/a.json",
     "bench_prepare.py": "--n 8 --held-out 2 --codecs kmeans --cache {tmp}/cache --out {tmp}/a.json",
+    "bench_scale.py": "--scales 2000:4 --no-prepare --work {tmp}/work --out {tmp}/a.json",
     "bench_serve.py": "--frames 2 --requests 2 --cli-calls 1 --concurrency 1,2 --hidden 32 "
     "--layers 1 --work {tmp}/work --out {tmp}/a.json",
     "bench_speaker_prompt.py": "--steps 4 --train-per-speaker 2 --heldout-per-speaker 2 "
