@@ -44,6 +44,22 @@ STOPPED = ".speechlm-stopped.json"
 LAUNCHER_ENV = "TORCHTITAN_SPEECHLM_LAUNCHER_PID"
 _HELD: list[int] = []  # the launcher's lock, kept open for the life of the run
 _RANK_HELD: list[int] = []  # this rank's
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker of a rank, a rank forked by a test harness): let
+    go of the copies of the parent's lock descriptors. A ``flock`` lasts while any descriptor
+    of it is open, so a worker outliving its rank by the seconds its parent-watchdog takes
+    would otherwise keep the folder locked and refuse the rerun."""
+    for held in (_HELD, _RANK_HELD):
+        while held:
+            try:
+                os.close(held.pop())
+            except OSError:
+                pass
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 PR_SET_PDEATHSIG = 1
 
 
