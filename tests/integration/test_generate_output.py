@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import tiny_export
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # in make faults (make test budget)
 
 
 def test_generate_from_an_export_prints_no_model_type_warning(tmp_path):

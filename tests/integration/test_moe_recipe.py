@@ -19,7 +19,7 @@ from tests.recipes import cut_overrides, filled_recipe
 from torchtitan_speechlm.demo.assets import load_sentences
 from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # in make faults (make test budget)
 RECIPE = "qwen3_30b_a3b_tts_asr.toml"
 
 

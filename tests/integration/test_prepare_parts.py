@@ -13,7 +13,7 @@ import pytest
 
 from tests.data_fixtures import build_assets, write_tone_corpus
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # in make faults (make test budget)
 
 
 @pytest.fixture(scope="module")

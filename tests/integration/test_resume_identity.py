@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from tests.helpers import make_tiny_run_assets, run_train, write_tiny_config
 from tests.tiny_codecs import build_codec
 from torchtitan_speechlm.model.run_record import RunRecordError, check_same_data
@@ -16,6 +18,7 @@ from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 FAST = ("--validation.enable", "false")
 
 
+@pytest.mark.long  # in make faults (make test budget)
 def test_resume_onto_data_of_another_codec_is_refused_naming_both(tmp_path):
     assets = make_tiny_run_assets(tmp_path)
     dump = tmp_path / "run"

@@ -229,6 +229,7 @@ def test_a_flipped_distcp_is_named_and_the_intact_step_before_it_is_resumed(asse
 
 
 @pytest.mark.slow
+@pytest.mark.long  # in make faults (make test budget)
 def test_the_first_save_estimate_is_not_below_the_real_checkpoint(assets, tmp_path):
     """Proves (make test): the free-space estimate of a run with no checkpoint yet is at least
     the size of the checkpoint its first save writes (it was 2.92 MiB for 3.6 MiB), and that

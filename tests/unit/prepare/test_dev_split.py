@@ -139,6 +139,7 @@ def _prepare(corpus, out, *extra) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # in make faults (make test budget)
 def test_prepare_writes_train_and_dev_that_training_reads(corpus, capsys):
     root = corpus["root"]
     assert _prepare(corpus, root / "p1") == 0
