@@ -92,7 +92,7 @@ def test_the_docs_commands_and_examples_run_as_written_after_the_demo(after_demo
     readme = {"README.md:22", "README.md:24", "README.md:25", "README.md:40", "README.md:41"}
     assert readme <= set(ran), ran
     assert sum(w.startswith("checkpoints.md") for w in ran) >= 3, ran
-    assert {"checkpoints.md:71", "checkpoints.md:184"} <= set(examples), examples
+    assert {"checkpoints.md:92", "checkpoints.md:224"} <= set(examples), examples
     assert (after_demo / "exported_adapter" / "adapter" / "adapter_config.json").is_file()
 
 
