@@ -8,7 +8,7 @@ processes (FSDP2), then export, generate (TTS and ASR) and serve on the result.
 Before the fix the 2-process run stopped at step 1 (FSDP2: "uniform original parameter dtype",
 {float32, bfloat16}); on one process it trained bf16 master weights silently. Here the saved
 parameters are float32 and rank 0 says once that the stored bf16 became float32 master weights.
-`make test` runs the 0.6B recipe on 2 processes; the gpu_check dry run (make faults) runs both
+`make faults` runs the 0.6B recipe on 2 processes (long marker); the gpu_check dry run runs both
 recipes on 1 and on 2 processes through the same steps."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tests.real_checkpoints import save_real_backbone
 from tests.recipes import cut_overrides, filled_recipe
 
 STEPS = 4
+pytestmark = pytest.mark.long  # in make faults (make test budget)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,8 @@ from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
+pytestmark = pytest.mark.long  # in make faults (make test budget)
+
 
 @pytest.fixture(scope="module")
 def varied(tmp_path_factory):
