@@ -26,9 +26,13 @@ from torchtitan_speechlm import cli
 from torchtitan_speechlm.commands.generate import generate_main
 from torchtitan_speechlm.commands.serve import build
 from torchtitan_speechlm.commands.serve_args import build_parser
-from torchtitan_speechlm.generation.decode import DecodeConfig, Sampling
+from torchtitan_speechlm.data.template_pieces import Segment
+from torchtitan_speechlm.generation import tasks
+from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder, Sampling
 from torchtitan_speechlm.generation.loading import load_model
 from torchtitan_speechlm.generation.requests import Request, run_requests
+from torchtitan_speechlm.generation.tasks import tts_with_ends
+from torchtitan_speechlm.utils.audio import load_audio
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # end-to-end runs of prompted TTS: make faults
 MAX_FRAMES = 12
@@ -81,6 +85,16 @@ def voiced(runs):
         yield served
 
 
+def first_logits(loaded, prompt: np.ndarray) -> list:
+    """The model's logits, per stream, for the first audio frame of TEXT spoken in ``prompt``'s
+    voice (the prefix ``tts_with_ends`` builds)."""
+    b = loaded.builder
+    turns = [Segment("user", "audio", b.cut_prompt(prompt)),
+             Segment("user", "text", tasks.text_ids(loaded, TEXT))]  # fmt: skip
+    prefix = b.prefix(turns, "assistant", "audio")
+    return Decoder(loaded.model, DecodeConfig(max_frames=MAX_FRAMES)).forward.start([prefix])
+
+
 def samples(audio: bytes) -> np.ndarray:
     return sf.read(io.BytesIO(audio), dtype="int16")[0]
 
@@ -97,7 +111,7 @@ def unprompted(client, text: str) -> np.ndarray:
     )
 
 
-def test_voice_selects_its_file_as_generate_prompt_does(voiced, runs, capsys):
+def test_voice_selects_its_file_as_generate_prompt_does(voiced, runs, capsys, monkeypatch):
     client, _, _ = voiced
     listed = client.get("/voices", cast_to=object)["data"]
     assert [(v["id"], v["file"]) for v in listed] == [("alice", "alice.wav"), ("bob", "bob.flac")]
@@ -119,7 +133,27 @@ def test_voice_selects_its_file_as_generate_prompt_does(voiced, runs, capsys):
     ].codes
     expected = loaded.codec.decode(codes)
     np.testing.assert_array_equal(got, np.round(np.clip(expected, -1, 1) * 32767))
-    assert not np.array_equal(got, speak(client, voice="bob"))  # the voice is heard
+    # the voice is heard: bob's request hands the model bob's codes (a tiny model sampled at
+    # temperature 1 is near uniform: its samples need not differ, its logits do)
+    sent = []
+
+    def spy(loaded, texts, cfg, seeds=None, on_frames=None, prompts_codes=None):
+        sent.extend(prompts_codes or [])
+        return tts_with_ends(loaded, texts, cfg, seeds, on_frames, prompts_codes)
+
+    monkeypatch.setattr(tasks, "tts_with_ends", spy)
+    speak(client, voice="bob")
+    bob = tasks.speaker_prompt(
+        loaded, load_audio(f"{runs['voices']}/bob.flac", loaded.codec.sample_rate)
+    )
+    alice = tasks.speaker_prompt(loaded, load_audio(req.prompt, loaded.codec.sample_rate))
+    assert (
+        len(sent) == 1
+        and np.array_equal(sent[0], bob)
+        and not np.array_equal(bob, alice[: len(bob)])
+    )
+    first = [first_logits(loaded, p) for p in (alice, bob)]
+    assert all((a - b).abs().max() > 1e-3 for a, b in zip(*first, strict=True))
     # prompt_audio: the same file uploaded, one request's voice (the voice field is then ignored)
     b64 = base64.b64encode(open(f"{runs['voices']}/alice.wav", "rb").read()).decode()
     np.testing.assert_array_equal(speak(client, voice="bob", extra_body={"prompt_audio": b64}), got)
