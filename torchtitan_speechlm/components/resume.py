@@ -18,6 +18,7 @@ from functools import lru_cache
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.data.catalog import parse_datasets, read_dataset_metadata
+from torchtitan_speechlm.data.remote import RemoteCache, local_path
 from torchtitan_speechlm.model.pretrained import PretrainedError, read_export_config
 from torchtitan_speechlm.model.run_record import (
     RUN_RECORD,
@@ -138,13 +139,14 @@ def data_identity(job_config, model_args) -> tuple[dict, dict | None, dict]:
     """The codec, text tokenizer and datasets (name -> absolute path) of the data this job
     reads, as its prepared ``metadata.json`` files record them (a Python data object: its
     codec hash only)."""
+    data = job_config.speechlm_data
     datasets = {
-        name: os.path.abspath(path)
-        for name, path in parse_datasets(list(job_config.speechlm_data.datasets)).items()
+        name: local_path(path) for name, path in parse_datasets(list(data.datasets)).items()
     }
     if not datasets:
         return {"config_hash": model_args.codec_hash}, None, {}
-    meta = read_dataset_metadata(next(iter(datasets.values())))
+    remote = RemoteCache(data.remote_cache_dir, data.remote_cache_gb)
+    meta = read_dataset_metadata(next(iter(datasets.values())), remote)
     codec = meta.get("codec") or {}
     if codec.get("config_hash") != model_args.codec_hash:  # not the data it trains on
         return {"config_hash": model_args.codec_hash}, None, {}

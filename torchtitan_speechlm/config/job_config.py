@@ -143,6 +143,13 @@ class SpeechLMData:
     sha256s `torchtitan prepare` recorded in metadata.json: `full` (a shard modified after
     preparation is refused; reads each shard once per process at start, about 1 s per GB),
     `size` (truncated or appended files only: instant, for very large datasets), `none`."""
+    remote_cache_dir: str = ""
+    """Where datasets given as URLs (`NAME=s3://bucket/path`, any fsspec URL) are mirrored:
+    their index files, and the shards' arrays as ranks read them (data.md, *Object storage*).
+    "" = `~/.cache/torchtitan_speechlm/remote`. Node-local disk: the ranks of a node share it."""
+    remote_cache_gb: float = 100.0
+    """The shard arrays a mirrored dataset keeps on local disk, in GiB; the shards read least
+    recently are deleted first (never one a rank has open)."""
     allow_lossy_tokenizer: bool = False
     """Train on datasets whose text tokenizer does not give back their texts (a warning instead
     of the error). Before any rank starts, the stored ids of up to 200 items per dataset,

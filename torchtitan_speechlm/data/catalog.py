@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.format import check_compatible, id_hash
 from torchtitan_speechlm.data.mixing import Source
 from torchtitan_speechlm.data.reader import PreparedDataset
+from torchtitan_speechlm.data.remote import Mirror, RemoteCache, is_url, local_path
 from torchtitan_speechlm.data.tasks import TASKS
 
 SPLITS = ("train", "valid", "all", "external")
@@ -82,15 +82,19 @@ def parse_mix(specs: list[str], key: str, names: dict[str, str]) -> list[MixEntr
     return entries
 
 
-def read_dataset_metadata(path: str) -> dict:
-    meta = Path(path) / "metadata.json"
-    if not meta.is_file():
-        raise ConfigError(
-            f"prepared dataset {path!r} has no metadata.json; create it with "
-            "`torchtitan prepare --manifest M.jsonl --codec DIR --tokenizer DIR --out "
-            f"{path}`."
-        )
-    out = json.loads(meta.read_text())
+def read_dataset_metadata(path: str, remote: RemoteCache | None = None) -> dict:
+    """A dataset's metadata.json (at a URL: fetched into its mirror, data/remote.py)."""
+    if is_url(path):
+        out = json.loads(Mirror(path, remote).metadata())
+    else:
+        meta = Path(path) / "metadata.json"
+        if not meta.is_file():
+            raise ConfigError(
+                f"prepared dataset {path!r} has no metadata.json; create it with "
+                "`torchtitan prepare --manifest M.jsonl --codec DIR --tokenizer DIR --out "
+                f"{path}`."
+            )
+        out = json.loads(meta.read_text())
     # the run needs the codec, tokenizer and totals; each shard's record (a few hundred bytes
     # of objects per 1000 items) is the reader's business (data/reader.py)
     out.pop("shards", None)
@@ -106,6 +110,7 @@ class DataCatalog:
     valid_fraction: float = 0.0
     verify_shards: str = "size"
     external_names: list[str] = field(default_factory=list)
+    remote: RemoteCache = RemoteCache()  # the mirror of datasets at URLs (data/remote.py)
 
     @classmethod
     def from_config(cls, data) -> DataCatalog:
@@ -114,7 +119,8 @@ class DataCatalog:
         train = parse_mix(data.train, "train", datasets)
         if not train:
             raise ConfigError("speechlm_data.train is empty: list at least one TASK:NAME entry")
-        metadata = {name: read_dataset_metadata(p) for name, p in datasets.items()}
+        remote = RemoteCache(data.remote_cache_dir, data.remote_cache_gb)
+        metadata = {name: read_dataset_metadata(p, remote) for name, p in datasets.items()}
         first = next(iter(metadata))
         for name, meta in metadata.items():
             try:
@@ -125,7 +131,8 @@ class DataCatalog:
                     "with the same codec (and --num-streams) and tokenizer."
                 ) from None
         valid = validation_sets(data.valid, data.valid_fraction, datasets, train)
-        return cls(datasets, metadata, train, valid, data.valid_fraction, data.verify_shards)
+        return cls(datasets, metadata, train, valid, data.valid_fraction, data.verify_shards,
+                   remote=remote)  # fmt: skip
 
     @classmethod
     def external(cls, codec: dict, valid_names: list[str], text_vocab: int) -> DataCatalog:
@@ -162,11 +169,15 @@ class DataCatalog:
                     "the backbone's tokenizer."
                 )
 
+    def open(self, name: str) -> PreparedDataset:
+        """The dataset ``name``, opened (once per process: ``open_prepared``)."""
+        return open_prepared(self.datasets[name], self.verify_shards, self.remote)
+
     def sources(self, entries: list[MixEntry], split: str) -> list[Source]:
         """The mixture ``entries`` over ``split`` of their datasets (each opened once)."""
         out = []
         for e in entries:
-            data = open_prepared(os.path.abspath(self.datasets[e.dataset]), self.verify_shards)
+            data = self.open(e.dataset)
             indices = split_indices(data, self.valid_fraction, split)
             out.append(Source(e.task, e.dataset, e.weight, data, indices))
         return out
@@ -232,8 +243,15 @@ def split_indices(ids, valid_fraction: float, split: str) -> np.ndarray:
     return np.nonzero(~held if split == "train" else held)[0]
 
 
-@functools.lru_cache(maxsize=64)
-def open_prepared(path: str, verify: str = "size") -> PreparedDataset:
+def open_prepared(
+    path: str, verify: str = "size", remote: RemoteCache | None = None
+) -> PreparedDataset:
     """A prepared dataset is immutable once written, so each process opens (and validates,
-    ``speechlm_data.verify_shards``) it once, not once per mixture entry or validation round."""
-    return PreparedDataset(path, verify=verify)
+    ``speechlm_data.verify_shards``) it once, not once per mixture entry or validation round.
+    ``path``: a folder or an fsspec URL (``remote``: its mirror's settings)."""
+    return _open_prepared(local_path(path), verify, remote or RemoteCache())
+
+
+@functools.lru_cache(maxsize=64)
+def _open_prepared(path: str, verify: str, remote: RemoteCache) -> PreparedDataset:
+    return PreparedDataset(path, verify=verify, remote=remote)

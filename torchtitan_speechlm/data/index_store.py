@@ -196,8 +196,12 @@ def _lines_match(sdir: str, cols: np.ndarray) -> bool:
     return bool(newlines[line[1:] - 1].all()) and int(newlines.sum()) == len(line)
 
 
-def _build(root: str, metadata: dict, folder: str | None) -> tuple[dict, int]:
-    """Every shard's columns, checked, concatenated into ``folder`` (None: in memory)."""
+def _build(
+    root: str, metadata: dict, folder: str | None, mirrored: bool = False
+) -> tuple[dict, int]:
+    """Every shard's columns, checked, concatenated into ``folder`` (None: in memory).
+    ``mirrored``: ``root`` is a mirror (data/remote.py): its files' times are those of their
+    download, and a shard's arrays are checked when fetched and when first opened, not here."""
     entries = metadata.get("shards", [])
     counts = np.array([int(e.get("num_items") or 0) for e in entries], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)]).astype("<i8")
@@ -215,12 +219,15 @@ def _build(root: str, metadata: dict, folder: str | None) -> tuple[dict, int]:
     for s, entry in enumerate(entries):
         sdir = shard_dir(root, entry)
         cols, parsed = _shard_columns(sdir)
-        if not parsed and (_edited_since(sdir) or not _lines_match(sdir, cols)):
+        # (a mirror's file times are those of their download)
+        edited = not parsed and not mirrored and _edited_since(sdir)
+        if not parsed and (edited or not _lines_match(sdir, cols)):
             # items.jsonl is the record: an index that may not be its own is read again
             logger.warning(f"shard {sdir}: {COLUMNS} does not index its {ITEMS}; reading {ITEMS}")
             cols, parsed = columns_from_items(os.path.join(sdir, ITEMS)), True
         from_items += parsed
-        check_shard(sdir, root, metadata, entry, cols)  # counts, shard.json, arrays, ranges
+        if not mirrored:
+            check_shard(sdir, root, metadata, entry, cols)  # counts, shard.json, arrays, ranges
         a, b = int(starts[s]), int(starts[s + 1])
         for k in COLUMN_DTYPE.names:
             out[k][a:b] = cols[k]
@@ -239,14 +246,21 @@ def _build(root: str, metadata: dict, folder: str | None) -> tuple[dict, int]:
 
 
 def open_index(
-    root: str, metadata: dict, metadata_bytes: bytes, verify: str
+    root: str, metadata: dict, metadata_bytes: bytes, verify: str, remote: bool = False
 ) -> tuple[dict[str, np.ndarray], IndexInfo]:
     """The dataset's index columns (and ``"starts"``), mapped or built (module docstring);
     ``verify``: ``"none"``, ``"size"`` or ``"full"`` (``check_sizes`` of every shard file by
-    every open, except ``"none"``; the sha256s once per dataset, recorded)."""
+    every open, except ``"none"``; the sha256s once per dataset, recorded). ``remote``: ``root``
+    is a mirror (data/remote.py) that holds the shards' index files and only some of their
+    arrays: its sizes were checked against the URL's listing, the arrays are checked (and with
+    ``"full"`` hashed) when fetched, and the index is keyed by metadata.json alone."""
     t0 = time.perf_counter()
     entries = metadata.get("shards", [])
-    key = index_key(root, metadata_bytes, entries, check=verify != "none")  # sizes, always
+    if remote:
+        key = f"{INDEX_VERSION}:remote:{hashlib.sha256(metadata_bytes).hexdigest()}"
+        verify = "none"  # done by the mirror
+    else:
+        key = index_key(root, metadata_bytes, entries, check=verify != "none")  # sizes, always
     n_items = sum(int(e.get("num_items") or 0) for e in entries)
     folders = [os.path.join(root, INDEX_DIR), cache_folder(root)]
     for folder in folders:
@@ -257,7 +271,7 @@ def open_index(
             break
     else:
         folder = next((f for f in folders if _writable(f)), None)
-        cols, from_items = _build(root, metadata, folder)
+        cols, from_items = _build(root, metadata, folder, mirrored=remote)
         info = IndexInfo(folder, True, from_items, 0.0, False)
         meta = {"version": INDEX_VERSION, "key": key, "items": n_items,
                 "shards": len(entries), "from_items": from_items,

@@ -19,8 +19,23 @@ from torchtitan_speechlm.data.format import (
 )
 from torchtitan_speechlm.data.index_store import STARTS, open_index
 from torchtitan_speechlm.data.item_index import ItemIndex, KindColumn
+from torchtitan_speechlm.data.remote import Mirror, RemoteCache, files_of, is_url
 from torchtitan_speechlm.data.shard_files import ShardCache, read_wave_index
 from torchtitan_speechlm.data.speakers import SpeakerTable
+
+
+def _read_metadata(path: str, meta_path: str) -> bytes:
+    """A local dataset's metadata.json bytes; a missing folder or file says what to do."""
+    if not os.path.isdir(path):
+        raise CorruptDatasetError(
+            f"prepared dataset {path} not found; create it with `torchtitan prepare`"
+        )
+    if not os.path.isfile(meta_path):
+        raise CorruptDatasetError(
+            f"{meta_path} is missing (unfinished or not a prepared dataset); {REGENERATE}"
+        )
+    with open(meta_path, "rb") as f:
+        return f.read()
 
 
 def decode_turns(turns: list[dict], text: np.ndarray, codes: np.ndarray) -> list[Turn]:
@@ -43,24 +58,25 @@ class PreparedDataset:
     opened when first read, at most ``shard_cache`` at a time (data/shard_files.py).
     """
 
-    def __init__(self, path: str, verify: str = "size", shard_cache: int | None = None):
+    def __init__(self, path: str, verify: str = "size", shard_cache: int | None = None,
+                 remote: RemoteCache | None = None):  # fmt: skip
         """``verify``: what is checked against the file sizes and sha256s that metadata.json
         recorded for each shard: ``"size"`` (cheap: truncated or appended files; every open),
         ``"full"`` (also the checksums: any modification; reads every byte once per dataset,
-        then recorded in its index), ``"none"``."""
-        self.path = os.path.abspath(path)
+        then recorded in its index), ``"none"``. ``path`` may be an fsspec URL (``s3://...``):
+        the dataset is then read through a local mirror (data/remote.py; ``remote``: where
+        and how large)."""
         self.verify = verify
-        if not os.path.isdir(self.path):
-            raise CorruptDatasetError(
-                f"prepared dataset {self.path} not found; create it with `torchtitan prepare`"
-            )
-        meta_path = os.path.join(self.path, METADATA)
-        if not os.path.isfile(meta_path):
-            raise CorruptDatasetError(
-                f"{meta_path} is missing (unfinished or not a prepared dataset); {REGENERATE}"
-            )
-        with open(meta_path, "rb") as f:
-            meta_bytes = f.read()
+        self.mirror = Mirror(path, remote) if is_url(path) else None
+        if self.mirror is not None:
+            self.source = self.mirror.url  # what messages name
+            self.path = self.mirror.root
+            meta_path = f"{self.source}/{METADATA}"
+            meta_bytes = self.mirror.metadata()
+        else:
+            self.source = self.path = os.path.abspath(path)
+            meta_path = os.path.join(self.path, METADATA)
+            meta_bytes = _read_metadata(self.path, meta_path)
         try:
             self.metadata: dict = json.loads(meta_bytes)
         except ValueError as e:
@@ -72,13 +88,20 @@ class PreparedDataset:
                 f"{FORMAT_VERSION}); {REGENERATE} with this version of torchtitan_speechlm"
             )
         self.num_streams = int(self.metadata["codec"]["num_streams"])
-        columns, self.index_info = open_index(self.path, self.metadata, meta_bytes, verify)
+        fetch = None
+        if self.mirror is not None:
+            self.mirror.index_files(self.metadata, sizes=verify != "none")
+            fetch = self._fetcher([(files_of(self.metadata, e), {"name": e.get("name")})
+                                   for e in self.metadata.get("shards", [])])  # fmt: skip
+        columns, self.index_info = open_index(
+            self.path, self.metadata, meta_bytes, verify, remote=self.mirror is not None
+        )
         starts = columns.pop(STARTS)
         for entry in self.metadata.get("shards", []):  # checked: their objects are not kept
             entry.pop("files", None)
         self.waveform: dict | None = self.metadata.get("waveform")
         self.shards = ShardCache(self.path, self.metadata, columns, starts, shard_cache,
-                                 waves=bool(self.waveform))  # fmt: skip
+                                 waves=bool(self.waveform), fetch=fetch)  # fmt: skip
         self.index = ItemIndex(columns, starts, self.shards.path)
         self.ids = self.index.ids  # read lazily (data/item_index.py)
         self.texts = self.index.texts
@@ -91,6 +114,19 @@ class PreparedDataset:
         if self.waveform:
             self._open_waves()
 
+    def _fetcher(self, shards: list[tuple[dict, dict]]):
+        """For a mirrored dataset: ``fetch(s, keep)`` puts shard s's arrays in the mirror,
+        checked against ``shards[s]``'s recorded files (sizes, sha256s), sparing the open shard
+        folders ``keep`` from eviction."""
+        mirror, checksums = self.mirror, self.verify == "full"
+
+        def fetch(s: int, keep: list[str]) -> None:
+            files, entry = shards[s]
+            mirror.shard_arrays(files, entry, checksums,
+                                [os.path.relpath(k, mirror.root) for k in keep])  # fmt: skip
+
+        return fetch
+
     @property
     def shard_paths(self) -> list[str]:
         return [self.shards.path(s) for s in range(self.index.num_shards)]
@@ -101,8 +137,13 @@ class PreparedDataset:
         for s, entry in enumerate(self.metadata["shards"]):
             files = self.waveform.get("files", {}).get(str(entry.get("name")))
             ids = [str(r["id"]) for r in self.index.shard_rows(s)]
+            # mirrored: the URL's listing checked the files' sizes, and the arrays come when the
+            # shard is read (checked then); the samples indexed are not bounded here
+            verify, wave_len = (
+                ("none", np.iinfo(np.int64).max) if self.mirror else (self.verify, None)
+            )
             rows.append(read_wave_index(
-                self.shards.path(s), files, self.verify, ids, self.index.shard_items(s)[1], None
+                self.shards.path(s), files, verify, ids, self.index.shard_items(s)[1], wave_len
             ))  # fmt: skip
         self._wave_index = np.concatenate(rows)
 

@@ -13,6 +13,7 @@ import mmap
 import os
 import resource
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -206,8 +207,12 @@ class ShardCache:
     and ``starts`` are the dataset's index (data/item_index.py)."""
 
     def __init__(self, root: str, metadata: dict, columns: dict, starts: np.ndarray,
-                 capacity: int | None = None, waves: bool = False):  # fmt: skip
+                 capacity: int | None = None, waves: bool = False,
+                 fetch: Callable[[int, list[str]], None] | None = None):  # fmt: skip
+        """``fetch(s, keep)``: a mirrored dataset's (data/remote.py), called before shard s is
+        opened to put its arrays in the local folder; ``keep``: the open shards' folders."""
         self.root, self.metadata, self.columns, self.starts = root, metadata, columns, starts
+        self.fetch = fetch
         self.entries = metadata.get("shards", [])
         self.capacity = max(1, capacity if capacity is not None else SHARD_CACHE)
         self.waves = waves
@@ -235,6 +240,16 @@ class ShardCache:
         return shard
 
     def _load(self, s: int) -> OpenShard:
+        if self.fetch is None:
+            return self._open_shard(s)
+        self.fetch(s, [x.path for x in self._open.values()])
+        try:
+            return self._open_shard(s)
+        except CorruptDatasetError:  # another process of the node evicted it just now
+            self.fetch(s, [x.path for x in self._open.values()])
+            return self._open_shard(s)
+
+    def _open_shard(self, s: int) -> OpenShard:
         sdir = self.path(s)
         layout = self._layout.get(s)
         if layout is not None:

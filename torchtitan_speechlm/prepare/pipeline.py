@@ -20,6 +20,7 @@ import time
 
 from torchtitan_speechlm.codecs import CodecError, load_codec
 from torchtitan_speechlm.data.format import CorruptDatasetError, read_json
+from torchtitan_speechlm.data.remote import RemoteDatasetError, is_url, staging_folder, upload
 from torchtitan_speechlm.data.tokenizer_check import LossyTokenizerError, check_inputs
 from torchtitan_speechlm.prepare.items import ManifestError, ManifestItem
 from torchtitan_speechlm.prepare.parts import (
@@ -382,7 +383,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dev-seed", type=int, default=None, help="seed of the dev split's hash (0)")
     p.add_argument("--tokenizer", help="local text tokenizer directory (required)")
-    p.add_argument("--out", help="output directory for the prepared dataset (required)")
+    p.add_argument(
+        "--out",
+        help="output directory for the prepared dataset (required), or an fsspec URL "
+        "(s3://bucket/path, ...): prepared in --staging, then uploaded (metadata.json last)",
+    )
+    p.add_argument(
+        "--staging",
+        metavar="DIR",
+        help="with a URL --out: the local folder the dataset is prepared in before the upload "
+        "(default ~/.cache/torchtitan_speechlm/upload/<hash of the URL>; a rerun resumes there; "
+        "parts on several machines need a shared one)",
+    )
     p.add_argument(
         "--join",
         metavar="OUT",
@@ -487,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tokenizer is None or args.out is None:
         parser.error("the following arguments are required: --tokenizer, --out")
+    url = args.out.rstrip("/") if is_url(args.out) else None
+    if url is not None:
+        args.out = args.staging or staging_folder(url)
+    elif args.staging:
+        parser.error("--staging is for an --out that is a URL")
     given = [name for name, _ in SOURCES.items() if getattr(args, f"source_{name}") is not None]
     if len(given) != 1:
         print(
@@ -530,8 +547,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.waveforms:  # by the part that joined (waveforms of a --join: see docs/data.md)
             for out, _ in [(o, x) for o, x in parts if x.get("complete") is not False]:
                 print(describe(out, add_waveforms(out, args.source_manifest, args.waveforms)))
+        for out, summary in parts if url is not None else ():
+            if summary.get("complete") is not False:  # the part that joined uploads the dataset
+                dest = url + out[len(args.out) :].replace(os.sep, "/")
+                put = upload(out, dest)
+                print(f"prepare: uploaded {out} to {dest} ({put} files; metadata.json last)")
     except (OSError, ValueError, ImportError, CodecError, BadAudioError, CorruptDatasetError,
-            PlanMismatchError, NoItemsError, SplitError) as e:  # fmt: skip
+            PlanMismatchError, NoItemsError, SplitError, RemoteDatasetError) as e:  # fmt: skip
         print(f"error: {e}", file=sys.stderr)
         return 1
     for _, summary in parts:

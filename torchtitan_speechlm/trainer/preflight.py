@@ -19,7 +19,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_speechlm.config import ConfigError
-from torchtitan_speechlm.data.catalog import open_prepared
 from torchtitan_speechlm.data.tokenizer_check import (
     TRAIN_ACCEPT,
     LossyTokenizerError,
@@ -281,7 +280,7 @@ def check_training_data(
     catalog, allow_lossy = plan.data, job_config.speechlm_data.allow_lossy_tokenizer
     used = {e.dataset for e in catalog.entries()}
     tokenizers: dict[str, tuple] = {}
-    for name, path in catalog.datasets.items():
+    for name in catalog.datasets:
         if name not in used:
             continue
         meta = catalog.metadata[name]
@@ -291,7 +290,7 @@ def check_training_data(
         tok, tok_path = tokenizers[key]
         label = tok_path
         if tok is not None:
-            ds = open_prepared(os.path.abspath(path), catalog.verify_shards)
+            ds = catalog.open(name)
             report = roundtrip_report(tok, dataset_samples(ds, f"dataset {name!r}"))
         else:
             report = meta.get("tokenizer_roundtrip")
