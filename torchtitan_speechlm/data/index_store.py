@@ -37,8 +37,10 @@ from torchtitan_speechlm.data.format import (
 )
 from torchtitan_speechlm.data.item_index import columns_from_items
 from torchtitan_speechlm.data.shard_files import (
+    LAYOUT_WIDTH,
     check_shard,
     check_sizes,
+    layout_row,
     limit_error,
     shard_dir,
 )
@@ -46,9 +48,11 @@ from torchtitan_speechlm.utils.fileio import write_json_atomic
 
 INDEX_DIR = "index"
 INDEX_META = "index.json"
-INDEX_VERSION = 1
+# 2: LAYOUT added (a shard is opened from it without checking it again in every process)
+INDEX_VERSION = 2
 STARTS = "starts"
-NAMES = (*COLUMN_DTYPE.names, STARTS)
+LAYOUT = "layout"  # int64 [shards, LAYOUT_WIDTH] (shard_files.layout_row)
+NAMES = (*COLUMN_DTYPE.names, STARTS, LAYOUT)
 
 
 @dataclass
@@ -131,10 +135,10 @@ def _map(folder: str, meta: dict, n_items: int, n_shards: int) -> dict[str, np.n
     out = {}
     for name in NAMES:
         path = _path(folder, name)
-        want = (n_shards + 1) if name == STARTS else n_items
-        dtype = np.dtype("<i8") if name == STARTS else COLUMN_DTYPE[name]
+        want = {STARTS: (n_shards + 1,), LAYOUT: (n_shards, LAYOUT_WIDTH)}.get(name, (n_items,))
+        dtype = np.dtype("<i8") if name in (STARTS, LAYOUT) else COLUMN_DTYPE[name]
         try:
-            arr = np.load(path, mmap_mode="r") if want else np.zeros(0, dtype)
+            arr = np.load(path, mmap_mode="r") if all(want) else np.zeros(want, dtype)
         except OSError as e:
             limit = limit_error(path, e)
             if limit is not None:
@@ -146,10 +150,10 @@ def _map(folder: str, meta: dict, n_items: int, n_shards: int) -> dict[str, np.n
             raise CorruptDatasetError(
                 f"{path}: the dataset's index is unreadable or truncated ({e}); {fix}"
             ) from e
-        if arr.shape != (want,) or arr.dtype != dtype:
+        if arr.shape != want or arr.dtype != dtype:
             raise CorruptDatasetError(
                 f"{path}: the dataset's index has shape {arr.shape} dtype {arr.dtype}, expected "
-                f"({want},) {dtype}; {fix}"
+                f"{want} {dtype}; {fix}"
             )
         out[name] = arr
     return out
@@ -216,6 +220,7 @@ def _build(
             for k in COLUMN_DTYPE.names
         }  # fmt: skip
     from_items = 0
+    layout = np.full((len(entries), LAYOUT_WIDTH), -1, dtype="<i8")
     for s, entry in enumerate(entries):
         sdir = shard_dir(root, entry)
         cols, parsed = _shard_columns(sdir)
@@ -226,12 +231,12 @@ def _build(
             logger.warning(f"shard {sdir}: {COLUMNS} does not index its {ITEMS}; reading {ITEMS}")
             cols, parsed = columns_from_items(os.path.join(sdir, ITEMS)), True
         from_items += parsed
-        if not mirrored:
-            check_shard(sdir, root, metadata, entry, cols)  # counts, shard.json, arrays, ranges
+        if not mirrored:  # counts, shard.json, arrays, ranges
+            layout[s] = layout_row(*check_shard(sdir, root, metadata, entry, cols))
         a, b = int(starts[s]), int(starts[s + 1])
         for k in COLUMN_DTYPE.names:
             out[k][a:b] = cols[k]
-    out[STARTS] = starts
+    out[STARTS], out[LAYOUT] = starts, layout
     if folder is not None:
         for k in COLUMN_DTYPE.names:
             if n:
@@ -240,8 +245,9 @@ def _build(
             else:
                 _save(_path(folder, k) + tmp, out[k])
             os.replace(_path(folder, k) + tmp, _path(folder, k))
-        _save(_path(folder, STARTS) + tmp, starts)
-        os.replace(_path(folder, STARTS) + tmp, _path(folder, STARTS))
+        for name, arr in ((STARTS, starts), (LAYOUT, layout)):
+            _save(_path(folder, name) + tmp, arr)
+            os.replace(_path(folder, name) + tmp, _path(folder, name))
     return out, from_items
 
 

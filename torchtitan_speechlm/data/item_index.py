@@ -114,7 +114,9 @@ class ItemIndex:
     def __init__(
         self, columns: dict[str, np.ndarray], starts: np.ndarray, where: Callable[[int], str]
     ):
-        self.columns, self.starts, self._where = columns, starts, where
+        # plain array views of the maps: np.memmap's own indexing costs ~1 us per element read
+        columns = {k: np.asarray(v) for k, v in columns.items()}
+        self.columns, self.starts, self._where = columns, np.asarray(starts), where
         self.seconds = columns["seconds"]
         self.text_off, self.text_len = columns["text_offset"], columns["text_len"]
         self.audio_off, self.audio_frames = columns["audio_offset"], columns["audio_frames"]

@@ -40,8 +40,9 @@ def eligible(source: Source) -> np.ndarray:
     kinds = getattr(source.data, "kinds", None)
     ok = get_task(source.task).kinds
     if codes is not None:
-        want = np.array([KINDS.index(k) for k in ok], dtype=np.uint8)
-        idx = idx[np.isin(np.asarray(codes)[idx], want)]
+        usable = np.zeros(256, dtype=bool)  # a table lookup: ~10x np.isin's time at 10^7 items
+        usable[[KINDS.index(k) for k in ok]] = True
+        idx = idx[usable[np.asarray(codes)[idx]]]
     elif kinds is not None:
         idx = np.array([i for i in idx if kinds[i] in ok], dtype=np.int64)
     else:
@@ -53,6 +54,16 @@ def compact(idx: np.ndarray) -> np.ndarray:
     """Item numbers as int32 where they fit (every item number is below 2**31), else int64."""
     small = len(idx) == 0 or int(idx.max()) < 2**31
     return np.asarray(idx, dtype=np.int32 if small else np.int64)
+
+
+def is_identity(idx: np.ndarray) -> bool:
+    """Whether ``idx`` is ``0, 1, ..., len - 1``."""
+    idx = np.asarray(idx)
+    if len(idx) == 0:
+        return True
+    if int(idx[0]) != 0 or int(idx[-1]) != len(idx) - 1:
+        return False
+    return bool((np.diff(idx) == 1).all())
 
 
 def keep_eligible(sources: list[Source]) -> None:
@@ -110,6 +121,9 @@ class Mixture:
         self._perm_cache: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
         self._epoch_perm: dict[tuple[int, int], np.ndarray | dict[int, np.ndarray]] = {}
         self.own_shards = None if own_shards is None else sorted(set(own_shards))
+        # sources of every item of their dataset in order (no hold-out, every kind usable):
+        # an epoch's order is its permutation itself, without a gather of 10^7 item numbers
+        self._whole = [is_identity(s.indices) for s in sources]
 
     def reset(self) -> None:
         """Forget the cached permutations (they are recomputed identically on demand)."""
@@ -129,8 +143,10 @@ class Mixture:
         """Source ``src``'s items in epoch ``epoch``'s seeded order (compact: int32 where item
         numbers fit)."""
         idx = self.sources[src].indices
-        perm = np.random.default_rng([self.seed, src, epoch, PERM_SEED])
-        return compact(idx[perm.permutation(len(idx))])
+        perm = compact(
+            np.random.default_rng([self.seed, src, epoch, PERM_SEED]).permutation(len(idx))
+        )
+        return perm if self._whole[src] else compact(idx[perm])
 
     def _epoch_share(self, src: int, epoch: int, shard: int) -> np.ndarray:
         """Shard ``shard``'s every-S-th items of the epoch's order, the order computed once per

@@ -17,7 +17,7 @@ from torchtitan_speechlm.data.format import (
     PreparedItem,
     Turn,
 )
-from torchtitan_speechlm.data.index_store import STARTS, open_index
+from torchtitan_speechlm.data.index_store import LAYOUT, STARTS, open_index
 from torchtitan_speechlm.data.item_index import ItemIndex, KindColumn
 from torchtitan_speechlm.data.remote import Mirror, RemoteCache, files_of, is_url
 from torchtitan_speechlm.data.shard_files import ShardCache, read_wave_index
@@ -96,12 +96,12 @@ class PreparedDataset:
         columns, self.index_info = open_index(
             self.path, self.metadata, meta_bytes, verify, remote=self.mirror is not None
         )
-        starts = columns.pop(STARTS)
+        starts, layout = columns.pop(STARTS), columns.pop(LAYOUT)
         for entry in self.metadata.get("shards", []):  # checked: their objects are not kept
             entry.pop("files", None)
         self.waveform: dict | None = self.metadata.get("waveform")
         self.shards = ShardCache(self.path, self.metadata, columns, starts, shard_cache,
-                                 waves=bool(self.waveform), fetch=fetch)  # fmt: skip
+                                 waves=bool(self.waveform), fetch=fetch, layout=layout)  # fmt: skip
         self.index = ItemIndex(columns, starts, self.shards.path)
         self.ids = self.index.ids  # read lazily (data/item_index.py)
         self.texts = self.index.texts

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import resource
 from collections import OrderedDict
@@ -99,23 +98,53 @@ def open_array(path: str, dtype_kinds: str, ndim: int) -> np.ndarray:
     return arr
 
 
-def _map_array(path: str, offset: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
-    """The array of a ``.npy`` whose data start at byte ``offset`` (known from its first,
-    checked open), memory-mapped read-only (the map holds one descriptor)."""
-    count = int(np.prod(shape))
-    if count == 0:
-        return np.zeros(shape, dtype)
-    try:
-        with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except OSError as e:
-        limit = limit_error(path, e)
-        if limit is not None:
-            raise limit from e
-        raise CorruptDatasetError(f"{path} is unreadable or truncated ({e}); {REGENERATE}") from e
-    if len(mm) < offset + count * dtype.itemsize:
-        raise CorruptDatasetError(f"{path} is truncated (since it was opened); {REGENERATE}")
-    return np.frombuffer(mm, dtype, count, offset).reshape(shape)
+class RowFile:
+    """The rows of a ``.npy`` array whose data start at byte ``offset`` (known from the index or
+    a checked open), read with ``os.pread`` from one open descriptor: ``rows[a:b]`` reads those
+    rows' bytes and nothing else. A training stream reads a few rows of each of thousands of
+    shards in random order; a read costs one system call, where a memory map cost two more
+    (map, unmap) and a page fault per page. The page cache is the node's either way."""
+
+    def __init__(self, path: str, offset: int, dtype: np.dtype, shape: tuple):
+        self.path, self.offset, self.dtype = path, int(offset), np.dtype(dtype)
+        self.shape = tuple(int(x) for x in shape)
+        self.row_bytes = self.dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
+        self.fd = -1
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CorruptDatasetError(f"{path} is missing; {REGENERATE}") from None
+        except OSError as e:
+            limit = limit_error(path, e)
+            if limit is not None:
+                raise limit from e
+            raise CorruptDatasetError(f"{path} is unreadable ({e}); {REGENERATE}") from e
+
+    @classmethod
+    def of(cls, arr: np.ndarray) -> RowFile:
+        """The rows of an array ``open_array`` returned (its map is released with it)."""
+        return cls(arr.filename, arr.offset, arr.dtype, arr.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        a, b, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise IndexError("RowFile reads contiguous rows only")
+        n = max(0, b - a)
+        want = n * self.row_bytes
+        data = os.pread(self.fd, want, self.offset + a * self.row_bytes) if want else b""
+        if len(data) != want:
+            raise CorruptDatasetError(
+                f"{self.path} is truncated (since it was opened); {REGENERATE}"
+            )
+        return np.frombuffer(data, self.dtype).reshape((n, *self.shape[1:]))
+
+    def __del__(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def shard_dir(root: str, entry: dict) -> str:
@@ -190,15 +219,31 @@ def check_shard(
     return text, codes
 
 
+def array_layout(text: np.ndarray, codes: np.ndarray) -> tuple:
+    """Where the data of a shard's two checked arrays (``check_shard``'s) start, their dtypes
+    and shapes."""
+    return tuple((int(x.offset), x.dtype, x.shape) for x in (text, codes))
+
+
+# an index's per-shard layout row (data/index_store.py: LAYOUT): the text tokens' data offset,
+# item size and rows, then the codes'; all -1 for a shard not checked when the index was built
+LAYOUT_WIDTH = 6
+
+
+def layout_row(text: np.ndarray, codes: np.ndarray) -> list[int]:
+    """A shard's ``LAYOUT`` row from its two checked arrays."""
+    return [int(v) for x in (text, codes) for v in (x.offset, x.dtype.itemsize, x.shape[0])]
+
+
 @dataclass
 class OpenShard:
-    """One shard, checked: its folder, memory-mapped text tokens and codes (and waveforms, for
-    a dataset that has them)."""
+    """One shard, checked: its folder, its text tokens and codes (and waveforms, for a dataset
+    that has them) as ``RowFile``s: sliced like arrays, each slice one read."""
 
     path: str
-    text: np.ndarray
-    codes: np.ndarray
-    wave: np.ndarray | None = None
+    text: RowFile
+    codes: RowFile
+    wave: RowFile | None = None
 
 
 class ShardCache:
@@ -208,11 +253,16 @@ class ShardCache:
 
     def __init__(self, root: str, metadata: dict, columns: dict, starts: np.ndarray,
                  capacity: int | None = None, waves: bool = False,
-                 fetch: Callable[[int, list[str]], None] | None = None):  # fmt: skip
+                 fetch: Callable[[int, list[str]], None] | None = None,
+                 layout: np.ndarray | None = None):  # fmt: skip
         """``fetch(s, keep)``: a mirrored dataset's (data/remote.py), called before shard s is
-        opened to put its arrays in the local folder; ``keep``: the open shards' folders."""
+        opened to put its arrays in the local folder; ``keep``: the open shards' folders.
+        ``layout``: the index's per-shard ``LAYOUT`` rows (where each shard's arrays' data start
+        and the codes' item size, found when the index was built and the shard checked;
+        -1: not checked there, so checked here on its first open)."""
         self.root, self.metadata, self.columns, self.starts = root, metadata, columns, starts
         self.fetch = fetch
+        self.layout = layout
         self.entries = metadata.get("shards", [])
         self.capacity = max(1, capacity if capacity is not None else SHARD_CACHE)
         self.waves = waves
@@ -249,20 +299,33 @@ class ShardCache:
             self.fetch(s, [x.path for x in self._open.values()])
             return self._open_shard(s)
 
+    def _known_layout(self, s: int) -> tuple | None:
+        """Shard s's arrays' (offset, dtype, shape), from this process's first open of it or
+        from the index (checked when it was built)."""
+        got = self._layout.get(s)
+        if got is None and self.layout is not None and self.layout[s][0] >= 0:
+            text_at, text_size, text_rows, codes_at, codes_size, codes_rows = (
+                int(x) for x in self.layout[s]
+            )
+            n = int(self.metadata["codec"]["num_streams"])
+            got = ((text_at, np.dtype(f"<i{text_size}"), (text_rows,)),
+                   (codes_at, np.dtype(f"<i{codes_size}"), (codes_rows, n)))  # fmt: skip
+        return got
+
     def _open_shard(self, s: int) -> OpenShard:
         sdir = self.path(s)
-        layout = self._layout.get(s)
-        if layout is not None:
-            text, codes = (_map_array(os.path.join(sdir, f), *lay)
-                           for f, lay in zip((TEXT_TOKENS, AUDIO_CODES), layout, strict=True))  # fmt: skip
-            wave = open_array(os.path.join(sdir, AUDIO_WAVE), "i", 1) if self.waves else None
-            return OpenShard(sdir, text, codes, wave)
-        a, b = int(self.starts[s]), int(self.starts[s + 1])
-        cols = {k: self.columns[k][a:b] for k in ("text_offset", "text_len", "audio_offset",
-                                                  "audio_frames")}  # fmt: skip
-        text, codes = check_shard(sdir, self.root, self.metadata, self.entries[s], cols)
-        self._layout[s] = tuple((int(x.offset), x.dtype, x.shape) for x in (text, codes))
-        wave = open_array(os.path.join(sdir, AUDIO_WAVE), "i", 1) if self.waves else None
+        layout = self._known_layout(s)
+        if layout is None:  # checked on its first open: its shard.json, arrays and ranges
+            a, b = int(self.starts[s]), int(self.starts[s + 1])
+            cols = {k: self.columns[k][a:b] for k in ("text_offset", "text_len", "audio_offset",
+                                                      "audio_frames")}  # fmt: skip
+            arrays = check_shard(sdir, self.root, self.metadata, self.entries[s], cols)
+            layout = self._layout[s] = array_layout(*arrays)
+        text, codes = (RowFile(os.path.join(sdir, f), *lay)
+                       for f, lay in zip((TEXT_TOKENS, AUDIO_CODES), layout, strict=True))  # fmt: skip
+        wave = (
+            RowFile.of(open_array(os.path.join(sdir, AUDIO_WAVE), "i", 1)) if self.waves else None
+        )
         return OpenShard(sdir, text, codes, wave)
 
     def clear(self) -> None:
