@@ -11,8 +11,8 @@ validation sets and no prepared datasets (``DataCatalog.external``).
 
 from __future__ import annotations
 
+import copy
 import functools
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,8 +20,8 @@ import numpy as np
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.config import ConfigError
-from torchtitan_speechlm.data.format import check_compatible, id_hash
-from torchtitan_speechlm.data.mixing import Source
+from torchtitan_speechlm.data.format import check_compatible, id_hash, parse_metadata
+from torchtitan_speechlm.data.mixing import AllItems, Source
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.data.remote import Mirror, RemoteCache, is_url, local_path
 from torchtitan_speechlm.data.tasks import TASKS
@@ -85,7 +85,7 @@ def parse_mix(specs: list[str], key: str, names: dict[str, str]) -> list[MixEntr
 def read_dataset_metadata(path: str, remote: RemoteCache | None = None) -> dict:
     """A dataset's metadata.json (at a URL: fetched into its mirror, data/remote.py)."""
     if is_url(path):
-        out = json.loads(Mirror(path, remote).metadata())
+        data = Mirror(path, remote).metadata()
     else:
         meta = Path(path) / "metadata.json"
         if not meta.is_file():
@@ -94,11 +94,10 @@ def read_dataset_metadata(path: str, remote: RemoteCache | None = None) -> dict:
                 "`torchtitan prepare --manifest M.jsonl --codec DIR --tokenizer DIR --out "
                 f"{path}`."
             )
-        out = json.loads(meta.read_text())
+        data = meta.read_bytes()
     # the run needs the codec, tokenizer and totals; each shard's record (a few hundred bytes
     # of objects per 1000 items) is the reader's business (data/reader.py)
-    out.pop("shards", None)
-    return out
+    return copy.deepcopy({k: v for k, v in parse_metadata(data).items() if k != "shards"})
 
 
 @dataclass(frozen=True)
@@ -225,16 +224,17 @@ def _hash01(s: str) -> float:
     return id_hash(s) / 0xFFFFFFFF
 
 
-def split_indices(ids, valid_fraction: float, split: str) -> np.ndarray:
+def split_indices(ids, valid_fraction: float, split: str) -> np.ndarray | AllItems:
     """Deterministic hold-out by id hash: stable across runs, ranks and dataset order.
 
     ``ids``: the items' ids, or a dataset whose index holds their hashes (``id_hashes``: no id
-    is read). ``split`` is "train" (items not held out), "valid" (held out) or "all"."""
+    is read). ``split`` is "train" (items not held out), "valid" (held out) or "all". Every
+    item: ``AllItems`` (no array)."""
     n = len(ids)
     if split == "all":
-        return np.arange(n)
+        return AllItems(n)
     if valid_fraction <= 0:
-        return np.arange(n) if split == "train" else np.arange(0)
+        return AllItems(n) if split == "train" else np.arange(0)
     hashes = getattr(ids, "id_hashes", None)
     if hashes is not None:  # the same double division as _hash01, vectorised
         held = np.asarray(hashes).astype(np.float64) / float(0xFFFFFFFF) < valid_fraction

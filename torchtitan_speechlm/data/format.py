@@ -227,6 +227,22 @@ def check_shard_files(shard_dir: str, files: dict, checksums: bool) -> None:
             )
 
 
+_PARSED: dict[int, tuple[bytes, dict]] = {}  # metadata.json files parsed by this process
+
+
+def parse_metadata(data: bytes) -> dict:
+    """``json.loads`` of a metadata.json's bytes, parsed once per process (the catalog, the
+    reader and the pre-start checks each read it; at 10^4 shards it is megabytes). The dict is
+    shared: callers copy what they change. Raises ``ValueError`` for bad JSON."""
+    key = hash(data)
+    got = _PARSED.get(key)
+    if got is None or got[0] != data:
+        if len(_PARSED) >= 4:
+            _PARSED.pop(next(iter(_PARSED)))
+        got = _PARSED[key] = (data, json.loads(data))
+    return got[1]
+
+
 def read_json(path: str, what: str = "") -> dict:
     if not os.path.isfile(path):
         raise CorruptDatasetError(f"{path} is missing{what}; {REGENERATE}")

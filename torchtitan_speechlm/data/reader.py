@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-import json
+import copy
 import os
 
 import numpy as np
@@ -16,6 +16,7 @@ from torchtitan_speechlm.data.format import (
     CorruptDatasetError,
     PreparedItem,
     Turn,
+    parse_metadata,
 )
 from torchtitan_speechlm.data.index_store import LAYOUT, STARTS, open_index
 from torchtitan_speechlm.data.item_index import ItemIndex, KindColumn
@@ -78,7 +79,9 @@ class PreparedDataset:
             meta_path = os.path.join(self.path, METADATA)
             meta_bytes = _read_metadata(self.path, meta_path)
         try:
-            self.metadata: dict = json.loads(meta_bytes)
+            parsed = parse_metadata(meta_bytes)  # shared: copied (its shards' records below)
+            self.metadata: dict = copy.deepcopy({k: v for k, v in parsed.items() if k != "shards"})
+            self.metadata["shards"] = parsed.get("shards", [])
         except ValueError as e:
             raise CorruptDatasetError(f"{meta_path} is not valid JSON ({e}); {REGENERATE}") from e
         version = self.metadata.get("format_version")
@@ -97,8 +100,9 @@ class PreparedDataset:
             self.path, self.metadata, meta_bytes, verify, remote=self.mirror is not None
         )
         starts, layout = columns.pop(STARTS), columns.pop(LAYOUT)
-        for entry in self.metadata.get("shards", []):  # checked: their objects are not kept
-            entry.pop("files", None)
+        # checked: their records of files (sizes, sha256s) are not kept
+        self.metadata["shards"] = [{k: v for k, v in e.items() if k != "files"}
+                                   for e in self.metadata.get("shards", [])]  # fmt: skip
         self.waveform: dict | None = self.metadata.get("waveform")
         self.shards = ShardCache(self.path, self.metadata, columns, starts, shard_cache,
                                  waves=bool(self.waveform), fetch=fetch, layout=layout)  # fmt: skip
