@@ -25,8 +25,8 @@ speakers: the figure, whatever it is.
 
     python benchmarks/bench_speaker_prompt.py                 # about 40 minutes on 2 CPU cores
     python benchmarks/bench_speaker_prompt.py --steps 4 --train-per-speaker 2 \
-        --heldout-per-speaker 2 --eval-limit 8 --quality-items 0 \
-        --work /tmp/sp --out /tmp/sp.json                     # a smoke run (a minute or two)
+        --heldout-per-speaker 2 --eval-limit 4 --quality-items 0 --no-baseline \
+        --work /tmp/sp --out /tmp/sp.json                     # a smoke run (about a minute)
 
 Defaults: 600 training sentences per seen speaker (8,400 in all), 10 held-out sentences per
 speaker, 1,600 steps, 3-second prompts, a 25 frames/s codec fitted on 2,400 s of training audio.

@@ -36,12 +36,15 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCHES = sorted((ROOT / "patches").glob("0*.diff"))
 TESTS = "tests/upstream/test_each_fix.py"
 SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
+# conditions run at once (PATCHES_JOBS overrides; 2: the CI machine's cores)
+JOBS = int(os.environ.get("PATCHES_JOBS", "2"))
 DEFAULT_REPO = "/work/.mirror/pytorch+torchtitan/repo"
 # torchtitan unit tests whose outcome a diff (and our workaround of the same fix) changes, and why
 EXPECTED_CHANGES: dict[str, str] = {
@@ -163,14 +166,19 @@ def check_sufficiency(work: Path, stock: Path) -> list[str]:
             (f"every diff but {n:04d}, workarounds off", name, "off", names, "failed")
         )
 
-    for label, copy, switch, names, want in conditions:
+    def judge(condition) -> str | None:
+        label, copy, switch, names, want = condition
         t0 = time.time()
         got = run_tests(copies[copy], switch, names, work / f"{copy}_{switch}")
         wrong = sorted(t for t in names if got[t] != want)
         verdict = "as required" if not wrong else f"NOT {want}: {wrong}"
         say(f"{label}: {len(names)} test(s) {want} {verdict} ({time.time() - t0:.0f} s)")
-        if wrong:
-            problems.append(f"{label}: {wrong} should have {want}")
+        return f"{label}: {wrong} should have {want}" if wrong else None
+
+    # each condition is its own pytest process on its own copy: two at a time (most of each is
+    # one core importing torch), in the order given
+    with ThreadPoolExecutor(max_workers=JOBS) as pool:
+        problems += [p for p in pool.map(judge, conditions) if p]
     return problems
 
 

@@ -69,7 +69,7 @@ SMOKE = {
     "bench_serve.py": "--frames 2 --requests 2 --cli-calls 1 --concurrency 1,2 --hidden 32 "
     "--layers 1 --work {tmp}/work --out {tmp}/a.json",
     "bench_speaker_prompt.py": "--steps 4 --train-per-speaker 2 --heldout-per-speaker 2 "
-    "--eval-limit 8 --quality-items 0 --work {tmp}/work --out {tmp}/a.json",
+    "--eval-limit 4 --quality-items 0 --no-baseline --work {tmp}/work --out {tmp}/a.json",
     "bench_step_overhead.py": "--steps 2 --config {toml} --out {tmp}/a.json",
     "bench_vs_llama3.py": "--shape tiny --repeats 1 --configs speech --variants "
     "'speechlm hf-llama' --results-dir {tmp}",

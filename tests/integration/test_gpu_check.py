@@ -3,7 +3,7 @@ CPU at tiny shapes, gloo, 2 processes for "all ranks"), so a broken step is caug
 on the first GPU a session is lent.
 
 - the product path as a user runs it: a random-init Mimi through `torchtitan prepare`, the
-  shipped 0.6B and 1.7B recipes trained compiled on 1 and 2 ranks, export, generate (TTS, ASR),
+  shipped 0.6B recipe trained compiled on 1 and 2 ranks and the 1.7B on 2, export, generate (TTS, ASR),
   serve; every step passes and the summary table loads back with these steps (about 4 minutes
   on 2 cores: marker `long`, `make faults`). The micro-benchmarks' dry-run commands are their
   smallest settings, the ones tests/integration/test_benchmarks_run.py's `bench_smoke` runs;
@@ -70,10 +70,13 @@ def test_one_gpu_budget_is_under_8_minutes_and_the_header_says_so():
 @pytest.mark.long
 def test_dry_run_passes_every_step_of_the_product_path(tmp_path):
     out = tmp_path / "gpu"
-    r, wall = dry_run(out, "--no-micro")
+    # the 1.7B recipe on one rank is left out (make faults' budget): its 2-rank run below trains
+    # the same recipe (selective AC, compile), and the next test runs its 1-rank step's command
+    path = [step for step in MAIN_PATH if step != "train_1.7b_1rank"]
+    r, wall = dry_run(out, "--no-micro", "--steps", ",".join(path))
     assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-2000:])
     summary = load_summary(out)
-    assert [row["step"] for row in summary["steps"]] == MAIN_PATH
+    assert [row["step"] for row in summary["steps"]] == path
     assert summary["failed"] == [] and {row["status"] for row in summary["steps"]} == {"pass"}
     for row in summary["steps"]:
         if row["step"].startswith("train_"):
