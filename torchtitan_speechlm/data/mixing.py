@@ -11,6 +11,7 @@ and the generator's state are needed to continue a walk: they are the window sta
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -187,6 +188,31 @@ class Mixture:
         if cached is None or cached[0] != epoch:
             cached = self._perm_cache[key] = (epoch, self._shard_items(src, epoch, shard))
         return cached[1]
+
+    def warm(self, epochs: set[tuple[int, int]]) -> None:
+        """Compute the epoch orders ``(source, epoch)`` a walk is about to need (a start or a
+        resume) at once, one thread each: numpy's shuffle runs without the GIL, so the
+        sources' O(items) permutations (~0.4 s per 10^7 items) take the time of one where
+        cores are free. Threads end before this returns (nothing runs across a fork of the
+        loader's workers). The orders are those ``_epoch_share`` computes, so nothing
+        changes but when."""
+        keys = [(src, e) for src, e in sorted(epochs)
+                if (src, e) not in self._epoch_perm and self._shuffled_whole(src)]  # fmt: skip
+        if len(keys) < 2 or self.own_shards is None:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        with ThreadPoolExecutor(max_workers=max(1, min(len(keys), cores or 1))) as pool:
+            orders = list(pool.map(lambda k: self.epoch_order(*k), keys))
+        n = self.step_pieces
+        for key, order in zip(keys, orders, strict=True):
+            self._epoch_perm[key] = {j: order[j::n].copy() for j in self.own_shards}
+
+    def _shuffled_whole(self, src: int) -> bool:
+        """Whether the source's walk takes every S-th item of an epoch order (shuffled, at
+        least as many items as shards): the orders ``warm`` can compute ahead."""
+        return self.shuffle and len(self.sources[src].indices) >= self.step_pieces
 
     def epoch_order(self, src: int, epoch: int) -> np.ndarray:
         """Source ``src``'s items in epoch ``epoch``'s seeded order (compact: int32 where item

@@ -147,6 +147,8 @@ class StreamSampler:
         """This rank's micro-batches as ``Plan``s (which samples go where), without building
         them: cheap, from item lengths alone."""
         position = self._start
+        self.mixture.warm({(src, e) for c in position.shards.values()
+                           for src, e in enumerate(c.window.epoch)})  # fmt: skip
         shards = {j: self.windows.pieces(j, c) for j, c in position.shards.items()}
         cursors = dict(position.shards)
         done: set[int] = set()  # shards at the end of a finite pass

@@ -7,7 +7,7 @@ import pytest
 
 from tests.fake_stream import FakePrepared, make
 from torchtitan_speechlm.config import ConfigError
-from torchtitan_speechlm.data.mixing import Mixture, Source
+from torchtitan_speechlm.data.mixing import AllItems, Mixture, Source, is_identity
 from torchtitan_speechlm.data.shards import ShardLayout
 from torchtitan_speechlm.data.stream import SpeechLMDataset
 
@@ -104,3 +104,31 @@ def test_a_finite_pass_takes_each_source_share_once_in_order():
     while (d := mix.draw(epoch, pos, rng, shard=1)) is not None:
         got.append((d.src, d.item))
     assert got == [(0, 1), (0, 4), (0, 7), (1, 1), (1, 4), (1, 7)]  # every 3rd item from 1
+
+
+def test_all_items_and_warmed_orders_walk_as_the_plain_arrays():
+    """A source of every item as ``AllItems`` (no array) and epoch orders computed ahead by
+    ``warm`` (threads) give every shard the items the plain int arrays and lazy orders give,
+    epoch after epoch; a source with a hold-out (a gather of its items) too."""
+    data = FakePrepared(n=50)
+    held = np.array([i for i in range(50) if i % 7])  # a hold-out: not every item
+
+    def mixture(all_items: bool, own):
+        idx = AllItems(50) if all_items else np.arange(50)
+        sources = [Source("tts", "a", 0.6, data, idx), Source("asr", "a", 0.3, data, idx),
+                   Source("asr", "b", 0.1, data, held)]  # fmt: skip
+        return Mixture(sources, step_pieces=4, seed=3, shuffle=True, infinite=True,
+                       cfg_dropout=0.0, length=lambda src, item, drop: 10, own_shards=own)  # fmt: skip
+
+    plain = mixture(False, None)
+    for own in ([1, 3], None):
+        new = mixture(True, own)
+        new.warm({(0, 0), (1, 0), (2, 0), (0, 1)})
+        for shard in own or range(4):
+            for src in range(3):
+                for epoch in range(3):
+                    want = plain.perm(src, epoch, shard)
+                    got = new.perm(src, epoch, shard)
+                    assert got.tolist() == want.tolist(), (own, shard, src, epoch)
+    assert is_identity(AllItems(5)) and is_identity(np.arange(5)) and not is_identity(held)
+    assert AllItems(5)[1:4].tolist() == [1, 2, 3] and np.asarray(AllItems(5)).dtype == np.int32
