@@ -140,7 +140,7 @@ class Mirror:
         except Exception as e:  # the storage library's own errors (botocore, gcsfs, ...)
             raise RemoteDatasetError(f"cannot read {self.url}: {_why(e)}") from None
         local = os.path.join(self.root, METADATA)
-        if os.path.isfile(local) and open(local, "rb").read() != data:
+        if os.path.isfile(local) and _read_bytes(local) != data:
             logger.warning(f"{self.url}: metadata.json changed since {self.root} mirrored it; "
                            "mirroring it again")  # fmt: skip
             shutil.rmtree(self.root, ignore_errors=True)
@@ -318,6 +318,11 @@ def _check(path: str, url: str, want: dict | None, checksums: bool) -> None:
             f"{url} was modified after metadata.json was written (its sha256 differs from the "
             f"recorded one); {REGENERATE}"
         )
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _write_atomic(path: str, data: bytes) -> None:
