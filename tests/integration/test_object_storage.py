@@ -145,6 +145,28 @@ def test_an_object_of_the_wrong_size_names_its_url(s3, prepared, tmp_path):
     assert f"s3://{key} has" in msg and "metadata.json recorded" in msg and "\n" not in msg
 
 
+def test_a_changed_byte_of_a_fetched_shard_is_refused_under_full_verification(
+    s3, prepared, tmp_path
+):
+    """Same size, other bytes: the listing cannot see it; with verify_shards = "full" the
+    fetched array's sha256 is checked against metadata.json before the shard is read."""
+    s3.copy("speech/tiny", "speech/flipped", recursive=True)
+    key = "speech/flipped/shards/00001/text_tokens.npy"
+    data = bytearray(s3.cat_file(key))
+    data[-1] ^= 0xFF
+    s3.pipe_file(key, bytes(data))
+    ds = PreparedDataset("s3://speech/flipped", verify="full", remote=RemoteCache(str(tmp_path)))
+    first = ds.index.shard_items(1)[0]
+    assert ds[0].id == "u0"  # shard 0 is intact and reads
+    with pytest.raises(CorruptDatasetError) as e:
+        ds[first]
+    assert f"s3://{key} was modified" in str(e.value) and "sha256" in str(e.value)
+    loose = PreparedDataset(
+        "s3://speech/flipped", verify="size", remote=RemoteCache(str(tmp_path / "b"))
+    )
+    assert len(loose[first].text_tokens)  # "size" does not hash: it reads what is there
+
+
 def test_a_missing_bucket_or_credentials_is_one_line_naming_the_url(
     s3, prepared, tmp_path, monkeypatch
 ):

@@ -14,7 +14,7 @@ import soundfile as sf
 from tests.data_fixtures import tone
 from torchtitan_speechlm.data.reader import PreparedDataset
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # make faults (make test budget: 26 s)
 HERE = Path(__file__).resolve().parents[1]  # tests/
 CONSOLE = os.path.join(os.path.dirname(sys.executable), "torchtitan")
 

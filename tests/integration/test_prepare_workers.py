@@ -11,7 +11,7 @@ import pytest
 
 from tests.data_fixtures import build_assets
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # make faults (make test budget: 48 s)
 
 # the parent runs parallel torch ops (2 threads) before it starts the workers
 SCRIPT = """
