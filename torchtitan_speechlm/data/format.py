@@ -213,18 +213,26 @@ def check_shard_files(shard_dir: str, files: dict, checksums: bool) -> None:
         path = os.path.join(shard_dir, name)
         if not os.path.isfile(path):
             raise CorruptDatasetError(f"{path} is missing; {REGENERATE}")
-        size = os.path.getsize(path)
-        if size != want.get("bytes"):
-            raise CorruptDatasetError(
-                f"{path} has {size} bytes but metadata.json recorded {want.get('bytes')} "
-                f"(truncated or modified after the dataset was prepared); {REGENERATE}"
-            )
-        if checksums and want.get("sha256") and file_digest(path) != want["sha256"]:
-            raise CorruptDatasetError(
-                f"{path} was modified after metadata.json was written (its sha256 differs from "
-                f"the recorded one); {REGENERATE}, or set speechlm_data.verify_shards = "
-                '"size" only if you changed it on purpose and know it is consistent'
-            )
+        check_recorded(path, want, checksums)
+
+
+def check_recorded(path: str, want: dict, checksums: bool, name: str | None = None) -> None:
+    """Refuse the file ``path`` if its size (with ``checksums``: its sha256) is not the one
+    metadata.json recorded in ``want``; ``name``: what the message calls it (a URL it was
+    fetched from; default the path)."""
+    name = name or path
+    size = os.path.getsize(path)
+    if size != want.get("bytes"):
+        raise CorruptDatasetError(
+            f"{name} has {size} bytes but metadata.json recorded {want.get('bytes')} "
+            f"(truncated or modified after the dataset was prepared); {REGENERATE}"
+        )
+    if checksums and want.get("sha256") and file_digest(path) != want["sha256"]:
+        raise CorruptDatasetError(
+            f"{name} was modified after metadata.json was written (its sha256 differs from "
+            f"the recorded one); {REGENERATE}, or set speechlm_data.verify_shards = "
+            '"size" only if you changed it on purpose and know it is consistent'
+        )
 
 
 _PARSED: dict[int, tuple[bytes, dict]] = {}  # metadata.json files parsed by this process

@@ -48,7 +48,7 @@ from torchtitan_speechlm.data.format import (
     TEXT_TOKENS,
     WAVE_INDEX,
     CorruptDatasetError,
-    file_digest,
+    check_recorded,
 )
 
 ARRAYS = (TEXT_TOKENS, AUDIO_CODES, AUDIO_WAVE)  # fetched when a shard is first read
@@ -305,19 +305,8 @@ def _present(path: str, want: dict | None) -> bool:
 
 
 def _check(path: str, url: str, want: dict | None, checksums: bool) -> None:
-    if not want:
-        return
-    size = os.path.getsize(path)
-    if size != want.get("bytes"):
-        raise CorruptDatasetError(
-            f"{url} has {size} bytes but metadata.json recorded {want.get('bytes')} (truncated "
-            f"or modified after the dataset was prepared); {REGENERATE}"
-        )
-    if checksums and want.get("sha256") and file_digest(path) != want["sha256"]:
-        raise CorruptDatasetError(
-            f"{url} was modified after metadata.json was written (its sha256 differs from the "
-            f"recorded one); {REGENERATE}"
-        )
+    if want:
+        check_recorded(path, want, checksums, name=url)
 
 
 def _read_bytes(path: str) -> bytes:
