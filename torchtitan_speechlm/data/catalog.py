@@ -249,9 +249,11 @@ def open_prepared(
     """A prepared dataset is immutable once written, so each process opens (and validates,
     ``speechlm_data.verify_shards``) it once, not once per mixture entry or validation round.
     ``path``: a folder or an fsspec URL (``remote``: its mirror's settings)."""
-    return _open_prepared(local_path(path), verify, remote or RemoteCache())
+    path = local_path(path)
+    # a folder is the same dataset whatever the mirror settings: opened once
+    return _open_prepared(path, verify, (remote or RemoteCache()) if is_url(path) else None)
 
 
 @functools.lru_cache(maxsize=64)
-def _open_prepared(path: str, verify: str, remote: RemoteCache) -> PreparedDataset:
+def _open_prepared(path: str, verify: str, remote: RemoteCache | None) -> PreparedDataset:
     return PreparedDataset(path, verify=verify, remote=remote)
