@@ -5,6 +5,7 @@ prepared dataset and reach its first batch, in time, memory and open files.
     python benchmarks/bench_scale.py --work /tmp/scale --scales 100000:100 --no-prepare  # quick
 
 ``--repeats K``: K rank and resume runs per scale, the median reported (each run's beside it).
+``--order keyed``: the runs with ``speechlm_data.order = "keyed"`` (data/keyed_order.py).
 
 A real small prepared dataset (``tests/helpers.make_tiny_run_assets``: tones through the real
 ``torchtitan prepare``) is replicated into N items in S shards in the real format: new ids in
@@ -65,6 +66,7 @@ datasets = ["train={prepared}", "dev={dev}"]
 train = ["tts:train:0.7", "asr:train:0.3"]
 valid = ["asr:dev"]
 seed = 0
+order = "{order}"
 [training]
 local_batch_size = 4
 global_batch_size = 128
@@ -280,7 +282,8 @@ def median_run(runs: list[dict]) -> dict:
     return out
 
 
-def scale(work: str, paths: dict, n_items: int, n_shards: int, repeats: int = 1) -> dict:
+def scale(work: str, paths: dict, n_items: int, n_shards: int, repeats: int = 1,
+          order: str = "permutation") -> dict:  # fmt: skip
     data = os.path.join(work, f"syn_{n_items}_{n_shards}")
     synth_s = synthesise(paths["prepared"], data, n_items, n_shards)
     shutil.rmtree(os.path.join(data, "index"), ignore_errors=True)  # measure the first open
@@ -288,7 +291,7 @@ def scale(work: str, paths: dict, n_items: int, n_shards: int, repeats: int = 1)
     dump = os.path.join(work, f"dump_{n_items}")
     with open(toml, "w") as f:
         f.write(TOML.format(dump=dump, backbone=paths["backbone"], prepared=data,
-                            dev=paths["prepared"]))  # fmt: skip
+                            dev=paths["prepared"], order=order))  # fmt: skip
     state = os.path.join(work, f"state_{n_items}.pkl")
     res = {"items": n_items, "shards": n_shards, "synthesis_s": synth_s}
     res["launcher_first"] = run_child("launcher", toml, state)
@@ -334,6 +337,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--no-prepare", action="store_true", help="skip prepare's planning cost")
     p.add_argument("--keep", action="store_true", help="keep the synthetic datasets")
+    p.add_argument("--order", default="permutation", choices=("permutation", "keyed"),
+                   help="speechlm_data.order of the runs")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1,
                    help="rank and resume runs per scale (the median is reported)")  # fmt: skip
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -345,12 +350,12 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(a.work, exist_ok=True)
     paths = seed_assets(a.work)
-    results = {"cpus": os.cpu_count(), "dp": DP, "rank": RANK, "ulimit_n": NOFILE, "seed_items": SEED_ITEMS,
+    results = {"cpus": os.cpu_count(), "dp": DP, "rank": RANK, "ulimit_n": NOFILE, "seed_items": SEED_ITEMS, "order": a.order,
                "layout": "pack, local batch 4, global 128 (accumulation 4), seq_len 4096, "
                          "tts:0.7 + asr:0.3 (the 1.7B recipe's)", "scales": []}  # fmt: skip
     for spec in a.scales.split(","):
         n, s = (int(float(x)) for x in spec.split(":"))
-        results["scales"].append(scale(a.work, paths, n, s, a.repeats))
+        results["scales"].append(scale(a.work, paths, n, s, a.repeats, a.order))
         if not a.keep:
             shutil.rmtree(os.path.join(a.work, f"syn_{n}_{s}"), ignore_errors=True)
     first = results["scales"][0]["summary"]["start_to_first_batch_s"]

@@ -70,6 +70,7 @@ def make(
     max_tokens=0,
     prompt_frames=0,
     seed=3,
+    order="permutation",
 ):
     data = data or FakePrepared()
     sources = [Source(t, "fake", 1.0, data, np.arange(len(data))) for t in tasks]
@@ -95,4 +96,5 @@ def make(
         shuffle=infinite,
         infinite=infinite,
         cfg_dropout=cfg,
+        order=order,
     )

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_speechlm.data.format import KINDS
+from torchtitan_speechlm.data.keyed_order import KeyedShare, round_keys
 from torchtitan_speechlm.data.planner import Draw
 from torchtitan_speechlm.data.tasks import get_task
 
@@ -53,7 +54,13 @@ class AllItems:
             if not -self.n <= k < self.n:
                 raise IndexError(f"index {k} out of range for {self.n} items")
             return k % self.n
-        return np.asarray(self)[i]
+        a = np.asarray(i)
+        if a.dtype == bool:
+            return np.flatnonzero(a)
+        a = a.astype(np.int64)
+        if len(a) and (a.min() < -self.n or a.max() >= self.n):
+            raise IndexError(f"an index out of range for {self.n} items")
+        return a % self.n  # item k is k: no array of all of them
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         return np.arange(self.n, dtype=dtype or (np.int32 if self.n <= 2**31 else np.int64))
@@ -150,11 +157,16 @@ class Mixture:
         length: Callable[..., int],
         prompts=None,
         own_shards: list[int] | None = None,
+        order: str = "permutation",
     ):
         """``prompts``: the speaker prompts of prompted sources (speaker_prompts.py); a draw
         of such a source carries its prompt, and its length counts the prompt's frames.
         ``own_shards``: the shards this process walks (None: any); an epoch's permutation is
-        then cut into their shares at once and not kept (a rank of dp 8 keeps 1/8 of it)."""
+        then cut into their shares at once and not kept (a rank of dp 8 keeps 1/8 of it).
+        ``order``: ``speechlm_data.order``: ``"permutation"`` (an epoch's Fisher-Yates
+        permutation of each source) or ``"keyed"`` (keyed_order.py: each shard's share
+        evaluated where it is read; other batches)."""
+        self.order = order
         self.sources, self.step_pieces, self.length = sources, step_pieces, length
         self.prompts = prompts
         self.seed, self.shuffle, self.infinite = seed, shuffle, infinite
@@ -212,7 +224,8 @@ class Mixture:
     def _shuffled_whole(self, src: int) -> bool:
         """Whether the source's walk takes every S-th item of an epoch order (shuffled, at
         least as many items as shards): the orders ``warm`` can compute ahead."""
-        return self.shuffle and len(self.sources[src].indices) >= self.step_pieces
+        return (self.shuffle and self.order == "permutation"
+                and len(self.sources[src].indices) >= self.step_pieces)  # fmt: skip
 
     def epoch_order(self, src: int, epoch: int) -> np.ndarray:
         """Source ``src``'s items in epoch ``epoch``'s seeded order (compact: int32 where item
@@ -249,6 +262,9 @@ class Mixture:
     def _shard_items(self, src: int, epoch: int, shard: int) -> np.ndarray:
         idx, n = self.sources[src].indices, self.step_pieces
         if self.shuffle:
+            if len(idx) >= n and self.order == "keyed":  # no global array (keyed_order.py)
+                keys = round_keys(self.seed, src, epoch, PERM_SEED)
+                return KeyedShare(idx, shard, n, keys)
             if len(idx) >= n:
                 return self._epoch_share(src, epoch, shard)
             perm = np.random.default_rng([self.seed, src, epoch, shard, PERM_SEED])

@@ -57,13 +57,17 @@ def check_same_stream(state: dict, names: list[str], vocab: str, pieces: dict) -
             "resume with the original assets or start a new dump_folder"
         )
     saved = state.get("pieces", {})
-    for key, now in pieces.items():
-        if saved.get(key) != now:
-            what = "speechlm_data.batching" if key == "mode" else f"training.{key}"
+    default = {"order": "permutation"}  # not recorded: the order before the setting existed
+    for key in [*pieces, *(k for k in saved if k not in pieces)]:
+        was, now = saved.get(key, default.get(key)), pieces.get(key, default.get(key))
+        if was != now:
+            what = {"mode": "speechlm_data.batching", "order": "speechlm_data.order"}.get(
+                key, f"training.{key}"
+            )
             raise StreamResumeError(
-                f"the checkpoint's data stream was cut with {what} = {saved.get(key)!r}, "
-                f"this run uses {now!r}: the saved position cannot be continued. Keep "
-                f"{what} = {saved.get(key)!r}, or {EXCLUDE}"
+                f"the checkpoint's data stream was cut with {what} = {was!r}, this run uses "
+                f"{now!r}: the saved position cannot be continued. Keep {what} = {was!r}, or "
+                f"{EXCLUDE}"
             )
 
 
@@ -113,8 +117,10 @@ class StreamSampler:
 
     @property
     def piece_params(self) -> dict:
-        """What a piece is made of: a resume with other values cannot continue the stream."""
-        return {"mode": self.settings.mode, "seq_len": self.settings.seq_len}
+        """What a piece is made of: a resume with other values cannot continue the stream
+        (``order`` only when not the default: the positions of runs before it had none)."""
+        keyed = {"order": self.settings.order} if self.settings.order != "permutation" else {}
+        return {"mode": self.settings.mode, "seq_len": self.settings.seq_len, **keyed}
 
     def state_dict(self, vocab: str) -> dict:
         """The position after the last planned micro-batch (this rank's shards; the loader

@@ -13,6 +13,8 @@ from typing import get_args
 
 from torchtitan_speechlm.config import Batching, ConfigError
 
+ORDERS = ("permutation", "keyed")
+
 
 @dataclass(frozen=True)
 class StreamSettings:
@@ -32,6 +34,7 @@ class StreamSettings:
     cfg_dropout: float = 0.0
     max_too_long_fraction: float = 1.0
     seq_len_key: str = "training.seq_len"
+    order: str = "permutation"  # speechlm_data.order (data/mixing.py, keyed_order.py)
 
     def __post_init__(self) -> None:
         problem = next(self._problems(), None)
@@ -62,6 +65,8 @@ class StreamSettings:
             yield "speechlm_data.cfg_dropout must be in [0, 1)"
         if self.window < 1:
             yield "speechlm_data.window must be >= 1"
+        if self.order not in ORDERS:
+            yield f"speechlm_data.order must be one of {ORDERS}, got {self.order!r}"
 
     @property
     def token_budget(self) -> int:

@@ -99,6 +99,7 @@ class SpeechLMDataset(IterableDataset, Stateful):
         cfg_dropout: float = 0.0,
         max_too_long_fraction: float = 1.0,
         seq_len_key: str = "training.seq_len",
+        order: str = "permutation",
     ):
         self.settings = StreamSettings(  # refuses values out of range, naming the key
             seq_len=seq_len,
@@ -112,6 +113,7 @@ class SpeechLMDataset(IterableDataset, Stateful):
             cfg_dropout=cfg_dropout,
             max_too_long_fraction=max_too_long_fraction,
             seq_len_key=seq_len_key,
+            order=order,
         )
         self.shards = ShardLayout(mode, local_batch_size, dp_rank, dp_world_size, accumulation)
         self.sources, self.builder, self.layout = sources, builder, builder.layout
@@ -132,6 +134,7 @@ class SpeechLMDataset(IterableDataset, Stateful):
             length=self.lengths_table.length,
             prompts=self.prompts,
             own_shards=self.own_shards(),
+            order=self.settings.order,
         )
         self.sampler = StreamSampler(mixture, self.settings, self.shards)
         self.examples = Examples(sources, builder)

@@ -106,6 +106,7 @@ def stream(
         cfg_dropout=data.cfg_dropout if training else 0.0,
         max_too_long_fraction=data.max_too_long_fraction if training else 1.0,
         seq_len_key=key,
+        order=data.order,
     )
 
 
