@@ -16,6 +16,7 @@ from tests.helpers import (
     run_train,
     write_tiny_config,
 )
+from torchtitan_speechlm.utils.checkpoint_manifest import verify
 
 pytestmark = pytest.mark.slow
 COMMON = (
@@ -108,6 +109,9 @@ def test_async_saves_keep_latest_k_and_half_written_checkpoints(assets, referenc
     assert {"step-5", "step-6"} <= set(kept) and "step-1" not in kept and len(kept) <= 4, kept
     for step in ("step-5", "step-6"):  # step 5 was saved asynchronously
         assert_same_params(reference / "checkpoint" / step, dump / "checkpoint" / step)
+        # the async save's manifest is written when its future completes: sizes and CRC-32Cs
+        problem = verify(str(dump / "checkpoint" / step))
+        assert problem == "", problem
     # an interrupted save: step-7 without .metadata; the rerun resumes from step-6, says so
     half = dump / "checkpoint" / "step-7"
     shutil.copytree(dump / "checkpoint" / "step-6", half)

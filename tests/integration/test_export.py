@@ -248,5 +248,11 @@ def test_torchtitan_hf_load_and_last_save_use_our_adapter(trained, tmp_path):
     for key, value in got.items():
         torch.testing.assert_close(value, want[key].detach(), atol=2e-6, rtol=1e-5, msg=key)
     folder = tmp_path / "hf_out" / "checkpoint" / "step-2"
+    # the HF-format save has its manifest too (utils/checkpoint_manifest.py), every file listed
+    from torchtitan_speechlm.utils.checkpoint_manifest import MANIFEST, verify
+
+    assert verify(str(folder)) == "", verify(str(folder))
+    listed = json.loads((folder / MANIFEST).read_text())["files"]
+    assert any(n.endswith(".safetensors") for n in listed), listed
     shutil.copy(os.path.join(assets["backbone"], "config.json"), folder)  # torchtitan writes none
     AutoModelForCausalLM.from_pretrained(str(folder))  # loads with transformers as it is
