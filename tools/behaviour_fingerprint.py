@@ -13,7 +13,8 @@ thing on any version of the package:
 - on a corpus unlike the demo's (espeak-ng speech of 0.4-6 s, Kaldi segments, a tiny Llama
   backbone, four tasks): pack and bucket batching on 1 and 2 ranks with accumulation, the
   ``parallel`` and ``flatten`` patterns, and resume mid-epoch (on the same layout and on
-  another one).
+  another one); and ``speechlm_data.order = "keyed"`` on 1 and 2 ranks and resumed (the other
+  order's own fingerprint).
 
 Per run it records every rank's micro-batch hashes (``speechlm_data.log_batch_hashes``: the
 content of inputs, targets, weights and positions, and of each sample), and every logged
@@ -92,6 +93,9 @@ VARIED_RUNS = {
     "parallel_1": (1, ["--speechlm.pattern", "parallel", "--training.steps", "4"]),
     "flatten_1": (1, ["--speechlm.pattern", "flatten", "--training.seq_len", "1536",
                       "--training.steps", "4"]),
+    # speechlm_data.order = "keyed" (data/keyed_order.py): the other order's own fingerprint
+    "keyed_1": (1, ["--speechlm_data.order", "keyed"]),
+    "keyed_2": (2, ["--speechlm_data.order", "keyed"]),
 }  # fmt: skip
 # resumes: (first part, second part) run in one dump folder
 RESUMES = {
@@ -102,6 +106,8 @@ RESUMES = {
         (1, ["--speechlm_data.batching", "bucket", "--speechlm_data.max_tokens", "1024",
              "--training.global_batch_size", "8"]),
     ),
+    "resume_keyed_2_1": ((2, ["--training.steps", "4", "--speechlm_data.order", "keyed"]),
+                         (1, ["--speechlm_data.order", "keyed"])),
 }  # fmt: skip
 
 
