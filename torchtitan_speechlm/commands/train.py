@@ -284,6 +284,7 @@ def _launch(args: list[str], job_config, nproc: int) -> int:
             *args,
         ]
     )
+    lifecycle.quiet_agent_signal_warning()  # the stop line below says it, with the step
     try:
         run(launch)
     except SignalException as e:  # Ctrl-C / SIGTERM: the ranks ended at once, quietly

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import json
+import logging
 import os
 import signal
 import socket
@@ -249,6 +250,25 @@ def stop_on_signals():
         os.close(w)
 
     return restore
+
+
+class _NoAgentSignalWarning(logging.Filter):
+    """torchrun's agent warns ``Received 2 death signal, shutting down workers`` when the
+    launcher is stopped; the launcher's one line (``stop_line``) says it with the step and the
+    checkpoint to resume from, so the agent's is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "death signal" not in record.getMessage()
+
+
+AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
+
+
+def quiet_agent_signal_warning() -> None:
+    """Install ``_NoAgentSignalWarning`` on torchrun's agent logger (once)."""
+    agent = logging.getLogger(AGENT_LOGGER)
+    if not any(isinstance(f, _NoAgentSignalWarning) for f in agent.filters):
+        agent.addFilter(_NoAgentSignalWarning())
 
 
 def stopped_step(dump: str) -> int | None:
