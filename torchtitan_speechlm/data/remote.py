@@ -53,6 +53,7 @@ from torchtitan_speechlm.data.format import (
 
 ARRAYS = (TEXT_TOKENS, AUDIO_CODES, AUDIO_WAVE)  # fetched when a shard is first read
 SMALL = (SHARD_META, COLUMNS, ITEMS, WAVE_INDEX)  # fetched when the dataset is opened
+LOW_WATER = 0.9  # a full mirror is cut to this share of remote_cache_gb
 SOURCE = "source.url"  # the mirror's URL, beside its files (which URL a folder mirrors)
 
 
@@ -240,9 +241,13 @@ class Mirror:
         return out
 
     def _evict(self, sizes: dict[str, int], keep: set[str]) -> None:
+        """Over ``remote_cache_gb``: rescan the mirror (what every process of the node has
+        fetched) and delete the arrays read least recently down to ``LOW_WATER`` of it, so that
+        the scan (a ``stat`` per shard folder) runs once per tenth of the cache fetched, not
+        once per fetch of a full cache."""
         if sum(sizes.values()) <= self.max_bytes:
             return
-        self._sizes = sizes = self._scan_disk()  # what every process has fetched
+        self._sizes = sizes = self._scan_disk()
         total = sum(sizes.values())
         by_age = []
         for rel in sizes:
@@ -251,7 +256,7 @@ class Mirror:
             except FileNotFoundError:
                 total -= sizes[rel]
         for _, rel in sorted(by_age):
-            if total <= self.max_bytes:
+            if total <= LOW_WATER * self.max_bytes:
                 break
             if os.path.dirname(self._abs(rel)) in keep:
                 continue
