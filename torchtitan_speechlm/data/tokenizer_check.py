@@ -138,8 +138,16 @@ def input_samples(items) -> list[Sample]:
         return [Sample(f"{name} turn {k}", t.text) for k, t in enumerate(it.turns)
                 if t.audio is None and t.text and t.text.strip()]  # fmt: skip
 
-    with_text = [s for s in (texts(it) for it in items) if s]
-    return [s for i in sample_indices(len(with_text)) for s in with_text[i]]
+    # two passes (count, then take): the items may be a source of 10^8 read from disk
+    n = sum(1 for it in items if texts(it))
+    want, out, k = set(sample_indices(n)), [], 0
+    for it in items:
+        got = texts(it)
+        if got:
+            if k in want:
+                out += got
+            k += 1
+    return out
 
 
 def check_inputs(tok, items, tokenizer_path: str, allow: bool) -> dict:

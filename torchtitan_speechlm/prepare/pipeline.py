@@ -237,14 +237,16 @@ def _prepare_part(items, description: dict, out_dir: str, t0: float, *, codec, t
         cfg = dataclasses.replace(
             cfg, header={"codec": plan["codec"], "tokenizer": plan["tokenizer"]}
         )
-        tasks = [
-            ShardTask(s, items[s * shard_size : (s + 1) * shard_size], plan["shard_inputs"][s])
-            for s in mine
-            if not shard_done(out_dir, s, plan["shard_inputs"][s], plan)
-        ]
-        reused = len(mine) - len(tasks)
+        todo = [s for s in mine if not shard_done(out_dir, s, plan["shard_inputs"][s], plan)]
+        # each shard's items are taken from the source when its task is handed out, not all
+        # at once (a spilled source stays on disk: prepare/spill.py)
+        tasks = (ShardTask(s, items[s * shard_size : (s + 1) * shard_size],
+                           plan["shard_inputs"][s]) for s in todo)  # fmt: skip
+        total = sum(min(shard_size, len(items) - s * shard_size) for s in todo)
+        reused = len(mine) - len(todo)
         try:
-            audio_s = run_shards(tasks, out_dir, cfg, workers, codec, tok, progress)
+            audio_s = run_shards(tasks, out_dir, cfg, workers, codec, tok, progress, total,
+                                 len(todo))  # fmt: skip
         except BaseException:
             if (
                 created
@@ -257,7 +259,7 @@ def _prepare_part(items, description: dict, out_dir: str, t0: float, *, codec, t
                 shutil.rmtree(out_dir, ignore_errors=True)  # made by this run, nothing finished
             raise
         elapsed = time.monotonic() - t0
-        run_info = {"shards_reused": reused, "shards_written": len(tasks),
+        run_info = {"shards_reused": reused, "shards_written": len(todo),
                     "elapsed_seconds": round(elapsed, 3),
                     "audio_seconds_per_second": round(audio_s / max(elapsed, 1e-9), 2)}  # fmt: skip
         if part[1] > 1:

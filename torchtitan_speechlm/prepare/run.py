@@ -9,10 +9,12 @@ progress travels over a queue.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 import numpy as np
@@ -53,11 +55,17 @@ class Progress:
               f"elapsed {elapsed:.0f}s, ETA {eta:.0f}s", file=sys.stderr, flush=True)  # fmt: skip
 
 
-def run_shards(tasks: list[ShardTask], out_dir: str, cfg: WorkerConfig, workers: int, codec, tok,
-               progress: bool) -> float:  # fmt: skip
-    """Prepare every task's shard; return the seconds of audio encoded."""
-    bar = Progress(sum(len(t.items) for t in tasks), progress)
-    if not tasks:
+def run_shards(tasks: Iterable[ShardTask], out_dir: str, cfg: WorkerConfig, workers: int,
+               codec, tok, progress: bool, total: int | None = None,
+               count: int | None = None) -> float:  # fmt: skip
+    """Prepare every task's shard; return the seconds of audio encoded. ``tasks`` may be a
+    generator (each shard's items taken when its task is handed out: at most 2 x workers are
+    in flight); ``total`` items in ``count`` tasks (default: counted from a list)."""
+    if total is None or count is None:
+        tasks = list(tasks)
+        total, count = sum(len(t.items) for t in tasks), len(tasks)
+    bar = Progress(total, progress)
+    if not count:
         return 0.0
     if workers == 1:
         use_in_process(cfg, codec, tok, bar.add)
@@ -66,7 +74,7 @@ def run_shards(tasks: list[ShardTask], out_dir: str, cfg: WorkerConfig, workers:
         return bar.seconds
     ctx = worker_context(cfg.device)
     queue = ctx.Queue()
-    n = min(workers, len(tasks))
+    n = min(workers, count)
     threads = None if "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // n)
     devices = worker_devices(cfg.device, n)
     device_queue = None
@@ -76,7 +84,8 @@ def run_shards(tasks: list[ShardTask], out_dir: str, cfg: WorkerConfig, workers:
             device_queue.put(d)
     with ProcessPoolExecutor(n, mp_context=ctx, initializer=init_worker,
                              initargs=(cfg, queue, threads, device_queue)) as pool:  # fmt: skip
-        pending = {pool.submit(run_shard, t, out_dir) for t in tasks}
+        tasks = iter(tasks)
+        pending = {pool.submit(run_shard, t, out_dir) for t in itertools.islice(tasks, 2 * n)}
         try:
             while pending:
                 done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -84,6 +93,8 @@ def run_shards(tasks: list[ShardTask], out_dir: str, cfg: WorkerConfig, workers:
                     bar.add(*queue.get())
                 for f in done:
                     f.result()  # re-raises a worker's error (e.g. strict mode)
+                pending |= {pool.submit(run_shard, t, out_dir)
+                            for t in itertools.islice(tasks, len(done))}  # fmt: skip
         except BaseException:
             for f in pending:
                 f.cancel()

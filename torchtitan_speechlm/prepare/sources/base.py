@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torchtitan_speechlm.prepare.items import ManifestItem
@@ -15,7 +15,7 @@ from torchtitan_speechlm.utils.registry import Registry
 class SourceRead:
     """What a source reader returns."""
 
-    items: list[ManifestItem]
+    items: Sequence[ManifestItem]  # a list, or prepare/spill.py's SpilledItems (on disk)
     description: dict  # recorded as "source" in plan.json and metadata.json ({"type": name, ...})
     hf_reader: tuple | None = None  # (path, audio_column, split): workers read HF rows themselves
 

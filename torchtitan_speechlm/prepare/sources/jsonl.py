@@ -14,8 +14,12 @@ the item is its own speaker).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from array import array
+
+import numpy as np
 
 from torchtitan_speechlm.prepare.items import (
     ROLES,
@@ -30,6 +34,7 @@ from torchtitan_speechlm.prepare.sources.base import (
     SourceRead,
     register_source,
 )
+from torchtitan_speechlm.prepare.spill import SpilledItems
 from torchtitan_speechlm.utils.text_files import text_lines
 
 
@@ -66,18 +71,20 @@ def _parse_turns(turns, base: str, where: str) -> list[TurnSpec]:
     return out
 
 
-def read_jsonl_manifest(path: str) -> list[ManifestItem]:
+def read_jsonl_manifest(path: str, items=None):
     """Parse a JSONL manifest; blank lines are skipped, ids must be unique.
 
     Relative audio paths resolve against the manifest's folder so a corpus directory can be
-    moved as a whole.
+    moved as a whole. ``items``: where the items go (``append``; default a new list, returned),
+    e.g. a ``SpilledItems``: the reader itself keeps 8 bytes per item (a hash of its id, for the
+    duplicate check).
     """
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"manifest {path} not found")
     base = os.path.dirname(path)
-    items: list[ManifestItem] = []
-    seen: dict[str, int] = {}
+    items = [] if items is None else items
+    ids = array("Q")  # a 64-bit hash of every id: duplicates are found when the file is read
     for lineno, line in text_lines(path, ManifestError):
         if not line.strip():
             continue
@@ -91,11 +98,7 @@ def read_jsonl_manifest(path: str) -> list[ManifestItem]:
         item_id = _str_key(row, "id", where, True)
         if not item_id:
             raise ManifestError(f"{where}: empty id")
-        if item_id in seen:
-            raise ManifestError(
-                f"{where}: duplicate id {item_id!r} (first on line {seen[item_id]})"
-            )
-        seen[item_id] = lineno
+        ids.append(_id_hash(item_id))
         speaker = speaker_label(row.get("speaker"), where)
         if "turns" in row:
             if "audio" in row or "text" in row:
@@ -113,11 +116,38 @@ def read_jsonl_manifest(path: str) -> list[ManifestItem]:
             raise ManifestError(f"{where}: needs 'audio', 'text' or 'turns'")
         audio = _resolve(base, audio) if audio is not None else None
         items.append(ManifestItem(item_id, audio, text or "", lineno, where, speaker=speaker))
+    if hasattr(items, "seal"):
+        items.seal()  # readable: the duplicate check names the lines
+    _refuse_duplicates(ids, items)
     return items
 
 
+def _id_hash(item_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(item_id.encode(), digest_size=8).digest(), "little")
+
+
+def _refuse_duplicates(ids: array, items) -> None:
+    """The first line (in file order) whose id an earlier line has, named with both lines."""
+    h = np.frombuffer(ids, dtype=np.uint64) if len(ids) else np.zeros(0, np.uint64)
+    ordered = np.sort(h)  # 8 more bytes per item, for a moment
+    if not (ordered[1:] == ordered[:-1]).any():
+        return
+    del ordered
+    order = np.argsort(h, kind="stable")  # only when there is a duplicate: to name it
+    same = np.flatnonzero(h[order][1:] == h[order][:-1])
+    clashes = sorted((int(order[k + 1]), int(order[k])) for k in same)  # (later, earlier)
+    for later, earlier in clashes:
+        a, b = items[earlier], items[later]
+        if a.id == b.id:  # (not a 64-bit hash collision of two ids)
+            first = int(np.flatnonzero(h == h[later])[0])
+            raise ManifestError(
+                f"{b.where}: duplicate id {b.id!r} (first on line {items[first].line})"
+            )
+
+
 def _read(path: str) -> SourceRead:
-    return SourceRead(read_jsonl_manifest(path), {"type": "manifest"})
+    # on disk while prepare plans and encodes (prepare/spill.py): O(shards) in memory
+    return SourceRead(read_jsonl_manifest(path, SpilledItems()), {"type": "manifest"})
 
 
 register_source(
