@@ -217,9 +217,8 @@ class Mixture:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         with ThreadPoolExecutor(max_workers=max(1, min(len(keys), cores or 1))) as pool:
             orders = list(pool.map(lambda k: self.epoch_order(*k), keys))
-        n = self.step_pieces
         for key, order in zip(keys, orders, strict=True):
-            self._epoch_perm[key] = {j: order[j::n].copy() for j in self.own_shards}
+            self._epoch_perm[key] = self._own_shares(order)
 
     def _shuffled_whole(self, src: int) -> bool:
         """Whether the source's walk takes every S-th item of an epoch order (shuffled, at
@@ -236,6 +235,10 @@ class Mixture:
         )
         return perm if self._whole[src] else compact(idx[perm])
 
+    def _own_shares(self, order: np.ndarray) -> dict[int, np.ndarray]:
+        """Each own shard's every-S-th items of an epoch's order (copies: the order goes)."""
+        return {j: order[j :: self.step_pieces].copy() for j in self.own_shards}
+
     def _epoch_share(self, src: int, epoch: int, shard: int) -> np.ndarray:
         """Shard ``shard``'s every-S-th items of the epoch's order, the order computed once per
         (source, epoch) for every shard of this process; only the epochs some shard of it is
@@ -243,11 +246,9 @@ class Mixture:
         key = (src, epoch)
         got = self._epoch_perm.get(key)
         if got is None:
-            order, n = self.epoch_order(src, epoch), self.step_pieces
-            if self.own_shards is not None and shard in self.own_shards:
-                got = {j: order[j::n].copy() for j in self.own_shards}
-            else:
-                got = order
+            order = self.epoch_order(src, epoch)
+            in_own = self.own_shards is not None and shard in self.own_shards
+            got = self._own_shares(order) if in_own else order
             live = {(s, e) for (s, _), (e, _) in self._perm_cache.items()} | {key}
             for k in [k for k in self._epoch_perm if k not in live]:
                 del self._epoch_perm[k]

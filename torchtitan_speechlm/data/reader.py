@@ -94,7 +94,7 @@ class PreparedDataset:
         fetch = None
         if self.mirror is not None:
             self.mirror.index_files(self.metadata, sizes=verify != "none")
-            fetch = self._fetcher([(files_of(self.metadata, e), {"name": e.get("name")})
+            fetch = self._fetcher([(files_of(self.metadata, e), str(e.get("name")))
                                    for e in self.metadata.get("shards", [])])  # fmt: skip
         columns, self.index_info = open_index(
             self.path, self.metadata, meta_bytes, verify, remote=self.mirror is not None
@@ -118,15 +118,15 @@ class PreparedDataset:
         if self.waveform:
             self._open_waves()
 
-    def _fetcher(self, shards: list[tuple[dict, dict]]):
+    def _fetcher(self, shards: list[tuple[dict, str]]):
         """For a mirrored dataset: ``fetch(s, keep)`` puts shard s's arrays in the mirror,
         checked against ``shards[s]``'s recorded files (sizes, sha256s), sparing the open shard
         folders ``keep`` from eviction."""
         mirror, checksums = self.mirror, self.verify == "full"
 
         def fetch(s: int, keep: list[str]) -> None:
-            files, entry = shards[s]
-            mirror.shard_arrays(files, entry, checksums,
+            files, name = shards[s]
+            mirror.shard_arrays(files, name, checksums,
                                 [os.path.relpath(k, mirror.root) for k in keep])  # fmt: skip
 
         return fetch

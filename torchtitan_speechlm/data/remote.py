@@ -194,12 +194,12 @@ class Mirror:
         return {k[len(self.base) + 1 :]: int(v.get("size") or 0) for k, v in found.items()}
 
     # ---- a shard's arrays --------------------------------------------------------------------
-    def shard_arrays(self, files: dict, entry: dict, checksums: bool,
+    def shard_arrays(self, files: dict, name: str, checksums: bool,
                      keep: Iterable[str] = ()) -> None:  # fmt: skip
         """The shard's arrays in the mirror (fetched if absent; touched if present), then the
         mirror's arrays cut to ``remote_cache_gb``, sparing the shard folders in ``keep``.
-        ``files``: ``files_of`` the shard."""
-        sdir = f"{SHARDS_DIR}/{entry.get('name')}"
+        ``files``: ``files_of`` the shard ``name``."""
+        sdir = f"{SHARDS_DIR}/{name}"
         wanted = [(f"{sdir}/{n}", files.get(n)) for n in ARRAYS
                   if n in files or n != AUDIO_WAVE]  # fmt: skip
         missing, now = [], time.time()
