@@ -20,7 +20,8 @@ batch layout (pack, local batch 4, global batch 128 = dp 8 x accumulation 4, seq
   stream and the validation set built once; ``check_training_data``: the tokenizer round trip
   of sampled items), first on a dataset never opened (it builds the mapped index and verifies
   every byte once, ``verify_shards = "full"``), then again;
-- ``rank``: open (``open_prepared``), start -> first micro-batch (after the torch and
+- ``rank``: with the launcher's checked index keys in its environment, as ``torchtitan train``
+  starts its ranks (data/index_store.py: ``CHECKED_ENV``): open (``open_prepared``), start -> first micro-batch (after the torch and
   transformers imports, which are timed apart), memory (``RssAnon``: private, anonymous; ``RssFile``: file pages,
   the page cache the ranks of a node share), open descriptors, per-batch time;
 - ``resume``: a fresh rank loading a position deep into an epoch (90% through every shard's
@@ -178,6 +179,7 @@ def child(kind: str, toml: str, state_path: str) -> dict:
     import transformers  # noqa: F401  (a library import too: prepare_run reads an HF config)
 
     from torchtitan_speechlm.data.catalog import open_prepared
+    from torchtitan_speechlm.data.index_store import CHECKED_ENV, export_checked_indexes
     from torchtitan_speechlm.trainer.builders import check_data, stream
     from torchtitan_speechlm.trainer.preflight import check_training_data
     from torchtitan_speechlm.trainer.run import prepare_run
@@ -191,7 +193,9 @@ def child(kind: str, toml: str, state_path: str) -> dict:
         plan = prepare_run(jc)[0]
         check_data(jc, plan)
         check_training_data(jc, plan)
+        export_checked_indexes()  # as commands/train.py does before it starts the ranks
         out["check_s"], out["check_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+        out["checked_env"] = os.environ.get(CHECKED_ENV, "")
         ds = open_prepared(os.path.abspath(plan.data.datasets["train"]), plan.data.verify_shards)
         info = ds.index_info
         out["index"] = {"built": info.built, "verified_full": info.verified_full,
@@ -231,11 +235,15 @@ def child(kind: str, toml: str, state_path: str) -> dict:
     return out
 
 
-def run_child(kind: str, toml: str, state_path: str) -> dict:
+def run_child(kind: str, toml: str, state_path: str, checked: str = "") -> dict:
+    """``checked``: the launcher's checked index keys, which the ranks inherit
+    (data/index_store.py: ``CHECKED_ENV``)."""
+
     def limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
 
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env["TORCHTITAN_SPEECHLM_CHECKED_INDEXES"] = checked
     p = subprocess.run(
         [sys.executable, __file__, "--child", kind, "--toml", toml, "--state", state_path],
         capture_output=True, text=True, env=env, preexec_fn=limit, cwd=REPO,
@@ -296,8 +304,12 @@ def scale(work: str, paths: dict, n_items: int, n_shards: int, repeats: int = 1,
     res = {"items": n_items, "shards": n_shards, "synthesis_s": synth_s}
     res["launcher_first"] = run_child("launcher", toml, state)
     res["launcher"] = run_child("launcher", toml, state)
-    res["rank"] = median_run([run_child("rank", toml, state) for _ in range(repeats)])
-    res["resume"] = median_run([run_child("resume", toml, state) for _ in range(repeats)])
+    checked = res["launcher"].pop("checked_env")
+    res["launcher_first"].pop("checked_env")
+    res["rank"] = median_run([run_child("rank", toml, state, checked) for _ in range(repeats)])
+    res["resume"] = median_run(
+        [run_child("resume", toml, state, checked) for _ in range(repeats)]
+    )
     r = res["rank"]
     private = r["memory"]["RssAnon"] - r["base_memory"]["RssAnon"]
     res["summary"] = {

@@ -24,6 +24,7 @@ from dataclasses import fields, is_dataclass
 from torchtitan_speechlm.components.resume import completed_run_step
 from torchtitan_speechlm.config import ConfigError, check_toml
 from torchtitan_speechlm.config.toml_check import check_toml_file
+from torchtitan_speechlm.data.index_store import CHECKED_ENV, export_checked_indexes
 from torchtitan_speechlm.trainer import lifecycle
 from torchtitan_speechlm.trainer.builders import check_data
 from torchtitan_speechlm.trainer.faults import exit_on_user_fault
@@ -155,6 +156,7 @@ def checked_config(args: list[str], external=None) -> tuple[object, RunPlan | No
     plan, _, _ = prepare_run(job_config, external)
     check_data(job_config, plan)
     check_training_data(job_config, plan)
+    export_checked_indexes()  # the ranks skip the stat of every shard file done here
     return job_config, plan
 
 
@@ -235,6 +237,7 @@ def train_command(args: list[str]) -> int:
     args = torchtitan_args(args)
     if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         os.environ.pop(VERIFIED_ENV, None)  # the launcher sums every file of what it loads
+        os.environ.pop(CHECKED_ENV, None)  # and stats every shard file of its datasets
     try:
         job_config, plan = checked_config(args)
         if plan is not None:

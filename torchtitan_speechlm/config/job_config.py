@@ -119,13 +119,14 @@ class SpeechLMData:
     shuffle: bool = True
     """Shuffle items (per epoch) and rows / micro-batches (per window) in training;
     validation never shuffles."""
-    order: Literal["permutation", "keyed"] = "permutation"
-    """How an epoch orders each source's items. `permutation`: numpy's Fisher-Yates shuffle
-    per epoch (O(items) time and memory on every rank before its first batch: ~0.4 s and 40 MB
-    per 10^7 items and source). `keyed`: a keyed bijection evaluated only at the positions a
-    rank reads (data/keyed_order.py): the same start-up at any corpus size; for corpora of
-    10^7+ items. Another order, so other batches; a run resumes only with the order it
-    started with."""
+    order: Literal["auto", "keyed", "permutation"] = "auto"
+    """How an epoch orders each source's items. `keyed`: a keyed bijection evaluated only at
+    the positions a rank reads (data/keyed_order.py): the same start-up at any corpus size.
+    `permutation`: numpy's Fisher-Yates shuffle per epoch, the order of runs before stream
+    version 2 (O(items) time and memory on every rank before its first batch: ~0.4 s and 40 MB
+    per 10^7 items and source). `auto`: `keyed` for a new run; a resumed run continues in the
+    order its checkpoint was cut with (said in the log). An explicit value that differs from
+    the checkpoint's is refused."""
     batching: Batching = "pack"
     """`pack`: several samples per row of `training.seq_len` frames, document-masked;
     `bucket`: one sample per row, length-sorted within a window, padded to the longest."""

@@ -27,9 +27,12 @@ opening a dataset costs nothing however large it is.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -247,8 +250,29 @@ def parse_metadata(data: bytes) -> dict:
     if got is None or got[0] != data:
         if len(_PARSED) >= 4:
             _PARSED.pop(next(iter(_PARSED)))
-        got = _PARSED[key] = (data, json.loads(data))
+        got = _PARSED[key] = (data, loads_paused(data))
     return got[1]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused: a metadata.json of 10^4 shards makes ~3x10^5
+    objects, and every collection they trigger walks the millions that torch and transformers
+    hold (its ``json.loads`` takes 0.34 s instead of 0.05 s in a training process). Only for
+    code that makes no cycles (JSON, dicts of shard records)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def loads_paused(data: bytes) -> dict:
+    """``json.loads`` under ``gc_paused``."""
+    with gc_paused():
+        return json.loads(data)
 
 
 def read_json(path: str, what: str = "") -> dict:

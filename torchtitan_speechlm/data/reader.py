@@ -16,12 +16,17 @@ from torchtitan_speechlm.data.format import (
     CorruptDatasetError,
     PreparedItem,
     Turn,
+    gc_paused,
     parse_metadata,
 )
 from torchtitan_speechlm.data.index_store import LAYOUT, STARTS, open_index
 from torchtitan_speechlm.data.item_index import ItemIndex, KindColumn
 from torchtitan_speechlm.data.remote import Mirror, RemoteCache, files_of, is_url
-from torchtitan_speechlm.data.shard_files import ShardCache, read_wave_index
+from torchtitan_speechlm.data.shard_files import (
+    ShardCache,
+    read_wave_index,
+    recorded_array_sizes,
+)
 from torchtitan_speechlm.data.speakers import SpeakerTable
 
 
@@ -100,12 +105,17 @@ class PreparedDataset:
             self.path, self.metadata, meta_bytes, verify, remote=self.mirror is not None
         )
         starts, layout = columns.pop(STARTS), columns.pop(LAYOUT)
-        # checked: their records of files (sizes, sha256s) are not kept
-        self.metadata["shards"] = [{k: v for k, v in e.items() if k != "files"}
-                                   for e in self.metadata.get("shards", [])]  # fmt: skip
+        # checked: their records of files (sha256s) are not kept, only the arrays' sizes,
+        # which each shard's first open checks (ShardCache)
+        entries = self.metadata.get("shards", [])
+        with gc_paused():
+            sizes = recorded_array_sizes(entries)
+            self.metadata["shards"] = [{k: v for k, v in e.items() if k != "files"}
+                                       for e in entries]  # fmt: skip
         self.waveform: dict | None = self.metadata.get("waveform")
         self.shards = ShardCache(self.path, self.metadata, columns, starts, shard_cache,
-                                 waves=bool(self.waveform), fetch=fetch, layout=layout)  # fmt: skip
+                                 waves=bool(self.waveform), fetch=fetch, layout=layout,
+                                 sizes=sizes)  # fmt: skip
         self.index = ItemIndex(columns, starts, self.shards.path)
         self.ids = self.index.ids  # read lazily (data/item_index.py)
         self.texts = self.index.texts

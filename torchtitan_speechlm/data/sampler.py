@@ -12,10 +12,12 @@ import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from torchtitan.tools.logging import logger
+
 from torchtitan_speechlm.data.mixing import Mixture
 from torchtitan_speechlm.data.planner import Unit
 from torchtitan_speechlm.data.position import ShardCursor, StreamPosition, WindowState
-from torchtitan_speechlm.data.settings import StreamSettings
+from torchtitan_speechlm.data.settings import ORDERS, StreamSettings
 from torchtitan_speechlm.data.shards import ShardLayout
 from torchtitan_speechlm.data.windows import ShardWindows
 from torchtitan_speechlm.model.vocab import VocabMismatchError
@@ -119,7 +121,8 @@ class StreamSampler:
     def piece_params(self) -> dict:
         """What a piece is made of: a resume with other values cannot continue the stream
         (``order`` only when not the default: the positions of runs before it had none)."""
-        keyed = {"order": self.settings.order} if self.settings.order != "permutation" else {}
+        order = self.mixture.order
+        keyed = {"order": order} if order != "permutation" else {}
         return {"mode": self.settings.mode, "seq_len": self.settings.seq_len, **keyed}
 
     def state_dict(self, vocab: str) -> dict:
@@ -136,12 +139,26 @@ class StreamSampler:
     def load_state_dict(self, state: dict, vocab: str) -> None:
         """Continue from a saved position (any rank's merged state; this rank takes its own
         shards), refusing one this run cannot continue."""
+        if self.settings.order == "auto":  # continue in the checkpoint's order
+            self.follow_order(state.get("pieces", {}).get("order", "permutation"))
         check_same_stream(state, self.names, vocab, self.piece_params)
         pos = StreamPosition.from_dict(copy.deepcopy(state["position"]))
         check_layout(pos, self.layout)
         self._start = self._position = pos.for_rank(
             self.layout.own_shards(), self.layout.accumulation
         )
+
+    def follow_order(self, saved: str) -> None:
+        """``order = "auto"``: take the saved stream's epoch order (a run started before
+        stream version 2 continues on numpy's permutation)."""
+        if saved != self.mixture.order and saved in ORDERS:
+            logger.info(
+                f'speechlm_data.order = "auto": the checkpoint\'s data stream was cut with '
+                f"order {saved!r}; continuing in it (a new run would use "
+                f"{self.settings.start_order!r})"
+            )
+            self.mixture.order = saved
+            self.mixture.reset()
 
     def micro_batch(self, pieces: list) -> Unit:
         """A micro-batch from its slice's pieces: B rows (pack) or the one unit (bucket)."""

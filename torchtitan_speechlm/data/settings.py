@@ -13,7 +13,8 @@ from typing import get_args
 
 from torchtitan_speechlm.config import Batching, ConfigError
 
-ORDERS = ("permutation", "keyed")
+ORDERS = ("auto", "keyed", "permutation")
+NEW_RUN_ORDER = "keyed"  # what "auto" means for a stream not resumed (stream version 2)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class StreamSettings:
     cfg_dropout: float = 0.0
     max_too_long_fraction: float = 1.0
     seq_len_key: str = "training.seq_len"
-    order: str = "permutation"  # speechlm_data.order (data/mixing.py, keyed_order.py)
+    order: str = "auto"  # speechlm_data.order (data/mixing.py, keyed_order.py)
 
     def __post_init__(self) -> None:
         problem = next(self._problems(), None)
@@ -67,6 +68,11 @@ class StreamSettings:
             yield "speechlm_data.window must be >= 1"
         if self.order not in ORDERS:
             yield f"speechlm_data.order must be one of {ORDERS}, got {self.order!r}"
+
+    @property
+    def start_order(self) -> str:
+        """The epoch order of a stream not resumed (``auto``: ``NEW_RUN_ORDER``)."""
+        return NEW_RUN_ORDER if self.order == "auto" else self.order
 
     @property
     def token_budget(self) -> int:

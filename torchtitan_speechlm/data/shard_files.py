@@ -235,6 +235,19 @@ def layout_row(text: np.ndarray, codes: np.ndarray) -> list[int]:
     return [int(v) for x in (text, codes) for v in (x.offset, x.dtype.itemsize, x.shape[0])]
 
 
+def recorded_array_sizes(entries: list[dict]) -> np.ndarray:
+    """int64 [shards, 2]: each shard's text tokens' and codes' sizes as metadata.json records
+    them (-1 where it records none), kept where the records themselves are not."""
+    out = np.full((len(entries), 2), -1, dtype=np.int64)
+    for s, entry in enumerate(entries):
+        files = entry.get("files") or {}
+        for k, name in enumerate((TEXT_TOKENS, AUDIO_CODES)):
+            size = (files.get(name) or {}).get("bytes")
+            if isinstance(size, int):
+                out[s, k] = size
+    return out
+
+
 @dataclass
 class OpenShard:
     """One shard, checked: its folder, its text tokens and codes (and waveforms, for a dataset
@@ -254,13 +267,17 @@ class ShardCache:
     def __init__(self, root: str, metadata: dict, columns: dict, starts: np.ndarray,
                  capacity: int | None = None, waves: bool = False,
                  fetch: Callable[[int, list[str]], None] | None = None,
-                 layout: np.ndarray | None = None):  # fmt: skip
+                 layout: np.ndarray | None = None,
+                 sizes: np.ndarray | None = None):  # fmt: skip
         """``fetch(s, keep)``: a mirrored dataset's (data/remote.py), called before shard s is
         opened to put its arrays in the local folder; ``keep``: the open shards' folders.
         ``layout``: the index's per-shard ``LAYOUT`` rows (where each shard's arrays' data start
         and the codes' item size, found when the index was built and the shard checked;
-        -1: not checked there, so checked here on its first open)."""
+        -1: not checked there, so checked here on its first open). ``sizes``: int64 [shards,
+        2], the text tokens' and codes' sizes metadata.json records (``recorded_array_sizes``;
+        -1: none), checked when a shard is opened from the index's layout."""
         self.root, self.metadata, self.columns, self.starts = root, metadata, columns, starts
+        self.sizes = sizes
         self.fetch = fetch
         self.layout = layout
         self.entries = metadata.get("shards", [])
@@ -312,6 +329,19 @@ class ShardCache:
                    (codes_at, np.dtype(f"<i{codes_size}"), (codes_rows, n)))  # fmt: skip
         return got
 
+    def _check_sizes(self, s: int, files: tuple) -> None:
+        """Shard s's open arrays against the sizes metadata.json records (one ``fstat`` each):
+        the index's layout is that of the files it was built from."""
+        if self.sizes is None:
+            return
+        for k, (_name, rows) in enumerate(files):
+            want, got = int(self.sizes[s, k]), os.fstat(rows.fd).st_size
+            if want >= 0 and got != want:
+                raise CorruptDatasetError(
+                    f"{rows.path} has {got} bytes, metadata.json records {want} (changed since "
+                    f"the dataset's index was checked); {REGENERATE}"
+                )
+
     def _open_shard(self, s: int) -> OpenShard:
         sdir = self.path(s)
         layout = self._known_layout(s)
@@ -323,6 +353,8 @@ class ShardCache:
             layout = self._layout[s] = array_layout(*arrays)
         text, codes = (RowFile(os.path.join(sdir, f), *lay)
                        for f, lay in zip((TEXT_TOKENS, AUDIO_CODES), layout, strict=True))  # fmt: skip
+        if s not in self._layout:  # known from the index: its sizes, checked on this open
+            self._check_sizes(s, ((TEXT_TOKENS, text), (AUDIO_CODES, codes)))
         wave = (
             RowFile.of(open_array(os.path.join(sdir, AUDIO_WAVE), "i", 1)) if self.waves else None
         )

@@ -99,7 +99,7 @@ class SpeechLMDataset(IterableDataset, Stateful):
         cfg_dropout: float = 0.0,
         max_too_long_fraction: float = 1.0,
         seq_len_key: str = "training.seq_len",
-        order: str = "permutation",
+        order: str = "auto",
     ):
         self.settings = StreamSettings(  # refuses values out of range, naming the key
             seq_len=seq_len,
@@ -134,7 +134,7 @@ class SpeechLMDataset(IterableDataset, Stateful):
             length=self.lengths_table.length,
             prompts=self.prompts,
             own_shards=self.own_shards(),
-            order=self.settings.order,
+            order=self.settings.start_order,
         )
         self.sampler = StreamSampler(mixture, self.settings, self.shards)
         self.examples = Examples(sources, builder)

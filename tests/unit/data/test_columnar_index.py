@@ -176,6 +176,40 @@ def test_full_verification_is_done_once_per_dataset(varied, tmp_path, monkeypatc
         PreparedDataset(copy, verify="full")
 
 
+def test_ranks_take_the_launchers_checked_key_and_check_sizes_when_they_open_a_shard(
+    varied, tmp_path, monkeypatch
+):
+    """The launcher stats every shard file (index_key) and hands its keys to the ranks
+    (CHECKED_ENV): a rank does not stat them again, and a shard array changed after that
+    check is refused when the rank opens that shard, naming the file and both sizes."""
+    from torchtitan_speechlm.data import index_store
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(varied, copy, ignore=shutil.ignore_patterns("index"))
+    monkeypatch.delenv(index_store.CHECKED_ENV, raising=False)
+    monkeypatch.setattr(index_store, "_CHECKED", {})
+    keyed = []
+    real = index_store.index_key
+    monkeypatch.setattr(
+        index_store, "index_key", lambda *a, **k: keyed.append(a[0]) or real(*a, **k)
+    )
+    PreparedDataset(copy, verify="size")  # the launcher
+    assert keyed == [copy]
+    index_store.export_checked_indexes()
+    assert json.loads(os.environ[index_store.CHECKED_ENV])[copy][1].startswith("2:")
+    codes = os.path.join(copy, "shards", "00002", "audio_codes.npy")
+    with open(codes, "ab") as f:  # changed after the launcher's check
+        f.write(b"\0")
+    rank = PreparedDataset(copy, verify="size")
+    assert keyed == [copy]  # no stat of every shard file
+    rank.shards.get(1)  # an unchanged shard opens
+    with pytest.raises(CorruptDatasetError, match=r"00002/audio_codes.npy has \d+ bytes, metadata"):
+        rank.shards.get(2)
+    monkeypatch.delenv(index_store.CHECKED_ENV)  # another launcher: its own check refuses it
+    with pytest.raises(CorruptDatasetError, match=r"00002/audio_codes.npy has \d+ bytes"):
+        PreparedDataset(copy, verify="size")
+
+
 def test_a_damaged_index_names_the_shard_and_the_file(varied, tmp_path):
     bad = str(tmp_path / "bad")
     shutil.copytree(varied, bad, ignore=shutil.ignore_patterns("index"))

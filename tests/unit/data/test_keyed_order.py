@@ -99,6 +99,29 @@ def test_a_resume_with_the_other_order_is_refused_naming_the_key():
     assert "order" not in state["pieces"]  # the default's positions are as before
 
 
+def test_auto_starts_keyed_and_resumes_in_the_checkpoints_order(caplog):
+    """``order = "auto"`` (the default since stream version 2): a new run is the keyed stream;
+    a resume continues in the order its checkpoint was cut with, said in the log: a run
+    started on numpy's permutation (its positions record no order) continues exactly as the
+    uninterrupted permutation stream, a keyed one as the keyed stream."""
+    keyed = [batch_hash(b[0]) for b in take(make(order="keyed"), 6)]
+    assert [batch_hash(b[0]) for b in take(make(order="auto"), 6)] == keyed
+    for saved in ("permutation", "keyed"):
+        full = [batch_hash(b[0]) for b in take(make(order=saved), 6)]
+        first = make(order=saved)
+        it = iter(first)
+        for _ in range(2):
+            next(it)
+        resumed = make(order="auto")
+        with caplog.at_level("INFO"):
+            resumed.load_state_dict(first.state_dict())
+        assert [batch_hash(b[0]) for b in take(resumed, 4)] == full[2:]
+        followed = f"cut with order {saved!r}; continuing in it" in caplog.text
+        assert followed == (saved == "permutation")  # keyed: auto's own order, nothing to say
+        assert resumed.state_dict()["pieces"] == first.state_dict()["pieces"]
+        caplog.clear()
+
+
 def test_a_share_costs_what_it_reads_not_the_source():
     """Reading the first 100 items of a shard: the same work at 10^5 and 10^8 items (the
     default order would shuffle 10^8 items first: seconds and 800 MB)."""
