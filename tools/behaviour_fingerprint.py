@@ -13,8 +13,9 @@ thing on any version of the package:
 - on a corpus unlike the demo's (espeak-ng speech of 0.4-6 s, Kaldi segments, a tiny Llama
   backbone, four tasks): pack and bucket batching on 1 and 2 ranks with accumulation, the
   ``parallel`` and ``flatten`` patterns, and resume mid-epoch (on the same layout and on
-  another one); and ``speechlm_data.order = "keyed"`` on 1 and 2 ranks and resumed (the other
-  order's own fingerprint).
+  another one); and ``speechlm_data.order``: the default (``auto``: ``keyed`` for a new run
+  since stream version 2), ``keyed`` and ``permutation`` (the order before) on 1 and 2 ranks,
+  each resumed, and a ``permutation`` run resumed by the default (it continues in its order).
 
 Per run it records every rank's micro-batch hashes (``speechlm_data.log_batch_hashes``: the
 content of inputs, targets, weights and positions, and of each sample), and every logged
@@ -93,9 +94,13 @@ VARIED_RUNS = {
     "parallel_1": (1, ["--speechlm.pattern", "parallel", "--training.steps", "4"]),
     "flatten_1": (1, ["--speechlm.pattern", "flatten", "--training.seq_len", "1536",
                       "--training.steps", "4"]),
-    # speechlm_data.order = "keyed" (data/keyed_order.py): the other order's own fingerprint
+    # speechlm_data.order (data/keyed_order.py): "auto" (the default) starts "keyed" since
+    # stream version 2; "permutation" is the order of every run before it (its batches must
+    # equal the older fingerprints' pack_1 / pack_2)
     "keyed_1": (1, ["--speechlm_data.order", "keyed"]),
     "keyed_2": (2, ["--speechlm_data.order", "keyed"]),
+    "permutation_1": (1, ["--speechlm_data.order", "permutation"]),
+    "permutation_2": (2, ["--speechlm_data.order", "permutation"]),
 }  # fmt: skip
 # resumes: (first part, second part) run in one dump folder
 RESUMES = {
@@ -108,6 +113,9 @@ RESUMES = {
     ),
     "resume_keyed_2_1": ((2, ["--training.steps", "4", "--speechlm_data.order", "keyed"]),
                          (1, ["--speechlm_data.order", "keyed"])),
+    # a run of stream version 1 (permutation) resumed by the default ("auto"): continues it
+    "resume_permutation_2_auto_2": (
+        (2, ["--training.steps", "4", "--speechlm_data.order", "permutation"]), (2, [])),
 }  # fmt: skip
 
 
