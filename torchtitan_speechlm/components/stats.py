@@ -26,6 +26,14 @@ NORMALISED_KEYS: dict[str, str] = {
     "ce_stream{k}": "count_stream{k}",
     "acc_stream{k}": "count_stream{k}",
     "router_aux_loss": "count",
+    # preference training (model/preference.py): sums over pairs, means per pair
+    "preference_loss": "count_pairs",
+    "rewards/chosen": "count_pairs",
+    "rewards/rejected": "count_pairs",
+    "rewards/margins": "count_pairs",
+    "rewards/accuracies": "count_pairs",
+    "logps/chosen": "count_pairs",
+    "logps/rejected": "count_pairs",
 }
 
 
@@ -160,6 +168,8 @@ def finalise(sums: dict[str, float], micro_batches: float) -> dict[str, float]:
     if "data/audio_frames" in sums:
         out["data/audio_frames_total"] = sums["data/audio_frames"]
     out["loss_frames"] = sums.get("count", 0.0)
+    if "count_pairs" in sums:
+        out["preference_pairs"] = sums["count_pairs"]
     return out
 
 
