@@ -5,7 +5,8 @@ prepared dataset and reach its first batch, in time, memory and open files.
     python benchmarks/bench_scale.py --work /tmp/scale --scales 100000:100 --no-prepare  # quick
 
 ``--repeats K``: K rank and resume runs per scale, the median reported (each run's beside it).
-``--order keyed``: the runs with ``speechlm_data.order = "keyed"`` (data/keyed_order.py).
+``--order permutation``: the runs with ``speechlm_data.order = "permutation"`` (the order of
+stream version 1; the default, ``auto``, is ``keyed`` for a new run: data/keyed_order.py).
 
 A real small prepared dataset (``tests/helpers.make_tiny_run_assets``: tones through the real
 ``torchtitan prepare``) is replicated into N items in S shards in the real format: new ids in
@@ -291,7 +292,7 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def scale(work: str, paths: dict, n_items: int, n_shards: int, repeats: int = 1,
-          order: str = "permutation") -> dict:  # fmt: skip
+          order: str = "auto") -> dict:  # fmt: skip
     data = os.path.join(work, f"syn_{n_items}_{n_shards}")
     synth_s = synthesise(paths["prepared"], data, n_items, n_shards)
     shutil.rmtree(os.path.join(data, "index"), ignore_errors=True)  # measure the first open
@@ -349,7 +350,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--no-prepare", action="store_true", help="skip prepare's planning cost")
     p.add_argument("--keep", action="store_true", help="keep the synthetic datasets")
-    p.add_argument("--order", default="permutation", choices=("permutation", "keyed"),
+    p.add_argument("--order", default="auto", choices=("auto", "permutation", "keyed"),
                    help="speechlm_data.order of the runs")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1,
                    help="rank and resume runs per scale (the median is reported)")  # fmt: skip

@@ -167,9 +167,10 @@ def finalise(sums: dict[str, float], micro_batches: float) -> dict[str, float]:
             out[key] = sums[key]  # counts over the interval, not means
     if "data/audio_frames" in sums:
         out["data/audio_frames_total"] = sums["data/audio_frames"]
-    out["loss_frames"] = sums.get("count", 0.0)
-    if "count_pairs" in sums:
+    if "count_pairs" in sums:  # a preference run: its loss is normalised by pairs
         out["preference_pairs"] = sums["count_pairs"]
+    else:
+        out["loss_frames"] = sums.get("count", 0.0)
     return out
 
 

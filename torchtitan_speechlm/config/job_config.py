@@ -89,6 +89,19 @@ class SpeechLM:
     freeze: list[str] = field(default_factory=list)
     """Parameter-name prefixes to freeze (e.g. `backbone.layers.0`); each must match a
     parameter."""
+    preference_loss: Literal["", "dpo", "simpo"] = ""
+    """Preference training (docs/preference.md): the loss of the `*_pref` tasks' chosen /
+    rejected pairs. `dpo`: against the run's starting weights as the frozen reference (their
+    log-probs of every pair computed once, before step 1, into
+    `{dump_folder}/preference_reference/`); `simpo`: reference-free, length-normalised. Empty:
+    no preference training (a mixture with `*_pref` tasks then is refused)."""
+    preference_beta: float | None = None
+    """The preference loss's beta (> 0); unset: the loss's usual value (DPO 0.1, as TRL and
+    ESPnet's DPO recipe; SimPO 2.0, as the SimPO authors)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (>= 0)."""
+    preference_label_smoothing: float = 0.0
+    """Conservative label smoothing of the preference loss (TRL's cDPO), in [0, 0.5)."""
     prompt_seconds: float = 3.0
     """Speaker prompts of the `tts_prompt` task (another utterance of the item's speaker) and
     of `generate --prompt` are cut to their first this many seconds; read only when the

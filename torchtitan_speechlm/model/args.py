@@ -5,6 +5,7 @@ or an export (``pretrained.args_from_record``), or by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -47,6 +48,9 @@ class SpeechLMModelArgs(BaseModelArgs):
     """LoRA's settings (model/lora.py) when the run converts the model with it; empty: none."""
     audio_encoder: dict = field(default_factory=dict)
     """The continuous audio input (``AudioEncoderArgs.to_dict()``); empty: none."""
+    preference: dict = field(default_factory=dict)
+    """The preference loss's settings (``model/preference.py: PreferenceLoss`` as a dict:
+    kind, beta, gamma, label_smoothing); empty: none (the CE loss)."""
     prompt_seconds: float = 0.0
     """The speaker-prompt budget of the prompted task it was trained with (``tts_prompt``,
     ``speechlm.prompt_seconds``); 0: trained without one, so generation refuses a prompt."""
@@ -99,7 +103,15 @@ class SpeechLMModelArgs(BaseModelArgs):
             lora=lora,
             audio_encoder=audio_encoder,
             prompt_seconds=float(prompt_seconds),
+            preference=preference_settings(speechlm),
         )
+
+    @property
+    def preference_loss(self):
+        """The preference loss's settings (``PreferenceLoss``), None without one."""
+        from torchtitan_speechlm.model.preference import PreferenceLoss  # it imports the head
+
+        return PreferenceLoss(**self.preference) if self.preference else None
 
     # ---- derived ---------------------------------------------------------------------------
     @property
@@ -168,3 +180,22 @@ class SpeechLMModelArgs(BaseModelArgs):
         adds it x the interval's clips (``data/audio_clips``) / frames."""
         audio = self.audio
         return training_flops_per_clip(audio, self.hidden_size) if audio else 0
+
+
+def preference_settings(speechlm) -> dict:
+    """``[speechlm]``'s preference keys as ``PreferenceLoss``'s dict (checked: a bad value is
+    a ConfigError naming its key); empty when ``preference_loss`` is unset."""
+    if not speechlm.preference_loss:
+        return {}
+    from torchtitan_speechlm.model.preference import PreferenceLoss  # it imports the head
+
+    try:
+        loss = PreferenceLoss(
+            kind=speechlm.preference_loss,
+            beta=speechlm.preference_beta,
+            gamma=speechlm.simpo_gamma,
+            label_smoothing=speechlm.preference_label_smoothing,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return dataclasses.asdict(loss)

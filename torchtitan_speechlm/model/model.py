@@ -121,8 +121,16 @@ class SpeechLM(ModelProtocol):
         audio_wave: torch.Tensor | None = None,
         audio_lengths: torch.Tensor | None = None,
         audio_index: torch.Tensor | None = None,
+        pref_doc: torch.Tensor | None = None,
+        pref_pairs: torch.Tensor | None = None,
+        pref_ref: torch.Tensor | None = None,
+        pref_logps_only: bool = False,
         **unused: torch.Tensor,
     ) -> SpeechLMOutput | list[torch.Tensor] | torch.Tensor:
+        """Per-stream logits (no ``targets``), or the loss sum and statistics; a preference
+        batch (``pref_doc``, ``pref_pairs``, ``pref_ref``: data/collation.py) takes the
+        preference loss (model/preference.py), or with ``pref_logps_only`` returns its pairs'
+        sequence log-probs [P, 2] (the reference pass, trainer/preference_reference.py)."""
         if self.is_pipeline_stage:
             return self.stage_forward(inputs, targets, loss_weights, position_ids)
         h, aux = self._backbone(
@@ -135,7 +143,13 @@ class SpeechLM(ModelProtocol):
         tied = self.tok_embeddings.weight if self.args.tie_embeddings else None
         if targets is None:
             return self.head.logits(h, tied)
-        out = self._loss(h, aux, targets, loss_weights, tied)
+        pref = None
+        if pref_doc is not None:
+            pref = {"doc": pref_doc, "pairs": pref_pairs, "ref": pref_ref,
+                    "logps_only": pref_logps_only}  # fmt: skip
+        if pref_logps_only:
+            return self.head(h, targets, loss_weights, tied, pref=self._preference(pref))[0]
+        out = self._loss(h, aux, targets, loss_weights, tied, pref)
         load = self.family.expert_load(self.backbone)
         if load is not None:  # tokens routed to each expert, all MoE layers (stats.py: shares)
             out.stats["expert_tokens"] = load.detach().float().sum(0)
@@ -146,10 +160,27 @@ class SpeechLM(ModelProtocol):
             out.stats["data/audio_clips"] = out.loss_sum.new_tensor(float(clips)).float()
         return out
 
-    def _loss(self, h, aux, targets, loss_weights, tied) -> SpeechLMOutput:
-        """The head's loss sum and statistics, and the MoE load-balance term (``aux``)."""
-        loss, stats = self.head(h, targets, loss_weights, tied)
-        count = (loss_weights > 0).any(-1).sum().float()
+    def _preference(self, pref: dict | None) -> dict | None:
+        """A preference batch's tensors with the run's loss settings; refused without them."""
+        if pref is None:
+            return None
+        settings = self.args.preference_loss
+        if settings is None:
+            raise ValueError(
+                "the batch holds preference pairs (a *_pref task) but speechlm.preference_loss "
+                'is not set: set it to "dpo" or "simpo" (docs/preference.md)'
+            )
+        return dict(pref, settings=settings)
+
+    def _loss(self, h, aux, targets, loss_weights, tied, pref=None) -> SpeechLMOutput:
+        """The head's loss sum and statistics, and the MoE load-balance term (``aux``). A
+        preference batch's loss is summed over pairs, so its normaliser ``count`` is the pairs
+        (torchtitan divides by the labels it counts, one per pair: data/collation.py)."""
+        loss, stats = self.head(h, targets, loss_weights, tied, pref=self._preference(pref))
+        if pref is not None:
+            count = stats["count_pairs"]
+        else:
+            count = (loss_weights > 0).any(-1).sum().float()
         stats["count"] = count
         if aux is not None:
             # a per-frame mean, so it enters torchtitan's sum as aux * (this batch's frames)

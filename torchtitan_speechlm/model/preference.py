@@ -202,6 +202,29 @@ def preference_loss_sum(
     return loss, stats
 
 
+def head_preference(
+    head: SpeechLMHead,
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    tied_weight: torch.Tensor | None,
+    pref: dict,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``SpeechLMHead.forward``'s preference path: ``pref`` holds the batch's ``doc``,
+    ``pairs``, ``ref`` (the reference log-probs, NaN where none) and ``settings``; with
+    ``logps_only`` it returns the pairs' log-probs [P, 2] (and no statistics)."""
+    settings, doc, pairs = pref["settings"], pref["doc"], pref["pairs"]
+    if pref.get("logps_only"):
+        return sequence_logps(head, h, targets, weights, doc, pairs, tied_weight), {}
+    ref = pref.get("ref") if settings.kind == "dpo" else None
+    if ref is not None and bool(torch.isnan(ref).any()):
+        raise ValueError(
+            "DPO: the batch has pairs without reference log-probs (computed before step 1 "
+            "into {dump_folder}/preference_reference/: trainer/preference_reference.py)"
+        )
+    return preference_loss_sum(head, h, targets, weights, doc, pairs, ref, settings, tied_weight)
+
+
 def sequence_logps(
     head: SpeechLMHead,
     h: torch.Tensor,
