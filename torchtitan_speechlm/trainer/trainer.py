@@ -32,6 +32,7 @@ from torchtitan_speechlm.trainer.faults import (
     is_unexplained_collective_failure,
 )
 from torchtitan_speechlm.trainer.lifecycle import hold_as_rank, release_rank, track_run
+from torchtitan_speechlm.trainer.preference_reference import use_reference_logps
 from torchtitan_speechlm.trainer.run import start_run
 from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
@@ -164,6 +165,14 @@ class SpeechLMTrainer(Trainer):
         return super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
+
+    def batch_generator(self, data_iterable):
+        """torchtitan's, called once the checkpoint is loaded and before step 1: a DPO run's
+        training stream first gets its reference log-probs (trainer/preference_reference.py:
+        computed now on a first start, read back on a resume)."""
+        if self.run is not None:
+            use_reference_logps(self)
+        return super().batch_generator(data_iterable)
 
     def train(self) -> None:
         """torchtitan's ``train``; a failed collective names the peer that went silent."""

@@ -1,0 +1,183 @@
+"""DPO's frozen reference: the run's starting weights score every pair once, before step 1.
+
+DPO compares the policy's log-probs of a pair with a frozen reference model's. The reference
+here is the model the run starts from (its backbone, ``init_from`` or
+``checkpoint.initial_load_path``): before step 1 its log-probs of every pair of the training
+mixture are computed in one finite, ordered pass over the data, each data-parallel rank
+scoring its share with the model as it is sharded for training (no second model in memory,
+nothing recomputed per step), gathered, and written to
+``{dump_folder}/preference_reference/logps.npz`` with a record of what they depend on. The
+training stream then hands each pair's two numbers to the loss with its tokens
+(data/collation.py). A resumed run reads the file its first start wrote: its weights are no
+longer the reference, so a missing or mismatched file is an error, not a recomputation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+
+from torchtitan_speechlm.trainer.builders import stream
+from torchtitan_speechlm.utils.fileio import write_json_atomic
+
+REF_DIR = "preference_reference"
+LOGPS = "logps.npz"
+RECORD = "record.json"
+
+
+class ReferenceError(RuntimeError):
+    """The reference log-probs cannot be used (missing on a resume, made for another run)."""
+
+
+def reference_record(job_config, plan) -> dict:
+    """What the reference log-probs depend on: the starting weights, the loss weights (a
+    sequence's log-prob sums them), the pattern and the training data."""
+    s, ckpt = job_config.speechlm, job_config.checkpoint
+    data = {name: _metadata_sha(path) for name, path in sorted(plan.data.datasets.items())}
+    return {
+        "weights": {
+            "hf_assets_path": job_config.model.hf_assets_path,
+            "init": s.init,
+            "init_from": s.init_from,
+            "initial_load_path": ckpt.initial_load_path,
+        },  # fmt: skip
+        "loss_weights": {
+            "text_weight": s.text_weight,
+            "audio_weight": s.audio_weight,
+            "stream_weights": list(s.stream_weights),
+        },  # fmt: skip
+        "pattern": s.pattern,
+        "train": list(job_config.speechlm_data.train),
+        "datasets": data,
+    }
+
+
+def _metadata_sha(path: str) -> str:
+    meta = os.path.join(path, "metadata.json")
+    if not os.path.isfile(meta):  # an object-store URL: its path names it
+        return path
+    with open(meta, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def use_reference_logps(trainer) -> None:
+    """Give the training stream its pairs' reference log-probs (DPO runs; others: nothing):
+    read from the dump folder, or computed now on a run's first start (step 0)."""
+    settings = trainer.run.model_args.preference_loss
+    if settings is None or settings.kind != "dpo":
+        return
+    jc = trainer.job_config
+    if not hasattr(trainer.dataloader.stream if hasattr(trainer.dataloader, "stream") else None,
+                   "set_reference_logps"):  # fmt: skip
+        raise ReferenceError(
+            'speechlm.preference_loss = "dpo" trains on the preference pairs of '
+            "[speechlm_data] (*_pref tasks); this run's data has none"
+        )
+    folder = os.path.join(jc.job.dump_folder, REF_DIR)
+    record = reference_record(jc, trainer.run.plan)
+    have = _read_record(folder)
+    if have is not None and have != record:
+        changed = sorted(k for k in record if have.get(k) != record[k])
+        raise ReferenceError(
+            f"{folder} holds reference log-probs made for another run (differs in {changed}); "
+            "a DPO run keeps its reference: restore the settings, or start a new dump_folder"
+        )
+    if have is None:
+        if trainer.step > 0:
+            raise ReferenceError(
+                f"this DPO run resumes at step {trainer.step} but {folder}/{LOGPS}, its "
+                "reference log-probs from its first start, is missing: the weights now are "
+                "not the reference. Restore the file, or start a new dump_folder"
+            )
+        table = compute_reference_logps(trainer)
+        _save(folder, table, record)
+    table = _load(folder)
+    trainer.dataloader.stream.set_reference_logps(table)
+
+
+def compute_reference_logps(trainer) -> dict[int, np.ndarray]:
+    """Every pair's (chosen, rejected) log-probs under the current weights: this rank's share
+    of a finite pass over the training mixture, gathered from every data-parallel rank."""
+    jc, plan = trainer.job_config, trainer.run.plan
+    pd = trainer.parallel_dims
+    rank, world = (0, 1)
+    if pd.dp_enabled:
+        mesh = pd.get_mesh("batch")
+        rank, world = mesh.get_local_rank(), mesh.size()
+    pass_ = stream(jc, plan, plan.data.train, "train", dp_rank=rank, dp_world_size=world,
+                   training=False)  # fmt: skip
+    model = trainer.model_parts[0]
+    was_training = model.training
+    model.eval()
+    keys, logps, t0 = [], [], time.perf_counter()
+    try:
+        with torch.no_grad():
+            for batch, _labels in pass_:
+                if "pref_key" not in batch:
+                    continue
+                key = batch.pop("pref_key")
+                inputs = {k: v.to(trainer.device) for k, v in batch.items()}
+                with trainer.maybe_enable_amp:
+                    out = model(inputs.pop("input"), **inputs, pref_logps_only=True)
+                keys.append(key.cpu().numpy())
+                logps.append(out.float().cpu().numpy())
+    finally:
+        model.train(was_training)
+    mine = (np.concatenate(keys) if keys else np.zeros((0, 2), np.int64),
+            np.concatenate(logps) if logps else np.zeros((0, 2), np.float32))  # fmt: skip
+    parts = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+    table = _table(parts)
+    pairs = sum(int(np.isfinite(v[:, 0]).sum()) for v in table.values())
+    logger.info(f"DPO reference: log-probs of {pairs} pairs under the starting weights "
+                f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+    return table
+
+
+def _table(parts: list) -> dict[int, np.ndarray]:
+    """{dataset key: [items, 2] log-probs, NaN where an item is no pair} from every rank's
+    (keys [P, 2], log-probs [P, 2]) (ranks of another parallel dimension repeat theirs)."""
+    keys = np.concatenate([k for k, _ in parts])
+    vals = np.concatenate([v for _, v in parts])
+    out: dict[int, np.ndarray] = {}
+    for d in np.unique(keys[:, 0]) if len(keys) else []:
+        sel = keys[:, 0] == d
+        arr = np.full((int(keys[sel, 1].max()) + 1, 2), np.nan, dtype=np.float32)
+        arr[keys[sel, 1]] = vals[sel]
+        out[int(d)] = arr
+    return out
+
+
+def _read_record(folder: str) -> dict | None:
+    path = os.path.join(folder, RECORD)
+    if not os.path.isfile(path) or not os.path.isfile(os.path.join(folder, LOGPS)):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _save(folder: str, table: dict[int, np.ndarray], record: dict) -> None:
+    """Rank 0 writes the log-probs, then their record (its presence means complete)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{LOGPS}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **{str(k): v for k, v in table.items()})
+        os.replace(tmp, os.path.join(folder, LOGPS))
+        write_json_atomic(os.path.join(folder, RECORD), record)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _load(folder: str) -> dict[int, np.ndarray]:
+    with np.load(os.path.join(folder, LOGPS)) as z:
+        return {int(k): z[k] for k in z.files}
