@@ -14,15 +14,18 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 import numpy as np
 
 from torchtitan_speechlm.codecs import CodecError
 from torchtitan_speechlm.codecs.kmeans import MODEL_TYPE, KMeansConfig, fit_kmeans_codec
+from torchtitan_speechlm.data.keyed_order import keyed_order, round_keys
 from torchtitan_speechlm.prepare.parts import worker_devices
 from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
+from torchtitan_speechlm.prepare.spill import CHUNK
 from torchtitan_speechlm.prepare.worker import (
     ShardTask,
     WorkerConfig,
@@ -121,14 +124,57 @@ def worker_context(device: str):
     return ctx
 
 
-def _audio_refs(items) -> list:
-    refs = []
-    for it in items:
-        if it.turns is not None:
-            refs.extend(t.audio for t in it.turns if t.audio is not None)
-        elif it.ref is not None:
-            refs.append(it.ref)
-    return refs
+PERMUTED = 1 << 20  # up to this many audio references: numpy's permutation of them (8 MB)
+_KEY_SALT = 0x6B6D  # the keyed order's salt ("km"): not the data loaders' orders
+
+
+def _refs(it) -> list:
+    if it.turns is not None:
+        return [t.audio for t in it.turns if t.audio is not None]
+    return [it.ref] if it.ref is not None else []
+
+
+class AudioRefs:
+    """The input's audio references by number (items in order, a dialogue's audio turns in
+    turn order), in O(items / BLOCK) memory: one pass counts them per block of items (a spill
+    chunk), and reference ``r`` is found by reading its block only."""
+
+    BLOCK = CHUNK
+
+    def __init__(self, items):
+        self.items, ends, count = items, array("Q"), 0
+        for k, it in enumerate(items):
+            count += len(_refs(it))
+            if (k + 1) % self.BLOCK == 0 or k + 1 == len(items):
+                ends.append(count)  # the references before the end of each block
+        self.ends = np.array(ends, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def __getitem__(self, r: int):
+        b = int(np.searchsorted(self.ends, r, side="right"))
+        k = r - (int(self.ends[b - 1]) if b else 0)
+        for it in self.items[b * self.BLOCK : (b + 1) * self.BLOCK]:
+            refs = _refs(it)
+            if k < len(refs):
+                return refs[k]
+            k -= len(refs)
+        raise IndexError(f"audio reference {r} of {len(self)}")
+
+
+def fit_order(n: int, seed: int, block: int = 256) -> Iterator[int]:
+    """The order (``seed``) in which a k-means fit reads the ``n`` audio references until it
+    has enough seconds: numpy's permutation up to ``PERMUTED`` references (the choice of
+    every earlier release, so their fits are refitted the same), above that a keyed
+    permutation evaluated ``block`` positions at a time (data/keyed_order.py: no array of
+    ``n``; another choice of audio than a permutation would make)."""
+    if n <= PERMUTED:
+        yield from (int(j) for j in np.random.default_rng(seed).permutation(n))
+        return
+    keys = round_keys(seed, 0, 0, _KEY_SALT)
+    for a in range(0, n, block):
+        yield from (int(j) for j in keyed_order(np.arange(a, min(a + block, n)), n, keys))
 
 
 def fit_or_reuse_kmeans(out: str, items, codebooks: int, codebook_size: int,
@@ -136,7 +182,7 @@ def fit_or_reuse_kmeans(out: str, items, codebooks: int, codebook_size: int,
                         hf_reader=None, frame_rate: float = 50.0) -> str:  # fmt: skip
     """Return a k-means codec folder: ``out`` as is if it already holds one fitted with these
     settings (so reruns are cheap and stable), else fit one on up to ``seconds`` of randomly
-    chosen (``seed``) input audio."""
+    chosen (``seed``, ``fit_order``) input audio, read a reference at a time."""
     cfg_file = os.path.join(out, "config.json")
     if os.path.isfile(cfg_file):
         with open(cfg_file) as f:
@@ -153,10 +199,9 @@ def fit_or_reuse_kmeans(out: str, items, codebooks: int, codebook_size: int,
             )
     sr = KMeansConfig().sample_rate
     reader = HFAudioReader(*hf_reader) if hf_reader else None
-    refs = _audio_refs(items)
-    order = np.random.default_rng(seed).permutation(len(refs))
+    refs = AudioRefs(items)  # (a list of every reference would be O(items))
     wavs, total, t0 = [], 0.0, time.monotonic()
-    for j in order:
+    for j in fit_order(len(refs), seed):
         try:
             w = load_ref(refs[j], sr, reader)
         except BadAudioError:

@@ -65,7 +65,14 @@ class SpilledItems(Sequence):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(self._n))]
+            start, stop, step = i.indices(self._n)
+            if step != 1:
+                return [self[k] for k in range(start, stop, step)]
+            out: list = []  # a chunk at a time
+            for c in range(start // CHUNK, -(-stop // CHUNK) if stop > start else 0):
+                first = c * CHUNK
+                out += self._chunk(c)[max(start - first, 0) : stop - first]
+            return out
         k = int(i)
         if not -self._n <= k < self._n:
             raise IndexError(f"item {k} of {self._n}")

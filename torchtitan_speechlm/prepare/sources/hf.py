@@ -25,6 +25,12 @@ from torchtitan_speechlm.prepare.sources.base import (
     SourceRead,
     register_source,
 )
+from torchtitan_speechlm.prepare.sources.unique import (
+    KeyHashes,
+    duplicates_first,
+    refuse_repeated_id,
+)
+from torchtitan_speechlm.prepare.spill import SpilledItems
 from torchtitan_speechlm.utils.audio import (
     BadAudioError,
     decode_audio_bytes,
@@ -81,15 +87,21 @@ def speaker_column_of(columns: list[str], speaker_column: str | None, where: str
     return speaker_column
 
 
+BATCH = 4096  # rows turned into Python objects at a time (the Arrow table is memory-mapped)
+
+
 def read_hf_items(
     path: str,
     audio_column: str = "audio",
     text_column: str | None = "text",
     split: str | None = None,
     speaker_column: str | None = None,
-) -> list[ManifestItem]:
+    items=None,
+):
     """One item per row; ids come from an ``id`` column if there is one, else ``row-N``;
-    speakers from ``speaker_column_of(columns, speaker_column)``."""
+    speakers from ``speaker_column_of(columns, speaker_column)``. ``items``: where they go
+    (``append``; default a new list, returned), e.g. a ``SpilledItems``: the columns are read
+    ``BATCH`` rows at a time, and the reader keeps 8 bytes per row (a hash of its id)."""
     ds, split = open_hf_dataset(path, split)
     where0 = f"{os.path.abspath(path)}" + (f"[{split}]" if split else "")
     cols = ds.column_names
@@ -101,26 +113,42 @@ def read_hf_items(
         )
     spk_col = speaker_column_of(cols, speaker_column, where0)
     keep = list(dict.fromkeys(c for c in ("id", text_column, spk_col) if c in cols))
-    table = ds.select_columns(keep).with_format("arrow")[:] if keep else None
-    ids = [str(x) for x in table.column("id").to_pylist()] if "id" in keep else None
-    texts = table.column(text_column).to_pylist() if text_column in keep else None
-    spks = table.column(spk_col).to_pylist() if spk_col is not None else None
-    items, seen = [], set()
-    for row in range(len(ds)):
-        item_id = ids[row] if ids else f"row-{row:08d}"
-        where = f"{where0}:row {row}"
-        if item_id in seen:
-            raise ManifestError(f"{where}: duplicate id {item_id!r}")
-        seen.add(item_id)
-        text = texts[row] if texts is not None else ""
-        if text is not None and not isinstance(text, str):
-            raise ManifestError(f"{where}: text must be a string, got {type(text).__name__}")
-        speaker = (
-            speaker_label(spks[row], f"{where}: column {spk_col!r}") if spks is not None else None
-        )
-        items.append(ManifestItem(item_id, None, text or "", row + 1, where,
-                                  ref=AudioRef(row=row), speaker=speaker))  # fmt: skip
+    table = ds.select_columns(keep).with_format("arrow") if keep else None
+    items = [] if items is None else items
+    ids = KeyHashes()
+    with duplicates_first(ids, items, _duplicate):
+        for start in range(0, len(ds), BATCH):
+            stop = min(start + BATCH, len(ds))
+            batch_ids, texts, spks = _columns(table, start, stop, ("id", text_column, spk_col))
+            for k, row in enumerate(range(start, stop)):
+                item_id = str(batch_ids[k]) if batch_ids is not None else f"row-{row:08d}"
+                where = f"{where0}:row {row}"
+                ids.add(item_id)
+                text = texts[k] if texts is not None else ""
+                if text is not None and not isinstance(text, str):
+                    raise ManifestError(
+                        f"{where}: text must be a string, got {type(text).__name__}"
+                    )
+                speaker = (
+                    speaker_label(spks[k], f"{where}: column {spk_col!r}")
+                    if spks is not None
+                    else None
+                )
+                items.append(ManifestItem(item_id, None, text or "", row + 1, where,
+                                          ref=AudioRef(row=row), speaker=speaker))  # fmt: skip
+    refuse_repeated_id(ids, items, _duplicate)
     return items
+
+
+def _columns(table, start: int, stop: int, names) -> list[list | None]:
+    """Rows ``[start, stop)`` of each named column as Python values (None: no such column)."""
+    batch = table[start:stop] if table is not None else None
+    return [batch.column(n).to_pylist() if n is not None and n in batch.column_names else None
+            for n in names] if batch is not None else [None] * len(names)  # fmt: skip
+
+
+def _duplicate(later: ManifestItem, first: ManifestItem) -> str:
+    return f"{later.where}: duplicate id {later.id!r}"
 
 
 class HFAudioReader:
@@ -158,7 +186,8 @@ def _read(
     split: str | None = None,
     speaker_column: str | None = None,
 ) -> SourceRead:
-    items = read_hf_items(path, audio_column, text_column, split, speaker_column)
+    # on disk while prepare plans and encodes (prepare/spill.py): O(shards) in memory
+    items = read_hf_items(path, audio_column, text_column, split, speaker_column, SpilledItems())
     ds, split = open_hf_dataset(path, split)
     description = {
         "type": "hf_dataset",

@@ -14,12 +14,8 @@ the item is its own speaker).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from array import array
-
-import numpy as np
 
 from torchtitan_speechlm.prepare.items import (
     ROLES,
@@ -33,6 +29,11 @@ from torchtitan_speechlm.prepare.sources.base import (
     PrepareSource,
     SourceRead,
     register_source,
+)
+from torchtitan_speechlm.prepare.sources.unique import (
+    KeyHashes,
+    duplicates_first,
+    refuse_repeated_id,
 )
 from torchtitan_speechlm.prepare.spill import SpilledItems
 from torchtitan_speechlm.utils.text_files import text_lines
@@ -84,65 +85,43 @@ def read_jsonl_manifest(path: str, items=None):
         raise FileNotFoundError(f"manifest {path} not found")
     base = os.path.dirname(path)
     items = [] if items is None else items
-    ids = array("Q")  # a 64-bit hash of every id: duplicates are found when the file is read
-    for lineno, line in text_lines(path, ManifestError):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ManifestError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
-        if not isinstance(row, dict):
-            raise ManifestError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        item_id = _str_key(row, "id", where, True)
-        if not item_id:
-            raise ManifestError(f"{where}: empty id")
-        ids.append(_id_hash(item_id))
-        speaker = speaker_label(row.get("speaker"), where)
-        if "turns" in row:
-            if "audio" in row or "text" in row:
-                raise ManifestError(
-                    f"{where}: a dialogue line has 'turns' only, not 'audio'/'text'"
-                )
-            turns = _parse_turns(row["turns"], base, where)
-            items.append(
-                ManifestItem(item_id, None, "", lineno, where, turns=turns, speaker=speaker)
-            )
-            continue
-        audio = _str_key(row, "audio", where, False)
-        text = _str_key(row, "text", where, False)
-        if audio is None and text is None:
-            raise ManifestError(f"{where}: needs 'audio', 'text' or 'turns'")
-        audio = _resolve(base, audio) if audio is not None else None
-        items.append(ManifestItem(item_id, audio, text or "", lineno, where, speaker=speaker))
-    if hasattr(items, "seal"):
-        items.seal()  # readable: the duplicate check names the lines
-    _refuse_duplicates(ids, items)
+    ids = KeyHashes()  # a 64-bit hash of every id: duplicates are found in 8 bytes per item
+    with duplicates_first(ids, items, _duplicate):
+        for lineno, line in text_lines(path, ManifestError):
+            if not line.strip():
+                continue
+            items.append(_parse_line(line, lineno, f"{path}:{lineno}", base, ids))
+    refuse_repeated_id(ids, items, _duplicate)  # (seals a SpilledItems: readable)
     return items
 
 
-def _id_hash(item_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(item_id.encode(), digest_size=8).digest(), "little")
+def _parse_line(line: str, lineno: int, where: str, base: str, ids: KeyHashes) -> ManifestItem:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+    if not isinstance(row, dict):
+        raise ManifestError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    item_id = _str_key(row, "id", where, True)
+    if not item_id:
+        raise ManifestError(f"{where}: empty id")
+    ids.add(item_id)  # (a repeat is named before any later problem of its line)
+    speaker = speaker_label(row.get("speaker"), where)
+    if "turns" in row:
+        if "audio" in row or "text" in row:
+            raise ManifestError(f"{where}: a dialogue line has 'turns' only, not 'audio'/'text'")
+        turns = _parse_turns(row["turns"], base, where)
+        return ManifestItem(item_id, None, "", lineno, where, turns=turns, speaker=speaker)
+    audio = _str_key(row, "audio", where, False)
+    text = _str_key(row, "text", where, False)
+    if audio is None and text is None:
+        raise ManifestError(f"{where}: needs 'audio', 'text' or 'turns'")
+    audio = _resolve(base, audio) if audio is not None else None
+    return ManifestItem(item_id, audio, text or "", lineno, where, speaker=speaker)
 
 
-def _refuse_duplicates(ids: array, items) -> None:
-    """The first line (in file order) whose id an earlier line has, named with both lines."""
-    h = np.frombuffer(ids, dtype=np.uint64) if len(ids) else np.zeros(0, np.uint64)
-    ordered = np.sort(h)  # 8 more bytes per item, for a moment
-    if not (ordered[1:] == ordered[:-1]).any():
-        return
-    del ordered
-    order = np.argsort(h, kind="stable")  # only when there is a duplicate: to name it
-    same = np.flatnonzero(h[order][1:] == h[order][:-1])
-    clashes = sorted((int(order[k + 1]), int(order[k])) for k in same)  # (later, earlier)
-    for later, earlier in clashes:
-        a, b = items[earlier], items[later]
-        if a.id == b.id:  # (not a 64-bit hash collision of two ids)
-            first = int(np.flatnonzero(h == h[later])[0])
-            raise ManifestError(
-                f"{b.where}: duplicate id {b.id!r} (first on line {items[first].line})"
-            )
+def _duplicate(later: ManifestItem, first: ManifestItem) -> str:
+    return f"{later.where}: duplicate id {later.id!r} (first on line {first.line})"
 
 
 def _read(path: str) -> SourceRead:

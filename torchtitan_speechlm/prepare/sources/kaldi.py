@@ -15,6 +15,12 @@ refused up front, since running shell commands from a data file is neither safe 
 Relative paths follow Kaldi's convention (the recipe directory, i.e. the current working
 directory); if not found there, the data dir itself is tried. Speakers come from ``utt2spk``
 (else ``spk2utt``); an utterance listed in neither is its own speaker.
+
+Memory: the items go to a spill file (``prepare/spill.py``). The tables are read in bounded
+memory when they are sorted by key, as Kaldi's own tools keep them (``kaldi_tables``); a table
+that is not sorted is read into a dict. ``wav.scp`` is merged too when the segments'
+recordings come in sorted order; otherwise it is a dict of the recordings (fewer than the
+utterances).
 """
 
 from __future__ import annotations
@@ -28,26 +34,14 @@ from torchtitan_speechlm.prepare.sources.base import (
     SourceRead,
     register_source,
 )
-from torchtitan_speechlm.utils.text_files import text_lines
+from torchtitan_speechlm.prepare.sources.kaldi_speakers import check_speakers
+from torchtitan_speechlm.prepare.sources.kaldi_tables import KeyedTable, check_table, table_rows
+from torchtitan_speechlm.prepare.spill import SpilledItems
 
 _ARK_OFFSET = re.compile(r"\.ark:\d+$")
 
 
-def _read_table(path: str, min_fields: int) -> list[tuple[int, list[str]]]:
-    """(line number, [key, rest...]) for each non-blank line; the last field keeps its spaces."""
-    rows = []
-    for lineno, line in text_lines(path, ManifestError):
-        line = line.strip()
-        if not line:
-            continue
-        parts = line.split(None, min_fields - 1)
-        if len(parts) < min_fields:
-            raise ManifestError(f"{path}:{lineno}: expected {min_fields} fields, got {line!r}")
-        rows.append((lineno, parts))
-    return rows
-
-
-def _audio_path(entry: str, where: str, base: str) -> str:
+def _check_entry(entry: str, where: str) -> None:
     if entry.endswith("|"):
         raise ManifestError(
             f"{where}: {entry!r} is a piped command; torchtitan prepare only reads plain audio "
@@ -59,6 +53,10 @@ def _audio_path(entry: str, where: str, base: str) -> str:
             f"{where}: {entry!r} is a Kaldi ark/stdin reference, not an audio file; convert the "
             "audio to wav/flac files and list their paths"
         )
+
+
+def _audio_path(entry: str, where: str, base: str) -> str:
+    _check_entry(entry, where)
     path = os.path.expanduser(entry)
     if os.path.isabs(path):
         return os.path.normpath(path)
@@ -66,114 +64,106 @@ def _audio_path(entry: str, where: str, base: str) -> str:
     return cwd_path if os.path.exists(cwd_path) else os.path.normpath(os.path.join(base, path))
 
 
-def read_speakers(data_dir: str) -> dict[str, str]:
-    """``{utterance: speaker}`` from ``utt2spk`` and/or ``spk2utt`` (empty if neither exists).
-    A duplicate utterance, a line with the wrong number of fields, or the two files disagreeing
-    is a ManifestError naming the file and line."""
-    utt2spk, spk2utt = os.path.join(data_dir, "utt2spk"), os.path.join(data_dir, "spk2utt")
-    speakers: dict[str, str] = {}
-    if os.path.isfile(utt2spk):
-        for lineno, (utt, spk) in _read_table(utt2spk, 2):
-            where = f"{utt2spk}:{lineno}"
-            if len(spk.split()) != 1:
-                raise ManifestError(f"{where}: expected <utterance-id> <speaker-id>, got {spk!r}")
-            if utt in speakers:
-                raise ManifestError(f"{where}: duplicate utterance id {utt!r}")
-            speakers[utt] = spk
-    if not os.path.isfile(spk2utt):
-        return speakers
-    from_spk2utt: dict[str, str] = {}
-    for lineno, (spk, utts) in _read_table(spk2utt, 2):
-        where = f"{spk2utt}:{lineno}"
-        for utt in utts.split():
-            if utt in from_spk2utt:
-                raise ManifestError(
-                    f"{where}: utterance {utt!r} is listed again (already under speaker "
-                    f"{from_spk2utt[utt]!r})"
-                )
-            if speakers and speakers.get(utt) != spk:
-                said = f"says {speakers[utt]!r}" if utt in speakers else "does not list it"
-                raise ManifestError(
-                    f"{where}: utterance {utt!r} is under speaker {spk!r} here but utt2spk "
-                    f"{said}; regenerate spk2utt from utt2spk (utils/utt2spk_to_spk2utt.pl) "
-                    "or remove it"
-                )
-            from_spk2utt[utt] = spk
-    missing = set(speakers) - set(from_spk2utt)
-    if speakers and missing:
-        raise ManifestError(
-            f"{spk2utt}: utterance {sorted(missing)[0]!r} of utt2spk is not in it (and "
-            f"{len(missing) - 1} more); regenerate spk2utt from utt2spk or remove it"
-        )
-    return speakers or from_spk2utt
+def _segment(where: str, rest: list[str]) -> tuple[str, float, float]:
+    """(recording, start, end) of a ``segments`` line's fields after the utterance."""
+    rec, start, end = rest
+    try:
+        start_s, end_s = float(start), float(end)
+    except ValueError:
+        raise ManifestError(f"{where}: start/end must be numbers, got {start!r} {end!r}") from None
+    if start_s < 0 or (end_s >= 0 and end_s <= start_s):
+        raise ManifestError(f"{where}: bad segment times {start_s} .. {end_s}")
+    return rec, start_s, end_s
 
 
-def read_kaldi_dir(data_dir: str) -> list[ManifestItem]:
+class _RecordingOrder:
+    """Checks each ``segments`` line and notes whether its recordings come in sorted order."""
+
+    def __init__(self) -> None:
+        self.sorted, self._last = True, ""
+
+    def __call__(self, where: str, utt: str, rest: list[str]) -> None:
+        rec = _segment(where, rest)[0]
+        self.sorted, self._last = self.sorted and rec >= self._last, rec
+
+
+def read_kaldi_dir(data_dir: str, items=None):
     """Items of a Kaldi data dir, in ``segments`` (else ``wav.scp``) order.
 
     An utterance with no line in ``text`` gets empty text (a failure unless audio-only items are
     allowed); an utterance in ``text`` with no audio is kept and fails as missing audio, so every
     transcript is accounted for in ``failures.jsonl``. Each item's speaker is its utterance's in
-    ``utt2spk`` / ``spk2utt`` (None when neither lists it).
+    ``utt2spk`` / ``spk2utt`` (None when neither lists it). ``items``: where they go
+    (``append``; default a new list, returned), e.g. a ``SpilledItems``. Tables sorted by key
+    are merged as they are read, others are read into dicts (``kaldi_tables``).
     """
     data_dir = os.path.abspath(data_dir)
     wav_scp, text_file = os.path.join(data_dir, "wav.scp"), os.path.join(data_dir, "text")
+    seg_file = os.path.join(data_dir, "segments")
     for f in (wav_scp, text_file):
         if not os.path.isfile(f):
             raise FileNotFoundError(f"Kaldi data dir {data_dir}: {os.path.basename(f)} not found")
-    recordings: dict[str, str] = {}
-    for lineno, (rec, entry) in _read_table(wav_scp, 2):
-        where = f"{wav_scp}:{lineno}"
-        if rec in recordings:
-            raise ManifestError(f"{where}: duplicate recording id {rec!r}")
-        recordings[rec] = _audio_path(entry, where, data_dir)
-    texts: dict[str, str] = {}
-    text_lines: dict[str, int] = {}
-    for lineno, parts in _read_table(text_file, 1):
-        utt, *rest = parts[0].split(None, 1)
-        if utt in texts:
-            raise ManifestError(f"{text_file}:{lineno}: duplicate utterance id {utt!r}")
-        texts[utt], text_lines[utt] = (rest[0] if rest else ""), lineno
-    seg_file = os.path.join(data_dir, "segments")
-    items: list[ManifestItem] = []
+    # each table checked in the order (and with the messages) of reading it into a dict
+    recs = check_table(wav_scp, 2, "recording id", after=lambda w, _, r: _check_entry(r[0], w))
+    texts = check_table(text_file, 1, "utterance id")
+    segments = None
     if os.path.isfile(seg_file):
-        for lineno, parts in _read_table(seg_file, 4):
+        order = _RecordingOrder()
+        segments = check_table(seg_file, 4, "utterance id", before=order, repeats_first=False)
+    speakers = check_speakers(data_dir)
+    items = [] if items is None else items
+    ordered = (segments or recs).sorted  # the items' utterances come in sorted order
+    text_of = KeyedTable(texts, lambda: ((utt, (r[0] if r else "", n))
+                                         for n, utt, r in table_rows(text_file, 1)))  # fmt: skip
+    texts_of, speaker_of = text_of.lookup(ordered), _speakers(speakers, ordered)
+    matched = bytearray(texts.last_line + 1)  # the text lines an item took
+
+    def text(utt: str) -> str:
+        found = texts_of.get(utt)
+        if found is None:
+            return ""
+        matched[found[1]] = 1
+        return found[0]
+
+    if segments is not None:
+        paths = KeyedTable(recs, lambda: ((rec, _audio_path(r[0], f"{wav_scp}:{n}", data_dir))
+                                          for n, rec, r in table_rows(wav_scp, 2)))  # fmt: skip
+        path_of = paths.lookup(order.sorted)
+        for lineno, utt, rest in table_rows(seg_file, 4):
             where = f"{seg_file}:{lineno}"
-            utt, rec, start, end = parts[0], parts[1], parts[2], parts[3]
-            try:
-                start_s, end_s = float(start), float(end)
-            except ValueError:
-                raise ManifestError(
-                    f"{where}: start/end must be numbers, got {start!r} {end!r}"
-                ) from None
-            if start_s < 0 or (end_s >= 0 and end_s <= start_s):
-                raise ManifestError(f"{where}: bad segment times {start_s} .. {end_s}")
-            path = recordings.get(rec)
+            rec, start_s, end_s = _segment(where, rest)
+            path = path_of.get(rec)
             ref = AudioRef(path=path or os.path.join(data_dir, f"<no wav.scp entry {rec}>"),
                            start=start_s, end=end_s)  # fmt: skip
-            items.append(ManifestItem(utt, ref.path, texts.get(utt, ""), lineno, where, ref=ref))
+            items.append(ManifestItem(utt, ref.path, text(utt), lineno, where, ref=ref,
+                                      speaker=speaker_of(utt)))  # fmt: skip
     else:
-        for lineno, (rec, _) in _read_table(wav_scp, 2):
+        for lineno, rec, rest in table_rows(wav_scp, 2):
             where = f"{wav_scp}:{lineno}"
-            items.append(ManifestItem(rec, recordings[rec], texts.get(rec, ""), lineno, where))
-    seen: set[str] = set()
-    for it in items:
-        if it.id in seen:
-            raise ManifestError(f"{it.where}: duplicate utterance id {it.id!r}")
-        seen.add(it.id)
-    for utt, lineno in text_lines.items():
-        if utt not in seen:  # transcript without audio: reported as a failure, not dropped
+            path = _audio_path(rest[0], where, data_dir)
+            items.append(ManifestItem(rec, path, text(rec), lineno, where, speaker=speaker_of(rec)))
+    speaker_of = _speakers(speakers, texts.sorted)
+    for lineno, utt, rest in table_rows(text_file, 1):
+        if not matched[lineno]:  # transcript without audio: reported as a failure, not dropped
             where = f"{text_file}:{lineno}"
             missing = os.path.join(data_dir, f"<no audio for {utt}>")
-            items.append(ManifestItem(utt, missing, texts[utt], lineno, where))
-    speakers = read_speakers(data_dir)
-    for it in items:
-        it.speaker = speakers.get(it.id)
+            items.append(ManifestItem(utt, missing, rest[0] if rest else "", lineno, where,
+                                      speaker=speaker_of(utt)))  # fmt: skip
+    if hasattr(items, "seal"):
+        items.seal()
     return items
 
 
+def _speakers(table: KeyedTable | None, ordered: bool):
+    """``speaker_of(utterance)`` (None when no file names its speaker)."""
+    if table is None:
+        return lambda utt: None
+    return table.lookup(ordered).get
+
+
 def _read(path: str) -> SourceRead:
-    return SourceRead(read_kaldi_dir(path), {"type": "kaldi"})
+    # on disk while prepare plans and encodes (prepare/spill.py): O(shards) in memory
+    return SourceRead(read_kaldi_dir(path, SpilledItems()), {"type": "kaldi"})
 
 
 register_source(

@@ -46,6 +46,12 @@ from torchtitan_speechlm.prepare.sources.base import (
     SourceRead,
     register_source,
 )
+from torchtitan_speechlm.prepare.sources.unique import (
+    KeyHashes,
+    duplicates_first,
+    refuse_repeated_id,
+)
+from torchtitan_speechlm.prepare.spill import SpilledItems
 from torchtitan_speechlm.utils.audio import EMPTY, MISSING, BadAudioError, to_codec_audio
 
 INSTALL = "pip install 'torchtitan-speechlm[lhotse]'"
@@ -182,12 +188,9 @@ def cut_speaker(cut, where: str) -> str | None:
 
 
 def cut_item(cut, where: str, line: int, options: tuple[str, int | None], base: str,
-             seen: set[str], shar: dict | None = None) -> ManifestItem:  # fmt: skip
-    """The item of one cut (``seen``: the ids so far, to refuse a duplicate); ``shar``: where
-    its audio lies in a Shar tar (``lhotse_shar``)."""
-    if cut.id in seen:
-        raise ManifestError(f"{where}: duplicate cut id {cut.id!r}")
-    seen.add(cut.id)
+             shar: dict | None = None) -> ManifestItem:  # fmt: skip
+    """The item of one cut; ``shar``: where its audio lies in a Shar tar (``lhotse_shar``).
+    (Repeated cut ids are the reader's to refuse: ``prepare/sources/unique.py``.)"""
     chosen = choose(cut, *options, where)
     if chosen is None:
         ref = AudioRef(lhotse=json.dumps({"empty": "all padding (--lhotse-padding trim)"}))
@@ -258,9 +261,10 @@ def load_cut_audio(ref: AudioRef, target_sr: int) -> np.ndarray:
     return to_codec_audio(np.asarray(audio).T, int(cut.sampling_rate), target_sr, name=name)
 
 
-def read_lhotse_cuts(cuts, padding: str = "keep", channel="mix") -> list[ManifestItem]:
+def read_lhotse_cuts(cuts, padding: str = "keep", channel="mix", items=None):
     """Items of a lhotse cut manifest (any file ``CutSet.from_file`` reads) or a ``CutSet``,
-    in order."""
+    in order. ``items``: where they go (``append``; default a new list, returned), e.g. a
+    ``SpilledItems``; the reader keeps 8 bytes per cut (a hash of its id)."""
     lhotse = require_lhotse()
     options = check_options(padding, channel)
     if isinstance(cuts, (str, os.PathLike)):
@@ -274,28 +278,37 @@ def read_lhotse_cuts(cuts, padding: str = "keep", channel="mix") -> list[Manifes
             raise ManifestError(f"{label}: lhotse cannot open it ({type(e).__name__}: {e})") from e
     else:
         label, base = "<CutSet>", os.getcwd()
-    items, seen, stream = [], set(), iter(cuts)
-    while True:
-        line = len(items) + 1
-        try:
-            cut = next(stream)
-        except StopIteration:
-            break
-        except Exception as e:  # a line that is not JSON, or not a cut lhotse knows
-            raise ManifestError(
-                f"{label}:{line}: lhotse cannot read this cut ({type(e).__name__}: {e})"
-            ) from e
-        if not isinstance(cut, lhotse.cut.Cut):
-            raise ManifestError(
-                f"{label}:{line}: a {type(cut).__name__}, not a cut (build cuts with "
-                "CutSet.from_manifests(recordings, supervisions))"
-            )
-        items.append(cut_item(cut, f"{label}:{line}", line, options, base, seen))
+    items = [] if items is None else items
+    ids, stream = KeyHashes(), iter(cuts)
+    with duplicates_first(ids, items, duplicate_cut):
+        while True:
+            line = len(items) + 1
+            try:
+                cut = next(stream)
+            except StopIteration:
+                break
+            except Exception as e:  # a line that is not JSON, or not a cut lhotse knows
+                raise ManifestError(
+                    f"{label}:{line}: lhotse cannot read this cut ({type(e).__name__}: {e})"
+                ) from e
+            if not isinstance(cut, lhotse.cut.Cut):
+                raise ManifestError(
+                    f"{label}:{line}: a {type(cut).__name__}, not a cut (build cuts with "
+                    "CutSet.from_manifests(recordings, supervisions))"
+                )
+            ids.add(cut.id)
+            items.append(cut_item(cut, f"{label}:{line}", line, options, base))
+    refuse_repeated_id(ids, items, duplicate_cut)
     return items
 
 
+def duplicate_cut(later: ManifestItem, first: ManifestItem) -> str:
+    return f"{later.where}: duplicate cut id {later.id!r}"
+
+
 def _read(path, lhotse_padding: str = "keep", lhotse_channel="mix") -> SourceRead:
-    items = read_lhotse_cuts(path, lhotse_padding, lhotse_channel)
+    # on disk while prepare plans and encodes (prepare/spill.py): O(shards) in memory
+    items = read_lhotse_cuts(path, lhotse_padding, lhotse_channel, SpilledItems())
     padding, channel = check_options(lhotse_padding, lhotse_channel)
     return SourceRead(items, {"type": "lhotse", "padding": padding, "channel": channel})
 

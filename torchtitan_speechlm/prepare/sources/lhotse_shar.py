@@ -34,14 +34,21 @@ import os
 import re
 import tarfile
 
-from torchtitan_speechlm.prepare.items import ManifestError, ManifestItem
+from torchtitan_speechlm.prepare.items import ManifestError
 from torchtitan_speechlm.prepare.sources.base import PrepareSource, SourceRead, register_source
 from torchtitan_speechlm.prepare.sources.lhotse import (
     CHANNEL_OPTION,
     check_options,
     cut_item,
+    duplicate_cut,
     require_lhotse,
 )
+from torchtitan_speechlm.prepare.sources.unique import (
+    KeyHashes,
+    duplicates_first,
+    refuse_repeated_id,
+)
+from torchtitan_speechlm.prepare.spill import SpilledItems
 
 _SHARD = re.compile(r"^(?P<field>[A-Za-z_]+)\.(?P<n>\d+)\.(?P<ext>jsonl\.gz|jsonl|tar.*)$")
 
@@ -119,45 +126,52 @@ def _shar_ref(tar: str, data: tarfile.TarInfo, meta: tarfile.TarInfo) -> dict:
             "meta": [meta.offset_data, meta.size]}  # fmt: skip
 
 
-def read_shar_items(directory: str, channel="mix") -> list[ManifestItem]:
-    """One item per cut of a Shar directory, in shard order."""
+def read_shar_items(directory: str, channel="mix", items=None):
+    """One item per cut of a Shar directory, in shard order. ``items``: where they go
+    (``append``; default a new list, returned), e.g. a ``SpilledItems``: the reader then holds
+    one shard's cuts and tar headers at a time, and 8 bytes per cut (a hash of its id)."""
     lhotse = require_lhotse()
     options = check_options("keep", channel)
     directory = os.path.abspath(directory)
-    items, seen = [], set()
-    for cuts_file, tar in shar_shards(directory):
-        pairs = tar_index(tar)
-        try:
-            cuts = list(lhotse.CutSet.from_shar(fields={"cuts": [cuts_file]}))
-        except Exception as e:
-            raise ManifestError(
-                f"{cuts_file}: lhotse cannot read it ({type(e).__name__}: {e})"
-            ) from e
-        if len(pairs) < len(cuts):
-            raise ManifestError(
-                f"{tar}: truncated: holds audio for {len(pairs)} of the {len(cuts)} cuts of "
-                f"{cuts_file} (first missing: cut {cuts[len(pairs)].id!r}); copy it again"
-            )
-        if len(pairs) > len(cuts):
-            raise ManifestError(
-                f"{tar}: {len(pairs)} members for the {len(cuts)} cuts of {cuts_file}"
-            )
-        for line, (cut, (data, meta)) in enumerate(zip(cuts, pairs, strict=True), start=1):
-            where = f"{cuts_file}:{line}"
-            for key in ("shard_origin", "shar_epoch"):  # set by lhotse's reader, not the cut's
-                (cut.custom or {}).pop(key, None)
-            if os.path.splitext(data.name)[0] != cut.id:
-                raise ManifestError(
-                    f"{where}: cut {cut.id!r} but {tar} holds {data.name} at its place; the "
-                    "tar belongs to another manifest"
-                )
-            shar = _shar_ref(tar, data, meta)
-            items.append(cut_item(cut, where, line, options, directory, seen, shar))
+    items = [] if items is None else items
+    ids = KeyHashes()
+    with duplicates_first(ids, items, duplicate_cut):
+        for cuts_file, tar in shar_shards(directory):
+            _read_shard(lhotse, cuts_file, tar, options, directory, ids, items)
+    refuse_repeated_id(ids, items, duplicate_cut)
     return items
 
 
+def _read_shard(lhotse, cuts_file: str, tar: str, options, directory: str, ids: KeyHashes,
+                items) -> None:  # fmt: skip
+    pairs = tar_index(tar)
+    try:
+        cuts = list(lhotse.CutSet.from_shar(fields={"cuts": [cuts_file]}))
+    except Exception as e:
+        raise ManifestError(f"{cuts_file}: lhotse cannot read it ({type(e).__name__}: {e})") from e
+    if len(pairs) < len(cuts):
+        raise ManifestError(
+            f"{tar}: truncated: holds audio for {len(pairs)} of the {len(cuts)} cuts of "
+            f"{cuts_file} (first missing: cut {cuts[len(pairs)].id!r}); copy it again"
+        )
+    if len(pairs) > len(cuts):
+        raise ManifestError(f"{tar}: {len(pairs)} members for the {len(cuts)} cuts of {cuts_file}")
+    for line, (cut, (data, meta)) in enumerate(zip(cuts, pairs, strict=True), start=1):
+        where = f"{cuts_file}:{line}"
+        for key in ("shard_origin", "shar_epoch"):  # set by lhotse's reader, not the cut's
+            (cut.custom or {}).pop(key, None)
+        if os.path.splitext(data.name)[0] != cut.id:
+            raise ManifestError(
+                f"{where}: cut {cut.id!r} but {tar} holds {data.name} at its place; the "
+                "tar belongs to another manifest"
+            )
+        ids.add(cut.id)  # (a repeat is named before the cut's own problems, as before)
+        items.append(cut_item(cut, where, line, options, directory, _shar_ref(tar, data, meta)))
+
+
 def _read(path: str, lhotse_channel="mix") -> SourceRead:
-    items = read_shar_items(path, lhotse_channel)
+    # on disk while prepare plans and encodes (prepare/spill.py): O(shards) in memory
+    items = read_shar_items(path, lhotse_channel, SpilledItems())
     channel = check_options("keep", lhotse_channel)[1]
     return SourceRead(items, {"type": "lhotse_shar", "channel": channel})
 
