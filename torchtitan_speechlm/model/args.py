@@ -15,6 +15,7 @@ from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs, training_flops_per_clip
 from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.patterns import get_pattern
+from torchtitan_speechlm.model.preference_settings import PreferenceLoss
 from torchtitan_speechlm.model.vocab import VocabLayout
 
 
@@ -107,10 +108,8 @@ class SpeechLMModelArgs(BaseModelArgs):
         )
 
     @property
-    def preference_loss(self):
+    def preference_loss(self) -> PreferenceLoss | None:
         """The preference loss's settings (``PreferenceLoss``), None without one."""
-        from torchtitan_speechlm.model.preference import PreferenceLoss  # it imports the head
-
         return PreferenceLoss(**self.preference) if self.preference else None
 
     # ---- derived ---------------------------------------------------------------------------
@@ -187,8 +186,6 @@ def preference_settings(speechlm) -> dict:
     a ConfigError naming its key); empty when ``preference_loss`` is unset."""
     if not speechlm.preference_loss:
         return {}
-    from torchtitan_speechlm.model.preference import PreferenceLoss  # it imports the head
-
     try:
         loss = PreferenceLoss(
             kind=speechlm.preference_loss,

@@ -112,10 +112,8 @@ class SpeechLMHead(nn.Module):
         tied_weight: torch.Tensor | None = None,
         pref: dict | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if pref is not None:  # a preference batch (model/preference.py), in this FSDP unit
-            from torchtitan_speechlm.model.preference import head_preference  # imports this
-
-            return head_preference(self, h, targets, weights, tied_weight, pref)
+        if pref is not None:  # a preference batch: its loss (pref["fn"]) in this FSDP unit
+            return pref["fn"](self, h, targets, weights, tied_weight, pref)
         w_out = local(self.output.weight if tied_weight is None else tied_weight)
         w_out = hold_rows(w_out, self.frozen_rows)
         n = targets.shape[-1]

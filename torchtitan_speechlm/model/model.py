@@ -27,6 +27,7 @@ from torchtitan_speechlm.model.embedding import StreamEmbedding
 from torchtitan_speechlm.model.head import SpeechLMHead, SpeechLMOutput
 from torchtitan_speechlm.model.initialisation import audio_tower_state, initialise_parameters
 from torchtitan_speechlm.model.lora import apply_lora, base_name
+from torchtitan_speechlm.model.preference import head_preference
 from torchtitan_speechlm.model.pretrained import (
     PretrainedError,
     args_from_record,
@@ -170,7 +171,7 @@ class SpeechLM(ModelProtocol):
                 "the batch holds preference pairs (a *_pref task) but speechlm.preference_loss "
                 'is not set: set it to "dpo" or "simpo" (docs/preference.md)'
             )
-        return dict(pref, settings=settings)
+        return dict(pref, settings=settings, fn=head_preference)
 
     def _loss(self, h, aux, targets, loss_weights, tied, pref=None) -> SpeechLMOutput:
         """The head's loss sum and statistics, and the MoE load-balance term (``aux``). A

@@ -24,55 +24,13 @@ each by the count summed over ranks and micro-batches), named as TRL logs them.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from torchtitan_speechlm.model.chunked_loss import chunked_stream_loss
 from torchtitan_speechlm.model.embedding import hold_rows, local
 from torchtitan_speechlm.model.head import SpeechLMHead, out_of_range_error
-
-KINDS = ("dpo", "simpo")
-DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
-
-
-@dataclass
-class PreferenceLoss:
-    """The preference loss's settings; config keys ``speechlm.preference_loss`` (kind),
-    ``speechlm.preference_beta``, ``speechlm.simpo_gamma`` and
-    ``speechlm.preference_label_smoothing``.
-
-    Defaults: DPO's beta 0.1 is TRL's ``DPOConfig`` and ESPnet's speechlm DPO recipe
-    (``train_multiscale_1b_dpo.yaml``); SimPO's beta 2.0 and gamma 0.5 are the SimPO
-    authors' ``SimPOConfig`` (beta 2.0, gamma_beta_ratio 0.25) and TRL's ``simpo_gamma``
-    (ESPnet's SimPO recipe leaves its model's beta 0.1 / margin 0 defaults). ``beta=None``
-    takes the kind's default. Label smoothing (cDPO, TRL's "sigmoid" loss) applies to both.
-    """
-
-    kind: str = "dpo"
-    beta: float | None = None
-    gamma: float = 0.5
-    label_smoothing: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"speechlm.preference_loss must be one of {KINDS}, not {self.kind!r}")
-        if self.beta is None:
-            self.beta = DEFAULT_BETA[self.kind]
-        if not (self.beta > 0 and math.isfinite(self.beta)):
-            raise ValueError(
-                f"speechlm.preference_beta must be > 0 (got {self.beta}): it scales the "
-                "implicit reward; 0 has no gradient and < 0 prefers the rejected"
-            )
-        if not (self.gamma >= 0 and math.isfinite(self.gamma)):
-            raise ValueError(f"speechlm.simpo_gamma must be >= 0 (got {self.gamma})")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ValueError(
-                "speechlm.preference_label_smoothing must be in [0, 0.5) "
-                f"(got {self.label_smoothing}): 0.5 makes chosen and rejected alike"
-            )
+from torchtitan_speechlm.model.preference_settings import DEFAULT_BETA, KINDS, PreferenceLoss  # noqa: F401
 
 
 # ---- the math on sequence log-probs ------------------------------------------------------
