@@ -8,7 +8,7 @@ Layout (``FORMAT_VERSION = 2``, described in docs/data.md)::
     plan.json                what ``torchtitan prepare`` was asked to do (for resuming)
     failures.jsonl, summary.json
     shards/NNNNN/items.jsonl       per item: id, kind, [speaker], text, source, offsets, lengths,
-                                   seconds
+                                   seconds, [turns], [preference]
     shards/NNNNN/text_tokens.npy   int32 [shard_text_tokens]
     shards/NNNNN/audio_codes.npy   int16 (int32 if codebook_size > 32767) [shard_frames, num_streams]
     shards/NNNNN/shard.json        format version, codec/tokenizer identity, totals
@@ -65,7 +65,11 @@ def to_int16(wav: np.ndarray) -> np.ndarray:
 SPEAKER = "speaker"
 
 INDEX_COLUMNS = ("text_offset", "text_len", "audio_offset", "audio_frames", "seconds")
-KINDS = ("speech", "text", "audio", "dialogue")  # what an item holds (items.jsonl "kind")
+# what an item holds (items.jsonl "kind"); "preference": a prompt turn and two answer turns,
+# chosen and rejected (prepare/sources/preference.py), its record under items.jsonl "preference"
+KINDS = ("speech", "text", "audio", "dialogue", "preference")
+TURN_KINDS = ("dialogue", "preference")  # the kinds whose content is their turns
+PREFERENCE = "preference"
 ROLES = ("system", "user", "assistant")  # dialogue turn roles
 MODALITIES = ("text", "audio")
 # the binary index of a shard (``COLUMNS``): per item of items.jsonl, in its order, fixed-width

@@ -21,6 +21,7 @@ from torchtitan_speechlm.data.format import (
     KINDS,
     REGENERATE,
     SPEAKER,
+    TURN_KINDS,
     CorruptDatasetError,
     column_row,
 )
@@ -28,7 +29,7 @@ from torchtitan_speechlm.data.shard_files import limit_error
 from torchtitan_speechlm.data.speakers import SpeakerTable
 
 TURN_KEYS = ("role", "modality", "offset", "length", "text")
-DIALOGUE = KINDS.index("dialogue")
+WITH_TURNS = tuple(KINDS.index(k) for k in TURN_KINDS)  # dialogue and preference items
 
 
 def check_row(row: dict) -> None:
@@ -146,7 +147,8 @@ class ItemIndex:
         return KindColumn(self.kind_codes)
 
     def is_dialogue(self, i: int) -> bool:
-        return int(self.kind_codes[i]) == DIALOGUE
+        """Whether item ``i`` is made of turns (a dialogue or a preference pair)."""
+        return int(self.kind_codes[i]) in WITH_TURNS
 
     def _items_path(self, s: int) -> str:
         return os.path.join(self._where(s), ITEMS)
@@ -220,10 +222,10 @@ class ItemIndex:
 
 
 class KindColumn(Sequence):
-    """Per item: ``"speech"``, ``"text"``, ``"audio"`` or ``"dialogue"``, over the uint8 codes
-    (``codes``; ``np.asarray`` gives the strings of every item)."""
+    """Per item: ``"speech"``, ``"text"``, ``"audio"``, ``"dialogue"`` or ``"preference"``, over
+    the uint8 codes (``codes``; ``np.asarray`` gives the strings of every item)."""
 
-    _names = np.array(KINDS, dtype="<U8")
+    _names = np.array(KINDS)
 
     def __init__(self, codes: np.ndarray):
         self.codes = codes

@@ -165,7 +165,7 @@ def dataset_samples(ds, name: str = "") -> list[Sample]:
     text, spread over it."""
     import numpy as np
 
-    with_text = ("speech", "text", "dialogue")
+    with_text = ("speech", "text", "dialogue", "preference")
     codes = getattr(ds, "kind_codes", None)
     if codes is not None:  # the index's uint8 kinds: no string per item
         want = [KINDS.index(k) for k in with_text]

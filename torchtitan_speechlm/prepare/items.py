@@ -22,7 +22,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from torchtitan_speechlm.data.format import KINDS, ROLES  # noqa: F401  (re-exported)
+from torchtitan_speechlm.data.format import KINDS, PREFERENCE, ROLES  # noqa: F401  (re-exported)
 
 
 class ManifestError(ValueError):
@@ -64,7 +64,10 @@ class TurnSpec:
 class ManifestItem:
     """One input item. ``audio`` is the file path (kept for the common speech case), ``ref``
     the full audio reference (segment / HF row); ``where`` names the source line or key;
-    ``speaker`` the speaker the source named (None: unlabelled, the item is its own speaker)."""
+    ``speaker`` the speaker the source named (None: unlabelled, the item is its own speaker);
+    ``extra``: more keys of the item's items.jsonl line, written as they are (JSON values; a
+    preference pair's ``{"preference": {...}}`` record, prepare/sources/preference.py), so a
+    source can record what the item is without the encode path knowing it."""
 
     id: str
     audio: str | None
@@ -74,6 +77,7 @@ class ManifestItem:
     ref: AudioRef | None = None
     turns: list[TurnSpec] | None = None
     speaker: str | None = None
+    extra: dict | None = None
 
     def __post_init__(self) -> None:
         if self.ref is None and self.audio is not None:
@@ -81,9 +85,10 @@ class ManifestItem:
 
     @property
     def kind(self) -> str:
-        """speech (text + audio), text, audio (no text) or dialogue."""
+        """speech (text + audio), text, audio (no text), dialogue, or preference (turns with a
+        ``preference`` record: a prompt and its chosen and rejected answers)."""
         if self.turns is not None:
-            return "dialogue"
+            return PREFERENCE if self.extra and PREFERENCE in self.extra else "dialogue"
         if self.ref is None:
             return "text"
         return "speech" if self.text.strip() else "audio"

@@ -60,7 +60,8 @@ def _item_key(it: ManifestItem) -> list:
 
     turns = [[t.role, t.text, ref(t.audio)] for t in it.turns] if it.turns is not None else None
     key = [it.id, it.kind, it.text, ref(it.ref), turns]
-    return key if it.speaker is None else [*key, it.speaker]  # unlabelled items' keys unchanged
+    key = key if it.speaker is None else [*key, it.speaker]  # unlabelled items' keys unchanged
+    return key if it.extra is None else [*key, {"extra": it.extra}]  # (items without: unchanged)
 
 
 def build_plan(items, source: dict, codec, tokenizer: dict, shard_size: int,

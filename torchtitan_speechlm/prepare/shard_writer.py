@@ -82,11 +82,13 @@ class ShardWriter:
         source: str = "",
         turns: list[Turn] | None = None,
         speaker: str | None = None,
+        extra: dict | None = None,
     ) -> None:
         """Append an item. A dialogue passes ``turns`` (and empty tokens/codes); its turns are
         stored back to back, so the item's text/audio ranges cover exactly its turns.
         ``speaker``: the speaker the source named (None: unlabelled, no ``speaker`` key, so
-        such items' lines are those of datasets made before speakers existed)."""
+        such items' lines are those of datasets made before speakers existed). ``extra``:
+        more keys of the line, written last as they are (``ManifestItem.extra``)."""
         t0, a0 = self.total_text_tokens, self.total_frames
         row_turns = None
         if turns is not None:
@@ -114,6 +116,10 @@ class ShardWriter:
         })  # fmt: skip
         if row_turns is not None:
             row["turns"] = row_turns
+        clash = sorted(set(extra or ()) & set(row))
+        if clash:
+            raise ValueError(f"{item_id}: extra keys {clash} would replace the item's own")
+        row.update(extra or {})
         line = json.dumps(row, ensure_ascii=False) + "\n"
         self._items.write(line)
         self._columns.append(column_row(row, self._items_bytes))

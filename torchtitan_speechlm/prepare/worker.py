@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from torchtitan_speechlm.codecs import load_codec
-from torchtitan_speechlm.data.format import SHARDS_DIR, Turn, shard_name
+from torchtitan_speechlm.data.format import PREFERENCE, SHARDS_DIR, Turn, shard_name
 from torchtitan_speechlm.prepare.items import AudioRef, ManifestItem
 from torchtitan_speechlm.prepare.shard_writer import ShardWriter
 from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
 from torchtitan_speechlm.prepare.sources.lhotse import load_cut_audio
+from torchtitan_speechlm.prepare.sources.preference import identical_answers
 from torchtitan_speechlm.utils.audio import BadAudioError, load_audio
 from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer
 
@@ -138,7 +139,11 @@ def _audio(ref: AudioRef) -> np.ndarray:
 def _load_item(item: ManifestItem) -> dict:
     """Everything but the codes: {"tokens", "wavs" (to encode), "turns"}; raises _Skip."""
     cfg = _state["cfg"]
-    if item.kind == "dialogue":
+    if item.kind == PREFERENCE:
+        same = identical_answers(item)
+        if same:
+            raise _Skip("identical_pair", same)
+    if item.turns is not None:
         turns, wavs = [], []
         for k, t in enumerate(item.turns):
             if t.audio is not None:
@@ -176,11 +181,12 @@ def _write(writer: ShardWriter, item: ManifestItem, d: dict) -> float:
     if d["turns"] is not None:
         turns = [Turn(role, mod, np.asarray(d["codes"][x] if mod == "audio" else x), text)
                  for role, mod, x, text in d["turns"]]  # fmt: skip
-        writer.add(item.id, "dialogue", "", [], None, seconds, item.where, turns, item.speaker)
+        writer.add(item.id, item.kind, "", [], None, seconds, item.where, turns, item.speaker,
+                   item.extra)  # fmt: skip
     else:
         codes = d["codes"][0] if d["codes"] else np.zeros((0, codec.num_streams), np.int64)
         writer.add(item.id, item.kind, item.text, d["tokens"], codes, seconds, item.where,
-                   speaker=item.speaker)  # fmt: skip
+                   speaker=item.speaker, extra=item.extra)  # fmt: skip
     return seconds
 
 

@@ -1,5 +1,6 @@
 """Prepare sources: one module per corpus format (JSONL manifest, Kaldi data dir, HF datasets
-on disk, lhotse cuts, Lhotse Shar), each turning its input into ManifestItems and registering itself."""
+on disk, lhotse cuts, Lhotse Shar, preference pairs), each turning its input into ManifestItems
+and registering itself."""
 
 from torchtitan_speechlm.prepare.sources.base import (
     SOURCES,
@@ -12,6 +13,7 @@ from torchtitan_speechlm.prepare.sources.base import (
 # registration order = the order of the CLI flags
 # isort: off
 from torchtitan_speechlm.prepare.sources import jsonl, kaldi, hf, lhotse, lhotse_shar  # noqa: F401, E402
+from torchtitan_speechlm.prepare.sources import preference  # noqa: F401, E402
 # isort: on
 
 

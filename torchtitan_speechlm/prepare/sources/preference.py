@@ -1,0 +1,187 @@
+"""The preference-pair source (``--preference P.jsonl``): a prompt, a chosen and a rejected
+answer, with the scores that ranked them (what ``torchtitan generate`` + a judge write, or any
+preference corpus), for the ``tts_pref`` / ``asr_pref`` tasks (docs/data.md, Preference data).
+
+One JSON object per line::
+
+    {"id": "p0", "task": "tts", "text": "the prompt text", "speaker": "spk1",
+     "chosen": {"audio": "c.wav"}, "rejected": {"audio": "r.wav"},
+     "scores": {"chosen": {"wer": 0.0, "sim": 0.9}, "rejected": {"wer": 0.4, "sim": 0.8}}}
+    {"id": "p1", "task": "asr", "audio": "q.wav",
+     "chosen": {"text": "a transcript"}, "rejected": {"text": "a worse one"}, "scores": {...}}
+
+A pair is one item of kind ``preference`` whose turns are the prompt (user), the chosen and the
+rejected answer (assistant), so the encode path prepares its audio like a dialogue's; its
+items.jsonl line records ``"preference": {"task", "chosen": 1, "rejected": 2, "scores"}``.
+The scores are required: a pair whose ranking cannot be checked is refused (file and line),
+as is a line without its chosen or rejected answer. A pair whose answers are the same audio
+file or text is skipped by the worker and recorded in failures.jsonl (``identical_pair``):
+DPO and SimPO cannot learn from it. Relative paths resolve against the file's folder.
+
+Bounded in memory like the JSONL manifest: items go to a ``SpilledItems`` as they are read,
+and ids are checked for repeats through a 64-bit hash each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import numbers
+import os
+from array import array
+
+import numpy as np
+
+from torchtitan_speechlm.data.format import PREFERENCE
+from torchtitan_speechlm.prepare.items import (
+    AudioRef,
+    ManifestError,
+    ManifestItem,
+    TurnSpec,
+    speaker_label,
+)
+from torchtitan_speechlm.prepare.sources.base import PrepareSource, SourceRead, register_source
+from torchtitan_speechlm.prepare.spill import SpilledItems
+from torchtitan_speechlm.utils.text_files import text_lines
+
+# task -> (the prompt's modality, the answers' modality); the item's turns are (user prompt,
+# assistant chosen, assistant rejected), the layout data/tasks.py's pair tasks read
+PAIR_TASKS = {"tts": ("text", "audio"), "asr": ("audio", "text")}
+CHOSEN, REJECTED = 1, 2  # turn indices of the answers
+
+
+def read_preference_jsonl(path: str, items=None):
+    """Parse a preference JSONL file into ``ManifestItem``s (``items``: where they go, default
+    a new list); blank lines are skipped, ids must be unique."""
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"preference file {path} not found")
+    base = os.path.dirname(path)
+    items = [] if items is None else items
+    hashes = array("Q")  # 8 bytes per item: the duplicate check
+    for lineno, line in text_lines(path, ManifestError):
+        if line.strip():
+            item = parse_pair(line, lineno, f"{path}:{lineno}", base)
+            hashes.append(_id_hash(item.id))
+            items.append(item)
+    if hasattr(items, "seal"):
+        items.seal()
+    _refuse_repeated_ids(hashes, items)
+    return items
+
+
+def parse_pair(line: str, lineno: int, where: str, base: str) -> ManifestItem:
+    """One line as a preference item; a ``ManifestError`` naming ``where`` if it is malformed."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+    if not isinstance(row, dict):
+        raise ManifestError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    item_id = _string(row, "id", where)
+    task = _string(row, "task", where)
+    if task not in PAIR_TASKS:
+        raise ManifestError(f"{where}: task {task!r} is not one of {', '.join(PAIR_TASKS)}")
+    prompt_modality, answer_modality = PAIR_TASKS[task]
+    prompt = _content(row, prompt_modality, where, base)
+    answers = []
+    for key in ("chosen", "rejected"):
+        if not isinstance(row.get(key), dict):
+            raise ManifestError(
+                f"{where}: needs {key!r}: an object with its {answer_modality!r} (task {task})"
+            )
+        answers.append(_content(row[key], answer_modality, f"{where}: {key}", base))
+    turns = [TurnSpec("user", **prompt)] + [TurnSpec("assistant", **a) for a in answers]
+    record = {"task": task, "chosen": CHOSEN, "rejected": REJECTED,
+              "scores": _scores(row, where)}  # fmt: skip
+    return ManifestItem(item_id, None, "", lineno, where, turns=turns,
+                        speaker=speaker_label(row.get("speaker"), where),
+                        extra={PREFERENCE: record})  # fmt: skip
+
+
+def identical_answers(item: ManifestItem) -> str | None:
+    """Why a pair's chosen and rejected answers are the same (the same audio or text), or None;
+    the worker skips such a pair and records it (``identical_pair``)."""
+    c, r = item.turns[CHOSEN], item.turns[REJECTED]
+    if c.audio is not None and c.audio == r.audio:
+        return f"chosen and rejected are the same audio ({c.audio.describe()})"
+    if c.text is not None and c.text.strip() == (r.text or "").strip():
+        return "chosen and rejected are the same text"
+    return None
+
+
+def _string(row: dict, key: str, where: str) -> str:
+    value = row.get(key)
+    if not isinstance(value, str) or not value.strip():
+        got = "missing" if value is None else f"{type(value).__name__} {value!r}"
+        raise ManifestError(f"{where}: {key!r} must be a non-empty string ({got})")
+    return value
+
+
+def _content(row: dict, modality: str, where: str, base: str) -> dict:
+    """A turn's ``text`` or ``audio`` (a path, resolved against ``base``) as TurnSpec keywords."""
+    value = _string(row, modality, where)
+    if modality == "text":
+        return {"text": value}
+    path = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+    return {"audio": AudioRef(path=path)}
+
+
+def _scores(row: dict, where: str) -> dict:
+    """``{"chosen": {name: number}, "rejected": {...}}``: required (the pair's ranking)."""
+    scores = row.get("scores")
+    if scores is None:
+        raise ManifestError(
+            f"{where}: a preference pair without 'scores' (the judges' scores of its chosen "
+            "and rejected answers, which the pair's ranking comes from)"
+        )
+    if not isinstance(scores, dict) or set(scores) != {"chosen", "rejected"}:
+        raise ManifestError(f"{where}: 'scores' must be an object with 'chosen' and 'rejected'")
+    for key, values in scores.items():
+        ok = isinstance(values, dict) and values and all(
+            isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+            for v in values.values()
+        )  # fmt: skip
+        if not ok:
+            raise ManifestError(
+                f"{where}: scores[{key!r}] must be a non-empty object of finite numbers"
+            )
+    return scores
+
+
+def _id_hash(item_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(item_id.encode(), digest_size=8).digest(), "little")
+
+
+def _refuse_repeated_ids(hashes: array, items) -> None:
+    """The first line whose id an earlier line has, named with the earlier line (only lines
+    whose hashes agree are read again)."""
+    h = np.frombuffer(hashes, dtype=np.uint64) if len(hashes) else np.zeros(0, np.uint64)
+    s = np.sort(h)
+    same = np.unique(s[1:][s[1:] == s[:-1]])
+    if not len(same):
+        return
+    first: dict[str, ManifestItem] = {}
+    for pos in np.flatnonzero(np.isin(h, same)):
+        item = items[int(pos)]
+        if item.id in first:
+            raise ManifestError(
+                f"{item.where}: duplicate id {item.id!r} (first on line {first[item.id].line})"
+            )
+        first[item.id] = item
+
+
+def _read(path: str) -> SourceRead:
+    return SourceRead(read_preference_jsonl(path, SpilledItems()), {"type": PREFERENCE})
+
+
+register_source(
+    PrepareSource(
+        PREFERENCE,
+        "--preference",
+        "P.jsonl",
+        "JSONL preference pairs (tts or asr): a prompt, a chosen and a rejected answer, scores",
+        _read,
+    )
+)
