@@ -4,7 +4,8 @@ Each row of a unit holds one sample (bucket) or several (pack), placed end to en
 its own position ids (attention stays within a sample: model/documents.py); the rest of the
 row is padding, a "document" of its own without loss. Every micro-batch carries a
 ``data_stats`` vector (``data_stats_keys``) that the loss step sums into the DATA statistics,
-and runs with continuous audio input also carry the waveforms (model/audio/tower.py).
+and runs with continuous audio input also carry the waveforms (model/audio/tower.py). A
+preference stream's micro-batches carry its pairs and count them in ``labels`` (data/pairs.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX
 
 from torchtitan_speechlm.data.examples import Examples
+from torchtitan_speechlm.data.pairs import PREF_KEYS, PairExample, PairRows
 from torchtitan_speechlm.data.planner import Draw, Unit
 from torchtitan_speechlm.data.tasks import TASKS, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -31,6 +33,7 @@ BASE_STATS = (
     "skipped_too_long",
     "skipped_bad",
     "cfg_dropped",
+    "pref_identical",
 )
 
 
@@ -69,31 +72,40 @@ def continuous_batch(segments: list[tuple[int, int, int, np.ndarray]], b: int, t
 
 
 def example_hash(ex) -> str:
-    """Content hash of one sample (its frames and loss weights)."""
+    """Content hash of one sample (its frames and loss weights; a pair's, of both documents)."""
     h = hashlib.blake2b(digest_size=12)
-    h.update(ex.frames.tobytes())
-    h.update(ex.weights.tobytes())
+    for doc in ex.documents:
+        h.update(doc.frames.tobytes())
+        h.update(doc.weights.tobytes())
     return h.hexdigest()
 
 
 def batch_hash(batch: dict) -> str:
     """Content hash of a micro-batch (inputs, targets, weights, positions)."""
     h = hashlib.blake2b(digest_size=12)
-    for key in ("input", "targets", "loss_weights", "position_ids", *CONTINUOUS_KEYS):
-        if key in batch:  # the continuous keys only in runs with continuous tasks
+    for key in ("input", "targets", "loss_weights", "position_ids", *CONTINUOUS_KEYS, *PREF_KEYS):
+        if key in batch:  # the continuous / preference keys only in runs with such tasks
             h.update(batch[key].numpy().tobytes())
     return h.hexdigest()
 
 
 class Collator:
     """Builds units into ``(inputs, labels)`` micro-batches; ``continuous``: the batches carry
-    ``audio_wave`` / ``audio_lengths`` / ``audio_index`` (a continuous-input task is mixed)."""
+    ``audio_wave`` / ``audio_lengths`` / ``audio_index`` (a continuous-input task is mixed);
+    ``preference``: the batches carry their pairs (``pref_*``, data/pairs.py) and ``labels``
+    count the pairs, with reference log-probs from ``reference`` ({source: [items, 2]})."""
 
     def __init__(
-        self, layout: VocabLayout, builder: TemplateBuilder, examples: Examples, continuous: bool
+        self,
+        layout: VocabLayout,
+        builder: TemplateBuilder,
+        examples: Examples,
+        continuous: bool,
+        preference: bool = False,
     ):
         self.layout, self.builder, self.examples = layout, builder, examples
-        self.continuous = continuous
+        self.continuous, self.preference = continuous, preference
+        self.reference: dict[int, np.ndarray] | None = None
         self.stats_keys = data_stats_keys(layout.num_streams)
         self._pad_frame = np.array(layout.pad_frame(), dtype=np.int64)
 
@@ -110,8 +122,10 @@ class Collator:
         stats = dict.fromkeys(self.stats_keys, 0.0)
         stats["rows"], stats["skipped_too_long"] = b, skipped_too_long
         continuous = []  # (row, first frame, frames, waveform) of each continuous segment
+        pairs = PairRows(b, t) if self.preference else None
         for r, row in enumerate(unit.rows):
-            at = self._fill_row(r, row, (inp, tgt, w, pos), stats, continuous, sample_hashes)
+            placed = (stats, continuous, pairs, sample_hashes)
+            at = self._fill_row(r, row, (inp, tgt, w, pos), placed)
             stats["frames"] += at
             pos[r, at:] = np.arange(t - at)  # padding is its own "document"
         loss_frames = (w > 0).any(-1)
@@ -125,36 +139,44 @@ class Collator:
         }
         if self.continuous:
             batch.update(continuous_batch(continuous, b, t))
+        if pairs is not None:
+            batch.update(pairs.tensors(self.reference))
+            return batch, pairs.labels()
         return batch, torch.from_numpy(np.where(loss_frames, 0, IGNORE_INDEX))
 
     def _fill_row(
-        self,
-        r: int,
-        row: list[Draw],
-        arrays: tuple[np.ndarray, ...],
-        stats: dict,
-        continuous: list,
-        sample_hashes: list[str] | None,
+        self, r: int, row: list[Draw], arrays: tuple[np.ndarray, ...], placed: tuple
     ) -> int:
-        """Place row ``r``'s samples end to end; returns the frames they fill."""
+        """Place row ``r``'s samples end to end (a pair's two documents one after the other);
+        returns the frames they fill. ``placed``: (stats, continuous segments, the preference
+        pairs or None, sample hashes or None), added to."""
         inp, tgt, w, pos = arrays
+        stats, continuous, pairs, sample_hashes = placed
         at = 0
         for d in row:
             ex = self.examples.example(d)
             if ex is None:
                 stats["skipped_bad"] += 1
                 continue
-            length = len(ex.frames) - 1
-            for first, wave in ex.continuous:
-                frames = int(self.builder.continuous_frames(len(wave)))
-                continuous.append((r, at + first, frames, wave))
+            if isinstance(ex, PairExample) and ex.identical:  # nothing to prefer: not trained
+                stats["pref_identical"] += 1
+                continue
             if sample_hashes is not None:
                 sample_hashes.append(example_hash(ex))
-            inp[r, at : at + length] = ex.frames[:-1]
-            tgt[r, at : at + length] = ex.frames[1:]
-            w[r, at : at + length] = ex.weights[1:]
-            pos[r, at : at + length] = np.arange(length)
-            at += length
+            spans = []  # (first frame, frames) of each document
+            for doc in ex.documents:
+                length = len(doc.frames) - 1
+                for first, wave in doc.continuous:
+                    frames = int(self.builder.continuous_frames(len(wave)))
+                    continuous.append((r, at + first, frames, wave))
+                inp[r, at : at + length] = doc.frames[:-1]
+                tgt[r, at : at + length] = doc.frames[1:]
+                w[r, at : at + length] = doc.weights[1:]
+                pos[r, at : at + length] = np.arange(length)
+                spans.append((at, length))
+                at += length
+            if pairs is not None:
+                pairs.add(r, spans, ex.chosen.weights[1:], (d.src, d.item))
             stats["examples"] += 1
             stats["cfg_dropped"] += d.cfg_drop
             stats[f"task_{self.examples.task(d)}"] += 1

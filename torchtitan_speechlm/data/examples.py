@@ -10,8 +10,9 @@ from __future__ import annotations
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.data.mixing import Source
+from torchtitan_speechlm.data.pairs import PairExample, build_pair
 from torchtitan_speechlm.data.planner import Draw
-from torchtitan_speechlm.data.tasks import TemplateBuilder
+from torchtitan_speechlm.data.tasks import Example, TemplateBuilder, get_task
 
 
 class Examples:
@@ -19,6 +20,7 @@ class Examples:
 
     def __init__(self, sources: list[Source], builder: TemplateBuilder):
         self.sources, self.builder = sources, builder
+        self._pairs = [get_task(s.task).pair_of is not None for s in sources]
         self._warned_bad: set[tuple[int, int]] = set()
 
     def task(self, d: Draw) -> str:
@@ -29,10 +31,13 @@ class Examples:
         s = self.sources[d.src]
         return f"{s.task}:{s.name}:{s.data.ids[d.item]}"
 
-    def example(self, d: Draw):
-        """The draw's example, or None (with a warning, once per item) if it cannot be read."""
+    def example(self, d: Draw) -> Example | PairExample | None:
+        """The draw's example (a preference task's: its pair of documents), or None (with a
+        warning, once per item) if it cannot be read."""
         s = self.sources[d.src]
         try:
+            if self._pairs[d.src]:  # a preference task: two documents (data/pairs.py)
+                return build_pair(self.builder, s.task, s.data[d.item])
             prompt = s.data[d.prompt] if d.prompt >= 0 else None
             return self.builder.build(s.task, s.data[d.item], d.cfg_drop, prompt)
         except Exception as e:  # a corrupt item must not kill a multi-day run

@@ -57,6 +57,7 @@ from torchtitan_speechlm.data.collation import (
 from torchtitan_speechlm.data.examples import Examples
 from torchtitan_speechlm.data.lengths import LengthTable, check_lengths
 from torchtitan_speechlm.data.mixing import Mixture, Source, keep_eligible
+from torchtitan_speechlm.data.pairs import preference_stream
 from torchtitan_speechlm.data.planner import Draw, Unit
 from torchtitan_speechlm.data.sampler import Plan, StreamSampler
 from torchtitan_speechlm.data.settings import StreamSettings
@@ -119,6 +120,7 @@ class SpeechLMDataset(IterableDataset, Stateful):
         self.sources, self.builder, self.layout = sources, builder, builder.layout
         self.stats_keys = data_stats_keys(self.layout.num_streams)
         keep_eligible(sources)
+        preference = preference_stream(sources)  # (refuses a mixture with other tasks)
         # speaker prompts of the prompted tasks (tts_prompt), drawn within each source's split
         prompted = any(get_task(s.task).prompted for s in sources)
         self.prompts = SpeakerPrompts(sources, seed) if prompted else None
@@ -139,7 +141,24 @@ class SpeechLMDataset(IterableDataset, Stateful):
         self.sampler = StreamSampler(mixture, self.settings, self.shards)
         self.examples = Examples(sources, builder)
         continuous = any(get_task(s.task).continuous for s in sources)
-        self.collator = Collator(self.layout, builder, self.examples, continuous)
+        self.collator = Collator(self.layout, builder, self.examples, continuous, preference)
+
+    @property
+    def preference(self) -> bool:
+        """Whether the stream's tasks are preference tasks (its batches carry pairs)."""
+        return self.collator.preference
+
+    def set_reference_logps(self, table: dict[int, np.ndarray] | None) -> None:
+        """The pairs' reference log-probs, ``{source index: float [items, 2]}`` (chosen,
+        rejected) of every item of each source's dataset, NaN where none; each batch's
+        ``pref_ref`` is looked up in it (data/pairs.py). Not part of the stream's position or
+        state (it is no data order): set it again after a resume, before the loader's
+        workers start (they take a copy of the stream when they do)."""
+        if not self.preference:
+            raise ValueError("reference log-probs for a stream without preference tasks")
+        self.collator.reference = None if table is None else {
+            int(k): np.asarray(v, dtype=np.float32) for k, v in table.items()
+        }  # fmt: skip
 
     @property
     def step_pieces(self) -> int:

@@ -15,6 +15,9 @@ Chat-style template, one block per turn:  <|role|><|modality|> content <|eot|>
     continuation:  <bos> [assistant audio] <eos>        (speech LM on audio alone)
     text:          <bos> [assistant text] <eos>         (text LM)
     dialogue:      <bos> [turn] [turn] ... <eos>        (roles and modalities from the data)
+    tts_pref:      two tts documents of a preference item, its prompt with the chosen answer
+                   and with the rejected one, side by side in one row (data/pairs.py)
+    asr_pref:      the same for asr (user audio, chosen / rejected assistant text)
     asr_wave:      asr, its audio the waveform through the audio encoder (continuous)
     dialogue_wave: dialogue, its one (user/system) audio turn the waveform (continuous): spoken
                    question answering and other audio-conditioned text tasks
@@ -40,7 +43,7 @@ from typing import get_args
 import numpy as np
 
 from torchtitan_speechlm.config import ConfigError, LossRegion
-from torchtitan_speechlm.data.format import KINDS, MODALITIES, ROLES
+from torchtitan_speechlm.data.format import KINDS, MODALITIES, PREFERENCE, ROLES
 from torchtitan_speechlm.data.prompt import prompt_frames
 from torchtitan_speechlm.data.template_pieces import (
     MODALITY_TOKENS,
@@ -76,6 +79,12 @@ class Task:
     """Index of the audio turn holding a speaker prompt: the codes of another utterance of the
     item's speaker (a draw's ``prompt``), cut to ``TemplateBuilder.max_prompt_frames``. A
     draw without a prompt (the speaker has no other utterance) leaves the turn out."""
+    pair_of: str | None = None
+    """A preference task: its example is two documents of task ``pair_of`` laid out by that
+    task's template, the item's prompt with its chosen answer and with its rejected one
+    (items of kind ``preference``: turns prompt, chosen, rejected). The base task has two
+    fixed turns of different modalities, a prompt without loss and an answer with it, so a
+    pair's length comes from the index (``TemplateBuilder.length``). No CFG dropout."""
 
     def __post_init__(self) -> None:
         bad = [k for k in self.kinds if k not in KINDS]
@@ -95,6 +104,8 @@ class Task:
             self.turns is None or self.continuous or self.turns[self.prompt_turn][1] != "audio"
         ):
             raise ValueError(f"task {self.name!r}: prompt_turn must index a codec audio turn")
+        if self.pair_of is not None:
+            _check_pair_task(self)
 
     def count(self, modality: str) -> int:
         return sum(m == modality for _, m in self.turns or ())
@@ -103,6 +114,34 @@ class Task:
     def prompted(self) -> bool:
         """Whether the task's examples carry a speaker prompt."""
         return self.prompt_turn is not None
+
+
+def _check_pair_task(task: Task) -> None:
+    """A preference task mirrors a registered base task of two turns: a prompt without loss,
+    then an answer with it, of the other modality (the layout ``build_pair`` and ``length``
+    assume); its examples carry no CFG drop, no speaker prompt, no continuous audio."""
+    base = TASKS.get(task.pair_of, f"task {task.name!r} pair_of")
+    base_ok = (
+        base.turns is not None
+        and len(base.turns) == 2
+        and base.turns[0][1] != base.turns[1][1]
+        and base.turns[1][0] in base.loss_roles
+        and base.turns[0][0] not in base.loss_roles
+        and not (base.continuous or base.prompted or base.pair_of)
+    )
+    mirrors = (task.turns, task.loss_roles, task.kinds) == (
+        base.turns,
+        base.loss_roles,
+        (PREFERENCE,),
+    )
+    plain = task.cfg_turn is None and task.prompt_turn is None and not task.continuous
+    if not (base_ok and mirrors and plain):
+        raise ValueError(
+            f"task {task.name!r}: a preference task takes kind {PREFERENCE!r} items and the "
+            f"turns and loss roles of its base {base.name!r}, with no cfg, prompt or continuous "
+            "turn; the base has two codec turns, a prompt without loss, then an answer of the "
+            "other modality with it"
+        )
 
 
 TASKS: Registry[Task] = Registry("task")
@@ -129,6 +168,8 @@ for _task in (
     Task("dialogue_wave", ("dialogue",), None, continuous=True),
 ):
     register_task(_task)
+for _base in ("tts", "asr"):  # preference pairs (data/pairs.py)
+    register_task(Task(f"{_base}_pref", (PREFERENCE,), TASKS.get(_base).turns, pair_of=_base))
 
 
 def get_task(name: str, key: str = "speechlm_data.train") -> Task:
@@ -176,6 +217,11 @@ class Example:
     weights: np.ndarray  # float32 [L, N]: weight of predicting frames[j] from frames[:j]
     continuous: list[tuple[int, np.ndarray]] = field(default_factory=list)
     """(first frame, int16 waveform) of each continuous segment (its frames are placeholders)."""
+
+    @property
+    def documents(self) -> tuple[Example, ...]:
+        """The documents the example places in a row, each with its own positions: itself."""
+        return (self,)
 
 
 def item_wave(item, task: str) -> np.ndarray:
@@ -300,6 +346,8 @@ class TemplateBuilder:
         lay, pieces = self.layout, self.pieces
         sp = lay.special
         spec = get_task(task)
+        if spec.pair_of is not None:
+            raise ValueError(f"task {task!r} makes pairs of documents (data/pairs.py)")
         segs = self.segments(task, item, cfg_drop, prompt)
         parts = [pieces.tokens([sp("<|bos|>")], False)]
         continuous = []
@@ -331,6 +379,8 @@ class TemplateBuilder:
         arrays. ``n_audio_turns``/``n_turns`` are read only for tasks taking the item's turns.
         A prompted task's length is without its prompt turn (``prompt_length`` adds it)."""
         spec = get_task(task)
+        if spec.pair_of is not None:
+            return self.pair_length(spec, n_text, n_audio_frames)
         if spec.turns is not None:
             n_turns, n_audio_turns = len(spec.turns), spec.count("audio")
             if spec.prompted:
@@ -349,3 +399,13 @@ class TemplateBuilder:
         else:
             audio = self.pattern.num_frames(n_audio_frames, n_audio_turns, self.layout.num_streams)
         return 1 + 3 * n_turns + n_text_total + audio
+
+    def pair_length(self, spec: Task, n_text, n_audio_frames):
+        """A preference pair's length as one sample (both documents' frames less one: the
+        pair fills ``len(chosen) - 1 + len(rejected) - 1`` input positions) from its index
+        lengths: the prompt is in both documents, each answer in one; one audio turn each."""
+        answer = spec.turns[1][1]
+        text = n_text * (1 if answer == "text" else 2)
+        frames = n_audio_frames * (1 if answer == "audio" else 2)
+        audio = self.pattern.num_frames(frames, 2, self.layout.num_streams)
+        return 2 * (1 + 3 * len(spec.turns)) + text + audio - 1
