@@ -95,7 +95,7 @@ GOOD = {"id": "p", "task": "tts", "text": "hi", "chosen": {"audio": "c.wav"},
 
 
 def without(key):
-    return {k: v for k, v in GOOD.items() if k != key}
+    return {k: v for k, v in GOOD.items() if k != key and k != "id"} | {"id": "q"}
 
 
 @pytest.mark.parametrize(
@@ -104,13 +104,14 @@ def without(key):
         (without("scores"), "a preference pair without 'scores'"),
         (without("rejected"), "needs 'rejected'"),
         (without("chosen"), "needs 'chosen'"),
-        ({**GOOD, "chosen": {"text": "x"}}, "chosen: 'audio' must be a non-empty string"),
-        ({**GOOD, "task": "tts_prompt"}, "task 'tts_prompt' is not one of tts, asr"),
-        ({**GOOD, "scores": {"chosen": {"wer": "low"}, "rejected": {"wer": 1}}},
+        ({**GOOD, "id": "q", "chosen": {"text": "x"}}, "chosen: 'audio' must be a non-empty string"),
+        ({**GOOD, "id": "q", "task": "tts_prompt"}, "task 'tts_prompt' is not one of tts, asr"),
+        ({**GOOD, "id": "q", "scores": {"chosen": {"wer": "low"}, "rejected": {"wer": 1}}},
          "scores['chosen'] must be a non-empty object of finite numbers"),
-        ({**GOOD, "scores": {"chosen": {"wer": 0}}}, "'scores' must be an object with"),
-        ({**GOOD, "task": "asr"}, "'audio' must be a non-empty string (missing)"),
+        ({**GOOD, "id": "q", "scores": {"chosen": {"wer": 0}}}, "'scores' must be an object with"),
+        ({**GOOD, "id": "q", "task": "asr"}, "'audio' must be a non-empty string (missing)"),
         (GOOD, "duplicate id 'p' (first on line 1)"),
+        (without("scores") | {"id": "p"}, "a preference pair without 'scores'"),
     ],
 )  # fmt: skip
 def test_bad_lines_are_refused_naming_the_file_and_line(tmp_path, bad, message):
@@ -151,3 +152,11 @@ def test_rescoring_a_pair_changes_its_shard_inputs(prepared, tmp_path, capsys):
     assert main(argv) == 1 and "inputs of shard 00000 changed" in capsys.readouterr().err
     assert main([*argv, "--overwrite"]) == 0
     assert items_jsonl(out)[1]["preference"]["scores"] == rows[1]["scores"]
+
+
+def test_a_repeat_before_a_bad_line_is_named_first(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    bad = {k: v for k, v in GOOD.items() if k != "scores"} | {"id": "q"}
+    path.write_text("".join(json.dumps(r) + "\n" for r in (GOOD, GOOD, bad)))
+    with pytest.raises(ManifestError, match=r"pairs.jsonl:2: duplicate id 'p' \(first on line 1\)"):
+        read_preference_jsonl(str(path))

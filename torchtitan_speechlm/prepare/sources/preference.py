@@ -24,14 +24,10 @@ and ids are checked for repeats through a 64-bit hash each.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import numbers
 import os
-from array import array
-
-import numpy as np
 
 from torchtitan_speechlm.data.format import PREFERENCE
 from torchtitan_speechlm.prepare.items import (
@@ -42,6 +38,11 @@ from torchtitan_speechlm.prepare.items import (
     speaker_label,
 )
 from torchtitan_speechlm.prepare.sources.base import PrepareSource, SourceRead, register_source
+from torchtitan_speechlm.prepare.sources.unique import (
+    KeyHashes,
+    duplicates_first,
+    refuse_repeated_id,
+)
 from torchtitan_speechlm.prepare.spill import SpilledItems
 from torchtitan_speechlm.utils.text_files import text_lines
 
@@ -59,15 +60,14 @@ def read_preference_jsonl(path: str, items=None):
         raise FileNotFoundError(f"preference file {path} not found")
     base = os.path.dirname(path)
     items = [] if items is None else items
-    hashes = array("Q")  # 8 bytes per item: the duplicate check
-    for lineno, line in text_lines(path, ManifestError):
-        if line.strip():
-            item = parse_pair(line, lineno, f"{path}:{lineno}", base)
-            hashes.append(_id_hash(item.id))
-            items.append(item)
-    if hasattr(items, "seal"):
-        items.seal()
-    _refuse_repeated_ids(hashes, items)
+    ids = KeyHashes()  # 8 bytes per item: the duplicate check
+    with duplicates_first(ids, items, _duplicate):
+        for lineno, line in text_lines(path, ManifestError):
+            if line.strip():
+                item = parse_pair(line, lineno, f"{path}:{lineno}", base)
+                ids.add(item.id)  # (with its item: the check reads the repeats' items)
+                items.append(item)
+    refuse_repeated_id(ids, items, _duplicate)  # (seals a SpilledItems: readable)
     return items
 
 
@@ -150,26 +150,8 @@ def _scores(row: dict, where: str) -> dict:
     return scores
 
 
-def _id_hash(item_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(item_id.encode(), digest_size=8).digest(), "little")
-
-
-def _refuse_repeated_ids(hashes: array, items) -> None:
-    """The first line whose id an earlier line has, named with the earlier line (only lines
-    whose hashes agree are read again)."""
-    h = np.frombuffer(hashes, dtype=np.uint64) if len(hashes) else np.zeros(0, np.uint64)
-    s = np.sort(h)
-    same = np.unique(s[1:][s[1:] == s[:-1]])
-    if not len(same):
-        return
-    first: dict[str, ManifestItem] = {}
-    for pos in np.flatnonzero(np.isin(h, same)):
-        item = items[int(pos)]
-        if item.id in first:
-            raise ManifestError(
-                f"{item.where}: duplicate id {item.id!r} (first on line {first[item.id].line})"
-            )
-        first[item.id] = item
+def _duplicate(later: ManifestItem, first: ManifestItem) -> str:
+    return f"{later.where}: duplicate id {later.id!r} (first on line {first.line})"
 
 
 def _read(path: str) -> SourceRead:
