@@ -478,3 +478,17 @@ def test_spilled_slices_read_whole_chunks_and_equal_a_list_s():
         a, b = rng.choice(ends + [None]), rng.choice(ends + [None])
         step = rng.choice([None, 1, 2, -1])
         assert items[a:b:step] == listed[a:b:step], (a, b, step)
+
+
+@pytest.mark.parametrize("later", ['"turns": 3', '"audio": 5', '"text": "x", "speaker": []'])
+def test_a_repeated_id_on_a_line_with_another_problem_is_named_as_the_repeat(tmp_path, later):
+    """The repeat is named before the line's own problem, as the reader that kept a set of ids
+    named it (its id is hashed before the rest of the line is read, its item never made)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"id": "p", "text": "hi"}\n{"id": "q", "text": "ok"}\n'
+                    f'{{"id": "p", {later}}}\n')  # fmt: skip
+    with pytest.raises(ManifestError, match=r"m.jsonl:3: duplicate id 'p' \(first on line 1\)"):
+        read_source("manifest", str(path), {})
+    path.write_text(f'{{"id": "p", "text": "hi"}}\n{{"id": "r", {later}}}\n')
+    with pytest.raises(ManifestError, match=r"m.jsonl:2: (?!duplicate)"):
+        read_source("manifest", str(path), {})

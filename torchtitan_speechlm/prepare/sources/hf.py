@@ -15,6 +15,7 @@ Common Voice exports name it so); ``--speaker-column none``: no speakers.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -116,7 +117,8 @@ def read_hf_items(
     table = ds.select_columns(keep).with_format("arrow") if keep else None
     items = [] if items is None else items
     ids = KeyHashes()
-    with duplicates_first(ids, items, _duplicate):
+    reading: list = [None]  # the row being read once its id is hashed (unique.py: pending)
+    with duplicates_first(ids, items, _duplicate, lambda: reading[0]):
         for start in range(0, len(ds), BATCH):
             stop = min(start + BATCH, len(ds))
             batch_ids, texts, spks = _columns(table, start, stop, ("id", text_column, spk_col))
@@ -124,6 +126,7 @@ def read_hf_items(
                 item_id = str(batch_ids[k]) if batch_ids is not None else f"row-{row:08d}"
                 where = f"{where0}:row {row}"
                 ids.add(item_id)
+                reading[0] = SimpleNamespace(id=item_id, where=where)
                 text = texts[k] if texts is not None else ""
                 if text is not None and not isinstance(text, str):
                     raise ManifestError(
@@ -136,6 +139,7 @@ def read_hf_items(
                 )
                 items.append(ManifestItem(item_id, None, text or "", row + 1, where,
                                           ref=AudioRef(row=row), speaker=speaker))  # fmt: skip
+                reading[0] = None
     refuse_repeated_id(ids, items, _duplicate)
     return items
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 from torchtitan_speechlm.prepare.items import (
     ROLES,
@@ -86,16 +87,20 @@ def read_jsonl_manifest(path: str, items=None):
     base = os.path.dirname(path)
     items = [] if items is None else items
     ids = KeyHashes()  # a 64-bit hash of every id: duplicates are found in 8 bytes per item
-    with duplicates_first(ids, items, _duplicate):
+    reading: list = [None]  # the line being read once its id is hashed (its item not made)
+    with duplicates_first(ids, items, _duplicate, lambda: reading[0]):
         for lineno, line in text_lines(path, ManifestError):
             if not line.strip():
                 continue
-            items.append(_parse_line(line, lineno, f"{path}:{lineno}", base, ids))
+            items.append(_parse_line(line, lineno, f"{path}:{lineno}", base, ids, reading))
+            reading[0] = None
     refuse_repeated_id(ids, items, _duplicate)  # (seals a SpilledItems: readable)
     return items
 
 
-def _parse_line(line: str, lineno: int, where: str, base: str, ids: KeyHashes) -> ManifestItem:
+def _parse_line(
+    line: str, lineno: int, where: str, base: str, ids: KeyHashes, reading: list
+) -> ManifestItem:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -106,6 +111,7 @@ def _parse_line(line: str, lineno: int, where: str, base: str, ids: KeyHashes) -
     if not item_id:
         raise ManifestError(f"{where}: empty id")
     ids.add(item_id)  # (a repeat is named before any later problem of its line)
+    reading[0] = SimpleNamespace(id=item_id, where=where, line=lineno)
     speaker = speaker_label(row.get("speaker"), where)
     if "turns" in row:
         if "audio" in row or "text" in row:

@@ -36,6 +36,7 @@ import base64
 import dataclasses
 import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -280,7 +281,8 @@ def read_lhotse_cuts(cuts, padding: str = "keep", channel="mix", items=None):
         label, base = "<CutSet>", os.getcwd()
     items = [] if items is None else items
     ids, stream = KeyHashes(), iter(cuts)
-    with duplicates_first(ids, items, duplicate_cut):
+    reading: list = [None]  # the cut being read once its id is hashed (unique.py: pending)
+    with duplicates_first(ids, items, duplicate_cut, lambda: reading[0]):
         while True:
             line = len(items) + 1
             try:
@@ -297,7 +299,9 @@ def read_lhotse_cuts(cuts, padding: str = "keep", channel="mix", items=None):
                     "CutSet.from_manifests(recordings, supervisions))"
                 )
             ids.add(cut.id)
+            reading[0] = SimpleNamespace(id=cut.id, where=f"{label}:{line}")
             items.append(cut_item(cut, f"{label}:{line}", line, options, base))
+            reading[0] = None
     refuse_repeated_id(ids, items, duplicate_cut)
     return items
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 import tarfile
+from types import SimpleNamespace
 
 from torchtitan_speechlm.prepare.items import ManifestError
 from torchtitan_speechlm.prepare.sources.base import PrepareSource, SourceRead, register_source
@@ -135,15 +136,16 @@ def read_shar_items(directory: str, channel="mix", items=None):
     directory = os.path.abspath(directory)
     items = [] if items is None else items
     ids = KeyHashes()
-    with duplicates_first(ids, items, duplicate_cut):
+    reading: list = [None]  # the cut being read once its id is hashed (unique.py: pending)
+    with duplicates_first(ids, items, duplicate_cut, lambda: reading[0]):
         for cuts_file, tar in shar_shards(directory):
-            _read_shard(lhotse, cuts_file, tar, options, directory, ids, items)
+            _read_shard(lhotse, cuts_file, tar, options, directory, ids, items, reading)
     refuse_repeated_id(ids, items, duplicate_cut)
     return items
 
 
 def _read_shard(lhotse, cuts_file: str, tar: str, options, directory: str, ids: KeyHashes,
-                items) -> None:  # fmt: skip
+                items, reading: list) -> None:  # fmt: skip
     pairs = tar_index(tar)
     try:
         cuts = list(lhotse.CutSet.from_shar(fields={"cuts": [cuts_file]}))
@@ -166,7 +168,9 @@ def _read_shard(lhotse, cuts_file: str, tar: str, options, directory: str, ids: 
                 "tar belongs to another manifest"
             )
         ids.add(cut.id)  # (a repeat is named before the cut's own problems, as before)
+        reading[0] = SimpleNamespace(id=cut.id, where=where)
         items.append(cut_item(cut, where, line, options, directory, _shar_ref(tar, data, meta)))
+        reading[0] = None
 
 
 def _read(path: str, lhotse_channel="mix") -> SourceRead:

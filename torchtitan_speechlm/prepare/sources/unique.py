@@ -90,21 +90,36 @@ def item_ids_at(items) -> Callable[[np.ndarray], Iterator[tuple[int, str]]]:
     return lambda positions: ((int(p), items[int(p)].id) for p in positions)
 
 
-def refuse_repeated_id(ids: KeyHashes, items, message: Callable[[object, object], str]) -> None:
+def refuse_repeated_id(
+    ids: KeyHashes, items, message: Callable[[object, object], str], pending=None
+) -> None:
     """A ManifestError ``message(later item, first item)`` for the first item whose id an
-    earlier item has (``ids``: the hashes of the items' ids, in order)."""
+    earlier item has (``ids``: the hashes of the items' ids, in order). ``pending``: the line
+    being read when an error stopped the reading (its id hashed, its item not made), as an
+    object with the ``id`` (and whatever ``message`` reads) its item would have had."""
     if hasattr(items, "seal"):
         items.seal()  # readable (an error stops the reading anyway)
-    hit = ids.first_repeat(item_ids_at(items))
+    n = len(items)
+
+    def item(p: int):
+        return items[p] if p < n else pending
+
+    def keys_at(positions):
+        return ((int(p), item(int(p)).id) for p in positions if p < n or pending is not None)
+
+    hit = ids.first_repeat(keys_at)
     if hit is not None:
-        raise ManifestError(message(items[hit[0]], items[hit[1]]))
+        raise ManifestError(message(item(hit[0]), item(hit[1])))
 
 
 @contextmanager
-def duplicates_first(ids: KeyHashes, items, message: Callable[[object, object], str]):
-    """Reading inside this block: a ManifestError yields to a repeated id found before it."""
+def duplicates_first(
+    ids: KeyHashes, items, message: Callable[[object, object], str], pending=lambda: None
+):
+    """Reading inside this block: a ManifestError yields to a repeated id found before it
+    (``pending()``: the line being read, see ``refuse_repeated_id``)."""
     try:
         yield
     except ManifestError:
-        refuse_repeated_id(ids, items, message)
+        refuse_repeated_id(ids, items, message, pending())
         raise
