@@ -159,10 +159,17 @@ def finalise(sums: dict[str, float], micro_batches: float) -> dict[str, float]:
         total = sums["data/pad_frames"] + sums["data/frames"]
         if total:
             out["data/padding_ratio"] = sums["data/pad_frames"] / total
-            out["data/loss_frame_ratio"] = sums.get("count", 0.0) / total
+            # a preference run's count is its pairs; its loss frames are the data's
+            frames = (
+                sums.get("data/loss_frames", 0.0)
+                if "count_pairs" in sums
+                else sums.get("count", 0.0)
+            )
+            out["data/loss_frame_ratio"] = frames / total
             if "data/audio_clips" in sums:  # runs with an audio encoder: MFU's tower share
                 out["data/audio_clips_per_frame"] = sums["data/audio_clips"] / total
-    for key in ("data/skipped_too_long", "data/skipped_bad", "data/cfg_dropped"):
+    for key in ("data/skipped_too_long", "data/skipped_bad", "data/cfg_dropped",
+                "data/pref_identical"):  # fmt: skip
         if key in sums:
             out[key] = sums[key]  # counts over the interval, not means
     if "data/audio_frames" in sums:

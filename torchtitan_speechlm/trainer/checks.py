@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.data.tasks import get_task
 from torchtitan_speechlm.distributed.batch import data_parallel_degree
 from torchtitan_speechlm.distributed.parallelize import check_parallelism
 from torchtitan_speechlm.distributed.pipeline import check_pipeline
@@ -29,6 +30,7 @@ def validate_job_config(job_config, plan: RunPlan) -> None:
         raise ConfigError(str(e)) from None
     check_conflicts(job_config)
     check_lora(job_config, plan)
+    check_preference(job_config, plan)
     if "WORLD_SIZE" in os.environ:  # a rank (the launcher checks with --nproc-per-node)
         check_layout(job_config, int(os.environ["WORLD_SIZE"]))
 
@@ -166,3 +168,32 @@ def check_lora(job_config, plan: RunPlan) -> None:
                 "from the backbone (model.hf_assets_path) or an export (speechlm.init_from), "
                 "and write HF folders with `torchtitan export` (merged, or --adapter)"
             )
+
+
+def check_preference(job_config, plan: RunPlan) -> None:
+    """A preference loss needs preference pairs (``*_pref`` tasks) and they need it; the
+    layouts that split a document over ranks or stages are not supported yet."""
+    loss = job_config.speechlm.preference_loss
+    entries = list(getattr(plan.data, "train", None) or [])
+    pref = [f"{e.task}:{e.dataset}" for e in entries if get_task(e.task).pair_of]
+    if loss and not pref:
+        raise ConfigError(
+            f"speechlm.preference_loss = {loss!r} trains on preference pairs, but "
+            f"speechlm_data.train {[f'{e.task}:{e.dataset}' for e in entries]} has no preference "
+            "task: train tts_pref / asr_pref on a prepared preference dataset "
+            "(docs/preference.md), or unset preference_loss"
+        )
+    if pref and not loss:
+        raise ConfigError(
+            f"speechlm_data.train has preference tasks {pref} but speechlm.preference_loss is "
+            'not set: set it to "dpo" or "simpo" (docs/preference.md)'
+        )
+    p = job_config.parallelism
+    if loss and (p.pipeline_parallel_degree > 1 or p.context_parallel_degree > 1):
+        raise ConfigError(
+            f"speechlm.preference_loss = {loss!r} with pipeline_parallel_degree = "
+            f"{p.pipeline_parallel_degree}, context_parallel_degree = "
+            f"{p.context_parallel_degree}: a pair's log-probs are summed where all its frames "
+            "are, which these layouts split (not supported yet); use data, tensor or FSDP "
+            "parallelism"
+        )

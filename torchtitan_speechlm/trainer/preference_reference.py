@@ -68,14 +68,15 @@ def _metadata_sha(path: str) -> str:
 
 
 def use_reference_logps(trainer) -> None:
-    """Give the training stream its pairs' reference log-probs (DPO runs; others: nothing):
-    read from the dump folder, or computed now on a run's first start (step 0)."""
+    """Give the training stream (and the validation sets) their pairs' reference log-probs
+    (DPO runs; others: nothing): read from the dump folder, or computed now on a run's first
+    start (step 0)."""
     settings = trainer.run.model_args.preference_loss
     if settings is None or settings.kind != "dpo":
         return
     jc = trainer.job_config
-    if not hasattr(trainer.dataloader.stream if hasattr(trainer.dataloader, "stream") else None,
-                   "set_reference_logps"):  # fmt: skip
+    train = getattr(trainer.dataloader, "stream", None)
+    if not hasattr(train, "set_reference_logps"):
         raise ReferenceError(
             'speechlm.preference_loss = "dpo" trains on the preference pairs of '
             "[speechlm_data] (*_pref tasks); this run's data has none"
@@ -96,64 +97,93 @@ def use_reference_logps(trainer) -> None:
                 "reference log-probs from its first start, is missing: the weights now are "
                 "not the reference. Restore the file, or start a new dump_folder"
             )
-        table = compute_reference_logps(trainer)
-        _save(folder, table, record)
+        _save(folder, compute_reference_logps(trainer), record)
     table = _load(folder)
-    trainer.dataloader.stream.set_reference_logps(table)
+    attach(train, table)
+    validator = getattr(trainer, "validator", None)
+    if validator is not None and getattr(validator, "sets", None):
+        validator.sets = {name: _attached(make, table) for name, make in validator.sets.items()}
 
 
-def compute_reference_logps(trainer) -> dict[int, np.ndarray]:
-    """Every pair's (chosen, rejected) log-probs under the current weights: this rank's share
-    of a finite pass over the training mixture, gathered from every data-parallel rank."""
+def attach(stream, table: dict[str, np.ndarray]) -> None:
+    """Hand a preference stream its sources' rows of the reference table (keyed by dataset)."""
+    if getattr(stream, "preference", False):
+        stream.set_reference_logps(
+            {i: table[s.name] for i, s in enumerate(stream.sources) if s.name in table}
+        )
+
+
+def _attached(make, table: dict[str, np.ndarray]):
+    def fresh():
+        stream = make()
+        attach(stream, table)
+        return stream
+
+    return fresh
+
+
+def _passes(trainer, rank: int, world: int) -> list:
+    """The finite passes the reference scores: the training mixture's items, and every
+    validation set (which holds the held-out items the training pass does not)."""
     jc, plan = trainer.job_config, trainer.run.plan
+    out = [stream(jc, plan, plan.data.train, "train", dp_rank=rank, dp_world_size=world,
+                  training=False)]  # fmt: skip
+    validator = getattr(trainer, "validator", None)
+    if jc.validation.enable and validator is not None:
+        out += [make() for make in getattr(validator, "sets", {}).values()]
+    return [s for s in out if getattr(s, "preference", False)]
+
+
+def compute_reference_logps(trainer) -> dict[str, np.ndarray]:
+    """Every pair's (chosen, rejected) log-probs under the current weights, per dataset: this
+    rank's share of finite passes over the training mixture and the validation sets, gathered
+    from every rank."""
     pd = trainer.parallel_dims
     rank, world = (0, 1)
     if pd.dp_enabled:
         mesh = pd.get_mesh("batch")
         rank, world = mesh.get_local_rank(), mesh.size()
-    pass_ = stream(jc, plan, plan.data.train, "train", dp_rank=rank, dp_world_size=world,
-                   training=False)  # fmt: skip
     model = trainer.model_parts[0]
     was_training = model.training
     model.eval()
-    keys, logps, t0 = [], [], time.perf_counter()
+    rows, t0 = [], time.perf_counter()  # (dataset, item, chosen, rejected)
     try:
         with torch.no_grad():
-            for batch, _labels in pass_:
-                if "pref_key" not in batch:
-                    continue
-                key = batch.pop("pref_key")
-                inputs = {k: v.to(trainer.device) for k, v in batch.items()}
-                with trainer.maybe_enable_amp:
-                    out = model(inputs.pop("input"), **inputs, pref_logps_only=True)
-                keys.append(key.cpu().numpy())
-                logps.append(out.float().cpu().numpy())
+            for pass_ in _passes(trainer, rank, world):
+                names = [s.name for s in pass_.sources]
+                for batch, _labels in pass_:
+                    key = batch.pop("pref_key").numpy()
+                    if not len(key):
+                        continue
+                    inputs = {k: v.to(trainer.device) for k, v in batch.items()}
+                    with trainer.maybe_enable_amp:
+                        out = model(inputs.pop("input"), **inputs, pref_logps_only=True)
+                    out = out.float().cpu().numpy()
+                    rows += [(names[int(s)], int(i), float(c), float(r))
+                             for (s, i), (c, r) in zip(key, out, strict=True)]  # fmt: skip
     finally:
         model.train(was_training)
-    mine = (np.concatenate(keys) if keys else np.zeros((0, 2), np.int64),
-            np.concatenate(logps) if logps else np.zeros((0, 2), np.float32))  # fmt: skip
-    parts = [mine]
+    parts = [rows]
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
-    table = _table(parts)
+        dist.all_gather_object(parts, rows)
+    table = _table([r for part in parts for r in part])
     pairs = sum(int(np.isfinite(v[:, 0]).sum()) for v in table.values())
     logger.info(f"DPO reference: log-probs of {pairs} pairs under the starting weights "
                 f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
     return table
 
 
-def _table(parts: list) -> dict[int, np.ndarray]:
-    """{dataset key: [items, 2] log-probs, NaN where an item is no pair} from every rank's
-    (keys [P, 2], log-probs [P, 2]) (ranks of another parallel dimension repeat theirs)."""
-    keys = np.concatenate([k for k, _ in parts])
-    vals = np.concatenate([v for _, v in parts])
-    out: dict[int, np.ndarray] = {}
-    for d in np.unique(keys[:, 0]) if len(keys) else []:
-        sel = keys[:, 0] == d
-        arr = np.full((int(keys[sel, 1].max()) + 1, 2), np.nan, dtype=np.float32)
-        arr[keys[sel, 1]] = vals[sel]
-        out[int(d)] = arr
+def _table(rows: list[tuple[str, int, float, float]]) -> dict[str, np.ndarray]:
+    """{dataset: [items, 2] log-probs, NaN where an item is no scored pair} (ranks of another
+    parallel dimension repeat their share: the same numbers)."""
+    out: dict[str, np.ndarray] = {}
+    for name in sorted({r[0] for r in rows}):
+        mine = [r for r in rows if r[0] == name]
+        arr = np.full((max(r[1] for r in mine) + 1, 2), np.nan, dtype=np.float32)
+        for _, item, c, r in mine:
+            arr[item] = (c, r)
+        out[name] = arr
     return out
 
 
@@ -165,19 +195,19 @@ def _read_record(folder: str) -> dict | None:
         return json.load(f)
 
 
-def _save(folder: str, table: dict[int, np.ndarray], record: dict) -> None:
+def _save(folder: str, table: dict[str, np.ndarray], record: dict) -> None:
     """Rank 0 writes the log-probs, then their record (its presence means complete)."""
     if int(os.environ.get("RANK", "0")) == 0:
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".{LOGPS}.tmp")
         with open(tmp, "wb") as f:
-            np.savez(f, **{str(k): v for k, v in table.items()})
+            np.savez(f, **table)
         os.replace(tmp, os.path.join(folder, LOGPS))
         write_json_atomic(os.path.join(folder, RECORD), record)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
 
-def _load(folder: str) -> dict[int, np.ndarray]:
+def _load(folder: str) -> dict[str, np.ndarray]:
     with np.load(os.path.join(folder, LOGPS)) as z:
-        return {int(k): z[k] for k in z.files}
+        return {k: z[k] for k in z.files}
