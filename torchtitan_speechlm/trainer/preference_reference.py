@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
+from torchtitan_speechlm.data.planner import Unit
 from torchtitan_speechlm.trainer.builders import stream
 from torchtitan_speechlm.utils.fileio import write_json_atomic
 
@@ -151,10 +152,16 @@ def compute_reference_logps(trainer) -> dict[str, np.ndarray]:
         with torch.no_grad():
             for pass_ in _passes(trainer, rank, world):
                 names = [s.name for s in pass_.sources]
-                for batch, _labels in pass_:
+                # a rank whose share is done runs a stand-in batch of no pairs while another
+                # still scores (the model's collectives need every rank), as validation does
+                empty = pass_.collate(Unit(rows=[[]], t=8))[0]
+                it = iter(pass_)
+                while True:
+                    got = next(it, None)
+                    if not _any_rank_has(got is not None, trainer.device):
+                        break
+                    batch = dict(got[0] if got is not None else empty)
                     key = batch.pop("pref_key").numpy()
-                    if not len(key):
-                        continue
                     inputs = {k: v.to(trainer.device) for k, v in batch.items()}
                     with trainer.maybe_enable_amp:
                         out = model(inputs.pop("input"), **inputs, pref_logps_only=True)
@@ -172,6 +179,14 @@ def compute_reference_logps(trainer) -> dict[str, np.ndarray]:
     logger.info(f"DPO reference: log-probs of {pairs} pairs under the starting weights "
                 f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
     return table
+
+
+def _any_rank_has(has: bool, device) -> bool:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return has
+    flag = torch.tensor([1.0 if has else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
 
 
 def _table(rows: list[tuple[str, int, float, float]]) -> dict[str, np.ndarray]:
