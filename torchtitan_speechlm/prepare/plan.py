@@ -72,15 +72,16 @@ def build_plan(items, source: dict, codec, tokenizer: dict, shard_size: int,
         "num_streams": codec.num_streams, "total_streams": codec.total_streams,
         "codebook_size": codec.codebook_size, "config_hash": codec.config_hash,
     }  # fmt: skip
-    hashes = [
-        json_hash([_item_key(it) for it in items[s : s + shard_size]])
-        for s in range(0, len(items), shard_size)
-    ]
+    hashes, speakers = [], False  # one pass over the items (a spilled source: one read)
+    for s in range(0, len(items), shard_size):
+        shard = items[s : s + shard_size]
+        speakers = speakers or any(it.speaker is not None for it in shard)
+        hashes.append(json_hash([_item_key(it) for it in shard]))
     plan = {"format_version": FORMAT_VERSION, "source": source, "codec": codec_meta,
             "tokenizer": tokenizer, "shard_size": shard_size,
             "allow_audio_only": allow_audio_only, "num_inputs": len(items),
             "inputs_hash_version": INPUTS_HASH_VERSION, "shard_inputs": hashes}  # fmt: skip
-    if any(it.speaker is not None for it in items):  # absent without: older plans unchanged
+    if speakers:  # absent without: older plans unchanged
         plan["speakers"] = True
     return json.loads(json.dumps(plan))  # same types as when read back from plan.json
 

@@ -16,6 +16,8 @@ import pickle
 import tempfile
 from collections.abc import Iterator, Sequence
 
+from torchtitan_speechlm.data.format import gc_paused
+
 CHUNK = 1024
 
 
@@ -53,7 +55,8 @@ class SpilledItems(Sequence):
     def _chunk(self, c: int) -> list:
         if self._cached[0] != c:
             self._file.seek(self._offsets[c])
-            self._cached = (c, pickle.load(self._file))
+            with gc_paused():  # 1,024 objects: collections would walk every object (4x slower)
+                self._cached = (c, pickle.load(self._file))
         return self._cached[1]
 
     def __len__(self) -> int:
