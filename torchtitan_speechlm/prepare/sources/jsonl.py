@@ -98,15 +98,21 @@ def read_jsonl_manifest(path: str, items=None):
     return items
 
 
-def _parse_line(
-    line: str, lineno: int, where: str, base: str, ids: KeyHashes, reading: list
-) -> ManifestItem:
+def json_object(line: str, where: str) -> dict:
+    """A JSONL line's object; a ManifestError naming ``where`` if it is not one."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise ManifestError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
     if not isinstance(row, dict):
         raise ManifestError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _parse_line(
+    line: str, lineno: int, where: str, base: str, ids: KeyHashes, reading: list
+) -> ManifestItem:
+    row = json_object(line, where)
     item_id = _str_key(row, "id", where, True)
     if not item_id:
         raise ManifestError(f"{where}: empty id")

@@ -24,7 +24,6 @@ and ids are checked for repeats through a 64-bit hash each.
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import os
@@ -38,6 +37,7 @@ from torchtitan_speechlm.prepare.items import (
     speaker_label,
 )
 from torchtitan_speechlm.prepare.sources.base import PrepareSource, SourceRead, register_source
+from torchtitan_speechlm.prepare.sources.jsonl import json_object
 from torchtitan_speechlm.prepare.sources.unique import (
     KeyHashes,
     duplicates_first,
@@ -73,12 +73,7 @@ def read_preference_jsonl(path: str, items=None):
 
 def parse_pair(line: str, lineno: int, where: str, base: str) -> ManifestItem:
     """One line as a preference item; a ``ManifestError`` naming ``where`` if it is malformed."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
-    if not isinstance(row, dict):
-        raise ManifestError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    row = json_object(line, where)
     item_id = _string(row, "id", where)
     task = _string(row, "task", where)
     if task not in PAIR_TASKS:
