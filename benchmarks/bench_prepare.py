@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copies", type=int, default=1,
                    help="--parts: the corpus K times over (new ids, same wavs), so that encoding "
                    "outweighs each process' start (imports, planning, codec)")  # fmt: skip
+    p.add_argument("--device", default="cpu",
+                   help="--parts: the codec's device; cuda: part i on cuda:i (gpu_check.py)")  # fmt: skip
     p.add_argument("--parts", type=int, default=0, metavar="N",
                    help="scaling of `torchtitan prepare --part i/N`: 1 part (one process) vs N "
                    "parts (N concurrent processes), each of 1 torch thread, k-means codec; "
@@ -193,8 +195,10 @@ def _tree(out: str) -> dict:
     return res
 
 
-def parts_run(paths: dict, n_parts: int, shard_size: int) -> dict:
-    """``n_parts`` concurrent ``torchtitan prepare --part i/N`` processes (1 thread each)."""
+def parts_run(paths: dict, n_parts: int, shard_size: int, device: str = "cpu") -> dict:
+    """``n_parts`` concurrent ``torchtitan prepare --part i/N`` processes (1 thread each); with
+    ``device="cuda"`` part i has ``LOCAL_RANK=i``, so its codec runs on ``cuda:i`` (what a
+    torchrun launch gives it: prepare/parts.py, ``part_device``)."""
     import subprocess
 
     out = tempfile.mkdtemp(prefix="bench_parts_")
@@ -202,10 +206,10 @@ def parts_run(paths: dict, n_parts: int, shard_size: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [exe, "prepare", "--manifest", paths["manifest"], "--codec", paths["kmeans"],
            "--tokenizer", paths["tok"], "--out", os.path.join(out, "ds"), "--shard-size",
-           str(shard_size), "--no-progress"]  # fmt: skip
+           str(shard_size), "--no-progress", "--device", device]  # fmt: skip
     t0 = time.perf_counter()
     logs = [open(os.path.join(out, f"part{i}.log"), "w+") for i in range(n_parts)]
-    procs = [subprocess.Popen([*cmd, "--part", f"{i}/{n_parts}"], env=env,
+    procs = [subprocess.Popen([*cmd, "--part", f"{i}/{n_parts}"], env=dict(env, LOCAL_RANK=str(i)),
                               stdout=subprocess.DEVNULL, stderr=logs[i])
              for i in range(n_parts)]  # fmt: skip
     cpu = []
@@ -250,8 +254,8 @@ def parts_main(args, paths: dict) -> dict:
     paths = dict(paths, manifest=copied_manifest(paths, args.copies))
     rows, same = [], True
     for _ in range(args.repeats):
-        one = parts_run(paths, 1, args.shard_size)
-        many = parts_run(paths, args.parts, args.shard_size)
+        one = parts_run(paths, 1, args.shard_size, args.device)
+        many = parts_run(paths, args.parts, args.shard_size, args.device)
         same = same and _tree(os.path.join(one["out"], "ds")) == _tree(
             os.path.join(many["out"], "ds"))  # fmt: skip
         for r in (one, many):
@@ -260,7 +264,7 @@ def parts_main(args, paths: dict) -> dict:
     med = {n: float(np.median([r["wall_seconds"] for r in rows if r["parts"] == n]))
            for n in (1, args.parts)}  # fmt: skip
     speedup = round(med[1] / med[args.parts], 3)
-    fixed = fixed_cost(paths, args.shard_size)
+    fixed = fixed_cost(paths, args.shard_size, args.device)
     net = round((med[1] - fixed) / max(med[args.parts] - fixed, 1e-9), 3)
     # on a machine without N free cores, the walls say little: the longest part's CPU time is
     # what its wall would be on a core of its own
@@ -283,7 +287,7 @@ def parts_main(args, paths: dict) -> dict:
             "speedup_by_cpu_time": cpu_speedup, "identical": same}  # fmt: skip
 
 
-def fixed_cost(paths: dict, shard_size: int) -> float:
+def fixed_cost(paths: dict, shard_size: int, device: str = "cpu") -> float:
     """Wall of one process rerunning a finished dataset (starts, plans, loads, encodes none)."""
     import subprocess
 
@@ -291,8 +295,8 @@ def fixed_cost(paths: dict, shard_size: int) -> float:
     exe = shutil.which("torchtitan", path=os.path.dirname(sys.executable))
     cmd = [exe, "prepare", "--manifest", paths["manifest"], "--codec", paths["kmeans"],
            "--tokenizer", paths["tok"], "--out", os.path.join(out, "ds"), "--shard-size",
-           str(shard_size), "--no-progress"]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+           str(shard_size), "--no-progress", "--device", device]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_RANK="0")
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     walls = []
     for _ in range(2):
@@ -312,7 +316,7 @@ def main(argv=None) -> None:
         results = parts_main(args, paths)
         corpus = {"utterances": args.n, "shard_size": args.shard_size, "batch_size": 8,
                   "codec": "k-means 4 x 256", "threads_per_part": 1,
-                  "copies": args.copies}  # fmt: skip
+                  "copies": args.copies, "device": args.device}  # fmt: skip
         write_results(args.out or RESULTS.replace("prepare.json", "prepare_parts.json"),
                       dict(machine=machine(), corpus=corpus, **results))  # fmt: skip
         return

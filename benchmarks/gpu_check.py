@@ -72,9 +72,10 @@ LIMITS = {
     "bench_serve": 35,
     "bench_pipeline": 60,
     "bench_expert_parallel": 60,
+    "bench_prepare_parts": 120,
 }
 ALL_RANKS_ONLY = ("train_0.6b_all_ranks", "train_1.7b_all_ranks", "bench_pipeline",
-                  "bench_expert_parallel")  # fmt: skip
+                  "bench_expert_parallel", "bench_prepare_parts")  # fmt: skip
 DRY_LIMITS = {name: 240 for name in LIMITS}
 ONE_GPU_BUDGET = 480
 
@@ -131,6 +132,14 @@ MICRO = {
         "--seq-len 2048 --work {o}/work/ep --out {o}/expert_parallel_cuda.json",
         "benchmarks/bench_expert_parallel.py --steps 2 --hidden 32 --experts 4 --seq-len 512 "
         "--work {o}/work/ep --out {o}/expert_parallel_cpu.json",
+    ),
+    # issue 38: N parts of `torchtitan prepare` on N GPUs (part i on cuda:i) against 1 part;
+    # the joined dataset must equal the one-part one byte for byte
+    "bench_prepare_parts": (
+        "benchmarks/bench_prepare.py --n 40 --copies 100 --shard-size 100 --parts {n} "
+        "--repeats 1 --device cuda --cache {o}/work/bench_prepare --out {o}/prepare_parts_cuda.json",
+        "benchmarks/bench_prepare.py --n 8 --held-out 2 --copies 2 --shard-size 4 --parts 2 "
+        "--repeats 1 --cache {o}/work/bench_prepare --out {o}/prepare_parts_cpu.json",
     ),
 }
 
@@ -414,7 +423,7 @@ class Check:
     # -- the micro-benchmarks --
     def micro(self) -> None:
         for name, (gpu, dry) in MICRO.items():
-            if name in ("bench_pipeline", "bench_expert_parallel"):
+            if name in ("bench_pipeline", "bench_expert_parallel", "bench_prepare_parts"):
                 if self.nproc < 2:
                     self.skip(name, f"{self.ngpu} GPU(s): needs 2")
                     continue
@@ -422,7 +431,7 @@ class Check:
                 if shutil.which("espeak-ng") is None or importlib.util.find_spec("scipy") is None:
                     self.skip(name, "needs espeak-ng and scipy (its corpus is espeak-ng speech)")
                     continue
-            argv = shlex.split((dry if self.dry else gpu).format(o=self.out))
+            argv = shlex.split((dry if self.dry else gpu).format(o=self.out, n=self.nproc))
             self.run(name, self.py(*argv))
 
     # -- the table --

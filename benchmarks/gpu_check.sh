@@ -21,8 +21,9 @@
 #   (0.6B shape, eager, hf-qwen3 vs llama3; the trainings give the compiled MFU),
 #   bench_loss_memory 20, bench_lora 25, bench_decode 30, bench_serve 35.
 #   Sum on one GPU: 475 s (< 8 minutes). With N >= 2 GPUs these add: train_0.6b_all_ranks 75
-#   and train_1.7b_all_ranks 75 (--nproc-per-node N), bench_pipeline 60, bench_expert_parallel 60
-#   (these two also need espeak-ng and scipy, else they are skipped and said so).
+#   and train_1.7b_all_ranks 75 (--nproc-per-node N), bench_pipeline 60, bench_expert_parallel 60,
+#   bench_prepare_parts 120 (N parts of `torchtitan prepare` on N GPUs against 1 part)
+#   (the last three also need espeak-ng and scipy, else they are skipped and said so).
 # Output: OUT/summary.md + OUT/summary.json (one table: per step pass/fail, wall time; for
 # training frames/s, MFU, peak memory, each step's time), OUT/logs/*.log, OUT/gpu.txt and each
 # micro-benchmark's JSON. The runs' folders (OUT/work) are removed at the end unless --keep-work.

@@ -169,7 +169,7 @@ def test_gpu_check_script_is_valid_bash_and_its_commands_parse():
     assert len(gpu_check.MICRO) >= 5, gpu_check.MICRO
     for name, argvs in gpu_check.MICRO.items():  # the GPU and the --dry-run command
         for argv in argvs:
-            command = shlex.join(shlex.split(argv.format(o="/tmp/out")))
+            command = shlex.join(shlex.split(argv.format(o="/tmp/out", n=2)))
             check(Shown(f"gpu_check.py {name}", "python " + command, inline=False))
 
 
