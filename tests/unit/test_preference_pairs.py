@@ -1,0 +1,57 @@
+"""Preference pairs from judged samples (evaluation/pairs.py): rewards by hand, the best and the
+worst sample of each prompt, what makes no pair counted, and the lines read back by the
+``--preference`` source."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torchtitan_speechlm.evaluation.pairs import RewardSpec, Sample, preference_lines
+from torchtitan_speechlm.prepare.sources.preference import read_preference_jsonl
+
+
+def test_a_reward_is_the_weighted_sum_and_bad_specs_are_refused():
+    spec = RewardSpec.parse("wer=-1, sim=0.5,ended=0.25")
+    assert spec.reward({"wer": 0.2, "sim": 0.8, "ended": True}, "x") == pytest.approx(
+        -0.2 + 0.4 + 0.25
+    )
+    for bad in ("", "wer", "wer=x", "bleu=1", "wer=0", "sim=inf"):
+        with pytest.raises(ValueError, match="e.g. wer=-1,sim=0.5"):
+            RewardSpec.parse(bad)
+    with pytest.raises(ValueError, match=r"prompt 7: no finite \['sim'\] score"):
+        spec.reward({"wer": 0.1, "ended": 1, "sim": float("nan")}, "prompt 7")
+
+
+def test_best_and_worst_of_each_prompt_and_what_makes_no_pair(tmp_path):
+    spec = RewardSpec.parse("wer=-1,sim=1")
+
+    def s(i, wer, sim, audio):
+        return Sample(i, {"audio": audio}, {"wer": wer, "sim": sim, "text": "heard", "ended": True})
+
+    prompts = [{"id": f"p{k}", "task": "tts", "text": f"sentence {k}"} for k in range(5)]
+    samples = {
+        "p0": [s(0, 0.5, 0.8, "a.wav"), s(1, 0.0, 0.9, "b.wav"), s(2, 0.9, 0.7, "c.wav")],
+        "p1": [s(0, 0.1, 0.9, "a.wav")],  # one sample
+        "p2": [s(0, 0.1, 0.9, "a.wav"), s(1, 0.1, 0.9, "b.wav")],  # equal rewards
+        "p3": [s(0, 0.0, 0.9, "same.wav"), s(1, 0.5, 0.9, "same.wav")],  # the same answer
+        # p4: none generated
+    }
+    lines, counts = preference_lines(prompts, samples, spec)
+    assert counts == {"pairs": 1, "one_sample": 2, "no_margin": 1, "identical": 1}
+    (line,) = lines
+    assert line["id"] == "p0" and line["chosen"] == {"audio": "b.wav"}
+    assert line["rejected"] == {"audio": "c.wav"}
+    assert line["scores"]["chosen"] == {"wer": 0.0, "sim": 0.9, "ended": 1.0,
+                                        "reward": pytest.approx(0.9), "sample": 1}  # fmt: skip
+    assert line["scores"]["rejected"]["reward"] == pytest.approx(-0.2)
+    # a margin: pairs whose rewards differ by no more than it are not made
+    assert preference_lines(prompts, samples, spec, margin=2.0)[1]["no_margin"] == 3
+    # the lines are what `torchtitan prepare --preference` reads
+    for name in ("b.wav", "c.wav"):
+        (tmp_path / name).write_bytes(b"")
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (item,) = list(read_preference_jsonl(str(path)))
+    assert item.id == "p0" and item.extra["preference"]["scores"] == line["scores"]
