@@ -308,9 +308,7 @@ def scale(work: str, paths: dict, n_items: int, n_shards: int, repeats: int = 1,
     checked = res["launcher"].pop("checked_env")
     res["launcher_first"].pop("checked_env")
     res["rank"] = median_run([run_child("rank", toml, state, checked) for _ in range(repeats)])
-    res["resume"] = median_run(
-        [run_child("resume", toml, state, checked) for _ in range(repeats)]
-    )
+    res["resume"] = median_run([run_child("resume", toml, state, checked) for _ in range(repeats)])
     r = res["rank"]
     private = r["memory"]["RssAnon"] - r["base_memory"]["RssAnon"]
     res["summary"] = {
