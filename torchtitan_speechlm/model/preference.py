@@ -310,28 +310,3 @@ def bad_batch_error(
         f"pair {i} {pairs[i].tolist()}: a document without loss-carrying rows in this "
         "micro-batch (both documents of a pair must be in it, with loss weight > 0)"
     )
-
-
-def identical_pairs(
-    targets: torch.Tensor, weights: torch.Tensor, doc: torch.Tensor, pairs: torch.Tensor
-) -> torch.Tensor:
-    """[P] bool: pairs whose chosen and rejected carry the same loss (the same targets and
-    weights at their loss-carrying rows, in order), which DPO and SimPO cannot tell apart.
-    For the data side, which skips and counts them; vectorised, exact."""
-    n = targets.shape[-1]
-    t, w, d = targets.reshape(-1, n), weights.reshape(-1, n).float(), doc.reshape(-1)
-    active = (w > 0) & (d >= 0).unsqueeze(-1)
-    r = active.any(-1).nonzero().squeeze(-1)
-    r = r[torch.argsort(d[r], stable=True)]  # each document's loss rows together, in order
-    t, w, d = torch.where(active, t, -1)[r], torch.where(active, w, 0.0)[r], d[r]
-    size = max(int(doc.numel()), int(pairs.max()) + 1 if pairs.numel() else 0)
-    length = torch.bincount(d, minlength=size)
-    start = length.cumsum(0) - length
-    c, j = pairs[:, 0], pairs[:, 1]
-    same_len = length[c] == length[j]
-    m = torch.where(same_len, length[c], 0)
-    of = torch.repeat_interleave(torch.arange(len(pairs), device=d.device), m)  # row's pair
-    at = torch.arange(int(m.sum()), device=d.device) - (m.cumsum(0) - m)[of]
-    ic, ij = start[c][of] + at, start[j][of] + at
-    differ = ((t[ic] != t[ij]) | (w[ic] != w[ij])).any(-1).float()
-    return same_len & (w.new_zeros(len(pairs)).index_add_(0, of, differ) == 0)

@@ -14,7 +14,6 @@ from torchtitan_speechlm.model.head import SpeechLMHead
 from torchtitan_speechlm.model.preference import (
     PreferenceLoss,
     dpo_losses,
-    identical_pairs,
     preference_loss_sum,
     sequence_logps,
     sigmoid_loss,
@@ -230,27 +229,6 @@ def test_bad_batches_are_refused_naming_what():
     weights[0, 4, 2] = 0.5
     with pytest.raises(ValueError, match="target id 155 of stream 2"):
         call(targets=bad)
-
-
-def test_identical_pairs_are_found_exactly():
-    """Same targets and weights at the loss rows, in order (not at the same positions)."""
-    doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3]])
-    targets = torch.arange(13 * 2).view(1, 13, 2) % 5
-    weights = torch.ones(1, 13, 2)
-    targets[0, 3:6], weights[0, 6] = targets[0, 0:3], 0.0  # doc 1 = doc 0 (+ a row w/o loss)
-    targets[0, 6] = 4
-    targets[0, 7:10] = targets[0, 0:3]
-    targets[0, 8, 1] += 1  # doc 2: one target differs
-    targets[0, 10:13] = targets[0, 0:3]
-    weights[0, 11, 0] = 0.5  # doc 3: one weight differs
-    pairs = torch.tensor([[0, 1], [1, 0], [0, 2], [0, 3], [2, 3]])
-    assert identical_pairs(targets, weights, doc, pairs).tolist() == [
-        True,
-        True,
-        False,
-        False,
-        False,
-    ]
 
 
 def test_stats_are_exact_means_over_pairs_of_all_micro_batches():
