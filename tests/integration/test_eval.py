@@ -558,3 +558,69 @@ def test_quality_judge_on_the_first_items_only(model, tmp_path):
             JudgeOptions("test-asr", None, None, "none", "test-quality", quality_items=-1),
             sets,
         )
+
+
+def test_pairs_from_seeded_judged_samples(model, tmp_path, capsys):
+    """`eval --samples 3 --pairs`: sample k is the run with seed + k (its scores and its wav),
+    each pair's sides are the best and worst sample by the reward (recomputed here from the test
+    judge's transcript of the wav itself), every sample is listed, and prepare reads the pairs."""
+    from torchtitan_speechlm.commands.generate import eval_main
+    from torchtitan_speechlm.judges import item_errors
+    from torchtitan_speechlm.prepare.pipeline import main as prepare_main
+    from torchtitan_speechlm.utils.audio import load_audio
+
+    data, rate = model["prepared"], codec_rate(model["prepared"])
+    pairs = tmp_path / "pairs.jsonl"
+    args = ["--model", model["step"], "--valid", f"tts:{data}", "--valid", f"asr:{data}",
+            *JUDGE_FLAGS, *DECODE, "--temperature", "1.0", "--text-temperature", "1.0"]  # fmt: skip
+    rc = eval_main([*args, "--seed", "5", "--samples", "3", "--pairs", str(pairs), "--reward", "asr:wer=-1",
+                    "--reward", "tts:cer=-1,dnsmos=1", "--out", str(tmp_path / "all.json")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    results = json.loads((tmp_path / "all.json").read_text())
+    # sample 1 is exactly `eval --seed 6`
+    assert eval_main([*args, "--seed", "6", "--out", str(tmp_path / "one.json")]) == 0
+    alone = json.loads((tmp_path / "one.json").read_text())
+    for spec in (f"tts:{data}", f"asr:{data}"):
+        got, want = results[f"{spec} #1"]["per_item"], alone[spec]["per_item"]
+        assert [r["transcript"] for r in got] == [r["transcript"] for r in want]
+        assert [r["wer"] for r in got] == [r["wer"] for r in want]
+    samples = [json.loads(x) for x in pairs.with_suffix(".samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 3 * 3  # 2 sets x 3 items x 3 samples, all listed
+    lines = [json.loads(x) for x in pairs.read_text().splitlines()]
+    said = re.search(r"pairs: (\d+) of 6 prompts", out)
+    assert said and int(said.group(1)) == len(lines) >= 1
+    for line in lines:
+        mine = [s for s in samples if s["id"] == line["id"]]
+        best, worst = max(s["reward"] for s in mine), min(s["reward"] for s in mine)
+        assert line["scores"]["chosen"]["reward"] == best > worst
+        assert line["scores"]["rejected"]["reward"] == worst
+        for side in ("chosen", "rejected"):
+            scores = line["scores"][side]
+            if line["task"] == "tts":  # the wav itself, judged again here
+                # the judge's transcript gives the CER; the wav itself (16-bit) the quality
+                (heard,) = [s["transcript"] for s in mine if s["sample"] == scores["sample"]]
+                cer = item_errors(line["text"], heard)["cer"]
+                wav = load_audio(line[side]["audio"], rate)
+                quality = LevelQuality().score(wav, rate)["dnsmos_ovrl"]
+                assert scores["cer"] == pytest.approx(cer)
+                assert scores["reward"] == pytest.approx(quality - cer, abs=1e-3)
+            else:
+                assert scores["reward"] == pytest.approx(-scores["wer"])
+    out_dir = tmp_path / "prepared_pairs"
+    argv = ["--preference", str(pairs), "--codec", model["assets"]["codec"], "--tokenizer",
+            model["assets"]["tokenizer"], "--out", str(out_dir), "--no-progress"]  # fmt: skip
+    assert prepare_main(argv) == 0
+    meta = json.loads((out_dir / "metadata.json").read_text())
+    assert meta["num_items"] == len(lines)
+
+
+def test_pairs_refuse_greedy_samples_and_one_sample(model, capsys):
+    from torchtitan_speechlm.commands.generate import eval_main
+
+    args = ["--model", model["step"], "--valid", f"tts:{model['prepared']}", *JUDGE_FLAGS,
+            *DECODE, "--pairs", "/nonexistent/p.jsonl"]  # fmt: skip
+    assert eval_main([*args, "--samples", "3"]) == 2
+    assert "all the same greedy decode: set --temperature > 0" in capsys.readouterr().err
+    assert eval_main([*args, "--samples", "1", "--temperature", "1"]) == 2
+    assert "--pairs needs --samples K with K >= 2" in capsys.readouterr().err

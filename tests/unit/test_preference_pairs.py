@@ -55,3 +55,18 @@ def test_best_and_worst_of_each_prompt_and_what_makes_no_pair(tmp_path):
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     (item,) = list(read_preference_jsonl(str(path)))
     assert item.id == "p0" and item.extra["preference"]["scores"] == line["scores"]
+
+
+def test_a_judged_record_gives_the_scores_a_reward_weighs():
+    from torchtitan_speechlm.evaluation.sampled_pairs import rewards_by_task, sample_scores
+
+    rec = {"wer": 0.25, "cer": 0.1, "sim": None, "self_wer": 0.0, "ended": False,
+           "duration_ratio": 1.2, "dnsmos": {"dnsmos_ovrl": 3.1, "dnsmos_sig": 3.5},
+           "transcript": "words", "frames": 40}  # fmt: skip
+    assert sample_scores(rec) == {"wer": 0.25, "cer": 0.1, "self_wer": 0.0, "ended": 0.0,
+                                  "dnsmos": 3.1, "duration_ratio_error": pytest.approx(0.2)}  # fmt: skip
+    rewards = rewards_by_task(["wer=-1", "tts:wer=-1,ended=0.5"])
+    assert rewards["asr"].weights == (("wer", -1.0),)
+    assert rewards["tts"].weights == (("wer", -1.0), ("ended", 0.5))
+    with pytest.raises(ValueError, match="e.g. wer=-1,sim=0.5"):
+        rewards_by_task(["tts:bleu=1"])

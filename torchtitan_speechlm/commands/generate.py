@@ -10,6 +10,8 @@
         [--valid-fraction F]
         [--judge-asr pocketsphinx|DIR|none] [--judge-speaker resemblyzer|DIR|none]
         [--judge-quality dnsmos|none] [--out results.json] [--report DIR]
+    torchtitan eval --model DIR --valid tts:NAME --samples 4 --temperature 0.8
+        --pairs pairs.jsonl [--reward wer=-1,ended=0.5]   (preference pairs, docs/preference.md)
 
 DIR is a training checkpoint's step folder (the run's config, vocabulary and codec are found from
 it) or a ``torchtitan export`` folder. A batch file has one JSON object per line: ``{"id": ...,
@@ -25,6 +27,7 @@ prints ``evaluation/results_table.py``'s table and writes an HTML report with ``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -37,6 +40,18 @@ from torchtitan_speechlm.evaluation.prompted_tts import prompted_set
 from torchtitan_speechlm.evaluation.recordings import find_recordings
 from torchtitan_speechlm.evaluation.report import slug, write_report
 from torchtitan_speechlm.evaluation.results_table import format_table
+from torchtitan_speechlm.evaluation.sampled_pairs import (
+    asr_prompt_audio,
+    asr_prompts,
+    check_sampling,
+    counts_line,
+    rewards_by_task,
+    sample_configs,
+    samples_audio_root,
+    samples_of,
+    tts_prompts,
+    write_pairs,
+)
 from torchtitan_speechlm.evaluation.text_scores import score_answers, score_asr
 from torchtitan_speechlm.evaluation.tts_scores import score_tts
 from torchtitan_speechlm.generation import tasks
@@ -215,6 +230,9 @@ def run_eval(a: argparse.Namespace) -> int:
             else:
                 items = eval_items(loaded, name, a.valid_fraction, a.limit, EVAL_KINDS[task])
             sets.append((spec, task, eval_dataset(loaded, name), items))
+            if a.pairs:
+                check_sampling(task, a.samples, cfg)
+        reward = rewards_by_task(a.reward or ["wer=-1"]) if a.pairs else None
         options = JudgeOptions(
             a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality,
             a.judge_quality_items,
@@ -225,24 +243,30 @@ def run_eval(a: argparse.Namespace) -> int:
         )
 
         manifests: dict = {}  # manifest lines read, shared by the sets
+        pairs_prompts, pairs_samples = [], {}
         for i, (spec, task, path, items) in enumerate(sets):
             progress = _progress(spec) if a.progress else None
-            if task == "asr":
-                results[spec] = score_asr(loaded, items, cfg, progress=progress)
-            elif task == "dialogue":
-                results[spec] = score_answers(loaded, items, cfg, progress=progress)
+            score = functools.partial(
+                score_set, loaded, spec, task, path, items, judges, prompted.get(spec, {}),
+                manifests, progress,
+            )  # fmt: skip
+            if not a.pairs:
+                results[spec] = score(cfg, a.report, f"{i}-{_slug(spec)}")
+                continue
+            root = a.report or samples_audio_root(a.pairs)
+            runs = []
+            for k, cfg_k in enumerate(sample_configs(cfg, a.seed, a.samples)):
+                runs.append(score(cfg_k, root, f"{i}-{_slug(spec)}/sample{k}"))
+                results[f"{spec} #{k}"] = runs[-1]
+            if task == "tts":
+                pairs_prompts += tts_prompts(task, items)
             else:
-                folder = f"{i}-{_slug(spec)}"  # the set's wavs and spectrograms in --report
-                p = prompted.get(spec, {})
-                # the prompts' recordings too: the report plays them beside the prompts heard
-                ids = [it.id for it in items] + [q.id for q in p.get("prompts", [])]
-                found = find_recordings(path, list(dict.fromkeys(ids)), manifests)
-                results[spec] = score_tts(
-                    loaded, items, cfg, judges[spec], a.report, folder, recordings=found,
-                    progress=progress, prompts=p.get("prompts"), speakers=p.get("speakers"),
-                )  # fmt: skip
-                if p:
-                    results[spec].setdefault("prompted", {})["skipped"] = p["skipped"]
+                audio = asr_prompt_audio(loaded, path, items, root, f"{i}-{_slug(spec)}", manifests)
+                pairs_prompts += asr_prompts(task, items, audio)
+            pairs_samples.update(samples_of(task, items, runs, root))
+        if a.pairs:
+            counts = write_pairs(a.pairs, pairs_prompts, pairs_samples, reward, a.pair_margin,
+                                 a.seed)  # fmt: skip
         if a.report:
             page = write_report(results, a.report, f"torchtitan eval: {a.model}")
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -263,7 +287,30 @@ def run_eval(a: argparse.Namespace) -> int:
             json.dump(results, f, indent=2)
     if a.report:
         print(f"report: {page}")
+    if a.pairs:
+        print(counts_line(a.pairs, counts))
     return 0
+
+
+def score_set(loaded, spec: str, task: str, path: str, items: list, judges: dict, prompted: dict,
+              manifests: dict, progress, cfg: DecodeConfig, audio_root: str | None,
+              folder: str) -> dict:  # fmt: skip
+    """One ``--valid`` set decoded with ``cfg`` and scored (TTS: its wavs under
+    ``audio_root/folder`` when ``audio_root`` is given)."""
+    if task == "asr":
+        return score_asr(loaded, items, cfg, progress=progress)
+    if task == "dialogue":
+        return score_answers(loaded, items, cfg, progress=progress)
+    # the prompts' recordings too: the report plays them beside the prompts heard
+    ids = [it.id for it in items] + [q.id for q in prompted.get("prompts", [])]
+    found = find_recordings(path, list(dict.fromkeys(ids)), manifests)
+    result = score_tts(
+        loaded, items, cfg, judges[spec], audio_root, folder, recordings=found,
+        progress=progress, prompts=prompted.get("prompts"), speakers=prompted.get("speakers"),
+    )  # fmt: skip
+    if prompted:
+        result.setdefault("prompted", {})["skipped"] = prompted["skipped"]
+    return result
 
 
 def _progress(spec: str):

@@ -71,6 +71,35 @@ def build_eval_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="no progress lines on stderr (items done, seconds per phase)",
     )
+    g = p.add_argument_group("preference pairs (docs/preference.md)")
+    g.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --pairs: K samples per item, sample k decoded with seed --seed + k",
+    )
+    g.add_argument(
+        "--pairs",
+        metavar="FILE.jsonl",
+        help="write each item's best and worst judged sample as a preference pair (the "
+        "`torchtitan prepare --preference` format; tts and asr sets) and every sample to "
+        "FILE.samples.jsonl",
+    )
+    g.add_argument(
+        "--reward",
+        action="append",
+        metavar="[TASK:]SCORE=W,...",
+        help="the reward ranking the samples: a weighted sum of wer, cer, sim, dnsmos, ended, "
+        "duration_ratio_error, self_wer, self_cer (asr sets: wer, cer); TASK: for one task's "
+        "sets only, e.g. --reward tts:wer=-1,ended=0.5 --reward asr:wer=-1 (default wer=-1)",
+    )
+    g.add_argument(
+        "--pair-margin",
+        type=float,
+        default=0.0,
+        help="no pair where the best and worst rewards differ by this or less (0)",
+    )
     add_judge_args(p)
     add_decoding_args(p)
     return p

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 # the judge scores a reward may weigh (evaluation/tts_scores.py, text_scores.py name them so)
-SCORES = ("wer", "cer", "sim", "dnsmos", "duration_ratio_error", "ended")
+SCORES = ("wer", "cer", "sim", "dnsmos", "duration_ratio_error", "ended", "self_wer", "self_cer")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Sample:
     index: int
     answer: dict
     scores: dict
+    transcript: str | None = None  # what the ASR judge heard (TTS samples), for the record
 
 
 def _finite(v) -> bool:

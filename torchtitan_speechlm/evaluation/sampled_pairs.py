@@ -1,0 +1,171 @@
+"""``torchtitan eval --samples K --pairs FILE``: K seeded samples per prompt, each judged, become
+the preference lines ``torchtitan prepare --preference`` reads (issue 40, item 1).
+
+Sample ``k`` of every item is decoded with seed ``--seed + k`` (batched as ``eval`` batches;
+a rerun writes the same samples), scored by the set's judges as ``eval`` scores it, and its
+audio (TTS) or transcript (ASR) kept. ``evaluation/pairs.py`` then picks each prompt's best and
+worst sample by the configured reward. Next to FILE go ``FILE``'s samples (``*.samples.jsonl``:
+every sample's answer, scores and reward, what a reader checks a pair against) and, without
+``--report``, their wavs (``*.samples/``).
+
+The figures a reward can weigh (``pairs.SCORES``) come from the per-item records of
+``tts_scores.score_tts`` / ``text_scores.score_asr``: ``wer`` / ``cer`` (the ASR judge), ``sim``,
+``dnsmos`` (overall), ``ended`` (1 if the model ended the speech), ``duration_ratio_error``
+(``|generated / reference duration - 1|``) and ``self_wer`` / ``self_cer`` (the model's own ASR
+of its speech).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from dataclasses import replace
+
+from torchtitan_speechlm.evaluation.pairs import RewardSpec, Sample, preference_lines
+from torchtitan_speechlm.evaluation.recordings import find_recordings
+from torchtitan_speechlm.generation.tasks import write_wav
+
+PAIR_SETS = ("tts", "asr")  # the --valid tasks --pairs makes pairs of (prepare's PAIR_TASKS)
+
+
+def check_sampling(task: str, samples: int, cfg) -> None:
+    """K samples decoded greedily are one sample K times: refuse, naming the flag to set."""
+    if samples < 2:
+        raise ValueError(f"--pairs needs --samples K with K >= 2 (got {samples})")
+    if task not in PAIR_SETS:
+        raise ValueError(f"--pairs makes pairs of {' and '.join(PAIR_SETS)} sets, not {task!r}")
+    flag, temp = (("--temperature", cfg.audio.temperature) if task == "tts"
+                  else ("--text-temperature", cfg.text.temperature))  # fmt: skip
+    if temp <= 0:
+        raise ValueError(
+            f"--samples {samples} of a {task} set are all the same greedy decode: set "
+            f"{flag} > 0 (e.g. 0.8) so that the samples differ"
+        )
+
+
+def sample_configs(cfg, seed: int, samples: int) -> list:
+    """The decode config of each sample: seed ``seed + k``."""
+    return [replace(cfg, seed=seed + k) for k in range(samples)]
+
+
+def sample_scores(rec: dict) -> dict:
+    """A judged item record's figures as a reward weighs them (module docstring)."""
+    out = {}
+    for key in ("wer", "cer", "sim", "self_wer", "self_cer"):
+        if _finite(rec.get(key)):
+            out[key] = float(rec[key])
+    if isinstance(rec.get("ended"), bool):
+        out["ended"] = float(rec["ended"])
+    dnsmos = rec.get("dnsmos")
+    if isinstance(dnsmos, dict) and _finite(dnsmos.get("dnsmos_ovrl")):
+        out["dnsmos"] = float(dnsmos["dnsmos_ovrl"])
+    if _finite(rec.get("duration_ratio")):
+        out["duration_ratio_error"] = abs(float(rec["duration_ratio"]) - 1.0)
+    return out
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def tts_prompts(task: str, items: list) -> list[dict]:
+    return [{"id": f"{task}-{it.id}", "task": "tts", "text": it.text} for it in items]
+
+
+def asr_prompts(task: str, items: list, audio: dict[str, str]) -> list[dict]:
+    """ASR prompts: each item's audio file (its recording, else its resynthesis: ``audio``)."""
+    return [{"id": f"{task}-{it.id}", "task": "asr", "audio": audio[it.id]} for it in items]
+
+
+def asr_prompt_audio(loaded, path: str, items: list, root: str, folder: str,
+                     manifests: dict) -> dict[str, str]:  # fmt: skip
+    """Each ASR item's audio file for its preference line: its original recording, else its
+    reference codes resynthesised and written under ``root/folder/prompts``."""
+    found = find_recordings(path, [it.id for it in items], manifests)
+    out = {}
+    for i, it in enumerate(items):
+        if found.get(it.id) is None:
+            wav = os.path.join(os.path.abspath(root), folder, "prompts", f"{i:04d}.wav")
+            write_wav(loaded, it.audio_codes, wav)
+        out[it.id] = found.get(it.id) or wav
+    return out
+
+
+def samples_of(task: str, items: list, runs: list[dict], audio_root: str) -> dict:
+    """``{prompt id: [Sample]}`` from each sample run's per-item records (``runs[k]``: the
+    result of sample ``k``); a TTS answer is its generated wav (absolute), an ASR answer its
+    transcript. An item whose sample has no audio (an empty generation) has no answer there."""
+    out: dict[str, list[Sample]] = {}
+    for k, run in enumerate(runs):
+        for it, rec in zip(items, run["per_item"], strict=True):
+            if task == "tts":
+                rel = (rec.get("audio") or {}).get("generated")
+                if rel is None:
+                    continue
+                answer = {"audio": os.path.join(os.path.abspath(audio_root), rel)}
+            else:
+                answer = {"text": rec["transcript"]}
+            heard = rec.get("transcript") if task == "tts" else None
+            out.setdefault(f"{task}-{it.id}", []).append(
+                Sample(k, answer, sample_scores(rec), heard)
+            )
+    return out
+
+
+def rewards_by_task(specs: list[str]) -> dict[str, RewardSpec]:
+    """``--reward`` values: ``SPEC`` for every set, or ``TASK:SPEC`` for one task's (``tts:wer=-1,
+    self_wer=-1``, ``asr:wer=-1``); the later one wins. A ValueError for a bad one."""
+    out: dict[str, RewardSpec] = {}
+    for text in specs:
+        task, sep, rest = text.partition(":")
+        if sep and task in PAIR_SETS:
+            out[task] = RewardSpec.parse(rest)
+        else:
+            out.update(dict.fromkeys(PAIR_SETS, RewardSpec.parse(text)))
+    return out
+
+
+def write_pairs(path: str, prompts: list[dict], samples: dict, rewards: dict[str, RewardSpec],
+                margin: float, seed: int) -> Counter:  # fmt: skip
+    """The preference lines of ``prompts`` to ``path`` (each prompt ranked by its task's reward)
+    and every sample (its seed, answer, scores and reward) to ``*.samples.jsonl`` beside it; the
+    counts of pairs and of prompts without one (``pairs.preference_lines``)."""
+    lines, counts = [], Counter()
+    for task in PAIR_SETS:
+        of_task = [p for p in prompts if p["task"] == task]
+        got, n = preference_lines(of_task, samples, rewards[task], margin)
+        lines += got
+        counts.update(n)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+    with open(samples_file(path), "w") as f:
+        for prompt in prompts:
+            spec = rewards[prompt["task"]]
+            for s in samples.get(prompt["id"], []):
+                reward = spec.reward(s.scores, f"prompt {prompt['id']!r} sample {s.index}")
+                f.write(json.dumps({"id": prompt["id"], "sample": s.index, "seed": seed + s.index,
+                                    "answer": s.answer, "scores": s.scores,
+                                    "reward": reward, "transcript": s.transcript}) + "\n")  # fmt: skip
+    counts["prompts"] = len(prompts)
+    return counts
+
+
+def samples_file(path: str) -> str:
+    return os.path.splitext(path)[0] + ".samples.jsonl"
+
+
+def samples_audio_root(path: str) -> str:
+    """Where the samples' wavs go without ``--report``."""
+    return os.path.splitext(path)[0] + ".samples"
+
+
+def counts_line(path: str, counts: Counter) -> str:
+    return (
+        f"pairs: {counts['pairs']} of {counts['prompts']} prompts written to {path}; no pair: "
+        f"{counts['one_sample']} with one sample, {counts['no_margin']} whose rewards tie, "
+        f"{counts['identical']} whose best and worst are identical"
+    )
