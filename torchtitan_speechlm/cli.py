@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from torchtitan_speechlm.commands import export_args, generate_args, serve_args
+from torchtitan_speechlm.commands import export_args, generate_args, prefer_args, serve_args
 
 SUBCOMMANDS = {
     "train": "train a model with torchtitan's loop (torchtitan train --job.config_file X.toml)",
@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "generate": "TTS to a wav, ASR to text, speech continuation, from a checkpoint or an export",
     "eval": "word/character error rates and TTS scores of a model on prepared data",
     "serve": "an HTTP server with OpenAI's speech and transcription routes over one model",
+    "prefer": "rounds of sampling, judging and DPO/SimPO training (the online preference loop)",
 }
 
 # the subcommands whose arguments are parsed before their implementation is imported
@@ -31,6 +32,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "eval": generate_args.build_eval_parser,
     "export": export_args.build_parser,
     "serve": serve_args.build_parser,
+    "prefer": prefer_args.build_parser,
 }
 
 
@@ -63,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         from torchtitan_speechlm.commands.generate import run_eval, run_generate
 
         return (run_generate if cmd == "generate" else run_eval)(args)
+    if cmd == "prefer":
+        from torchtitan_speechlm.commands.prefer import run as run_prefer
+
+        return run_prefer(args)
     if cmd == "serve":
         from torchtitan_speechlm.commands.serve import run as run_serve
 

@@ -624,3 +624,45 @@ def test_pairs_refuse_greedy_samples_and_one_sample(model, capsys):
     assert "all the same greedy decode: set --temperature > 0" in capsys.readouterr().err
     assert eval_main([*args, "--samples", "1", "--temperature", "1"]) == 2
     assert "--pairs needs --samples K with K >= 2" in capsys.readouterr().err
+
+
+def test_the_online_loop_runs_its_rounds_and_a_rerun_continues(model, tmp_path):
+    """`torchtitan prefer`: round 0 samples from the config's init_from, round 1 from round 0's
+    last checkpoint (its samples equal `eval --seed 1000` of that checkpoint); raising --rounds
+    continues without redoing round 0; the recorded mean reward is the samples'; other settings
+    are refused."""
+    from tests.helpers import write_tiny_config
+    from torchtitan_speechlm.commands.generate import eval_main
+    from torchtitan_speechlm.commands.prefer import run
+    from torchtitan_speechlm.commands.prefer_args import build_parser
+
+    data, work = model["prepared"], tmp_path / "loop"
+    cfg = write_tiny_config(tmp_path / "dpo.toml", model["assets"], tmp_path / "unused")
+    text = open(cfg).read().replace(
+        "z_loss_weight = 1e-3", f'z_loss_weight = 1e-3\npreference_loss = "dpo"\n'
+        f'init_from = "{model["step"]}"',
+    )  # fmt: skip
+    open(cfg, "w").write(text)
+    sampling = [*JUDGE_FLAGS, *DECODE, "--temperature", "1.0", "--text-temperature", "1.0"]
+    args = ["--config", cfg, "--prompts", f"tts:{data}", "--prompts", f"asr:{data}", "--work",
+            str(work), "--steps", "2", "--samples", "3", "--reward", "tts:cer=-1,dnsmos=1",
+            "--train-arg", "training.seq_len=512", *sampling]  # fmt: skip
+    assert run(build_parser().parse_args([*args, "--rounds", "1"])) == 0
+    first = (work / "round-0" / "pairs.jsonl").stat().st_mtime_ns
+    assert run(build_parser().parse_args([*args, "--rounds", "2"])) == 0
+    assert (work / "round-0" / "pairs.jsonl").stat().st_mtime_ns == first  # not redone
+    state = json.loads((work / "loop.json").read_text())
+    step0 = str(work / "round-0" / "train" / "checkpoint" / "step-2")
+    assert [state["rounds"][r]["model"] for r in ("0", "1")] == [model["step"], step0]
+    assert (work / "round-1" / "train" / "checkpoint" / "step-2").is_dir()
+    samples = [json.loads(x) for x in (work / "round-1" / "pairs.samples.jsonl").open()]
+    rewards = [s["reward"] for s in samples]
+    assert state["rounds"]["1"]["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+    # round 1 sampled round 0's model with seed 0 + 1000
+    out = tmp_path / "alone.json"
+    eval_main(["--model", step0, "--valid", f"tts:{data}", *sampling, "--seed", "1000",
+               "--out", str(out)])  # fmt: skip
+    alone = json.loads(out.read_text())[f"tts:{data}"]["per_item"]
+    mine = [s for s in samples if s["sample"] == 0 and s["id"].startswith("tts-")]
+    assert [s["transcript"] for s in mine] == [r["transcript"] for r in alone]
+    assert run(build_parser().parse_args([*args, "--rounds", "2", "--steps", "3"])) == 2

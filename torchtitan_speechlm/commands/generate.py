@@ -232,7 +232,7 @@ def run_eval(a: argparse.Namespace) -> int:
             sets.append((spec, task, eval_dataset(loaded, name), items))
             if a.pairs:
                 check_sampling(task, a.samples, cfg)
-        reward = rewards_by_task(a.reward or ["wer=-1"]) if a.pairs else None
+        reward = rewards_by_task(a.reward or []) if a.pairs else None
         options = JudgeOptions(
             a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality,
             a.judge_quality_items,

@@ -116,8 +116,9 @@ def samples_of(task: str, items: list, runs: list[dict], audio_root: str) -> dic
 
 def rewards_by_task(specs: list[str]) -> dict[str, RewardSpec]:
     """``--reward`` values: ``SPEC`` for every set, or ``TASK:SPEC`` for one task's (``tts:wer=-1,
-    self_wer=-1``, ``asr:wer=-1``); the later one wins. A ValueError for a bad one."""
-    out: dict[str, RewardSpec] = {}
+    self_wer=-1``, ``asr:wer=-1``); the later one wins, a task none names is ranked by ``wer=-1``.
+    A ValueError for a bad one."""
+    out = dict.fromkeys(PAIR_SETS, RewardSpec.parse("wer=-1"))
     for text in specs:
         task, sep, rest = text.partition(":")
         if sep and task in PAIR_SETS:
