@@ -21,6 +21,19 @@ RECORD_VERSION = 1
 IDENTITY_KEYS = ("backbone", "backbone_config", "vocab", "pattern", "tie_embeddings")
 
 
+# backbone_config entries that name where the config was read from, not what the model is:
+# transformers' ``_name_or_path`` is the path as spelled (``demo_work/backbone``, or absolute)
+NOT_IDENTITY = ("_name_or_path",)
+
+
+def comparable(key: str, value):
+    """An identity value as compared: a backbone config without ``NOT_IDENTITY`` entries, so a
+    backbone read through another spelling of its path (relative, absolute, moved) is the same."""
+    if key == "backbone_config" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k not in NOT_IDENTITY}
+    return value
+
+
 class RunRecordError(ValueError):
     """A run record is missing or belongs to another model; the message says what to do."""
 
@@ -71,7 +84,7 @@ def check_same_model(
     message of a LoRA change, the usual reason: fine-tuning a finished run)."""
     old = record.get("model_args", record)
     for key in IDENTITY_KEYS:
-        if old.get(key) != model_args.get(key):
+        if comparable(key, old.get(key)) != comparable(key, model_args.get(key)):
             raise RunRecordError(
                 f"{where} was made with another model: {key} differs ({_short(old.get(key))} vs "
                 f"{_short(model_args.get(key))}); use a new dump_folder (or the original "

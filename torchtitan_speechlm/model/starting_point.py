@@ -25,7 +25,7 @@ from torchtitan_speechlm.model.pretrained import (
     read_export_config,
     read_safetensors,
 )
-from torchtitan_speechlm.model.run_record import record_for_checkpoint
+from torchtitan_speechlm.model.run_record import comparable, record_for_checkpoint
 
 # what must agree between the source's model and ours for its weights to mean the same
 SAME = ("vocab", "pattern", "backbone", "backbone_config", "tie_embeddings")
@@ -56,7 +56,7 @@ def check_same(source: dict | None, ours: dict, codec_hash: str | None, where: s
         return
     model_args = source.get("model_args", {})
     for key, value in ours.items():
-        if key in model_args and model_args[key] != _json(value):
+        if key in model_args and comparable(key, model_args[key]) != comparable(key, _json(value)):
             raise PretrainedError(
                 f"{where} was made with another {key} ({str(model_args[key])[:80]} vs "
                 f"{str(_json(value))[:80]}); start from weights of a model with the same "
