@@ -5,7 +5,10 @@ repository root) at its smallest setting (marker `bench_smoke`, run by `make fau
 minutes of subprocesses that would push `make test` past its budget): a smoke test of the script, nothing timed or
 compared, its results written under tmp_path and never to benchmarks/results/.
 
-Not run: `bench_audio_learning.py` (two trainings of the demo's model on its espeak-ng corpus,
+Not run: `bench_speaker_prompt.py` (a multi-voice espeak-ng corpus, a codec fit, training and
+three judges: 98 s at its smallest, moved out of `make faults` for CI's 40 minutes; its flags and
+pure functions are tested), `bench_preference.py` (needs a `make demo` clone; its config and
+table are tested), `bench_audio_learning.py` (two trainings of the demo's model on its espeak-ng corpus,
 minutes on 2 cores; imported and its usage lines parse), `bench_learning.py` (an espeak-ng corpus, a codec fit, prepare, train, then `torchtitan
 eval` with three judges per checkpoint: 96 s even at its smallest, `--train-sentences 8
 --held-out 4 --steps 2 --eval-every 2 --eval-items 2 --hidden 32 --layers 1`, on 2 busy cores,
@@ -68,8 +71,6 @@ SMOKE = {
     "bench_scale.py": "--scales 2000:4 --no-prepare --work {tmp}/work --out {tmp}/a.json",
     "bench_serve.py": "--frames 2 --requests 2 --cli-calls 1 --concurrency 1,2 --hidden 32 "
     "--layers 1 --work {tmp}/work --out {tmp}/a.json",
-    "bench_speaker_prompt.py": "--steps 4 --train-per-speaker 2 --heldout-per-speaker 2 "
-    "--eval-limit 4 --quality-items 0 --no-baseline --work {tmp}/work --out {tmp}/a.json",
     "bench_step_overhead.py": "--steps 2 --config {toml} --out {tmp}/a.json",
     "bench_vs_llama3.py": "--shape tiny --repeats 1 --configs speech --variants "
     "'speechlm hf-llama' --results-dir {tmp}",
@@ -80,6 +81,8 @@ NOT_RUN = (
     "bench_audio_learning.py",
     "bench_common.py",
     "bench_learning.py",
+    "bench_preference.py",
+    "bench_speaker_prompt.py",
     "gpu_check.py",
     "run_all.py",
 )  # gpu_check.py: its dry run is tests/integration/test_gpu_check.py
@@ -158,7 +161,8 @@ def test_run_all_lists_existing_scripts_whose_flags_parse():
         assert (ROOT / script).is_file(), script
         parse(script_parser(ROOT / script), flags)
     listed = {os.path.basename(b[0]) for b in run_all.BENCHES}
-    assert listed == {*SMOKE, "bench_learning.py"}  # `make bench` runs every benchmark
+    # `make bench` runs every benchmark
+    assert listed == {*SMOKE, "bench_learning.py", "bench_speaker_prompt.py", "bench_preference.py"}
 
 
 def test_gpu_check_script_is_valid_bash_and_its_commands_parse():
@@ -243,3 +247,43 @@ def test_bench_learning_flags_toml_and_pure_functions(tmp_path):
     png = tmp_path / "learning.png"
     learning.plot(curve, {"recordings": 0.7, "resynthesised": 0.6}, str(png))
     assert png.stat().st_size > 10_000
+
+
+# ---- bench_speaker_prompt.py and bench_preference.py without running them ----------------------
+def test_bench_speaker_prompt_flags_and_pure_functions():
+    sp = load_script(BENCHMARKS / "bench_speaker_prompt.py")
+    tiny = "--steps 4 --train-per-speaker 2 --heldout-per-speaker 2 --eval-limit 4 --no-baseline"
+    a = parse(script_parser(BENCHMARKS / "bench_speaker_prompt.py"), tiny.split())
+    mix = sp.mixture("tts_prompt", a)
+    weights = {e.split(":")[0]: float(e.split(":")[2]) for e in mix.split(",")}
+    assert weights.pop("asr") == pytest.approx(1 - a.tts_share)
+    assert sum(weights.values()) == pytest.approx(a.tts_share)
+    assert sp.run_name("prompted", mix, a, True) != sp.run_name("prompted", mix + "x", a, True)
+    row = sp.summary({"items": 4, "wer": 0.2, "floor": {"wer": 0.1},
+                      "prompted": {"sim_prompt": 0.8, "sim_other": 0.5, "speakers": 3}})  # fmt: skip
+    assert row["sim_margin"] == pytest.approx(0.3) and row["floor_wer"] == 0.1
+
+
+def test_bench_preference_flags_config_and_table(tmp_path):
+    """Its DPO config is a valid torchtitan job from the demo's step-400 with the demo's
+    assets; its table reads `torchtitan eval`'s results (the keys a real eval writes)."""
+    bp = load_script(BENCHMARKS / "bench_preference.py")
+    smoke = "--demo . --prompts 8 --samples 2 --steps 2 --heldout 4 --eval-limit 4"
+    a = parse(script_parser(BENCHMARKS / "bench_preference.py"), smoke.split())
+    demo = tmp_path / "demo"
+    (demo / "demo_work" / "backbone").mkdir(parents=True)
+    config = bp.write_config(str(demo), str(tmp_path / "dpo.toml"), a)
+    text = open(config).read()
+    assert f'hf_assets_path = "{demo}/demo_work/backbone"' in text
+    assert 'preference_loss = "dpo"' in text and "step-400" in text
+    job = parse_train(["--job.config_file", config])
+    assert (job.speechlm.preference_loss, job.optimizer.lr) == ("dpo", a.lr)
+    tts = {"task": "tts", "wer": 0.3, "sim": 0.9, "dnsmos": 2.5, "eos_rate": 1.0,
+           "duration_ratio": {"mean": 1.0, "median": 1.0},
+           "self": {"asr_of_tts": {"wer": 0.2}},
+           "per_item": [{"wer": w} for w in [0.0] * 20 + [1.0] * 20]}  # fmt: skip
+    f = bp.figures({"tts:x": tts, "asr:x": {"task": "asr", "wer": 0.0}}, None)
+    assert f["tts:x"]["wer_eval_judge_first_20"] == 0.0
+    assert f["tts:x"]["wer_reward_judge"] == 0.2 and f["asr:x"] == {"asr_wer": 0.0}
+    table = bp.table({"before": f, "after": f})
+    assert table.count("tts:x | ") == 2 and "| 0.300 | 0.000 | 0.200 |" in table
