@@ -176,8 +176,8 @@ def test_a_sorted_kaldi_dir_is_read_in_bytes_per_utterance(tmp_path):
         make = lambda n: kaldi_dir(tmp_path / f"{n}-{len(layout)}", n, **layout)  # noqa: E731
         return growth(make, lambda d: read_kaldi_dir(d, SpilledItems()), small, large)
 
-    ordered = per_item(5_000, 20_000)
-    unsorted = per_item(2_000, 8_000, shuffle=("text", "utt2spk"))
+    ordered = per_item(2_500, 10_000)
+    unsorted = per_item(1_000, 4_000, shuffle=("text", "utt2spk"))
     print(
         f"Kaldi bytes per utterance: sorted {ordered:.1f}, text and utt2spk unsorted {unsorted:.0f}"
     )
@@ -237,7 +237,7 @@ def test_hf_items_and_errors_are_the_list_reader_s(tmp_path, monkeypatch):
 def test_an_hf_dataset_is_read_in_bytes_per_row(tmp_path):
     pytest.importorskip("datasets")
     make = lambda n: hf_dataset(tmp_path / f"hf{n}", n)  # noqa: E731
-    spilled = growth(make, lambda p: read_source("hf_dataset", p).items, 10_000, 40_000)
+    spilled = growth(make, lambda p: read_source("hf_dataset", p).items, 5_000, 20_000)
     print(f"HF bytes per row: {spilled:.1f}")
     assert spilled < LIMIT
 
@@ -369,7 +369,7 @@ def test_the_split_holds_bytes_per_item(tmp_path):
             items.append(it)
         return items.seal()
 
-    per_item = growth(make, lambda items: split_items(items, 0.05).train, 20_000, 80_000)
+    per_item = growth(make, lambda items: split_items(items, 0.05).train, 10_000, 40_000)
     print(f"dev split bytes per item: {per_item:.1f}")
     assert per_item < LIMIT
 
@@ -456,7 +456,7 @@ def test_the_fit_holds_no_list_of_references(tmp_path, monkeypatch):
     monkeypatch.setattr(run, "fit_kmeans_codec", lambda *a, **k: None)
     fit = lambda items: run.fit_or_reuse_kmeans(  # noqa: E731
         str(tmp_path / "km"), items, 2, 8, 30.0, 0, False, False) and items  # fmt: skip
-    per_item = growth(audio_items, fit, 8_000, 32_000)
+    per_item = growth(audio_items, fit, 4_000, 16_000)
     print(f"k-means fit bytes per item: {per_item:.2f}")
     assert per_item < 2  # the references per chunk: 8 bytes per 1,024 items
 

@@ -76,11 +76,11 @@ def test_reading_and_planning_cost_bytes_per_item_not_objects(tmp_path):
         tracemalloc.stop()
         return size
 
-    def slope(read) -> float:
-        return (peak(40_000, read) - peak(10_000, read)) / 30_000
+    def slope(read, small: int, large: int) -> float:
+        return (peak(large, read) - peak(small, read)) / (large - small)
 
-    in_memory = slope(read_jsonl_manifest)
-    spilled = slope(lambda path: read_source("manifest", path).items)
+    in_memory = slope(read_jsonl_manifest, 5_000, 20_000)  # (objects: slow to trace)
+    spilled = slope(lambda path: read_source("manifest", path).items, 10_000, 40_000)
     print(f"bytes per item: in memory {in_memory:.0f}, spilled {spilled:.1f}")
     assert in_memory > 300  # bytes per item held as objects
     # an 8-byte hash of each id (the array grows by doubling; a sorted copy for the duplicate
