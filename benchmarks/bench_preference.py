@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=1000, help="training sentences sampled (1000)")
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=100, help="DPO steps per round (100)")
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--beta", type=float, default=0.1)

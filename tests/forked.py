@@ -238,3 +238,25 @@ def python_code(
         return 0
 
     return _run(["python", "-c", code], main, cwd, timeout)
+
+
+def python_script(
+    path: str,
+    argv: list[str],
+    cwd: str | None = None,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """`python PATH ARGV` in a fork of this process: the script run as ``__main__`` with
+    ``sys.argv`` and ``sys.path[0]`` as Python sets them (its folder first), ``env`` added to the
+    environment."""
+    import runpy
+
+    def main() -> int:
+        os.environ.update(env or {})
+        sys.argv = [path, *argv]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+        runpy.run_path(path, run_name="__main__")
+        return 0
+
+    return _run(["python", path, *argv], main, cwd, timeout)
