@@ -86,6 +86,7 @@ LAZY_IMPORTS = {
     ("cli", "commands.generate"): "as above (generate / eval: judges, the report page)",
     ("cli", "commands.export"): "as above (export)",
     ("cli", "commands.serve"): "as above (serve: the model, the server)",
+    ("cli", "commands.prefer"): "as above (prefer: eval, prepare and the judges)",
     ("", "utils.compat"): "importing the package loads no torch: its torchtitan fixes run around "
     "the first `import torchtitan` (utils/import_hooks.py)",
     ("", "trainer.spec"): "`torchtitan_speechlm.register` / `SPEC_NAME` on first use (the spec "

@@ -29,7 +29,11 @@ import os
 import subprocess
 import sys
 
+from torchtitan_speechlm.commands.generate import eval_main
 from torchtitan_speechlm.commands.generate_args import build_eval_parser
+from torchtitan_speechlm.config.toml_check import load_toml_file
+from torchtitan_speechlm.evaluation.sampled_pairs import samples_file
+from torchtitan_speechlm.prepare.pipeline import main as prepare_main
 
 # eval flags the loop sets itself; every other eval flag (decoding, judges) is passed through
 OWN = {"help", "model", "valid", "limit", "samples", "pairs", "reward", "pair_margin", "seed",
@@ -88,8 +92,6 @@ def _round(a, work: str, r: int, model: str, state: dict) -> str:
 
 
 def _eval_pairs(a, model: str, pairs: str, seed: int) -> int:
-    from torchtitan_speechlm.commands.generate import eval_main
-
     argv = ["--model", model, "--samples", str(a.samples), "--pairs", pairs,
             "--seed", str(seed), "--limit", str(a.limit), "--pair-margin", str(a.pair_margin)]  # fmt: skip
     for spec in a.prompts:
@@ -114,8 +116,6 @@ def passed_eval_flags(a) -> list[str]:
 
 
 def _prepare(a, pairs: str, out: str) -> int:
-    from torchtitan_speechlm.prepare.pipeline import main as prepare_main
-
     meta = _prompt_metadata(a.prompts[0])
     return prepare_main(["--preference", pairs, "--codec", meta["codec"]["path"],
                          "--tokenizer", meta["tokenizer"]["path"], "--out", out,
@@ -144,8 +144,6 @@ def _checkpoint(dump: str, steps: int) -> str:
 
 
 def _first_model(config: str) -> str:
-    from torchtitan_speechlm.config.toml_check import load_toml_file
-
     cfg = load_toml_file(config)
     model = cfg.get("speechlm", {}).get("init_from", "")
     if not model:
@@ -169,8 +167,6 @@ def _prompt_metadata(spec: str) -> dict:
 
 def _rewards(pairs: str) -> dict:
     """The round's figures: pairs, and the mean reward of every sample, chosen and rejected."""
-    from torchtitan_speechlm.evaluation.sampled_pairs import samples_file
-
     with open(samples_file(pairs)) as f:
         samples = [json.loads(x) for x in f if x.strip()]
     with open(pairs) as f:
