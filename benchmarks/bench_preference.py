@@ -183,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     last = os.path.join(loop, f"round-{a.rounds - 1}", "train", "checkpoint", f"step-{a.steps}")
     results = {}
     for name, model, where in (("before", start, a.work), ("after", last, loop)):
-        evals = evaluate(model, sets, a, os.path.join(where, f"eval_{name}.json"), False)
+        # the file names the settings that change the figures: another run never reuses it
+        tag = f"{name}_n{a.eval_limit}_q{a.quality_items}_h{a.heldout}"
+        evals = evaluate(model, sets, a, os.path.join(where, f"eval_{tag}.json"), False)
         tts = {k: v for k, v in sets.items() if k != "asr"}
         rewards = (
-            evaluate(model, tts, a, os.path.join(where, f"reward_{name}.json"), True)
+            evaluate(model, tts, a, os.path.join(where, f"reward_{tag}.json"), True)
             if a.reward_judge != "none"
             else None
         )  # none: the model's own ASR is eval's

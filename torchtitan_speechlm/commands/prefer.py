@@ -39,8 +39,7 @@ from torchtitan_speechlm.prepare.pipeline import main as prepare_main
 OWN = {"help", "model", "valid", "limit", "samples", "pairs", "reward", "pair_margin", "seed",
        "out", "report", "progress", "valid_fraction"}  # fmt: skip
 RECORDED = ("config", "prompts", "steps", "limit", "samples", "reward", "pair_margin", "seed",
-            "temperature", "text_temperature", "judge_asr", "judge_grammar", "nproc_per_node",
-            "train_arg")  # fmt: skip
+            "nproc_per_node", "train_arg")  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> int:
@@ -191,10 +190,11 @@ def _state(a, work: str) -> dict:
     path = os.path.join(work, "loop.json")
     settings = {k: getattr(a, k) for k in RECORDED}
     settings["config"] = os.path.abspath(a.config)
+    settings["sampling_and_judges"] = passed_eval_flags(a)  # every decoding and judge flag
     if os.path.isfile(path):
         with open(path) as f:
             state = json.load(f)
-        differ = sorted(k for k in RECORDED if state["settings"].get(k) != settings[k])
+        differ = sorted(k for k in settings if state["settings"].get(k) != settings[k])
         if differ:
             raise ValueError(
                 f"{path} was started with other settings ({', '.join(differ)}: "
