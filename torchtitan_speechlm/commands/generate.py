@@ -11,7 +11,8 @@
         [--judge-asr pocketsphinx|DIR|none] [--judge-speaker resemblyzer|DIR|none]
         [--judge-quality dnsmos|none] [--out results.json] [--report DIR]
     torchtitan eval --model DIR --valid tts:NAME --samples 4 --temperature 0.8
-        --pairs pairs.jsonl [--reward wer=-1,ended=0.5]   (preference pairs, docs/preference.md)
+        --pairs pairs.jsonl [--reward wer=-1,ended=0.5]   (preference pairs of tts, asr and
+        tts_prompt sets, docs/preference.md)
 
 DIR is a training checkpoint's step folder (the run's config, vocabulary and codec are found from
 it) or a ``torchtitan export`` folder. A batch file has one JSON object per line: ``{"id": ...,
@@ -41,15 +42,13 @@ from torchtitan_speechlm.evaluation.recordings import find_recordings
 from torchtitan_speechlm.evaluation.report import slug, write_report
 from torchtitan_speechlm.evaluation.results_table import format_table
 from torchtitan_speechlm.evaluation.sampled_pairs import (
-    asr_prompt_audio,
-    asr_prompts,
     check_sampling,
     counts_line,
+    pair_prompts,
     rewards_by_task,
     sample_configs,
     samples_audio_root,
     samples_of,
-    tts_prompts,
     write_pairs,
 )
 from torchtitan_speechlm.evaluation.text_scores import score_answers, score_asr
@@ -258,11 +257,8 @@ def run_eval(a: argparse.Namespace) -> int:
             for k, cfg_k in enumerate(sample_configs(cfg, a.seed, a.samples)):
                 runs.append(score(cfg_k, root, f"{i}-{_slug(spec)}/sample{k}"))
                 results[f"{spec} #{k}"] = runs[-1]
-            if task == "tts":
-                pairs_prompts += tts_prompts(task, items)
-            else:
-                audio = asr_prompt_audio(loaded, path, items, root, f"{i}-{_slug(spec)}", manifests)
-                pairs_prompts += asr_prompts(task, items, audio)
+            folder = f"{i}-{_slug(spec)}"
+            pairs_prompts += pair_prompts(loaded, task, path, items, runs, root, folder, manifests)
             pairs_samples.update(samples_of(task, items, runs, root))
         if a.pairs:
             counts = write_pairs(a.pairs, pairs_prompts, pairs_samples, reward, a.pair_margin,

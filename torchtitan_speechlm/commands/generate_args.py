@@ -83,7 +83,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
         "--pairs",
         metavar="FILE.jsonl",
         help="write each item's best and worst judged sample as a preference pair (the "
-        "`torchtitan prepare --preference` format; tts and asr sets) and every sample to "
+        "`torchtitan prepare --preference` format; tts, asr and tts_prompt sets) and every sample to "
         "FILE.samples.jsonl",
     )
     g.add_argument(
@@ -91,8 +91,9 @@ def build_eval_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="[TASK:]SCORE=W,...",
         help="the reward ranking the samples: a weighted sum of wer, cer, sim, dnsmos, ended, "
-        "duration_ratio_error, self_wer, self_cer (asr sets: wer, cer); TASK: for one task's "
-        "sets only, e.g. --reward tts:wer=-1,ended=0.5 --reward asr:wer=-1 (default wer=-1)",
+        "duration_ratio_error, self_wer, self_cer (asr sets: wer, cer; tts_prompt sets: sim is "
+        "SIM to the prompt); TASK: for one task's sets only, e.g. --reward tts:wer=-1,ended=0.5 "
+        "--reward asr:wer=-1 --reward tts_prompt:sim=1,wer=-1 (default wer=-1)",
     )
     g.add_argument(
         "--pair-margin",

@@ -3,8 +3,9 @@ pairs hands the preference loss (model/preference.py).
 
 A preference item (kind ``preference``: turns prompt, chosen, rejected; prepare/sources/
 preference.py) becomes two documents of its task's base task (``tts_pref``: two ``tts``
-documents), each laid out by the base task's template, so a pair trains on exactly the frames
-the plain task would. The packer places a pair as one sample (its length is both documents'),
+documents; ``tts_prompt_pref``: two ``tts_prompt`` documents, the pair's own speaker prompt in
+both), each laid out by the base task's template, so a pair trains on exactly the frames the
+plain task would. The packer places a pair as one sample (its length is both documents'),
 so both are always in one row and one micro-batch, each with positions restarting at 0 (the
 model's document masking keeps them apart: model/documents.py).
 
@@ -68,12 +69,14 @@ class PairSide:
 
 
 def build_pair(builder: TemplateBuilder, task: str, item) -> PairExample:
-    """A preference item's two documents, each laid out by the base task's ``build``; an item
-    whose turns are not a pair of the task's base (a pair of another task) is a ValueError."""
+    """A preference item's two documents, each laid out by the base task's ``build`` (a
+    ``tts_prompt`` pair's speaker prompt given as the prompt item, cut as training cuts it);
+    an item whose turns are not a pair of the task's base (a pair of another task) is a
+    ValueError."""
     spec = get_task(task)
-    (p_role, p_mod), (a_role, a_mod) = spec.turns
+    base = get_task(spec.pair_of)
     turns = getattr(item, "turns", None) or []
-    want = [(p_role, p_mod), (a_role, a_mod), (a_role, a_mod)]
+    want = list(spec.turns) + [spec.turns[-1]]  # the prompt's turns, chosen, rejected
     have = [(t.role, t.modality) for t in turns]
     if have != want:
         raise ValueError(
@@ -81,10 +84,15 @@ def build_pair(builder: TemplateBuilder, task: str, item) -> PairExample:
             f"task {task!r} takes {want}"
         )
     sides = []
-    for answer in turns[1:]:
-        tokens = {p_mod: turns[0].tokens, a_mod: answer.tokens}
+    for answer in turns[-2:]:
+        tokens, prompt = {}, None
+        for i, turn in enumerate([*turns[:-2], answer]):
+            if i == base.prompt_turn:  # the pair's speaker prompt, as a prompt item
+                prompt = PairSide(item.id, np.zeros(0, np.int64), np.asarray(turn.tokens))
+            else:
+                tokens[turn.modality] = turn.tokens
         side = PairSide(item.id, np.asarray(tokens["text"]), np.asarray(tokens["audio"]))
-        sides.append(builder.build(spec.pair_of, side))
+        sides.append(builder.build(spec.pair_of, side, prompt=prompt))
     return PairExample(*sides)
 
 
@@ -113,13 +121,13 @@ def preference_stream(sources: list) -> bool:
 
 def keep_task_pairs(source) -> None:
     """Narrow a preference source to the pairs of its task, told apart by their audio turns
-    in the index (a tts pair has two, its answers; an asr pair one, its prompt); refuse a
-    source left without any."""
+    in the index (a tts pair has two, its answers; an asr pair one, its prompt; a tts_prompt
+    pair three, its speaker prompt and answers); refuse a source left without any."""
     audio_turns = getattr(source.data, "num_audio_turns", None)
     if audio_turns is None:
         return  # (a reader without turn counts: a pair of another task is a bad sample)
     spec = get_task(source.task)
-    want = 2 if spec.turns[1][1] == "audio" else 1
+    want = spec.count("audio") + (spec.turns[-1][1] == "audio")  # (both answers' turns)
     idx = np.asarray(source.indices)
     keep = np.asarray(audio_turns)[idx] == want
     if not keep.any():

@@ -18,6 +18,8 @@ Chat-style template, one block per turn:  <|role|><|modality|> content <|eot|>
     tts_pref:      two tts documents of a preference item, its prompt with the chosen answer
                    and with the rejected one, side by side in one row (data/pairs.py)
     asr_pref:      the same for asr (user audio, chosen / rejected assistant text)
+    tts_prompt_pref: the same for tts_prompt (the pair's own speaker prompt and text, chosen /
+                   rejected assistant audio)
     asr_wave:      asr, its audio the waveform through the audio encoder (continuous)
     dialogue_wave: dialogue, its one (user/system) audio turn the waveform (continuous): spoken
                    question answering and other audio-conditioned text tasks
@@ -82,9 +84,10 @@ class Task:
     pair_of: str | None = None
     """A preference task: its example is two documents of task ``pair_of`` laid out by that
     task's template, the item's prompt with its chosen answer and with its rejected one
-    (items of kind ``preference``: turns prompt, chosen, rejected). The base task has two
-    fixed turns of different modalities, a prompt without loss and an answer with it, so a
-    pair's length comes from the index (``TemplateBuilder.length``). No CFG dropout."""
+    (items of kind ``preference``: turns prompt..., chosen, rejected). The base task has fixed
+    turns, one text and one codec audio turn besides its speaker prompt, if any (the pair
+    holds its own), the last one, the answer, the only one with loss, so a pair's length comes
+    from the index (``TemplateBuilder.length``). No CFG dropout, no drawn speaker prompt."""
 
     def __post_init__(self) -> None:
         bad = [k for k in self.kinds if k not in KINDS]
@@ -112,22 +115,30 @@ class Task:
 
     @property
     def prompted(self) -> bool:
-        """Whether the task's examples carry a speaker prompt."""
+        """Whether the task's examples carry a speaker prompt drawn from another item."""
         return self.prompt_turn is not None
+
+    @property
+    def prompt_budget(self) -> bool:
+        """Whether the task's examples carry a speaker prompt cut to ``prompt_seconds``: a
+        prompted task's (drawn), or a preference pair's of one (the pair's own)."""
+        return self.prompted or (self.pair_of is not None and TASKS.get(self.pair_of).prompted)
 
 
 def _check_pair_task(task: Task) -> None:
-    """A preference task mirrors a registered base task of two turns: a prompt without loss,
-    then an answer with it, of the other modality (the layout ``build_pair`` and ``length``
-    assume); its examples carry no CFG drop, no speaker prompt, no continuous audio."""
+    """A preference task mirrors a registered base task of fixed turns: besides its speaker
+    prompt turn, if any, one text and one codec audio turn, the last one (the answer) the only
+    one with loss (the layout ``build_pair`` and ``length`` assume); its examples carry no CFG
+    drop, no drawn speaker prompt, no continuous audio."""
     base = TASKS.get(task.pair_of, f"task {task.name!r} pair_of")
+    turns = list(base.turns or ())
+    content = [m for i, (_, m) in enumerate(turns) if i != base.prompt_turn]
     base_ok = (
-        base.turns is not None
-        and len(base.turns) == 2
-        and base.turns[0][1] != base.turns[1][1]
-        and base.turns[1][0] in base.loss_roles
-        and base.turns[0][0] not in base.loss_roles
-        and not (base.continuous or base.prompted or base.pair_of)
+        len(turns) >= 2
+        and sorted(content) == ["audio", "text"]
+        and base.prompt_turn != len(turns) - 1
+        and [r in base.loss_roles for r, _ in turns] == [False] * (len(turns) - 1) + [True]
+        and not (base.continuous or base.pair_of)
     )
     mirrors = (task.turns, task.loss_roles, task.kinds) == (
         base.turns,
@@ -139,8 +150,8 @@ def _check_pair_task(task: Task) -> None:
         raise ValueError(
             f"task {task.name!r}: a preference task takes kind {PREFERENCE!r} items and the "
             f"turns and loss roles of its base {base.name!r}, with no cfg, prompt or continuous "
-            "turn; the base has two codec turns, a prompt without loss, then an answer of the "
-            "other modality with it"
+            "turn; the base has fixed codec turns, one text and one audio besides a speaker "
+            "prompt, the last one, the answer, the only one with loss"
         )
 
 
@@ -168,7 +179,7 @@ for _task in (
     Task("dialogue_wave", ("dialogue",), None, continuous=True),
 ):
     register_task(_task)
-for _base in ("tts", "asr"):  # preference pairs (data/pairs.py)
+for _base in ("tts", "asr", "tts_prompt"):  # preference pairs (data/pairs.py)
     register_task(Task(f"{_base}_pref", (PREFERENCE,), TASKS.get(_base).turns, pair_of=_base))
 
 
@@ -403,9 +414,20 @@ class TemplateBuilder:
     def pair_length(self, spec: Task, n_text, n_audio_frames):
         """A preference pair's length as one sample (both documents' frames less one: the
         pair fills ``len(chosen) - 1 + len(rejected) - 1`` input positions) from its index
-        lengths: the prompt is in both documents, each answer in one; one audio turn each."""
-        answer = spec.turns[1][1]
+        lengths: the prompt is in both documents, each answer in one. A speaker prompt (a
+        ``tts_prompt`` pair's) is cut to ``max_prompt_frames`` in each document and the index
+        has only the pair's total frames, so its length is budgeted as if the prompt had
+        exactly ``max_prompt_frames`` ``M``: a prompt of ``P`` frames takes ``2 min(P, M)``
+        of the pair's frames and ``P`` of the total, so the budget is exact for ``P = M`` (a
+        prompt as the model heard it, what ``eval --pairs`` writes) and over by ``|P - M|``
+        otherwise, never under."""
+        base = get_task(spec.pair_of)
+        answer = spec.turns[-1][1]
         text = n_text * (1 if answer == "text" else 2)
         frames = n_audio_frames * (1 if answer == "audio" else 2)
-        audio = self.pattern.num_frames(frames, 2, self.layout.num_streams)
+        segments = 2 * spec.count("audio")
+        if base.prompted:
+            self.cut_prompt(np.zeros((0, 1)))  # refuses a run without a prompt budget
+            frames = frames + self.max_prompt_frames
+        audio = self.pattern.num_frames(frames, segments, self.layout.num_streams)
         return 2 * (1 + 3 * len(spec.turns)) + text + audio - 1

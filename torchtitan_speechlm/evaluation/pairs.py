@@ -91,8 +91,8 @@ def choose_pair(samples: list[Sample], spec: RewardSpec, margin: float, where: s
 
 def preference_lines(prompts: list[dict], samples: dict[str, list[Sample]], spec: RewardSpec,
                      margin: float = 0.0) -> tuple[list[dict], Counter]:  # fmt: skip
-    """The ``--preference`` lines of ``prompts`` (each ``{"id", "task", "text" | "audio",
-    ["speaker"]}``) from their ``samples`` (by prompt id), and the count of each outcome
+    """The ``--preference`` lines of ``prompts`` (each ``{"id", "task", "text" and / or
+    "audio", ["speaker"]}``) from their ``samples`` (by prompt id), and the count of each outcome
     (``pairs`` and the reasons a prompt has none)."""
     lines, counts = [], Counter()
     for prompt in prompts:

@@ -8,11 +8,18 @@ worst sample by the configured reward. Next to FILE go ``FILE``'s samples (``*.s
 every sample's answer, scores and reward, what a reader checks a pair against) and, without
 ``--report``, their wavs (``*.samples/``).
 
+The sets: ``tts`` (prompt: the text; answers: the generated wavs), ``tts_prompt`` (prompt: the
+item's speaker prompt as the model heard it, i.e. the prompt item's codes cut to the model's
+``prompt_seconds`` and resynthesised, the wav ``score_tts`` writes for the report, and the text;
+answers: the generated wavs) and ``asr`` (prompt: the item's recording, else its resynthesis;
+answers: the transcripts).
+
 The figures a reward can weigh (``pairs.SCORES``) come from the per-item records of
 ``tts_scores.score_tts`` / ``text_scores.score_asr``: ``wer`` / ``cer`` (the ASR judge), ``sim``,
 ``dnsmos`` (overall), ``ended`` (1 if the model ended the speech), ``duration_ratio_error``
 (``|generated / reference duration - 1|``) and ``self_wer`` / ``self_cer`` (the model's own ASR
-of its speech).
+of its speech). In a ``tts_prompt`` set, ``sim`` is SIM to the prompt as the model heard it
+(``sim_prompt``: the voice it was asked for), not to the item's reference.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from torchtitan_speechlm.evaluation.pairs import RewardSpec, Sample, preference_
 from torchtitan_speechlm.evaluation.recordings import find_recordings
 from torchtitan_speechlm.generation.tasks import write_wav
 
-PAIR_SETS = ("tts", "asr")  # the --valid tasks --pairs makes pairs of (prepare's PAIR_TASKS)
+PAIR_SETS = ("tts", "asr", "tts_prompt")  # the --valid tasks --pairs makes pairs of (prepare's
+# PAIR_TASKS); the answers of all but asr are audio
 
 
 def check_sampling(task: str, samples: int, cfg) -> None:
@@ -36,7 +44,7 @@ def check_sampling(task: str, samples: int, cfg) -> None:
         raise ValueError(f"--pairs needs --samples K with K >= 2 (got {samples})")
     if task not in PAIR_SETS:
         raise ValueError(f"--pairs makes pairs of {' and '.join(PAIR_SETS)} sets, not {task!r}")
-    flag, temp = (("--temperature", cfg.audio.temperature) if task == "tts"
+    flag, temp = (("--temperature", cfg.audio.temperature) if task != "asr"
                   else ("--text-temperature", cfg.text.temperature))  # fmt: skip
     if temp <= 0:
         raise ValueError(
@@ -50,12 +58,14 @@ def sample_configs(cfg, seed: int, samples: int) -> list:
     return [replace(cfg, seed=seed + k) for k in range(samples)]
 
 
-def sample_scores(rec: dict) -> dict:
-    """A judged item record's figures as a reward weighs them (module docstring)."""
+def sample_scores(rec: dict, task: str = "tts") -> dict:
+    """A judged item record's figures as a reward weighs them (module docstring; a
+    ``tts_prompt`` set's ``sim`` is its ``sim_prompt``)."""
     out = {}
     for key in ("wer", "cer", "sim", "self_wer", "self_cer"):
-        if _finite(rec.get(key)):
-            out[key] = float(rec[key])
+        value = rec.get("sim_prompt" if (task, key) == ("tts_prompt", "sim") else key)
+        if _finite(value):
+            out[key] = float(value)
     if isinstance(rec.get("ended"), bool):
         out["ended"] = float(rec["ended"])
     dnsmos = rec.get("dnsmos")
@@ -70,13 +80,22 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def tts_prompts(task: str, items: list) -> list[dict]:
-    return [{"id": f"{task}-{it.id}", "task": "tts", "text": it.text} for it in items]
-
-
-def asr_prompts(task: str, items: list, audio: dict[str, str]) -> list[dict]:
-    """ASR prompts: each item's audio file (its recording, else its resynthesis: ``audio``)."""
-    return [{"id": f"{task}-{it.id}", "task": "asr", "audio": audio[it.id]} for it in items]
+def pair_prompts(loaded, task: str, path: str, items: list, runs: list[dict], root: str,
+                 folder: str, manifests: dict) -> list[dict]:  # fmt: skip
+    """The prompt part of each item's preference line (module docstring): ``{"id", "task",
+    "text" | "audio" | both}``; ``runs``: the set's sample runs, whose wavs are under
+    ``root`` (a ``tts_prompt`` item's prompt as heard: sample 0's ``prompt`` wav)."""
+    prompts = [{"id": f"{task}-{it.id}", "task": task} for it in items]
+    if task == "asr":
+        audio = asr_prompt_audio(loaded, path, items, root, folder, manifests)
+        return [dict(p, audio=audio[it.id]) for p, it in zip(prompts, items, strict=True)]
+    if task == "tts_prompt":
+        for p, rec in zip(prompts, runs[0]["per_item"], strict=True):
+            heard = (rec.get("audio") or {}).get("prompt")
+            if heard is None:
+                raise ValueError(f"{p['id']}: no wav of its speaker prompt was written")
+            p["audio"] = os.path.join(os.path.abspath(root), heard)
+    return [dict(p, text=it.text) for p, it in zip(prompts, items, strict=True)]
 
 
 def asr_prompt_audio(loaded, path: str, items: list, root: str, folder: str,
@@ -95,28 +114,31 @@ def asr_prompt_audio(loaded, path: str, items: list, root: str, folder: str,
 
 def samples_of(task: str, items: list, runs: list[dict], audio_root: str) -> dict:
     """``{prompt id: [Sample]}`` from each sample run's per-item records (``runs[k]``: the
-    result of sample ``k``); a TTS answer is its generated wav (absolute), an ASR answer its
-    transcript. An item whose sample has no audio (an empty generation) has no answer there."""
+    result of sample ``k``); a TTS answer (``tts``, ``tts_prompt``) is its generated wav
+    (absolute), an ASR answer its transcript. An item whose sample has no audio (an empty
+    generation) has no answer there."""
     out: dict[str, list[Sample]] = {}
+    speech = task != "asr"
     for k, run in enumerate(runs):
         for it, rec in zip(items, run["per_item"], strict=True):
-            if task == "tts":
+            if speech:
                 rel = (rec.get("audio") or {}).get("generated")
                 if rel is None:
                     continue
                 answer = {"audio": os.path.join(os.path.abspath(audio_root), rel)}
             else:
                 answer = {"text": rec["transcript"]}
-            heard = rec.get("transcript") if task == "tts" else None
+            heard = rec.get("transcript") if speech else None
             out.setdefault(f"{task}-{it.id}", []).append(
-                Sample(k, answer, sample_scores(rec), heard)
+                Sample(k, answer, sample_scores(rec, task), heard)
             )
     return out
 
 
 def rewards_by_task(specs: list[str]) -> dict[str, RewardSpec]:
     """``--reward`` values: ``SPEC`` for every set, or ``TASK:SPEC`` for one task's (``tts:wer=-1,
-    self_wer=-1``, ``asr:wer=-1``); the later one wins, a task none names is ranked by ``wer=-1``.
+    self_wer=-1``, ``asr:wer=-1``, ``tts_prompt:sim=1,wer=-1``); the later one wins, a task none
+    names is ranked by ``wer=-1``.
     A ValueError for a bad one."""
     out = dict.fromkeys(PAIR_SETS, RewardSpec.parse("wer=-1"))
     for text in specs:

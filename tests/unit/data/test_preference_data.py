@@ -240,10 +240,17 @@ def test_no_cfg_dropout_for_pairs(data):
         assert stat(st, batch, "cfg_dropped") == 0
 
 
-def test_a_preference_task_mirrors_a_two_turn_base_task():
+def test_a_preference_task_mirrors_its_base_task():
     tts, prompted = get_task("tts"), get_task("tts_prompt")
     for bad in (
-        dict(name="p", kinds=("preference",), turns=prompted.turns, pair_of="tts_prompt"),
+        dict(
+            name="p",
+            kinds=("preference",),
+            turns=prompted.turns,
+            pair_of="tts_prompt",
+            prompt_turn=0,
+        ),  # a pair holds its own prompt: none drawn
+        dict(name="p", kinds=("preference",), turns=tts.turns, pair_of="tts_prompt"),
         dict(name="p", kinds=("speech",), turns=tts.turns, pair_of="tts"),
         dict(name="p", kinds=("preference",), turns=tts.turns, cfg_turn=0, pair_of="tts"),
         dict(name="p", kinds=("preference",), turns=tts.turns[::-1], pair_of="tts"),
@@ -251,3 +258,131 @@ def test_a_preference_task_mirrors_a_two_turn_base_task():
         with pytest.raises(ValueError, match="a preference task takes kind 'preference'"):
             Task(**bad)
     assert get_task("asr_pref").turns == get_task("asr").turns
+    pref = get_task("tts_prompt_pref")
+    assert pref.turns == prompted.turns and pref.pair_of == "tts_prompt"
+    assert not pref.prompted and pref.prompt_budget  # no prompt drawn, one cut to the budget
+    assert not get_task("tts_pref").prompt_budget
+
+
+# tts_prompt pairs: (speaker prompt, chosen, rejected) seconds; p1's prompt is the longest
+PROMPTED = [(0.5, 0.3, 0.9), (1.2, 1.0, 0.5), (0.3, 0.7, 0.6)]
+
+
+@pytest.fixture(scope="module")
+def prompted(tmp_path_factory):
+    """tts_prompt pairs (and a tts pair in the same file) prepared by the real CLI, with
+    each side's codes and tokens from the codec and tokenizer run on the input files."""
+    import json
+
+    import soundfile as sf
+
+    from tests.data_fixtures import SR, tone
+    from torchtitan_speechlm.prepare.pipeline import main
+
+    assets = build_assets(tmp_path_factory.mktemp("pref_prompt"))
+    root = os.path.join(assets["root"], "pairs")
+    os.makedirs(root)
+    rows, sentences = [], assets["sentences"]
+    for i, seconds in enumerate(PROMPTED):
+        names = [f"q{i}{side}.wav" for side in "pcr"]
+        for k, (name, sec) in enumerate(zip(names, seconds, strict=True)):
+            sf.write(os.path.join(root, name), tone(10 + 3 * i + k, sec, SR), SR)
+        rows.append({"id": f"q{i}", "task": "tts_prompt", "audio": names[0], "text": sentences[i],
+                     "chosen": {"audio": names[1]}, "rejected": {"audio": names[2]},
+                     "scores": {"chosen": {"sim": 0.9}, "rejected": {"sim": 0.2}}})  # fmt: skip
+    rows.append({**rows[0], "id": "t0", "task": "tts"})  # a tts pair: not a tts_prompt pair
+    del rows[-1]["audio"]
+    path = os.path.join(root, "pairs.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    out = os.path.join(assets["root"], "prepared")
+    argv = ["--preference", path, "--codec", assets["codec"], "--tokenizer", assets["tok"],
+            "--out", out, "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    ds = PreparedDataset(out)
+    codec, tok = load_codec(assets["codec"]), load_text_tokenizer(assets["tok"])
+    expected = {  # item id -> (prompt codes, text tokens, chosen codes, rejected codes)
+        r["id"]: (
+            *[codec.encode([load_audio(os.path.join(root, r[k]), codec.sample_rate)])[0]
+              for k in ("audio",) if k in r],
+            tok(r["text"], add_special_tokens=False)["input_ids"],
+            *[codec.encode([load_audio(os.path.join(root, r[k]["audio"]), codec.sample_rate)])[0]
+              for k in ("chosen", "rejected")],
+        ) for r in rows
+    }  # fmt: skip
+    layout = VocabLayout(text_size=int(ds.metadata["tokenizer"]["vocab_size"]),
+                         num_streams=ds.num_streams,
+                         codebook_size=int(ds.metadata["codec"]["codebook_size"]))  # fmt: skip
+    return {"ds": ds, "layout": layout, "expected": expected}
+
+
+def prompt_builder(prompted, max_prompt_frames: int, pattern="delay") -> TemplateBuilder:
+    n = prompted["layout"].num_streams
+    return TemplateBuilder(prompted["layout"], pattern, LossWeights(1.0, 1.0, (1 / n,) * n),
+                           max_prompt_frames=max_prompt_frames)  # fmt: skip
+
+
+def prompted_stream(prompted, b: TemplateBuilder, rows=2, **kw):
+    ds = prompted["ds"]
+    return SpeechLMDataset([Source("tts_prompt_pref", "pairs", 1.0, ds, np.arange(len(ds)))], b,
+                           seq_len=kw.pop("seq_len", 2048), local_batch_size=rows, mode="pack",
+                           window=8, dp_rank=0, dp_world_size=1, seed=0, shuffle=True,
+                           infinite=kw.pop("infinite", True), **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", ["delay", "flatten"])
+def test_a_tts_prompt_pair_is_two_plain_tts_prompt_documents(prompted, pattern):
+    """Each side is the plain tts_prompt task's document for the pair's speaker prompt (the
+    codec's codes of the prompt file, cut to the budget), text and answer; the pair's budgeted
+    length is exact when the prompt has the budget's frames and never short otherwise."""
+    ds, expected = prompted["ds"], prompted["expected"]
+    frames = {i: len(expected[f"q{i}"][0]) for i in range(len(PROMPTED))}
+    assert frames[1] > frames[0] > frames[2]
+    for budget in (frames[0], frames[2]):  # p0's frames: exact for it; p2's: every prompt cut
+        b = prompt_builder(prompted, budget, pattern)
+        st = prompted_stream(prompted, b)
+        (source,) = st.sources
+        assert sorted(ds.ids[i] for i in source.indices) == ["q0", "q1", "q2"]  # not t0
+        for i, length in zip(source.indices, st.lengths(0), strict=True):
+            item_id = ds.ids[int(i)]
+            prompt, text, *answers = expected[item_id]
+            pair = build_pair(b, "tts_prompt_pref", ds[int(i)])
+            for doc, answer in zip(pair.documents, answers, strict=True):
+                plain = b.build("tts_prompt", PairSide(item_id, np.asarray(text), answer),
+                                prompt=PairSide("prompt", np.zeros(0), prompt))  # fmt: skip
+                np.testing.assert_array_equal(doc.frames, plain.frames)
+                np.testing.assert_array_equal(doc.weights, plain.weights)
+            actual = len(pair.chosen.frames) + len(pair.rejected.frames) - 1
+            p = len(prompt)
+            assert length - actual == abs(p - budget) * (ds.num_streams if pattern == "flatten"
+                                                        else 1)  # fmt: skip
+            if p <= budget:  # the whole prompt is in both documents
+                assert len(plain.frames) == len(b.build("tts", PairSide(
+                    item_id, np.asarray(text), answers[1])).frames) + b.prompt_length(p)  # fmt: skip
+
+
+def test_tts_prompt_pairs_in_batches(prompted):
+    """A finite pass places every tts_prompt pair once, its two documents side by side with
+    positions restarting, the loss only on the answers, one label per pair."""
+    b = prompt_builder(prompted, len(prompted["expected"]["q0"][0]))
+    st = prompted_stream(prompted, b, infinite=False)
+    ds, keys = prompted["ds"], []
+    for batch, labels in iter(st):
+        for d, r, first, n in documents(batch):
+            item = int(batch["pref_key"][d // 2][1])
+            pair = build_pair(b, "tts_prompt_pref", ds[item])
+            want = pair.documents[d % 2]
+            frames = torch.cat([batch["input"][r, first : first + 1],
+                                batch["targets"][r, first : first + n]])  # fmt: skip
+            np.testing.assert_array_equal(frames.numpy(), want.frames)
+            np.testing.assert_array_equal(batch["loss_weights"][r, first : first + n].numpy(),
+                                          want.weights[1:])  # fmt: skip
+            assert torch.equal(batch["position_ids"][r, first : first + n], torch.arange(n))
+        keys += [int(k) for _, k in batch["pref_key"].tolist()]
+        assert int((labels != -100).sum()) == len(batch["pref_pairs"])
+    assert sorted(ds.ids[k] for k in keys) == ["q0", "q1", "q2"]
+
+
+def test_tts_prompt_pairs_need_a_prompt_budget(prompted):
+    with pytest.raises(ValueError, match="speechlm.prompt_seconds > 0"):
+        prompted_stream(prompted, prompt_builder(prompted, 0))

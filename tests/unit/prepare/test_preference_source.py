@@ -105,7 +105,11 @@ def without(key):
         (without("rejected"), "needs 'rejected'"),
         (without("chosen"), "needs 'chosen'"),
         ({**GOOD, "id": "q", "chosen": {"text": "x"}}, "chosen: 'audio' must be a non-empty string"),
-        ({**GOOD, "id": "q", "task": "tts_prompt"}, "task 'tts_prompt' is not one of tts, asr"),
+        ({**GOOD, "id": "q", "task": "tts_pref"}, "task 'tts_pref' is not one of tts, asr, tts_prompt"),
+        ({**GOOD, "id": "q", "task": "tts_prompt"},
+         "a tts_prompt pair needs 'audio': its speaker prompt (a file)"),
+        ({**GOOD, "id": "q", "task": "tts_prompt", "audio": "p.wav", "text": ""},
+         "'text' must be a non-empty string"),
         ({**GOOD, "id": "q", "scores": {"chosen": {"wer": "low"}, "rejected": {"wer": 1}}},
          "scores['chosen'] must be a non-empty object of finite numbers"),
         ({**GOOD, "id": "q", "scores": {"chosen": {"wer": 0}}}, "'scores' must be an object with"),
@@ -160,3 +164,43 @@ def test_a_repeat_before_a_bad_line_is_named_first(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in (GOOD, GOOD, bad)))
     with pytest.raises(ManifestError, match=r"pairs.jsonl:2: duplicate id 'p' \(first on line 1\)"):
         read_preference_jsonl(str(path))
+
+
+def test_tts_prompt_pairs_hold_the_speaker_prompt_then_the_text(tmp_path, capsys):
+    """A tts_prompt pair's turns: its speaker prompt's audio and its text (user), the chosen
+    and rejected audio (assistant), equal to the codec and tokenizer run on the input files
+    here; a line without its prompt audio is refused by the CLI naming file and line."""
+    import soundfile as sf
+
+    from tests.data_fixtures import SR, tone
+
+    a = build_assets(tmp_path / "assets")
+    for i, name in enumerate(("p.wav", "c.wav", "r.wav")):
+        sf.write(tmp_path / name, tone(i + 7, 0.4 + 0.3 * i, SR), SR)
+    row = {**GOOD, "task": "tts_prompt", "audio": "p.wav", "text": a["sentences"][2]}
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    out = str(tmp_path / "out")
+    argv = ["--preference", str(path), "--codec", a["codec"], "--tokenizer", a["tok"],
+            "--out", out, "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    (line,) = items_jsonl(out)
+    assert line["kind"] == "preference"
+    assert line["preference"] == {"task": "tts_prompt", "chosen": 2, "rejected": 3,
+                                  "scores": row["scores"]}  # fmt: skip
+    assert [(t["role"], t["modality"]) for t in line["turns"]] == [
+        ("user", "audio"), ("user", "text"), ("assistant", "audio"), ("assistant", "audio")]  # fmt: skip
+    codec, tok = load_codec(a["codec"]), load_text_tokenizer(a["tok"])
+    want = [codec.encode([load_audio(str(tmp_path / n), codec.sample_rate)])[0]
+            for n in ("p.wav", "c.wav", "r.wav")]  # fmt: skip
+    want.insert(1, tok(row["text"], add_special_tokens=False)["input_ids"])
+    (item,) = [PreparedDataset(out)[0]]
+    for turn, w in zip(item.turns, want, strict=True):
+        np.testing.assert_array_equal(turn.tokens, np.asarray(w))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(row) + "\n" + json.dumps({**row, "id": "q", "audio": None}) + "\n")
+    argv[1], argv[-2] = str(bad), str(tmp_path / "o2")
+    assert main(argv) == 1
+    assert (
+        f"{bad}:2: a tts_prompt pair needs 'audio': its speaker prompt" in capsys.readouterr().err
+    )

@@ -1,6 +1,7 @@
 """The preference-pair source (``--preference P.jsonl``): a prompt, a chosen and a rejected
 answer, with the scores that ranked them (what ``torchtitan generate`` + a judge write, or any
-preference corpus), for the ``tts_pref`` / ``asr_pref`` tasks (docs/data.md, Preference data).
+preference corpus), for the ``tts_pref`` / ``asr_pref`` / ``tts_prompt_pref`` tasks (docs/data.md,
+Preference data).
 
 One JSON object per line::
 
@@ -9,12 +10,17 @@ One JSON object per line::
      "scores": {"chosen": {"wer": 0.0, "sim": 0.9}, "rejected": {"wer": 0.4, "sim": 0.8}}}
     {"id": "p1", "task": "asr", "audio": "q.wav",
      "chosen": {"text": "a transcript"}, "rejected": {"text": "a worse one"}, "scores": {...}}
+    {"id": "p2", "task": "tts_prompt", "audio": "speaker_prompt.wav", "text": "the text",
+     "chosen": {"audio": "c.wav"}, "rejected": {"audio": "r.wav"}, "scores": {...}}
 
-A pair is one item of kind ``preference`` whose turns are the prompt (user), the chosen and the
-rejected answer (assistant), so the encode path prepares its audio like a dialogue's; its
-items.jsonl line records ``"preference": {"task", "chosen": 1, "rejected": 2, "scores"}``.
+A pair is one item of kind ``preference`` whose turns are the prompt (user: ``tts_prompt``'s
+two, its speaker prompt's audio then its text), the chosen and the rejected answer (assistant),
+so the encode path prepares its audio like a dialogue's; its items.jsonl line records
+``"preference": {"task", "chosen": 1, "rejected": 2, "scores"}`` (the answers' turn indices:
+2 and 3 for ``tts_prompt``).
 The scores are required: a pair whose ranking cannot be checked is refused (file and line),
-as is a line without its chosen or rejected answer. A pair whose answers are the same audio
+as is a line without its chosen or rejected answer or a part of its prompt (a ``tts_prompt``
+pair's speaker prompt audio). A pair whose answers are the same audio
 file or text is skipped by the worker and recorded in failures.jsonl (``identical_pair``):
 DPO and SimPO cannot learn from it. Relative paths resolve against the file's folder.
 
@@ -46,10 +52,15 @@ from torchtitan_speechlm.prepare.sources.unique import (
 from torchtitan_speechlm.prepare.spill import SpilledItems
 from torchtitan_speechlm.utils.text_files import text_lines
 
-# task -> (the prompt's modality, the answers' modality); the item's turns are (user prompt,
-# assistant chosen, assistant rejected), the layout data/tasks.py's pair tasks read
-PAIR_TASKS = {"tts": ("text", "audio"), "asr": ("audio", "text")}
-CHOSEN, REJECTED = 1, 2  # turn indices of the answers
+# task -> (the prompt's modalities, in turn order, the answers' modality); the item's turns
+# are (user prompt..., assistant chosen, assistant rejected), the layout data/tasks.py's pair
+# tasks read (tts_prompt: the speaker prompt's audio, then the text)
+PAIR_TASKS = {
+    "tts": (("text",), "audio"),
+    "asr": (("audio",), "text"),
+    "tts_prompt": (("audio", "text"), "audio"),
+}
+PROMPT_PARTS = {("tts_prompt", "audio"): "its speaker prompt"}  # named when missing
 
 
 def read_preference_jsonl(path: str, items=None):
@@ -78,8 +89,8 @@ def parse_pair(line: str, lineno: int, where: str, base: str) -> ManifestItem:
     task = _string(row, "task", where)
     if task not in PAIR_TASKS:
         raise ManifestError(f"{where}: task {task!r} is not one of {', '.join(PAIR_TASKS)}")
-    prompt_modality, answer_modality = PAIR_TASKS[task]
-    prompt = _content(row, prompt_modality, where, base)
+    prompt_modalities, answer_modality = PAIR_TASKS[task]
+    prompt = [_prompt_part(row, task, m, where, base) for m in prompt_modalities]
     answers = []
     for key in ("chosen", "rejected"):
         if not isinstance(row.get(key), dict):
@@ -87,8 +98,8 @@ def parse_pair(line: str, lineno: int, where: str, base: str) -> ManifestItem:
                 f"{where}: needs {key!r}: an object with its {answer_modality!r} (task {task})"
             )
         answers.append(_content(row[key], answer_modality, f"{where}: {key}", base))
-    turns = [TurnSpec("user", **prompt)] + [TurnSpec("assistant", **a) for a in answers]
-    record = {"task": task, "chosen": CHOSEN, "rejected": REJECTED,
+    turns = [TurnSpec("user", **p) for p in prompt] + [TurnSpec("assistant", **a) for a in answers]
+    record = {"task": task, "chosen": len(prompt), "rejected": len(prompt) + 1,
               "scores": _scores(row, where)}  # fmt: skip
     return ManifestItem(item_id, None, "", lineno, where, turns=turns,
                         speaker=speaker_label(row.get("speaker"), where),
@@ -98,7 +109,7 @@ def parse_pair(line: str, lineno: int, where: str, base: str) -> ManifestItem:
 def identical_answers(item: ManifestItem) -> str | None:
     """Why a pair's chosen and rejected answers are the same (the same audio or text), or None;
     the worker skips such a pair and records it (``identical_pair``)."""
-    c, r = item.turns[CHOSEN], item.turns[REJECTED]
+    c, r = item.turns[-2], item.turns[-1]
     if c.audio is not None and c.audio == r.audio:
         return f"chosen and rejected are the same audio ({c.audio.describe()})"
     if c.text is not None and c.text.strip() == (r.text or "").strip():
@@ -112,6 +123,14 @@ def _string(row: dict, key: str, where: str) -> str:
         got = "missing" if value is None else f"{type(value).__name__} {value!r}"
         raise ManifestError(f"{where}: {key!r} must be a non-empty string ({got})")
     return value
+
+
+def _prompt_part(row: dict, task: str, modality: str, where: str, base: str) -> dict:
+    """A prompt turn's content; a missing speaker prompt is refused naming what it is."""
+    part = PROMPT_PARTS.get((task, modality))
+    if part is not None and row.get(modality) is None:
+        raise ManifestError(f"{where}: a {task} pair needs {modality!r}: {part} (a file)")
+    return _content(row, modality, where, base)
 
 
 def _content(row: dict, modality: str, where: str, base: str) -> dict:
@@ -158,7 +177,8 @@ register_source(
         PREFERENCE,
         "--preference",
         "P.jsonl",
-        "JSONL preference pairs (tts or asr): a prompt, a chosen and a rejected answer, scores",
+        "JSONL preference pairs (tts, asr or tts_prompt): a prompt, a chosen and a rejected "
+        "answer, scores",
         _read,
     )
 )
