@@ -70,3 +70,44 @@ def test_a_judged_record_gives_the_scores_a_reward_weighs():
     assert rewards["tts"].weights == (("wer", -1.0), ("ended", 0.5))
     with pytest.raises(ValueError, match="e.g. wer=-1,sim=0.5"):
         rewards_by_task(["tts:bleu=1"])
+
+
+def test_a_tts_prompt_sample_is_ranked_by_sim_to_its_prompt(tmp_path):
+    """A tts_prompt set's ``sim`` is SIM to the prompt as heard (the record's ``sim_prompt``,
+    not its SIM to the reference); its line holds the heard prompt's wav and the text."""
+    from types import SimpleNamespace
+
+    from torchtitan_speechlm.evaluation.sampled_pairs import (
+        pair_prompts,
+        rewards_by_task,
+        sample_scores,
+        samples_of,
+    )
+
+    recs = [{"wer": 0.5, "sim": 0.1, "sim_prompt": sim, "ended": True, "transcript": "x",
+             "audio": {"generated": f"0-set/sample{k}/gen.wav", "prompt": f"0-set/sample{k}/p.wav"}}
+            for k, sim in enumerate((0.2, 0.9))]  # fmt: skip
+    assert sample_scores(recs[0], "tts_prompt")["sim"] == 0.2
+    assert sample_scores(recs[0])["sim"] == 0.1  # a tts set's: to the reference
+    item = SimpleNamespace(id="u1", text="say this")
+    runs = [{"per_item": [r]} for r in recs]
+    (prompt,) = pair_prompts(None, "tts_prompt", "", [item], runs, str(tmp_path), "0-set", {})
+    assert prompt == {"id": "tts_prompt-u1", "task": "tts_prompt", "text": "say this",
+                      "audio": str(tmp_path / "0-set/sample0/p.wav")}  # fmt: skip
+    spec = rewards_by_task(["tts:wer=-1", "tts_prompt:sim=1,wer=-1"])["tts_prompt"]
+    lines, _ = preference_lines([prompt], samples_of("tts_prompt", [item], runs, str(tmp_path)),
+                                spec)  # fmt: skip
+    (line,) = lines
+    assert line["chosen"] == {"audio": str(tmp_path / "0-set/sample1/gen.wav")}
+    assert line["scores"]["chosen"]["reward"] == pytest.approx(0.9 - 0.5)
+    assert line["scores"]["rejected"]["reward"] == pytest.approx(0.2 - 0.5)
+    for name in ("sample0/p.wav", "sample0/gen.wav", "sample1/gen.wav"):
+        (tmp_path / "0-set" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "0-set" / name).write_bytes(b"")
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    (read,) = list(read_preference_jsonl(str(path)))
+    assert [(t.role, t.text is None) for t in read.turns] == [
+        ("user", True), ("user", False), ("assistant", True), ("assistant", True)]  # fmt: skip
+    assert read.turns[1].text == "say this"
+    assert read.turns[0].audio.path == prompt["audio"]
