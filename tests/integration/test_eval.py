@@ -666,3 +666,62 @@ def test_the_online_loop_runs_its_rounds_and_a_rerun_continues(model, tmp_path):
     mine = [s for s in samples if s["sample"] == 0 and s["id"].startswith("tts-")]
     assert [s["transcript"] for s in mine] == [r["transcript"] for r in alone]
     assert run(build_parser().parse_args([*args, "--rounds", "2", "--steps", "3"])) == 2
+
+
+def test_tts_prompt_pairs_from_seeded_judged_samples(tmp_path, capsys):
+    """`eval --valid tts_prompt:DIR --samples 2 --pairs --reward tts_prompt:sim=1,wer=-1` of a
+    tiny speaker-prompted model: each line's prompt audio is the prompt as the model heard it
+    (recomputed here from the prompt item's codes), its sides' rewards are SIM to that prompt
+    (by the test judge on the wavs themselves) minus the WER; prepare reads the lines and the
+    prepared pair's documents are the plain tts_prompt task's for the same prompt, text and
+    answer."""
+    from tests.helpers import train_mixture
+    from torchtitan_speechlm.commands.generate import eval_main
+    from torchtitan_speechlm.data.catalog import open_prepared
+    from torchtitan_speechlm.data.pairs import PairSide, build_pair
+    from torchtitan_speechlm.data.reader import PreparedDataset
+    from torchtitan_speechlm.generation.loading import load_model
+    from torchtitan_speechlm.prepare.pipeline import main as prepare_main
+    from torchtitan_speechlm.utils.audio import load_audio
+
+    assets = make_tiny_run_assets(tmp_path / "assets", n_items=6, speakers=2)
+    step, _ = train_mixture(tmp_path, assets, "prompted", ["tts_prompt:tiny:1.0"], 2)
+    data, pairs = assets["prepared"], tmp_path / "pairs.jsonl"
+    argv = ["--model", step, "--valid", f"tts_prompt:{data}", *JUDGE_FLAGS, *DECODE,
+            "--temperature", "1.0", "--samples", "2", "--pairs", str(pairs),
+            "--reward", "tts_prompt:sim=1,wer=-1"]  # fmt: skip
+    assert eval_main(argv) == 0, capsys.readouterr().err
+    lines = [json.loads(x) for x in pairs.read_text().splitlines()]
+    samples = [json.loads(x) for x in pairs.with_suffix(".samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 2 and len(lines) >= 1
+    loaded, ds = load_model(step), open_prepared(data)
+    rate, spk = int(loaded.codec.sample_rate), MomentsSpeaker()
+    ids = {ds.ids[i]: i for i in range(len(ds))}
+    for line in lines:
+        assert line["task"] == "tts_prompt" and line["id"].startswith("tts_prompt-")
+        item = ids[line["id"].removeprefix("tts_prompt-")]
+        same = [j for j in range(len(ds)) if ds.speaker_of(j) == ds.speaker_of(item)]
+        prompt = same[(same.index(item) + 1) % len(same)]  # as prompted_set draws it
+        heard = loaded.codec.decode(loaded.builder.cut_prompt(ds[prompt].audio_codes))
+        wav = load_audio(line["audio"], rate)
+        np.testing.assert_allclose(wav, np.asarray(heard).reshape(-1)[: len(wav)], atol=1e-3)
+        assert line["text"] == ds[item].text
+        p = spk.embed(wav, rate)
+        for side in ("chosen", "rejected"):
+            g = spk.embed(load_audio(line[side]["audio"], rate), rate)
+            sim = float(p @ g / np.linalg.norm(p) / np.linalg.norm(g))
+            scores = line["scores"][side]
+            assert scores["sim"] == pytest.approx(sim, abs=1e-3)
+            assert scores["reward"] == pytest.approx(scores["sim"] - scores["wer"])
+    out = tmp_path / "prepared_pairs"
+    assert prepare_main(["--preference", str(pairs), "--codec", assets["codec"], "--tokenizer",
+                         assets["tokenizer"], "--out", str(out), "--no-progress"]) == 0  # fmt: skip
+    prepared, b = PreparedDataset(str(out)), loaded.builder
+    assert len(prepared) == len(lines)
+    for i in range(len(prepared)):
+        turns = prepared[i].turns
+        pair = build_pair(b, "tts_prompt_pref", prepared[i])
+        for doc, answer in zip(pair.documents, turns[2:], strict=True):
+            plain = b.build("tts_prompt", PairSide("x", turns[1].tokens, answer.tokens),
+                            prompt=PairSide("p", turns[1].tokens, turns[0].tokens))  # fmt: skip
+            np.testing.assert_array_equal(doc.frames, plain.frames)
