@@ -418,9 +418,9 @@ class TemplateBuilder:
         ``tts_prompt`` pair's) is cut to ``max_prompt_frames`` in each document and the index
         has only the pair's total frames, so its length is budgeted as if the prompt had
         exactly ``max_prompt_frames`` ``M``: a prompt of ``P`` frames takes ``2 min(P, M)``
-        of the pair's frames and ``P`` of the total, so the budget is exact for ``P = M`` (a
-        prompt as the model heard it, what ``eval --pairs`` writes) and over by ``|P - M|``
-        otherwise, never under."""
+        of the pair's frames and ``P`` of the total, so the budget is exact for ``P = M`` (what
+        ``eval --pairs`` writes: the prompt as the model heard it, unless its utterance is
+        shorter than the budget) and over by ``|P - M|`` otherwise, never under."""
         base = get_task(spec.pair_of)
         answer = spec.turns[-1][1]
         text = n_text * (1 if answer == "text" else 2)
