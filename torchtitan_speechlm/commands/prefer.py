@@ -32,7 +32,7 @@ import sys
 from torchtitan_speechlm.commands.generate import eval_main
 from torchtitan_speechlm.commands.generate_args import build_eval_parser
 from torchtitan_speechlm.config.toml_check import load_toml_file
-from torchtitan_speechlm.evaluation.sampled_pairs import samples_file
+from torchtitan_speechlm.evaluation.sampled_pairs import PAIR_SETS, samples_file
 from torchtitan_speechlm.prepare.pipeline import main as prepare_main
 
 # eval flags the loop sets itself; every other eval flag (decoding, judges) is passed through
@@ -158,8 +158,11 @@ def _first_model(config: str) -> str:
 def _prompt_metadata(spec: str) -> dict:
     task, _, path = spec.partition(":")
     meta = os.path.join(path, "metadata.json")
-    if task not in ("tts", "asr") or not os.path.isfile(meta):
-        raise ValueError(f"--prompts {spec!r}: write tts:DIR or asr:DIR with DIR a prepared folder")
+    if task not in PAIR_SETS or not os.path.isfile(meta):
+        raise ValueError(
+            f"--prompts {spec!r}: write tts:DIR, asr:DIR or tts_prompt:DIR with DIR a prepared "
+            "folder"
+        )
     with open(meta) as f:
         return json.load(f)
 

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         required=True,
         metavar="TASK:DATA",
-        help="tts:DIR or asr:DIR, a prepared folder whose items are the prompts (repeatable)",
+        help="tts:DIR, asr:DIR or tts_prompt:DIR: a prepared folder whose items are the prompts "
+        "(repeatable)",
     )
     p.add_argument("--work", required=True, help="the loop's folder: one round-N/ per round")
     p.add_argument("--rounds", type=int, default=2, help="rounds (2)")

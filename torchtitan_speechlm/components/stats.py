@@ -34,6 +34,7 @@ NORMALISED_KEYS: dict[str, str] = {
     "rewards/accuracies": "count_pairs",
     "logps/chosen": "count_pairs",
     "logps/rejected": "count_pairs",
+    "nll_loss": "count_pairs",
 }
 
 

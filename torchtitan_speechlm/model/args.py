@@ -192,6 +192,7 @@ def preference_settings(speechlm) -> dict:
             beta=speechlm.preference_beta,
             gamma=speechlm.simpo_gamma,
             label_smoothing=speechlm.preference_label_smoothing,
+            nll_weight=speechlm.preference_nll_weight,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

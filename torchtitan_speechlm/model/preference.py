@@ -75,26 +75,32 @@ def pair_terms(
     length: torch.Tensor,
     pairs: torch.Tensor,
     ref_logps: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair losses [P], rewards [P, 2] and the log-probs the loss uses [P, 2] (chosen,
-    rejected) from per-document ``logp`` and ``length`` (sum of loss weights). Rewards as TRL
-    defines them: DPO ``beta * (logp - ref)``, SimPO ``beta * logp / length``; the log-probs
-    are summed for DPO, per loss token for SimPO (TRL's ``logps/*`` of each)."""
-    lp, b, ls = logp[pairs], settings.beta, settings.label_smoothing
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair losses [P], rewards [P, 2], the log-probs the loss uses [P, 2] (chosen,
+    rejected) and the chosen's NLL per loss token [P] from per-document ``logp`` and
+    ``length`` (sum of loss weights). Rewards as TRL defines them: DPO ``beta * (logp -
+    ref)``, SimPO ``beta * logp / length``; the log-probs are summed for DPO, per loss token
+    for SimPO (TRL's ``logps/*`` of each). The loss includes ``nll_weight * nll`` (RPO)."""
+    lp, n, b, ls = logp[pairs], length[pairs], settings.beta, settings.label_smoothing
+    nll = -lp[:, 0] / n[:, 0]
     if settings.kind == "dpo":
         ref = ref_logps.to(lp.dtype)
         losses = dpo_losses(lp[:, 0], lp[:, 1], ref[:, 0], ref[:, 1], b, ls)
-        return losses, b * (lp - ref), lp
-    n = length[pairs]
-    losses = simpo_losses(lp[:, 0], lp[:, 1], n[:, 0], n[:, 1], b, settings.gamma, ls)
-    return losses, b * lp / n, lp / n
+        rewards, logps = b * (lp - ref), lp
+    else:
+        losses = simpo_losses(lp[:, 0], lp[:, 1], n[:, 0], n[:, 1], b, settings.gamma, ls)
+        rewards, logps = b * lp / n, lp / n
+    if settings.nll_weight:
+        losses = losses + settings.nll_weight * nll
+    return losses, rewards, logps, nll
 
 
 def pair_stats(
-    losses: torch.Tensor, rewards: torch.Tensor, logps: torch.Tensor
+    losses: torch.Tensor, rewards: torch.Tensor, logps: torch.Tensor, nll: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """Sums over the pairs and their count (components/stats.py normalises by ``count_pairs``
-    over ranks and micro-batches): TRL's names; accuracy = the chosen's reward is higher."""
+    over ranks and micro-batches): TRL's names; accuracy = the chosen's reward is higher;
+    ``nll_loss`` the chosen's NLL per loss token (logged whether or not the loss weighs it)."""
     losses, rewards, logps = losses.detach(), rewards.detach(), logps.detach()
     margins = rewards[:, 0] - rewards[:, 1]
     return {
@@ -105,6 +111,7 @@ def pair_stats(
         "rewards/accuracies": (margins > 0).float().sum(),
         "logps/chosen": logps[:, 0].sum(),
         "logps/rejected": logps[:, 1].sum(),
+        "nll_loss": nll.detach().sum(),
         "count_pairs": losses.new_tensor(float(losses.numel())),
     }
 
@@ -149,10 +156,10 @@ def preference_loss_sum(
         logp = rows.logps(w_out)
     with torch.enable_grad():  # a tiny graph on the [docs] vector
         lp = logp.requires_grad_(trains)
-        losses, rewards, logps = pair_terms(settings, lp, rows.length, rows.pairs, ref_logps)
-        loss = losses.sum()
+        terms = pair_terms(settings, lp, rows.length, rows.pairs, ref_logps)
+        loss = terms[0].sum()
         grad = torch.autograd.grad(loss, lp)[0] if trains else None
-    stats = pair_stats(losses, rewards, logps)
+    stats = pair_stats(*terms)
     loss = loss.detach()
     if grad is not None:
         p2 = rows.weighted_ce(w_out, -grad)  # its gradient is the pair loss's

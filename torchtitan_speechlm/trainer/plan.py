@@ -143,7 +143,7 @@ class RunPlan:
     def prompt_seconds(self, job_config) -> float:
         """``speechlm.prompt_seconds`` when the run has a speaker-prompted task (checked > 0),
         else 0 (the model records it: generation refuses a prompt to a model without it)."""
-        if not any(get_task(e.task).prompted for e in self.data.entries()):
+        if not any(get_task(e.task).prompt_budget for e in self.data.entries()):
             return 0.0
         seconds = float(job_config.speechlm.prompt_seconds)
         if not seconds > 0:

@@ -90,6 +90,7 @@ def reference(head, tied, h, targets, weights, doc, pairs, ref, s: PreferenceLos
         z = s.beta * (pc / length[pairs[:, 0]] - pr / length[pairs[:, 1]]) - s.gamma
     ls = s.label_smoothing
     losses = -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
+    losses = losses - s.nll_weight * pc / length[pairs[:, 0]]  # RPO: the chosen's NLL
     return losses.sum(), losses, logp, length
 
 
@@ -105,13 +106,14 @@ def grads(head, tied, h) -> dict[str, torch.Tensor]:
 SETTINGS = [
     PreferenceLoss("dpo"),
     PreferenceLoss("dpo", beta=0.3, label_smoothing=0.1),
+    PreferenceLoss("dpo", nll_weight=0.7),
     PreferenceLoss("simpo"),
-    PreferenceLoss("simpo", beta=2.5, gamma=1.0, label_smoothing=0.2),
+    PreferenceLoss("simpo", beta=2.5, gamma=1.0, label_smoothing=0.2, nll_weight=1.5),
 ]
 
 
 @pytest.mark.parametrize("tie", [False, True])
-@pytest.mark.parametrize("s", SETTINGS, ids=["dpo", "dpo_ls", "simpo", "simpo_ls"])
+@pytest.mark.parametrize("s", SETTINGS, ids=["dpo", "dpo_ls", "dpo_nll", "simpo", "simpo_ls_nll"])
 def test_loss_and_gradients_equal_plain_pytorch(s, tie):
     head, tied = tiny_head(chunk=5, tie=tie)
     h, targets, weights, doc, pairs, ref = tiny_batch(head)
@@ -143,6 +145,7 @@ def test_loss_and_gradients_equal_plain_pytorch(s, tie):
         "rewards/accuracies": (margins > 0).sum().float(),
         "logps/chosen": lp[:, 0].sum(),
         "logps/rejected": lp[:, 1].sum(),
+        "nll_loss": -(logp / length).detach()[pairs[:, 0]].sum(),
         "count_pairs": torch.tensor(3.0),
     }
     assert set(stats) == set(expect)
@@ -199,6 +202,8 @@ def test_settings_defaults_and_bad_values():
         PreferenceLoss("dpo", label_smoothing=0.5)
     with pytest.raises(ValueError, match=r"speechlm\.simpo_gamma"):
         PreferenceLoss("simpo", gamma=-1.0)
+    with pytest.raises(ValueError, match="preference_nll_weight"):
+        PreferenceLoss("dpo", nll_weight=-0.1)
 
 
 def test_bad_batches_are_refused_naming_what():
