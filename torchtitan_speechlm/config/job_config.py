@@ -101,10 +101,10 @@ class SpeechLM:
     simpo_gamma: float = 0.5
     """SimPO's target reward margin (>= 0)."""
     preference_label_smoothing: float = 0.0
-    """Conservative label smoothing of the preference loss (TRL's cDPO), in [0, 0.5)."""
+    """Conservative label smoothing of the preference loss (cDPO), in [0, 0.5)."""
     preference_nll_weight: float = 0.0
     """Adds this times the chosen answer's negative log-likelihood per loss token to each
-    pair's loss (RPO; TRL's `rpo_alpha`), >= 0: the chosen answer itself is learnt too."""
+    pair's loss (RPO; TRL's "sft" loss term), >= 0: the chosen answer itself is learnt too."""
     prompt_seconds: float = 3.0
     """Speaker prompts of the `tts_prompt` task (another utterance of the item's speaker) and
     of `generate --prompt` are cut to their first this many seconds; read only when the

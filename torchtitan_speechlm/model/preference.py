@@ -36,7 +36,8 @@ from torchtitan_speechlm.model.preference_settings import DEFAULT_BETA, KINDS, P
 # ---- the math on sequence log-probs ------------------------------------------------------
 def sigmoid_loss(z: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """``-(1 - ls) log sigmoid(z) - ls log sigmoid(-z)``: a pair's loss from its logit ``z``,
-    ``ls`` the chance its label is flipped (cDPO; TRL's and SimPO's "sigmoid" loss)."""
+    ``ls`` the chance its label is flipped (cDPO, Mitchell 2023; SimPO's and CPO's "sigmoid"
+    loss; TRL 1.16's DPO applies it in its "aot"/"robust" losses, not in "sigmoid")."""
     ls = label_smoothing
     return -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
 

@@ -13,17 +13,18 @@ DEFAULT_BETA = {"dpo": 0.1, "simpo": 2.0}
 @dataclass
 class PreferenceLoss:
     """The preference loss's settings; config keys ``speechlm.preference_loss`` (kind),
-    ``speechlm.preference_beta``, ``speechlm.simpo_gamma`` and
+    ``speechlm.preference_beta``, ``speechlm.simpo_gamma``,
     ``speechlm.preference_label_smoothing`` and ``speechlm.preference_nll_weight``.
 
     Defaults: DPO's beta 0.1 is TRL's ``DPOConfig`` and ESPnet's speechlm DPO recipe
     (``train_multiscale_1b_dpo.yaml``); SimPO's beta 2.0 and gamma 0.5 are the SimPO
     authors' ``SimPOConfig`` (beta 2.0, gamma_beta_ratio 0.25) and TRL's ``simpo_gamma``
     (ESPnet's SimPO recipe leaves its model's beta 0.1 / margin 0 defaults). ``beta=None``
-    takes the kind's default. Label smoothing (cDPO, TRL's "sigmoid" loss) applies to both.
+    takes the kind's default. Label smoothing (cDPO) applies to both.
     ``nll_weight`` adds ``nll_weight * (-logp_chosen / len_chosen)`` per pair (RPO, Pang et al.
-    2024; TRL's ``rpo_alpha``, which averages over the batch's chosen tokens instead of per
-    pair): the chosen answer's own likelihood rises too, not only its margin over the rejected.
+    2024; TRL 1.16's ``loss_type=["sigmoid", "sft"]`` with ``loss_weights=[1, w]``, which
+    averages over the batch's chosen tokens instead of per pair): the chosen answer's own
+    likelihood rises too, not only its margin over the rejected.
     """
 
     kind: str = "dpo"
