@@ -725,3 +725,39 @@ def test_tts_prompt_pairs_from_seeded_judged_samples(tmp_path, capsys):
             plain = b.build("tts_prompt", PairSide("x", turns[1].tokens, answer.tokens),
                             prompt=PairSide("p", turns[1].tokens, turns[0].tokens))  # fmt: skip
             np.testing.assert_array_equal(doc.frames, plain.frames)
+    # DPO with the RPO term on the tts_prompt pairs, from the sampling model (its reference):
+    # step 1's loss is log 2 (policy = reference) plus nll_weight x the chosen's NLL
+    from tests.helpers import read_metrics, run_train, write_tiny_config
+
+    # (a 2-step model's samples re-encode to the same codes: each rejected side here is
+    # another line's prompt audio, so every pair trains)
+    for i, line in enumerate(lines):
+        line["rejected"]["audio"] = lines[(i + 1) % len(lines)]["audio"]
+    pairs2, out2 = tmp_path / "pairs2.jsonl", tmp_path / "prepared_pairs2"
+    pairs2.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert prepare_main(["--preference", str(pairs2), "--codec", assets["codec"], "--tokenizer",
+                         assets["tokenizer"], "--out", str(out2), "--no-progress"]) == 0  # fmt: skip
+    dump = tmp_path / "dpo"
+    cfg = write_tiny_config(str(tmp_path / "dpo.toml"), assets, str(dump))
+    text = open(cfg).read().replace('datasets = ["tiny=', 'datasets = ["pairs=')
+    text = text.replace(assets["prepared"], str(out2))
+    text = text.replace(
+        'train = ["tts:tiny:0.5", "asr:tiny:0.5"]', 'train = ["tts_prompt_pref:pairs"]'
+    )
+    text = text.replace(
+        "z_loss_weight = 1e-3",
+        "z_loss_weight = 1e-3\n"
+        f'preference_loss = "dpo"\npreference_nll_weight = 0.5\ninit_from = "{step}"',
+    )
+    open(cfg, "w").write(text)
+    r = run_train(cfg, "--training.steps", "2", "--validation.enable", "false",
+                  "--training.seq_len", "384", "--validation.seq_len", "384",
+                  "--speechlm_data.valid", "tts_prompt_pref:pairs")  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    rows = [m for m in read_metrics(dump) if "train/preference_loss" in m]
+    first = rows[0]
+    assert first["train/nll_loss"] > 0
+    want = np.log(2) + 0.5 * first["train/nll_loss"]
+    assert first["train/preference_loss"] == pytest.approx(want, abs=1e-5)
+    assert first["train/rewards/margins"] == pytest.approx(0, abs=1e-5)
+    assert first["train/preference_pairs"] >= 1 and not first.get("train/data/pref_identical")
