@@ -51,21 +51,22 @@ def run(cmd: list[str], log: str) -> None:
         raise SystemExit(f"failed ({r.returncode}): {' '.join(cmd)}\n{tail}")
 
 
-def heldout_set(demo: str, work: str, n: int) -> str:
-    """``n`` held-out sentences after the demo's (the same seeded draw, disjoint from its
-    training and held-out sentences), spoken by the demo's voice and prepared with its codec."""
-    out = os.path.join(work, "heldout_bench", "prepared")
+def sentence_set(demo: str, work: str, name: str, start: int, n: int) -> str:
+    """Grammar sentences ``start .. start + n`` of the draw after the demo's held-out ones (the
+    demo's seeded draw, disjoint from its training and held-out sentences), spoken by the demo's
+    voice and prepared with its codec: the bench's held-out set and the loop's fresh prompts."""
+    out = os.path.join(work, name, "prepared")
     if os.path.isfile(os.path.join(out, "metadata.json")):
         return out
-    train, held = grammar.split_sentences(DEMO_TRAIN, DEMO_HELD_OUT + n)
-    sentences = held[DEMO_HELD_OUT:]
-    assert not set(sentences) & set(train)
-    manifest = synthesize_corpus(os.path.join(work, "heldout_bench", "corpus"), sentences,
+    train, held = grammar.split_sentences(DEMO_TRAIN, DEMO_HELD_OUT + start + n)
+    sentences = held[DEMO_HELD_OUT + start :]
+    assert len(sentences) == n and not set(sentences) & set(train)
+    manifest = synthesize_corpus(os.path.join(work, name, "corpus"), sentences,
                                  len(sentences), [VOICE], speeds=(SPEED,))  # fmt: skip
     data = os.path.join(demo, "demo_work")
     run([console("torchtitan"), "prepare", "--manifest", manifest, "--codec",
          os.path.join(data, "codec"), "--tokenizer", os.path.join(data, "tokenizer"),
-         "--out", out, "--no-progress"], os.path.join(work, "heldout_bench", "prepare.log"))  # fmt: skip
+         "--out", out, "--no-progress"], os.path.join(work, name, "prepare.log"))  # fmt: skip
     return out
 
 
@@ -127,7 +128,7 @@ def write_config(demo: str, path: str, a) -> str:
     text = text.replace(
         "sample_every = 100",
         f'sample_every = 0\npreference_loss = "dpo"\npreference_beta = {a.beta}\n'
-        f'init_from = "{step}"',
+        f'preference_nll_weight = {a.nll_weight}\ninit_from = "{step}"',
     )
     text = text.replace('"./demo_work/', f'"{demo}/demo_work/')  # the demo clone's assets
     for old, new in (("lr = 3e-3", f"lr = {a.lr}"), ("warmup_steps = 30", "warmup_steps = 5"),
@@ -145,7 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo", required=True, help="a clone where `make demo` ran")
     p.add_argument("--work", default="/tmp/bench_preference")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "preference.json"))
-    p.add_argument("--prompts", type=int, default=1000, help="training sentences sampled (1000)")
+    p.add_argument("--prompts", type=int, default=1000, help="prompt sentences sampled (1000)")
+    p.add_argument(
+        "--prompt-set",
+        choices=("fresh", "train"),
+        default="fresh",
+        help="the prompts: fresh grammar sentences (default) or the demo's training ones",
+    )
+    p.add_argument("--nll-weight", type=float, default=0.0, help="preference_nll_weight (RPO)")
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--rounds", type=int, default=2)
@@ -163,15 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.work, exist_ok=True)
     t0 = time.perf_counter()
     data = os.path.join(a.demo, "demo_work", "prepared")
-    sets = {"demo": f"tts:{data}/heldout", "bench": f"tts:{heldout_set(a.demo, a.work, a.heldout)}",
-            "asr": f"asr:{data}/heldout"}  # fmt: skip
+    bench = sentence_set(a.demo, a.work, "heldout_bench", 0, a.heldout)
+    sets = {"demo": f"tts:{data}/heldout", "bench": f"tts:{bench}", "asr": f"asr:{data}/heldout"}
+    # the loop's prompts: texts only matter (the samples are the model's); "fresh" sentences
+    # come after the bench's held-out ones, so no prompt is a held-out sentence of either set
+    prompts = (f"{data}/train" if a.prompt_set == "train"
+               else sentence_set(a.demo, a.work, "prompts_fresh", a.heldout, a.prompts))  # fmt: skip
     start = os.path.join(a.demo, "outputs", "speechlm_debug", "checkpoint", "step-400")
-    variant = f"r{a.rounds}_s{a.steps}_k{a.samples}_t{a.temperature}_lr{a.lr}_b{a.beta}{a.tag}"
+    variant = (f"r{a.rounds}_s{a.steps}_k{a.samples}_t{a.temperature}_lr{a.lr}_b{a.beta}"
+               f"_n{a.nll_weight}_{a.prompt_set}{a.prompts}{a.tag}")  # fmt: skip
     loop = os.path.join(a.work, variant)
     os.makedirs(loop, exist_ok=True)
     config = write_config(a.demo, os.path.join(loop, "dpo.toml"), a)
     t_loop = time.perf_counter()
-    cmd = [console("torchtitan"), "prefer", "--config", config, "--prompts", f"tts:{data}/train",
+    cmd = [console("torchtitan"), "prefer", "--config", config, "--prompts", f"tts:{prompts}",
            "--work", loop, "--rounds", str(a.rounds), "--steps", str(a.steps), "--limit",
            str(a.prompts), "--samples", str(a.samples), "--temperature", str(a.temperature),
            "--reward", a.reward, "--judge-asr", a.reward_judge, "--judge-speaker", "none",

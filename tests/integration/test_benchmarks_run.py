@@ -266,8 +266,9 @@ def test_bench_preference_flags_config_and_table(tmp_path):
     """Its DPO config is a valid torchtitan job from the demo's step-400 with the demo's
     assets; its table reads `torchtitan eval`'s results (the keys a real eval writes)."""
     bp = load_script(BENCHMARKS / "bench_preference.py")
-    smoke = "--demo . --prompts 8 --samples 2 --steps 2 --heldout 4 --eval-limit 4"
+    smoke = "--demo . --prompts 8 --samples 2 --steps 2 --heldout 4 --eval-limit 4 --nll-weight 0.5"
     a = parse(script_parser(BENCHMARKS / "bench_preference.py"), smoke.split())
+    assert a.prompt_set == "fresh"
     demo = tmp_path / "demo"
     (demo / "demo_work" / "backbone").mkdir(parents=True)
     config = bp.write_config(str(demo), str(tmp_path / "dpo.toml"), a)
@@ -276,6 +277,7 @@ def test_bench_preference_flags_config_and_table(tmp_path):
     assert 'preference_loss = "dpo"' in text and "step-400" in text
     job = parse_train(["--job.config_file", config])
     assert (job.speechlm.preference_loss, job.optimizer.lr) == ("dpo", a.lr)
+    assert job.speechlm.preference_nll_weight == 0.5
     tts = {"task": "tts", "wer": 0.3, "sim": 0.9, "dnsmos": 2.5, "eos_rate": 1.0,
            "duration_ratio": {"mean": 1.0, "median": 1.0},
            "self": {"asr_of_tts": {"wer": 0.2}},
