@@ -49,13 +49,20 @@ def tiny_head(chunk: int = 5, tie: bool = False, dtype=torch.float32):
     return head, tied
 
 
+def random_targets(head, doc: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """[b, t, streams] targets, each stream's in its own vocabulary slice."""
+    b, t = doc.shape
+    targets = torch.empty(b, t, head.num_streams, dtype=torch.long)
+    for k, (lo, hi) in enumerate(head.ranges):
+        targets[..., k] = torch.randint(lo, hi, (b, t), generator=g)
+    return targets
+
+
 def tiny_batch(head, seed: int = 0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     doc = torch.tensor(DOCS)
     b, t, n = *doc.shape, head.num_streams
-    targets = torch.empty(b, t, n, dtype=torch.long)
-    for k, (lo, hi) in enumerate(head.ranges):
-        targets[..., k] = torch.randint(lo, hi, (b, t), generator=g)
+    targets = random_targets(head, doc, g)
     weights = torch.rand(b, t, n, generator=g)
     weights[weights < 0.3] = 0.0
     weights[..., 2] *= 0.5  # a stream weight

@@ -44,7 +44,7 @@ from trl.experimental.cpo.cpo_trainer import CPOTrainer  # noqa: E402
 from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-from tests.unit.model.test_preference_loss import DIM, tiny_head  # noqa: E402
+from tests.unit.model.test_preference_loss import DIM, random_targets, tiny_head  # noqa: E402
 from torchtitan_speechlm.model.preference import (  # noqa: E402
     PreferenceLoss,
     pair_terms,
@@ -76,9 +76,7 @@ def text_batch(head, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     doc = torch.tensor(DOCS)
     b, t, n = *doc.shape, head.num_streams
-    targets = torch.empty(b, t, n, dtype=torch.long)
-    for k, (lo, hi) in enumerate(head.ranges):
-        targets[..., k] = torch.randint(lo, hi, (b, t), generator=g)
+    targets = random_targets(head, doc, g)
     weights = torch.zeros(b, t, n)
     weights[..., 0] = 1.0
     weights[0, 4, 0] = weights[1, 9, 0] = 0.0  # a token of documents 0 and 3 without loss
@@ -281,30 +279,13 @@ def test_dpo_equals_trl(s):
     torch.stack(per_pair).sum().backward()
     trl_grads = grads(h, policy.lm_head.weight)
     batch_loss, metrics = trl_loss(everything, ["sigmoid"], [1.0])
-    plain = not (s.label_smoothing or s.nll_weight)
-    if plain:
+    batch_grads = None  # TRL's whole-batch loss is ours only without these
+    if not (s.label_smoothing or s.nll_weight):
         (len(PAIRS) * batch_loss).backward()
         batch_grads = grads(h, policy.lm_head.weight)
 
-    loss, stats, losses = ours(head, h, targets, weights, doc, pairs, ref, s)
-    got_grads = [h.grad, head.output.weight.grad[a:b]]
-    assert not head.output.weight.grad[b:].any()  # the audio streams carry no loss
-
-    per_pair = torch.stack(per_pair).detach()
-    assert max_rel(losses, per_pair) < 1e-5
-    assert max_rel(loss, per_pair.sum()) < 1e-5
-    assert max_rel(stats["preference_loss"], per_pair.sum()) < 1e-5
-    for got, want in zip(got_grads, trl_grads, strict=True):
-        assert max_rel(got, want) < 1e-5
-    if plain:
-        assert max_rel(loss, len(PAIRS) * batch_loss.detach()) < 1e-5
-        for got, want in zip(got_grads, batch_grads, strict=True):
-            assert max_rel(got, want) < 1e-5
-    n = float(stats["count_pairs"])
-    assert n == len(PAIRS)
-    for key in STATS:
-        assert abs(float(stats[key]) / n - metrics[key]) <= 1e-5 * max(1.0, abs(metrics[key])), key
-    assert 0 < metrics["rewards/accuracies"] < 1  # both outcomes occur
+    got = ours(head, h, targets, weights, doc, pairs, ref, s)
+    check_against_trl(head, h, got, per_pair, trl_grads, metrics, batch_loss, batch_grads)
 
 
 SIMPO = [
@@ -336,25 +317,35 @@ def test_simpo_equals_trl(s):
     torch.stack(per_pair).sum().backward()
     trl_grads = grads(h, model.lm_head.weight)
     batch_loss, metrics = trl_loss(everything)
-    plain = not s.nll_weight  # CPO's NLL term is a token mean over the batch
-    if plain:
+    batch_grads = None  # CPO's NLL term is a token mean over the batch: not ours
+    if not s.nll_weight:
         (len(PAIRS) * batch_loss).backward()
         batch_grads = grads(h, model.lm_head.weight)
 
-    loss, stats, losses = ours(head, h, targets, weights, doc, pairs, None, s)
-    got_grads = [h.grad, head.output.weight.grad[a:b]]
-    assert not head.output.weight.grad[b:].any()
+    got = ours(head, h, targets, weights, doc, pairs, None, s)
+    check_against_trl(head, h, got, per_pair, trl_grads, metrics, batch_loss, batch_grads)
 
+
+def check_against_trl(head, h, got, per_pair, trl_grads, metrics, batch_loss, batch_grads):
+    """Our (loss, stats, per-pair losses) and gradients against TRL's: the per-pair losses and
+    their sum's gradient (one pair a TRL call), the whole batch's loss and gradient where
+    ``batch_grads`` is given, and the statistics as means over the pairs."""
+    loss, stats, losses = got
+    a, b = head.ranges[0]
+    got_grads = [h.grad, head.output.weight.grad[a:b]]
+    assert not head.output.weight.grad[b:].any()  # the audio streams carry no loss
     per_pair = torch.stack(per_pair).detach()
     assert max_rel(losses, per_pair) < 1e-5
     assert max_rel(loss, per_pair.sum()) < 1e-5
-    for got, want in zip(got_grads, trl_grads, strict=True):
-        assert max_rel(got, want) < 1e-5
-    if plain:
+    assert max_rel(stats["preference_loss"], per_pair.sum()) < 1e-5
+    for mine, want in zip(got_grads, trl_grads, strict=True):
+        assert max_rel(mine, want) < 1e-5
+    if batch_grads is not None:
         assert max_rel(loss, len(PAIRS) * batch_loss.detach()) < 1e-5
-        for got, want in zip(got_grads, batch_grads, strict=True):
-            assert max_rel(got, want) < 1e-5
+        for mine, want in zip(got_grads, batch_grads, strict=True):
+            assert max_rel(mine, want) < 1e-5
     n = float(stats["count_pairs"])
+    assert n == len(PAIRS)
     for key in STATS:
         assert abs(float(stats[key]) / n - metrics[key]) <= 1e-5 * max(1.0, abs(metrics[key])), key
-    assert 0 < metrics["rewards/accuracies"] < 1
+    assert 0 < metrics["rewards/accuracies"] < 1  # both outcomes occur
