@@ -6,7 +6,9 @@ Start: the demo's step-400 model (``make demo`` in ``--demo``: ``demo_work/`` an
 ``--samples`` samples per training sentence at ``--temperature``, the reward judge, pairs of the
 best and worst sample, DPO from the round's model). Scored before and after by ``torchtitan
 eval`` (greedy decoding, as the demo scores) on the demo's 20 held-out sentences and on 200 more
-held-out sentences of the grammar made here (never in training, nor among the demo's).
+held-out sentences of the grammar made here (never in training, nor among the demo's). The
+loop's prompts are the demo's training sentences, or with ``--prompt-set fresh`` unseen grammar
+sentences after the held-out ones (a TTS prompt is a text: the answers are the model's own).
 
 **Two judges.** The reward judge ranks the samples (``--reward``, default ``tts:self_wer=-1``:
 the model's own ASR, or ``wer=-1`` with ``--reward-judge`` pocketsphinx's free word loop); the
@@ -149,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=1000, help="prompt sentences sampled (1000)")
     p.add_argument(
         "--prompt-set",
-        choices=("fresh", "train"),
-        default="fresh",
-        help="the prompts: fresh grammar sentences (default) or the demo's training ones",
+        choices=("train", "fresh"),
+        default="train",
+        help="the prompts: the demo's training sentences (default) or fresh grammar sentences "
+        "after the held-out ones (results/preference_fresh.json)",
     )
     p.add_argument("--nll-weight", type=float, default=0.0, help="preference_nll_weight (RPO)")
     p.add_argument("--samples", type=int, default=4)

@@ -268,7 +268,7 @@ def test_bench_preference_flags_config_and_table(tmp_path):
     bp = load_script(BENCHMARKS / "bench_preference.py")
     smoke = "--demo . --prompts 8 --samples 2 --steps 2 --heldout 4 --eval-limit 4 --nll-weight 0.5"
     a = parse(script_parser(BENCHMARKS / "bench_preference.py"), smoke.split())
-    assert a.prompt_set == "fresh"
+    assert a.prompt_set == "train"
     demo = tmp_path / "demo"
     (demo / "demo_work" / "backbone").mkdir(parents=True)
     config = bp.write_config(str(demo), str(tmp_path / "dpo.toml"), a)
