@@ -179,8 +179,17 @@ for _task in (
     Task("dialogue_wave", ("dialogue",), None, continuous=True),
 ):
     register_task(_task)
-for _base in ("tts", "asr", "tts_prompt"):  # preference pairs (data/pairs.py)
+PAIR_BASES = ("tts", "asr", "tts_prompt")  # the tasks with preference pairs (data/pairs.py)
+for _base in PAIR_BASES:
     register_task(Task(f"{_base}_pref", (PREFERENCE,), TASKS.get(_base).turns, pair_of=_base))
+
+
+def pair_layout(base: str) -> tuple[tuple[str, ...], str]:
+    """A preference item's layout for pairs of task ``base`` (the one prepare writes and
+    ``build_pair`` reads): its prompt turns' modalities in order, then the answers'
+    modality (the item's turns: the prompt's, chosen, rejected)."""
+    turns = TASKS.get(f"{base}_pref", "a preference task").turns
+    return tuple(m for _, m in turns[:-1]), turns[-1][1]
 
 
 def get_task(name: str, key: str = "speechlm_data.train") -> Task:
@@ -318,13 +327,17 @@ class TemplateBuilder:
             out.append(Segment(role, modality, np.asarray(tokens)))
         return out
 
-    def cut_prompt(self, codes) -> np.ndarray:
-        """A speaker prompt's codes [F, N], cut to its first ``max_prompt_frames``."""
+    def require_prompt_budget(self) -> None:
+        """Refuse a speaker prompt in a run without a prompt budget."""
         if self.max_prompt_frames <= 0:
             raise ValueError(
                 "a speaker-prompted task in a run without a prompt budget: set "
                 "speechlm.prompt_seconds > 0"
             )
+
+    def cut_prompt(self, codes) -> np.ndarray:
+        """A speaker prompt's codes [F, N], cut to its first ``max_prompt_frames``."""
+        self.require_prompt_budget()
         return np.asarray(codes)[: self.max_prompt_frames]
 
     def prompt_length(self, n_prompt_frames):
@@ -427,7 +440,7 @@ class TemplateBuilder:
         frames = n_audio_frames * (1 if answer == "audio" else 2)
         segments = 2 * spec.count("audio")
         if base.prompted:
-            self.cut_prompt(np.zeros((0, 1)))  # refuses a run without a prompt budget
+            self.require_prompt_budget()
             frames = frames + self.max_prompt_frames
         audio = self.pattern.num_frames(frames, segments, self.layout.num_streams)
         return 2 * (1 + 3 * len(spec.turns)) + text + audio - 1

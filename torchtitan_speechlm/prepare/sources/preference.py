@@ -35,6 +35,7 @@ import numbers
 import os
 
 from torchtitan_speechlm.data.format import PREFERENCE
+from torchtitan_speechlm.data.tasks import PAIR_BASES, pair_layout
 from torchtitan_speechlm.prepare.items import (
     AudioRef,
     ManifestError,
@@ -52,14 +53,10 @@ from torchtitan_speechlm.prepare.sources.unique import (
 from torchtitan_speechlm.prepare.spill import SpilledItems
 from torchtitan_speechlm.utils.text_files import text_lines
 
-# task -> (the prompt's modalities, in turn order, the answers' modality); the item's turns
-# are (user prompt..., assistant chosen, assistant rejected), the layout data/tasks.py's pair
+# task -> (the prompt's modalities, in turn order, the answers' modality): the layout of the
+# item's turns (user prompt..., assistant chosen, assistant rejected) that data/tasks.py's pair
 # tasks read (tts_prompt: the speaker prompt's audio, then the text)
-PAIR_TASKS = {
-    "tts": (("text",), "audio"),
-    "asr": (("audio",), "text"),
-    "tts_prompt": (("audio", "text"), "audio"),
-}
+PAIR_TASKS = {task: pair_layout(task) for task in PAIR_BASES}
 PROMPT_PARTS = {("tts_prompt", "audio"): "its speaker prompt"}  # named when missing
 
 
