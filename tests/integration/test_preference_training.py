@@ -22,6 +22,9 @@ PREF = ["--training.seq_len", "512", "--validation.seq_len", "512", "--training.
         "--training.global_batch_size", "4", "--checkpoint.interval", "2",
         "--validation.freq", "2", "--optimizer.lr", "3e-3"]  # fmt: skip
 TP = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
+PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree",
+      "1", "--parallelism.pipeline_parallel_microbatch_size", "1")  # fmt: skip
+NATIVE = ("--model.flavor", "native", "--validation.enable", "false")
 STATS = ("train/loss", "train/preference_loss", "train/rewards/margins",
          "train/rewards/accuracies", "train/logps/chosen", "train/logps/rejected",
          "train/preference_pairs", "grad_norm")  # fmt: skip
@@ -128,24 +131,49 @@ def test_simpo_trains_without_a_reference(pairs):
     assert not os.path.exists(os.path.join(dump, "preference_reference"))
 
 
-def test_tensor_parallel_trains_the_same_steps_as_one_rank(tmp_path):
-    """DPO on the native backbone (the tensor-parallel plan is torchtitan's llama3's): TP=2
-    equals one process, reference pass included."""
-    paths = tiny_model_assets(tmp_path / "assets", family="llama")
-    assets = {"root": str(tmp_path), "codec": paths["codec"], "tok": paths["tokenizer"],
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """DPO on the native backbone (torchtitan's llama3 blocks, which tensor and pipeline
+    parallelism split): the pairs, and one process's run."""
+    root = tmp_path_factory.mktemp("native")
+    paths = tiny_model_assets(root / "assets", family="llama")
+    assets = {"root": str(root), "codec": paths["codec"], "tok": paths["tokenizer"],
               "sentences": load_sentences()}  # fmt: skip
-    paths["prepared"] = prepare_pairs(assets, str(tmp_path / "prepared"))[0]
-    native = ("--model.flavor", "native", "--validation.enable", "false")
-    dumps = {}
-    for name, nproc, flags in (("one", 1, ()), ("tp", 2, TP)):
-        cfg, dumps[name] = config(tmp_path, paths, name)
-        r = run_train(cfg, *PREF, *native, *flags, nproc=nproc)
-        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    one, tp = train_rows(dumps["one"]), train_rows(dumps["tp"])
+    paths["prepared"] = prepare_pairs(assets, str(root / "prepared"))[0]
+    cfg, dump = config(root, paths, "one")
+    r = run_train(cfg, *PREF, *NATIVE)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return root, paths, dump
+
+
+def assert_same_steps_as_one_rank(native, name: str, flags: tuple, nproc: int) -> str:
+    root, paths, one_dump = native
+    cfg, dump = config(root, paths, name)
+    r = run_train(cfg, *PREF, *NATIVE, *flags, nproc=nproc)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    one, got = train_rows(one_dump), train_rows(dump)
     assert one[0]["train/preference_loss"] == pytest.approx(math.log(2), abs=1e-5)
-    for a, b in zip(one, tp, strict=True):
+    assert [r["step"] for r in got] == [r["step"] for r in one] == [1, 2, 3, 4]
+    for a, b in zip(one, got, strict=True):
         for key in STATS:
             assert b[key] == pytest.approx(a[key], rel=2e-4, abs=2e-5), (a["step"], key)
+    ref1 = np.load(os.path.join(one_dump, "preference_reference", "logps.npz"))["pairs"]
+    ref2 = np.load(os.path.join(dump, "preference_reference", "logps.npz"))["pairs"]
+    np.testing.assert_allclose(ref1, ref2, rtol=1e-5, atol=1e-5)
+    return log
+
+
+def test_tensor_parallel_trains_the_same_steps_as_one_rank(native):
+    """TP=2 equals one process, reference pass included."""
+    assert_same_steps_as_one_rank(native, "tp", TP, nproc=2)
+
+
+def test_a_pipeline_trains_the_same_steps_as_one_rank(native):
+    """PP=2 (1F1B, one row per microbatch) equals one process: each microbatch finds its
+    pairs from its rows, and the reference pass runs through the schedule."""
+    log = assert_same_steps_as_one_rank(native, "pp", PP, nproc=2)
+    assert "runs stage" in log  # no silent fallback
 
 
 def test_lora_dpo_starts_at_its_reference_and_learns(pairs):

@@ -173,6 +173,8 @@ class StageLoss:
         """``global_valid_tokens``: given by a torchtitan that passes it to the schedule's
         loss (patches/0010), which then divides no more after the step."""
         pred = self.last_stage.take_stage_output(output)
+        if pred is None:  # DPO's reference pass (trainer/preference_reference.py): no loss
+            return output.sum()
         loss_sum = self.loss(pred, labels, count_micro_batch=False)
         if global_valid_tokens is not None:
             return loss_sum / global_valid_tokens

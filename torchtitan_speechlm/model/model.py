@@ -27,6 +27,7 @@ from torchtitan_speechlm.model.embedding import StreamEmbedding
 from torchtitan_speechlm.model.head import SpeechLMHead, SpeechLMOutput
 from torchtitan_speechlm.model.initialisation import audio_tower_state, initialise_parameters
 from torchtitan_speechlm.model.lora import apply_lora, base_name
+from torchtitan_speechlm.model.pipeline_pairs import microbatch_pairs
 from torchtitan_speechlm.model.preference import head_preference
 from torchtitan_speechlm.model.pretrained import (
     PretrainedError,
@@ -63,6 +64,7 @@ class SpeechLM(ModelProtocol):
         # continuous audio input (model/audio/tower.py); None keeps a token-only model's keys
         self.audio_encoder = AudioTower(args.audio, dim) if args.audio else None
         self.stage_outputs: deque = deque()  # a last pipeline stage's (stage_forward)
+        self.reference_logps: list | None = None  # a last stage's, in DPO's reference pass
 
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype | None = None):
@@ -126,14 +128,18 @@ class SpeechLM(ModelProtocol):
         pref_pairs: torch.Tensor | None = None,
         pref_ref: torch.Tensor | None = None,
         pref_logps_only: bool = False,
+        pref_ref_frames: torch.Tensor | None = None,
         **unused: torch.Tensor,
     ) -> SpeechLMOutput | list[torch.Tensor] | torch.Tensor:
         """Per-stream logits (no ``targets``), or the loss sum and statistics; a preference
         batch (``pref_doc``, ``pref_pairs``, ``pref_ref``: data/collation.py) takes the
         preference loss (model/preference.py), or with ``pref_logps_only`` returns its pairs'
-        sequence log-probs [P, 2] (the reference pass, trainer/preference_reference.py)."""
+        sequence log-probs [P, 2] (the reference pass, trainer/preference_reference.py). A
+        pipeline stage takes ``pref_doc`` and ``pref_ref_frames`` (data/pairs.py) instead."""
         if self.is_pipeline_stage:
-            return self.stage_forward(inputs, targets, loss_weights, position_ids)
+            return self.stage_forward(
+                inputs, targets, loss_weights, position_ids, pref_doc, pref_ref_frames
+            )
         h, aux = self._backbone(
             inputs,
             position_ids,
@@ -201,23 +207,39 @@ class SpeechLM(ModelProtocol):
         or no head (it sends them on)."""
         return self.tok_embeddings is None or self.head is None
 
-    def stage_forward(self, inputs, targets, loss_weights, position_ids) -> torch.Tensor:
+    def stage_forward(
+        self, inputs, targets, loss_weights, position_ids, pref_doc=None, pref_ref_frames=None
+    ) -> torch.Tensor:
         """One pipeline stage: token frames (the first) or hidden states (the others) -> hidden
         states (all but the last), or the last stage's loss (a
         [1] tensor, the loss sum, whose statistics ``take_stage_output`` hands the schedule's
-        loss function: torch's schedules exchange fixed shapes, a statistics vector has none)."""
+        loss function: torch's schedules exchange fixed shapes, a statistics vector has none).
+        A preference microbatch finds its pairs from its rows (``microbatch_pairs``); in the
+        reference pass (``reference_logps`` a list) the last stage appends (its pairs'
+        micro-batch numbers, their log-probs [Q, 2]) there and returns a zero loss."""
         h = inputs if self.tok_embeddings is None else self.tok_embeddings(inputs)
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
         h, aux = self.family.run(self.backbone, h, position_ids, None)
         if self.head is None:
             return h
-        out = self._loss(h, aux, targets, loss_weights, None)
+        pref = None
+        if pref_doc is not None:
+            doc, pairs, ref, ids = microbatch_pairs(pref_doc, pref_ref_frames)
+            pref = {"doc": doc, "pairs": pairs, "ref": ref}
+        if self.reference_logps is not None:
+            pref = dict(self._preference(pref), logps_only=True)
+            logps = self.head(h, targets, loss_weights, None, pref=pref)[0]
+            self.reference_logps.append((ids, logps.float()))
+            loss = h.new_zeros(1, dtype=torch.float32)
+            self.stage_outputs.append((loss, None))
+            return loss
+        out = self._loss(h, aux, targets, loss_weights, None, pref)
         loss = out.loss_sum.reshape(1)
         self.stage_outputs.append((loss, out))
         return loss
 
-    def take_stage_output(self, loss: torch.Tensor) -> SpeechLMOutput:
+    def take_stage_output(self, loss: torch.Tensor) -> SpeechLMOutput | None:
         """The statistics of the last stage's forward that returned ``loss`` (torch's
         schedules compute each microbatch's loss right after its forward, in order)."""
         if not self.stage_outputs or self.stage_outputs[0][0] is not loss:

@@ -73,16 +73,18 @@ def takes_run(fn):
 # ---- data ----------------------------------------------------------------------------------------
 def stream(
     job_config, plan: RunPlan, entries: list[MixEntry], split: str, *, dp_rank: int,
-    dp_world_size: int, training: bool,
+    dp_world_size: int, training: bool, training_shape: bool = False,
 ) -> SpeechLMDataset:  # fmt: skip
     """A train (infinite, shuffled, augmented) or validation (finite, ordered, clean) stream.
 
     Training steps hold torchtitan's global batch: ``accumulation`` micro-batches per rank,
-    exactly as torchtitan's Trainer computes its gradient accumulation steps."""
+    exactly as torchtitan's Trainer computes its gradient accumulation steps.
+    ``training_shape``: a finite stream in training's rows and ``seq_len`` (a pipeline's
+    stages exchange those shapes only: DPO's reference pass)."""
     data = job_config.speechlm_data
-    if training:
+    if training or training_shape:
         seq_len, rows = job_config.training.seq_len, job_config.training.local_batch_size
-        accumulation = accumulation_steps(job_config.training, dp_world_size)
+        accumulation = accumulation_steps(job_config.training, dp_world_size) if training else 1
         key = "training.seq_len"
     else:
         v = job_config.validation

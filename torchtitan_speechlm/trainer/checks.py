@@ -171,8 +171,7 @@ def check_lora(job_config, plan: RunPlan) -> None:
 
 
 def check_preference(job_config, plan: RunPlan) -> None:
-    """A preference loss needs preference pairs (``*_pref`` tasks) and they need it; the
-    layouts that split a document over ranks or stages are not supported yet."""
+    """A preference loss needs preference pairs (``*_pref`` tasks) and they need it."""
     loss = job_config.speechlm.preference_loss
     entries = list(getattr(plan.data, "train", None) or [])
     pref = [f"{e.task}:{e.dataset}" for e in entries if get_task(e.task).pair_of]
@@ -187,13 +186,4 @@ def check_preference(job_config, plan: RunPlan) -> None:
         raise ConfigError(
             f"speechlm_data.train has preference tasks {pref} but speechlm.preference_loss is "
             'not set: set it to "dpo" or "simpo" (docs/preference.md)'
-        )
-    p = job_config.parallelism
-    if loss and (p.pipeline_parallel_degree > 1 or p.context_parallel_degree > 1):
-        raise ConfigError(
-            f"speechlm.preference_loss = {loss!r} with pipeline_parallel_degree = "
-            f"{p.pipeline_parallel_degree}, context_parallel_degree = "
-            f"{p.context_parallel_degree}: a pair's log-probs are summed where all its frames "
-            "are, which these layouts split (not supported yet); use data, tensor or FSDP "
-            "parallelism"
         )

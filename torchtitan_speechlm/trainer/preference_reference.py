@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.data.planner import Unit
+from torchtitan_speechlm.distributed.pipeline import STAGE_KWARGS
 from torchtitan_speechlm.trainer.builders import stream
 from torchtitan_speechlm.utils.fileio import write_json_atomic
 
@@ -128,7 +129,7 @@ def _passes(trainer, rank: int, world: int) -> list:
     validation set (which holds the held-out items the training pass does not)."""
     jc, plan = trainer.job_config, trainer.run.plan
     out = [stream(jc, plan, plan.data.train, "train", dp_rank=rank, dp_world_size=world,
-                  training=False)]  # fmt: skip
+                  training=False, training_shape=trainer.parallel_dims.pp_enabled)]  # fmt: skip
     validator = getattr(trainer, "validator", None)
     if jc.validation.enable and validator is not None:
         out += [make() for make in getattr(validator, "sets", {}).values()]
@@ -144,32 +145,45 @@ def compute_reference_logps(trainer) -> dict[str, np.ndarray]:
     if pd.dp_enabled:
         mesh = pd.get_mesh("batch")
         rank, world = mesh.get_local_rank(), mesh.size()
-    model = trainer.model_parts[0]
-    was_training = model.training
-    model.eval()
+    pp, jc = pd.pp_enabled, trainer.job_config
+    was_training = [m.training for m in trainer.model_parts]
+    for m in trainer.model_parts:
+        m.eval()
     rows, t0 = [], time.perf_counter()  # (dataset, item, chosen, rejected)
     try:
         with torch.no_grad():
             for pass_ in _passes(trainer, rank, world):
                 names = [s.name for s in pass_.sources]
                 # a rank whose share is done runs a stand-in batch of no pairs while another
-                # still scores (the model's collectives need every rank), as validation does
-                empty = pass_.collate(Unit(rows=[[]], t=8))[0]
+                # still scores (the model's collectives need every rank), as validation does;
+                # a pipeline's batches are all training's shape (its stages exchange no other)
+                shape = (jc.training.local_batch_size, jc.training.seq_len) if pp else (1, 8)
+                empty = pass_.collate(Unit(rows=[[]] * shape[0], t=shape[1]))
                 it = iter(pass_)
                 while True:
                     got = next(it, None)
                     if not _any_rank_has(got is not None, trainer.device):
                         break
-                    batch = dict(got[0] if got is not None else empty)
+                    batch, labels = got if got is not None else empty
+                    if pp:
+                        batch, labels = padded(batch, labels, *empty)
+                    batch = dict(batch)
                     key = batch.pop("pref_key").numpy()
                     inputs = {k: v.to(trainer.device) for k, v in batch.items()}
-                    with trainer.maybe_enable_amp:
-                        out = model(inputs.pop("input"), **inputs, pref_logps_only=True)
-                    out = out.float().cpu().numpy()
+                    if pp:
+                        got_pairs, out = pipeline_logps(trainer, inputs, labels)
+                        key = key[got_pairs]
+                    else:
+                        with trainer.maybe_enable_amp:
+                            out = trainer.model_parts[0](
+                                inputs.pop("input"), **inputs, pref_logps_only=True
+                            )
+                        out = out.float().cpu().numpy()
                     rows += [(names[int(s)], int(i), float(c), float(r))
                              for (s, i), (c, r) in zip(key, out, strict=True)]  # fmt: skip
     finally:
-        model.train(was_training)
+        for m, was in zip(trainer.model_parts, was_training, strict=True):
+            m.train(was)
     parts = [rows]
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
@@ -179,6 +193,53 @@ def compute_reference_logps(trainer) -> dict[str, np.ndarray]:
     logger.info(f"DPO reference: log-probs of {pairs} pairs under the starting weights "
                 f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
     return table
+
+
+def padded(batch: dict, labels: torch.Tensor, empty: dict, empty_labels: torch.Tensor):
+    """``batch`` (and its ``labels``) written into the rows and frames of ``empty``, a batch of
+    no pairs in the pipeline's shape (the extra frames carry no loss; causal attention keeps
+    them from the real frames before them)."""
+    out = {}
+    for key, full in empty.items():
+        got = batch[key]
+        if key in ("pref_key", "pref_pairs", "pref_ref") or got.dim() < 2:
+            out[key] = got  # per pair, not per row
+            continue
+        full = full.clone()
+        full[: got.shape[0], : got.shape[1]] = got
+        out[key] = full
+    lab = empty_labels.clone()
+    lab[: labels.shape[0], : labels.shape[1]] = labels
+    return out, lab
+
+
+def pipeline_logps(trainer, inputs: dict, labels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """One micro-batch's pair log-probs through the pipeline schedule (forward only): (the
+    micro-batch pair numbers the last stage scored, their [Q, 2] log-probs); empty on the
+    ranks without the last stage, whose numbers the gather brings from those that have it."""
+    last = [m for m in trainer.model_parts if m.head is not None]
+    for m in last:
+        m.reference_logps = []
+    doc = inputs.pop("pref_doc")
+    kwargs = {k: inputs[k] for k in STAGE_KWARGS if k in inputs}
+    kwargs["pref_doc"] = doc
+    target = labels.to(trainer.device) if trainer.pp_has_last_stage else None
+    losses = [] if trainer.pp_has_last_stage else None
+    try:
+        with trainer.maybe_enable_amp:
+            if trainer.pp_has_first_stage:
+                trainer.pp_schedule.eval(inputs["input"], **kwargs, target=target, losses=losses)
+            else:
+                trainer.pp_schedule.eval(**kwargs, target=target, losses=losses)
+        got = [r for m in last for r in m.reference_logps]
+    finally:
+        for m in last:
+            m.reference_logps = None
+    if not got:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, 2), dtype=np.float32)
+    ids = torch.cat([i for i, _ in got]).cpu().numpy()
+    logps = torch.cat([lp for _, lp in got]).cpu().numpy()
+    return ids, logps
 
 
 def _any_rank_has(has: bool, device) -> bool:

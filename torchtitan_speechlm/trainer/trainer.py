@@ -24,6 +24,7 @@ from torchtitan.train import Trainer
 
 from torchtitan_speechlm.data.external import ExternalData
 from torchtitan_speechlm.distributed.pipeline import STAGE_KWARGS
+from torchtitan_speechlm.model.pipeline_pairs import reference_per_frame
 from torchtitan_speechlm.trainer.builders import bind
 from torchtitan_speechlm.trainer.checks import master_weights_note
 from torchtitan_speechlm.trainer.faults import (
@@ -141,7 +142,8 @@ class SpeechLMTrainer(Trainer):
     def post_dataloading_process(self, input_dict, labels):
         """torchtitan's, and with pipeline parallelism what every stage needs travels with the
         microbatch: torchtitan forwards only ``extra_kwargs`` past the first stage, so the
-        positions, targets and loss weights move there. The data statistics describe the
+        positions, targets and loss weights move there, and a preference batch's pairs in a
+        form that splits by rows. The data statistics describe the
         loader's micro-batch, not a pipeline microbatch: the last stage's ranks (where the
         statistics are reduced) count them once, here."""
         inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(
@@ -155,6 +157,11 @@ class SpeechLMTrainer(Trainer):
         for key in STAGE_KWARGS:
             if key in extra_inputs:
                 extra_kwargs[key] = extra_inputs.pop(key)
+        if "pref_doc" in extra_inputs:  # pairs split by rows (model/pipeline_pairs.py)
+            doc, ref = extra_inputs.pop("pref_doc"), extra_inputs.pop("pref_ref")
+            extra_inputs.pop("pref_pairs")
+            extra_kwargs["pref_doc"] = doc
+            extra_kwargs["pref_ref_frames"] = reference_per_frame(doc, ref)
         return inputs, labels, extra_inputs, extra_kwargs
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
