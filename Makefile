@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	@$(PY) -c "import torch" 2>/dev/null || { echo "[make] installing $(TORCH_SPEC)"; \
 	  $(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"; }
 	@echo "[make] installing torchtitan-speechlm and its dependencies into $(VENV)"
-	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,eval]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,eval,serve]" 2>&1 | grep -v "^WARNING: Location" || true
 # resemblyzer declares webrtcvad (C source only on PyPI: needs a compiler and Python headers);
 # the eval extra installs the same module prebuilt (webrtcvad-wheels), so no deps here.
 	@$(PY) -m pip install -q --disable-pip-version-check --no-deps "resemblyzer==0.1.4" 2>&1 | grep -v "^WARNING: Location" || true

@@ -17,13 +17,30 @@ def build_parser() -> argparse.ArgumentParser:
         description="serve a SpeechLM over HTTP with OpenAI's audio routes (docs/serving.md)",
     )
     p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
-    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (127.0.0.1)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (127.0.0.1); any other than a loopback address needs "
+        "--api-key or --no-auth",
+    )
     p.add_argument("--port", type=int, default=8000, help="the port (0: any free one; 8000)")
     p.add_argument(
         "--voices",
         metavar="DIR",
         help="a folder of speaker prompts, one audio file per voice: voice=NAME speaks like "
         "NAME.wav (a model trained with tts_prompt; without --voices, voice is ignored)",
+    )
+    a = p.add_argument_group("access")
+    a.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="requests (all but GET /health) must send Authorization: Bearer KEY (default: the "
+        "environment variable TORCHTITAN_SERVE_API_KEY; neither: no key is checked)",
+    )
+    a.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve a non-loopback --host without an API key (anyone who reaches it)",
     )
     g = p.add_argument_group("queue and batching")
     g.add_argument(
@@ -49,6 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         help="seconds a request waits for the model worker before it fails with 500 (600)",
+    )
+    t = p.add_argument_group("slow clients")
+    t.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send a request's headers; then 408 and closed (10)",
+    )
+    t.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request has to send its whole body; then 408 and closed (60)",
+    )
+    t.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open (5)",
     )
     add_decoding_args(p)
     return p

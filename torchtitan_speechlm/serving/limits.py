@@ -1,0 +1,112 @@
+"""The request body limits, as an ASGI middleware in front of the routes, so that no route can
+read more than ``--max-upload-mb`` or wait on a slow client for longer than ``--body-timeout``.
+
+- A Content-Length over the limit is answered 413 before any of the body is read (with
+  ``Expect: 100-continue``, as curl sends over 1 MB, before the client sends it: the server's
+  ``100 Continue`` goes out only when a route first reads). Otherwise up to ``DRAIN_BYTES`` of
+  the refused body (at most ``DRAIN_S`` seconds) are read and dropped, never kept, so that a
+  client still sending sees the answer rather than a reset connection.
+- A chunked body (no Content-Length) is counted as it arrives; the chunk that passes the limit
+  ends the read with the same 413.
+- The whole body must arrive within ``body_timeout_s`` of the request's start: a client that
+  stops sending gets a 408.
+
+Refusals close the connection (the rest of the body is not read). Once the body is complete,
+``receive`` is the server's own again (a streamed answer waits on it for a disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from torchtitan_speechlm.serving.errors import ApiError, send_error
+
+DRAIN_BYTES = 16 << 20
+DRAIN_S = 2.0
+CLOSE = {"Connection": "close"}
+
+
+def too_large(size: str, limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body is {size} bytes, over this server's limit of {limit} bytes "
+        f"(--max-upload-mb {limit / (1 << 20):g})",
+        code="request_too_large",
+        headers=CLOSE,
+    )
+
+
+def _header(scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers", []):
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
+async def drain(receive, limit: int = DRAIN_BYTES, seconds: float = DRAIN_S) -> None:
+    """Read and drop at most ``limit`` bytes of what is left of a body, for ``seconds`` at most."""
+    deadline = time.monotonic() + seconds
+    left = limit
+    try:
+        while left > 0:
+            msg = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+            left -= len(msg.get("body", b""))
+            if msg["type"] != "http.request" or not msg.get("more_body", False):
+                return
+    except TimeoutError:
+        return
+
+
+class BodyLimit:
+    """Wraps an ASGI app: 413 over ``max_bytes``, 408 after ``body_timeout_s`` (see above)."""
+
+    def __init__(self, app, max_bytes: int, body_timeout_s: float):
+        self.app, self.max_bytes, self.body_timeout_s = app, max_bytes, body_timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = _header(scope, b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                return await send_error(send, ApiError(400, "Content-Length is not a number",
+                                                       headers=CLOSE))  # fmt: skip
+            if n > self.max_bytes:
+                if (_header(scope, b"expect") or "").lower() != "100-continue":
+                    await drain(receive, min(n, DRAIN_BYTES))
+                return await send_error(send, too_large(str(n), self.max_bytes))
+        await self.app(scope, self._limited(receive), send)
+
+    def _limited(self, receive):
+        deadline = time.monotonic() + self.body_timeout_s
+        seen, complete = 0, False
+
+        async def limited():
+            nonlocal seen, complete
+            if complete:
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+            except TimeoutError:
+                raise ApiError(
+                    408,
+                    f"the request body did not arrive within {self.body_timeout_s:g} s "
+                    "(--body-timeout)",
+                    code="request_timeout",
+                    headers=CLOSE,
+                ) from None
+            if msg["type"] != "http.request":
+                complete = True
+                return msg
+            seen += len(msg.get("body", b""))
+            if seen > self.max_bytes:
+                complete = True
+                await drain(receive)
+                raise too_large(f"over {self.max_bytes}", self.max_bytes)
+            complete = not msg.get("more_body", False)
+            return msg
+
+        return limited

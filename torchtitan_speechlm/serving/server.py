@@ -1,0 +1,133 @@
+"""The App's routes served by uvicorn on a socket bound up front, in a thread of its own.
+
+Binding in the constructor makes a taken port an OSError at start-up, and ``--port 0`` know its
+port before the URL is printed. uvicorn runs the HTTP/1.1 connections (h11): keep-alive
+connections idle for ``keep_alive_s`` are closed, at most ``limit_concurrency`` connections
+and requests are served at once (more get uvicorn's plain 503). ``HeaderTimeout`` adds what
+uvicorn lacks: a connection must finish sending a request's headers within
+``header_timeout_s`` of opening (or of its previous answer), else it gets a 408 and is
+closed, so slow clients cannot hold connections open by trickling headers.
+
+``shutdown`` is the drain: stop listening, let every request in flight finish (each waits on
+its job, so the batcher's queued jobs all run), close idle connections, then return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from torchtitan_speechlm.serving.app import App
+
+_408_BODY = (
+    b'{"error": {"message": "the request headers did not arrive in time (--header-timeout)", '
+    b'"type": "invalid_request_error", "param": null, "code": "request_timeout"}}'
+)
+TIMEOUT_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    + f"Content-Length: {len(_408_BODY)}\r\n\r\n".encode()
+    + _408_BODY
+)
+
+
+def header_timeout(seconds: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with a deadline on each request's headers."""
+
+    class HeaderTimeout(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def _arm(self) -> None:
+            armed_at = self.cycle
+            self.loop.call_later(seconds, self._expire, armed_at)
+
+        def _expire(self, armed_at) -> None:
+            """No request began since the deadline was set: answer 408 to one that had begun
+            sending its headers, and close the connection."""
+            if self.cycle is not armed_at or self.transport.is_closing():
+                return
+            if self.conn.trailing_data[0]:
+                self.transport.write(TIMEOUT_408)
+            self.transport.close()
+
+    return HeaderTimeout
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class SpeechServer:
+    """``app`` on ``host:port`` (0: any free port): ``serve_forever`` (blocks; run it in a
+    thread), ``shutdown`` (the drain, from another thread), ``server_close``."""
+
+    def __init__(
+        self,
+        app: App,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        keep_alive_s: float = 5.0,
+        header_timeout_s: float = 10.0,
+        limit_concurrency: int | None = None,
+    ):
+        self.app = app
+        self.socket = bind(host, port)
+        queue = app.batcher.queue_size + app.batcher.max_batch
+        config = uvicorn.Config(
+            app.asgi(),
+            http=header_timeout(header_timeout_s),
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            proxy_headers=False,
+            server_header=False,
+            timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]  (a float works)
+            limit_concurrency=limit_concurrency or max(64, 2 * queue),
+            timeout_graceful_shutdown=int(app.request_timeout_s) + 5,
+        )
+        self.server = uvicorn.Server(config)
+        self._stopped = threading.Event()
+
+    @property
+    def server_address(self) -> tuple[str, int]:
+        return self.socket.getsockname()[:2]
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def serve_forever(self) -> None:
+        try:
+            self.server.run(sockets=[self.socket])
+        finally:
+            self._stopped.set()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop accepting, finish the requests in flight, return when the server has stopped."""
+        self.server.should_exit = True
+        if self.server.started or not self._stopped.is_set():
+            self._stopped.wait(timeout)
+        self.app.close()
+
+    def server_close(self) -> None:
+        self.socket.close()
