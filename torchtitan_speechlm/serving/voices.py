@@ -7,7 +7,11 @@ file (any format libsndfile reads, any rate, any channels: resampled to the code
 downmixed), encoded and cut to the model's ``prompt_seconds`` (``tasks.speaker_prompt``), so
 that a request with that voice speaks what ``generate --prompt FILE`` speaks. Anything wrong
 (a model trained without prompts, a file that is not audio, two files of one name, an empty
-folder) is a ValueError of one line naming it: the server does not start.
+folder, a link that leads out of the folder) is a ValueError of one line naming it: the server
+does not start. A request names a voice, never a file: ``voice`` is looked up among these names
+(serving/prompts.py), so ``"../x"`` or ``"/etc/passwd"`` is just a name that is not there; and a
+symlink in DIR that points outside it is refused here, so that DIR is the only place voices are
+read from.
 """
 
 from __future__ import annotations
@@ -25,10 +29,16 @@ def voice_files(folder: str) -> dict[str, str]:
     if not os.path.isdir(folder):
         raise ValueError(f"--voices {folder}: no such folder")
     files: dict[str, str] = {}
+    root = os.path.realpath(folder)
     for entry in sorted(os.listdir(folder)):
         path = os.path.join(folder, entry)
         if entry.startswith(".") or not os.path.isfile(path):
             continue
+        if os.path.commonpath([root, os.path.realpath(path)]) != root:
+            raise ValueError(
+                f"--voices {folder}: {entry} is a link to {os.path.realpath(path)}, outside the "
+                "folder; copy the file into the folder instead"
+            )
         name = os.path.splitext(entry)[0]
         if name in files:
             raise ValueError(

@@ -18,8 +18,8 @@ import numpy as np
 import openai
 import pytest
 
-from torchtitan_speechlm.serving.batcher import Batcher
 from torchtitan_speechlm.serving.app import App
+from torchtitan_speechlm.serving.batcher import Batcher
 from torchtitan_speechlm.serving.server import SpeechServer
 
 RATE = 8000
