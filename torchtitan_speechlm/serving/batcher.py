@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 Runner = Callable[[list, Callable[[int, Any], None]], list]
+# on_batch(task, payloads, results or None if the call failed, seconds, rows failed)
+BatchHook = Callable[[str, list, "list | None", float, int], None]
 
 _PIECE, _DONE, _ERROR = "piece", "done", "error"
 
@@ -96,12 +98,17 @@ class Batcher:
         max_batch: int = 8,
         batch_wait_s: float = 0.01,
         on_error: Callable[[str, BaseException], None] | None = None,
+        on_queue: Callable[[int], None] | None = None,
+        on_batch: BatchHook | None = None,
     ):
         if queue_size < 1 or max_batch < 1 or batch_wait_s < 0:
             raise ValueError("queue_size and max_batch must be >= 1, batch_wait_s >= 0")
         self.runners = dict(runners)
         self.queue_size, self.max_batch, self.batch_wait_s = queue_size, max_batch, batch_wait_s
         self.on_error = on_error or (lambda where, e: None)
+        # observers (serving/metrics.py): the queue depth after each change; each model call
+        self.on_queue = on_queue or (lambda depth: None)
+        self.on_batch = on_batch or (lambda task, payloads, results, seconds, failed: None)
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -122,6 +129,8 @@ class Batcher:
                 raise QueueFull(f"the model's queue is full ({self.queue_size} requests waiting)")
             self._pending.append(job)
             self._cond.notify_all()
+            depth = len(self._pending)
+        self.on_queue(depth)
         return job
 
     @property
@@ -183,7 +192,9 @@ class Batcher:
                 if len(batch) >= self.max_batch or left <= 0 or self._stopping:
                     break
                 self._cond.wait(left)
-            return batch
+            depth = len(self._pending)
+        self.on_queue(depth)
+        return batch
 
     def run_batch(self, batch: list[Job]) -> None:
         """One batched runner call for ``batch`` (one task), with the per-row fallback."""
@@ -199,9 +210,11 @@ class Batcher:
             emitted.add(row)
             batch[row].emit(piece)
 
+        payloads, t0 = [j.payload for j in batch], time.perf_counter()
         try:
-            results = _checked(runner([j.payload for j in batch], emit), len(batch))
+            results = _checked(runner(payloads, emit), len(batch))
         except Exception as e:
+            self.on_batch(batch[0].task, payloads, None, time.perf_counter() - t0, len(batch))
             if len(batch) == 1:
                 batch[0].fail(e)
                 return
@@ -213,14 +226,20 @@ class Batcher:
                     self.rows_retried_alone += 1
                     self._run_alone(runner, job)
             return
+        self.on_batch(batch[0].task, payloads, results, time.perf_counter() - t0, 0)
         for job, value in zip(batch, results, strict=True):
             job.finish(value)
 
     def _run_alone(self, runner: Runner, job: Job) -> None:
+        t0 = time.perf_counter()
         try:
-            job.finish(_checked(runner([job.payload], lambda _, piece: job.emit(piece)), 1)[0])
+            value = _checked(runner([job.payload], lambda _, piece: job.emit(piece)), 1)[0]
         except Exception as e:
+            self.on_batch(job.task, [job.payload], None, time.perf_counter() - t0, 1)
             job.fail(e)
+            return
+        self.on_batch(job.task, [job.payload], [value], time.perf_counter() - t0, 0)
+        job.finish(value)
 
     def _work(self) -> None:
         while True:
