@@ -6,14 +6,20 @@ equal to the library's own for the same audio (another rate and stereo: resample
 8 concurrent calls run in batches larger than one (a ninth, too long for the model, fails its
 batch and alone gets its 400), every bad request gets its status and
 OpenAI's error JSON (the client raises the matching class), and the server still answers after
-all of them. A folder that is not a SpeechLM ends the command at start with one line. (A full
-queue's 503 and a failing row's 500: tests/unit/serving/test_serving_http.py, deterministic.)"""
+all of them. A folder that is not a SpeechLM ends the command at start with one line. SIGTERM
+drains: the streamed request running and the one queued behind it both get their whole 200, no
+new connection is taken, and the process exits 0. (A full queue's 503 and a failing row's 500:
+tests/unit/serving/test_serving_http.py, deterministic; what the server refuses:
+tests/unit/serving/test_serve_hardening.py.)"""
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -37,11 +43,11 @@ def model(tmp_path_factory):
     return tiny_export(tmp_path_factory.mktemp("serve"), steps=60)
 
 
-@pytest.fixture(scope="module")
-def server(model):
+def start(model, *flags: str) -> dict:
+    """`torchtitan serve --model EXPORT --port 0 FLAGS` in its own process, once it listens:
+    its URL, its process and its stdout lines (the access log's JSON lines among them)."""
     cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "serve", "--model", model["export"],
-           "--port", "0", "--max-frames", str(MAX_FRAMES), "--batch-wait-ms", "100",
-           "--max-upload-mb", "0.1"]  # fmt: skip
+           "--port", "0", *flags]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)  # fmt: skip
@@ -60,9 +66,21 @@ def server(model):
     threading.Thread(target=read, daemon=True).start()
     assert started.wait(180) and url, "\n".join(lines[-30:])
     client = openai.OpenAI(base_url=url[0] + "/v1", api_key="none", max_retries=0, timeout=120)
-    yield {"url": url[0], "client": client, "lines": lines, "proc": proc}
-    proc.terminate()
-    proc.wait(30)
+    return {"url": url[0], "client": client, "lines": lines, "proc": proc}
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    served = start(model, "--max-frames", str(MAX_FRAMES), "--batch-wait-ms", "100",
+                   "--max-upload-mb", "0.1")  # fmt: skip
+    yield served
+    served["proc"].terminate()
+    served["proc"].wait(30)
+
+
+def access(lines: list[str]) -> list[dict]:
+    """The access log's records (one JSON line per request) among the server's lines."""
+    return [json.loads(x) for x in list(lines) if x.startswith('{"method"')]
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +204,8 @@ def test_eight_concurrent_calls_are_served_in_batches(server):
     before = health(server)
     results: dict[int, int] = {}
 
-    def speech_lines() -> list[str]:
-        return [x for x in server["lines"] if x.startswith("POST /v1/audio/speech")]
+    def speech_lines() -> list[dict]:
+        return [r for r in access(server["lines"]) if r["path"] == "/v1/audio/speech"]
 
     logged = len(speech_lines())
 
@@ -216,9 +234,8 @@ def test_eight_concurrent_calls_are_served_in_batches(server):
     assert after["largest_batch"] > 1 and batches < 9, after
     assert eventually(lambda: len(speech_lines()) >= logged + 9)
     speech = speech_lines()[logged:]
-    statuses = sorted(line.split()[2] for line in speech)  # method route status ms batch
-    assert statuses == ["200"] * 8 + ["400"]
-    assert max(int(line.split()[-1]) for line in speech) > 1
+    assert sorted(r["status"] for r in speech) == [200] * 8 + [400]
+    assert max(r["batch"] for r in speech) > 1
 
 
 def test_bad_requests_get_their_status_and_openai_errors(server, model, tmp_path):
@@ -251,10 +268,10 @@ def test_bad_requests_get_their_status_and_openai_errors(server, model, tmp_path
     assert eventually(lambda: health(server)["requests_failed"] >= 8)
     assert health(server)["status"] == "ok" and server["proc"].poll() is None
 
-    def statuses() -> set[str]:
-        return {x.split()[2] for x in server["lines"] if x.startswith(("GET", "POST"))}
+    def statuses() -> set[int]:
+        return {r["status"] for r in access(server["lines"])}
 
-    assert eventually(lambda: {"400", "404", "413"} <= statuses()), server["lines"][-20:]
+    assert eventually(lambda: {400, 404, 413} <= statuses()), server["lines"][-20:]
 
 
 def test_a_folder_that_is_not_a_speechlm_ends_the_command_with_one_line(tmp_path, capsys):
@@ -266,3 +283,47 @@ def test_a_folder_that_is_not_a_speechlm_ends_the_command_with_one_line(tmp_path
         err = capsys.readouterr().err.strip()
         assert err.startswith("torchtitan serve: error: ") and "\n" not in err, err
         assert time.monotonic() - t < 30
+
+
+def test_sigterm_drains_the_requests_in_flight_and_exits_0(model):
+    """One worker, batches of one, 300 frames a request: a streamed request runs, a second
+    waits in the queue; SIGTERM; both get their whole 200, and the process exits 0."""
+    frames = "300"
+    served = start(model, "--max-batch", "1", "--min-frames", frames, "--max-frames", frames)
+    host, port = served["url"].removeprefix("http://").split(":")
+    answers: dict[str, bytes] = {}
+    running = threading.Event()
+
+    def speak(name: str, path: str) -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        conn.request("POST", path, json.dumps({"input": "She sells fresh bread."}),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        r = conn.getresponse()
+        running.set()
+        answers[name] = r.status, r.read()  # a stream cut short raises IncompleteRead
+
+    streamed = threading.Thread(target=speak, args=("streamed", "/v1/audio/speech?stream=1"))
+    streamed.start()
+    assert running.wait(120)  # its first samples came: the worker runs it
+    queued = threading.Thread(target=speak, args=("queued", "/v1/audio/speech"))
+    queued.start()
+    assert eventually(lambda: health(served)["queue_depth"] == 1), served["lines"][-10:]
+    served["proc"].send_signal(signal.SIGTERM)
+    assert eventually(lambda: any("stopping" in x for x in served["lines"]))
+
+    def refused() -> bool:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except OSError:
+            return True
+        return False
+
+    assert eventually(refused)  # no new connection while the two finish
+    streamed.join(120)
+    queued.join(120)
+    assert served["proc"].wait(60) == 0, served["lines"][-20:]
+    assert answers["streamed"][0] == answers["queued"][0] == 200
+    whole = sf.read(io.BytesIO(answers["queued"][1]), dtype="int16")[0]
+    assert len(whole) > 0 and len(answers["streamed"][1]) == 44 + 2 * len(whole)
+    assert served["lines"][-1] == "torchtitan serve: stopped"
+    assert [r["status"] for r in access(served["lines"]) if r["method"] == "POST"] == [200, 200]
