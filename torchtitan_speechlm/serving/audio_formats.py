@@ -80,9 +80,10 @@ class FormatError(ValueError):
 def _check(fmt: str, supported: tuple[str, ...] = SPEECH_FORMATS) -> None:
     if fmt in supported:
         return
-    why = "it needs PyAV: pip install av" if fmt == "aac" else ""
-    if fmt in SPEECH_FORMATS:
-        why = "not streamed; ask for the whole file"
+    if supported is STREAM_FORMATS and fmt in OPENAI_FORMATS:
+        why = "written whole, not streamed"
+    else:
+        why = "it needs PyAV: pip install av" if fmt == "aac" else ""
     raise FormatError(fmt, supported, why)
 
 
