@@ -11,12 +11,19 @@ Python, imports torch, loads the model, speaks, writes the wav); the server is s
 (not timed), warmed up with 2 requests, then each concurrency level sends --requests requests
 from that many client threads in a closed loop (each thread its own keep-alive connection).
 The server's /health before and after each level gives its batches and mean batch size.
+Then, on the same server: ``--slow-clients`` connections send a request's headers and then
+nothing for ``--slow-seconds`` (the server's ``--body-timeout``, then answers them 408) while the first level runs again
+(its p95 beside the one without them); and a ``--burst`` of 64 clients x 5 requests, each on a
+fresh connection with its own text (a 503 retried after Retry-After): every request answered
+exactly once, the server's own count equal, and the server's resident memory (its replica
+processes included) before, at peak and after. Last, SIGTERM: the exit status of the drain.
 Results: benchmarks/results/serve_cpu.json.
 
-    python benchmarks/bench_serve.py [--frames 50] [--requests 48] [--cli-calls 16] [--concurrency 1,4,16]
+    python benchmarks/bench_serve.py [--frames 50] [--requests 48] [--cli-calls 16] [--concurrency 1,4,16] [--replicas 1]
 
 Smallest setting (a smoke test of the script): ``--frames 2 --requests 2 --cli-calls 1
---concurrency 1,2 --hidden 32 --layers 1 --work DIR --out FILE``.
+--concurrency 1,2 --hidden 32 --layers 1 --slow-clients 1 --slow-seconds 2 --burst 4x2
+--work DIR --out FILE``.
 """
 
 from __future__ import annotations
@@ -62,6 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="training steps before the export")
     p.add_argument("--work", help="where the model is made (default: a temporary folder)")
     p.add_argument("--device", default="cpu", help="the server's and the CLI's device (cuda)")
+    p.add_argument("--replicas", type=int, default=1, help="the server's --replicas")
+    p.add_argument(
+        "--slow-clients",
+        type=int,
+        default=4,
+        help="connections that send a request's headers, then nothing (0: skip)",
+    )
+    p.add_argument("--slow-seconds", type=float, default=60.0, help="their silence")
+    p.add_argument(
+        "--burst",
+        default="64x5",
+        help="CLIENTSxREQUESTS each, fresh connections "
+        "(503s are retried after Retry-After); '' skips it",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_cpu.json"))
     return p
 
@@ -115,7 +136,8 @@ class Server:
     def __init__(self, a, model: str):
         cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "serve", "--model", model,
                "--port", "0", "--max-batch", str(a.max_batch),
-               "--batch-wait-ms", str(a.batch_wait_ms), *decoding(a)]  # fmt: skip
+               "--batch-wait-ms", str(a.batch_wait_ms), "--replicas", str(a.replicas),
+               "--body-timeout", str(a.slow_seconds), *decoding(a)]  # fmt: skip
         env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, cwd=ROOT)  # fmt: skip
@@ -137,9 +159,33 @@ class Server:
         conn.request("GET", "/health")
         return json.loads(conn.getresponse().read())
 
-    def close(self) -> None:
+    def rss_mb(self) -> float:
+        """Resident memory of the server and its replica processes (MB)."""
+        pids = [self.proc.pid] + children(self.proc.pid)
+        return round(sum(rss_kb(p) for p in pids) / 1024, 1)
+
+    def close(self) -> int:
         self.proc.terminate()
-        self.proc.wait(60)
+        return self.proc.wait(120)
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def rss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def speak(conn: http.client.HTTPConnection, text: str) -> None:
@@ -195,6 +241,97 @@ def level(server: Server, clients: int, requests: int) -> dict:
     }
 
 
+def slow_clients(server: Server, n: int, seconds: float) -> list:
+    """``n`` connections that send a speech request's headers (Content-Length 100) and then
+    nothing for ``seconds``: they must hold up no one else. Returns the threads (joined later)
+    and fills each one's outcome."""
+    import socket
+
+    outcomes: list = []
+
+    def one() -> None:
+        s = socket.create_connection((server.host, server.port), timeout=seconds + 120)
+        s.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: 100\r\n\r\n")  # fmt: skip
+        t = time.perf_counter()
+        try:
+            head = s.recv(200).split(b"\r\n", 1)[0].decode(errors="replace")
+        except OSError as e:
+            head = f"{type(e).__name__}"
+        outcomes.append({"answer": head, "after_s": round(time.perf_counter() - t, 1)})
+        s.close()
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return [threads, outcomes]
+
+
+def burst(server: Server, clients: int, each: int) -> dict:
+    """``clients`` threads send ``each`` requests, each on a fresh connection with its own
+    text; every request must be answered once with speech (a 503 is retried after its
+    Retry-After); the server's counters must grow by exactly the requests answered."""
+    before = server.health()
+    rss_before = server.rss_mb()
+    answered: dict[str, int] = {}
+    retried, errors, lock, peak = [0], [], threading.Lock(), [rss_before]
+
+    def client(c: int) -> None:
+        for k in range(each):
+            text = f"{SENTENCES[(c + k) % len(SENTENCES)]} Request {c} {k}."
+            while True:
+                conn = http.client.HTTPConnection(server.host, server.port, timeout=600)
+                body = json.dumps({"model": "m", "input": text, "response_format": "wav"})
+                try:
+                    conn.request("POST", "/v1/audio/speech", body,
+                                 {"Content-Type": "application/json"})  # fmt: skip
+                    r = conn.getresponse()
+                    data = r.read()
+                except Exception as e:
+                    with lock:
+                        errors.append(repr(e))
+                    return
+                finally:
+                    conn.close()
+                if r.status == 503:
+                    with lock:
+                        retried[0] += 1
+                    time.sleep(float(r.getheader("Retry-After") or 1))
+                    continue
+                with lock:
+                    if r.status == 200 and data[:4] == b"RIFF":
+                        answered[text] = answered.get(text, 0) + 1
+                    else:
+                        errors.append(f"{r.status} {data[:200]!r}")
+                break
+
+    def watch(stop: threading.Event) -> None:
+        while not stop.wait(0.5):
+            peak[0] = max(peak[0], server.rss_mb())
+
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
+    watcher.start()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    stop.set()
+    after = server.health()
+    served = after.get("requests_served", 0) - before.get("requests_served", 0)
+    return {
+        "clients": clients, "requests_each": each, "wall_s": round(wall, 1),
+        "answered_once": sum(1 for v in answered.values() if v == 1),
+        "answered_twice_or_more": sum(1 for v in answered.values() if v > 1),
+        "lost": clients * each - len(answered), "errors": errors[:5],
+        "retried_after_503": retried[0], "server_counted": served,
+        "rss_mb_before": rss_before, "rss_mb_peak": peak[0], "rss_mb_after": server.rss_mb(),
+    }  # fmt: skip
+
+
 def main(argv=None) -> None:
     a = build_parser().parse_args(argv)
     levels = [int(c) for c in a.concurrency.split(",")]
@@ -210,7 +347,8 @@ def main(argv=None) -> None:
                   "ffn": 3 * a.hidden, "codec": "tiny Encodec, 4 codebooks, 50 frames/s"},
         "frames_per_request": a.frames,
         "requests_per_level": a.requests,
-        "server": {"max_batch": a.max_batch, "batch_wait_ms": a.batch_wait_ms},
+        "server": {"max_batch": a.max_batch, "batch_wait_ms": a.batch_wait_ms,
+                   "replicas": a.replicas, "stack": "FastAPI + uvicorn"},
         "device": a.device,
         "machine": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
@@ -227,8 +365,26 @@ def main(argv=None) -> None:
         for c in levels:
             result["serve"][str(c)] = level(server, c, a.requests)
             print(json.dumps({f"serve_{c}": result["serve"][str(c)]}), flush=True)
+        if a.slow_clients:
+            threads, outcomes = slow_clients(server, a.slow_clients, a.slow_seconds)
+            time.sleep(1.0)  # they are connected and silent
+            with_slow = level(server, levels[0], a.requests)
+            result["slow_clients"] = {
+                "connections": a.slow_clients, "silence_s": a.slow_seconds,
+                f"serve_{levels[0]}_meanwhile": with_slow,
+                "p95_ratio_to_without": round(
+                    with_slow["p95_ms"] / result["serve"][str(levels[0])]["p95_ms"], 2),
+            }  # fmt: skip
+            for t in threads:
+                t.join(a.slow_seconds + 150)
+            result["slow_clients"]["their_answers"] = outcomes
+            print(json.dumps({"slow_clients": result["slow_clients"]}), flush=True)
+        if a.burst:
+            clients, each = (int(x) for x in a.burst.lower().split("x"))
+            result["burst"] = burst(server, clients, each)
+            print(json.dumps({"burst": result["burst"]}), flush=True)
     finally:
-        server.close()
+        result["server_exit_status_on_sigterm"] = server.close()
     cli = result["cli_sequential"]
     result["ratios"] = {
         f"serve_{c}_vs_cli_requests_per_s": round(

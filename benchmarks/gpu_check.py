@@ -116,10 +116,11 @@ MICRO = {
     ),
     "bench_serve": (
         "benchmarks/bench_serve.py --hidden 512 --layers 4 --heads 8 --device cuda "
-        "--frames 25 --requests 8 --concurrency 1,4 --cli-calls 1 --work {o}/work/bench_serve "
-        "--out {o}/serve_cuda.json",
+        "--frames 25 --requests 8 --concurrency 1,4 --cli-calls 1 --slow-clients 1 "
+        "--slow-seconds 5 --burst 16x2 --work {o}/work/bench_serve --out {o}/serve_cuda.json",
         "benchmarks/bench_serve.py --frames 2 --requests 2 --cli-calls 1 --concurrency 1,2 "
-        "--hidden 32 --layers 1 --work {o}/work/bench_serve --out {o}/serve_cpu.json",
+        "--hidden 32 --layers 1 --slow-clients 1 --slow-seconds 2 --burst 4x2 "
+        "--work {o}/work/bench_serve --out {o}/serve_cpu.json",
     ),
     "bench_pipeline": (
         "benchmarks/bench_pipeline.py --steps 4 --hidden 1024 --layers 8 --seq-len 2048 "

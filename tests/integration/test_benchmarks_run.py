@@ -69,7 +69,7 @@ SMOKE = {
     "bench_prepare.py": "--n 8 --held-out 2 --codecs kmeans --cache {tmp}/cache --out {tmp}/a.json",
     "bench_scale.py": "--scales 2000:4 --no-prepare --work {tmp}/work --out {tmp}/a.json",
     "bench_serve.py": "--frames 2 --requests 2 --cli-calls 1 --concurrency 1,2 --hidden 32 "
-    "--layers 1 --work {tmp}/work --out {tmp}/a.json",
+    "--layers 1 --slow-clients 1 --slow-seconds 2 --burst 4x2 --work {tmp}/work --out {tmp}/a.json",
     "bench_step_overhead.py": "--steps 2 --config {toml} --out {tmp}/a.json",
     "bench_vs_llama3.py": "--shape tiny --repeats 1 --configs speech --variants "
     "'speechlm hf-llama' --results-dir {tmp}",
