@@ -151,7 +151,7 @@ def run(a: argparse.Namespace) -> int:
     server.server_close()
     batcher.stop()
     _say("torchtitan serve: stopped")
-    return 0
+    return 0 if stop.is_set() else 1  # 1: the server ended by itself (its error is above)
 
 
 def main(argv: list[str] | None = None) -> int:

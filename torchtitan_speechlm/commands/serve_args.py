@@ -10,6 +10,12 @@ import argparse
 
 from torchtitan_speechlm.commands.generate_args import add_decoding_args
 
+SLOW_CLIENT_TIMEOUTS = (
+    ("--header-timeout", 10.0, "a connection's time to send a request's headers; then 408, closed"),
+    ("--body-timeout", 60.0, "a request's time to send its whole body; then 408, closed"),
+    ("--keep-alive-timeout", 5.0, "how long an idle keep-alive connection stays open"),
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -67,24 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds a request waits for the model worker before it fails with 500 (600)",
     )
-    t = p.add_argument_group("slow clients")
-    t.add_argument(
-        "--header-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a connection has to send a request's headers; then 408 and closed (10)",
-    )
-    t.add_argument(
-        "--body-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a request has to send its whole body; then 408 and closed (60)",
-    )
-    t.add_argument(
-        "--keep-alive-timeout",
-        type=float,
-        default=5.0,
-        help="seconds an idle keep-alive connection stays open (5)",
-    )
+    t = p.add_argument_group("slow clients (seconds)")
+    for flag, default, what in SLOW_CLIENT_TIMEOUTS:
+        t.add_argument(flag, type=float, default=default, help=f"{what} ({default:g})")
     add_decoding_args(p)
     return p

@@ -127,7 +127,7 @@ class App:
     async def off_loop(self, fn: Callable, *args):
         """``fn(*args)`` on a waiter thread (blocking work: a job's wait, an audio decode)."""
         if self._waiters is None:
-            size = self.batcher.queue_size + self.batcher.max_batch + 4
+            size = self.batcher.queue_size + self.batcher.max_batch + 16  # + uploads decoding
             self._waiters = ThreadPoolExecutor(size, thread_name_prefix="serve-wait")
         return await asyncio.get_running_loop().run_in_executor(self._waiters, fn, *args)
 
@@ -162,9 +162,11 @@ class App:
             or req.stream_format == "audio"
             or query.lower() in ("1", "true", "yes")
         )
-        try:
-            prompt = await self.off_loop(
-                request_prompt, raw, self.voices, self.prompt_refusal, self.sample_rate
+        args = (raw, self.voices, self.prompt_refusal, self.sample_rate)
+        try:  # an uploaded prompt is decoded off the event loop; a voice is a lookup
+            uploaded = raw.get("prompt_audio") is not None
+            prompt = (
+                await self.off_loop(request_prompt, *args) if uploaded else request_prompt(*args)
             )
         except PromptError as e:
             raise ApiError(400, e.message, e.param, e.code) from None
