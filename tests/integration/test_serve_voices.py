@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
 @contextlib.contextmanager
 def serving(*argv: str):
     """`torchtitan serve ARGV` started as the command starts it, on a free port: the openai
-    client, the request lines it logs, its batcher."""
+    client, the access log's JSON lines, its batcher."""
     a = build_parser().parse_args([*argv, "--port", "0", *DECODING])
     server, batcher = build(a)
     lines: list[str] = []
