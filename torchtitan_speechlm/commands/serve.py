@@ -9,7 +9,8 @@ dependencies (the ``serve`` extra: FastAPI, uvicorn, python-multipart), the API 
 (serving/auth.py), the model, its tokenizer and codec, and the ``--voices`` (serving/voices.py)
 are checked before the server listens: each failure ends the command with one line and exit
 status 2. Then the URL is printed, and one JSON line per request (serving/access_log.py).
-SIGTERM or Ctrl-C drains: no new connections, the requests in flight finish, exit status 0.
+SIGTERM or Ctrl-C drains: no new connections, the requests in flight finish, exit status 0
+(a second signal stops waiting for them: the jobs still queued fail).
 """
 
 from __future__ import annotations
@@ -135,8 +136,14 @@ def run(a: argparse.Namespace) -> int:
     app = server.app
     batcher.start()
     stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        if stop.is_set():  # a second signal: stop waiting for the requests in flight
+            server.server.force_exit = True
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+        signal.signal(sig, on_signal)
     thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
     thread.start()
     _say(f"torchtitan serve: {app.model_name} on {server.url} ({ROUTES})")

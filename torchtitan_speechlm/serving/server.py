@@ -105,7 +105,7 @@ class SpeechServer:
             timeout_graceful_shutdown=int(app.request_timeout_s) + 5,
         )
         self.server = uvicorn.Server(config)
-        self._stopped = threading.Event()
+        self._running, self._stopped = threading.Event(), threading.Event()
 
     @property
     def server_address(self) -> tuple[str, int]:
@@ -117,6 +117,7 @@ class SpeechServer:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def serve_forever(self) -> None:
+        self._running.set()
         try:
             self.server.run(sockets=[self.socket])
         finally:
@@ -125,7 +126,7 @@ class SpeechServer:
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting, finish the requests in flight, return when the server has stopped."""
         self.server.should_exit = True
-        if self.server.started or not self._stopped.is_set():
+        if self._running.is_set():
             self._stopped.wait(timeout)
         self.app.close()
 
