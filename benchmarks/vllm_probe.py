@@ -1,6 +1,6 @@
 """vLLM beside our own decoder on a ``flatten`` model: the same greedy tokens? how fast?
 
-A random-init flatten SpeechLM of a given shape is written as a plain causal LM over its
+A random-init flatten SpeechLM (a Llama decoder) of a given shape is written as a plain causal LM over its
 extended vocabulary (``generation/vllm_export.py``); our decoder (``Decoder.audio`` for TTS,
 ``Decoder.text`` for ASR, KV-cached, batched) and vLLM's offline ``LLM.generate`` (greedy,
 ``SamplingParams(temperature=0)``) continue the same prompts (the training template's stream 0),
@@ -14,7 +14,7 @@ runs there as a subprocess (``--vllm-python``), the two sides exchanging JSON fi
 ``--work``. Writes benchmarks/results/vllm_cpu.json (``--out``).
 
     python benchmarks/vllm_probe.py --vllm-python /tmp/vllm_venv/bin/python
-    python benchmarks/vllm_probe.py --shape tiny --frames 4 --min-frames 2 --text-tokens 4 --batches 1 --repeats 1 --vllm-modes eager --out /tmp/vllm_probe.json
+    python benchmarks/vllm_probe.py --shape tiny --frames 4 --min-frames 2 --text-tokens 4 --batches 1 --repeats 1 --vllm-modes eager --backbones hf --out /tmp/vllm_probe.json
 
 The second line is the smallest setting (a smoke test of the script, about a minute, most of
 it vLLM's start).
@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--vllm-modes", default="eager,compiled", help="eager (enforce_eager) and/or compiled"
     )
+    p.add_argument(
+        "--backbones",
+        default="hf,native",
+        help="our backbones (model/backbones/): hf (transformers' layers), native (torchtitan's)",
+    )
     p.add_argument("--work", help="exchange folder (default: a new temporary one)")
     p.add_argument("--out", default="benchmarks/results/vllm_cpu.json")
     p.add_argument("--vllm-side", metavar="WORK", help=argparse.SUPPRESS)
@@ -63,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- our side (this repository's environment) ---------------------------------------------------
-def flatten_model(shape: str):
+def flatten_model(shape: str, backbone: str = "hf"):
     import torch
     import transformers
 
@@ -72,7 +77,7 @@ def flatten_model(shape: str):
     from torchtitan_speechlm.model.vocab import VocabLayout
 
     h, layers, heads, kv, ffn, text, n, c = SHAPES[shape]
-    cfg = transformers.Qwen3Config(
+    cfg = transformers.LlamaConfig(  # a Llama: the native backbone's family too
         vocab_size=text,
         hidden_size=h,
         intermediate_size=ffn,
@@ -91,6 +96,7 @@ def flatten_model(shape: str):
         vocab=layout.to_dict(),
         load_weights=False,
         pattern="flatten",
+        backbone=backbone,
     )
     with torch.device("meta"):
         model = SpeechLM(args)
@@ -183,14 +189,14 @@ def ours_text(model, prompts, max_tokens: int) -> tuple[list[list[int]], list[bo
     )
 
 
-def our_side(a, work: str) -> dict:
+def our_side(a, work: str, backbone: str) -> dict:
     import torch
 
     from torchtitan_speechlm.generation.vllm_export import export_flatten_lm
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    model = flatten_model(a.shape)
+    model = flatten_model(a.shape, backbone)
     lm = os.path.join(work, "lm")
     export_flatten_lm(model, lm)
     lay = model.args.layout
@@ -229,6 +235,7 @@ def our_side(a, work: str) -> dict:
         "modes": a.vllm_modes.split(","),
         "ours": runs,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": lay.size,
     }
 
 
@@ -397,19 +404,23 @@ def compare(ours: dict, theirs: dict) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    a = build_parser().parse_args(argv)
-    if a.vllm_side:
-        vllm_side(a.vllm_side)
-        return
-    import torch
+VLLM_SETTINGS = {  # what vllm_side sets (docs/vllm.md says why)
+    "engine": "offline LLM, in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+    "dtype": "float32",
+    "kv_cache_memory_bytes": 256 << 20,
+    "enable_prefix_caching": False,
+    "max_model_len": 2048,
+    "omp_threads_bind": "0-(threads-1)",
+    "tokenizer": "none (skip_tokenizer_init; prompts are token ids)",
+}
+SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads", "ffn", "text_vocab", "streams", "codebook")
 
-    import torchtitan_speechlm  # noqa: F401  (before torchtitan: CPU device selection)
 
-    work = a.work or tempfile.mkdtemp(prefix="vllm_probe.")
+def probe(a, backbone: str, work: str) -> dict:
+    """One backbone: our side here, vLLM's in its own process; the comparison."""
     os.makedirs(work, exist_ok=True)
     t = time.perf_counter()
-    ours = our_side(a, work)
+    ours = our_side(a, work, backbone)
     ours_s = time.perf_counter() - t
     with open(os.path.join(work, REQUESTS), "w") as f:
         json.dump(ours, f)
@@ -425,51 +436,64 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"vLLM side failed (log: {work}/vllm_side.log):\n{r.stderr[-3000:]}")
     with open(os.path.join(work, VLLM_OUT)) as f:
         theirs = json.load(f)
-    result = {
-        "shape": dict(
-            zip(
-                (
-                    "hidden",
-                    "layers",
-                    "heads",
-                    "kv_heads",
-                    "ffn",
-                    "text_vocab",
-                    "streams",
-                    "codebook",
-                ),
-                SHAPES[a.shape],
-                strict=True,
-            ),
-            name=a.shape,
-            parameters=ours["parameters"],
-            vocab_size=json.load(open(os.path.join(ours["lm"], "speechlm_layout.json")))[
-                "vocab_size"
-            ],
-        ),
-        "settings": {
-            "frames": a.frames,
-            "min_frames": a.min_frames,
-            "text_tokens": a.text_tokens,
-            "batches": ours["batches"],
-            "repeats": a.repeats,
-            "threads": a.threads,
-        },
-        "versions": {
-            "vllm": theirs["vllm"],
-            "torch_ours": torch.__version__,
-            "python": platform.python_version(),
-        },
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+    return {
+        "parameters": ours["parameters"],
+        "vocab_size": ours["vocab_size"],
+        "vllm": theirs["vllm"],
         "ours_total_s": ours_s,
         "vllm_total_s": time.perf_counter() - t,
         "vllm_import_s": theirs["import_s"],
         "results": compare(ours, theirs),
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    if a.vllm_side:
+        vllm_side(a.vllm_side)
+        return
+    import torch
+
+    import torchtitan_speechlm  # noqa: F401  (before torchtitan: CPU device selection)
+
+    work = a.work or tempfile.mkdtemp(prefix="vllm_probe.")
+    runs = {b: probe(a, b, os.path.join(work, b)) for b in a.backbones.split(",")}
+    result = {
+        "shape": dict(zip(SHAPE_KEYS, SHAPES[a.shape], strict=True), name=a.shape),
+        "settings": {
+            "frames": a.frames,
+            "min_frames": a.min_frames,
+            "text_tokens": a.text_tokens,
+            "batches": [int(b) for b in a.batches.split(",")],
+            "repeats": a.repeats,
+            "threads": a.threads,
+            "vllm": VLLM_SETTINGS,
+        },
+        "versions": {
+            "vllm": next(iter(runs.values()))["vllm"],
+            "torch_ours": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "backbones": runs,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps(result["results"], indent=1)[:4000])
+    for backbone, run in runs.items():
+        for mode, row in run["results"].items():
+            for batch, cell in row.items():
+                if batch.startswith("batch"):
+                    print(backbone, mode, batch, table_line(cell))
+
+
+def table_line(cell: dict) -> str:
+    return "  ".join(
+        f"{task}: equal={c['equal']} ours {c['ours']['tokens_per_s']:.0f} tok/s, "
+        f"vLLM {c['vllm']['tokens_per_s']:.0f} tok/s"
+        for task, c in cell.items()
+        if task in ("tts", "asr")
+    )
 
 
 if __name__ == "__main__":
