@@ -1,7 +1,7 @@
 """vLLM beside our own decoder on a ``flatten`` model: the same greedy tokens? how fast?
 
-A random-init flatten SpeechLM (a Llama decoder) of a given shape is written as a plain causal LM over its
-extended vocabulary (``generation/vllm_export.py``); our decoder (``Decoder.audio`` for TTS,
+A random-init flatten SpeechLM (a Llama decoder) of a given shape is written as a plain causal
+LM over its extended vocabulary (``generation/vllm_export.py``); our decoder (``Decoder.audio`` for TTS,
 ``Decoder.text`` for ASR, KV-cached, batched) and vLLM's offline ``LLM.generate`` (greedy,
 ``SamplingParams(temperature=0)``) continue the same prompts (the training template's stream 0),
 and every output token is compared. vLLM gets our decoder's masks as a logits processor
@@ -242,7 +242,8 @@ def our_side(a, work: str, backbone: str) -> dict:
 # ---- vLLM's side (its own environment; imports nothing of this repository) ----------------------
 def flatten_audio_mask_class():
     """``FlattenAudioMask``: our decoder's audio masks as a vLLM v1 logits processor. A request
-    opts in with ``SamplingParams(extra_args={"speechlm_audio": {"min_frames": M}})``; the
+    opts in with ``SamplingParams(extra_args={"speechlm_audio_min_frames": M})`` (a flat key:
+    ``vllm serve``'s completions take it as ``vllm_xargs``, whose values are scalars); the
     layout comes from the model folder's speechlm_layout.json (vllm_export.NOTE_FILE)."""
     import torch
     from vllm.v1.sample.logits_processor import LogitsProcessor
@@ -266,8 +267,8 @@ def flatten_audio_mask_class():
 
         @staticmethod
         def _state(params, _prompt, outputs):
-            extra = (params.extra_args or {}).get("speechlm_audio")
-            return None if extra is None else (outputs, int(extra.get("min_frames", 1)))
+            min_frames = (params.extra_args or {}).get("speechlm_audio_min_frames")
+            return None if min_frames is None else (outputs, int(min_frames))
 
         def update_state(self, batch_update) -> None:
             process_dict_updates(self.rows, batch_update, self._state)
@@ -310,7 +311,7 @@ def vllm_side(work: str) -> None:
         temperature=0,
         max_tokens=req["frames"] * n,
         stop_token_ids=sorted(ends),
-        extra_args={"speechlm_audio": {"min_frames": req["min_frames"]}},
+        extra_args={"speechlm_audio_min_frames": req["min_frames"]},
         detokenize=False,
     )
     text = SamplingParams(
