@@ -18,8 +18,7 @@ The one row that differs: stream 0's pad (codebook 0's pad id) embeds to zero in
 it is zeroed here when the head is untied, and never occurs in a flatten prompt or output
 either way (patterns fill only streams 1..N-1 with pads).
 
-This module's top level imports only the standard library: a process without torchtitan (a
-vLLM environment) can import ``audio_allowed`` and ``NOTE_FILE``.
+transformers is imported where a folder is written, as ``torchtitan export`` does.
 """
 
 from __future__ import annotations
@@ -28,6 +27,15 @@ import argparse
 import json
 import os
 import sys
+
+import torch
+
+from torchtitan_speechlm.generation.loading import load_model
+from torchtitan_speechlm.model.backbones import split_stacked
+from torchtitan_speechlm.model.lora import merge_lora
+from torchtitan_speechlm.model.model import canonical_name
+from torchtitan_speechlm.model.pretrained import write_safetensors
+from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
 
 NOTE_FILE = "speechlm_layout.json"
 NOTE_FORMAT = "torchtitan-speechlm flatten causal LM"
@@ -92,10 +100,6 @@ def audio_allowed(note: dict, step: int, min_frames: int = 1) -> list[tuple[int,
 def flatten_lm_state(model) -> dict:
     """The SpeechLM's tensors under transformers' names, the embedding and head whole (every
     row of the extended vocabulary)."""
-    from torchtitan_speechlm.model.backbones import split_stacked
-    from torchtitan_speechlm.model.model import canonical_name
-    from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
-
     args = model.args
     family, config = args.family, args.backbone_config
     state = {canonical_name(n): p.detach() for n, p in model.named_parameters()}
@@ -131,10 +135,7 @@ def export_flatten_lm(model, out: str, dtype=None, max_shard_bytes: int = 5 << 3
     """Write ``model`` (a flatten SpeechLM, LoRA merged) to ``out`` as a transformers
     causal-LM folder (config.json, generation_config.json, safetensors) plus
     ``speechlm_layout.json``; returns the files written."""
-    import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from torchtitan_speechlm.model.pretrained import write_safetensors
 
     args = model.args
     check_servable(args)
@@ -169,11 +170,6 @@ def export_flatten_lm(model, out: str, dtype=None, max_shard_bytes: int = 5 << 3
 
 def export_from(path: str, out: str, dtype: str = "fp32") -> list[str]:
     """``export_flatten_lm`` of a ``torchtitan export`` folder or a checkpoint step folder."""
-    import torch
-
-    from torchtitan_speechlm.generation.loading import load_model
-    from torchtitan_speechlm.model.lora import merge_lora
-
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in dtypes:
         raise ValueError(f"--dtype {dtype!r}: choose one of {sorted(dtypes)}")
