@@ -78,12 +78,16 @@ bench: deps
 # benchmarks/gpu_check.sh (carry .whl to the GPU machine; about 15 MB): pure Python, and cp312
 # manylinux binaries (cffi; protobuf abi3; soundfile bundles libsndfile). tensorboard, protobuf,
 # absl-py: torchtitan's metrics module imports torch.utils.tensorboard; soundfile, cffi, pycparser:
-# prepare, generate, serve. datasets' pyarrow and pandas (55 MB) are left out: gpu_check.sh puts
+# prepare, generate, serve; fastapi ... click: serve's HTTP stack (pydantic_core: cp312 binary;
+# aac needs PyAV, left out: serve refuses aac without it). datasets' pyarrow and pandas (55 MB) are left out: gpu_check.sh puts
 # benchmarks/gpu_shims (the names torchtitan imports) first on the path when `import datasets` fails.
 GPU_WHEELS = torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 \
   typeguard==4.6.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
   peft==0.21.2 accelerate==1.15.0 psutil==7.2.2 \
-  tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12
+  tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12 \
+  fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 uvicorn==0.55.0 \
+  h11==0.16.0 python-multipart==0.0.34 prometheus_client==0.26.0 anyio==4.16.0 sniffio==1.3.1 \
+  typing-inspection==0.4.5 annotated-types==0.8.0 click==8.5.1
 gpu-wheels: deps
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

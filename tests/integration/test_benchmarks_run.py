@@ -84,7 +84,9 @@ NOT_RUN = (
     "bench_speaker_prompt.py",
     "gpu_check.py",
     "run_all.py",
-)  # gpu_check.py: its dry run is tests/integration/test_gpu_check.py
+    "vllm_probe.py",
+)  # gpu_check.py: its dry run is tests/integration/test_gpu_check.py; vllm_probe.py needs a
+# vLLM venv (docs/vllm.md), its export is tests/unit/generation/test_vllm_export.py
 
 
 def test_every_script_is_run_or_said_why_not():

@@ -14,6 +14,7 @@ tests/unit/serving/test_serve_hardening.py.)"""
 
 from __future__ import annotations
 
+import base64
 import http.client
 import io
 import json
@@ -128,7 +129,7 @@ def test_speech_is_the_library_s_wav_at_the_codec_rate_and_streams_as_long(serve
     client = server["client"]
     text = "The quick brown fox."
     audio = client.audio.speech.create(
-        model="export", voice="alloy", input=text, response_format="wav", speed=1.5
+        model="export", voice="alloy", input=text, response_format="wav"
     ).content
     wave, rate = sf.read(io.BytesIO(audio), dtype="int16")
     assert rate == library.codec.sample_rate
@@ -248,17 +249,17 @@ def test_bad_requests_get_their_status_and_openai_errors(server, model, tmp_path
     assert e.value.body["param"] == "input" and e.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="'input' is empty"):
         client.audio.speech.create(model="export", voice="alloy", input="   ")
-    with pytest.raises(openai.BadRequestError, match="supported: wav"):
+    with pytest.raises(openai.BadRequestError, match="supported: mp3, opus, aac, flac, wav, pcm"):
         client.audio.speech.create(model="export", voice="alloy", input="Hi.",
-                                   response_format="mp3")  # fmt: skip
+                                   response_format="ogg")  # fmt: skip
     with pytest.raises(openai.NotFoundError, match="Invalid URL"):
         client.get("/no/such/route", cast_to=object)
     with pytest.raises(openai.BadRequestError, match="not audio") as e:
         client.audio.transcriptions.create(model="export", file=("notes.wav", b"not audio" * 50))
     assert e.value.body["param"] == "file" and "BytesIO" not in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError, match="supported: json, text"):
+    with pytest.raises(openai.BadRequestError, match="supported: json, text, srt, verbose_json"):
         with open(utterance(model), "rb") as f:
-            client.audio.transcriptions.create(model="export", file=f, response_format="srt")
+            client.audio.transcriptions.create(model="export", file=f, response_format="docx")
     big = tmp_path / "long.wav"  # 4 s at 16 kHz: 128 KB, over --max-upload-mb 0.1
     sf.write(big, np.zeros(64000, np.float32), 16000, subtype="PCM_16")
     with pytest.raises(openai.APIStatusError) as e, open(big, "rb") as f:
@@ -327,3 +328,211 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(model):
     assert len(whole) > 0 and len(answers["streamed"][1]) == 44 + 2 * len(whole)
     assert served["lines"][-1] == "torchtitan serve: stopped"
     assert [r["status"] for r in access(served["lines"]) if r["method"] == "POST"] == [200, 200]
+
+
+# ---- OpenAI parity, field by field (docs/serving.md, *OpenAI's fields*) ----------------------
+def speech_bytes(client, fmt: str, **kw) -> tuple[bytes, str]:
+    r = client.audio.speech.with_raw_response.create(
+        model="export", voice="alloy", input="The quick brown fox.", response_format=fmt, **kw
+    )
+    return r.content, r.headers["content-type"]
+
+
+def decoded(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
+    """float mono samples and their rate, read by libraries (not our encoder)."""
+    if fmt == "pcm":
+        return np.frombuffer(data, "<i2").astype(np.float32) / 32767, 24000
+    if fmt == "aac":
+        import av
+
+        with av.open(io.BytesIO(data)) as f:
+            frames = [fr.to_ndarray().reshape(-1) for fr in f.decode(audio=0)]
+            return np.concatenate(frames).astype(np.float32), f.streams.audio[0].rate
+    wave, rate = sf.read(io.BytesIO(data), dtype="float32")
+    return wave.reshape(len(wave), -1)[:, 0], rate
+
+
+def band_energies(x: np.ndarray, rate: int) -> np.ndarray:
+    """log energies of 8 bands from 150 Hz, per 512-sample frame (the DC and hum a lossy
+    codec's high-pass removes left out: the tiny model's audio has much of both)."""
+    from scipy.signal import stft
+
+    f, _, z = stft(x - x.mean(), fs=rate, nperseg=512)
+    power, edges = np.abs(z) ** 2, np.geomspace(150, 0.45 * rate, 9)
+    return np.log10(np.stack([power[(f >= a) & (f < b)].mean(0)
+                              for a, b in zip(edges[:-1], edges[1:], strict=True)]) + 1e-10)  # fmt: skip
+
+
+def test_every_response_format_is_the_same_speech(server, library):
+    """Each format decodes (soundfile / PyAV) to the wav answer's speech: exact for flac, the
+    same waveform for the 24 kHz pcm (resampled here by FFT, not our filter), the same band
+    energies for the lossy codecs (after their encoder delay)."""
+    from scipy.signal import resample
+
+    from torchtitan_speechlm.serving.audio_formats import SPEECH_FORMATS
+
+    client = server["client"]
+    wav, _ = speech_bytes(client, "wav")
+    ref, rate = sf.read(io.BytesIO(wav), dtype="float32")
+    seconds = len(ref) / rate
+    kinds = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg",
+             "opus": "audio/ogg", "aac": "audio/aac"}  # fmt: skip
+    assert set(SPEECH_FORMATS) >= {"wav", "pcm", "flac", "mp3", "opus"}
+    for fmt in SPEECH_FORMATS:
+        data, ctype = speech_bytes(client, fmt)
+        assert ctype.startswith(kinds[fmt]), (fmt, ctype)
+        got, got_rate = decoded(data, fmt)
+        if fmt in ("flac", "wav"):
+            np.testing.assert_array_equal(got, ref)
+            continue
+        want = resample(ref, round(len(ref) * got_rate / rate)) if got_rate != rate else ref
+        assert abs(len(got) / got_rate - seconds) < 0.15, fmt  # codec padding at most
+        if fmt == "pcm":
+            assert np.corrcoef(got, want)[0, 1] > 0.99
+            continue
+        z = got - got.mean()
+        lag = int(np.argmax(np.correlate(z, want - want.mean(), "valid"))) if len(got) > len(
+            want) else 0  # fmt: skip
+        a, b = band_energies(want, got_rate), band_energies(got[lag : lag + len(want)], got_rate)
+        assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.9, fmt
+
+
+def test_speed_stretches_time_and_is_checked(server):
+    client = server["client"]
+    base = sf.info(io.BytesIO(speech_bytes(client, "wav")[0])).frames
+    for speed in (0.5, 2.0):
+        frames = sf.info(io.BytesIO(speech_bytes(client, "wav", speed=speed)[0])).frames
+        assert frames == pytest.approx(base / speed, rel=0.03), speed
+    with pytest.raises(openai.BadRequestError) as e:
+        speech_bytes(client, "wav", speed=5.0)
+    assert e.value.body["param"] == "speed"
+    with pytest.raises(openai.BadRequestError, match="time-stretch"):
+        speech_bytes(client, "pcm", speed=2.0, extra_body={"stream": True})
+
+
+def test_sse_and_audio_streams(server, library):
+    """stream_format "sse": OpenAI's events, the deltas' bytes the pcm answer's length, usage
+    counted independently; "audio": the bytes as generated; a format written whole is refused
+    when streamed."""
+    client = server["client"]
+    pcm, _ = speech_bytes(client, "pcm")
+    with client.audio.speech.with_streaming_response.create(
+        model="export", voice="alloy", input="The quick brown fox.", response_format="pcm",
+        stream_format="sse",
+    ) as r:  # fmt: skip
+        assert r.headers["content-type"].startswith("text/event-stream")
+        body = r.read().decode()
+    events = [json.loads(x[6:]) for x in body.split("\n\n") if x.startswith("data: ")]
+    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
+    streamed = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert len(streamed) == len(pcm)
+    done = events[-1]
+    assert done["type"] == "speech.audio.done"
+    wav, _ = speech_bytes(client, "wav")
+    frames = -(-sf.info(io.BytesIO(wav)).frames // library.codec.samples_per_frame)
+    n_in = len(library.tokenizer("The quick brown fox.", add_special_tokens=False)["input_ids"])
+    assert done["usage"] == {"input_tokens": n_in, "output_tokens": frames *
+                             library.codec.num_streams, "total_tokens": n_in + frames *
+                             library.codec.num_streams}  # fmt: skip
+    with client.audio.speech.with_streaming_response.create(
+        model="export", voice="alloy", input="The quick brown fox.", response_format="pcm",
+        stream_format="audio",
+    ) as r:  # fmt: skip
+        assert r.headers["transfer-encoding"] == "chunked"
+        assert len(b"".join(r.iter_bytes())) == len(pcm)
+    with pytest.raises(openai.BadRequestError, match="written whole"):
+        speech_bytes(client, "mp3", stream_format="sse")
+    with pytest.raises(openai.BadRequestError, match="instructions are not supported"):
+        speech_bytes(client, "wav", instructions="Speak softly.")
+
+
+def test_transcription_formats_and_fields(server, model, library):
+    from openai.types.audio import TranscriptionVerbose
+
+    client = server["client"]
+    path = utterance(model)
+    seconds = sf.info(path).duration
+
+    def call(**kw):
+        with open(path, "rb") as f:
+            return client.audio.transcriptions.create(model="export", file=f, **kw)
+
+    text = call().text
+    verbose = call(response_format="verbose_json", language="en",
+                   timestamp_granularities=["segment"])  # fmt: skip
+    assert isinstance(verbose, TranscriptionVerbose)
+    assert verbose.text == text and verbose.language == "en"
+    assert verbose.duration == pytest.approx(seconds, abs=1e-3)
+    assert verbose.segments[0].start == 0 and verbose.segments[-1].end == pytest.approx(seconds)
+
+    def clock(t: float, sep: str) -> str:  # SubRip / WebVTT time, computed here
+        ms = round(t * 1000)
+        return (
+            f"{ms // 3600000:02d}:{ms // 60000 % 60:02d}:{ms // 1000 % 60:02d}{sep}{ms % 1000:03d}"
+        )
+
+    srt = call(response_format="srt")
+    assert srt.startswith("1\n00:00:00,000 --> ") and clock(seconds, ",") in srt and text in srt
+    vtt = call(response_format="vtt")
+    assert vtt.startswith("WEBVTT") and clock(seconds, ".") in vtt
+    assert call(temperature=0.0).text == text  # greedy, as the server's default
+    for kw, param in (({"temperature": 2.0}, "temperature"), ({"prompt": "Hello."}, "prompt"),
+                      ({"timestamp_granularities": ["word"]}, "timestamp_granularities")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            call(**kw)
+        assert e.value.body["param"] == param
+
+
+def test_metrics_count_what_was_served_read_by_curl(server):
+    """GET /metrics with curl: Prometheus's text, parsed by prometheus_client's parser; the
+    speech answers grow by exactly the calls made."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        out = subprocess.run(["curl", "-sf", server["url"] + "/metrics"], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(out) for s in f.samples}  # fmt: skip
+
+    key = ("speechlm_requests_total", (("route", "/v1/audio/speech"), ("status", "200")))
+    tokens = ("speechlm_generated_tokens_total", (("task", "tts"),))
+    before = scrape()
+    for _ in range(3):
+        speech_bytes(server["client"], "wav")
+    assert eventually(lambda: scrape().get(key, 0) == before.get(key, 0) + 3)
+    after = scrape()
+    assert after[tokens] > before.get(tokens, 0)
+    assert after["speechlm_batch_size_count", (("task", "tts"),)] >= 3
+    assert ("speechlm_queue_depth", ()) in after
+
+
+def test_two_replicas_serve_one_port_and_drain(model):
+    """--replicas 2 on the CPU: two processes answer on one port (their pids in /health), the
+    metrics of either are the sum of both, SIGTERM drains both and the command exits 0."""
+    served = start(model, "--replicas", "2", "--max-frames", "10")
+    try:
+        results: list[int] = []
+
+        def call(i: int) -> None:
+            data, _ = speech_bytes(served["client"], "wav")
+            results.append(len(data))
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(results) == 8 and min(results) > 44
+        pids = set()
+        for _ in range(40):  # fresh connections: the kernel spreads them over the replicas
+            pids.add(health(served)["pid"])
+            if len(pids) == 2:
+                break
+        assert len(pids) == 2
+        text = urllib.request.urlopen(served["url"] + "/metrics", timeout=30).read().decode()
+        line = 'speechlm_requests_total{route="/v1/audio/speech",status="200"} '
+        assert float(text.split(line)[1].split()[0]) == 8
+    finally:
+        served["proc"].send_signal(signal.SIGTERM)
+        assert served["proc"].wait(60) == 0
+    assert sum("replica" in x and "serving" in x for x in served["lines"]) == 2

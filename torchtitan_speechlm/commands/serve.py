@@ -35,7 +35,9 @@ try:  # the serve extra; without it the command says what to install (``run``)
     from torchtitan_speechlm.serving.access_log import LOGGER
     from torchtitan_speechlm.serving.app import App
     from torchtitan_speechlm.serving.auth import ENV_KEY, check_exposure
-    from torchtitan_speechlm.serving.server import SpeechServer
+    from torchtitan_speechlm.serving.metrics import ServeMetrics
+    from torchtitan_speechlm.serving.replicas import Replicas
+    from torchtitan_speechlm.serving.server import SpeechServer, bind
 
     MISSING: str | None = None
 except ModuleNotFoundError as e:
@@ -45,7 +47,7 @@ except ModuleNotFoundError as e:
 
 ROUTES = (
     "POST /v1/audio/speech, POST /v1/audio/transcriptions, GET /health, GET /v1/models, "
-    "GET /v1/voices"
+    "GET /v1/voices, GET /metrics"
 )
 
 
@@ -71,22 +73,26 @@ def api_key(a: argparse.Namespace) -> str | None:
     return a.api_key or os.environ.get(ENV_KEY) or None
 
 
-def build(a: argparse.Namespace) -> tuple[SpeechServer, Batcher]:
-    """The server, bound to its port, and its batcher, not started: everything that can fail
-    at start-up (the key rule, the model, its codec, the voices, the port) has failed here, as
-    ValueError or OSError."""
+def build(a: argparse.Namespace, sock=None, device: str | None = None
+          ) -> tuple[SpeechServer, Batcher]:  # fmt: skip
+    """The server, bound to its port (or on ``sock``, a replica's), and its batcher, not
+    started: everything that can fail at start-up (the key rule, the model, its codec, the
+    voices, the port) has failed here, as ValueError or OSError."""
     key = api_key(a)
     check_exposure(a.host, key, a.no_auth)
-    loaded = load_model(a.model, a.device)
+    loaded = load_model(a.model, device or a.device)
     loaded.tokenizer, loaded.codec  # noqa: B018  (their errors now, not at the first request)
     voices = load_voices(loaded, a.voices) if a.voices else {}
     cfg = decode_config(a)
+    metrics = ServeMetrics(lambda task, rows, results: generated_tokens(loaded, task, results))
     batcher = Batcher(
         runners(loaded, cfg),
         queue_size=a.queue_size,
         max_batch=a.max_batch,
         batch_wait_s=a.batch_wait_ms / 1000,
         on_error=lambda where, e: _say(f"error: {where}: {type(e).__name__}: {_one_line(e)}"),
+        on_queue=metrics.queue_depth,
+        on_batch=metrics.batch,
     )
     app = App(
         batcher,
@@ -100,6 +106,8 @@ def build(a: argparse.Namespace) -> tuple[SpeechServer, Batcher]:
         prompt_refusal=_refusal(loaded),
         api_key=key,
         say=_say,
+        metrics=metrics,
+        usage=lambda text, samples: speech_usage(loaded, text, samples),
     )
     server = SpeechServer(
         app,
@@ -107,8 +115,26 @@ def build(a: argparse.Namespace) -> tuple[SpeechServer, Batcher]:
         a.port,
         keep_alive_s=a.keep_alive_timeout,
         header_timeout_s=a.header_timeout,
+        sock=sock,
     )
     return server, batcher
+
+
+def generated_tokens(loaded, task: str, results) -> int | None:
+    """Codec tokens a tts batch generated (frames x codebooks, from its rows' sample
+    counts); None for asr (its output is text)."""
+    if task != "tts":
+        return None
+    codec = loaded.codec
+    frames = sum(-(-int(n) // int(codec.samples_per_frame)) for n in results)
+    return frames * int(codec.num_streams)
+
+
+def speech_usage(loaded, text: str, samples: int | None) -> dict:
+    """OpenAI's usage of a speech answer: the text's tokens in, the codec tokens out."""
+    n_in = len(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+    n_out = generated_tokens(loaded, "tts", [samples or 0]) or 0
+    return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
 
 
 def _log_to_stdout() -> None:
@@ -127,11 +153,22 @@ def run(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if a.replicas < 1:
+        print(f"torchtitan serve: error: --replicas {a.replicas}: at least 1", file=sys.stderr)
+        return 2
+    if a.replicas > 1:
+        return run_replicas(a)
     try:
         server, batcher = build(a)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"torchtitan serve: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    return serve_until_stopped(a, server, batcher)
+
+
+def serve_until_stopped(a: argparse.Namespace, server: SpeechServer, batcher: Batcher,
+                        ready=None, index: int | None = None) -> int:  # fmt: skip
+    """Serve until SIGTERM / Ctrl-C, then drain; a replica reports ready on ``ready``."""
     _log_to_stdout()
     app = server.app
     batcher.start()
@@ -146,10 +183,14 @@ def run(a: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
     thread.start()
-    _say(f"torchtitan serve: {app.model_name} on {server.url} ({ROUTES})")
-    if app.voices:
+    if ready is not None:
+        ready.put((index, None))
+        _say(f"replica {index} (pid {os.getpid()}) serving")
+    else:
+        _say(f"torchtitan serve: {app.model_name} on {server.url} ({ROUTES})")
+    if app.voices and ready is None:
         _say(f"voices: {', '.join(sorted(app.voices))}")
-    if app.api_key:
+    if app.api_key and ready is None:
         _say("API key required (Authorization: Bearer KEY) on every route but GET /health")
     while thread.is_alive() and not stop.wait(0.2):
         pass
@@ -159,6 +200,56 @@ def run(a: argparse.Namespace) -> int:
     batcher.stop()
     _say("torchtitan serve: stopped")
     return 0 if stop.is_set() else 1  # 1: the server ended by itself (its error is above)
+
+
+def run_replicas(a: argparse.Namespace) -> int:
+    """``--replicas N``: the port bound here, N replica processes serving it
+    (serving/replicas.py), the drain on SIGTERM / Ctrl-C."""
+    key = api_key(a)
+    try:
+        check_exposure(a.host, key, a.no_auth)
+        sock = bind(a.host, a.port)
+    except (ValueError, OSError) as e:
+        print(f"torchtitan serve: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    replicas = Replicas(a.replicas, sock, replica_main, a, a.device, say=_say)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    error = replicas.start()
+    if error is not None:
+        print(f"torchtitan serve: error: {_one_line(error)}", file=sys.stderr)
+        return 2
+    name = os.path.basename(os.path.normpath(os.path.abspath(a.model)))
+    _say(f"torchtitan serve: {name} on {url} ({ROUTES}; {a.replicas} replicas)")
+    if key:
+        _say("API key required (Authorization: Bearer KEY) on every route but GET /health")
+    watcher = threading.Thread(target=replicas.watch, daemon=True)
+    watcher.start()
+    stop.wait()
+    _say("torchtitan serve: stopping: each replica finishes its requests in flight")
+    status = replicas.stop()
+    sock.close()
+    _say("torchtitan serve: stopped")
+    return status
+
+
+def replica_main(a: argparse.Namespace, sock, index: int, device: str, threads: int,
+                 ready) -> None:  # fmt: skip
+    """One replica process (spawned): its model on ``device``, the shared socket, served
+    until SIGTERM; its start-up error goes to ``ready``."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        server, batcher = build(a, sock=sock, device=device)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        ready.put((index, _one_line(e)))
+        sys.exit(2)
+    sys.exit(serve_until_stopped(a, server, batcher, ready, index))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds a request waits for the model worker before it fails with 500 (600)",
     )
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="server processes behind the one port, each its own model on its own device: "
+        "--device cuda gives replica i cuda:i, a list (cuda:0,cuda:2) one each in turn, cpu "
+        "shares the cores out (1)",
+    )
     t = p.add_argument_group("slow clients (seconds)")
     for flag, default, what in SLOW_CLIENT_TIMEOUTS:
         t.add_argument(flag, type=float, default=default, help=f"{what} ({default:g})")

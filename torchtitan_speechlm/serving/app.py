@@ -2,13 +2,15 @@
 
 Routes (docs/serving.md):
 
-- ``POST /v1/audio/speech``: JSON (``SpeechRequest``) -> speech in ``response_format``
-  (serving/formats.py; wav), whole or, with ``"stream": true``, ``?stream=1`` or
-  ``"stream_format": "audio"``, chunked as it is generated; ``voice`` (one of ``--voices``) or
+- ``POST /v1/audio/speech``: JSON (``SpeechRequest``) -> speech in ``response_format`` (wav,
+  pcm, flac, mp3, opus, aac: serving/formats.py) at ``speed``, whole or, with ``"stream":
+  true``, ``?stream=1`` or ``"stream_format": "audio"``, chunked as it is generated, or with
+  ``"stream_format": "sse"`` as OpenAI's server-sent events; ``voice`` (one of ``--voices``) or
   ``prompt_audio`` (base64 audio): a speaker prompt (serving/prompts.py);
 - ``POST /v1/audio/transcriptions``: multipart ``file`` (any rate, any channels), ``model``,
-  ``response_format`` json|text (read by python-multipart through Starlette);
-- ``GET /health``, ``GET /v1/models``, ``GET /v1/voices``.
+  ``response_format`` json|text|verbose_json|srt|vtt, ``language``, ``temperature`` (read by
+  python-multipart through Starlette);
+- ``GET /health``, ``GET /v1/models``, ``GET /v1/voices``, ``GET /metrics`` (Prometheus).
 
 The routes run on the server's event loop and never block it: decoding an upload and waiting
 for a job run on ``waiters``, a thread pool as large as the batcher's queue and one batch, so
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import threading
 import time
@@ -43,12 +46,15 @@ from torchtitan_speechlm.serving.auth import ApiKeyAuth
 from torchtitan_speechlm.serving.batcher import Batcher, Job, QueueFull
 from torchtitan_speechlm.serving.errors import ApiError
 from torchtitan_speechlm.serving.limits import BodyLimit
+from torchtitan_speechlm.serving.metrics import ServeMetrics
 from torchtitan_speechlm.serving.prompts import PromptError, Voice, request_prompt
-from torchtitan_speechlm.serving.rows import SpeechRow
+from torchtitan_speechlm.serving.rows import AsrRow, SpeechRow
 from torchtitan_speechlm.utils.audio import BadAudioError, decode_audio_bytes
 
-STREAM_FORMATS = ("audio",)
 MAX_FORM_FIELDS = 32
+ROUTES = ("/v1/audio/speech", "/v1/audio/transcriptions", "/health", "/v1/models",
+          "/v1/voices", "/metrics")  # fmt: skip
+TEMPERATURE_RANGE = (0.0, 1.0)
 
 
 class SpeechRequest(BaseModel):
@@ -65,6 +71,7 @@ class SpeechRequest(BaseModel):
     stream_format: StrictStr | None = None
     stream: Any = None
     speed: Any = None
+    instructions: Any = None
     prompt_audio: Any = None
 
 
@@ -86,6 +93,9 @@ class App:
     voices: dict[str, Voice] = field(default_factory=dict)
     prompt_refusal: str | None = None
     api_key: str | None = None
+    metrics: ServeMetrics | None = None  # GET /metrics (serving/metrics.py)
+    # a streamed answer's usage (the SSE done event): (input text, samples) -> OpenAI's usage
+    usage: Callable[[str, int], dict] = lambda text, samples: {}
     log: Callable[[str], None] = log_line
     say: Callable[[str], None] = print  # error lines
     started: float = field(default_factory=time.time)
@@ -103,6 +113,7 @@ class App:
         api.add_api_route("/health", self.health, methods=["GET"])
         api.add_api_route("/v1/models", self.models, methods=["GET"])
         api.add_api_route("/v1/voices", self.list_voices, methods=["GET"])
+        api.add_api_route("/metrics", self.metrics_text, methods=["GET"])
         api.add_exception_handler(ApiError, _answer)
         api.add_exception_handler(HTTPException, _routing_error)
         api.add_exception_handler(Exception, self._internal_error)
@@ -119,6 +130,9 @@ class App:
                     self.failed += 1
         if record.error:
             self.say(f"error: {record.method} {record.path}: {record.error}")
+        if self.metrics is not None:
+            route = record.path if record.path in ROUTES else "other"
+            self.metrics.request(route, record.status, time.perf_counter() - record.started)
         self.log(record.line())
 
     async def _internal_error(self, request: Request, exc: Exception) -> JSONResponse:
@@ -148,20 +162,14 @@ class App:
             raise ApiError(400, "you must provide the text to speak as 'input'", "input")
         if not req.input.strip():
             raise ApiError(400, "'input' is empty: give a text to speak", "input")
-        encoding = formats.speech_format(req.response_format)
-        if req.stream_format is not None and req.stream_format not in STREAM_FORMATS:
-            raise ApiError(
-                400,
-                f"stream_format {req.stream_format!r} is not supported; supported: "
-                f"{', '.join(STREAM_FORMATS)}",
-                "stream_format",
-            )
+        if str(req.instructions or "").strip():
+            raise ApiError(400, "instructions are not supported: this model takes no style "
+                                "instructions (a voice or prompt_audio sets the speaker)",
+                           "instructions", "unsupported_instructions")  # fmt: skip
         query = request.query_params.get("stream", "")
-        stream = (
-            req.stream is True
-            or req.stream_format == "audio"
-            or query.lower() in ("1", "true", "yes")
-        )
+        asked = req.stream is True or query.lower() in ("1", "true", "yes")
+        answer = formats.speech_request(req.response_format, req.speed, req.stream_format, asked)
+        stream = answer.stream is not None
         args = (raw, self.voices, self.prompt_refusal, self.sample_rate)
         try:  # an uploaded prompt is decoded off the event loop; a voice is a lookup
             uploaded = raw.get("prompt_audio") is not None
@@ -175,19 +183,22 @@ class App:
         if not stream:
             audio = await self.off_loop(_all, pieces)
             samples = np.concatenate(audio) if audio else np.zeros(0, np.float32)
-            return Response(encoding.whole(samples, self.sample_rate),
-                            media_type=encoding.content_type)  # fmt: skip
+            body = await self.off_loop(answer.whole, samples, self.sample_rate)
+            return Response(body, media_type=answer.content_type)
         first = await self.off_loop(_next, pieces)  # the row's errors still get their status
+        writer = answer.pieces(self.sample_rate, lambda: self.usage(req.input, job.value))
         return StreamingResponse(
-            self._streamed(encoding, first, pieces), media_type=encoding.content_type
+            self._streamed(writer, first, pieces), media_type=answer.content_type
         )
 
-    async def _streamed(self, encoding, first, pieces: Iterator) -> AsyncIterator[bytes]:
-        yield encoding.stream_start(self.sample_rate)
+    async def _streamed(self, writer, first, pieces: Iterator) -> AsyncIterator[bytes]:
         piece = first
         while piece is not None:
-            yield encoding.stream_piece(piece)
+            data = writer.feed(piece)
+            if data:
+                yield data
             piece = await self.off_loop(_next, pieces)
+        yield writer.close()
 
     async def transcriptions(self, request: Request) -> Response:
         content_type = request.headers.get("content-type", "")
@@ -204,7 +215,10 @@ class App:
                     raise ApiError(
                         400, "you must provide an audio file as the form field 'file'", "file"
                     )
-                encoding = formats.transcript_format(form.get("response_format"))
+                answer = formats.transcript_request(
+                    form.get("response_format"), form.get("language")
+                )
+                temperature = _transcription_options(form)
                 name = upload.filename or "file"
                 data = await upload.read()
         except (MultiPartException, HTTPException) as e:
@@ -218,9 +232,10 @@ class App:
                 400, f"the file {name!r} is not audio this server can read: {reason}", "file",
                 "invalid_audio",
             ) from None  # fmt: skip
-        job = self.submit(request, "asr", wave)
+        job = self.submit(request, "asr", AsrRow(wave, temperature))
         text = await self.off_loop(_result, job, self.request_timeout_s)
-        return Response(encoding.encode(text), media_type=encoding.content_type)
+        body = answer.encode(text, len(wave) / self.upload_rate)
+        return Response(body, media_type=answer.content_type)
 
     async def health(self) -> JSONResponse:
         with self._lock:
@@ -233,12 +248,20 @@ class App:
             "requests_failed": failed,
             "sample_rate": self.sample_rate,
             "uptime_s": round(time.time() - self.started, 1),
+            "pid": os.getpid(),  # which replica answered (serving/replicas.py)
         })  # fmt: skip
 
     async def models(self) -> JSONResponse:
         entry = {"id": self.model_name, "object": "model", "created": int(self.started),
                  "owned_by": "torchtitan-speechlm"}  # fmt: skip
         return JSONResponse({"object": "list", "data": [entry]})
+
+    async def metrics_text(self) -> Response:
+        """Prometheus's text format (serving/metrics.py); 404 without metrics."""
+        if self.metrics is None:
+            raise ApiError(404, "this server keeps no metrics", code="not_found")
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
 
     async def list_voices(self) -> JSONResponse:
         """``--voices``, one entry each (none without it: ``voice`` is then ignored)."""
@@ -258,6 +281,34 @@ class App:
         if record is not None:
             record.job = job  # the access log names the batch it ran in
         return job
+
+
+def _transcription_options(form) -> float | None:
+    """OpenAI's transcription fields beyond the format: ``temperature`` (the text's sampling
+    temperature for this request, 0-1; none: the server's), and refusals of what this model
+    cannot do, so that nothing asked for is silently dropped: a ``prompt`` (it takes no text
+    context), word timestamps, a streamed transcript."""
+    if str(form.get("prompt") or "").strip():
+        raise ApiError(400, "prompt is not supported: this model transcribes without a text "
+                            "context; leave prompt out", "prompt", "unsupported_prompt")  # fmt: skip
+    grains = form.getlist("timestamp_granularities[]") + form.getlist("timestamp_granularities")
+    if any(g != "segment" for g in grains):
+        raise ApiError(400, f"timestamp_granularities {grains}: only 'segment' is supported "
+                            "(verbose_json's segments); this model has no word timing",
+                       "timestamp_granularities")  # fmt: skip
+    if str(form.get("stream") or "").lower() in ("true", "1"):
+        raise ApiError(400, "stream is not supported for transcriptions: the transcript comes "
+                            "whole", "stream")  # fmt: skip
+    raw = form.get("temperature")
+    if raw in (None, ""):
+        return None
+    try:
+        t = float(raw)
+    except (TypeError, ValueError):
+        t = float("nan")
+    if not TEMPERATURE_RANGE[0] <= t <= TEMPERATURE_RANGE[1]:
+        raise ApiError(400, f"temperature {raw!r} must be a number from 0 to 1", "temperature")
+    return t
 
 
 def _row_error(e: Exception) -> ApiError:

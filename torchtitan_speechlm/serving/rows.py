@@ -1,6 +1,6 @@
 """What a request thread hands the model worker (serving/batcher.py payloads): a speech row is
-a ``SpeechRow``; a transcription row is the upload's float32 mono waveform, already at
-``generation.tasks.input_rate`` (decoded, resampled, downmixed by the request thread)."""
+a ``SpeechRow``; a transcription row an ``AsrRow``, the upload's float32 mono waveform already
+at ``generation.tasks.input_rate`` (decoded, resampled, downmixed by the request thread)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,12 @@ class SpeechRow:
     stream: bool = False  # the response streams: emit the samples as they are generated
     prompt: np.ndarray | None = field(default=None, compare=False)  # codes [F, N] (a voice)
     prompt_wave: np.ndarray | None = field(default=None, compare=False)  # prompt_audio
+
+
+@dataclass(frozen=True)
+class AsrRow:
+    """One transcription request: its waveform, and its sampling temperature (None: the
+    server's); rows of one temperature are transcribed in one call."""
+
+    wave: np.ndarray = field(compare=False)
+    temperature: float | None = None

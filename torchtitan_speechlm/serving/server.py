@@ -88,9 +88,11 @@ class SpeechServer:
         keep_alive_s: float = 5.0,
         header_timeout_s: float = 10.0,
         limit_concurrency: int | None = None,
+        sock: socket.socket | None = None,
     ):
         self.app = app
-        self.socket = bind(host, port)
+        # ``sock``: bound already (the replicas of serving/replicas.py share one)
+        self.socket = sock if sock is not None else bind(host, port)
         queue = app.batcher.queue_size + app.batcher.max_batch
         config = uvicorn.Config(
             app.asgi(),

@@ -9,14 +9,16 @@ generation/tasks.py, on the worker thread only.
   whose blocks go to the row's job as they come. The other rows are decoded whole once the batch
   ends (``tasks.decode_audio``, together) and emitted as one piece, the exact audio ``torchtitan
   generate`` writes. Each row's result is its sample count.
-- ``asr``: payloads are float32 mono waveforms at ``tasks.input_rate(loaded)``; one
-  ``tasks.transcribe_waves`` call (``asr_wave`` through a continuous audio encoder, else one
-  ``codec.encode`` of the batch and ``asr``); results are the transcripts.
+- ``asr``: payloads are ``AsrRow``s, float32 mono waveforms at ``tasks.input_rate(loaded)``;
+  one ``tasks.transcribe_waves`` call per temperature asked (``asr_wave`` through a continuous
+  audio encoder, else one ``codec.encode`` of the rows and ``asr``); results are the
+  transcripts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -25,7 +27,7 @@ from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import Loaded
 from torchtitan_speechlm.generation.streaming import AudioStream
 from torchtitan_speechlm.serving.batcher import Runner
-from torchtitan_speechlm.serving.rows import SpeechRow
+from torchtitan_speechlm.serving.rows import AsrRow, SpeechRow
 
 
 def speak(
@@ -75,13 +77,27 @@ def prompt_codes(loaded: Loaded, row: SpeechRow) -> np.ndarray | None:
     return None
 
 
+def transcribe(loaded: Loaded, rows: list[AsrRow], cfg: DecodeConfig) -> list[str]:
+    """Every row's transcript: one ``tasks.transcribe_waves`` call per temperature asked (the
+    server's for rows that ask none)."""
+    out: list[str] = [""] * len(rows)
+    temps = [cfg.text.temperature if r.temperature is None else r.temperature for r in rows]
+    for t in dict.fromkeys(temps):
+        idx = [i for i, ti in enumerate(temps) if ti == t]
+        run = replace(cfg, text=replace(cfg.text, temperature=t))
+        for i, text in zip(idx, tasks.transcribe_waves(loaded, [rows[i].wave for i in idx], run),
+                           strict=True):  # fmt: skip
+            out[i] = text
+    return out
+
+
 def runners(loaded: Loaded, cfg: DecodeConfig) -> dict[str, Runner]:
     """The batcher's runners of the two tasks."""
 
     def tts(rows: list, emit) -> list[int]:
         return speak(loaded, list(rows), cfg, emit)
 
-    def asr(waves: list, emit) -> list[str]:
-        return tasks.transcribe_waves(loaded, list(waves), cfg)
+    def asr(rows: list, emit) -> list[str]:
+        return transcribe(loaded, list(rows), cfg)
 
     return {"tts": tts, "asr": asr}

@@ -49,8 +49,8 @@ class FakeModel:
                 self.gate.wait(10)
         return [100 * len(t) for t in texts]
 
-    def asr(self, waves, emit):
-        return [f"{len(w)} samples" for w in waves]
+    def asr(self, rows, emit):
+        return [f"{len(r.wave)} samples" for r in rows]
 
 
 @pytest.fixture
