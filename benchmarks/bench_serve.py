@@ -197,6 +197,16 @@ def speak(conn: http.client.HTTPConnection, text: str) -> None:
         raise RuntimeError(f"speech answered {r.status}: {data[:300]!r}")
 
 
+def run_threads(threads: list[threading.Thread]) -> float:
+    """Start the client threads, wait for all: the wall time."""
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def level(server: Server, clients: int, requests: int) -> dict:
     """``requests`` speech requests from ``clients`` threads, closed loop."""
     before = server.health()
@@ -222,13 +232,7 @@ def level(server: Server, clients: int, requests: int) -> dict:
             with lock:
                 latencies.append(time.perf_counter() - t)
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_threads([threading.Thread(target=client) for _ in range(clients)])
     if errors:
         raise SystemExit(f"{len(errors)} requests failed at {clients} clients: {errors[0]}")
     after = server.health()
@@ -312,13 +316,7 @@ def burst(server: Server, clients: int, each: int) -> dict:
     stop = threading.Event()
     watcher = threading.Thread(target=watch, args=(stop,), daemon=True)
     watcher.start()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_threads([threading.Thread(target=client, args=(c,)) for c in range(clients)])
     stop.set()
     after = server.health()
     served = after.get("requests_served", 0) - before.get("requests_served", 0)

@@ -85,39 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- our side (this repository's environment) ---------------------------------------------------
 def flatten_model(shape: str, backbone: str = "hf"):
-    import torch
-    import transformers
-
-    from torchtitan_speechlm.model.args import SpeechLMModelArgs
-    from torchtitan_speechlm.model.model import SpeechLM
-    from torchtitan_speechlm.model.vocab import VocabLayout
+    """A randomly initialised flatten-pattern SpeechLM of ``SHAPES[shape]`` over a Llama config
+    (the native backbone's family too), benchmarks/bench_common.py's builder."""
+    from bench_common import build_speechlm
 
     h, layers, heads, kv, ffn, text, n, c = SHAPES[shape]
-    cfg = transformers.LlamaConfig(  # a Llama: the native backbone's family too
-        vocab_size=text,
-        hidden_size=h,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=h // heads,
-        max_position_embeddings=8192,
-    )
-    d = tempfile.mkdtemp()
-    cfg.save_pretrained(d)
-    layout = VocabLayout(text_size=text, num_streams=n, codebook_size=c)
-    args = SpeechLMModelArgs(
-        hf_assets_path=d,
-        backbone_config=cfg.to_dict(),
-        vocab=layout.to_dict(),
-        load_weights=False,
-        pattern="flatten",
-        backbone=backbone,
-    )
-    with torch.device("meta"):
-        model = SpeechLM(args)
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model, _ = build_speechlm("cpu", hidden=h, layers=layers, heads=heads, kv=kv, ffn=ffn,
+                              text=text, streams=n, codebook=c, backbone=backbone,
+                              family="llama", pattern="flatten")  # fmt: skip
     return model.eval()
 
 
