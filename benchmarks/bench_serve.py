@@ -10,7 +10,8 @@ work per request, whatever the model would choose), greedy, on the CPU. The CLI 
 Python, imports torch, loads the model, speaks, writes the wav); the server is started once
 (not timed), warmed up with 2 requests, then each concurrency level sends --requests requests
 from that many client threads in a closed loop (each thread its own keep-alive connection).
-The server's /health before and after each level gives its batches and mean batch size.
+The server's /metrics before and after each level gives its batches and mean batch size
+(summed over ``--replicas``).
 Then, on the same server: ``--slow-clients`` connections send a request's headers and then
 nothing for ``--slow-seconds`` (the server's ``--body-timeout``, then answers them 408) while the first level runs again
 (its p95 beside the one without them); and a ``--burst`` of 64 clients x 5 requests, each on a
@@ -159,6 +160,17 @@ class Server:
         conn.request("GET", "/health")
         return json.loads(conn.getresponse().read())
 
+    def counters(self) -> dict:
+        """Speech answered and tts batches run, from /metrics: the sums over every replica
+        (/health is the answering replica's own)."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        want = {"served": 'speechlm_requests_total{route="/v1/audio/speech",status="200"} ',
+                "batches": 'speechlm_batch_size_count{task="tts"} '}  # fmt: skip
+        return {k: float(text.split(v)[1].split()[0]) if v in text else 0.0
+                for k, v in want.items()}  # fmt: skip
+
     def rss_mb(self) -> float:
         """Resident memory of the server and its replica processes (MB)."""
         pids = [self.proc.pid] + children(self.proc.pid)
@@ -209,7 +221,7 @@ def run_threads(threads: list[threading.Thread]) -> float:
 
 def level(server: Server, clients: int, requests: int) -> dict:
     """``requests`` speech requests from ``clients`` threads, closed loop."""
-    before = server.health()
+    before = server.counters()
     latencies: list[float] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -235,8 +247,8 @@ def level(server: Server, clients: int, requests: int) -> dict:
     wall = run_threads([threading.Thread(target=client) for _ in range(clients)])
     if errors:
         raise SystemExit(f"{len(errors)} requests failed at {clients} clients: {errors[0]}")
-    after = server.health()
-    batches = after["batches_run"] - before["batches_run"]
+    after = server.counters()
+    batches = int(after["batches"] - before["batches"])
     return {
         "clients": clients,
         **summary(latencies, wall),
@@ -275,7 +287,7 @@ def burst(server: Server, clients: int, each: int) -> dict:
     """``clients`` threads send ``each`` requests, each on a fresh connection with its own
     text; every request must be answered once with speech (a 503 is retried after its
     Retry-After); the server's counters must grow by exactly the requests answered."""
-    before = server.health()
+    before = server.counters()
     rss_before = server.rss_mb()
     answered: dict[str, int] = {}
     retried, errors, lock, peak = [0], [], threading.Lock(), [rss_before]
@@ -318,8 +330,7 @@ def burst(server: Server, clients: int, each: int) -> dict:
     watcher.start()
     wall = run_threads([threading.Thread(target=client, args=(c,)) for c in range(clients)])
     stop.set()
-    after = server.health()
-    served = after.get("requests_served", 0) - before.get("requests_served", 0)
+    served = int(server.counters()["served"] - before["served"])
     return {
         "clients": clients, "requests_each": each, "wall_s": round(wall, 1),
         "answered_once": sum(1 for v in answered.values() if v == 1),
