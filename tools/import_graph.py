@@ -65,8 +65,8 @@ LAYERS: tuple[Layer, ...] = (
         "evaluation": "scoring a model with the judges on held-out data; the listening page",
     }),
     Layer("serving", {
-        "serving": "`torchtitan serve`'s server: OpenAI's audio routes over the standard "
-        "library's HTTP server, the model worker's queue and dynamic batching, form uploads, wav",
+        "serving": "`torchtitan serve`'s server: OpenAI's audio routes on FastAPI + uvicorn, "
+        "the model worker's queue and dynamic batching, response formats, metrics, replicas",
     }),
     Layer("components", {
         "components": "what torchtitan's loop calls: the data loader, loss, metrics, "
