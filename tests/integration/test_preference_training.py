@@ -169,6 +169,7 @@ def test_tensor_parallel_trains_the_same_steps_as_one_rank(native):
     assert_same_steps_as_one_rank(native, "tp", TP, nproc=2)
 
 
+@pytest.mark.long  # a second layout beside TP's equivalence (make faults)
 def test_a_pipeline_trains_the_same_steps_as_one_rank(native):
     """PP=2 (1F1B, one row per microbatch) equals one process: each microbatch finds its
     pairs from its rows, and the reference pass runs through the schedule."""

@@ -286,6 +286,7 @@ def test_a_folder_that_is_not_a_speechlm_ends_the_command_with_one_line(tmp_path
         assert time.monotonic() - t < 30
 
 
+@pytest.mark.long  # its own server (~11 s): make faults
 def test_sigterm_drains_the_requests_in_flight_and_exits_0(model):
     """One worker, batches of one, 300 frames a request: a streamed request runs, a second
     waits in the queue; SIGTERM; both get their whole 200, and the process exits 0."""
@@ -506,6 +507,7 @@ def test_metrics_count_what_was_served_read_by_curl(server):
     assert ("speechlm_queue_depth", ()) in after
 
 
+@pytest.mark.long  # a second server of two processes (~14 s): make faults
 def test_two_replicas_serve_one_port_and_drain(model):
     """--replicas 2 on the CPU: two processes answer on one port (their pids in /health), the
     metrics of either are the sum of both, SIGTERM drains both and the command exits 0."""
