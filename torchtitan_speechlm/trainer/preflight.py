@@ -76,8 +76,10 @@ def check_dump_folder(job_config) -> None:
     nothing behind). A rank of a multi-rank job (``WORLD_SIZE`` > 1: torchrun or srun starting
     ``torchtitan train`` on every rank) keeps the folders: its peers probe the same folders at
     the same time, and one rank's clean-up removed the folder under another's probe (a fresh run
-    folder on shared storage, the normal case on a cluster, failed "not writable")."""
-    keep = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    folder on shared storage, the normal case on a cluster, failed "not writable"). srun
+    without torchrun probes before its variables become ``WORLD_SIZE``, so ``SLURM_NTASKS``
+    counts too (a rank's probe once found the checkpoint folder removed by its peer's)."""
+    keep = any(int(os.environ.get(k, "1")) > 1 for k in ("WORLD_SIZE", "SLURM_NTASKS"))
     folders = [job_config.job.dump_folder]
     if job_config.checkpoint.enable:
         folders.append(checkpoint_folder(job_config))

@@ -399,11 +399,12 @@ def test_unwritable_dump_folder_is_refused_and_probing_leaves_nothing(tmp_path):
             check_dump_folder(cfg(ro / "run"))
 
 
-def _probe_as_rank(dump: str, start, out) -> None:
+def _probe_as_rank(dump: str, start, out, world_key: str) -> None:
     """One rank of an 8-rank job: wait for the others, then probe the (missing) dump folder."""
     from torchtitan_speechlm.trainer.preflight import check_dump_folder
 
-    os.environ["WORLD_SIZE"] = "8"
+    os.environ.pop("WORLD_SIZE", None)
+    os.environ[world_key] = "8"
     cfg = SimpleNamespace(
         job=SimpleNamespace(dump_folder=dump),
         checkpoint=SimpleNamespace(enable=True, folder="checkpoint"),
@@ -416,17 +417,21 @@ def _probe_as_rank(dump: str, start, out) -> None:
         out.put(str(e))
 
 
-def test_ranks_probing_a_new_dump_folder_together_all_pass_and_keep_it(tmp_path):
+@pytest.mark.parametrize("world_key", ["WORLD_SIZE", "SLURM_NTASKS"])
+def test_ranks_probing_a_new_dump_folder_together_all_pass_and_keep_it(tmp_path, world_key):
     """Proves: 8 ranks starting at once on a dump folder that does not exist yet (a fresh run
     folder on shared storage) all pass the probe, 6 rounds in a row, and the folders stay for
-    the run (one rank's clean-up used to delete the folder under another's probe)."""
+    the run (one rank's clean-up used to delete the folder under another's probe), under
+    torchrun's variables and under srun's without torchrun (SLURM_NTASKS only: the probe runs
+    before they are mapped; tests/integration/test_cluster.py once failed so)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     for round_ in range(6):
         dump = str(tmp_path / f"r{round_}" / "run")
         start, out = ctx.Barrier(8), ctx.Queue()
-        ranks = [ctx.Process(target=_probe_as_rank, args=(dump, start, out)) for _ in range(8)]
+        ranks = [ctx.Process(target=_probe_as_rank, args=(dump, start, out, world_key))
+                 for _ in range(8)]  # fmt: skip
         for p in ranks:
             p.start()
         results = [out.get(timeout=60) for _ in ranks]
