@@ -16,10 +16,8 @@ import torch
 def reference_per_frame(doc: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """float32 [B, T]: each frame's document's reference log-prob ``ref[d // 2, d % 2]`` (NaN
     off documents or where ``ref`` has none)."""
-    flat = ref.float().reshape(-1)
-    at = doc.clamp(min=0)
-    out = flat[at.clamp(max=max(flat.numel() - 1, 0))] if flat.numel() else at.float()
-    return torch.where(doc >= 0, out, torch.full_like(out, float("nan")))
+    flat = torch.cat([ref.float().reshape(-1), ref.new_full((1,), float("nan"))])
+    return flat[torch.where(doc >= 0, doc, flat.numel() - 1)]  # -1: the NaN at the end
 
 
 def microbatch_pairs(

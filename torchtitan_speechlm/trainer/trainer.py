@@ -159,7 +159,8 @@ class SpeechLMTrainer(Trainer):
                 extra_kwargs[key] = extra_inputs.pop(key)
         if "pref_doc" in extra_inputs:  # pairs split by rows (model/pipeline_pairs.py)
             doc, ref = extra_inputs.pop("pref_doc"), extra_inputs.pop("pref_ref")
-            extra_inputs.pop("pref_pairs")
+            for key in ("pref_pairs", "pref_key"):  # [P, 2]: not split by rows, not needed
+                extra_inputs.pop(key, None)
             extra_kwargs["pref_doc"] = doc
             extra_kwargs["pref_ref_frames"] = reference_per_frame(doc, ref)
         return inputs, labels, extra_inputs, extra_kwargs
