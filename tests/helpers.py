@@ -230,13 +230,17 @@ def train_mixture(root, assets: dict, name: str, mixture: list[str], steps: int 
     return os.path.join(dump, "checkpoint", f"step-{steps}"), r.stdout + r.stderr
 
 
-def tiny_export(root, steps: int = 60, n_items: int = 4, fresh: bool = False, **backbone) -> dict:
+def tiny_export(
+    root, steps: int = 60, n_items: int = 4, fresh: bool = False, pattern: str = "delay",
+    **backbone,
+) -> dict:  # fmt: skip
     """A tiny model trained ``steps`` steps on ``n_items`` synthetic utterances (the tiny run's
     assets and config above, through `torchtitan train`) and exported with `torchtitan export`:
     ``{"export": DIR, "assets": ..., "step": ...}``. About 15 s on 2 cores at the defaults; 60
     steps are enough for ASR to give words (not the right ones) and TTS to give audio.
     ``fresh``: train in a new process (``run_train``), for callers without the test process's
-    ``OMP_NUM_THREADS=1`` (a fork after OpenMP has run can hang)."""
+    ``OMP_NUM_THREADS=1`` (a fork after OpenMP has run can hang). ``pattern``: the interleave
+    pattern (``flatten``: N model frames per audio frame, so the sequences are 400 long)."""
     import os
 
     from torchtitan_speechlm.commands.export import export
@@ -244,6 +248,13 @@ def tiny_export(root, steps: int = 60, n_items: int = 4, fresh: bool = False, **
     root = str(root)
     assets = make_tiny_run_assets(os.path.join(root, "assets"), n_items=n_items, **backbone)
     config = write_tiny_config(os.path.join(root, "tiny.toml"), assets, os.path.join(root, "run"))
+    if pattern != "delay":
+        with open(config) as f:
+            text = f.read().replace('pattern = "delay"', f'pattern = "{pattern}"')
+        if pattern == "flatten":
+            text = text.replace("seq_len = 160", "seq_len = 400")
+        with open(config, "w") as f:
+            f.write(text)
     r = run_train(
         config,
         "--training.steps", str(steps),

@@ -66,7 +66,8 @@ LAYERS: tuple[Layer, ...] = (
     }),
     Layer("serving", {
         "serving": "`torchtitan serve`'s server: OpenAI's audio routes on FastAPI + uvicorn, "
-        "the model worker's queue and dynamic batching, response formats, metrics, replicas",
+        "the model worker's queue and dynamic batching, response formats, metrics, replicas, "
+        "`--engine vllm` (a flatten model on a vLLM server)",
     }),
     Layer("components", {
         "components": "what torchtitan's loop calls: the data loader, loss, metrics, "

@@ -23,11 +23,13 @@ import sys
 import threading
 
 from torchtitan_speechlm.commands.generate import decode_config
-from torchtitan_speechlm.commands.serve_args import build_parser
+from torchtitan_speechlm.commands.serve_args import build_parser, check_engine_flags
 from torchtitan_speechlm.generation.loading import load_model
 from torchtitan_speechlm.generation.tasks import PromptRefused, check_prompted, input_rate
 from torchtitan_speechlm.serving.batcher import Batcher
 from torchtitan_speechlm.serving.speech import runners
+from torchtitan_speechlm.serving.vllm_engine import connect, refusal
+from torchtitan_speechlm.serving.vllm_process import VllmProcess
 from torchtitan_speechlm.serving.voices import load_voices
 
 SERVE_DEPS = ("fastapi", "uvicorn", "multipart", "starlette", "pydantic")
@@ -76,24 +78,62 @@ def api_key(a: argparse.Namespace) -> str | None:
 def build(a: argparse.Namespace, sock=None, device: str | None = None
           ) -> tuple[SpeechServer, Batcher]:  # fmt: skip
     """The server, bound to its port (or on ``sock``, a replica's), and its batcher, not
-    started: everything that can fail at start-up (the key rule, the model, its codec, the
-    voices, the port) has failed here, as ValueError or OSError."""
+    started: everything that can fail at start-up (the key rule, the engine's flags, the
+    model, its codec, the voices, a vLLM server, the port) has failed here, as ValueError or
+    OSError."""
     key = api_key(a)
     check_exposure(a.host, key, a.no_auth)
+    check_engine_flags(a)
     loaded = load_model(a.model, device or a.device)
     loaded.tokenizer, loaded.codec  # noqa: B018  (their errors now, not at the first request)
     voices = load_voices(loaded, a.voices) if a.voices else {}
     cfg = decode_config(a)
     metrics = ServeMetrics(lambda task, rows, results: generated_tokens(loaded, task, results))
-    batcher = Batcher(
-        runners(loaded, cfg),
-        queue_size=a.queue_size,
-        max_batch=a.max_batch,
-        batch_wait_s=a.batch_wait_ms / 1000,
-        on_error=lambda where, e: _say(f"error: {where}: {type(e).__name__}: {_one_line(e)}"),
-        on_queue=metrics.queue_depth,
-        on_batch=metrics.batch,
-    )
+    run, workers, process = engine(a, loaded, cfg)
+    try:
+        batcher = Batcher(
+            run,
+            queue_size=a.queue_size,
+            max_batch=a.max_batch,
+            batch_wait_s=a.batch_wait_ms / 1000,
+            on_error=lambda where, e: _say(f"error: {where}: {type(e).__name__}: {_one_line(e)}"),
+            on_queue=metrics.queue_depth,
+            on_batch=metrics.batch,
+            workers=workers,
+            on_stop=process.stop if process is not None else None,
+        )
+        return _server(a, sock, key, loaded, voices, metrics, batcher), batcher
+    except BaseException:
+        if process is not None:
+            process.stop()
+        raise
+
+
+def engine(a: argparse.Namespace, loaded, cfg) -> tuple[dict, int, VllmProcess | None]:
+    """The batcher's runners, its worker threads, and the vLLM server started for them (or
+    None): ``--engine ours``, our decoder on one worker; ``--engine vllm``, the model on the
+    vLLM server at --vllm-url or started with --vllm-python (serving/vllm_engine.py)."""
+    if a.engine != "vllm":
+        return runners(loaded, cfg), 1, None
+    why = refusal(loaded)
+    if why:
+        raise ValueError(why)
+    process, url = None, a.vllm_url
+    if a.vllm_python:
+        process = VllmProcess(a.vllm_python, a.vllm_work, a.vllm_kv_cache_mb, a.vllm_arg,
+                              a.vllm_start_timeout, say=_say)  # fmt: skip
+        url = process.start(loaded)
+    try:
+        run = connect(loaded, cfg, url, a.request_timeout).runners()
+    except BaseException:
+        if process is not None:
+            process.stop(keep_work=True)  # its log tells why
+        raise
+    _say(f"engine: vllm at {url} ({a.vllm_batches_in_flight} batches in flight)")
+    return run, a.vllm_batches_in_flight, process
+
+
+def _server(a, sock, key, loaded, voices, metrics, batcher) -> SpeechServer:
     app = App(
         batcher,
         os.path.basename(os.path.normpath(os.path.abspath(a.model))),
@@ -109,7 +149,7 @@ def build(a: argparse.Namespace, sock=None, device: str | None = None
         metrics=metrics,
         usage=lambda text, samples: speech_usage(loaded, text, samples),
     )
-    server = SpeechServer(
+    return SpeechServer(
         app,
         a.host,
         a.port,
@@ -117,7 +157,6 @@ def build(a: argparse.Namespace, sock=None, device: str | None = None
         header_timeout_s=a.header_timeout,
         sock=sock,
     )
-    return server, batcher
 
 
 def generated_tokens(loaded, task: str, results) -> int | None:
@@ -155,6 +194,11 @@ def run(a: argparse.Namespace) -> int:
         return 2
     if a.replicas < 1:
         print(f"torchtitan serve: error: --replicas {a.replicas}: at least 1", file=sys.stderr)
+        return 2
+    try:
+        check_engine_flags(a)
+    except ValueError as e:
+        print(f"torchtitan serve: error: {e}", file=sys.stderr)
         return 2
     if a.replicas > 1:
         return run_replicas(a)

@@ -81,8 +81,134 @@ def build_parser() -> argparse.ArgumentParser:
         "--device cuda gives replica i cuda:i, a list (cuda:0,cuda:2) one each in turn, cpu "
         "shares the cores out (1)",
     )
+    add_engine_args(p)
     t = p.add_argument_group("slow clients (seconds)")
     for flag, default, what in SLOW_CLIENT_TIMEOUTS:
         t.add_argument(flag, type=float, default=default, help=f"{what} ({default:g})")
     add_decoding_args(p)
     return p
+
+
+# --engine vllm's flags and their defaults (check_engine_flags: none of them without it)
+VLLM_DEFAULTS = {
+    "vllm_url": None,
+    "vllm_python": None,
+    "vllm_work": None,
+    "vllm_arg": None,
+    "vllm_kv_cache_mb": 256,
+    "vllm_start_timeout": 600.0,
+    "vllm_batches_in_flight": 4,
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("engine (docs/serving.md, --engine vllm)")
+    e.add_argument(
+        "--engine",
+        default="ours",
+        choices=("ours", "vllm"),
+        help="who runs the model: ours (this package's decoder; the default) or vllm (a "
+        "flatten model on a vLLM server: --vllm-url or --vllm-python)",
+    )
+    e.add_argument(
+        "--vllm-url",
+        metavar="URL",
+        help="a vLLM OpenAI-compatible server already serving this model's vllm_export folder "
+        "with the FlattenAudioMask logits processor (docs/serving.md)",
+    )
+    e.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="a Python with vLLM installed: the model is exported (vllm_export) and served by "
+        "PATH -m vllm.entrypoints.openai.api_server on a free loopback port, stopped with "
+        "this server",
+    )
+    e.add_argument(
+        "--vllm-work",
+        metavar="DIR",
+        help="with --vllm-python: where the export, vLLM's log (vllm.log) and its compile "
+        "cache go (default: a new temporary folder, removed at exit)",
+    )
+    e.add_argument(
+        "--vllm-arg",
+        action="append",
+        metavar="ARG",
+        help="with --vllm-python: one more argument for vLLM's command line, after ours "
+        "(repeat it; e.g. --vllm-arg=--enforce-eager)",
+    )
+    e.add_argument(
+        "--vllm-kv-cache-mb",
+        type=int,
+        default=VLLM_DEFAULTS["vllm_kv_cache_mb"],
+        help="with --vllm-python: vLLM's KV cache (--kv-cache-memory-bytes) in MiB (256)",
+    )
+    e.add_argument(
+        "--vllm-start-timeout",
+        type=float,
+        default=VLLM_DEFAULTS["vllm_start_timeout"],
+        help="with --vllm-python: seconds to wait for vLLM's /health (600)",
+    )
+    e.add_argument(
+        "--vllm-batches-in-flight",
+        type=int,
+        default=VLLM_DEFAULTS["vllm_batches_in_flight"],
+        help="batches sent to vLLM at once (each one HTTP request; vLLM decodes them together) (4)",
+    )
+
+
+def check_engine_flags(a: argparse.Namespace) -> None:
+    """Raise ValueError naming a flag that makes no sense with ``--engine``: the vllm flags
+    without ``--engine vllm``; with it, neither or both of --vllm-url and --vllm-python, the
+    --vllm-python flags with --vllm-url, and our decoder's flags vLLM has no use for."""
+
+    def given(name: str) -> bool:
+        return getattr(a, name) != VLLM_DEFAULTS[name]
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    if a.engine != "vllm":
+        extra = [flag(n) for n in VLLM_DEFAULTS if given(n)]
+        if extra:
+            raise ValueError(f"{', '.join(extra)}: only with --engine vllm")
+        return
+    if bool(a.vllm_url) == bool(a.vllm_python):
+        raise ValueError(
+            "--engine vllm: give --vllm-url URL (a vLLM server you started) or --vllm-python "
+            "PATH (a Python with vLLM: this command exports the model and starts it), one of them"
+        )
+    if a.vllm_url:
+        spawn_only = [flag(n) for n in VLLM_DEFAULTS
+                      if n not in ("vllm_url", "vllm_python", "vllm_batches_in_flight")
+                      and given(n)]  # fmt: skip
+        if spawn_only:
+            raise ValueError(
+                f"{', '.join(spawn_only)}: only with --vllm-python (a server at --vllm-url is "
+                "configured where it was started)"
+            )
+    if a.vllm_batches_in_flight < 1:
+        raise ValueError(f"--vllm-batches-in-flight {a.vllm_batches_in_flight}: at least 1")
+    if a.vllm_kv_cache_mb < 1:
+        raise ValueError(f"--vllm-kv-cache-mb {a.vllm_kv_cache_mb}: at least 1")
+    ours_only = {
+        "--cfg-scale": (
+            a.cfg_scale != 1.0,
+            "guidance mixes a second, unconditional sequence into each step's logits; vLLM "
+            "samples each request's sequence alone",
+        ),
+        "--no-cache": (a.no_cache, "vLLM always decodes with its paged KV cache"),
+        "--compile": (
+            a.compile != "auto",
+            "our decoder's compilation; vLLM compiles its own way (--vllm-arg=--enforce-eager "
+            "turns it off)",
+        ),
+        "--replicas": (
+            a.replicas != 1,
+            "the model's work is vLLM's, which batches every request in flight itself; give "
+            "vLLM more devices instead",
+        ),
+    }
+    for name, (bad, why) in ours_only.items():
+        if bad:
+            raise ValueError(f"{name} is not taken with --engine vllm: {why}; drop {name}, or "
+                             "serve with --engine ours")  # fmt: skip

@@ -98,34 +98,49 @@ def tts_with_ends(
     ``seeds`` and ``on_frames``: ``Decoder.audio``'s (per-row seeds; streaming).
     ``prompts_codes``: per text, a speaker prompt's codes (``speaker_prompt``; None: none),
     laid out as ``tts_prompt`` trained."""
-    b = loaded.builder
     speakers = prompts_codes or [None] * len(texts)
-    if any(p is not None for p in speakers):
-        check_prompted(loaded)
-
-    def turns(text: np.ndarray, speaker) -> list[Segment]:
-        head = [] if speaker is None else [Segment("user", "audio", b.cut_prompt(speaker))]
-        return head + [Segment("user", "text", text)]
-
-    prompts = [
-        b.prefix(turns(text_ids(loaded, t), p), "assistant", "audio")
-        for t, p in zip(texts, speakers, strict=True)
-    ]
+    prompts = tts_prompts(loaded, texts, speakers)
     uncond = None
     if cfg.cfg_scale != 1.0:
         drop = np.array([loaded.layout.special("<|cfg_drop|>") - loaded.layout.text_offset])
-        uncond = [b.prefix(turns(drop, p), "assistant", "audio") for p in speakers]
+        uncond = [loaded.builder.prefix(_tts_turns(loaded, drop, p), "assistant", "audio")
+                  for p in speakers]  # fmt: skip
     decoder = Decoder(loaded.model, cfg)
     codes = decoder.audio(_fit(loaded, prompts, cfg), uncond, seeds=seeds, on_frames=on_frames)
     return codes, decoder.ended
+
+
+def _tts_turns(loaded: Loaded, text: np.ndarray, speaker) -> list[Segment]:
+    b = loaded.builder
+    head = [] if speaker is None else [Segment("user", "audio", b.cut_prompt(speaker))]
+    return head + [Segment("user", "text", text)]
+
+
+def tts_prompts(
+    loaded: Loaded, texts: list[str], speakers: list[np.ndarray | None] | None = None
+) -> list[np.ndarray]:
+    """The TTS prompts ([T, N] frames of the training template, ending ``<|audio|>``) of each
+    text, with its speaker prompt's codes where given (checked: ``check_prompted``)."""
+    speakers = speakers or [None] * len(texts)
+    if any(p is not None for p in speakers):
+        check_prompted(loaded)
+    return [
+        loaded.builder.prefix(_tts_turns(loaded, text_ids(loaded, t), p), "assistant", "audio")
+        for t, p in zip(texts, speakers, strict=True)
+    ]
+
+
+def asr_prompts(loaded: Loaded, codes: list[np.ndarray]) -> list[np.ndarray]:
+    """The ASR prompts ([T, N] frames, ending ``<|text|>``) of each utterance's codes."""
+    b = loaded.builder
+    return [b.prefix([Segment("user", "audio", c)], "assistant", "text") for c in codes]
 
 
 def asr(
     loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig, seeds: list[int] | None = None
 ) -> list[str]:
     """The transcript of each utterance's codes."""
-    b = loaded.builder
-    prompts = [b.prefix([Segment("user", "audio", c)], "assistant", "text") for c in codes]
+    prompts = asr_prompts(loaded, codes)
     ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg), seeds=seeds)
     return [loaded.tokenizer.decode(i) for i in ids]
 
@@ -256,7 +271,11 @@ def continuation(
 
 
 def _fit(loaded: Loaded, prompts: list[np.ndarray], cfg: DecodeConfig) -> list[np.ndarray]:
-    """Refuse a prompt that leaves no room in the backbone's context."""
+    return fit_context(loaded, prompts)
+
+
+def fit_context(loaded: Loaded, prompts: list[np.ndarray]) -> list[np.ndarray]:
+    """Refuse (ValueError) a prompt that leaves no room in the backbone's context."""
     ctx = int(loaded.model.args.backbone_config.get("max_position_embeddings") or 0)
     for p in prompts:
         if ctx and len(p) + 2 > ctx:

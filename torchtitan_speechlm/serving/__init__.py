@@ -6,5 +6,7 @@ OpenAI's errors), ``formats`` (a request's response encoding) over ``audio_forma
 ``transcript_formats``, ``speed`` and ``wav``; ``batcher`` (the model worker thread, its bounded
 queue and dynamic batching), ``speech`` (the batched model calls the worker runs: TTS and ASR
 through generation/tasks.py), ``prompts`` / ``voices`` (speaker prompts), ``metrics``
-(Prometheus), ``replicas`` (``--replicas N`` processes behind one port).
+(Prometheus), ``replicas`` (``--replicas N`` processes behind one port); ``vllm_engine``
+(``--engine vllm``: the runners with the model on a vLLM server), ``vllm_process`` (the vLLM
+server ``--vllm-python`` starts) and ``vllm_plugin`` (the logits processor vLLM imports).
 """

@@ -13,6 +13,10 @@ is still running: a streamed response writes it at once. If the batched call rai
 that has emitted nothing yet runs again alone, so that one bad row fails only its own job (a
 row whose output had begun to stream fails with the batch's error: its start cannot be taken
 back). No exception of a runner ends the worker.
+
+``workers`` > 1 runs that many worker threads, each taking and running its own batches: for
+runners whose model is elsewhere (``--engine vllm``: a batch is an HTTP request, and the engine
+batches the requests in flight together); our own model has one worker.
 """
 
 from __future__ import annotations
@@ -100,9 +104,11 @@ class Batcher:
         on_error: Callable[[str, BaseException], None] | None = None,
         on_queue: Callable[[int], None] | None = None,
         on_batch: BatchHook | None = None,
+        workers: int = 1,
+        on_stop: Callable[[], None] | None = None,
     ):
-        if queue_size < 1 or max_batch < 1 or batch_wait_s < 0:
-            raise ValueError("queue_size and max_batch must be >= 1, batch_wait_s >= 0")
+        if queue_size < 1 or max_batch < 1 or batch_wait_s < 0 or workers < 1:
+            raise ValueError("queue_size, max_batch and workers must be >= 1, batch_wait_s >= 0")
         self.runners = dict(runners)
         self.queue_size, self.max_batch, self.batch_wait_s = queue_size, max_batch, batch_wait_s
         self.on_error = on_error or (lambda where, e: None)
@@ -112,7 +118,10 @@ class Batcher:
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self.workers = workers
+        self.on_stop = on_stop  # after the workers stop: release what the runners hold
+        self._threads: list[threading.Thread] = []
+        self._counts = threading.Lock()
         self.batches_run = 0
         self.rows_run = 0
         self.largest_batch = 0
@@ -152,25 +161,31 @@ class Batcher:
 
     # ---- the worker --------------------------------------------------------------------------
     def start(self) -> Batcher:
-        self._thread = threading.Thread(target=self._work, name="model-worker", daemon=True)
-        self._thread.start()
+        names = ["model-worker"] if self.workers == 1 else [
+            f"model-worker-{i}" for i in range(self.workers)
+        ]  # fmt: skip
+        self._threads = [threading.Thread(target=self._work, name=n, daemon=True) for n in names]
+        for t in self._threads:
+            t.start()
         return self
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop after the batch in progress; the jobs still queued fail."""
+        """Stop after the batches in progress; the jobs still queued fail; then ``on_stop``."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        for t in self._threads:
+            t.join(timeout)
         with self._cond:
             left, self._pending = list(self._pending), deque()
         for job in left:
             job.fail(RuntimeError("the server is shutting down"))
+        if self.on_stop is not None:
+            self.on_stop()
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
     def next_batch(self) -> list[Job]:
         """Block for the oldest job, then gather up to ``max_batch`` jobs of its task, waiting
@@ -199,9 +214,10 @@ class Batcher:
     def run_batch(self, batch: list[Job]) -> None:
         """One batched runner call for ``batch`` (one task), with the per-row fallback."""
         runner = self.runners[batch[0].task]
-        self.batches_run += 1
-        self.rows_run += len(batch)
-        self.largest_batch = max(self.largest_batch, len(batch))
+        with self._counts:
+            self.batches_run += 1
+            self.rows_run += len(batch)
+            self.largest_batch = max(self.largest_batch, len(batch))
         for job in batch:
             job.batch_size = len(batch)
         emitted: set[int] = set()
@@ -223,7 +239,8 @@ class Batcher:
                 if row in emitted:
                     job.fail(e)
                 else:
-                    self.rows_retried_alone += 1
+                    with self._counts:
+                        self.rows_retried_alone += 1
                     self._run_alone(runner, job)
             return
         self.on_batch(batch[0].task, payloads, results, time.perf_counter() - t0, 0)

@@ -181,3 +181,33 @@ def test_stop_fails_the_queued_jobs():
     with pytest.raises(RuntimeError, match="shutting down"):
         queued.result(5)
     assert not b.alive
+
+
+def test_several_workers_run_batches_at_once_and_on_stop_comes_last():
+    """``workers=2`` (``--engine vllm``: a batch is an HTTP request): a second batch runs while
+    the first is still inside its runner (one worker would wait); ``on_stop`` is called once
+    the workers have stopped."""
+    started, release, events = [], threading.Event(), []
+
+    def runner(payloads, emit):
+        started.append(list(payloads))
+        release.wait(10)
+        return [p.upper() for p in payloads]
+
+    b = Batcher({"tts": runner}, max_batch=1, batch_wait_s=0, workers=2,
+                on_stop=lambda: events.append(("stopped", b.alive)))  # fmt: skip
+    b.start()
+    jobs = [b.submit("tts", p) for p in "ab"]
+    deadline = time.monotonic() + 10
+    while len(started) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(map(tuple, started)) == [("a",), ("b",)]  # both inside the runner at once
+    release.set()
+    assert [j.result(10) for j in jobs] == ["A", "B"]
+    b.stop()
+    assert events == [("stopped", False)]
+    single = Batcher({"tts": runner}, workers=1)
+    assert single.start().alive and len(single._threads) == 1
+    single.stop()
+    with pytest.raises(ValueError, match="workers"):
+        Batcher({"tts": runner}, workers=0)
