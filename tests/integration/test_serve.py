@@ -286,6 +286,22 @@ def test_a_folder_that_is_not_a_speechlm_ends_the_command_with_one_line(tmp_path
         assert time.monotonic() - t < 30
 
 
+def test_engine_vllm_refuses_a_delay_model_and_flags_it_cannot_take(model, capsys):
+    """`--engine vllm` on this (delay) model ends at start with one line naming the fix, before
+    any vLLM is reached; flags that make no sense with it end before the model loads
+    (tests/unit/serving/test_vllm_engine.py: every refusal; tests/integration/test_serve_vllm.py:
+    a real vLLM)."""
+    base = ["serve", "--model", model["export"], "--port", "0", "--engine", "vllm"]
+    assert cli.main([*base, "--vllm-url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # (after transformers' progress bar)
+    assert err.startswith("torchtitan serve: error: --engine vllm cannot serve "), err
+    assert "pattern 'delay'" in err and "--engine ours" in err, err
+    assert cli.main([*base, "--vllm-url", "http://127.0.0.1:9", "--cfg-scale", "2"]) == 2
+    assert "--cfg-scale is not taken with --engine vllm" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", model["export"], "--vllm-url", "http://x"]) == 2
+    assert "only with --engine vllm" in capsys.readouterr().err
+
+
 @pytest.mark.long  # its own server (~11 s): make faults
 def test_sigterm_drains_the_requests_in_flight_and_exits_0(model):
     """One worker, batches of one, 300 frames a request: a streamed request runs, a second

@@ -78,8 +78,8 @@ class VllmProcess:
         self.python, self.kv_cache_mb, self.extra = python, kv_cache_mb, list(extra or [])
         self.timeout_s, self.say = timeout_s, say
         self.own_work = work is None
-        self.work = work or tempfile.mkdtemp(prefix="torchtitan_serve_vllm_")
-        self.log = os.path.join(self.work, LOG_FILE)
+        self.work = work  # made by ``start`` (a new temporary folder when None)
+        self.log: str | None = None
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
         self.start_s: float | None = None
@@ -114,6 +114,10 @@ class VllmProcess:
         """Export, start vLLM, wait for its /health; the URL. ValueError on failure (the
         process stopped, its log kept and named)."""
         self.check_python()
+        if self.work is None:
+            self.work = tempfile.mkdtemp(prefix="torchtitan_serve_vllm_")
+        os.makedirs(self.work, exist_ok=True)
+        self.log = os.path.join(self.work, LOG_FILE)
         t0 = time.perf_counter()
         lm = self.export(loaded)
         self.export_s = time.perf_counter() - t0
@@ -136,7 +140,8 @@ class VllmProcess:
             self.stop(keep_work=True)
             raise
         self.start_s = time.perf_counter() - t0 - self.export_s
-        self.say(f"vllm: ready after {self.start_s:.1f} s (the export took {self.export_s:.1f} s)")
+        self.say(f"vllm: ready {self.start_s:.1f} s after its start (the export took "
+                 f"{self.export_s:.2f} s)")  # fmt: skip
         return self.url
 
     def _wait_ready(self, port: int) -> None:
@@ -187,6 +192,6 @@ class VllmProcess:
             os.killpg(self.proc.pid, signal.SIGKILL) if self.proc is not None else None
         except (ProcessLookupError, PermissionError):
             pass
-        if self.own_work and not keep_work:
+        if self.own_work and self.work and not keep_work:
             shutil.rmtree(self.work, ignore_errors=True)
         return status

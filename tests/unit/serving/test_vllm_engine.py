@@ -404,7 +404,7 @@ def test_the_vllm_process_starts_answers_and_stops(tiny, tmp_path):
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(64 << 20)
     assert seen["pythonpath"].split(os.pathsep)[0] == ve.PLUGIN_DIR
     assert url == f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
-    assert any("ready after" in s for s in said)
+    assert any(s.startswith("vllm: ready") for s in said)
     pid = proc.proc.pid
     proc.stop()
     with pytest.raises(ProcessLookupError):
@@ -423,5 +423,7 @@ def test_a_vllm_that_dies_or_never_answers_names_its_log(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"--vllm-start-timeout 1\.5 s; its log: .*vllm\.log"):
         proc.start(tiny["plain"]["loaded"])
     assert "loading" in open(proc.log).read()  # kept: the error names it
+    unstarted = VllmProcess(sys.executable, None)
     with pytest.raises(ValueError, match="cannot import vllm"):
-        VllmProcess(sys.executable, None).check_python()
+        unstarted.check_python()
+    assert unstarted.work is None  # no temporary folder before a start
