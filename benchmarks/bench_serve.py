@@ -20,7 +20,15 @@ exactly once, the server's own count equal, and the server's resident memory (it
 processes included) before, at peak and after. Last, SIGTERM: the exit status of the drain.
 Results: benchmarks/results/serve_cpu.json.
 
+``--engines ours,vllm`` (with ``--vllm-python``) compares the engines instead (docs/serving.md,
+*--engine vllm*): the model is trained with the ``flatten`` pattern (the one vLLM can serve),
+and for each engine in turn a server is started (its start timed: for vLLM the export and
+vLLM's own start), warmed up, and the concurrency levels run against it, then SIGTERM; no CLI
+baseline, slow clients or burst. Results: benchmarks/results/serve_cpu_vllm.json (each
+engine's levels, start and exit status, and vllm / ours per level).
+
     python benchmarks/bench_serve.py [--frames 50] [--requests 48] [--cli-calls 16] [--concurrency 1,4,16] [--replicas 1]
+    python benchmarks/bench_serve.py --engines ours,vllm --vllm-python /tmp/vllm_venv/bin/python --frames 25 --requests 16
 
 Smallest setting (a smoke test of the script): ``--frames 2 --requests 2 --cli-calls 1
 --concurrency 1,2 --hidden 32 --layers 1 --slow-clients 1 --slow-seconds 2 --burst 4x2
@@ -84,7 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="CLIENTSxREQUESTS each, fresh connections "
         "(503s are retried after Retry-After); '' skips it",
     )
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_cpu.json"))
+    p.add_argument(
+        "--engines",
+        default="ours",
+        help="ours (the serving benchmark above) or a comparison of engines on one flatten "
+        "model, e.g. ours,vllm",
+    )
+    p.add_argument("--vllm-python", help="with --engines ...vllm: a Python with vLLM")
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        help="the server's --vllm-arg (e.g. --vllm-arg=--enforce-eager)",
+    )
+    p.add_argument(
+        "--out",
+        help="default: benchmarks/results/serve_cpu.json, or serve_cpu_vllm.json with --engines",
+    )
     return p
 
 
@@ -95,7 +118,7 @@ def make_model(a, work: str) -> str:
     out = tiny_export(
         os.path.join(work, "model"), steps=a.steps, n_items=4, fresh=True, family="llama",
         hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.heads,
-        intermediate_size=3 * a.hidden,
+        intermediate_size=3 * a.hidden, pattern="delay" if a.engines == "ours" else "flatten",
     )  # fmt: skip
     return out["export"]
 
@@ -134,18 +157,20 @@ def cli_calls(a, model: str, work: str) -> dict:
 
 
 class Server:
-    def __init__(self, a, model: str):
+    def __init__(self, a, model: str, engine: list[str] | None = None):
         cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "serve", "--model", model,
                "--port", "0", "--max-batch", str(a.max_batch),
                "--batch-wait-ms", str(a.batch_wait_ms), "--replicas", str(a.replicas),
-               "--body-timeout", str(a.slow_seconds), *decoding(a)]  # fmt: skip
+               "--body-timeout", str(a.slow_seconds), *decoding(a), *(engine or [])]  # fmt: skip
         env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONUNBUFFERED="1")
+        t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, cwd=ROOT)  # fmt: skip
         self.lines: list[str] = []
         for line in self.proc.stdout:
             self.lines.append(line)
-            if " on http://" in line:
+            if " on http://" in line and line.startswith("torchtitan serve:"):
+                self.start_s = round(time.perf_counter() - t0, 1)
                 host_port = line.split(" on http://")[1].split()[0]
                 self.host, port = host_port.rsplit(":", 1)
                 self.port = int(port)
@@ -341,8 +366,49 @@ def burst(server: Server, clients: int, each: int) -> dict:
     }  # fmt: skip
 
 
+def compare_engines(a, model: str, levels: list[int], result: dict) -> None:
+    """Each engine of --engines on the same model in turn: its start, its levels, SIGTERM."""
+    result["engines"] = {}
+    for name in a.engines.split(","):
+        flags = ["--engine", name]
+        if name == "vllm":
+            if not a.vllm_python:
+                raise SystemExit("--engines with vllm needs --vllm-python PATH")
+            flags += ["--vllm-python", a.vllm_python]
+            flags += [f"--vllm-arg={x}" for x in a.vllm_arg or []]
+        server = Server(a, model, flags)
+        row: dict = {"start_s": server.start_s,
+                     "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+        try:
+            level(server, 1, 2)  # warm-up
+            row["levels"] = {}
+            for c in levels:
+                row["levels"][str(c)] = level(server, c, a.requests)
+                print(json.dumps({f"{name}_{c}": row["levels"][str(c)]}), flush=True)
+            row["rss_mb"] = server.rss_mb()
+        finally:
+            row["exit_status_on_sigterm"] = server.close()
+        row["startup_lines"] = [x.strip() for x in server.lines if x.startswith(("vllm", "engine"))]
+        result["engines"][name] = row
+    names = a.engines.split(",")
+    if len(names) == 2:
+        first, second = (result["engines"][n]["levels"] for n in names)
+        result["ratios"] = {
+            f"{names[1]}_over_{names[0]}_{c}": {
+                "requests_per_s": round(
+                    second[str(c)]["requests_per_s"] / first[str(c)]["requests_per_s"], 2
+                ),
+                "p95": round(second[str(c)]["p95_ms"] / first[str(c)]["p95_ms"], 2),
+            }
+            for c in levels
+        }
+        print(json.dumps({"ratios": result["ratios"]}), flush=True)
+
+
 def main(argv=None) -> None:
     a = build_parser().parse_args(argv)
+    name = "serve_cpu.json" if a.engines == "ours" else "serve_cpu_vllm.json"
+    a.out = a.out or str(ROOT / "benchmarks" / "results" / name)
     levels = [int(c) for c in a.concurrency.split(",")]
     work = a.work or tempfile.mkdtemp(prefix="bench_serve_")
     os.makedirs(work, exist_ok=True)
@@ -365,6 +431,11 @@ def main(argv=None) -> None:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],  # a shared machine
     }  # fmt: skip
+    if a.engines != "ours":
+        result["pattern"] = "flatten"
+        result["engines_compared"] = a.engines
+        compare_engines(a, model, levels, result)
+        return write(a, result)
     result["cli_sequential"] = cli_calls(a, model, work)
     print(json.dumps({"cli_sequential": result["cli_sequential"]}), flush=True)
     server = Server(a, model)
@@ -404,8 +475,12 @@ def main(argv=None) -> None:
     result["ratios"][f"cli_p50_over_serve_{levels[0]}_p50"] = round(
         cli["p50_ms"] / result["serve"][str(levels[0])]["p50_ms"], 2
     )
-    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps({"ratios": result["ratios"]}), flush=True)
+    write(a, result)
+
+
+def write(a, result: dict) -> None:
+    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
