@@ -197,8 +197,12 @@ class Server:
                 for k, v in want.items()}  # fmt: skip
 
     def rss_mb(self) -> float:
-        """Resident memory of the server and its replica processes (MB)."""
-        pids = [self.proc.pid] + children(self.proc.pid)
+        """Resident memory of the server and every process under it (its replicas; a vLLM
+        server and its engine core) (MB)."""
+        pids, todo = [], [self.proc.pid]
+        while todo:
+            pids.append(todo.pop())
+            todo += children(pids[-1])
         return round(sum(rss_kb(p) for p in pids) / 1024, 1)
 
     def close(self) -> int:

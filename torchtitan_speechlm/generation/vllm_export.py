@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -38,6 +39,9 @@ from torchtitan_speechlm.model.pretrained import write_safetensors
 from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
 
 NOTE_FILE = "speechlm_layout.json"
+# our decoder's masks as a vLLM logits processor (a standalone module), copied beside the weights:
+# PYTHONPATH=OUT vllm serve OUT --logits-processors speechlm_vllm_mask:FlattenAudioMask
+PLUGIN_FILE = os.path.join(os.path.dirname(__file__), "vllm_plugin", "speechlm_vllm_mask.py")
 NOTE_FORMAT = "torchtitan-speechlm flatten causal LM"
 NOTE_VERSION = 1
 
@@ -134,7 +138,8 @@ def hf_config(args):
 def export_flatten_lm(model, out: str, dtype=None, max_shard_bytes: int = 5 << 30) -> list[str]:
     """Write ``model`` (a flatten SpeechLM, LoRA merged) to ``out`` as a transformers
     causal-LM folder (config.json, generation_config.json, safetensors) plus
-    ``speechlm_layout.json``; returns the files written."""
+    ``speechlm_layout.json`` and ``speechlm_vllm_mask.py`` (the masks for vLLM); returns the
+    files written."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     args = model.args
@@ -165,6 +170,7 @@ def export_flatten_lm(model, out: str, dtype=None, max_shard_bytes: int = 5 << 3
     ).save_pretrained(out)
     with open(os.path.join(out, NOTE_FILE), "w") as f:
         json.dump(layout_note(args), f, indent=1)
+    shutil.copyfile(PLUGIN_FILE, os.path.join(out, os.path.basename(PLUGIN_FILE)))
     return sorted(os.listdir(out))
 
 
@@ -198,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm_export: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {a.out}: {', '.join(files)}")
+    print(
+        f"serve it: PYTHONPATH={a.out} vllm serve {a.out} --skip-tokenizer-init "
+        "--logits-processors speechlm_vllm_mask:FlattenAudioMask; then torchtitan serve "
+        f"--model {a.model} --engine vllm --vllm-url URL (docs/serving.md)"
+    )
     return 0
 
 

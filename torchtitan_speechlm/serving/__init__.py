@@ -7,6 +7,6 @@ OpenAI's errors), ``formats`` (a request's response encoding) over ``audio_forma
 queue and dynamic batching), ``speech`` (the batched model calls the worker runs: TTS and ASR
 through generation/tasks.py), ``prompts`` / ``voices`` (speaker prompts), ``metrics``
 (Prometheus), ``replicas`` (``--replicas N`` processes behind one port); ``vllm_engine``
-(``--engine vllm``: the runners with the model on a vLLM server), ``vllm_process`` (the vLLM
-server ``--vllm-python`` starts) and ``vllm_plugin`` (the logits processor vLLM imports).
+(``--engine vllm``: the runners with the model on a vLLM server) and ``vllm_process`` (the vLLM
+server ``--vllm-python`` starts; the logits processor it loads is generation/vllm_plugin/).
 """

@@ -4,7 +4,7 @@ OpenAI-compatible server (docs/serving.md, docs/vllm.md).
 
 Only a ``flatten`` model runs there: written as a plain causal LM over its extended vocabulary
 (generation/vllm_export.py), one token per step, our decoder's masks applied by vLLM through the
-``FlattenAudioMask`` logits processor (serving/vllm_plugin/speechlm_vllm_mask.py). Everything
+``FlattenAudioMask`` logits processor (generation/vllm_plugin/speechlm_vllm_mask.py). Everything
 else stays here, as our engine does it: the prompts (the training template's stream 0, speaker
 prompts included: ``tasks.tts_prompts`` / ``tasks.asr_prompts``), the codec (encoding uploads,
 decoding codes: ``tasks.decode_audio``; streamed rows through ``AudioStream``), the tokenizer
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import threading
 import urllib.parse
 from collections.abc import Callable
@@ -36,12 +35,11 @@ from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import Loaded
 from torchtitan_speechlm.generation.streaming import AudioStream
 from torchtitan_speechlm.generation.vllm_export import check_servable, layout_note
+from torchtitan_speechlm.generation.vllm_plugin import speechlm_vllm_mask as mask
 from torchtitan_speechlm.serving.batcher import Runner
 from torchtitan_speechlm.serving.rows import AsrRow, SpeechRow
 from torchtitan_speechlm.serving.speech import prompt_codes
-from torchtitan_speechlm.serving.vllm_plugin import speechlm_vllm_mask as mask
 
-PLUGIN_DIR = os.path.dirname(os.path.abspath(mask.__file__))  # on vLLM's PYTHONPATH
 LOGITS_PROCESSOR = "speechlm_vllm_mask:FlattenAudioMask"
 SERVED_NAME = "speechlm"  # --served-model-name of a vLLM this command starts
 
@@ -274,8 +272,8 @@ def check_probe(client: VllmClient, note: dict, prompt: list[int]) -> None:
         raise ValueError(
             f"--engine vllm: the vLLM server at {client.url} does not apply this model's masks "
             f"(probe ids {got}, expected {want}): serve this model's vllm_export folder with "
-            f"--skip-tokenizer-init --logits-processors {LOGITS_PROCESSOR} and "
-            f"PYTHONPATH={PLUGIN_DIR} (docs/serving.md)"
+            f"--skip-tokenizer-init --logits-processors {LOGITS_PROCESSOR} and that folder on "
+            "vLLM's PYTHONPATH (it holds speechlm_vllm_mask.py; docs/serving.md)"
         )
 
 

