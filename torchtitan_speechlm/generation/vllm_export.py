@@ -205,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {a.out}: {', '.join(files)}")
     print(
-        f"serve it: PYTHONPATH={a.out} vllm serve {a.out} --skip-tokenizer-init "
-        "--logits-processors speechlm_vllm_mask:FlattenAudioMask; then torchtitan serve "
+        f"serve it with vLLM's Python: PYTHONPATH={a.out} python -m "
+        f"vllm.entrypoints.openai.api_server --model {a.out} --skip-tokenizer-init --dtype "
+        "float32 --logits-processors speechlm_vllm_mask:FlattenAudioMask; then torchtitan serve "
         f"--model {a.model} --engine vllm --vllm-url URL (docs/serving.md)"
     )
     return 0
