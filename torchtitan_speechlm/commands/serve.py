@@ -3,6 +3,7 @@
     torchtitan serve --model DIR [--voices VOICES_DIR] [--host 127.0.0.1] [--port 8000]
         [--api-key KEY | --no-auth] [--queue-size 64] [--max-batch 8] [--batch-wait-ms 10]
         [--max-upload-mb 25] [--header-timeout 10] [--body-timeout 60] [decoding flags]
+        [--engine vllm (--vllm-url URL | --vllm-python PATH)]
 
 DIR is what ``torchtitan generate`` takes (an export or a checkpoint step folder). The server's
 dependencies (the ``serve`` extra: FastAPI, uvicorn, python-multipart), the API key rule
@@ -10,7 +11,9 @@ dependencies (the ``serve`` extra: FastAPI, uvicorn, python-multipart), the API 
 are checked before the server listens: each failure ends the command with one line and exit
 status 2. Then the URL is printed, and one JSON line per request (serving/access_log.py).
 SIGTERM or Ctrl-C drains: no new connections, the requests in flight finish, exit status 0
-(a second signal stops waiting for them: the jobs still queued fail).
+(a second signal stops waiting for them: the jobs still queued fail). ``--engine vllm`` runs a
+flatten model on a vLLM server (serving/vllm_engine.py; one it starts with --vllm-python is
+stopped after the drain).
 """
 
 from __future__ import annotations
