@@ -7,8 +7,8 @@ compared, its results written under tmp_path and never to benchmarks/results/.
 
 Not run: `bench_speaker_prompt.py` (a multi-voice espeak-ng corpus, a codec fit, training and
 three judges: 98 s at its smallest, moved out of `make faults` for CI's 40 minutes; its flags and
-pure functions are tested), `bench_preference.py` (needs a `make demo` clone; its config and
-table are tested), `bench_audio_learning.py` (two trainings of the demo's model on its espeak-ng corpus,
+pure functions are tested), `bench_preference.py` and `bench_preference_ceiling.py` (need a
+`make demo` clone; the first's config and table, the second's best-of-k figures are tested), `bench_audio_learning.py` (two trainings of the demo's model on its espeak-ng corpus,
 minutes on 2 cores; imported and its usage lines parse), `bench_learning.py` (an espeak-ng corpus, a codec fit, prepare, train, then `torchtitan
 eval` with three judges per checkpoint: 96 s even at its smallest, `--train-sentences 8
 --held-out 4 --steps 2 --eval-every 2 --eval-items 2 --hidden 32 --layers 1`, on 2 busy cores,
@@ -81,6 +81,7 @@ NOT_RUN = (
     "bench_common.py",
     "bench_learning.py",
     "bench_preference.py",
+    "bench_preference_ceiling.py",
     "bench_speaker_prompt.py",
     "gpu_check.py",
     "run_all.py",
@@ -162,7 +163,13 @@ def test_run_all_lists_existing_scripts_whose_flags_parse():
         parse(script_parser(ROOT / script), flags)
     listed = {os.path.basename(b[0]) for b in run_all.BENCHES}
     # `make bench` runs every benchmark
-    assert listed == {*SMOKE, "bench_learning.py", "bench_speaker_prompt.py", "bench_preference.py"}
+    assert listed == {
+        *SMOKE,
+        "bench_learning.py",
+        "bench_speaker_prompt.py",
+        "bench_preference.py",
+        "bench_preference_ceiling.py",
+    }
 
 
 def test_gpu_check_script_is_valid_bash_and_its_commands_parse():
@@ -289,3 +296,40 @@ def test_bench_preference_flags_config_and_table(tmp_path):
     assert f["tts:x"]["wer_reward_judge"] == 0.2 and f["asr:x"] == {"asr_wer": 0.0}
     table = bp.table({"before": f, "after": f})
     assert table.count("tts:x | ") == 2 and "| 0.300 | 0.000 | 0.200 |" in table
+
+
+def test_bench_preference_ceiling_best_of_k_against_a_direct_count():
+    """Best of k by a ranker, scored by the eval judge, ties averaged (rounded to 4 places):
+    checked against a count written out by hand on two items; mismatched draws are refused."""
+    bc = load_script(BENCHMARKS / "bench_preference_ceiling.py")
+    a = parse(
+        script_parser(BENCHMARKS / "bench_preference_ceiling.py"), "--demo . --samples 4".split()
+    )
+    assert (a.samples, a.first) == (4, 20)
+    # item u: eval WERs 0.5 0.0 1.0 0.25, own ASR 0.2 0.2 0.0 0.1, word loop 0.0 0.3 0.3 0.0
+    # item v: eval WERs 0.0 0.4 0.4 0.0, own ASR 0.0 0.0 0.5 0.0, word loop 0.1 0.1 0.1 0.1
+    ev = {"u": [0.5, 0.0, 1.0, 0.25], "v": [0.0, 0.4, 0.4, 0.0]}
+    own = {"u": [0.2, 0.2, 0.0, 0.1], "v": [0.0, 0.0, 0.5, 0.0]}
+    loop = {"u": [0.0, 0.3, 0.3, 0.0], "v": [0.1, 0.1, 0.1, 0.1]}
+    grammar = {(i, s): {"wer": ev[i][s], "self_wer": own[i][s]} for i in ev for s in range(4)}
+    looped = {(i, s): {"wer": loop[i][s], "self_wer": own[i][s]} for i in ev for s in range(4)}
+    got = bc.ceilings(grammar, looped, 4, first=1)
+    assert list(got) == ["first 1", "all 2"]
+    full = got["all 2"]
+    # k=1: sample 0 of each: (0.5 + 0.0) / 2
+    assert all(full[r][1] == 0.25 for r in full)
+    # oracle k=2: u min(0.5, 0.0) = 0, v min(0, 0.4) = 0; k=4: 0 and 0
+    assert full["eval judge (oracle)"][2] == 0.0 and full["eval judge (oracle)"][4] == 0.0
+    # own ASR k=2: u tie 0.2/0.2 -> (0.5 + 0.0) / 2 = 0.25; v tie -> (0 + 0.4) / 2 = 0.2
+    assert full["own ASR"][2] == pytest.approx((0.25 + 0.2) / 2, abs=1e-4)
+    # own ASR k=4: u sample 2 (1.0); v samples 0, 1, 3 tie -> (0 + 0.4 + 0) / 3
+    assert full["own ASR"][4] == pytest.approx((1.0 + 0.4 / 3) / 2, abs=1e-4)
+    # word loop k=4: u samples 0, 3 -> 0.375; v all tie -> 0.2
+    assert full["word loop"][4] == pytest.approx((0.375 + 0.2) / 2, abs=1e-4)
+    # both k=4: u sums 0.2 0.5 0.3 0.1 -> sample 3 (0.25); v 0.1 0.1 0.6 0.1 -> 0, 1, 3
+    assert full["own ASR + word loop"][4] == pytest.approx((0.25 + 0.4 / 3) / 2, abs=1e-4)
+    assert got["first 1"]["own ASR"][4] == 1.0  # item u alone
+    assert "own ASR | 0.250 | 0.225" in bc.table({"ceilings": got})
+    looped[("v", 2)] = {"wer": 0.1, "self_wer": 0.4}  # another sample: the draws differ
+    with pytest.raises(SystemExit, match="differs"):
+        bc.ceilings(grammar, looped, 4, first=1)
