@@ -106,7 +106,7 @@ def tts_with_ends(
         uncond = [loaded.builder.prefix(_tts_turns(loaded, drop, p), "assistant", "audio")
                   for p in speakers]  # fmt: skip
     decoder = Decoder(loaded.model, cfg)
-    codes = decoder.audio(_fit(loaded, prompts, cfg), uncond, seeds=seeds, on_frames=on_frames)
+    codes = decoder.audio(fit_context(loaded, prompts), uncond, seeds=seeds, on_frames=on_frames)
     return codes, decoder.ended
 
 
@@ -141,7 +141,7 @@ def asr(
 ) -> list[str]:
     """The transcript of each utterance's codes."""
     prompts = asr_prompts(loaded, codes)
-    ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg), seeds=seeds)
+    ids = Decoder(loaded.model, cfg).text(fit_context(loaded, prompts), seeds=seeds)
     return [loaded.tokenizer.decode(i) for i in ids]
 
 
@@ -152,7 +152,7 @@ def asr_wave(
     through the model's continuous audio encoder (the ``asr_wave`` template)."""
     waves = [w if w.dtype == np.int16 else to_int16(w) for w in waves]
     pairs = [loaded.builder.continuous_prefix(w, "assistant", "text") for w in waves]
-    prompts = _fit(loaded, [p for p, _ in pairs], cfg)
+    prompts = fit_context(loaded, [p for p, _ in pairs])
     ids = Decoder(loaded.model, cfg).text(prompts, [a for _, a in pairs], seeds=seeds)
     return [loaded.tokenizer.decode(i) for i in ids]
 
@@ -217,7 +217,7 @@ def answer_items(loaded: Loaded, items: list, cfg: DecodeConfig) -> list[str]:
         frames, waves = loaded.builder.prompt(segs, "assistant", "text", continuous)
         prompts.append(frames)
         audio.append(waves)
-    ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg), audio)
+    ids = Decoder(loaded.model, cfg).text(fit_context(loaded, prompts), audio)
     return [loaded.tokenizer.decode(i) for i in ids]
 
 
@@ -241,7 +241,7 @@ def answers(
         frames, waves = loaded.builder.prompt(segs, "assistant", "text", encoder)
         prompts.append(frames)
         audio.append(waves)
-    ids = Decoder(loaded.model, cfg).text(_fit(loaded, prompts, cfg), audio, seeds=seeds)
+    ids = Decoder(loaded.model, cfg).text(fit_context(loaded, prompts), audio, seeds=seeds)
     return [loaded.tokenizer.decode(i) for i in ids]
 
 
@@ -265,13 +265,9 @@ def continuation(
     """Each prompt's codes continued (the result starts with the prompt)."""
     prompt = loaded.builder.prefix([], "assistant", "audio")
     return Decoder(loaded.model, cfg).audio(
-        _fit(loaded, [prompt] * len(codes), cfg), known=list(codes), seeds=seeds,
+        fit_context(loaded, [prompt] * len(codes)), known=list(codes), seeds=seeds,
         on_frames=on_frames,
     )  # fmt: skip
-
-
-def _fit(loaded: Loaded, prompts: list[np.ndarray], cfg: DecodeConfig) -> list[np.ndarray]:
-    return fit_context(loaded, prompts)
 
 
 def fit_context(loaded: Loaded, prompts: list[np.ndarray]) -> list[np.ndarray]:
