@@ -221,12 +221,17 @@ def main(argv: list[str] | None = None) -> int:
         "before": results["before"],
         "after": results["after"],
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(table(report))
-    print(f"wrote {a.out}")
+    write_report(a.out, report, table(report))
     return 0
+
+
+def write_report(path: str, report: dict, text: str) -> None:
+    """The report as JSON at ``path``, and its table on stdout."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(text)
+    print(f"wrote {path}")
 
 
 def table(report: dict) -> str:

@@ -29,7 +29,7 @@ import platform
 import sys
 import time
 
-from bench_preference import ROOT, run
+from bench_preference import ROOT, run, write_report
 
 from torchtitan_speechlm.demo.speaking import console
 
@@ -125,11 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "ceilings": ceilings(scores["grammar"], scores["loop"], a.samples, a.first),
         "seconds": round(time.perf_counter() - t0, 1),
     }  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(table(report))
-    print(f"wrote {a.out}")
+    write_report(a.out, report, table(report))
     return 0
 
 

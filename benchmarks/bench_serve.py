@@ -370,6 +370,16 @@ def burst(server: Server, clients: int, each: int) -> dict:
     }  # fmt: skip
 
 
+def run_levels(server, levels: list[int], requests: int, name: str) -> dict:
+    """A warm-up, then ``requests`` requests at each concurrency level, each printed."""
+    level(server, 1, 2)  # warm-up
+    out = {}
+    for c in levels:
+        out[str(c)] = level(server, c, requests)
+        print(json.dumps({f"{name}_{c}": out[str(c)]}), flush=True)
+    return out
+
+
 def compare_engines(a, model: str, levels: list[int], result: dict) -> None:
     """Each engine of --engines on the same model in turn: its start, its levels, SIGTERM."""
     result["engines"] = {}
@@ -384,11 +394,7 @@ def compare_engines(a, model: str, levels: list[int], result: dict) -> None:
         row: dict = {"start_s": server.start_s,
                      "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
         try:
-            level(server, 1, 2)  # warm-up
-            row["levels"] = {}
-            for c in levels:
-                row["levels"][str(c)] = level(server, c, a.requests)
-                print(json.dumps({f"{name}_{c}": row["levels"][str(c)]}), flush=True)
+            row["levels"] = run_levels(server, levels, a.requests, name)
             row["rss_mb"] = server.rss_mb()
         finally:
             row["exit_status_on_sigterm"] = server.close()
@@ -444,11 +450,7 @@ def main(argv=None) -> None:
     print(json.dumps({"cli_sequential": result["cli_sequential"]}), flush=True)
     server = Server(a, model)
     try:
-        level(server, 1, 2)  # warm-up
-        result["serve"] = {}
-        for c in levels:
-            result["serve"][str(c)] = level(server, c, a.requests)
-            print(json.dumps({f"serve_{c}": result["serve"][str(c)]}), flush=True)
+        result["serve"] = run_levels(server, levels, a.requests, "serve")
         if a.slow_clients:
             threads, outcomes = slow_clients(server, a.slow_clients, a.slow_seconds)
             time.sleep(1.0)  # they are connected and silent

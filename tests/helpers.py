@@ -469,3 +469,37 @@ def assert_packed_row_equals_each_sample(model, lengths: list[int], seed: int) -
                     packed[k][:, at : at + n], alone[k], atol=1e-5, rtol=1e-5
                 )
             at += n
+
+
+def start_server(export: str, *flags: str, wait_s: float = 180, timeout: float = 120) -> dict:
+    """`torchtitan serve --model EXPORT --port 0 FLAGS` in its own process, once it listens:
+    its URL, an `openai` client on it, its process and its stdout lines (the access log's JSON
+    lines among them)."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    import openai
+
+    cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "serve", "--model", export,
+           "--port", "0", *flags]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)  # fmt: skip
+    lines: list[str] = []
+    url: list[str] = []
+    started = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "torchtitan serve:" in line and " on http://" in line and not url:
+                url.append(line.split(" on ")[1].split()[0])
+                started.set()
+        started.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert started.wait(wait_s) and url, "\n".join(lines[-30:])
+    client = openai.OpenAI(base_url=url[0] + "/v1", api_key="none", max_retries=0, timeout=timeout)
+    return {"url": url[0], "client": client, "lines": lines, "proc": proc}

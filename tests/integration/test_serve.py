@@ -18,11 +18,9 @@ import base64
 import http.client
 import io
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -32,7 +30,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from tests.helpers import tiny_export
+from tests.helpers import start_server, tiny_export
 from torchtitan_speechlm import cli
 
 pytestmark = pytest.mark.slow
@@ -45,29 +43,9 @@ def model(tmp_path_factory):
 
 
 def start(model, *flags: str) -> dict:
-    """`torchtitan serve --model EXPORT --port 0 FLAGS` in its own process, once it listens:
-    its URL, its process and its stdout lines (the access log's JSON lines among them)."""
-    cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "serve", "--model", model["export"],
-           "--port", "0", *flags]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)  # fmt: skip
-    lines: list[str] = []
-    url: list[str] = []
-    started = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if " on http://" in line and not url:
-                url.append(line.split(" on ")[1].split()[0])
-                started.set()
-        started.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    assert started.wait(180) and url, "\n".join(lines[-30:])
-    client = openai.OpenAI(base_url=url[0] + "/v1", api_key="none", max_retries=0, timeout=120)
-    return {"url": url[0], "client": client, "lines": lines, "proc": proc}
+    """`torchtitan serve --model EXPORT --port 0 FLAGS` in its own process, once it listens
+    (tests/helpers.py ``start_server``)."""
+    return start_server(model["export"], *flags)
 
 
 @pytest.fixture(scope="module")

@@ -19,15 +19,12 @@ import io
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
-from tests.helpers import tiny_export
+from tests.helpers import start_server, tiny_export
 
 VLLM_PYTHON = os.environ.get("TORCHTITAN_VLLM_PYTHON")
 pytestmark = [
@@ -54,27 +51,8 @@ def model(tmp_path_factory):
 
 
 def start(model: dict, *flags: str) -> dict:
-    cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "serve", "--model", model["export"],
-           "--port", "0", "--max-frames", str(MAX_FRAMES), *flags]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)  # fmt: skip
-    lines: list[str] = []
-    url: list[str] = []
-    started = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if " on http://" in line and "torchtitan serve:" in line and not url:
-                url.append(line.split(" on ")[1].split()[0])
-                started.set()
-        started.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    assert started.wait(900) and url, "\n".join(lines[-30:])
-    client = openai.OpenAI(base_url=url[0] + "/v1", api_key="none", max_retries=0, timeout=300)
-    return {"url": url[0], "client": client, "lines": lines, "proc": proc}
+    return start_server(model["export"], "--max-frames", str(MAX_FRAMES), *flags, wait_s=900,
+                        timeout=300)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
