@@ -626,6 +626,7 @@ def test_pairs_refuse_greedy_samples_and_one_sample(model, capsys):
     assert "--pairs needs --samples K with K >= 2" in capsys.readouterr().err
 
 
+@pytest.mark.long  # 21 s: in `make faults` (make test keeps --pairs and the DPO runs)
 def test_the_online_loop_runs_its_rounds_and_a_rerun_continues(model, tmp_path):
     """`torchtitan prefer`: round 0 samples from the config's init_from, round 1 from round 0's
     last checkpoint (its samples equal `eval --seed 1000` of that checkpoint); raising --rounds

@@ -177,6 +177,7 @@ def test_each_builder_gets_the_run_its_trainer_resolved_once(assets, tmp_path, m
     assert set(vars(job)) == attributes
 
 
+@pytest.mark.long  # 19 s: in `make faults`, beside test_cluster.py's multi-node launches
 def test_torchtitan_train_inside_torchrun_runs_as_that_rank(assets, tmp_path):
     """Multi-node is plain torchrun: `torchtitan train` sees RANK/WORLD_SIZE and just runs."""
     import os
