@@ -305,7 +305,7 @@ class VllmRunners:
         n = self.note["num_streams"]
 
         def on_tokens(i: int, ids: list[int]) -> None:  # the row's complete frames so far
-            if i in streams and len(ids) >= n:
+            if i in streams and len(ids) // n > streams[i].sent:  # a new whole frame
                 codes, _ = audio_codes(ids, self.note)
                 with self.lock:
                     streams[i].frames(codes)

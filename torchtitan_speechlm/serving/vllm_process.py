@@ -192,10 +192,11 @@ class VllmProcess:
                 status = self.proc.wait()
         elif self.proc is not None:
             status = self.proc.returncode
-        try:  # what vLLM left of its group (its engine core)
-            os.killpg(self.proc.pid, signal.SIGKILL) if self.proc is not None else None
-        except (ProcessLookupError, PermissionError):
-            pass
+        if self.proc is not None:
+            try:  # what vLLM left of its group (its engine core)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if self.own_work and self.work and not keep_work:
             shutil.rmtree(self.work, ignore_errors=True)
         return status

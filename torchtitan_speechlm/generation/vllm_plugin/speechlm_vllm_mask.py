@@ -93,6 +93,7 @@ class FlattenAudioMask(LogitsProcessor):
             self.codebook[k, first : first + size] = True
         self.end = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.end[note["end_ids"]] = True
+        self.first_or_end = self.codebook[0] | self.end  # a frame's first step, past min_frames
         self.text = self.end.clone()
         self.text[note["text_ids"][0] : note["text_ids"][1]] = True
         self.probe = torch.zeros(len(probe_ids(note)), vocab, dtype=torch.bool, device=device)
@@ -124,7 +125,7 @@ class FlattenAudioMask(LogitsProcessor):
             return self.probe[min(step, len(self.probe) - 1)]
         k = step % self.n
         if k == 0 and step // self.n >= arg:
-            return self.codebook[k] | self.end
+            return self.first_or_end
         return self.codebook[k]
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
