@@ -125,6 +125,7 @@ def test_run_equals_torchtitan_train_with_the_written_toml(assets, reference, tm
     assert sorted(os.listdir(api / "checkpoint")) == ["step-2", "step-4"]
 
 
+@pytest.mark.long  # 28 s: kept out of make test's 15 minutes
 def test_train_chunks_save_valid_and_resume(assets, reference, tmp_path):
     ref = training(read_metrics(reference))
     out = tmp_path / "run"
