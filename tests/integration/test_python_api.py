@@ -158,6 +158,7 @@ def test_train_chunks_save_valid_and_resume(assets, reference, tmp_path):
     assert sorted(os.listdir(other / "checkpoint")) == ["step-4"]
 
 
+@pytest.mark.long  # 25 s: kept out of make test's 15 minutes
 def test_espnet_factory_trains_logs_into_the_callers_wandb_run_and_resumes(assets, tmp_path):
     from torchtitan_speechlm.commands.wandb_offline import read_history
 

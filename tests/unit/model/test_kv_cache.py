@@ -193,7 +193,7 @@ def test_compile_off_and_auto_decode_the_same_tokens_on_cpu(models):
     assert [x.tolist() for x in a] == [x.tolist() for x in b]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # inductor on CPU: 18 s with a cold cache, kept out of make test
 def test_compiled_step_decodes_the_same_tokens(models):
     """``compile = "on"`` on CPU (inductor, g++): the compiled one-frame step (static shapes)
     gives the eager step's tokens; a few seconds of compiling."""
