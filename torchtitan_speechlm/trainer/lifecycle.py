@@ -207,16 +207,24 @@ def stop_on_signals():
         return lambda: None  # Python sets signal handlers from the main thread only
     rank = int(os.environ.get("RANK", "0"))
     alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    # Both paths below can deliver the same signal: the first one reports and exits; the other
+    # waits for that exit. Without this, the second one's open(..., "w") could empty the file
+    # the first had written just before its os._exit (the launcher then read no step).
+    first = threading.Lock()
 
     def handler(signum, frame):
+        if not first.acquire(blocking=False):
+            threading.Event().wait()  # the first handler ends the process
         try:
             step = _RUN["step"]()
             if alone:
                 line = stop_line(signum, step, _RUN["checkpoints"])
                 print(f"torchtitan train: {line}", file=sys.stderr)
             elif rank == 0 and _RUN["dump"]:
-                with open(os.path.join(_RUN["dump"], STOPPED), "w") as f:
+                path = os.path.join(_RUN["dump"], STOPPED)
+                with open(f"{path}.tmp", "w") as f:  # whole or absent, never half-written
                     json.dump({"signal": signum, "step": step}, f)
+                os.replace(f"{path}.tmp", path)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
