@@ -1,8 +1,8 @@
 """Rank 0's record of the step a signal stopped it at (trainer/lifecycle.py ``stop_on_signals``),
 which the launcher's one line reads. The signal reaches the handler twice (Python's handler in
 the main thread and the wakeup-fd thread); only the first writes, through a temporary renamed
-into place. The race that once emptied the record (1 run in about 40 of the SIGTERM fault test)
-cannot be forced here; this checks the record is whole and no temporary is left."""
+into place. The race that, most likely, once emptied the record (the SIGTERM fault test read
+"before its first step" with step-4 saved) cannot be forced here; this checks the record is whole and no temporary is left."""
 
 import os
 import signal
