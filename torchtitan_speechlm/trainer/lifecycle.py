@@ -221,10 +221,8 @@ def stop_on_signals():
                 line = stop_line(signum, step, _RUN["checkpoints"])
                 print(f"torchtitan train: {line}", file=sys.stderr)
             elif rank == 0 and _RUN["dump"]:
-                path = os.path.join(_RUN["dump"], STOPPED)
-                with open(f"{path}.tmp", "w") as f:  # whole or absent, never half-written
+                with open(os.path.join(_RUN["dump"], STOPPED), "w") as f:
                     json.dump({"signal": signum, "step": step}, f)
-                os.replace(f"{path}.tmp", path)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

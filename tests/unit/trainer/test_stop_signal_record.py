@@ -1,8 +1,7 @@
 """Rank 0's record of the step a signal stopped it at (trainer/lifecycle.py ``stop_on_signals``),
 which the launcher's one line reads. The signal reaches the handler twice (Python's handler in
-the main thread and the wakeup-fd thread); only the first writes, through a temporary renamed
-into place. The race that, most likely, once emptied the record (the SIGTERM fault test read
-"before its first step" with step-4 saved) cannot be forced here; this checks the record is whole and no temporary is left."""
+the main thread and the wakeup-fd thread); only the first writes. The race that, most likely, once emptied the record (the SIGTERM fault test read
+"before its first step" with step-4 saved) cannot be forced here; this checks the record is whole and is the only file written."""
 
 import os
 import signal
@@ -39,4 +38,4 @@ def test_sigterm_leaves_rank_0s_step_whole_for_the_launcher(tmp_path):
         child.send_signal(signal.SIGTERM)
         assert child.wait(timeout=30) == 128 + signal.SIGTERM
         assert stopped_step(str(dump)) == 7, (dump / STOPPED).read_text()
-        assert sorted(p.name for p in dump.iterdir()) == [STOPPED]  # no temporary left
+        assert sorted(p.name for p in dump.iterdir()) == [STOPPED]  # one file, written once
