@@ -62,6 +62,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         frame_rate: float,
         num_streams: int,
         model_args=None,
+        step_codec=None,
     ):
         # MFU counts the head only on frames that carry loss (where it runs): see
         # num_flops_per_token below and SpeechLMModelArgs.head_flops_per_loss_frame.
@@ -97,6 +98,8 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             self.logger = container
 
         self.code_usage_interval = job_config.speechlm.code_usage_interval
+        self.step_codec = step_codec  # its tokenising time is logged (components/step_codec.py)
+        self._steps_since_log = 0  # train steps since the last log (should_log: once a step)
 
     @property
     def num_flops_per_token(self) -> float:
@@ -113,6 +116,11 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
     @num_flops_per_token.setter
     def num_flops_per_token(self, value: float) -> None:
         self._flops_every_frame = value
+
+    def should_log(self, step: int) -> bool:
+        """torchtitan's rule; its train step asks once per step, which is counted here."""
+        self._steps_since_log += 1
+        return super().should_log(step)
 
     def speech_metrics(self, step: int) -> dict[str, float]:
         """The interval's exact statistics, as logged under train/ (reduces over ranks)."""
@@ -144,6 +152,14 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         self.read_interval(stats)
         extra = dict(extra_metrics or {})
         extra.update(self.guard.metrics())
+        steps = max(self._steps_since_log, 1)
+        self._steps_since_log = 0
+        if self.step_codec is not None:
+            extra.update(self.step_codec.interval_metrics(steps))
+        if self.job_config.metrics.espnet_keys:  # ESPnet TitanTrainer's dashboards' keys
+            extra["train/lr"] = extra.get("lr", nan)
+            extra["train/grad_norm"] = grad_norm
+            extra["time/iter"] = (time.perf_counter() - self.time_last_log) / steps
         extra.update(
             {(k if k.startswith("throughput/") else f"train/{k}"): v for k, v in stats.items()}
         )

@@ -5,7 +5,9 @@
   (``speechlm.weight_decay_exclude``: embeddings, norms and biases by default, as in ESPnet and
   most LM recipes).
 - ``build_speechlm_lr_schedulers``: torchtitan's warmup -> stable -> decay schedule, held at its
-  floor after ``lr_scheduler.total_steps``. torchtitan evaluates the decay curve past its end
+  floor after ``lr_scheduler.total_steps``; with ``lr_scheduler.warmup_from_zero`` the warmup
+  starts at 0 (ESPnet's ``lambda(0) = 0``: step s of W has s / W of the peak, torchtitan's
+  (s + 1) / W). torchtitan evaluates the decay curve past its end
   (a cosine rises again, a linear one goes below the floor); here the last value is kept, which
   gives ESPnet's warmup -> cosine -> constant floor (mapping in docs/checkpoints.md).
 - The optimizers' ``step`` runs only after the step guard found the loss and gradients finite
@@ -108,10 +110,27 @@ def build_speechlm_lr_schedulers(
         if lr_scheduler_config.total_steps is not None
         else training_steps
     )
+    warmup = min(int(lr_scheduler_config.warmup_steps), end)
+    from_zero = bool(getattr(lr_scheduler_config, "warmup_from_zero", False)) and warmup > 0
     for scheduler in container.schedulers:
-        scheduler.lr_lambdas = [_held_after(f, end) for f in scheduler.lr_lambdas]
+        lambdas = [_held_after(f, end) for f in scheduler.lr_lambdas]
+        if from_zero:
+            lambdas = [_warmup_from_zero(f, warmup) for f in lambdas]
+        scheduler.lr_lambdas = lambdas
+        # the first step's rates again, under the new factors (LambdaLR set them when built)
+        lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, lambdas)]
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        scheduler._last_lr = lrs
     guard.schedulers = container  # its step count is the trainer's step, also on resume
     return container
+
+
+def _warmup_from_zero(lr_lambda, warmup: int):
+    def factor(step: int) -> float:
+        return step / warmup if step < warmup else lr_lambda(step)
+
+    return factor
 
 
 def _held_after(lr_lambda, end: int):

@@ -38,6 +38,7 @@ class SpeechLMValidator(BaseValidator):
         *,
         sets: dict[str, Callable[[], Any]],
         stats_keys: tuple[str, ...],
+        step_codec: Callable[[dict], dict] | None = None,
         **kwargs,
     ):
         super().__init__(job_config)
@@ -48,6 +49,7 @@ class SpeechLMValidator(BaseValidator):
         self.metrics_processor = metrics_processor
         self.stats_keys = stats_keys
         self.sets = sets
+        self.step_codec = step_codec  # tokenises a batch's waveforms (components/step_codec.py)
         if not self.sets:
             raise ValueError(
                 "validation.enable = true but there is nothing to validate on: set "
@@ -85,6 +87,8 @@ class SpeechLMValidator(BaseValidator):
                     last = batch
                 inputs, _ = batch if real else last
                 inputs = {k: v.to(device) for k, v in inputs.items()}
+                if self.step_codec is not None:
+                    self.step_codec(inputs, timed=False)
                 if not real:
                     inputs["loss_weights"] = torch.zeros_like(inputs["loss_weights"])
                     inputs["data_stats"] = torch.zeros_like(inputs["data_stats"])

@@ -185,6 +185,13 @@ class SpeechLMData:
     """Write a content hash of every consumed micro-batch, and of each sample in it, to
     `{dump_folder}/batch_hashes/rank{r}.jsonl` (`{"hash": ..., "samples": [...]}`, one line
     per micro-batch in the order trained)."""
+    step_codec: str = ""
+    """A codec folder of ours (k-means, Encodec, Mimi, DAC, ...) that tokenises, in the training
+    step on the run's device, the waveforms a Python data object hands for its discrete audio
+    (ESPnet's iterator through `EspnetData`: zeros in `seqs`, the audio in `conti_feats`), its
+    codes laid out in that data's stream intervals. "" = the data's own tokenizer (ESPnet's io
+    `encode_batch`). Checked at start against the data's vocabulary: streams, codebook size,
+    frame rate (python-api.md)."""
 
 
 NonFinitePolicy = Literal["skip", "stop"]
@@ -219,6 +226,26 @@ class Checkpoint:
     with a larger `training.steps` could not continue). Ours saves the last step in full.
     With `true`, a rerun resumes from the newest *full* checkpoint before it, with a warning
     naming both."""
+
+
+@dataclass
+class LRScheduler:
+    """[lr_scheduler]: one key added to torchtitan's section."""
+
+    warmup_from_zero: bool = False
+    """The first step's learning rate is 0 and step s of the warmup has `s / warmup_steps` of
+    the peak (ESPnet's `lambda(0) = 0`; `TitanTrainer` sets it). torchtitan's default gives the
+    first step `1 / warmup_steps` of the peak. The decay after the warmup is the same."""
+
+
+@dataclass
+class Metrics:
+    """[metrics]: one key added to torchtitan's section."""
+
+    espnet_keys: bool = False
+    """Also log ESPnet TitanTrainer's keys beside ours: `train/lr`, `train/grad_norm` and
+    `time/iter` (seconds per step), so its dashboards read a run of ours (`TitanTrainer` sets
+    it). Our step s is ESPnet's step s - 1."""
 
 
 @dataclass
@@ -271,3 +298,5 @@ class JobConfig:
     speechlm_faults: SpeechLMFaults = field(default_factory=SpeechLMFaults)
     audio_encoder: AudioEncoderConfig = field(default_factory=AudioEncoderConfig)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    metrics: Metrics = field(default_factory=Metrics)

@@ -134,9 +134,13 @@ class DataCatalog:
                    remote=remote)  # fmt: skip
 
     @classmethod
-    def external(cls, codec: dict, valid_names: list[str], text_vocab: int) -> DataCatalog:
-        """The catalog of a Python data object: its codec and named validation sets."""
-        metadata = {"external": {"codec": dict(codec), "tokenizer": {"vocab_size": text_vocab}}}
+    def external(
+        cls, codec: dict, valid_names: list[str], text_vocab: int, tokenizer: dict | None = None
+    ) -> DataCatalog:
+        """The catalog of a Python data object: its codec, named validation sets and text
+        tokenizer (``tokenizer_fingerprint``'s dict, when the object knows it)."""
+        tok = dict(tokenizer) if tokenizer else {"vocab_size": text_vocab}
+        metadata = {"external": {"codec": dict(codec), "tokenizer": tok}}
         valid = {name: ([], "external") for name in valid_names}
         return cls({}, metadata, [], valid, external_names=list(valid_names))
 

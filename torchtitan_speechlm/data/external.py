@@ -41,3 +41,14 @@ class ExternalData(Protocol):
     def valid_dataset(self, name: str, layout, *, continuous_frames: Callable | None) -> Any:
         """A fresh iterable of one validation set's micro-batches, with ``collate(unit)``
         giving an all-padding stand-in batch (see components/validate.py)."""
+
+
+# Optional, looked up with getattr (an object without them works as before):
+#   resolve(job_config) -> None
+#       check the run against the data (raise ConfigError) before ``codec`` is read;
+#   tokenizer: dict
+#       its text tokenizer (utils/text_tokenizer.py's tokenizer_fingerprint), recorded with the
+#       run so that eval and generate decode its text;
+#   step_tokenizer(layout, pattern) -> components.step_codec.SegmentTokenizer | None
+#       what tokenises the waveform segments its micro-batches carry (``step_audio*`` keys,
+#       components/step_codec.py) in the training step.

@@ -30,12 +30,17 @@ def load_sentences() -> list[str]:
         return [line.strip() for line in f if line.strip()]
 
 
-def build_tokenizer(out_dir: str, sentences: list[str], vocab_size: int = 256) -> str:
+def build_tokenizer(
+    out_dir: str, sentences: list[str], vocab_size: int = 256, specials: dict | None = None
+) -> str:
     """Train a byte-level BPE on ``sentences`` and save it as a transformers tokenizer.
 
     The full 256-byte alphabet and three special tokens are always in the vocabulary so any
-    text can be encoded; the real size is therefore ``max(vocab_size, 259)``.
+    text can be encoded; the real size is therefore ``max(vocab_size, 259)``. ``specials``:
+    other names for the bos, eos and pad tokens (``SPECIAL_TOKENS``' keys); ESPnet's job
+    template refuses a tokenizer whose tokens share a name with its own specials.
     """
+    specials = specials or SPECIAL_TOKENS
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -44,12 +49,12 @@ def build_tokenizer(out_dir: str, sentences: list[str], vocab_size: int = 256) -
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS.values()),
+        special_tokens=list(specials.values()),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(sentences, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
     fast.save_pretrained(out_dir)
     return out_dir
 

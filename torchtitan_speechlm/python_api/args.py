@@ -117,13 +117,10 @@ def _optimizer(opt: Mapping) -> dict:
 
 
 def _lr_scheduler(lr: Mapping, max_step: int) -> dict:
-    """ESPnet's warmup -> cosine -> constant floor, in torchtitan's keys (our scheduler holds
-    the floor after ``total_steps``, components/optim.py)."""
-    from dataclasses import fields
-
-    from torchtitan.config.job_config import LRScheduler
-
-    known = [f.name for f in fields(LRScheduler)]
+    """ESPnet's warmup from 0 -> cosine -> constant floor, in torchtitan's keys (our scheduler
+    starts the warmup at 0 and holds the floor after ``total_steps``, components/optim.py)."""
+    lr_section = {f.name: f.type for f in fields(config_class())}["lr_scheduler"]
+    known = [f.name for f in fields(lr_section)]
     espnet = {k: lr[k] for k in ESPNET_LR_KEYS if k in lr}
     own = {k: v for k, v in lr.items() if k not in ESPNET_LR_KEYS}
     for key in own:
@@ -139,6 +136,7 @@ def _lr_scheduler(lr: Mapping, max_step: int) -> dict:
         "decay_ratio": max(0, end - warmup) / end,
         "decay_type": "cosine",
         "min_lr_factor": float(espnet.get("min_lr_ratio", 0.0)),
+        "warmup_from_zero": True,  # ESPnet's lambda(0) = 0
     }
     out.update(own)
     return out
@@ -224,7 +222,11 @@ def trainer_args_to_sections(
         "model": {"name": "speechlm", "flavor": "hf", "hf_assets_path": str(backbone_path)},
         "training": {"steps": max_step},
         "checkpoint": {"enable": True, "interval": every, "last_save_model_only": False},
-        "metrics": {"log_freq": int(trainer_args.get("log_interval", 1)), "enable_wandb": True},
+        "metrics": {
+            "log_freq": int(trainer_args.get("log_interval", 1)),
+            "enable_wandb": True,
+            "espnet_keys": True,  # train/lr, train/grad_norm, time/iter beside ours
+        },
         "validation": {"freq": every, "steps": -1},
         "optimizer": _optimizer(opt),
         "lr_scheduler": _lr_scheduler(lr, max_step),

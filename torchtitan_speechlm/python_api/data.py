@@ -57,14 +57,31 @@ def _is_espnet_factory(obj: Any) -> bool:
 
 
 def resolve_data(
-    train_data_factory: Any, valid_data_factories: Mapping[str, Any] | None, trainer_args: Mapping
+    train_data_factory: Any,
+    valid_data_factories: Mapping[str, Any] | None,
+    trainer_args: Mapping,
+    espnet: tuple[dict, dict] | None = None,
 ) -> DataPlan:
+    """The factories as TOML entries or an external data object. ``espnet``: the vocabulary
+    and ios of the ESPnet model object passed as ``model`` (espnet_model.py): bare ESPnet
+    factories are then wrapped with them, as ESPnet's own trainer reads them from its model."""
     valid = dict(valid_data_factories or {})
+    if espnet is not None and _is_espnet_factory(train_data_factory):
+        if not isinstance(train_data_factory, EspnetData):
+            intervals, ios = espnet
+            train_data_factory = EspnetData(train_data_factory, intervals, multimodal_io=ios)
+    elif espnet is not None:
+        raise ConfigError(
+            "model is an ESPnet model object but train_data_factory is not an ESPnet factory: "
+            "pass its DataIteratorFactory (or pass a backbone folder as model)"
+        )
     if _is_espnet_factory(train_data_factory) and not isinstance(train_data_factory, EspnetData):
         raise ConfigError(
             "train_data_factory is an ESPnet DataIteratorFactory: its token ids are in ESPnet's "
-            "vocabulary, so wrap it to say which: EspnetData(factory, "
-            "vocab_intervals=job_template.vocab_intervals) (docs/python-api.md)"
+            "vocabulary, so pass ESPnet's model object as `model` (job_template.build_model()) "
+            "or wrap it to say which: EspnetData(factory, "
+            "vocab_intervals=job_template.vocab_intervals, "
+            "multimodal_io=job_template.multimodal_io) (docs/python-api.md)"
         )
     if isinstance(train_data_factory, EspnetData):
         sets = {}

@@ -1,6 +1,7 @@
 """The pieces of an ESPnet batch's conversion (``EspnetData.convert``, espnet_data.py) that do not
-depend on its vocabulary: the batch's shape checked, its ``conti_feats`` as our continuous
-inputs, the ``data_stats`` our metrics expect, and the all-padding stand-in row of validation."""
+depend on its vocabulary: the batch's shape checked, its ``conti_feats`` split by io (discrete
+audio becomes the step codec's waveform segments, a continuous io our audio encoder's input),
+the ``data_stats`` our metrics expect, and the all-padding stand-in row of validation."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
 
+from torchtitan_speechlm.components.step_codec import token_counts
 from torchtitan_speechlm.data.collation import data_stats_keys
 from torchtitan_speechlm.data.tasks import TASKS
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -29,29 +31,18 @@ SPEAKER_REFUSAL = (
     "(docs/python-api.md, Speaker prompts)"
 )
 
+# ESPnet's task names -> ours, for the per-task counters (``train/data/task_*``)
+ESPNET_TASKS = {"text_to_audio": "tts", "audio_to_text": "asr", "text_only": "text"}
+
 
 def batch_arrays(batch: Mapping, n: int, audio: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``seqs`` (int64) and ``loss_masks`` (float) of a batch, both [B, T, n] with T >= 2; a
-    batch with raw features (other than ``conti_feats``) is refused: ESPnet encodes those
-    inside its model, and only tokens or one continuous io come through here; so is one with a
-    ``speaker`` entry (``SPEAKER_REFUSAL``)."""
+    batch with a ``speaker`` entry is refused (``SPEAKER_REFUSAL``)."""
     if not isinstance(batch, Mapping) or "seqs" not in batch or "loss_masks" not in batch:
         got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
         raise EspnetBatchError(
             f"an ESPnet batch is a dict with `seqs` [B,T,N] and `loss_masks` [B,T,N] "
-            f"(optional: position_ids, key, data_stats, cu_seq_lens); got {got}"
-        )
-    feats = [
-        k
-        for k, v in batch.items()
-        if k != "conti_feats" and k.endswith("_feats") and v is not None and len(v) > 0
-    ]
-    if feats:
-        raise EspnetBatchError(
-            f"the batch carries raw features ({feats}) that ESPnet encodes inside its model; "
-            "this trainer maps only `conti_feats` (one continuous io) onto [audio_encoder]: "
-            "tokenise that audio offline (ESPnet's offline codec tokens, or `torchtitan "
-            "prepare` and PreparedData)"
+            f"(optional: conti_feats, position_ids, key, data_stats, cu_seq_lens); got {got}"
         )
     if batch.get("speaker") is not None:
         raise EspnetBatchError(SPEAKER_REFUSAL)
@@ -67,27 +58,77 @@ def batch_arrays(batch: Mapping, n: int, audio: str) -> tuple[torch.Tensor, torc
     return seqs, masks
 
 
+def io_features(batch: Mapping) -> dict[str, tuple[list, torch.Tensor, torch.Tensor]]:
+    """Each io's segments ``[(row, first frame, frames), ...]``, padded features and lengths,
+    from ``conti_feats`` ({io: [segments, (features, lengths)]}, what ESPnet's collate_fn
+    returns) or from ``{io}_indices`` / ``{io}_feats`` / ``{io}_lengths`` keys (the same,
+    flattened, as some ESPnet versions hand their model)."""
+    out = {}
+    for io, (segments, padded) in (batch.get("conti_feats") or {}).items():
+        feats, lengths = padded
+        out[io] = (list(segments), feats, lengths)
+    for key in list(batch):
+        if key.endswith("_feats") and key != "conti_feats" and batch[key] is not None:
+            io = key[: -len("_feats")]
+            if f"{io}_indices" not in batch or f"{io}_lengths" not in batch:
+                raise EspnetBatchError(
+                    f"the batch has `{key}` without `{io}_indices` and `{io}_lengths`: an "
+                    "io's raw input needs its segments (row, first frame, frames) and lengths"
+                )
+            out[io] = (list(batch[f"{io}_indices"]), batch[key], batch[f"{io}_lengths"])
+    return {
+        io: (
+            [tuple(int(x) for x in s) for s in segments],
+            torch.as_tensor(np.asarray(feats), dtype=torch.float32),
+            torch.as_tensor(np.asarray(lengths)).long(),
+        )
+        for io, (segments, feats, lengths) in out.items()
+        if len(segments)
+    }
+
+
+def looks_like_features(wave: torch.Tensor) -> bool:
+    """A padded [n, L, D] with D > 2 holds feature vectors (ESPnet's ContinuousAudioIO: mel
+    [frames, 128]); a waveform is [n, samples] or [n, samples, channels <= 2]."""
+    return wave.ndim == 3 and wave.shape[-1] > 2
+
+
+def step_audio(io: str, segments: list, wave: torch.Tensor, lengths: torch.Tensor) -> dict:
+    """A discrete io's segments as the step codec's inputs (components/step_codec.py)."""
+    if looks_like_features(wave):
+        raise EspnetBatchError(
+            f"conti_feats[{io!r}] holds features of width {wave.shape[-1]}, not waveforms; a "
+            "discrete audio io hands its raw audio [samples, channels] to be tokenised"
+        )
+    return {
+        "step_audio": wave,
+        "step_audio_lengths": lengths,
+        "step_audio_segments": torch.tensor(segments, dtype=torch.long).reshape(-1, 3),
+    }
+
+
 def continuous_inputs(
-    conti: Mapping, b: int, t: int, continuous_frames: Callable | None
-) -> dict[str, torch.Tensor]:
-    """ESPnet's ``conti_feats`` -> our continuous inputs for ``b`` rows of ``t`` input frames
-    (espnet_data.py's docstring); ``continuous_frames``: LM frames of n samples (the run's
-    audio encoder), None without one."""
+    io: str, segments: list, wave: torch.Tensor, lengths: torch.Tensor, b: int, t: int,
+    continuous_frames: Callable | None, encoder: str = "",
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """A continuous io's waveforms -> our audio encoder's inputs for ``b`` rows of ``t`` input
+    frames (espnet_data.py's docstring); ``continuous_frames``: LM frames of n samples (the
+    run's audio encoder ``encoder``), None without one."""
+    if looks_like_features(wave):
+        raise EspnetBatchError(
+            f"conti_feats[{io!r}] holds {wave.shape[-1]}-dim feature frames (ESPnet's "
+            f"ContinuousAudioIO mel features), not waveforms; the run's [audio_encoder] "
+            f"{encoder + ' ' if encoder else ''}reads waveforms [samples] at its sample rate: "
+            "set ESPnet's preprocessor `audio_input: discrete_audio` (the audio tokenised in "
+            "the step) or give the io raw waveforms"
+        )
     if continuous_frames is None:
         raise EspnetBatchError(
-            f"the batch carries conti_feats ({sorted(conti)}) but the run has no audio "
-            "encoder: set [audio_encoder] path (docs/audio-encoder.md)"
+            f"conti_feats[{io!r}] is continuous audio (no vocabulary interval) but the run has "
+            "no audio encoder: set [audio_encoder] path (docs/audio-encoder.md), or set ESPnet's "
+            "preprocessor `audio_input: discrete_audio` to tokenise it in the step"
         )
-    if len(conti) != 1:
-        raise EspnetBatchError(
-            f"conti_feats has the continuous ios {sorted(conti)}; one maps onto "
-            "[audio_encoder], tokenise the others offline"
-        )
-    ((io, (segments, padded)),) = conti.items()
-    wave, lengths = padded
-    wave = torch.as_tensor(np.asarray(wave), dtype=torch.float32)
     wave = wave.squeeze(-1) if wave.ndim == 3 and wave.shape[-1] == 1 else wave
-    lengths = torch.as_tensor(np.asarray(lengths)).long()
     index, done = torch.full((b, t), -1, dtype=torch.long), 0
     for (row, start, length), n in zip(segments, lengths.tolist(), strict=True):
         ours = int(continuous_frames(n))
@@ -105,34 +146,28 @@ def continuous_inputs(
 
 def batch_stats(
     inp: torch.Tensor,
-    pad: torch.Tensor,
     pos: torch.Tensor,
     loss_frames: torch.Tensor,
     layout: VocabLayout,
     batch: Mapping,
 ) -> torch.Tensor:
     """The ``data_stats`` vector our statistics expect (data/stream.py), of the converted
-    inputs: ``pad`` marks ESPnet's pads, ``loss_frames`` the targets with loss."""
+    inputs (``loss_frames``: the targets with loss). The token counts are recounted by the step
+    codec once it has placed the codes (components/step_codec.py)."""
     keys = data_stats_keys(layout.num_streams)
-    real = ~pad.all(-1)
     stats = dict.fromkeys(keys, 0.0)
+    stats.update({k: float(v) for k, v in token_counts(inp, layout).items()})
     stats["rows"] = float(inp.shape[0])
-    stats["frames"] = float(real.sum())
-    stats["pad_frames"] = float(real.numel() - real.sum())
     stats["loss_frames"] = float(loss_frames.sum())
-    stats["examples"] = (
-        float(((pos == 0) & real).sum())
-        if batch.get("position_ids") is not None
-        else float(real.any(-1).sum())
-    )
-    rel = inp - layout.stream_offset(0)
-    codes = (rel >= 0) & (inp < layout.size) & (rel % (layout.codebook_size + 1) != 0)
-    stats["audio_frames"] = float(codes.sum()) / layout.num_streams
-    for k in range(layout.num_streams):
-        stats[f"tokens_stream{k}"] = float((~pad[..., k]).sum())
+    real = ~(inp == torch.tensor(layout.pad_frame(), device=inp.device)).all(-1)
+    if batch.get("position_ids") is not None:
+        stats["examples"] = float(((pos == 0) & real).sum())
+    else:
+        stats["examples"] = float(real.any(-1).sum())
     names = set(TASKS.names())
     for key in batch.get("key") or []:
         task = key[0] if isinstance(key, (tuple, list)) else None
+        task = ESPNET_TASKS.get(task, task)
         if task in names:
             stats[f"task_{task}"] += 1
     return torch.tensor([[stats[k] for k in keys]], dtype=torch.float32)

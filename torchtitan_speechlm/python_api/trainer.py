@@ -40,6 +40,13 @@ from torchtitan_speechlm.python_api.args import (
     write_toml,
 )
 from torchtitan_speechlm.python_api.data import resolve_data
+from torchtitan_speechlm.python_api.espnet_data import EspnetRunData
+from torchtitan_speechlm.python_api.espnet_io import io_delay
+from torchtitan_speechlm.python_api.espnet_model import (
+    espnet_model_parts,
+    is_espnet_model,
+    save_espnet_backbone,
+)
 from torchtitan_speechlm.python_api.wandb_run import RunLogger, current_run
 from torchtitan_speechlm.trainer.trainer import SpeechLMTrainer
 
@@ -66,7 +73,8 @@ def use_single_process_env() -> None:
 
 def backbone_folder(model: Any, output_dir: Path, timeout_s: float = 600.0) -> str:
     """A folder holding the backbone: ``model`` itself if it is one, else the transformers
-    model object saved (once, by rank 0) to ``output_dir/backbone``; other ranks wait for it."""
+    model object (or the text LM inside ESPnet's model object, espnet_model.py) saved (once,
+    by rank 0) to ``output_dir/backbone``; other ranks wait for it."""
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)
         if not (path / "config.json").is_file():
@@ -75,7 +83,8 @@ def backbone_folder(model: Any, output_dir: Path, timeout_s: float = 600.0) -> s
                 "pass a causal-LM object or a folder saved with save_pretrained"
             )
         return str(path.resolve())
-    if not callable(getattr(model, "save_pretrained", None)):
+    espnet = is_espnet_model(model)
+    if not espnet and not callable(getattr(model, "save_pretrained", None)):
         raise ConfigError(
             f"model: expected a transformers causal-LM object (with save_pretrained) or a "
             f"model folder, got {type(model).__name__}"
@@ -87,7 +96,10 @@ def backbone_folder(model: Any, output_dir: Path, timeout_s: float = 600.0) -> s
     dist_up = dist.is_available() and dist.is_initialized()
     if _rank() == 0 and not done.is_file():
         tmp = target.with_name(f".{BACKBONE_DIR}.tmp{os.getpid()}")
-        model.save_pretrained(str(tmp))
+        if espnet:
+            save_espnet_backbone(model, str(tmp))
+        else:
+            model.save_pretrained(str(tmp))
         os.replace(tmp, target)  # atomic: config.json appears with the weights
     if dist_up:
         dist.barrier()
@@ -138,6 +150,10 @@ def run_sections(trainer_args: dict, plan, model: Any, resume_path: Any, output_
     if plan.external is not None:
         sections["speechlm"].setdefault("sample_every", 0)  # samples read prepared data
         has_valid = bool(plan.external.valid_names())
+        if isinstance(plan.external, EspnetRunData):  # the layout ESPnet's io makes
+            delay = io_delay(plan.external.train.audio_io)
+            if delay is not None:
+                sections["speechlm"].setdefault("pattern", "delay" if delay else "parallel")
     else:
         has_valid = bool(data_section.get("valid"))
     sections = merge(sections, {"speechlm_data": data_section})
@@ -264,7 +280,8 @@ class TitanTrainer:
             from torchtitan.tools.logging import init_logger
 
             init_logger()
-        plan = resolve_data(train_data_factory, valid_data_factories, self.trainer_args)
+        espnet = espnet_model_parts(model) if is_espnet_model(model) else None
+        plan = resolve_data(train_data_factory, valid_data_factories, self.trainer_args, espnet)
         sections = run_sections(self.trainer_args, plan, model, resume_path, self.output_dir)
         self.config_path = str(self.output_dir / TOML_NAME)
         self.sections = sections

@@ -214,7 +214,9 @@ def build_validator(*, run=None, **kwargs) -> SpeechLMValidator:
     """TrainSpec.build_validator_fn (torchtitan passes everything by keyword)."""
     run = _require(run, kwargs.get("job_config"))
     sets = validation_sets(kwargs["job_config"], run, kwargs["dp_rank"], kwargs["dp_world_size"])
-    return SpeechLMValidator(sets=sets, stats_keys=run.state.stats.data_stats_keys, **kwargs)
+    return SpeechLMValidator(
+        sets=sets, stats_keys=run.state.stats.data_stats_keys, step_codec=run.step_codec, **kwargs
+    )
 
 
 # ---- loss, metrics, optimizers ---------------------------------------------------------------
@@ -294,6 +296,7 @@ def build_metrics_processor(
         frame_rate=run.plan.frame_rate,
         num_streams=run.plan.num_streams,
         model_args=model_args,
+        step_codec=run.step_codec,
     )
 
 

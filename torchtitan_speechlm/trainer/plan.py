@@ -80,13 +80,17 @@ class RunPlan:
         text = family.text_vocab_size(backbone_config)
         data = job_config.speechlm_data
         if external is not None:
+            if callable(getattr(external, "resolve", None)):
+                external.resolve(job_config)
             if data.datasets or data.train:
                 raise ConfigError(
                     "the training data comes from a Python data object, so "
                     "speechlm_data.datasets and speechlm_data.train must be empty (they would "
                     "be ignored)"
                 )
-            catalog = DataCatalog.external(external.codec, external.valid_names(), text)
+            catalog = DataCatalog.external(
+                external.codec, external.valid_names(), text, getattr(external, "tokenizer", None)
+            )
         else:
             catalog = DataCatalog.from_config(data)
             catalog.check_text_vocab(text, path)

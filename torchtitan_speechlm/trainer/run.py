@@ -15,6 +15,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.nonfinite import GuardSettings
 from torchtitan_speechlm.components.resume import ResumeError, resolve_resume
+from torchtitan_speechlm.components.step_codec import StepCodec
 from torchtitan_speechlm.components.training_state import TrainingState
 from torchtitan_speechlm.data.collation import data_stats_keys
 from torchtitan_speechlm.data.external import ExternalData
@@ -29,12 +30,14 @@ from torchtitan_speechlm.utils.checkpoint_manifest import LEGACY, verify
 @dataclass
 class SpeechLMRun:
     """One run, built once by its trainer: the job config, what it resolved to, the model args,
-    and the training state the loss, metrics, optimizers and loader share."""
+    the training state the loss, metrics, optimizers and loader share, and what tokenises a
+    Python data object's waveforms in the step (None: its batches hold codes)."""
 
     job_config: object
     plan: RunPlan
     model_args: SpeechLMModelArgs
     state: TrainingState
+    step_codec: StepCodec | None = None
 
 
 def prepare_run(
@@ -121,7 +124,18 @@ def start_run(job_config, external: ExternalData | None = None) -> SpeechLMRun:
         tokenizer=next(iter(plan.data.metadata.values()))["tokenizer"],
         datasets=plan.data.datasets,
     )
-    state = TrainingState.create(
-        data_stats_keys(plan.num_streams), guard, job_config.job.dump_folder
-    )
-    return SpeechLMRun(job_config, plan, model_args, state)
+    keys = data_stats_keys(plan.num_streams)
+    state = TrainingState.create(keys, guard, job_config.job.dump_folder)
+    return SpeechLMRun(job_config, plan, model_args, state, step_codec_of(job_config, plan, keys))
+
+
+def step_codec_of(job_config, plan: RunPlan, stats_keys: tuple) -> StepCodec | None:
+    """The data object's step tokenizer as the run's ``StepCodec``, or None."""
+    make = getattr(plan.external, "step_tokenizer", None)
+    tokenizer = make(plan.layout, job_config.speechlm.pattern) if callable(make) else None
+    if tokenizer is None:
+        return None
+    codec = StepCodec(tokenizer, plan.layout, stats_keys)
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.info(f"Audio tokenised in the training step: {codec.describe()}")
+    return codec

@@ -140,12 +140,15 @@ class SpeechLMTrainer(Trainer):
 
     # ---- pipeline parallelism (distributed/pipeline.py) --------------------------------------
     def post_dataloading_process(self, input_dict, labels):
-        """torchtitan's, and with pipeline parallelism what every stage needs travels with the
-        microbatch: torchtitan forwards only ``extra_kwargs`` past the first stage, so the
+        """torchtitan's, after a data object's waveforms are tokenised into the rows on this
+        device (components/step_codec.py); and with pipeline parallelism what every stage needs
+        travels with the microbatch: torchtitan forwards only ``extra_kwargs`` past the first stage, so the
         positions, targets and loss weights move there, and a preference batch's pairs in a
         form that splits by rows. The data statistics describe the
         loader's micro-batch, not a pipeline microbatch: the last stage's ranks (where the
         statistics are reduced) count them once, here."""
+        if self.run is not None and self.run.step_codec is not None:
+            self.run.step_codec(input_dict)
         inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(
             input_dict, labels
         )
