@@ -67,3 +67,13 @@ def registrations_stay_in_their_module():
     for name in set(sys.modules) - modules:  # an extension imported again registers again
         if name.startswith("tests.") or name in ("mymod", "my_module"):
             sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="session")
+def espnet_assets(tmp_path_factory):
+    """ESPnet's side of a tiny run, built once (tests/espnet_side/assets.py): a backbone folder
+    holding its tokenizer, a tiny codec, a corpus in ESPnet's dataset format (24 items of
+    varied lengths). Paths only: the modules under tests/ are imported again per test module."""
+    from tests.espnet_side.assets import make_espnet_assets
+
+    return make_espnet_assets(tmp_path_factory.mktemp("espnet_assets"))

@@ -39,15 +39,19 @@ def make_espnet_assets(root, n_items: int = 24, seed: int = 0, codec: str = "enc
 
 
 def job_config(assets: dict, audio_input: str = "discrete_audio", batch_size: int = 300,
-               continuous: bool = False, io_order=("text", "discrete_audio")) -> dict:  # fmt: skip
+               continuous: bool = False, io_order=("text", "discrete_audio"),
+               audio_kwargs: dict | None = None) -> dict:  # fmt: skip
     """ESPnet's training YAML for these assets (``job_type``, ``multimodal_io``,
-    ``preprocessor``, ``data_loading``, ``model``; ``trainer`` is the caller's)."""
+    ``preprocessor``, ``data_loading``, ``model``; ``trainer`` is the caller's).
+    ``audio_kwargs``: more arguments of the discrete audio io (e.g. ESPnet's
+    ``codec_max_token_per_frame``)."""
     ios = {
         "text": {"tokenizer_name": assets["backbone"]},
         "discrete_audio": {
             "codec_choice": "local",
             "codec_hf_model_tag": assets["codec"],
             "delay_interleave": assets["delay"],
+            **(audio_kwargs or {}),
         },
     }
     if continuous:

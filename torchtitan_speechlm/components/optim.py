@@ -117,13 +117,18 @@ def build_speechlm_lr_schedulers(
         if from_zero:
             lambdas = [_warmup_from_zero(f, warmup) for f in lambdas]
         scheduler.lr_lambdas = lambdas
-        # the first step's rates again, under the new factors (LambdaLR set them when built)
-        lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, lambdas)]
-        for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        scheduler._last_lr = lrs
+        apply_factors(scheduler)  # the first step's rates again (LambdaLR set them when built)
     guard.schedulers = container  # its step count is the trainer's step, also on resume
     return container
+
+
+def apply_factors(scheduler) -> None:
+    """Set the optimizer's rates to a LambdaLR's factors at its ``last_epoch``."""
+    lrs = [base * f(scheduler.last_epoch) for base, f in
+           zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]  # fmt: skip
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
 
 
 def _warmup_from_zero(lr_lambda, warmup: int):

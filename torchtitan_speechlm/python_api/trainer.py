@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from torchtitan.tools.logging import logger
+
 from torchtitan_speechlm.commands.train import check_config, set_single_process_env, torchtitan_args
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.python_api.args import (
@@ -40,6 +42,12 @@ from torchtitan_speechlm.python_api.args import (
     write_toml,
 )
 from torchtitan_speechlm.python_api.data import resolve_data
+from torchtitan_speechlm.python_api.espnet_checkpoint import (
+    EspnetCheckpoint,
+    espnet_steps,
+    is_espnet_checkpoint,
+    load_espnet_checkpoint,
+)
 from torchtitan_speechlm.python_api.espnet_data import EspnetRunData
 from torchtitan_speechlm.python_api.espnet_io import io_delay
 from torchtitan_speechlm.python_api.espnet_model import (
@@ -138,6 +146,43 @@ def resume_sections(resume_path: Any, output_dir: Path, sections: dict) -> dict:
     return {"checkpoint": {"initial_load_path": str(path), "initial_load_model_only": False}}
 
 
+def espnet_resume(resume_path: Any, output_dir: Path, folder: str) -> EspnetCheckpoint | None:
+    """The ESPnet checkpoint to continue from (espnet_checkpoint.py), or None: ``resume_path``
+    if it is one, or with no ``resume_path`` the newest of ``output_dir/checkpoints`` (ESPnet's
+    own rule), unless this run already has checkpoints of its own (``output_dir/folder``),
+    which then win (it continued the ESPnet one before)."""
+    ours = output_dir / folder
+    if ours.is_dir() and any(p.name.startswith("step-") for p in ours.iterdir()):
+        if resume_path is not None and is_espnet_checkpoint(str(resume_path)):
+            logger.info(
+                f"{ours} has checkpoints of this run: continuing from its newest, not from "
+                f"resume_path {resume_path} (continued before)"
+            )
+        return None
+    if resume_path is not None:
+        return EspnetCheckpoint(str(resume_path)) if is_espnet_checkpoint(str(resume_path)) else None
+    steps = espnet_steps(str(output_dir))
+    return EspnetCheckpoint(str(output_dir / "checkpoints" / f"step_{steps[-1]}")) if steps else None
+
+
+def check_espnet_resume(ckpt: EspnetCheckpoint, plan, sections: dict) -> None:
+    """An ESPnet checkpoint continues only with ESPnet's data (its vocabulary), and only a
+    model of its shape (``EspnetCheckpoint.check``)."""
+    if not isinstance(plan.external, EspnetRunData):
+        raise ConfigError(
+            f"resume_path {ckpt.path} is an ESPnet checkpoint: its token ids are ESPnet's, so it "
+            "continues with ESPnet's data factories (and its model object or vocab_intervals)"
+        )
+    import json
+
+    backbone = sections["model"]["hf_assets_path"]
+    with open(os.path.join(backbone, "config.json")) as f:
+        config = json.load(f)
+    tie = sections["speechlm"].get("tie_embeddings", "auto")
+    tied = bool(config.get("tie_word_embeddings", False)) if tie == "auto" else tie == "true"
+    ckpt.check(plan.external.train.vocab, config, tied)
+
+
 def run_sections(trainer_args: dict, plan, model: Any, resume_path: Any, output_dir: Path) -> dict:
     """The run's TOML sections (ESPnet's keys mapped, the data, the resume point, the saved
     backbone), checked before anything is written; written to ``output_dir`` by rank 0."""
@@ -158,7 +203,10 @@ def run_sections(trainer_args: dict, plan, model: Any, resume_path: Any, output_
         has_valid = bool(data_section.get("valid"))
     sections = merge(sections, {"speechlm_data": data_section})
     sections["validation"].setdefault("enable", has_valid)
-    sections = merge(sections, resume_sections(resume_path, output_dir, sections))
+    if is_espnet_model(model):  # ESPnet's model has its own embedding and head, never tied
+        sections["speechlm"].setdefault("tie_embeddings", "false")
+    if not (resume_path is not None and is_espnet_checkpoint(str(resume_path))):
+        sections = merge(sections, resume_sections(resume_path, output_dir, sections))
     check_sections(sections, source="trainer_args")
     output_dir.mkdir(parents=True, exist_ok=True)
     sections["model"]["hf_assets_path"] = backbone_folder(model, output_dir)
@@ -283,6 +331,10 @@ class TitanTrainer:
         espnet = espnet_model_parts(model) if is_espnet_model(model) else None
         plan = resolve_data(train_data_factory, valid_data_factories, self.trainer_args, espnet)
         sections = run_sections(self.trainer_args, plan, model, resume_path, self.output_dir)
+        folder = sections["checkpoint"].get("folder", "checkpoint")
+        espnet_ckpt = espnet_resume(resume_path, self.output_dir, folder)
+        if espnet_ckpt is not None:
+            check_espnet_resume(espnet_ckpt, plan, sections)
         self.config_path = str(self.output_dir / TOML_NAME)
         self.sections = sections
         self.job_config = self._parse(sections, plan.external)
@@ -294,7 +346,12 @@ class TitanTrainer:
         self._owns_process_group = parallel_dims is None and not dist.is_initialized()
         self.trainer = ChunkedTrainer(self.job_config, parallel_dims, plan.external)
         self._attach_wandb()
-        self.trainer.checkpointer.load(step=self.job_config.checkpoint.load_step)
+        if espnet_ckpt is not None:
+            load_espnet_checkpoint(
+                self.trainer, espnet_ckpt, plan.external.train.vocab, self.trainer.run.plan.layout
+            )
+        else:
+            self.trainer.checkpointer.load(step=self.job_config.checkpoint.load_step)
         self._closed = False
 
     # ---- construction helpers -------------------------------------------------------------
