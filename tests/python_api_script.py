@@ -15,19 +15,40 @@ def main(spec: dict) -> None:
         import wandb
 
         wandb.init(mode="offline", dir=spec["wandb"], project="caller")
-    model = assets["backbone"]
+    model = assets.get("backbone")
     if spec.get("model_object"):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(assets["backbone"])
-    if spec.get("espnet"):
-        from tests.espnet_fake import FakeFactory, vocab_intervals
+    if spec.get("espnet"):  # ESPnet's real factory (tests/espnet_side), its job's ios
+        from espnet2.speechlm.dataloader.iterator import DataIteratorFactory
+
+        from tests.espnet_side.assets import job_config
+        from tests.espnet_side.job import SpeechLMJobTemplate
 
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        intervals = vocab_intervals(spec["espnet"]["text_size"])
+        e = spec["espnet"]
+        job = SpeechLMJobTemplate(job_config(e["assets"]))
+        collate = job.build_preprocessor().collate_fn
+
+        def factory(specs):
+            return DataIteratorFactory(specs, "", stats_dir=e["stats"], collate_fn=collate,
+                                       batch_size=300, num_workers=0, rank=rank,
+                                       world_size=world, shuffle=True)  # fmt: skip
+
+        train_factory = factory(e["specs"])
         log = os.path.join(spec["output_dir"], f"build_iter_rank{rank}.jsonl")
-        train = EspnetData(FakeFactory(intervals, rank, world, log=log), intervals)
-        valid = {"dev": FakeFactory(intervals, rank, world, n_batches=2, seed=7)}
+        build = train_factory.build_iter
+
+        def logged(global_step=0, length=None):
+            with open(log, "a") as f:
+                f.write(json.dumps({"global_step": global_step, "length": length}) + "\n")
+            return build(global_step, length)
+
+        train_factory.build_iter = logged
+        train = EspnetData(train_factory, job.vocab_intervals, multimodal_io=job.multimodal_io)
+        valid = {"dev": factory(e["valid"])}
+        model = e["assets"]["backbone"]
     else:
         train = PreparedData({"tiny": assets["prepared"]}, ["tts:tiny:0.5", "asr:tiny:0.5"])
         valid = spec.get("valid", {"dev": "asr:tiny"})

@@ -52,6 +52,16 @@ IOS = {
 }
 
 
+def espnet_intervals(text_size: int, num_streams: int, codebook_size: int) -> dict:
+    """``_build_vocabulary``'s intervals for a text io of ``text_size`` ids then a discrete
+    audio io of ``num_streams`` streams (each its pad, then ``codebook_size`` codes)."""
+    at = NUM_SPECIAL + text_size
+    audio = [(at + k * (codebook_size + 1), at + (k + 1) * (codebook_size + 1))
+             for k in range(num_streams)]  # fmt: skip
+    return {"special_token": [(0, NUM_SPECIAL)], "text": [(NUM_SPECIAL, at)],
+            "discrete_audio": audio}  # fmt: skip
+
+
 def pad_list(seqs) -> tuple[torch.Tensor, torch.Tensor]:
     """utils/data.py: stack along a new batch axis, right-padded with 0 (first axis = time)."""
     tensors = [torch.from_numpy(s) if isinstance(s, np.ndarray) else s for s in seqs]

@@ -233,6 +233,36 @@ def test_espnets_task_names_are_counted_and_its_specials_are_ours(espnet_assets,
         data.convert(batch, layout)
 
 
+def test_an_espnet_dialogue_with_a_prompt_turn_converts_as_its_tokens(espnet_assets, tmp_path):
+    """ESPnet has no speaker-prompt input (docs/python-api.md, *Speaker prompts*); the one way a
+    prompt reaches its batches is a dialogue whose user turn holds another utterance's audio.
+    Those are tokens like any other: they arrive as our codes in the user turn, without loss,
+    laid out by ESPnet's chat template (``<|eos|>`` where the role changes, not our
+    ``<|eot|>``), and nothing marks them as a prompt."""
+    from torchtitan_speechlm.python_api import EspnetData
+
+    j, f = factory(espnet_assets, tmp_path)
+    layout = layout_of(j)
+    data = EspnetData(f, j.vocab_intervals, multimodal_io=j.multimodal_io)
+    (c0, _), (c1, _), (c2, _), (c3, _) = j.vocab_intervals["discrete_audio"]
+    bos, eos, eot, user, assistant, text, audio = 1, 2, 3, 5, 6, 7, 8
+    seqs = [[bos, 0, 0, 0], [user, 0, 0, 0], [audio, 0, 0, 0], [c0 + 5, c1 + 10, c2 + 2, c3 + 1],
+            [eot, 0, 0, 0], [user, 0, 0, 0], [text, 0, 0, 0], [256 + 7, 0, 0, 0],
+            [eos, 0, 0, 0], [assistant, 0, 0, 0], [audio, 0, 0, 0],
+            [c0 + 3, c1 + 4, c2 + 6, c3], [eos, 0, 0, 0]]  # fmt: skip
+    masks = np.zeros((1, len(seqs), N), dtype=np.float32)
+    masks[0, 9:, 0], masks[0, 11] = 1.0, 1.0  # the assistant turn only
+    inputs, _ = data.convert({"seqs": np.array([seqs]), "loss_masks": masks}, layout)
+    ids = inputs["input"][0]
+    assert [layout.specials[int(i)] for i in ids[[0, 1, 2, 4, 8], 0]] == [
+        "<|bos|>", "<|user|>", "<|audio|>", "<|eot|>", "<|eos|>"]  # fmt: skip
+    assert ids[3].tolist() == [layout.code(0, 4), layout.code(1, 9), layout.code(2, 1),
+                               layout.code(3, 0)]  # fmt: skip
+    assert ids[11].tolist() == [layout.code(0, 2), layout.code(1, 3), layout.code(2, 5),
+                                layout.stream_pad(3)]  # ESPnet's stream pad is ours  # fmt: skip
+    assert float(inputs["loss_weights"][0, :8].sum()) == 0.0  # up to the text's <|eos|>
+
+
 # ---- bad input: one line naming the field and the fix ------------------------------------------
 def one_line(e: pytest.ExceptionInfo) -> str:
     text = str(e.value)
@@ -319,3 +349,30 @@ def test_an_espnet_checkpoint_of_another_vocabulary(espnet_assets, tmp_path):
     text = one_line(e)
     assert "vocabulary of 710 ids" in text and "have 775" in text
     assert "bin/export_checkpoint.py" in text
+
+
+def test_batches_and_factories_that_cannot_be_read(espnet_assets, tmp_path):
+    from torchtitan_speechlm.config import ConfigError
+    from torchtitan_speechlm.python_api import EspnetData
+    from torchtitan_speechlm.python_api.data import resolve_data
+    from torchtitan_speechlm.python_api.espnet_batch import EspnetBatchError
+
+    j, f = factory(espnet_assets, tmp_path)
+    layout = layout_of(j)
+    data = EspnetData(f, j.vocab_intervals, multimodal_io=j.multimodal_io)
+    batch = next(iter(f.build_iter(0, 1)))
+    with pytest.raises(EspnetBatchError, match=r"`speaker`.*tts_prompt:NAME"):
+        data.convert(dict(batch, speaker=["spk1"]), layout)
+    with pytest.raises(EspnetBatchError, match="`seqs`"):
+        data.convert({"input_ids": batch["seqs"]}, layout)
+    flat = {k: v for k, v in batch.items() if k != "conti_feats"}
+    flat["discrete_audio_feats"] = batch["conti_feats"]["discrete_audio"][1][0]
+    with pytest.raises(EspnetBatchError, match="without `discrete_audio_indices`"):
+        data.convert(flat, layout)
+    segments, (_, lengths) = batch["conti_feats"]["discrete_audio"]
+    flat.update(discrete_audio_indices=segments, discrete_audio_lengths=lengths)
+    a, b = data.convert(flat, layout)[0], data.convert(batch, layout)[0]  # the same, flattened
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError) as e:
+        resolve_data(f, {}, {})
+    assert "pass ESPnet's model object as `model`" in one_line(e)

@@ -411,15 +411,15 @@ def test_espnet_conti_feats_map_onto_the_audio_encoder(assets):
     """ESPnet's conti_feats ({io: [(row, start, length)...], (waves, lengths)}) become our
     continuous inputs, and the converted batch gives the logits of the same sample built here;
     a segment length our encoder would not make is named."""
-    from tests.espnet_fake import FakeFactory, vocab_intervals
+    from tests.espnet_side.job import espnet_intervals
     from torchtitan_speechlm.python_api import EspnetData
     from torchtitan_speechlm.python_api.espnet_batch import EspnetBatchError
 
     model = speechlm(assets)
     layout = model.args.layout
-    intervals = vocab_intervals(layout.text_size)
-    intervals["codec"] = [(a, a + layout.codebook_size) for a, _ in intervals["codec"]]
-    data = EspnetData(FakeFactory(intervals), intervals)
+    intervals = espnet_intervals(layout.text_size, layout.num_streams, layout.codebook_size)
+    no_batches = type("Factory", (), {"build_iter": lambda self, *a, **k: []})()
+    data = EspnetData(no_batches, intervals)
     data.continuous_frames = model.args.audio.frames_of
     (w,) = waves(6000)
     n = int(model.args.audio.output_frames(6000))
