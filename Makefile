@@ -27,7 +27,11 @@ $(STAMP): pyproject.toml
 # resemblyzer declares webrtcvad (C source only on PyPI: needs a compiler and Python headers);
 # the eval extra installs the same module prebuilt (webrtcvad-wheels), so no deps here.
 	@$(PY) -m pip install -q --disable-pip-version-check --no-deps "resemblyzer==0.1.4" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PY) -c "import torchtitan_speechlm, torchtitan, transformers, wandb, soundfile, pocketsphinx, resemblyzer, speechmos.dnsmos" \
+# ESPnet's SpeechLM data side (DataIteratorFactory, its dataset readers) for the tests of the
+# Python API as ESPnet users bring it (tests/espnet_side): --no-deps, because espnet declares
+# its whole toolkit; the data side needs only torch, lhotse and PyYAML, already here.
+	@$(PY) -m pip install -q --disable-pip-version-check --no-deps "espnet==202511" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import torchtitan_speechlm, torchtitan, transformers, wandb, soundfile, pocketsphinx, resemblyzer, speechmos.dnsmos, espnet2.speechlm.dataloader.iterator" \
 	  || { echo "[make] dependency installation failed"; exit 1; }
 	@touch $(STAMP)
 

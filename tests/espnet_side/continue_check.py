@@ -67,7 +67,13 @@ def main(spec: dict) -> None:
     our_opt = trainer.trainer.optimizers.optimizers[0]
     names = {"tok_embeddings.weight": "model.embed_tokens.weight",
              "head.output.weight": "lm_head.weight", "head.stream_emb.weight": "stream_emb.weight"}  # fmt: skip
-    report = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "adam_step": {}, "unmapped_moments": 0.0}
+    report = {
+        "params": {},
+        "exp_avg": {},
+        "exp_avg_sq": {},
+        "adam_step": {},
+        "unmapped_moments": 0.0,
+    }
     for name, p in ours.named_parameters():
         theirs_name = names.get(name, "model." + name[len("backbone.") :])
         theirs = espnet_sd[theirs_name]

@@ -60,7 +60,9 @@ def tone_items(folder: str, texts: list[str], seed: int = 0, sr: int = 16000) ->
     for i, text in enumerate(texts):
         dur = 0.25 + 0.03 * len(text.split()) + 0.01 * (i % 5)
         t = np.arange(int(sr * dur)) / sr
-        wav = 0.3 * np.sin(2 * np.pi * (140 + 25 * (i % 6)) * t) + 0.02 * rng.standard_normal(len(t))
+        wav = 0.3 * np.sin(2 * np.pi * (140 + 25 * (i % 6)) * t) + 0.02 * rng.standard_normal(
+            len(t)
+        )
         path = os.path.join(folder, "wavs", f"utt{i:03d}.wav")
         sf.write(path, wav.astype(np.float32), sr)
         items.append((f"utt{i:03d}", path, text))

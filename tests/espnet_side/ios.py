@@ -72,7 +72,9 @@ class DiscreteAudioIO(AbsIO):
     ):
         super().__init__("audio", True)
         if codec_choice != "local":
-            raise NotImplementedError(f"codec_choice {codec_choice!r} (tests: 'local', a codec folder of ours)")
+            raise NotImplementedError(
+                f"codec_choice {codec_choice!r} (tests: 'local', a codec folder of ours)"
+            )
         self.codec_choice, self.codec_hf_model_tag = codec_choice, codec_hf_model_tag
         self.codec_max_token_per_frame = codec_max_token_per_frame
         self.delay_interleave, self.device_name = delay_interleave, device

@@ -159,8 +159,10 @@ class SpeechLMPreprocessor:
         task, _, _ = key
         messages = self._apply_chat_template(task, data_dict)
         seq, masks, feats, at = [self.special_token("<|bos|>")], [self.special_mask(0.0)], [], 1
-        same_role_next = [a[0] == b[0] for a, b in zip(messages[:-1], messages[1:])] + [False]
-        for eot, (role, io_name, data) in zip(same_role_next, messages):
+        same_role_next = [
+            a[0] == b[0] for a, b in zip(messages[:-1], messages[1:], strict=True)
+        ] + [False]
+        for eot, (role, io_name, data) in zip(same_role_next, messages, strict=True):
             loss = float(role == "assistant" or self.loss_region == "all")
             io = self.multimodal_io[io_name]
             seq += [self.special_token(f"<|{role}|>"), self.special_token(f"<|{io.modality}|>")]

@@ -47,7 +47,11 @@ def build_parallel_model(model_hf_tag: str, multimodal_io: dict, vocab, vocab_in
     nn.init.zeros_(model.stream_emb.weight)
     model.multimodal_io_dict = nn.ModuleDict(multimodal_io)
     model.adaptor = nn.ModuleDict(
-        {n: nn.Linear(io.feature_dim(), dim) for n, io in multimodal_io.items() if not io.is_discrete}
+        {
+            n: nn.Linear(io.feature_dim(), dim)
+            for n, io in multimodal_io.items()
+            if not io.is_discrete
+        }
     )
     model.vocab, model.vocab_intervals = vocab, vocab_intervals
     return model

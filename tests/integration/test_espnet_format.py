@@ -220,7 +220,9 @@ def test_espnets_task_names_are_counted_and_its_specials_are_ours(espnet_assets,
     counts = dict.fromkeys(("tts", "asr", "text"), 0.0)
     espnet = dict.fromkeys(("text_to_audio", "audio_to_text", "text_only"), 0)
     for batch in f.build_iter(0, 12):
-        stats = dict(zip(data_stats_keys(N), data.convert(batch, layout)[0]["data_stats"][0]))
+        stats = dict(
+            zip(data_stats_keys(N), data.convert(batch, layout)[0]["data_stats"][0], strict=True)
+        )
         for task in counts:
             counts[task] += float(stats[f"task_{task}"])
         for task, _, _ in batch["key"]:

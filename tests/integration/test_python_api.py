@@ -159,9 +159,7 @@ def test_train_chunks_save_valid_and_resume(assets, reference, tmp_path):
 
 
 @pytest.mark.long  # 25 s: kept out of make test's 15 minutes
-def test_espnet_factory_trains_logs_into_the_callers_wandb_run_and_resumes(
-    espnet_assets, tmp_path
-):
+def test_espnet_factory_trains_logs_into_the_callers_wandb_run_and_resumes(espnet_assets, tmp_path):
     """``train()`` / ``valid()`` / ``train()`` over ESPnet's real factory (its chunks asked with
     ESPnet's ``build_iter`` arguments), logged into the caller's wandb run; a new trainer on
     the same output_dir continues at the data position."""

@@ -220,4 +220,3 @@ def _like(full: torch.Tensor, like) -> torch.Tensor:
 
         return distribute_tensor(full.to(like.device), like.device_mesh, like.placements)
     return full.to(like.device)
-

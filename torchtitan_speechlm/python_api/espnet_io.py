@@ -103,7 +103,9 @@ class CodecTokenizer:
 
     def to(self, device: torch.device) -> None:
         if device != self.device:
-            self.codec = load_codec(self.path, device=str(device), num_streams=self.codec.num_streams)
+            self.codec = load_codec(
+                self.path, device=str(device), num_streams=self.codec.num_streams
+            )
             self.device = device
 
     def megabytes(self) -> float:
@@ -120,7 +122,9 @@ class CodecTokenizer:
         wave = _as_batch(wave)
         clips = [wave[i, : int(n), 0].float().cpu().numpy() for i, n in enumerate(lengths)]
         n_frames = [int(n) // spf for n in lengths]
-        codes = self.codec.encode([c[: f * spf] if f else c[:spf] for c, f in zip(clips, n_frames)])
+        codes = self.codec.encode(
+            [c[: f * spf] if f else c[:spf] for c, f in zip(clips, n_frames, strict=True)]
+        )
         out = np.empty((len(clips), int(frames.max()), self.layout.num_streams), dtype=np.int64)
         out[:] = self.pads
         for i, (c, f) in enumerate(zip(codes, n_frames, strict=True)):

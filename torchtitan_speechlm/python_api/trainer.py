@@ -160,9 +160,13 @@ def espnet_resume(resume_path: Any, output_dir: Path, folder: str) -> EspnetChec
             )
         return None
     if resume_path is not None:
-        return EspnetCheckpoint(str(resume_path)) if is_espnet_checkpoint(str(resume_path)) else None
+        return (
+            EspnetCheckpoint(str(resume_path)) if is_espnet_checkpoint(str(resume_path)) else None
+        )
     steps = espnet_steps(str(output_dir))
-    return EspnetCheckpoint(str(output_dir / "checkpoints" / f"step_{steps[-1]}")) if steps else None
+    return (
+        EspnetCheckpoint(str(output_dir / "checkpoints" / f"step_{steps[-1]}")) if steps else None
+    )
 
 
 def check_espnet_resume(ckpt: EspnetCheckpoint, plan, sections: dict) -> None:
