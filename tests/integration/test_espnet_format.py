@@ -378,3 +378,46 @@ def test_batches_and_factories_that_cannot_be_read(espnet_assets, tmp_path):
     with pytest.raises(ConfigError) as e:
         resolve_data(f, {}, {})
     assert "pass ESPnet's model object as `model`" in one_line(e)
+
+
+def test_generation_prompts_an_espnet_trained_model_as_espnets_template_did(
+    espnet_assets, tmp_path
+):
+    """With ``chat_template = "espnet"`` (what TitanTrainer records for ESPnet's data) our
+    TTS and ASR generation prompts are exactly the prefixes of ESPnet's training rows (its
+    user turn ends with <|eos|>); our own template differs there, with <|eot|>."""
+    from espnet2.speechlm.dataloader.dataset import SingleDataset
+
+    from torchtitan_speechlm.components.step_codec import StepCodec
+    from torchtitan_speechlm.data.collation import data_stats_keys
+    from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
+    from torchtitan_speechlm.data.template_pieces import Segment
+    from torchtitan_speechlm.model.patterns import get_pattern
+    from torchtitan_speechlm.python_api import EspnetData
+
+    j, f = factory(espnet_assets, tmp_path)
+    layout = layout_of(j)
+    data = EspnetData(f, j.vocab_intervals, multimodal_io=j.multimodal_io)
+    ds = SingleDataset(espnet_assets["data_json"])
+    uid = ds.sample_ids[3]
+    batch = j.build_preprocessor().collate_fn(
+        [(("text_to_audio", "tiny", uid), ds[uid]), (("audio_to_text", "tiny", uid), ds[uid])]
+    )
+    ours, _ = data.convert(batch, layout)
+    StepCodec(data.step_tokenizer(layout, "delay"), layout, data_stats_keys(N))(ours)
+    text = np.array(j.multimodal_io["text"].tokenizer.encode(ds[uid]["text1"]))
+    (_, start, frames) = batch["conti_feats"]["discrete_audio"][0][1]  # the ASR row's audio
+    codes = get_pattern("delay").deinterleave(ours["input"][1, start : start + frames].numpy())
+    codes = codes - np.array([layout.code(k, 0) for k in range(N)])
+    weights = LossWeights(1.0, 1.0, (1 / N,) * N)
+    for template, same in (("espnet", True), ("ours", False)):
+        builder = TemplateBuilder(layout, "delay", weights, chat_template=template)
+        tts = builder.prefix([Segment("user", "text", text)], "assistant", "audio")
+        asr = builder.prefix([Segment("user", "audio", codes)], "assistant", "text")
+        for row, prompt in ((0, tts), (1, asr)):
+            got = ours["input"][row, : len(prompt)].numpy()
+            assert np.array_equal(got, prompt) == same, (template, row)
+            if not same:  # the one difference: the user turn's end
+                (where,) = np.nonzero((got != prompt).any(-1))[0]
+                assert layout.specials[int(prompt[where, 0])] == "<|eot|>"
+                assert layout.specials[int(got[where, 0])] == "<|eos|>"

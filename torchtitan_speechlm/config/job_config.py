@@ -16,6 +16,7 @@ from typing import Literal
 # Allowed values typed once: modules that act on them derive their tuples with get_args.
 Batching = Literal["pack", "bucket"]
 LossRegion = Literal["assistant", "all"]
+ChatTemplate = Literal["ours", "espnet"]
 
 
 @dataclass
@@ -50,6 +51,11 @@ class SpeechLM:
     """Audio interleave pattern, a registered one: `delay` (stream n shifted by n frames),
     `parallel` (aligned), `flatten` (every codebook serialised into stream 0, Orpheus/Llasa
     style)."""
+    chat_template: ChatTemplate = "ours"
+    """How a turn ends when another follows it: `ours` `<|eot|>` always; `espnet` `<|eot|>`
+    when the next turn has the same role, else `<|eos|>` (ESPnet's SpeechLMPreprocessor;
+    `TitanTrainer` sets it for ESPnet's data). Recorded with the model, so eval, generate and
+    serve prompt it the way it was trained. The last turn ends with `<|eos|>` in both."""
     tie_embeddings: Literal["auto", "true", "false"] = "auto"
     """Tie the output head to the input embedding (`auto` = the backbone's
     `tie_word_embeddings`)."""

@@ -11,6 +11,7 @@ from torchtitan_speechlm.data.template_pieces import (
     ROLE_TOKENS,
     Segment,
     TemplatePieces,
+    turn_end,
 )
 
 
@@ -26,7 +27,7 @@ def prompt_frames(
     segments ``(first frame, wave)`` come with it."""
     sp = pieces.layout.special
     parts, waves, at = [pieces.tokens([sp("<|bos|>")], False)[0]], [], 1
-    for seg in segments:
+    for i, seg in enumerate(segments):
         opening = [sp(ROLE_TOKENS[seg.role]), sp(MODALITY_TOKENS[seg.modality])]
         parts.append(pieces.tokens(opening, False)[0])
         tokens = np.asarray(seg.tokens)
@@ -39,7 +40,9 @@ def prompt_frames(
             parts.append(pieces.placeholders(len(tokens))[0])
         else:
             parts.append(pieces.audio(tokens, False)[0])
-        parts.append(pieces.tokens([sp("<|eot|>")], False)[0])
+        following = segments[i + 1].role if i + 1 < len(segments) else role
+        parts.append(pieces.tokens([sp(turn_end(pieces.chat_template, seg.role, following))],
+                                   False)[0])  # fmt: skip
         at += sum(len(p) for p in parts[-3:])
     parts.append(pieces.tokens([sp(ROLE_TOKENS[role]), sp(MODALITY_TOKENS[modality])], False)[0])
     return np.concatenate(parts), waves

@@ -52,6 +52,7 @@ from torchtitan_speechlm.data.template_pieces import (
     ROLE_TOKENS,
     Segment,
     TemplatePieces,
+    turn_end,
 )
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -284,11 +285,13 @@ class TemplateBuilder:
         loss_region: str = "assistant",
         continuous_frames: Callable | None = None,
         max_prompt_frames: int = 0,
+        chat_template: str = "ours",
     ):
         """``continuous_frames``: LM frames of a continuous segment of ``n`` samples (ints or
         numpy arrays; the run's AudioEncoderArgs.output_frames), None without an encoder.
         ``max_prompt_frames``: codec frames a speaker prompt is cut to (``prompt_seconds`` x
-        the codec's frame rate); 0: the run has no prompted task."""
+        the codec's frame rate); 0: the run has no prompted task. ``chat_template``: how a
+        turn ends before the next (template_pieces.py's ``turn_end``)."""
         if loss_region not in LOSS_REGIONS:
             raise ValueError(f"loss_region must be one of {LOSS_REGIONS}, got {loss_region!r}")
         self.layout = layout
@@ -298,8 +301,9 @@ class TemplateBuilder:
         self.continuous_frames = continuous_frames
         self.max_prompt_frames = int(max_prompt_frames)
         self.pieces = TemplatePieces(
-            layout, self.pattern, weights.text, weights.audio, weights.streams, continuous_frames
-        )
+            layout, self.pattern, weights.text, weights.audio, weights.streams, continuous_frames,
+            chat_template,
+        )  # fmt: skip
 
     def segments(self, task: str, item, cfg_drop: bool = False, prompt=None) -> list[Segment]:
         """The turns a task makes of a prepared item (``prompt``: the prepared item whose codes
@@ -388,7 +392,8 @@ class TemplateBuilder:
                 parts.append(pieces.placeholders(len(seg.tokens)))
             else:
                 parts.append(pieces.audio(np.asarray(seg.tokens), loss))
-            end = "<|eos|>" if i == len(segs) - 1 else "<|eot|>"
+            end = turn_end(pieces.chat_template, seg.role,
+                           segs[i + 1].role if i + 1 < len(segs) else None)  # fmt: skip
             parts.append(pieces.tokens([sp(end)], loss))
         return Example(
             frames=np.concatenate([p[0] for p in parts]),

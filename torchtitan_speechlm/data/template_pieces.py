@@ -19,6 +19,19 @@ from torchtitan_speechlm.model.vocab import VocabLayout
 
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 MODALITY_TOKENS = {"text": "<|text|>", "audio": "<|audio|>"}
+CHAT_TEMPLATES = ("ours", "espnet")
+
+
+def turn_end(chat_template: str, role: str, next_role: str | None) -> str:
+    """The token closing a turn of ``role`` followed by a turn of ``next_role`` (None: the
+    last turn): ``<|eos|>`` at the end; before another turn ``<|eot|>``, except in ESPnet's
+    template (speechlm_job.py's SpeechLMPreprocessor), where a change of role ends the turn
+    with ``<|eos|>`` too."""
+    if next_role is None or (chat_template == "espnet" and next_role != role):
+        return "<|eos|>"
+    if chat_template not in CHAT_TEMPLATES:
+        raise ValueError(f"chat_template must be one of {CHAT_TEMPLATES}, got {chat_template!r}")
+    return "<|eot|>"
 
 
 @dataclass(frozen=True)
@@ -52,10 +65,12 @@ class TemplatePieces:
         audio_weight: float,
         stream_weights: tuple[float, ...],
         continuous_frames: Callable | None = None,
+        chat_template: str = "ours",
     ):
         """The weights are ``LossWeights``' (``stream_weights`` sum to 1);
-        ``continuous_frames``: as ``TemplateBuilder``'s."""
+        ``continuous_frames``: as ``TemplateBuilder``'s; ``chat_template``: ``turn_end``'s."""
         self.layout, self.pattern = layout, pattern
+        self.chat_template = chat_template
         self.text_weight = text_weight
         # a code's loss weight, per stream
         self.stream_w = (audio_weight * np.asarray(stream_weights, dtype=np.float32)).astype(

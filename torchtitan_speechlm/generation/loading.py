@@ -44,6 +44,7 @@ class Loaded:
             weights,
             continuous_frames=frames,
             max_prompt_frames=self.max_prompt_frames,
+            chat_template=getattr(self.model.args, "chat_template", "ours"),
         )
 
     @property

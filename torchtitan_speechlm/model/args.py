@@ -28,6 +28,9 @@ class SpeechLMModelArgs(BaseModelArgs):
     backbone_config: dict = field(default_factory=dict)
     vocab: dict = field(default_factory=dict)
     pattern: str = "delay"
+    chat_template: str = "ours"
+    """How a turn ends before the next (data/template_pieces.py: ``turn_end``); read by the
+    templates of training data and generation prompts."""
     tie_embeddings: bool = False
     load_weights: bool = True
     attn_implementation: str = "sdpa_documents"
@@ -82,6 +85,7 @@ class SpeechLMModelArgs(BaseModelArgs):
             backbone_config=backbone_config,
             vocab=layout.to_dict(),
             pattern=speechlm.pattern,
+            chat_template=speechlm.chat_template,
             tie_embeddings=(
                 get_backbone(backbone).tie_word_embeddings(backbone_config)
                 if tie == "auto"

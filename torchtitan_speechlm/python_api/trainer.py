@@ -199,7 +199,8 @@ def run_sections(trainer_args: dict, plan, model: Any, resume_path: Any, output_
     if plan.external is not None:
         sections["speechlm"].setdefault("sample_every", 0)  # samples read prepared data
         has_valid = bool(plan.external.valid_names())
-        if isinstance(plan.external, EspnetRunData):  # the layout ESPnet's io makes
+        if isinstance(plan.external, EspnetRunData):  # the layout ESPnet's data has
+            sections["speechlm"].setdefault("chat_template", "espnet")
             delay = io_delay(plan.external.train.audio_io)
             if delay is not None:
                 sections["speechlm"].setdefault("pattern", "delay" if delay else "parallel")

@@ -172,6 +172,7 @@ class RunPlan:
             loss_region=job_config.speechlm_data.loss_region,
             continuous_frames=audio.frames_of if audio else None,
             max_prompt_frames=self.max_prompt_frames(job_config),
+            chat_template=job_config.speechlm.chat_template,
         )
 
     def check_continuous(self) -> None:
