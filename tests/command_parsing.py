@@ -305,6 +305,13 @@ def check(shown: Shown) -> None:
             raise CommandError(f"sbatch: no config file {words[2]}")
     elif prog in PYTHON or prog.startswith("benchmarks/"):
         rest = words[1:] if prog in PYTHON else words
+        if rest[:2] == ["-m", "torch.distributed.run"]:  # torchrun's flags, then its program
+            from torch.distributed.run import get_args_parser
+
+            ns = get_args_parser().parse_args(rest[2:])
+            inner = ["-m"] if ns.module else []
+            inner += [ns.training_script, *ns.training_script_args]
+            return check(Shown(shown.where, shlex.join([prog, *inner]), shown.inline))
         if rest[:1] == ["-m"]:
             parser = module_parser(rest[1])
             argv, skip = rest[2:], 4 if prog in PYTHON else 3
