@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from tests.espnet_side.assets import job_config, prepare_stats, specifiers
+from tests import forked
 from tests.helpers import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -61,15 +62,18 @@ def train(assets, tmp_path, out, tasks, max_step, nproc=1, resume_path=None, che
     stats = tmp_path / "stats"
     specs = specifiers(assets, tasks)
     prepare_stats(dict(assets, stats=str(stats)), config, specs)
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]  # fmt: skip
-    cmd = [*launcher, MAIN, "--train-config", str(conf), "--output-dir", str(out),
-           "--train-unregistered-specifier", specs, "--stats-dir", str(stats),
-           "--valid-unregistered-specifier", specifiers(assets, tasks[:1], "dev")]  # fmt: skip
+    argv = ["--train-config", str(conf), "--output-dir", str(out),
+            "--train-unregistered-specifier", specs, "--stats-dir", str(stats),
+            "--valid-unregistered-specifier", specifiers(assets, tasks[:1], "dev")]  # fmt: skip
     prepare_stats(dict(assets, stats=str(stats)), config, specifiers(assets, tasks[:1], "dev"))
     if resume_path:
-        cmd += ["--resume_path", str(resume_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=ROOT)
+        argv += ["--resume_path", str(resume_path)]
+    if nproc == 1:  # the script in a fork of this process (tests/forked.py: no imports again)
+        r = forked.python_script(MAIN, argv, cwd=ROOT, timeout=600)
+    else:  # torch's launcher, as an ESPnet user starts it
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", MAIN, *argv]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=ROOT)
     if check:
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return r
@@ -176,9 +180,8 @@ def test_an_espnet_checkpoint_continues_here(espnet_assets, tmp_path):
     args["titan_config"]["lr_scheduler"] = {"warmup_steps": 2, "decay_end_step": 10}
     spec = {"assets": espnet_assets, "out": str(tmp_path), "stats": str(stats), "specs": specs,
             "trainer_args": args, "espnet_steps": 3, "espnet_total": 10}  # fmt: skip
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "espnet_side",
-                        "continue_check.py"), json.dumps(spec)], capture_output=True, text=True,
-                       timeout=300, env=env(), cwd=ROOT)  # fmt: skip
+    check = os.path.join(ROOT, "tests", "espnet_side", "continue_check.py")
+    r = forked.python_script(check, [json.dumps(spec)], cwd=ROOT, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report["params"]) == 26
