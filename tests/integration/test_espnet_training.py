@@ -135,7 +135,11 @@ def test_espnets_train_script_trains_and_resumes_bit_for_bit(espnet_assets, tmp_
     are logged, validation runs (val/SPEC/...), the task counters count ESPnet's tasks."""
     names = TASKS[tasks]
     straight = tmp_path / "straight"
-    train(espnet_assets, tmp_path, straight, names, 4, nproc)
+    log = train(espnet_assets, tmp_path, straight, names, 4, nproc)
+    log = log.stdout + log.stderr  # the console says what the batches are, not seq_len's
+    assert "ESPnet data: DataIteratorFactory batches as ESPnet's batchfy made them" in log
+    assert "Trainer is initialized with the batches of the Python data object" in log
+    assert "local batch size" not in log
     a = steps_of(straight)
     assert sorted(a) == [1, 2, 3, 4]
     assert [a[s]["train/lr"] for s in a] == pytest.approx([espnet_lr(s - 1) for s in a])

@@ -15,7 +15,9 @@ trainers. A job of another spec (torchtitan's own llama3) runs as the plain Trai
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -66,6 +68,23 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+class BatchShapeLine(logging.Filter):
+    """torchtitan's start-up line gives the batches' shape from ``training.local_batch_size``
+    and ``seq_len``; a Python data object (ESPnet's factories) makes its own batches, which
+    its loader's line describes, so those two numbers are left out of it."""
+
+    PREFIX = "Trainer is initialized with local batch size"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(self.PREFIX):
+            found = re.search(r"(gradient accumulation steps \d+).*?(total steps .*)$", message)
+            rest = f", {found.group(1)}, {found.group(2)}" if found else ""
+            record.msg = f"Trainer is initialized with the batches of the Python data object{rest}"
+            record.args = ()
+        return True
+
+
 class SpeechLMTrainer(Trainer):
     """torchtitan's Trainer with the run resolved once and handed to the spec's builders.
 
@@ -84,7 +103,13 @@ class SpeechLMTrainer(Trainer):
             note = master_weights_note(job_config, self.run.plan)
             if note and _rank() == 0:
                 logger.warning(note)
-        super().__init__(job_config)
+        shapes = BatchShapeLine()
+        if external is not None:
+            logger.addFilter(shapes)
+        try:
+            super().__init__(job_config)
+        finally:
+            logger.removeFilter(shapes)
 
     def close(self) -> None:
         try:
