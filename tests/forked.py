@@ -253,6 +253,11 @@ def python_script(
     import runpy
 
     def main() -> int:
+        import logging
+
+        root = logging.getLogger()  # as a fresh interpreter has it (pytest's handlers gone)
+        root.handlers.clear()
+        root.setLevel(logging.WARNING)
         os.environ.update(env or {})
         sys.argv = [path, *argv]
         sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
