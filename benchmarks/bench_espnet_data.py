@@ -21,7 +21,7 @@ Target: ESPnet's TTS and ASR WER within 1.2x of prepare's. Writes
 ``benchmarks/results/espnet_data.json``. Never in CI; about 30 minutes on a 2-core CPU:
 
     python benchmarks/bench_espnet_data.py
-    python benchmarks/bench_espnet_data.py --train-sentences 40 --held-out 4 --steps 2 \\
+    python benchmarks/bench_espnet_data.py --train-sentences 40 --held-out 4 --steps 2 \
         --eval-items 2 --hidden 32 --layers 1 --kmeans-seconds 20 --work /tmp/b --out /tmp/b.json
 """
 

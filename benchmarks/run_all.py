@@ -27,6 +27,7 @@ BENCHES = [  # each writes its JSON under benchmarks/results/ (docs/performance.
     ["benchmarks/bench_speaker_prompt.py"],  # prompted TTS: speaker-ID, SIM, WER (~40 min)
     ["benchmarks/codec_floor.py"],  # the codec's WER floor on many voices (~10 min)
     ["benchmarks/bench_learning.py", "--sweep"],  # ~30 min alone on 2 cores (docs/quality.md)
+    ["benchmarks/bench_espnet_data.py"],  # ESPnet's data side vs prepared data (~30 min)
     ["benchmarks/bench_preference.py", "--demo", "."],  # after make demo: DPO (preference.md)
     ["benchmarks/bench_preference_ceiling.py", "--demo", "."],  # best-of-K by judge (~6 min)
 ]

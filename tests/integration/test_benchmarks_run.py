@@ -9,7 +9,8 @@ Not run: `bench_speaker_prompt.py` (a multi-voice espeak-ng corpus, a codec fit,
 three judges: 98 s at its smallest, moved out of `make faults` for CI's 40 minutes; its flags and
 pure functions are tested), `bench_preference.py` and `bench_preference_ceiling.py` (need a
 `make demo` clone; the first's config and table, the second's best-of-k figures are tested), `bench_audio_learning.py` (two trainings of the demo's model on its espeak-ng corpus,
-minutes on 2 cores; imported and its usage lines parse), `bench_learning.py` (an espeak-ng corpus, a codec fit, prepare, train, then `torchtitan
+minutes on 2 cores; imported and its usage lines parse), `bench_espnet_data.py` (an espeak-ng corpus, a codec fit, two trainings and two
+`torchtitan eval`s: 56 s at its smallest, the second usage line of its docstring, run by hand; imported, its usage lines parse), `bench_learning.py` (an espeak-ng corpus, a codec fit, prepare, train, then `torchtitan
 eval` with three judges per checkpoint: 96 s even at its smallest, `--train-sentences 8
 --held-out 4 --steps 2 --eval-every 2 --eval-items 2 --hidden 32 --layers 1`, on 2 busy cores,
 where it ran to the end; and it writes into benchmarks/results/): it is imported, its flags parse at a tiny setting, its TOML template
@@ -79,6 +80,7 @@ SMOKE = {
 NOT_RUN = (
     "bench_audio_learning.py",
     "bench_common.py",
+    "bench_espnet_data.py",
     "bench_learning.py",
     "bench_preference.py",
     "bench_preference_ceiling.py",
@@ -166,6 +168,7 @@ def test_run_all_lists_existing_scripts_whose_flags_parse():
     assert listed == {
         *SMOKE,
         "bench_learning.py",
+        "bench_espnet_data.py",
         "bench_speaker_prompt.py",
         "bench_preference.py",
         "bench_preference_ceiling.py",
