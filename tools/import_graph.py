@@ -71,7 +71,8 @@ LAYERS: tuple[Layer, ...] = (
     }),
     Layer("components", {
         "components": "what torchtitan's loop calls: the data loader, loss, metrics, "
-        "optimizers, validator, samples, resume rule, step guard, the run's training state",
+        "optimizers, validator, samples, resume rule, step guard, the run's training state, "
+        "the step codec (waveforms tokenised in the step)",
         "distributed": "the parallelize function (TP, AC, compile, FSDP2/HSDP/DDP)",
     }),
     Layer("trainer", {
