@@ -170,14 +170,16 @@ def test_espnets_train_script_trains_and_resumes_bit_for_bit(espnet_assets, tmp_
     assert all(torch.equal(saved[k].float(), original[k].float()) for k in saved)
 
 
-def test_an_espnet_checkpoint_continues_here(espnet_assets, tmp_path):
-    """ESPnet's checkpoints/step_3 as resume_path: each of our parameters and both Adam moments
-    equal ESPnet's at the ids mapped by rule (ours without an ESPnet id: a fresh Adam state),
-    the Adam step and the trainer's step are 3, the LR is ESPnet's schedule at 3, and training
-    goes on from ESPnet's next chunk (build_iter(global_step=3))."""
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.long)])
+def test_an_espnet_checkpoint_continues_here(espnet_assets, tmp_path, nproc):
+    """ESPnet's checkpoints/step_3 as resume_path, on 1 and 2 ranks (FSDP shards): each of
+    our parameters and both Adam moments equal ESPnet's at the ids mapped by rule (ours
+    without an ESPnet id: a fresh Adam state), the Adam step and the trainer's step are 3, the
+    LR is ESPnet's schedule at 3, and training goes on from ESPnet's next chunk
+    (build_iter(global_step=3))."""
     config = job_config(espnet_assets)
     stats = tmp_path / "stats"
-    specs = specifiers(espnet_assets, TASKS["mixture"])
+    specs = specifiers(espnet_assets, TASKS["tts+asr"])
     prepare_stats(dict(espnet_assets, stats=str(stats)), config, specs)
     args = trainer_args(6)
     args["titan_config"]["optimizer"]["lr"] = 1e-3  # ESPnet's run's peak (model.py)
@@ -185,7 +187,14 @@ def test_an_espnet_checkpoint_continues_here(espnet_assets, tmp_path):
     spec = {"assets": espnet_assets, "out": str(tmp_path), "stats": str(stats), "specs": specs,
             "trainer_args": args, "espnet_steps": 3, "espnet_total": 10}  # fmt: skip
     check = os.path.join(ROOT, "tests", "espnet_side", "continue_check.py")
-    r = forked.python_script(check, [json.dumps(spec)], cwd=ROOT, timeout=300)
+    r = forked.python_script(check, [json.dumps(spec), "make"], cwd=ROOT, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    if nproc == 1:
+        r = forked.python_script(check, [json.dumps(spec), "continue"], cwd=ROOT, timeout=300)
+    else:
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc-per-node={nproc}", check, json.dumps(spec), "continue"],
+                           capture_output=True, text=True, timeout=600, env=env(), cwd=ROOT)  # fmt: skip
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report["params"]) == 26
