@@ -13,8 +13,8 @@ import pytest
 import torch
 import yaml
 
-from tests.espnet_side.assets import job_config, prepare_stats, specifiers
 from tests import forked
+from tests.espnet_side.assets import job_config, prepare_stats, specifiers
 from tests.helpers import read_metrics
 
 pytestmark = pytest.mark.slow
