@@ -246,7 +246,7 @@ def step_times(dump: str) -> dict:
     """Median seconds per step (torchtitan's end-to-end) and the step codec's share."""
     import statistics
 
-    e2e, codec = [], []
+    e2e, codec, wave = [], [], 0.0
     with open(os.path.join(dump, "metrics.jsonl")) as f:
         for line in f:
             row = json.loads(line)
@@ -254,9 +254,12 @@ def step_times(dump: str) -> dict:
                 e2e.append(row["time_metrics/end_to_end(s)"])
                 if "time/step_codec_s" in row:
                     codec.append(row["time/step_codec_s"])
+                    wave = max(wave, row.get("memory/step_codec_wave_mb", 0.0))
     out = {"step_s": statistics.median(e2e) if e2e else None}
     if codec:
         out["step_codec_s"] = statistics.median(codec)
+        out["step_codec_share"] = out["step_codec_s"] / out["step_s"] if e2e else None
+        out["step_codec_wave_mb"] = wave
     return out
 
 
