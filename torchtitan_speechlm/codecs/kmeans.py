@@ -7,7 +7,11 @@ prepare, train on and listen to speech tokens. It is deliberately simple:
   normalised per mel bin with the fitting corpus' mean/std;
 * codes: N residual k-means codebooks of C centroids (codebook k quantises what codebooks
   0..k-1 left), fitted with k-means++ and a few Lloyd iterations on a frame subsample, with a
-  seeded generator, so a fit is reproducible (same data, seed and machine => same centroids);
+  seeded generator. A fit (``fit = "exact"`` in config.json, ``codecs/residual_kmeans.py``)
+  computes the features in float64 and makes every decision on exact integer arithmetic, so the
+  same data and seed give the same codebooks on any x86 CPU (AVX2 or AVX-512, any number of
+  threads), and encoding gives the same codes; folders fitted before (float32, reproducible on
+  one machine only) load and encode as they were made;
 * decode: centroid sums -> log-mel -> linear magnitude through the pseudo-inverse of the mel
   filterbank (refined by non-negative least-squares updates) -> fast Griffin-Lim phase
   (``griffin_lim_iters``, ``griffin_lim_momentum``: decode-time attributes), batched over clips
@@ -29,6 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from torchtitan_speechlm.codecs import residual_kmeans
 from torchtitan_speechlm.codecs.base import config_hash, register_codec
 from torchtitan_speechlm.codecs.streaming import ChunkedStreamDecoder
 from torchtitan_speechlm.utils.fileio import write_json_atomic
@@ -58,6 +63,7 @@ class KMeansConfig:
     # Written to config.json by every fit, so it stays in config_hash; decode does not read it
     # (``KMeansCodec.griffin_lim_iters`` is a decode-time setting, default GRIFFIN_LIM_ITERS).
     griffin_lim_iters: int = 48
+    fit: str = "float32"  # "exact": codecs/residual_kmeans.py (new fits); "float32": earlier ones
 
 
 def mel_filterbank(sr: int, n_fft: int, n_mels: int) -> np.ndarray:
@@ -82,12 +88,11 @@ class LogMel:
 
     FLOOR = 1e-4
 
-    def __init__(self, cfg: KMeansConfig, device: str = "cpu"):
-        self.cfg, self.device = cfg, device
-        self.fb = torch.from_numpy(mel_filterbank(cfg.sample_rate, cfg.n_fft, cfg.n_mels)).to(
-            device
-        )
-        self.window = torch.hann_window(cfg.n_fft, device=device)
+    def __init__(self, cfg: KMeansConfig, device: str = "cpu", dtype=torch.float32):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        fb = torch.from_numpy(mel_filterbank(cfg.sample_rate, cfg.n_fft, cfg.n_mels))
+        self.fb = fb.to(device=device, dtype=dtype)
+        self.window = torch.hann_window(cfg.n_fft, device=device, dtype=dtype)
 
     def stft(self, wav: torch.Tensor) -> torch.Tensor:
         return torch.stft(wav, self.cfg.n_fft, self.cfg.hop_length, window=self.window,
@@ -95,7 +100,7 @@ class LogMel:
 
     def __call__(self, wav) -> torch.Tensor:
         hop = self.cfg.hop_length
-        x = torch.as_tensor(np.asarray(wav, dtype=np.float32), device=self.device)
+        x = torch.as_tensor(np.asarray(wav), device=self.device).to(self.dtype)
         frames = math.ceil(x.numel() / hop)
         x = torch.nn.functional.pad(x, (0, frames * hop - x.numel()))
         mag = self.stft(x).abs()[:, :frames]  # [n_freq, F]
@@ -157,29 +162,24 @@ def fit_kmeans_codec(
         )
     cfg = KMeansConfig(sample_rate=sample_rate, num_codebooks=num_codebooks,
                        codebook_size=codebook_size, seed=seed, hop_length=int(hop),
-                       n_fft=max(KMeansConfig.n_fft, 2 * int(hop)))  # fmt: skip
-    feat = LogMel(cfg)
+                       n_fft=max(KMeansConfig.n_fft, 2 * int(hop)), fit="exact")  # fmt: skip
+    feat = LogMel(cfg, dtype=torch.float64)
     with torch.inference_mode():
-        x = torch.cat([feat(w) for w in wavs if len(w)])
+        x = torch.cat([feat(w) for w in wavs if len(w)]).numpy()
     if x.shape[0] < codebook_size:
         raise ValueError(
             f"k-means codec: {x.shape[0]} frames of audio cannot fit {codebook_size} centroids; "
             "give more audio or a smaller --codebook-size"
         )
-    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
     if x.shape[0] > max_frames:
-        x = x[torch.randperm(x.shape[0], generator=gen)[:max_frames]]
-    mean, std = x.double().mean(0).float(), x.double().std(0).float().clamp(min=1e-3)
-    r = (x - mean) / std
-    books = []
-    for _ in range(num_codebooks):
-        c = _kmeans(r, codebook_size, iters, gen)
-        books.append(c)
-        r = r - c[_nearest(r, c)]
+        x = x[np.sort(rng.permutation(x.shape[0])[:max_frames])]
+    mean, std = residual_kmeans.column_stats(x)
+    books = residual_kmeans.fit((x - mean) / std, num_codebooks, codebook_size, seed, iters)
     tensors = {
-        "centroids": torch.stack(books).contiguous(),  # [N, C, n_mels]
-        "mel_mean": mean.contiguous(),
-        "mel_std": std.contiguous(),
+        "books": torch.from_numpy(np.ascontiguousarray(books)),  # [N, C, n_mels] grid units
+        "mel_mean": torch.from_numpy(mean),
+        "mel_std": torch.from_numpy(std),
     }
     digest = hashlib.sha256()
     for name in sorted(tensors):
@@ -208,10 +208,16 @@ class KMeansCodec:
         self.cfg = KMeansConfig(**{k: v for k, v in config.items() if k in fields})
         self.path, self.device, self.config_hash = path, device, config_hash
         w = load_file(os.path.join(path, WEIGHTS), device=device)
+        self.exact = self.cfg.fit == "exact"
+        if self.exact:  # grid books (codecs/residual_kmeans.py); float32 copies to decode with
+            self.books = w["books"].cpu().numpy()
+            self.mean64, self.std64 = w["mel_mean"].cpu().numpy(), w["mel_std"].cpu().numpy()
+            w = {"centroids": (w["books"].double() * residual_kmeans.GRID).float(),
+                 "mel_mean": w["mel_mean"].float(), "mel_std": w["mel_std"].float()}  # fmt: skip
         self.total_streams = w["centroids"].shape[0]
         self.num_streams = int(num_streams or self.total_streams)
-        self.centroids = w["centroids"][: self.num_streams]
-        self.mean, self.std = w["mel_mean"], w["mel_std"]
+        self.centroids = w["centroids"][: self.num_streams].to(device)
+        self.mean, self.std = w["mel_mean"].to(device), w["mel_std"].to(device)
         self.sample_rate = self.cfg.sample_rate
         self.samples_per_frame = self.cfg.hop_length
         self.frame_rate = self.sample_rate / self.samples_per_frame
@@ -231,6 +237,8 @@ class KMeansCodec:
 
     def encode(self, wavs: list[np.ndarray]) -> list[np.ndarray]:
         """Mono float waveforms at ``sample_rate`` -> int64 ``[ceil(samples / hop), num_streams]``."""
+        if self.exact:
+            return self._encode_exact(wavs)
         out = []
         with torch.inference_mode():
             for w in wavs:
@@ -243,6 +251,18 @@ class KMeansCodec:
                     codes.append(a)
                     r = r - c[a]
                 out.append(torch.stack(codes, 1).to("cpu", torch.int64).numpy())
+        return out
+
+    def _encode_exact(self, wavs: list[np.ndarray]) -> list[np.ndarray]:
+        """The same codes on any machine: float64 features, exact nearest centroids."""
+        feat, books = LogMel(self.cfg, "cpu", torch.float64), self.books[: self.num_streams]
+        out = []
+        with torch.inference_mode():
+            for w in wavs:
+                if np.ndim(w) != 1 or len(w) == 0:
+                    raise ValueError("KMeansCodec.encode expects non-empty 1-D (mono) waveforms")
+                x = (feat(w).numpy() - self.mean64) / self.std64
+                out.append(residual_kmeans.encode(x, books))
         return out
 
     def log_mel(self, codes: np.ndarray) -> torch.Tensor:

@@ -80,12 +80,71 @@ def test_same_seed_same_centroids(speech, tmp_path):
     a = fit_kmeans_codec(wavs, str(tmp_path / "a"), 4, 64, seed=0)
     b = fit_kmeans_codec(wavs, str(tmp_path / "c"), 4, 64, seed=1)
     ref = load_file(os.path.join(speech["dir"], "model.safetensors"))
-    np.testing.assert_array_equal(load_file(os.path.join(a, "model.safetensors"))["centroids"],
-                                  ref["centroids"])  # fmt: skip
+    np.testing.assert_array_equal(load_file(os.path.join(a, "model.safetensors"))["books"],
+                                  ref["books"])  # fmt: skip
     assert load_codec(a).config_hash == load_codec(speech["dir"]).config_hash
     assert load_codec(b).config_hash != load_codec(a).config_hash
-    assert not np.array_equal(load_file(os.path.join(b, "model.safetensors"))["centroids"],
-                              ref["centroids"])  # fmt: skip
+    assert not np.array_equal(load_file(os.path.join(b, "model.safetensors"))["books"],
+                              ref["books"])  # fmt: skip
+
+
+FIT_AND_ENCODE = """
+import hashlib, json, sys, numpy as np
+from torchtitan_speechlm.codecs import load_codec
+from torchtitan_speechlm.codecs.kmeans import fit_kmeans_codec
+from torchtitan_speechlm.utils.audio import load_audio
+wavs = [load_audio(p, 16000) for p in json.loads(sys.argv[1])]
+codec = load_codec(fit_kmeans_codec(wavs[:12], sys.argv[2], 4, 64, seed=0, iters=8))
+codes = np.concatenate(codec.encode(wavs[12:]))
+print(json.dumps([codec.config_hash, hashlib.sha256(codes.tobytes()).hexdigest()]))
+"""
+
+
+def test_a_fit_gives_the_same_codec_on_another_cpu_code_path(speech, tmp_path):
+    """The same fit under MKL's AVX2 kernels with one thread and under its default (AVX-512 on
+    this machine) with two: the same codebooks (the codec's config_hash: its weights and
+    config), and the same codes of held-out audio. A float32 fit (the one before) gave other
+    codebooks here under AVX2."""
+    import subprocess
+    import sys
+
+    paths = [str(p) for p in sorted((speech["root"] / "corpus" / "wavs").glob("*.wav"))[:18]]
+    out = []
+    for i, env in enumerate(({"MKL_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1"},
+                             {"OMP_NUM_THREADS": "2"})):  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-c", FIT_AND_ENCODE, json.dumps(paths), str(tmp_path / f"f{i}")],
+            capture_output=True, text=True, timeout=300, env=dict(os.environ, **env),
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        out.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert out[0] == out[1]
+
+
+def test_a_codec_fitted_before_loads_and_encodes_as_it_was_made(speech, tmp_path):
+    """A folder of the float32 fit (``centroids``, no ``fit`` key) keeps its own path."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from torchtitan_speechlm.codecs.residual_kmeans import GRID
+
+    old = tmp_path / "old"
+    shutil.copytree(speech["dir"], old)
+    w = load_file(os.path.join(old, "model.safetensors"))
+    save_file({"centroids": (w["books"] * GRID).astype(np.float32),
+               "mel_mean": w["mel_mean"].astype(np.float32),
+               "mel_std": w["mel_std"].astype(np.float32)},
+              os.path.join(old, "model.safetensors"))  # fmt: skip
+    cfg = json.load(open(old / "config.json"))
+    del cfg["fit"]
+    json.dump(cfg, open(old / "config.json", "w"))
+    codec = load_codec(str(old))
+    assert not codec.exact
+    codes = codec.encode(speech["wavs"][30:32])
+    new = load_codec(speech["dir"]).encode(speech["wavs"][30:32])
+    agree = np.mean(np.concatenate(codes) == np.concatenate(new))
+    assert agree > 0.9, agree  # the same codebooks, float32 features: nearly the same codes
 
 
 def test_prepare_fits_kmeans_codec_then_reuses_it(speech, tmp_path, capsys):
