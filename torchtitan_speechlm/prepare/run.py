@@ -1,5 +1,5 @@
 """Running the shards of ``torchtitan prepare`` (in process or in worker processes) with a
-progress line, and fitting the k-means codec on a sample of the input audio.
+progress line, and fitting a codec (k-means, mel, WORLD) on a sample of the input audio.
 
 Worker processes each load their own codec (on ``--device``), so they scale to several GPUs'
 worth of work or to several CPU cores; they are started by a forkserver (CPU, Linux) or spawned,
@@ -21,7 +21,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 import numpy as np
 
 from torchtitan_speechlm.codecs import CodecError
-from torchtitan_speechlm.codecs.kmeans import MODEL_TYPE, KMeansConfig, fit_kmeans_codec
+from torchtitan_speechlm.codecs.fitting import FitSettings, Fitter
 from torchtitan_speechlm.data.keyed_order import keyed_order, round_keys
 from torchtitan_speechlm.prepare.parts import worker_devices
 from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
@@ -177,31 +177,36 @@ def fit_order(n: int, seed: int, block: int = 256) -> Iterator[int]:
         yield from (int(j) for j in keyed_order(np.arange(a, min(a + block, n)), n, keys))
 
 
-def fit_or_reuse_kmeans(out: str, items, codebooks: int, codebook_size: int,
-                        seconds: float, seed: int, overwrite: bool, progress: bool,
-                        hf_reader=None, frame_rate: float = 50.0) -> str:  # fmt: skip
-    """Return a k-means codec folder: ``out`` as is if it already holds one fitted with these
-    settings (so reruns are cheap and stable), else fit one on up to ``seconds`` of randomly
-    chosen (``seed``, ``fit_order``) input audio, read a reference at a time."""
+def fit_or_reuse_codec(fitter: Fitter, out: str, items, settings: FitSettings,
+                       seconds: float, overwrite: bool, progress: bool,
+                       hf_reader=None) -> str:  # fmt: skip
+    """Return a codec folder of ``fitter``'s kind (codecs/fitting.py): ``out`` as is if it
+    already holds one fitted with these settings (so reruns are cheap and stable), else fit one
+    on ``seconds`` of randomly chosen (``settings.seed``, ``fit_order``) input audio, read a
+    reference at a time. Less audio than ``seconds`` is refused with the fix, and so is a
+    folder holding another fit (unless ``overwrite``); nothing is written then."""
+    flag = f"--fit-{fitter.kind}-codec"
+    size = fitter.size(settings)
     cfg_file = os.path.join(out, "config.json")
     if os.path.isfile(cfg_file):
         with open(cfg_file) as f:
             have = json.load(f)
-        want = {"model_type": MODEL_TYPE, "num_codebooks": codebooks,
-                "codebook_size": codebook_size, "seed": seed,
-                "hop_length": int(KMeansConfig.sample_rate / frame_rate)}  # fmt: skip
+        want = {"model_type": fitter.model_type, "sample_rate": fitter.sample_rate,
+                **fitter.want(settings, size)}  # fmt: skip
         if all(have.get(k) == v for k, v in want.items()):
             return out
         if not overwrite:
+            differ = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
             raise CodecError(
-                f"{out} already holds a codec with other settings ({ {k: have.get(k) for k in want} }); "
-                "pass --overwrite to refit it, or choose another --fit-kmeans-codec folder"
+                f"{out} already holds a codec fitted with other settings ("
+                + ", ".join(f"{k} {a} there, {b} asked" for k, (a, b) in differ.items())
+                + f"); pass --overwrite to refit it, or choose another {flag} folder"
             )
-    sr = KMeansConfig().sample_rate
+    sr = fitter.sample_rate
     reader = HFAudioReader(*hf_reader) if hf_reader else None
     refs = AudioRefs(items)  # (a list of every reference would be O(items))
     wavs, total, t0 = [], 0.0, time.monotonic()
-    for j in fit_order(len(refs), seed):
+    for j in fit_order(len(refs), settings.seed):
         try:
             w = load_ref(refs[j], sr, reader)
         except BadAudioError:
@@ -211,10 +216,15 @@ def fit_or_reuse_kmeans(out: str, items, codebooks: int, codebook_size: int,
         if total >= seconds:
             break
     if not wavs:
-        raise CodecError("cannot fit a k-means codec: no readable audio in the input")
-    fit_kmeans_codec(wavs, out, codebooks, codebook_size, seed, sample_rate=sr,
-                     frame_rate=frame_rate)  # fmt: skip
+        raise CodecError(f"cannot fit a codec ({flag}): no readable audio in the input")
+    if total < seconds:
+        raise CodecError(
+            f"{flag}: --kmeans-seconds {seconds:g} asks for {seconds:g} s of audio to fit the "
+            f"codec on, the input has {total:.0f} s; pass --kmeans-seconds {int(total)} to fit "
+            "on all of it (a codec serves the voices it was fitted on), or give more audio"
+        )
+    fitter.fit(wavs, out, settings, size)
     if progress:
-        print(f"prepare: fitted k-means codec {out} on {total:.0f}s of audio "
+        print(f"prepare: fitted {fitter.label} codec {out} on {total:.0f}s of audio "
               f"({time.monotonic() - t0:.1f}s)", file=sys.stderr, flush=True)  # fmt: skip
     return out

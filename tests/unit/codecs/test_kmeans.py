@@ -167,7 +167,7 @@ def test_prepare_fits_kmeans_codec_then_reuses_it(speech, tmp_path, capsys):
     assert main(args + ["--kaldi", str(tmp_path)]) == 1
     assert "give exactly one source" in capsys.readouterr().err
     assert main(args + ["--codec", str(km)]) == 1
-    assert "exactly one of --codec DIR or --fit-kmeans-codec DIR" in capsys.readouterr().err
+    assert "exactly one of --codec DIR, --fit-kmeans-codec DIR" in capsys.readouterr().err
 
 
 def test_a_lower_frame_rate_gives_fewer_frames_and_still_round_trips(speech, tmp_path):
@@ -196,7 +196,7 @@ def test_prepare_refits_nothing_but_refuses_another_frame_rate(speech, tmp_path)
     out, codec = str(tmp_path / "p"), str(tmp_path / "codec")
     tok = demo_assets.build_tokenizer(str(tmp_path / "tok"), demo_assets.load_sentences())
     args = ["--manifest", speech["manifest"], "--fit-kmeans-codec", codec, "--tokenizer", tok,
-            "--codebook-size", "64", "--no-progress"]  # fmt: skip
+            "--codebook-size", "64", "--kmeans-seconds", "60", "--no-progress"]  # fmt: skip
     assert main([*args, "--out", out, "--kmeans-frame-rate", "25"]) == 0
     assert load_codec(codec).frame_rate == 25.0
     assert main([*args, "--out", out + "2"]) == 1  # 50/s asked, a 25/s codec there

@@ -16,11 +16,13 @@ import pickle
 import random
 import tarfile
 import tracemalloc
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from tests.unit.prepare import old_readers as old
+from torchtitan_speechlm.codecs.fitting import FITTERS, FitSettings
 from torchtitan_speechlm.prepare import run, spill, split
 from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem, TurnSpec
 from torchtitan_speechlm.prepare.sources import read_source
@@ -415,8 +417,9 @@ def fitted_on(tmp_path, monkeypatch, items, seed: int, seconds: float) -> list[s
         return np.zeros(sr, dtype=np.float32)
 
     monkeypatch.setattr(run, "load_ref", load_ref)
-    monkeypatch.setattr(run, "fit_kmeans_codec", lambda wavs, *a, **k: fits.append(len(wavs)))
-    run.fit_or_reuse_kmeans(str(tmp_path / f"km{seed}"), items, 2, 8, seconds, seed, False, False)
+    fitter = replace(FITTERS["kmeans"], fit=lambda wavs, *a: fits.append(len(wavs)))
+    run.fit_or_reuse_codec(fitter, str(tmp_path / f"km{seed}"), items, FitSettings(2, 8, seed),
+                           seconds, False, False)  # fmt: skip
     assert fits == [len(loaded)]
     return loaded
 
@@ -446,16 +449,19 @@ def test_the_fit_reads_a_seeded_choice_a_reference_at_a_time(tmp_path, monkeypat
     assert sorted(order) == list(range(len(refs)))  # every reference, once
     assert keyed == [refs[j].path for j in order if not refs[j].path.endswith("9.wav")][:40]
     few = audio_items(150)
-    all_of_them = fitted_on(tmp_path, monkeypatch, few, 3, 1e9)  # not enough audio: all of it
-    assert sorted(all_of_them) == sorted(r.path for r in old_refs(few) if "9.wav" not in r.path)
+    readable = sorted(r.path for r in old_refs(few) if "9.wav" not in r.path)
+    with pytest.raises(run.CodecError, match=rf"the input has {len(readable)} s; pass "
+                       rf"--kmeans-seconds {len(readable)} to fit on all of it"):  # fmt: skip
+        fitted_on(tmp_path, monkeypatch, few, 3, 1e9)  # not enough audio: refused, with the fix
+    assert sorted(fitted_on(tmp_path, monkeypatch, few, 3, len(readable))) == readable
 
 
 def test_the_fit_holds_no_list_of_references(tmp_path, monkeypatch):
     monkeypatch.setattr(run, "PERMUTED", 100)
     monkeypatch.setattr(run, "load_ref", lambda ref, sr, reader: np.zeros(sr, np.float32))
-    monkeypatch.setattr(run, "fit_kmeans_codec", lambda *a, **k: None)
-    fit = lambda items: run.fit_or_reuse_kmeans(  # noqa: E731
-        str(tmp_path / "km"), items, 2, 8, 30.0, 0, False, False) and items  # fmt: skip
+    fitter = replace(FITTERS["kmeans"], fit=lambda *a: None)
+    fit = lambda items: run.fit_or_reuse_codec(  # noqa: E731
+        fitter, str(tmp_path / "km"), items, FitSettings(2, 8, 0), 30.0, False, False) and items  # fmt: skip
     per_item = growth(audio_items, fit, 4_000, 16_000)
     print(f"k-means fit bytes per item: {per_item:.2f}")
     assert per_item < 2  # the references per chunk: 8 bytes per 1,024 items
