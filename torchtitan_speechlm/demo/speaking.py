@@ -39,6 +39,25 @@ class CorpusPlan:
     seed: int = 0
     kmeans_seconds: float = 600.0  # audio the codec is fitted on (torchtitan prepare's default;
     # bench_learning fits on 2400 s: docs/quality.md)
+    codec: str = (
+        "kmeans"  # the fitted codec's kind: kmeans, mel or world (prepare --fit-KIND-codec)
+    )
+    codebooks: int = 4  # k-means and mel codecs: codebooks (streams)
+    codebook_size: int = 0  # 0: the kind's default (k-means 256, mel and WORLD 1024)
+
+    def codec_flags(self, folder: str) -> list[str]:
+        """``torchtitan prepare``'s flags that fit this plan's codec into ``folder`` (a flag at
+        prepare's default is left out, so the printed command stays what a user types)."""
+        flags = [f"--fit-{self.codec}-codec", folder]
+        if self.codec == "kmeans":
+            flags += ["--kmeans-frame-rate", str(self.frame_rate)]
+        if self.codec != "world" and self.codebooks != 4:
+            flags += ["--codebooks", str(self.codebooks)]
+        if self.codebook_size:
+            flags += ["--codebook-size", str(self.codebook_size)]
+        if self.kmeans_seconds != 600.0:  # prepare's default
+            flags += ["--kmeans-seconds", f"{self.kmeans_seconds:g}"]
+        return flags
 
 
 def console(tool: str) -> str:
@@ -146,11 +165,7 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
         out = os.path.join(p["prepared"], name)
         if os.path.isfile(os.path.join(out, "metadata.json")):
             continue
-        codec = ["--codec", p["codec"]]
-        if fit:
-            codec = ["--fit-kmeans-codec", p["codec"], "--kmeans-frame-rate", str(plan.frame_rate)]
-            if plan.kmeans_seconds != CorpusPlan.kmeans_seconds:  # that one: prepare's default
-                codec += ["--kmeans-seconds", f"{plan.kmeans_seconds:g}"]
+        codec = plan.codec_flags(p["codec"]) if fit else ["--codec", p["codec"]]
         run_command(
             [tool, "prepare", "--manifest", manifests[name], *codec, "--tokenizer",
              p["tokenizer"], "--out", out, "--workers", str(workers), "--no-progress"],
