@@ -44,9 +44,90 @@ def build_parser() -> argparse.ArgumentParser:
         "environment variable TORCHTITAN_SERVE_API_KEY; neither: no key is checked)",
     )
     a.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="several keys, one per line ('KEY' or 'NAME KEY'; # comments), read again when the "
+        "file changes: keys rotate without a restart; the access log and the rate limits name "
+        "the key by NAME",
+    )
+    a.add_argument(
         "--no-auth",
         action="store_true",
         help="serve a non-loopback --host without an API key (anyone who reaches it)",
+    )
+    a.add_argument(
+        "--trusted-hosts",
+        metavar="HOSTS",
+        help="the Host names requests may carry, comma-separated (*.example.com, *: any); "
+        "others get 400 (default: on a loopback --host localhost,127.0.0.1,::1 and the host "
+        "itself, which keeps DNS-rebinding pages out; else *)",
+    )
+    a.add_argument(
+        "--cors-origins",
+        metavar="ORIGINS",
+        default="",
+        help="web page origins allowed to call the server, comma-separated (https://app.example, "
+        "*: any); a request with another Origin gets 403 (default: none)",
+    )
+    a.add_argument(
+        "--proxy-headers",
+        nargs="?",
+        const="127.0.0.1",
+        metavar="ADDRESSES",
+        help="behind a reverse proxy: take the client address and scheme from X-Forwarded-For "
+        "/ X-Forwarded-Proto sent by these proxy addresses, comma-separated (alone: 127.0.0.1)",
+    )
+    w = p.add_argument_group("bounds per request")
+    w.add_argument(
+        "--max-input-chars",
+        type=int,
+        default=4096,
+        help="the longest speech 'input', in characters (OpenAI's limit); longer is a 400 (4096)",
+    )
+    w.add_argument(
+        "--max-audio-seconds",
+        type=float,
+        default=600.0,
+        help="the longest audio upload (a transcription's file, a prompt_audio), checked from "
+        "its header and while it is decoded; longer is a 413 (600; lower when the model's "
+        "context holds less: the start-up line says)",
+    )
+    o = p.add_argument_group("overload")
+    o.add_argument(
+        "--max-requests",
+        type=int,
+        default=None,
+        help="requests being served at once, counted once their body has arrived (sockets "
+        "sending headers or a body are not); more get a JSON 503 server_busy with Retry-After "
+        "(default: --queue-size + --max-batch + 16)",
+    )
+    o.add_argument(
+        "--requests-per-minute",
+        type=int,
+        default=0,
+        help="per API key (per client address without keys): requests in any 60 s; more get "
+        "429 with Retry-After (0: no limit)",
+    )
+    o.add_argument(
+        "--audio-seconds-per-minute",
+        type=float,
+        default=0.0,
+        help="per API key (per client address without keys): seconds of audio uploaded or "
+        "generated in any 60 s; more get 429 with Retry-After (0: no limit)",
+    )
+    o.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=30.0,
+        help="GET /ready answers 503 while the model worker has made no progress (a decode "
+        "step) for this many seconds (30)",
+    )
+    o.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, how long the requests in flight may take to finish; then they are "
+        "cancelled (25: within Kubernetes' 30 s grace)",
     )
     g = p.add_argument_group("queue and batching")
     g.add_argument(
@@ -98,6 +179,7 @@ VLLM_DEFAULTS = {
     "vllm_kv_cache_mb": 256,
     "vllm_start_timeout": 600.0,
     "vllm_batches_in_flight": 4,
+    "vllm_api_key": None,
 }
 
 
@@ -115,6 +197,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="a vLLM OpenAI-compatible server already serving this model's vllm_export folder "
         "with the FlattenAudioMask logits processor (docs/serving.md)",
+    )
+    e.add_argument(
+        "--vllm-api-key",
+        metavar="KEY",
+        help="with --vllm-url: the key that vLLM server was started with (its --api-key); "
+        "default: the environment variable TORCHTITAN_VLLM_API_KEY (a server started with "
+        "--vllm-python gets a key of its own)",
     )
     e.add_argument(
         "--vllm-python",
@@ -179,13 +268,17 @@ def check_engine_flags(a: argparse.Namespace) -> None:
         )
     if a.vllm_url:
         spawn_only = [flag(n) for n in VLLM_DEFAULTS
-                      if n not in ("vllm_url", "vllm_python", "vllm_batches_in_flight")
+                      if n not in ("vllm_url", "vllm_python", "vllm_batches_in_flight",
+                                   "vllm_api_key")
                       and given(n)]  # fmt: skip
         if spawn_only:
             raise ValueError(
                 f"{', '.join(spawn_only)}: only with --vllm-python (a server at --vllm-url is "
                 "configured where it was started)"
             )
+    if a.vllm_python and a.vllm_api_key:
+        raise ValueError("--vllm-api-key is for --vllm-url: a vLLM started with --vllm-python "
+                         "gets a key of its own")  # fmt: skip
     if a.vllm_batches_in_flight < 1:
         raise ValueError(f"--vllm-batches-in-flight {a.vllm_batches_in_flight}: at least 1")
     if a.vllm_kv_cache_mb < 1:
@@ -212,3 +305,21 @@ def check_engine_flags(a: argparse.Namespace) -> None:
         if bad:
             raise ValueError(f"{name} is not taken with --engine vllm: {why}; drop {name}, or "
                              "serve with --engine ours")  # fmt: skip
+
+
+def check_bounds(a: argparse.Namespace) -> None:
+    """Raise ValueError naming a bound or limit flag whose value cannot work."""
+    at_least = {
+        "--max-input-chars": (a.max_input_chars, 1),
+        "--max-requests": (a.max_requests if a.max_requests is not None else 1, 1),
+        "--requests-per-minute": (a.requests_per_minute, 0),
+        "--audio-seconds-per-minute": (a.audio_seconds_per_minute, 0),
+        "--drain-seconds": (a.drain_seconds, 0),
+    }
+    for name, (value, low) in at_least.items():
+        if value < low:
+            raise ValueError(f"{name} {value}: at least {low}")
+    for name, value in (("--max-audio-seconds", a.max_audio_seconds),
+                        ("--ready-timeout", a.ready_timeout)):  # fmt: skip
+        if not value > 0:
+            raise ValueError(f"{name} {value}: must be more than 0")

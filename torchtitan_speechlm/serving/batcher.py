@@ -17,6 +17,13 @@ back). No exception of a runner ends the worker.
 ``workers`` > 1 runs that many worker threads, each taking and running its own batches: for
 runners whose model is elsewhere (``--engine vllm``: a batch is an HTTP request, and the engine
 batches the requests in flight together); our own model has one worker.
+
+**Cancelling.** A job whose request is gone (its client left, or the drain ran out of time) is
+cancelled: it leaves the queue at once, or, running, is told so through the runner's ``emit``
+(an ``Emit``): ``emit.stopped(row)``, which a runner asks between decode steps to drop that
+row's work (serving/speech.py; a runner that never asks runs its rows to the end, unused). Each
+such question, each piece emitted and each batch's start and end is the worker's *progress*,
+which ``progress()`` reports (``/ready``, the stall metric).
 """
 
 from __future__ import annotations
@@ -39,6 +46,10 @@ class QueueFull(Exception):
     """The job queue holds ``queue_size`` jobs: try again later."""
 
 
+class Cancelled(Exception):
+    """The job was cancelled (its client left, or the drain ran out of time)."""
+
+
 class Job:
     """One request's row: what the worker emits and its result or error, read by the request
     thread through ``stream()`` (the pieces as they come) or ``result()``."""
@@ -47,8 +58,14 @@ class Job:
         self.task, self.payload = task, payload
         self.batch_size = 0  # the batch it ran in (0 until it runs)
         self.value: Any = None
+        self.cancelled = False
         self._events: queue.Queue = queue.Queue()
         self._closed = False
+
+    def cancel(self, why: str = "the client left") -> None:
+        """Stop waiting for this job: its reader gets ``Cancelled``; the worker skips it."""
+        self.cancelled = True
+        self.fail(Cancelled(why))
 
     # the worker's side
     def emit(self, piece: Any) -> None:
@@ -92,6 +109,24 @@ class Job:
         return self.value
 
 
+class Emit:
+    """A runner's ``emit`` for one batch: ``emit(row, piece)`` hands a piece to the row's job;
+    ``emit.stopped(row)``: whether that row's job was cancelled. Both count as progress."""
+
+    def __init__(self, jobs: list[Job], beat: Callable[[], None]):
+        self.jobs, self.beat = jobs, beat
+        self.emitted: set[int] = set()
+
+    def __call__(self, row: int, piece: Any) -> None:
+        self.emitted.add(row)
+        self.jobs[row].emit(piece)
+        self.beat()
+
+    def stopped(self, row: int) -> bool:
+        self.beat()
+        return self.jobs[row].cancelled
+
+
 class Batcher:
     """The bounded job queue and the worker thread running ``runners[task]`` in batches."""
 
@@ -121,11 +156,14 @@ class Batcher:
         self.workers = workers
         self.on_stop = on_stop  # after the workers stop: release what the runners hold
         self._threads: list[threading.Thread] = []
+        self._running: set[Job] = set()  # the jobs of the batches being run
+        self._beat = time.monotonic()  # the worker's last progress
         self._counts = threading.Lock()
         self.batches_run = 0
         self.rows_run = 0
         self.largest_batch = 0
         self.rows_retried_alone = 0
+        self.rows_cancelled = 0
 
     # ---- request threads -------------------------------------------------------------------
     def submit(self, task: str, payload: Any) -> Job:
@@ -142,10 +180,34 @@ class Batcher:
         self.on_queue(depth)
         return job
 
+    def cancel(self, job: Job, why: str = "the client left") -> None:
+        """Cancel ``job``: out of the queue if it waits there; a running one stops at its
+        runner's next ``emit.stopped`` question."""
+        with self._cond:
+            waiting = job in self._pending
+            if waiting:
+                self._pending.remove(job)
+            depth = len(self._pending)
+        if not job.done:
+            with self._counts:
+                self.rows_cancelled += 1
+        job.cancel(why)
+        if waiting:
+            self.on_queue(depth)
+
     @property
     def queue_depth(self) -> int:
         with self._cond:
             return len(self._pending)
+
+    def beat(self) -> None:
+        self._beat = time.monotonic()
+
+    def progress(self) -> tuple[float, bool]:
+        """(seconds since the worker's last progress while a batch runs, 0 when idle; whether
+        a batch runs)."""
+        busy = bool(self._running)
+        return (time.monotonic() - self._beat if busy else 0.0), busy
 
     def stats(self) -> dict:
         return {
@@ -157,6 +219,7 @@ class Batcher:
             else 0.0,
             "largest_batch": self.largest_batch,
             "rows_retried_alone": self.rows_retried_alone,
+            "rows_cancelled": self.rows_cancelled,
         }
 
     # ---- the worker --------------------------------------------------------------------------
@@ -170,16 +233,24 @@ class Batcher:
         return self
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop after the batches in progress; the jobs still queued fail; then ``on_stop``."""
+        """Stop after the batches in progress; the jobs still queued fail; a row still running
+        after ``timeout`` is cancelled (it stops at its next decode step); then ``on_stop``."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        for t in self._threads:
-            t.join(timeout)
-        with self._cond:
             left, self._pending = list(self._pending), deque()
         for job in left:
             job.fail(RuntimeError("the server is shutting down"))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            with self._cond:
+                running = list(self._running)
+            for job in running:
+                job.cancel("the server is shutting down")
+            for t in self._threads:
+                t.join(timeout)
         if self.on_stop is not None:
             self.on_stop()
 
@@ -189,7 +260,8 @@ class Batcher:
 
     def next_batch(self) -> list[Job]:
         """Block for the oldest job, then gather up to ``max_batch`` jobs of its task, waiting
-        at most ``batch_wait_s`` from when the first was taken. [] once stopping."""
+        at most ``batch_wait_s`` from when the first was taken. [] once stopping. (A cancelled
+        job has left the queue already.)"""
         with self._cond:
             while not self._pending and not self._stopping:
                 self._cond.wait()
@@ -208,6 +280,8 @@ class Batcher:
                     break
                 self._cond.wait(left)
             depth = len(self._pending)
+            self._running.update(batch)
+            self.beat()
         self.on_queue(depth)
         return batch
 
@@ -220,12 +294,7 @@ class Batcher:
             self.largest_batch = max(self.largest_batch, len(batch))
         for job in batch:
             job.batch_size = len(batch)
-        emitted: set[int] = set()
-
-        def emit(row: int, piece: Any) -> None:
-            emitted.add(row)
-            batch[row].emit(piece)
-
+        emit = Emit(batch, self.beat)
         payloads, t0 = [j.payload for j in batch], time.perf_counter()
         try:
             results = _checked(runner(payloads, emit), len(batch))
@@ -236,9 +305,9 @@ class Batcher:
                 return
             self.on_error(f"a batch of {len(batch)} {batch[0].task} rows (retrying each alone)", e)
             for row, job in enumerate(batch):
-                if row in emitted:
+                if row in emit.emitted:
                     job.fail(e)
-                else:
+                elif not job.cancelled:  # a cancelled row is not run again
                     with self._counts:
                         self.rows_retried_alone += 1
                     self._run_alone(runner, job)
@@ -250,7 +319,7 @@ class Batcher:
     def _run_alone(self, runner: Runner, job: Job) -> None:
         t0 = time.perf_counter()
         try:
-            value = _checked(runner([job.payload], lambda _, piece: job.emit(piece)), 1)[0]
+            value = _checked(runner([job.payload], Emit([job], self.beat)), 1)[0]
         except Exception as e:
             self.on_batch(job.task, [job.payload], None, time.perf_counter() - t0, 1)
             job.fail(e)
@@ -270,6 +339,10 @@ class Batcher:
                 self.on_error("the model worker", e)
                 for job in batch:
                     job.fail(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            finally:
+                with self._cond:
+                    self._running.difference_update(batch)
+                self.beat()
 
 
 def _checked(results: Any, n: int) -> list:
