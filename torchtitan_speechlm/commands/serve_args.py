@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--api-key",
         metavar="KEY",
-        help="requests (all but GET /health) must send Authorization: Bearer KEY (default: the "
+        help="requests (all but GET /health and GET /ready) must send Authorization: Bearer KEY "
+        "(default: the "
         "environment variable TORCHTITAN_SERVE_API_KEY; neither: no key is checked)",
     )
     a.add_argument(
@@ -80,12 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("bounds per request")
     w.add_argument(
         "--max-input-chars",
+        metavar="N",
         type=int,
         default=4096,
         help="the longest speech 'input', in characters (OpenAI's limit); longer is a 400 (4096)",
     )
     w.add_argument(
         "--max-audio-seconds",
+        metavar="S",
         type=float,
         default=600.0,
         help="the longest audio upload (a transcription's file, a prompt_audio), checked from "
@@ -95,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("overload")
     o.add_argument(
         "--max-requests",
+        metavar="N",
         type=int,
         default=None,
         help="requests being served at once, counted once their body has arrived (sockets "
@@ -103,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument(
         "--requests-per-minute",
+        metavar="N",
         type=int,
         default=0,
         help="per API key (per client address without keys): requests in any 60 s; more get "
@@ -110,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument(
         "--audio-seconds-per-minute",
+        metavar="S",
         type=float,
         default=0.0,
         help="per API key (per client address without keys): seconds of audio uploaded or "
@@ -117,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument(
         "--ready-timeout",
+        metavar="S",
         type=float,
         default=30.0,
         help="GET /ready answers 503 while the model worker has made no progress (a decode "
@@ -124,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument(
         "--drain-seconds",
+        metavar="S",
         type=float,
         default=25.0,
         help="on SIGTERM, how long the requests in flight may take to finish; then they are "
