@@ -183,6 +183,8 @@ def load_audio(
     """
     if not os.path.isfile(path):
         raise BadAudioError(path, "file not found", MISSING)
+    if os.path.getsize(path) == 0:  # libsndfile says "Format not recognised"
+        raise BadAudioError(path, "the file is empty (0 bytes): no audio was written to it", EMPTY)
     name = path if start is None and end is None else f"{path}[{start}:{end}]"
     data, sr = _read(path, name, start, end)
     if channel is not None:
