@@ -57,14 +57,15 @@ class JsonlLogger(BaseLogger):
             self._fd = -1
 
 
-def append_line(fd: int, line: str, path: str) -> None:
-    """Append ``line`` whole or not at all (a partial write is truncated away)."""
+def append_line(fd: int, line: str, path: str, write=os.write) -> None:
+    """Append ``line`` whole or not at all (a partial write is truncated away); ``write``:
+    ``os.write`` (the fault tests' stands in for a disk that fills part-way)."""
     data = line.encode()
     start = os.fstat(fd).st_size
     try:
         done = 0
         while done < len(data):
-            done += os.write(fd, data[done:])
+            done += write(fd, data[done:])
     except OSError as e:
         os.ftruncate(fd, start)
         if e.filename is None:
