@@ -125,6 +125,7 @@ def build(a: argparse.Namespace, sock=None, device: str | None = None
             on_batch=metrics.batch,
             workers=workers,
             on_stop=process.stop if process is not None else None,
+            max_queued_per_key=a.max_queued_per_key,
         )
         return _server(a, sock, keys, loaded, voices, metrics, batcher), batcher
     except BaseException:

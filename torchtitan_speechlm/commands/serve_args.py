@@ -142,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--queue-size", type=int, default=64, help="requests waiting at most; more get 503 (64)"
     )
     g.add_argument(
+        "--max-queued-per-key",
+        metavar="N",
+        type=int,
+        default=0,
+        help="queue places one API key (one client address without keys) may hold; more get "
+        "503 queue_full (0: no cap but --queue-size). Batches take each key's requests in turn",
+    )
+    g.add_argument(
         "--max-batch", type=int, default=8, help="rows of one task in one model call at most (8)"
     )
     g.add_argument(
@@ -321,6 +329,7 @@ def check_bounds(a: argparse.Namespace) -> None:
         "--max-input-chars": (a.max_input_chars, 1),
         "--max-requests": (a.max_requests if a.max_requests is not None else 1, 1),
         "--requests-per-minute": (a.requests_per_minute, 0),
+        "--max-queued-per-key": (a.max_queued_per_key, 0),
         "--audio-seconds-per-minute": (a.audio_seconds_per_minute, 0),
         "--drain-seconds": (a.drain_seconds, 0),
     }

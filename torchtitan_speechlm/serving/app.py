@@ -448,7 +448,7 @@ class App:
     # ---- the queue ---------------------------------------------------------------------------
     def submit(self, request: Request, task: str, payload) -> Job:
         try:
-            job = self.batcher.submit(task, payload)
+            job = self.batcher.submit(task, payload, who(request.scope))
         except QueueFull as e:
             raise busy(503, str(e), "queue_full", self.retry_after_s) from None
         record = request.scope.get(RECORD)

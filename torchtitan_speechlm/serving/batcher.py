@@ -1,10 +1,13 @@
 """The model worker: one thread owns the model and runs its jobs in dynamic batches.
 
-Request threads ``submit`` a job (a task name and a payload) to a bounded queue: a full queue
-raises :class:`QueueFull` at once (the HTTP layer answers 503 with Retry-After). The worker takes
-the oldest job, then waits up to ``batch_wait_s`` for more jobs *of the same task* (from anywhere
-in the queue; other tasks keep their place), up to ``max_batch`` rows, and makes ONE call of that
-task's runner for the whole batch. A runner is::
+Request threads ``submit`` a job (a task name, a payload and whose it is: a key's name or a
+client address) to a bounded queue: a full queue, or a key that already holds
+``max_queued_per_key`` of its places, raises :class:`QueueFull` at once (the HTTP layer answers
+503 with Retry-After). The worker takes the oldest job, then waits up to ``batch_wait_s`` for
+more jobs *of the same task* (from anywhere in the queue; other tasks keep their place), up to
+``max_batch`` rows, taken one per key in turn (so one client's flood of requests shares each
+batch with the others' instead of filling it), and makes ONE call of that task's runner for the
+whole batch. A runner is::
 
     runner(payloads: list, emit: Callable[[int, object], None]) -> list  # one result per row
 
@@ -54,8 +57,8 @@ class Job:
     """One request's row: what the worker emits and its result or error, read by the request
     thread through ``stream()`` (the pieces as they come) or ``result()``."""
 
-    def __init__(self, task: str, payload: Any):
-        self.task, self.payload = task, payload
+    def __init__(self, task: str, payload: Any, key: str | None = None):
+        self.task, self.payload, self.key = task, payload, key
         self.batch_size = 0  # the batch it ran in (0 until it runs)
         self.value: Any = None
         self.cancelled = False
@@ -141,11 +144,13 @@ class Batcher:
         on_batch: BatchHook | None = None,
         workers: int = 1,
         on_stop: Callable[[], None] | None = None,
+        max_queued_per_key: int = 0,
     ):
         if queue_size < 1 or max_batch < 1 or batch_wait_s < 0 or workers < 1:
             raise ValueError("queue_size, max_batch and workers must be >= 1, batch_wait_s >= 0")
         self.runners = dict(runners)
         self.queue_size, self.max_batch, self.batch_wait_s = queue_size, max_batch, batch_wait_s
+        self.max_queued_per_key = max_queued_per_key  # 0: no cap but queue_size
         self.on_error = on_error or (lambda where, e: None)
         # observers (serving/metrics.py): the queue depth after each change; each model call
         self.on_queue = on_queue or (lambda depth: None)
@@ -166,14 +171,19 @@ class Batcher:
         self.rows_cancelled = 0
 
     # ---- request threads -------------------------------------------------------------------
-    def submit(self, task: str, payload: Any) -> Job:
-        """Queue one row of ``task``; raises QueueFull when ``queue_size`` jobs wait."""
+    def submit(self, task: str, payload: Any, key: str | None = None) -> Job:
+        """Queue one row of ``task`` for ``key``; raises QueueFull when ``queue_size`` jobs
+        wait, or ``max_queued_per_key`` of ``key``'s."""
         if task not in self.runners:
             raise KeyError(f"no runner for task {task!r} ({sorted(self.runners)})")
-        job = Job(task, payload)
+        job = Job(task, payload, key)
         with self._cond:
             if len(self._pending) >= self.queue_size:
                 raise QueueFull(f"the model's queue is full ({self.queue_size} requests waiting)")
+            cap = self.max_queued_per_key
+            if cap and sum(j.key == key for j in self._pending) >= cap:
+                raise QueueFull(f"{key or 'this client'} holds {cap} places of the model's queue "
+                                f"already (--max-queued-per-key {cap})")  # fmt: skip
             self._pending.append(job)
             self._cond.notify_all()
             depth = len(self._pending)
@@ -271,10 +281,7 @@ class Batcher:
             task = batch[0].task
             deadline = time.monotonic() + self.batch_wait_s
             while len(batch) < self.max_batch:
-                same = [j for j in self._pending if j.task == task][: self.max_batch - len(batch)]
-                for job in same:
-                    self._pending.remove(job)
-                batch += same
+                batch += self._take_fairly(task, batch)
                 left = deadline - time.monotonic()
                 if len(batch) >= self.max_batch or left <= 0 or self._stopping:
                     break
@@ -284,6 +291,27 @@ class Batcher:
             self.beat()
         self.on_queue(depth)
         return batch
+
+    def _take_fairly(self, task: str, batch: list[Job]) -> list[Job]:
+        """Queued jobs of ``task`` to fill ``batch``: one per key in turn (the keys in the
+        order of their oldest job, those already in the batch last), out of the queue."""
+        queues: dict = {}
+        for job in self._pending:
+            if job.task == task:
+                queues.setdefault(job.key, []).append(job)
+        inside = {j.key for j in batch}
+        order = sorted(queues.values(), key=lambda q: q[0].key in inside)  # stable
+        picked, want = [], self.max_batch - len(batch)
+        while order and len(picked) < want:
+            for q in list(order):
+                if len(picked) >= want:
+                    break
+                picked.append(q.pop(0))
+                if not q:
+                    order.remove(q)
+        for job in picked:
+            self._pending.remove(job)
+        return picked
 
     def run_batch(self, batch: list[Job]) -> None:
         """One batched runner call for ``batch`` (one task), with the per-row fallback."""

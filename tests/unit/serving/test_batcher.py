@@ -258,3 +258,19 @@ def test_a_cancelled_job_leaves_the_queue_and_a_running_one_is_told_between_step
     assert time.monotonic() - t < 1.0 and not b.alive
     with pytest.raises(Cancelled):
         late.result(1)
+
+
+def test_a_batch_takes_each_keys_jobs_in_turn_and_a_key_holds_its_share_of_the_queue():
+    """One client's flood (key a: 10 queued) shares each batch with the others' (b, c) instead
+    of filling it, and ``max_queued_per_key`` refuses its 11th job while others still queue."""
+    b = Batcher({"tts": Recorder()}, queue_size=32, max_batch=4, batch_wait_s=0,
+                max_queued_per_key=10)  # fmt: skip
+    for i in range(10):
+        b.submit("tts", f"a{i}", key="a")
+    with pytest.raises(QueueFull, match="a holds 10 places .*--max-queued-per-key 10"):
+        b.submit("tts", "a10", key="a")
+    b.submit("tts", "b0", key="b")
+    b.submit("tts", "c0", key="c")
+    b.submit("tts", "b1", key="b")
+    assert [j.payload for j in b.next_batch()] == ["a0", "b0", "c0", "a1"]
+    assert [j.payload for j in b.next_batch()] == ["a2", "b1", "a3", "a4"]
