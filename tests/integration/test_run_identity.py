@@ -18,7 +18,6 @@ the fix:
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from pathlib import Path
@@ -26,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from tests.fault_injection import RUN_ARGS
-from tests.helpers import make_tiny_run_assets, read_metrics, run_train, write_tiny_config
+from tests.helpers import make_tiny_run_assets, run_train, write_tiny_config
+from tests.integration.test_run_lifecycle import _losses as losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,16 +42,6 @@ COMMON = (
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return make_tiny_run_assets(tmp_path_factory.mktemp("identity_assets"), n_items=32)
-
-
-def losses(dump) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for row in read_metrics(dump):
-        step, loss = row["step"], row["loss_metrics/global_avg_loss"]
-        assert not math.isnan(loss), f"step {step}: NaN loss"
-        assert out.get(step, loss) == loss, f"step {step} trained twice with different losses"
-        out[step] = loss
-    return out
 
 
 def test_d1_a_copied_checkpoint_folder_refuses_another_codecs_data(assets, tmp_path_factory):

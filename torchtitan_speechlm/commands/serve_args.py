@@ -10,6 +10,33 @@ import argparse
 
 from torchtitan_speechlm.commands.generate_args import add_decoding_args
 
+# (flag, type, default, help) of the numbers that bound one request's work and the server's load
+BOUNDS = (
+    ("--max-input-chars", int, 4096,
+     "the longest speech 'input', in characters (OpenAI's limit); longer is a 400 (4096)"),
+    ("--max-audio-seconds", float, 600.0,
+     "the longest audio upload (a transcription's file, a prompt_audio), checked from its "
+     "header and while it is decoded; longer is a 413 (600; lower when the model's context "
+     "holds less: the start-up line says)"),
+)  # fmt: skip
+OVERLOAD = (
+    ("--max-requests", int, None,
+     "requests being served at once, counted once their body has arrived (sockets sending "
+     "headers or a body are not); more get a JSON 503 server_busy with Retry-After (default: "
+     "--queue-size + --max-batch + 16)"),
+    ("--requests-per-minute", int, 0,
+     "per API key (per client address without keys): requests in any 60 s; more get 429 with "
+     "Retry-After (0: no limit)"),
+    ("--audio-seconds-per-minute", float, 0.0,
+     "per API key (per client address without keys): seconds of audio uploaded or generated "
+     "in any 60 s; more get 429 with Retry-After (0: no limit)"),
+    ("--ready-timeout", float, 30.0,
+     "GET /ready answers 503 while the model worker has made no progress (a decode step) for "
+     "this many seconds (30)"),
+    ("--drain-seconds", float, 25.0,
+     "on SIGTERM, how long the requests in flight may take to finish; then they are cancelled "
+     "(25: within Kubernetes' 30 s grace)"),
+)  # fmt: skip
 SLOW_CLIENT_TIMEOUTS = (
     ("--header-timeout", 10.0, "a connection's time to send a request's headers; then 408, closed"),
     ("--body-timeout", 60.0, "a request's time to send its whole body; then 408, closed"),
@@ -78,65 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="behind a reverse proxy: take the client address and scheme from X-Forwarded-For "
         "/ X-Forwarded-Proto sent by these proxy addresses, comma-separated (alone: 127.0.0.1)",
     )
-    w = p.add_argument_group("bounds per request")
-    w.add_argument(
-        "--max-input-chars",
-        metavar="N",
-        type=int,
-        default=4096,
-        help="the longest speech 'input', in characters (OpenAI's limit); longer is a 400 (4096)",
-    )
-    w.add_argument(
-        "--max-audio-seconds",
-        metavar="S",
-        type=float,
-        default=600.0,
-        help="the longest audio upload (a transcription's file, a prompt_audio), checked from "
-        "its header and while it is decoded; longer is a 413 (600; lower when the model's "
-        "context holds less: the start-up line says)",
-    )
-    o = p.add_argument_group("overload")
-    o.add_argument(
-        "--max-requests",
-        metavar="N",
-        type=int,
-        default=None,
-        help="requests being served at once, counted once their body has arrived (sockets "
-        "sending headers or a body are not); more get a JSON 503 server_busy with Retry-After "
-        "(default: --queue-size + --max-batch + 16)",
-    )
-    o.add_argument(
-        "--requests-per-minute",
-        metavar="N",
-        type=int,
-        default=0,
-        help="per API key (per client address without keys): requests in any 60 s; more get "
-        "429 with Retry-After (0: no limit)",
-    )
-    o.add_argument(
-        "--audio-seconds-per-minute",
-        metavar="S",
-        type=float,
-        default=0.0,
-        help="per API key (per client address without keys): seconds of audio uploaded or "
-        "generated in any 60 s; more get 429 with Retry-After (0: no limit)",
-    )
-    o.add_argument(
-        "--ready-timeout",
-        metavar="S",
-        type=float,
-        default=30.0,
-        help="GET /ready answers 503 while the model worker has made no progress (a decode "
-        "step) for this many seconds (30)",
-    )
-    o.add_argument(
-        "--drain-seconds",
-        metavar="S",
-        type=float,
-        default=25.0,
-        help="on SIGTERM, how long the requests in flight may take to finish; then they are "
-        "cancelled (25: within Kubernetes' 30 s grace)",
-    )
+    for title, rows in (("bounds per request", BOUNDS), ("overload", OVERLOAD)):
+        group = p.add_argument_group(title)
+        for flag, kind, default, what in rows:
+            group.add_argument(flag, metavar="N" if kind is int else "S", type=kind,
+                               default=default, help=what)  # fmt: skip
     g = p.add_argument_group("queue and batching")
     g.add_argument(
         "--queue-size", type=int, default=64, help="requests waiting at most; more get 503 (64)"

@@ -197,7 +197,7 @@ class App:
 
     def _answer(self, request: Request, exc: ApiError) -> JSONResponse:
         """``exc`` as OpenAI's JSON, its message redacted; the access log learns its reason."""
-        request.scope[REFUSAL] = exc
+        request.scope[REFUSAL] = exc.refusal()
         body = exc.body()
         body["error"]["message"] = self.redact(body["error"]["message"])
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
@@ -335,7 +335,7 @@ class App:
 
     async def _streamed(self, request: Request, job: Job, writer, first,
                         pieces: Iterator) -> AsyncIterator[bytes]:  # fmt: skip
-        piece, complete = first, False
+        piece, complete, gone = first, False, False
         try:
             while piece is not None:
                 data = writer.feed(piece)
@@ -345,12 +345,15 @@ class App:
             yield writer.close()
             complete = True
             self.charge_speech(request, int(job.value or 0))
+        except (asyncio.CancelledError, GeneratorExit):  # Starlette saw the client leave
+            gone = True
+            raise
         finally:
-            if not complete:  # the client left (Starlette cancelled the stream) or it failed
+            if not complete:  # nobody reads the rest: the worker drops the row
                 self.batcher.cancel(job)
-                record = request.scope.get(RECORD)
-                if record is not None and not record.error:
-                    record.status, record.reason = CLIENT_GONE, "client_gone"
+            record = request.scope.get(RECORD)
+            if gone and record is not None:
+                record.status, record.reason = CLIENT_GONE, "client_gone"
 
     async def transcriptions(self, request: Request) -> Response:
         content_type = request.headers.get("content-type", "")

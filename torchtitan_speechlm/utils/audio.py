@@ -218,14 +218,19 @@ _LENGTH_UNKNOWN = 1 << 62  # libsndfile's frames of a stream without a length (S
 
 
 def _read_bounded(data: bytes, name: str, max_seconds: float, downmix: bool):
-    """``_read`` of a whole file held in memory, at most ``max_seconds`` of it (AudioTooLong)."""
+    """``_read`` of a whole file held in memory, at most ``max_seconds`` of it (AudioTooLong).
+    The stream is closed on the way out: its buffer goes then, whatever still refers to it."""
+    with io.BytesIO(data) as source:
+        return _read_blocks(source, name, max_seconds, downmix)
+
+
+def _read_blocks(source, name: str, max_seconds: float, downmix: bool):
     import soundfile as sf
 
-    source = io.BytesIO(data)
     try:
         f = sf.SoundFile(source)
     except Exception as e:
-        raise BadAudioError(name, f"unreadable audio ({type(e).__name__}: {e})") from e
+        raise BadAudioError(name, f"unreadable audio ({type(e).__name__}: {e})") from None
     with f:
         sr, limit = f.samplerate, int(max_seconds * f.samplerate)
         if limit < f.frames < _LENGTH_UNKNOWN:

@@ -134,6 +134,14 @@ def test_h1_long_audio_is_refused_from_its_header_or_while_decoding_in_bounded_m
             assert status == 200 and json.loads(body)["text"] == f"{30 * RATE} samples"
         logged = [json.loads(x) for x in child.lines if x.startswith('{"method"')]
         assert [r.get("reason") for r in logged[:2]] == ["audio_too_long"] * 2
+        # refused uploads are not kept: 40 of 120 s of noise (~1.9 MB each, 77 MB in all)
+        noise = io.BytesIO()
+        sf.write(noise, np.random.default_rng(0).uniform(-1, 1, RATE * 120), RATE, format="FLAC")
+        upload = form("noise.flac", noise.getvalue())
+        before = child.rss_mb()
+        for _ in range(40):
+            assert call(child.address, "POST", "/v1/audio/transcriptions", *upload)[0] == 413
+        assert child.rss_mb() - before < 25, (before, child.rss_mb())
     finally:
         assert child.close() == 0
 
