@@ -5,8 +5,9 @@ before it (targets: p95 within 2x, memory within 1.2x).
 
 The model is bench_serve.py's (a Llama backbone over the tests' tiny Encodec, trained --steps
 steps and exported; ``--model DIR`` serves an export instead). Each server runs with its
-defaults but API keys from a file (``normal`` for the normal clients, ``attacker`` for the
-attacks: a client of its own, as a real abuser is) and ``--max-queued-per-key`` (--per-key). The
+defaults but API keys from a file (``normal-I`` for normal client I, ``attacker`` for the
+attacks: a client of its own, as a real abuser is), ``--max-queued-per-key`` (--per-key, 2) and
+``--requests-per-minute`` (--rpm, 360: above a normal client's rate; 0: no limit). The
 normal clients (``--clients`` threads, each its own keep-alive connection) speak one sentence
 for exactly ``--frames`` frames in a closed loop for ``--seconds`` per phase. A fresh server per
 attack: what one attack leaves in the process (an allocator that keeps what it took) is not
@@ -25,12 +26,17 @@ blamed on the next. Each server's phases:
   connection as soon as they are sent, every second.
 
 The server's resident memory (its process's VmRSS) is read every 20 ms; a phase's peak is the
-highest read during it; the idle figure is the idle phase's peak. For each attack its answers
+highest read during it; the idle figure is the idle phase's peak. ``--pin`` (the default on 2 or
+more cores): the server runs on the first half of this machine's cores (its torch threads as
+many) and this script's clients, normal and attacking, on the other half, so that what is
+measured is what the attacks cost the server, not the attacker's own CPU (a remote attacker
+pays for its own; here every client shares the machine). For each attack its answers
 are counted by status (and whether every refusal is JSON with ``Retry-After`` where it is for
 load). Results: benchmarks/results/serve_abuse_cpu.json.
 
     python benchmarks/bench_serve_abuse.py [--frames 25] [--clients 2] [--seconds 20] [--attacks h1,h2,m1,m2,m3]
     python benchmarks/bench_serve_abuse.py --model DIR --seconds 30
+    python benchmarks/bench_serve_abuse.py --rpm 0 --per-key 8 --out benchmarks/results/serve_abuse_cpu_no_limits.json
 
 Smallest setting (a smoke test of the script): ``--frames 2 --clients 1 --seconds 2 --hidden
 32 --layers 1 --h1-hours 0.02 --h2-mb 1 --m1-sockets 4 --m2-concurrent 8 --m3-requests 4
@@ -56,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import SENTENCES, Server, make_model, rss_kb, summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = {"normal": "normal-key-0123456789", "attacker": "attacker-key-9876543210"}
+ATTACKER = "attacker-key-9876543210"
 TARGETS = {"p95_ratio_max": 2.0, "memory_ratio_max": 1.2}
 ATTACK_NAMES = ("h1", "h2", "m1", "m2", "m3")
 
@@ -68,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=2, help="normal client threads")
     p.add_argument("--seconds", type=float, default=20.0, help="each phase's length")
     p.add_argument("--attacks", default=",".join(ATTACK_NAMES), help="which attacks, in order")
-    p.add_argument("--per-key", type=int, default=8, help="the server's --max-queued-per-key")
+    p.add_argument("--per-key", type=int, default=2, help="the server's --max-queued-per-key")
+    p.add_argument("--rpm", type=int, default=360, help="the server's --requests-per-minute")
     p.add_argument("--h1-hours", type=float, default=8.0, help="H1's upload: hours of silence")
     p.add_argument("--h2-mb", type=float, default=10.0, help="H2's input: MB of text")
     p.add_argument(
@@ -81,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--steps", type=int, default=2, help="training steps before the export")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
+                   help="the server on half the cores, the clients on the other half (default: "
+                   "on with 2 or more cores)")  # fmt: skip
     p.add_argument(
         "--work", help="where the model and the H1 file are made (default: a temp folder)"
     )
@@ -91,14 +101,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- the server --------------------------------------------------------------------------
+def split_cores() -> tuple[set[int], set[int]]:
+    """(the server's cores, the clients'): the allowed cores in two halves."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    return set(cores[:half]), set(cores[half:])
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of ``pid`` on ``cores`` (threads it makes later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
 def start_server(a, model: str, work: str) -> Server:
     """`torchtitan serve` with the keys file and the per-key queue share (bench_serve's
-    Server: its decoding flags make every normal request exactly --frames frames)."""
-    keys = os.path.join(work, "keys.txt")
-    with open(keys, "w") as f:
-        f.write("".join(f"{name} {key}\n" for name, key in KEYS.items()))
+    Server: its decoding flags make every normal request exactly --frames frames), on its
+    cores with ``--pin``."""
+    path = os.path.join(work, "keys.txt")
+    with open(path, "w") as f:
+        f.write("".join(f"{name} {key}\n" for name, key in keys(a.clients).items()))
     a.max_batch, a.batch_wait_ms, a.replicas, a.slow_seconds = 8, 10.0, 1, 60.0
-    return Server(a, model, ["--api-key-file", keys, "--max-queued-per-key", str(a.per_key)])
+    limits = ["--max-queued-per-key", str(a.per_key), "--requests-per-minute", str(a.rpm)]
+    server = Server(a, model, ["--api-key-file", path, *limits])
+    if a.pin:
+        pin(server.proc.pid, a.server_cores)
+    return server
 
 
 class MemoryWatch:
@@ -132,8 +163,15 @@ def post(server: Server, path: str, body: bytes, headers: dict, timeout: float =
         conn.close()
 
 
+def keys(clients: int) -> dict[str, str]:
+    """The key file's names and keys: one per normal client, and the attacker's."""
+    return {**{f"normal-{i}": f"normal-key-{i}-0123456789" for i in range(clients)},
+            "attacker": ATTACKER}  # fmt: skip
+
+
 def auth(who: str, content_type: str = "application/json") -> dict:
-    return {"Authorization": f"Bearer {KEYS[who]}", "Content-Type": content_type}
+    key = ATTACKER if who == "attacker" else keys(int(who.split("-")[1]) + 1)[who]
+    return {"Authorization": f"Bearer {key}", "Content-Type": content_type}
 
 
 def speech_body(text: str) -> bytes:
@@ -154,7 +192,7 @@ def normal_clients(server: Server, n: int, stop: threading.Event) -> dict:
             t = time.perf_counter()
             body = speech_body(SENTENCES[k % 4])
             try:
-                conn.request("POST", "/v1/audio/speech", body, auth("normal"))
+                conn.request("POST", "/v1/audio/speech", body, auth(f"normal-{i}"))
                 r = conn.getresponse()
                 status = str(r.status) if len(r.read()) > 44 or r.status != 200 else "empty"
             except OSError as e:
@@ -261,7 +299,7 @@ def h2(attack: Attack, a, work: str) -> None:
 def m1(attack: Attack, a, work: str) -> None:
     server = attack.server
     head = b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\n"
-    slow_body = (head + b"Authorization: Bearer " + KEYS["attacker"].encode() + b"\r\n"
+    slow_body = (head + b"Authorization: Bearer " + ATTACKER.encode() + b"\r\n"
                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n")  # fmt: skip
 
     def loop() -> None:
@@ -317,7 +355,7 @@ def m3(attack: Attack, a, work: str) -> None:
     server = attack.server
     body = speech_body(" ".join(SENTENCES))
     request = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
-               + KEYS["attacker"].encode() + b"\r\nContent-Type: application/json\r\n"
+               + ATTACKER.encode() + b"\r\nContent-Type: application/json\r\n"
                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
 
     def loop() -> None:
@@ -362,6 +400,11 @@ def main(argv=None) -> None:
     os.makedirs(work, exist_ok=True)
     made = os.path.join(work, "model", "export")  # a --work of an earlier run: its model
     model = a.model or (made if os.path.isdir(made) else make_model(a, work))
+    a.pin = len(os.sched_getaffinity(0)) >= 2 if a.pin is None else a.pin
+    if a.pin:
+        a.server_cores, client_cores = split_cores()
+        os.environ["OMP_NUM_THREADS"] = str(len(a.server_cores))  # the server's torch threads
+        os.sched_setaffinity(0, client_cores)  # this process: the clients
     import torch
 
     result = {
@@ -370,8 +413,9 @@ def main(argv=None) -> None:
         "frames_per_normal_request": a.frames,
         "normal_clients": a.clients,
         "seconds_per_phase": a.seconds,
-        "server_flags": "defaults, --api-key-file (normal, attacker), "
-                        f"--max-queued-per-key {a.per_key}, --min/--max-frames {a.frames}",
+        "server_flags": "defaults, --api-key-file (normal-0.., attacker), "
+                        f"--max-queued-per-key {a.per_key}, --requests-per-minute {a.rpm}, "
+                        f"--min/--max-frames {a.frames}",
         "attack_sizes": {"h1_hours": a.h1_hours, "h2_mb": a.h2_mb, "m1_sockets_each_kind":
                          a.m1_sockets, "m2_concurrent": a.m2_concurrent, "m3_requests_per_s":
                          a.m3_requests},
@@ -380,6 +424,8 @@ def main(argv=None) -> None:
         "machine": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "pinned": {"server_cores": sorted(a.server_cores),
+                   "client_cores": sorted(os.sched_getaffinity(0))} if a.pin else False,
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "attacks": {},
     }  # fmt: skip
@@ -387,7 +433,7 @@ def main(argv=None) -> None:
         server = start_server(a, model, work)
         memory = MemoryWatch(server.proc.pid)
         try:
-            post(server, "/v1/audio/speech", speech_body(SENTENCES[0]), auth("normal"))  # warm
+            post(server, "/v1/audio/speech", speech_body(SENTENCES[0]), auth("normal-0"))  # warm
             got = {"server_start_s": server.start_s}
             for kind in ("idle", name):
                 got[kind] = phase(kind, a, server, memory, work)

@@ -25,8 +25,8 @@ OVERLOAD = (
      "headers or a body are not); more get a JSON 503 server_busy with Retry-After (default: "
      "--queue-size + --max-batch + 16)"),
     ("--requests-per-minute", int, 0,
-     "per API key (per client address without keys): requests in any 60 s; more get 429 with "
-     "Retry-After (0: no limit)"),
+     "per API key (per client address without keys): requests in any 60 s, and at most a "
+     "thirtieth of them (or 5) in any one second; more get 429 with Retry-After (0: no limit)"),
     ("--audio-seconds-per-minute", float, 0.0,
      "per API key (per client address without keys): seconds of audio uploaded or generated "
      "in any 60 s; more get 429 with Retry-After (0: no limit)"),

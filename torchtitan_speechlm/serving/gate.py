@@ -6,10 +6,11 @@
   ``server_busy`` in OpenAI's JSON with ``Retry-After``. The probes (``/health``, ``/ready``)
   are never refused.
 - ``RateLimits``: per key (its name, serving/keys.py; without keys, per client address) and per
-  minute, at most ``--requests-per-minute`` requests and ``--audio-seconds-per-minute``
-  seconds of audio (a transcription's upload, charged before the model worker, and the speech
-  generated, charged once spoken); over either a 429 with ``Retry-After``, the time until the
-  window has room again. 0 (the default): no limit.
+  minute, at most ``--requests-per-minute`` requests (and at most a thirtieth of them, or 5,
+  in any one second: a burst may not spend the minute's allowance at once) and
+  ``--audio-seconds-per-minute`` seconds of audio (a transcription's upload, charged before
+  the model worker, and the speech generated, charged once spoken); over either a 429 with
+  ``Retry-After``, the time until the window has room again. 0 (the default): no limit.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from torchtitan_speechlm.serving.auth import KEY_NAME, OPEN_PATHS
 from torchtitan_speechlm.serving.errors import ApiError, busy, send_error
 
 WINDOW_S = 60.0
+BURST_DIVISOR = 30  # of a minute's requests, at most this share in one second (twice the mean)
+BURST_MIN = 5  # but never fewer than this many in a second
 
 
 def who(scope) -> str:
@@ -105,6 +108,11 @@ class RateLimits:
                 return busy(429, f"rate limit: {name} sent {len(q)} requests in the last "
                                  f"{self.window_s:g} s (--requests-per-minute {self.rpm})",
                             "rate_limited", q[0] + self.window_s - now)  # fmt: skip
+            burst = min(self.rpm, max(BURST_MIN, -(-self.rpm // BURST_DIVISOR)))
+            if self.rpm and len(q) >= burst and q[-burst] > now - 1.0:
+                return busy(429, f"rate limit: {name} sent {burst} requests in the last second "
+                                 f"(--requests-per-minute {self.rpm} allows {burst} in any "
+                                 "one second)", "rate_limited", 1.0)  # fmt: skip
             if self.audio_spm and self._audio_used(name) >= self.audio_spm:
                 return self._audio_refusal(name, now, 0.0)
             q.append(now)

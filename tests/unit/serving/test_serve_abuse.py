@@ -274,6 +274,23 @@ def test_m3_the_work_of_clients_that_left_is_cancelled_and_logged_as_such():
         assert all(r["status"] != 500 for r in logged)
 
 
+def test_m3_a_stream_whose_client_leaves_stops_its_row_between_steps():
+    """A streamed answer (50 steps of 0.05 s) whose client closes the connection after the
+    first chunk: the row stops within a few steps and the request is logged 499."""
+    with serving(step_s=0.05, queue_size=8, max_batch=1) as (server, model, lines, said):
+        body = speech("x" * 50)
+        with socket.create_connection(server.server_address, timeout=10) as s:
+            s.sendall(b"POST /v1/audio/speech?stream=1 HTTP/1.1\r\nHost: localhost\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+            assert b"RIFF" in s.recv(4096) or b"RIFF" in s.recv(4096)
+        logged = lines_of(lines, n=1)
+        time.sleep(0.3)
+        assert logged[0]["status"] == 499 and logged[0]["reason"] == "client_gone", logged
+        assert model.steps < 15, model.steps
+        assert health(server.server_address)["rows_cancelled"] == 1
+
+
 # ---- M4 ----------------------------------------------------------------------------------
 def test_m4_a_web_page_can_neither_send_work_nor_read_answers():
     with serving() as (server, model, lines, said):
@@ -510,3 +527,23 @@ def test_the_vllm_child_gets_its_own_key_and_never_ours(monkeypatch):
         assert seen == ["Bearer theirs", None]
     finally:
         stand_in.shutdown()
+
+
+def test_a_minutes_requests_cannot_be_spent_in_one_burst(monkeypatch):
+    """--requests-per-minute 600: at most 20 in any one second (a thirtieth), 600 in 60 s."""
+    from torchtitan_speechlm.serving import gate
+
+    now = [1000.0]
+    monkeypatch.setattr(gate.time, "monotonic", lambda: now[0])
+    limits = gate.RateLimits(600)
+    assert [limits.admit("key a") for _ in range(20)] == [None] * 20
+    refused = limits.admit("key a")
+    assert refused.status == 429 and refused.headers["Retry-After"] == "1"
+    assert "20 in any one second" in refused.message and limits.admit("key b") is None
+    for _ in range(29):  # 20 a second: the minute's 600 run out after 30 seconds
+        now[0] += 1.0
+        assert [limits.admit("key a") for _ in range(20)] == [None] * 20
+    now[0] += 1.0
+    refused = limits.admit("key a")
+    assert refused.code == "rate_limited" and "sent 600 requests in the last 60 s" in refused.message
+    assert int(refused.headers["Retry-After"]) == 30
