@@ -254,6 +254,13 @@ class Attack:
         self.refusals_ok = True
         self.threads: list[threading.Thread] = []
 
+    def send(self, path: str, body: bytes, headers: dict) -> None:
+        """One request, its answer recorded (a connection the server closed: its error)."""
+        try:
+            self.record(*post(self.server, path, body, headers, timeout=120))
+        except OSError as e:  # a refusal that closes the connection while the body is sent
+            self.stats[type(e).__name__] += 1
+
     def record(self, status: int, head: dict, body: bytes) -> None:
         self.stats[str(status)] += 1
         if status >= 400 and not refusal_ok(status, head, body):
@@ -281,7 +288,7 @@ def h1(attack: Attack, a, work: str) -> None:
 
     def loop() -> None:
         while not attack.stop.is_set():
-            attack.record(*post(attack.server, "/v1/audio/transcriptions", body, headers))
+            attack.send("/v1/audio/transcriptions", body, headers)
 
     attack.start(loop)
 
@@ -291,7 +298,7 @@ def h2(attack: Attack, a, work: str) -> None:
 
     def loop() -> None:
         while not attack.stop.is_set():
-            attack.record(*post(attack.server, "/v1/audio/speech", body, auth("attacker")))
+            attack.send("/v1/audio/speech", body, auth("attacker"))
 
     attack.start(loop)
 
@@ -333,11 +340,7 @@ def m1(attack: Attack, a, work: str) -> None:
 
 def m2(attack: Attack, a, work: str) -> None:
     def one(i: int) -> None:
-        try:
-            attack.record(*post(attack.server, "/v1/audio/speech", speech_body(SENTENCES[i % 4]),
-                                auth("attacker"), timeout=120))  # fmt: skip
-        except OSError as e:
-            attack.stats[type(e).__name__] += 1
+        attack.send("/v1/audio/speech", speech_body(SENTENCES[i % 4]), auth("attacker"))
 
     def loop() -> None:
         while not attack.stop.is_set():

@@ -105,6 +105,10 @@ def build(app_kw: dict | None = None, server_kw: dict | None = None, step_s: flo
     lines = [] if lines is None else lines
     said = [] if said is None else said
     kw = {"max_upload_bytes": 1 << 20, "metrics": None, **(app_kw or {})}
+    if "requests_per_minute" in kw:  # (JSON settings of the child: the limits as a number)
+        from torchtitan_speechlm.serving.gate import RateLimits
+
+        kw["rate_limits"] = RateLimits(kw.pop("requests_per_minute"))
     if kw.pop("with_metrics", False):
         kw["metrics"] = ServeMetrics()
         batcher.on_queue, batcher.on_batch = kw["metrics"].queue_depth, kw["metrics"].batch

@@ -547,3 +547,24 @@ def test_a_minutes_requests_cannot_be_spent_in_one_burst(monkeypatch):
     refused = limits.admit("key a")
     assert refused.code == "rate_limited" and "sent 600 requests in the last 60 s" in refused.message
     assert int(refused.headers["Retry-After"]) == 30
+
+
+def test_m2_connections_refused_at_a_high_rate_leave_nothing_behind():
+    """300 uploads of ~1.9 MB refused by the rate limit (429) as fast as a client sends them:
+    the server's memory does not grow with them (the header timer kept each closed
+    connection, and the part of its body it had buffered, for --header-timeout seconds:
+    ~125 KB each, hundreds of MB at a few hundred refusals a second)."""
+    child = Child({"app": {"max_upload_bytes": 8 << 20, "requests_per_minute": 1},
+                   "memory_mb": 1500})  # fmt: skip
+    try:
+        noise = io.BytesIO()
+        sf.write(noise, np.random.default_rng(0).uniform(-1, 1, RATE * 120), RATE, format="FLAC")
+        upload = form("noise.flac", noise.getvalue())
+        call(child.address, "POST", "/v1/audio/transcriptions", *upload)  # the one admitted
+        before = child.rss_mb()
+        for _ in range(300):
+            status, head, body = call(child.address, "POST", "/v1/audio/transcriptions", *upload)
+            assert status == 429 and error(body)["code"] == "rate_limited"
+        assert child.rss_mb() - before < 15, (before, child.rss_mb())
+    finally:
+        assert child.close() == 0
