@@ -27,6 +27,8 @@ class Refusal(NamedTuple):
     status: int
     code: str | None
     message: str
+
+
 # 499: the client closed the connection before its answer (nginx's status; never sent, logged)
 CLIENT_GONE = 499
 

@@ -545,7 +545,9 @@ def test_a_minutes_requests_cannot_be_spent_in_one_burst(monkeypatch):
         assert [limits.admit("key a") for _ in range(20)] == [None] * 20
     now[0] += 1.0
     refused = limits.admit("key a")
-    assert refused.code == "rate_limited" and "sent 600 requests in the last 60 s" in refused.message
+    assert (
+        refused.code == "rate_limited" and "sent 600 requests in the last 60 s" in refused.message
+    )
     assert int(refused.headers["Retry-After"]) == 30
 
 
