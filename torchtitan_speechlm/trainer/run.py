@@ -127,7 +127,8 @@ def choose_intact_step(job_config, warn=None) -> None:
 def start_run(job_config, external: ExternalData | None = None) -> SpeechLMRun:
     """A rank's run: prepared, its model recorded in the dump folder, its state made."""
     plan, model_args, guard = prepare_run(job_config, external)
-    set_identity(identity_of(job_config, plan, model_args))  # what its saves record
+    folder = checkpoint_folder(job_config) if job_config.checkpoint.enable else None
+    set_identity(identity_of(job_config, plan, model_args), folder)  # what its saves record
     record_run(
         job_config,
         model_args,

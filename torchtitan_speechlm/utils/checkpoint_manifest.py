@@ -19,7 +19,7 @@ is loaded instead), never taken as a legacy step loaded unverified.
 **Identity.** Each step also carries what its rows mean: the codec, the text tokenizer, the
 vocabulary layout and the data order it was trained with (``IDENTITY``, a file written with
 the pending marker, so the manifest lists and sums it, and repeated in the manifest). The
-trainer sets it (``set_identity``) and components/resume.py checks it on every load, whatever
+trainer sets it for its run's checkpoint folder (``set_identity``) and components/resume.py checks it on every load, whatever
 else the dump folder holds: a checkpoint folder copied into a new dump folder still refuses
 data made with another codec.
 
@@ -42,13 +42,15 @@ PENDING = ".manifest.pending"
 IDENTITY = "speechlm_identity.json"
 MANIFEST_VERSION = 2  # 2: the manifest repeats the step's identity
 _CHUNK = 8 << 20
-_IDENTITY: dict = {}  # what this process's saves record (set_identity)
+_IDENTITY: dict = {}  # {"folder": checkpoint folder, "identity": ...} (set_identity)
 
 
-def set_identity(identity: dict | None) -> None:
-    """What the next saves of this process record as their identity (None: nothing)."""
+def set_identity(identity: dict | None, folder: str | None = None) -> None:
+    """What this process's saves into the checkpoint folder ``folder`` record as their
+    identity (None: nothing; a save elsewhere records none)."""
     _IDENTITY.clear()
-    _IDENTITY.update(identity or {})
+    if identity and folder:
+        _IDENTITY.update(folder=os.path.abspath(folder), identity=dict(identity))
 
 
 def read_identity(step_dir: str) -> dict | None:
@@ -198,9 +200,9 @@ def mark_pending(step_dir: str) -> None:
         os.remove(manifest)
     with open(os.path.join(step_dir, PENDING), "w") as f:
         f.write("a save is writing this checkpoint; it is not intact until .manifest.json\n")
-    if _IDENTITY:
+    if _IDENTITY and os.path.dirname(os.path.abspath(step_dir)) == _IDENTITY["folder"]:
         with open(os.path.join(step_dir, IDENTITY), "w") as f:
-            json.dump(_IDENTITY, f, indent=1, sort_keys=True)
+            json.dump(_IDENTITY["identity"], f, indent=1, sort_keys=True)
 
 
 def write_manifest(step_dir: str) -> dict:

@@ -60,7 +60,7 @@ def test_d1_a_step_carries_its_identity_and_refuses_data_of_another_codec(tmp_pa
     from torchtitan_speechlm.utils import checkpoint_manifest as cm
 
     monkeypatch.delenv(VERIFIED_ENV, raising=False)
-    cm.set_identity(identity())
+    cm.set_identity(identity(), str(tmp_path / "checkpoint"))
     try:
         step = _save(tmp_path / "checkpoint", 3, 1.0)
     finally:
