@@ -27,6 +27,7 @@ import pytest
 from tests.fault_injection import RUN_ARGS
 from tests.helpers import make_tiny_run_assets, run_train, write_tiny_config
 from tests.integration.test_run_lifecycle import _losses as losses
+from tests.unit.trainer.test_checkpoint_integrity import _flip
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,11 +77,7 @@ def test_d2_a_deleted_manifest_with_flipped_bytes_is_not_loaded(assets, tmp_path
     step3 = dump / "checkpoint" / "step-3"
     os.remove(step3 / MANIFEST)
     shard = step3 / "__1_0.distcp"
-    with open(shard, "r+b") as f:
-        f.seek(shard.stat().st_size // 2)
-        data = f.read(64)
-        f.seek(shard.stat().st_size // 2)
-        f.write(bytes(b ^ 0xFF for b in data))
+    _flip(str(shard), shard.stat().st_size // 2)  # 64 bytes
     before = losses(dump)
     rerun = run_train(cfg, *COMMON, "--training.steps", "4", nproc=2)
     out = rerun.stdout + rerun.stderr
