@@ -16,6 +16,7 @@ BENCHES = [  # each writes its JSON under benchmarks/results/ (docs/performance.
     ["benchmarks/bench_decode.py", "--suite", "backbones", "--frames", "512"],  # native vs hf
     ["benchmarks/bench_codec_decode.py"],  # k-means decode: WER/DNSMOS vs GL iterations, RTF
     ["benchmarks/bench_serve.py"],  # `torchtitan serve` at 1/4/16 clients vs sequential CLI calls
+    ["benchmarks/bench_serve_abuse.py"],  # issue 51's attacks beside normal clients: p95, memory
     ["benchmarks/bench_generate.py"],  # after make demo: batching, RTF, first audio, start-up
     ["benchmarks/bench_wave_store.py"],  # prepared forms for a continuous audio encoder
     ["benchmarks/bench_audio_encoder.py"],  # continuous audio vs codec tokens: step, memory

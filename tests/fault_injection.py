@@ -7,6 +7,7 @@ without a rank it fires on every rank. Every entry fires once per process.
 
     kill_in_save   SIGKILL this rank halfway through writing its first file of checkpoint step-STEP
     enospc_in_save a write of checkpoint step-STEP raises OSError(ENOSPC) after writing half its bytes
+    enospc_in_metrics  the metrics.jsonl line of step STEP is half written, then OSError(ENOSPC)
     nan_loss       the loss of the first micro-batch of step STEP becomes NaN
     spike_loss     the loss of the first micro-batch of step STEP is multiplied by 50
     inf_grad       one gradient shard becomes +Inf after the backward of step STEP
@@ -35,7 +36,8 @@ from torchtitan_speechlm.components.nonfinite import StepGuard, local_gradients
 
 ENV = "SPEECHLM_FAULTS"
 RUN_ARGS = ("--experimental.custom_import", "tests.fault_injection")
-KINDS = ("kill_in_save", "enospc_in_save", "nan_loss", "spike_loss", "inf_grad", "sigstop", "die")
+KINDS = ("kill_in_save", "enospc_in_save", "enospc_in_metrics", "nan_loss", "spike_loss",
+         "inf_grad", "sigstop", "die")  # fmt: skip
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -107,6 +109,35 @@ def install(spec: str) -> None:
     _FAULTS[:] = parse(spec)
     install_guard_faults()
     install_checkpoint_faults()
+    install_metrics_faults()
+
+
+def _half_then_full(fd: int, data: bytes) -> int:
+    """``os.write`` on a disk that fills: half of the bytes land, then ENOSPC."""
+    os.write(fd, data[: max(1, len(data) // 2)])
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def install_metrics_faults() -> None:
+    """``JsonlLogger.log`` of a step with ``enospc_in_metrics`` due writes through a disk that
+    fills half-way through the line (idempotent)."""
+    from torchtitan_speechlm.components import metrics
+
+    if getattr(metrics.JsonlLogger, "_speechlm_faults", False):
+        return
+    original = metrics.append_line
+
+    def log(self, values, step):
+        if not take("enospc_in_metrics", step):
+            return original_log(self, values, step)
+        row = {"step": step, **{k: float(v) for k, v in values.items()}}
+        import json
+
+        original(self._fd, json.dumps(row) + "\n", self.path, write=_half_then_full)
+
+    original_log = metrics.JsonlLogger.log
+    metrics.JsonlLogger.log = log
+    metrics.JsonlLogger._speechlm_faults = True
 
 
 def install_guard_faults() -> None:

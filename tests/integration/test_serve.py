@@ -51,7 +51,7 @@ def start(model, *flags: str) -> dict:
 @pytest.fixture(scope="module")
 def server(model):
     served = start(model, "--max-frames", str(MAX_FRAMES), "--batch-wait-ms", "100",
-                   "--max-upload-mb", "0.1")  # fmt: skip
+                   "--max-upload-mb", "0.1", "--max-input-chars", "8000")  # fmt: skip
     yield served
     served["proc"].terminate()
     served["proc"].wait(30)

@@ -1,17 +1,20 @@
 """``torchtitan serve``: one model behind OpenAI's audio routes, on localhost (docs/serving.md).
 
     torchtitan serve --model DIR [--voices VOICES_DIR] [--host 127.0.0.1] [--port 8000]
-        [--api-key KEY | --no-auth] [--queue-size 64] [--max-batch 8] [--batch-wait-ms 10]
-        [--max-upload-mb 25] [--header-timeout 10] [--body-timeout 60] [decoding flags]
-        [--engine vllm (--vllm-url URL | --vllm-python PATH)]
+        [--api-key KEY | --api-key-file FILE | --no-auth] [--queue-size 64] [--max-batch 8]
+        [--batch-wait-ms 10] [--max-upload-mb 25] [--max-input-chars 4096]
+        [--max-audio-seconds 600] [--max-requests N] [--requests-per-minute N]
+        [--audio-seconds-per-minute S] [--header-timeout 10] [--body-timeout 60]
+        [--drain-seconds 25] [decoding flags] [--engine vllm (--vllm-url URL | --vllm-python PATH)]
 
 DIR is what ``torchtitan generate`` takes (an export or a checkpoint step folder). The server's
 dependencies (the ``serve`` extra: FastAPI, uvicorn, python-multipart), the API key rule
 (serving/auth.py), the model, its tokenizer and codec, and the ``--voices`` (serving/voices.py)
 are checked before the server listens: each failure ends the command with one line and exit
 status 2. Then the URL is printed, and one JSON line per request (serving/access_log.py).
-SIGTERM or Ctrl-C drains: no new connections, the requests in flight finish, exit status 0
-(a second signal stops waiting for them: the jobs still queued fail). ``--engine vllm`` runs a
+SIGTERM or Ctrl-C drains: no new connections, the requests in flight finish within
+``--drain-seconds`` (then they are cancelled), exit status 0 (a second signal stops waiting
+for them: the jobs still queued fail). ``--engine vllm`` runs a
 flatten model on a vLLM server (serving/vllm_engine.py; one it starts with --vllm-python is
 stopped after the drain).
 """
@@ -26,9 +29,14 @@ import sys
 import threading
 
 from torchtitan_speechlm.commands.generate import decode_config
-from torchtitan_speechlm.commands.serve_args import build_parser, check_engine_flags
+from torchtitan_speechlm.commands.serve_args import build_parser, check_bounds, check_engine_flags
 from torchtitan_speechlm.generation.loading import load_model
-from torchtitan_speechlm.generation.tasks import PromptRefused, check_prompted, input_rate
+from torchtitan_speechlm.generation.tasks import (
+    PromptRefused,
+    check_prompted,
+    input_rate,
+    max_input_seconds,
+)
 from torchtitan_speechlm.serving.batcher import Batcher
 from torchtitan_speechlm.serving.speech import runners
 from torchtitan_speechlm.serving.vllm_engine import connect, refusal
@@ -40,6 +48,10 @@ try:  # the serve extra; without it the command says what to install (``run``)
     from torchtitan_speechlm.serving.access_log import LOGGER
     from torchtitan_speechlm.serving.app import App
     from torchtitan_speechlm.serving.auth import ENV_KEY, check_exposure
+    from torchtitan_speechlm.serving.browsers import default_trusted_hosts, split_list
+    from torchtitan_speechlm.serving.errors import Redactions
+    from torchtitan_speechlm.serving.gate import RateLimits
+    from torchtitan_speechlm.serving.keys import KeyRing
     from torchtitan_speechlm.serving.metrics import ServeMetrics
     from torchtitan_speechlm.serving.replicas import Replicas
     from torchtitan_speechlm.serving.server import SpeechServer, bind
@@ -51,9 +63,11 @@ except ModuleNotFoundError as e:
     MISSING = e.name
 
 ROUTES = (
-    "POST /v1/audio/speech, POST /v1/audio/transcriptions, GET /health, GET /v1/models, "
-    "GET /v1/voices, GET /metrics"
+    "POST /v1/audio/speech, POST /v1/audio/transcriptions, GET /health, GET /ready, "
+    "GET /v1/models, GET /v1/voices, GET /metrics"
 )
+VLLM_KEY_ENV = "TORCHTITAN_VLLM_API_KEY"  # --vllm-api-key's default
+STOP_WORKER_S = 3.0  # after the drain: the worker's batch, then its rows are cancelled
 
 
 def _say(line: str) -> None:
@@ -78,15 +92,22 @@ def api_key(a: argparse.Namespace) -> str | None:
     return a.api_key or os.environ.get(ENV_KEY) or None
 
 
+def key_ring(a: argparse.Namespace) -> KeyRing:
+    """The keys of ``--api-key`` (or its variable) and ``--api-key-file``; ValueError naming
+    a key no request could send (not printable ASCII) or a bad key file."""
+    return KeyRing(api_key(a), a.api_key_file, say=_say)
+
+
 def build(a: argparse.Namespace, sock=None, device: str | None = None
           ) -> tuple[SpeechServer, Batcher]:  # fmt: skip
     """The server, bound to its port (or on ``sock``, a replica's), and its batcher, not
     started: everything that can fail at start-up (the key rule, the engine's flags, the
     model, its codec, the voices, a vLLM server, the port) has failed here, as ValueError or
     OSError."""
-    key = api_key(a)
-    check_exposure(a.host, key, a.no_auth)
+    keys = key_ring(a)
+    check_exposure(a.host, keys.enabled, a.no_auth)
     check_engine_flags(a)
+    check_bounds(a)
     loaded = load_model(a.model, device or a.device)
     loaded.tokenizer, loaded.codec  # noqa: B018  (their errors now, not at the first request)
     voices = load_voices(loaded, a.voices) if a.voices else {}
@@ -104,8 +125,9 @@ def build(a: argparse.Namespace, sock=None, device: str | None = None
             on_batch=metrics.batch,
             workers=workers,
             on_stop=process.stop if process is not None else None,
+            max_queued_per_key=a.max_queued_per_key,
         )
-        return _server(a, sock, key, loaded, voices, metrics, batcher), batcher
+        return _server(a, sock, keys, loaded, voices, metrics, batcher), batcher
     except BaseException:
         if process is not None:
             process.stop()
@@ -126,8 +148,10 @@ def engine(a: argparse.Namespace, loaded, cfg) -> tuple[dict, int, VllmProcess |
         process = VllmProcess(a.vllm_python, a.vllm_work, a.vllm_kv_cache_mb, a.vllm_arg,
                               a.vllm_start_timeout, say=_say)  # fmt: skip
         url = process.start(loaded)
+    key = process.api_key if process is not None else (a.vllm_api_key or
+                                                         os.environ.get(VLLM_KEY_ENV) or None)  # fmt: skip
     try:
-        run = connect(loaded, cfg, url, a.request_timeout).runners()
+        run = connect(loaded, cfg, url, a.request_timeout, key).runners()
     except BaseException:
         if process is not None:
             process.stop(keep_work=True)  # its log tells why
@@ -136,10 +160,12 @@ def engine(a: argparse.Namespace, loaded, cfg) -> tuple[dict, int, VllmProcess |
     return run, a.vllm_batches_in_flight, process
 
 
-def _server(a, sock, key, loaded, voices, metrics, batcher) -> SpeechServer:
+def _server(a, sock, keys, loaded, voices, metrics, batcher) -> SpeechServer:
+    name = os.path.basename(os.path.normpath(os.path.abspath(a.model)))
+    audio_s, bound = audio_bound(a, loaded)
     app = App(
         batcher,
-        os.path.basename(os.path.normpath(os.path.abspath(a.model))),
+        name,
         int(loaded.codec.sample_rate),
         input_rate(loaded),
         max_upload_bytes=int(a.max_upload_mb * (1 << 20)),
@@ -147,7 +173,18 @@ def _server(a, sock, key, loaded, voices, metrics, batcher) -> SpeechServer:
         body_timeout_s=a.body_timeout,
         voices=voices,
         prompt_refusal=_refusal(loaded),
-        api_key=key,
+        keys=keys,
+        max_input_chars=a.max_input_chars,
+        max_audio_seconds=audio_s,
+        audio_bound=bound,
+        max_requests=a.max_requests,
+        rate_limits=RateLimits(a.requests_per_minute, a.audio_seconds_per_minute),
+        trusted_hosts=split_list(a.trusted_hosts) or default_trusted_hosts(a.host),
+        cors_origins=split_list(a.cors_origins),
+        ready_timeout_s=a.ready_timeout,
+        redact=Redactions.of(
+            [(a.model, name), (a.voices, "voices"), (str(loaded.source), name)]
+        ),  # fmt: skip
         say=_say,
         metrics=metrics,
         usage=lambda text, samples: speech_usage(loaded, text, samples),
@@ -159,7 +196,22 @@ def _server(a, sock, key, loaded, voices, metrics, batcher) -> SpeechServer:
         keep_alive_s=a.keep_alive_timeout,
         header_timeout_s=a.header_timeout,
         sock=sock,
+        drain_s=a.drain_seconds,
+        proxy_headers=a.proxy_headers,
     )
+
+
+def audio_bound(a: argparse.Namespace, loaded) -> tuple[float, str]:
+    """The longest upload taken, and what sets it: ``--max-audio-seconds``, or the model's
+    context when it holds less (a longer upload could only fail in the model worker)."""
+    flag = f"--max-audio-seconds {a.max_audio_seconds:g}"
+    try:
+        context = max_input_seconds(loaded)
+    except Exception:  # a model whose prompts cannot be measured: the flag alone
+        context = None
+    if context is not None and context < a.max_audio_seconds:
+        return context, f"the model's context holds {context:.1f} s of audio; {flag}"
+    return a.max_audio_seconds, flag
 
 
 def generated_tokens(loaded, task: str, results) -> int | None:
@@ -200,8 +252,10 @@ def run(a: argparse.Namespace) -> int:
         return 2
     try:
         check_engine_flags(a)
+        check_bounds(a)
+        key_ring(a)  # a key no request could send: refused before the model loads
     except ValueError as e:
-        print(f"torchtitan serve: error: {e}", file=sys.stderr)
+        print(f"torchtitan serve: error: {_one_line(e)}", file=sys.stderr)
         return 2
     if a.replicas > 1:
         return run_replicas(a)
@@ -237,14 +291,19 @@ def serve_until_stopped(a: argparse.Namespace, server: SpeechServer, batcher: Ba
         _say(f"torchtitan serve: {app.model_name} on {server.url} ({ROUTES})")
     if app.voices and ready is None:
         _say(f"voices: {', '.join(sorted(app.voices))}")
-    if app.api_key and ready is None:
-        _say("API key required (Authorization: Bearer KEY) on every route but GET /health")
+    if app.keys is not None and app.keys.enabled and ready is None:
+        _say("API key required (Authorization: Bearer KEY) on every route but GET /health "
+             "and GET /ready")  # fmt: skip
+    if ready is None:
+        _say(f"bounds: input {app.max_input_chars} characters, audio {app.max_audio_seconds:g} s "
+             f"({app.audio_bound}), {app.max_requests or app.pool_size} requests at once")  # fmt: skip
     while thread.is_alive() and not stop.wait(0.2):
         pass
-    _say("torchtitan serve: stopping: finishing the requests in flight")
+    _say(f"torchtitan serve: stopping: finishing the requests in flight (at most "
+         f"{server.drain_s:g} s, --drain-seconds)")  # fmt: skip
     server.shutdown()  # the requests in flight finish: their jobs, queued or running, are run
     server.server_close()
-    batcher.stop()
+    batcher.stop(timeout=STOP_WORKER_S)  # a row still running after it is cancelled
     _say("torchtitan serve: stopped")
     return 0 if stop.is_set() else 1  # 1: the server ended by itself (its error is above)
 
@@ -252,9 +311,9 @@ def serve_until_stopped(a: argparse.Namespace, server: SpeechServer, batcher: Ba
 def run_replicas(a: argparse.Namespace) -> int:
     """``--replicas N``: the port bound here, N replica processes serving it
     (serving/replicas.py), the drain on SIGTERM / Ctrl-C."""
-    key = api_key(a)
     try:
-        check_exposure(a.host, key, a.no_auth)
+        keys = key_ring(a)
+        check_exposure(a.host, keys.enabled, a.no_auth)
         sock = bind(a.host, a.port)
     except (ValueError, OSError) as e:
         print(f"torchtitan serve: error: {_one_line(e)}", file=sys.stderr)
@@ -271,13 +330,14 @@ def run_replicas(a: argparse.Namespace) -> int:
         return 2
     name = os.path.basename(os.path.normpath(os.path.abspath(a.model)))
     _say(f"torchtitan serve: {name} on {url} ({ROUTES}; {a.replicas} replicas)")
-    if key:
-        _say("API key required (Authorization: Bearer KEY) on every route but GET /health")
+    if keys.enabled:
+        _say("API key required (Authorization: Bearer KEY) on every route but GET /health "
+             "and GET /ready")  # fmt: skip
     watcher = threading.Thread(target=replicas.watch, daemon=True)
     watcher.start()
     stop.wait()
     _say("torchtitan serve: stopping: each replica finishes its requests in flight")
-    status = replicas.stop()
+    status = replicas.stop(a.drain_seconds + STOP_WORKER_S + 30)
     sock.close()
     _say("torchtitan serve: stopped")
     return status

@@ -29,7 +29,11 @@ from torchtitan_speechlm.trainer import lifecycle
 from torchtitan_speechlm.trainer.builders import check_data
 from torchtitan_speechlm.trainer.faults import exit_on_user_fault
 from torchtitan_speechlm.trainer.plan import REGISTERED_VALUES, RunPlan
-from torchtitan_speechlm.trainer.preflight import check_training_data, preflight
+from torchtitan_speechlm.trainer.preflight import (
+    check_dump_folder,
+    check_training_data,
+    preflight,
+)
 from torchtitan_speechlm.trainer.run import VERIFIED_ENV, prepare_run
 from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.trainer.trainer import SpeechLMTrainer
@@ -131,6 +135,13 @@ def check_config(args: list[str], external=None):
 
 def checked_config(args: list[str], external=None) -> tuple[object, RunPlan | None]:
     """``check_config``'s job config and its run plan (None for a job of another spec)."""
+    job_config = parse_job(args)
+    return job_config, check_job(job_config, external)
+
+
+def parse_job(args: list[str]):
+    """The job config as the ranks will parse it (the TOML's keys checked), before anything
+    on disk is read: the launcher takes the dump folder's lock with it (``train_command``)."""
     from torchtitan.config import ConfigManager
 
     manager = ConfigManager()
@@ -148,16 +159,21 @@ def checked_config(args: list[str], external=None) -> tuple[object, RunPlan | No
         )
         check_toml(toml_values, config_cls, source=path, registered=REGISTERED_VALUES)
     try:
-        job_config = manager.parse_args(args)
+        return manager.parse_args(args)
     except SystemExit as e:  # tyro already printed what is wrong with the command line
         raise ConfigError("invalid command-line override (see above)") from e
+
+
+def check_job(job_config, external=None) -> RunPlan | None:
+    """Every check of a SpeechLM job against what is on disk (its checkpoints, its data), as
+    the ranks will make them; its run plan (None for a job of another spec)."""
     if not is_speechlm(job_config):
-        return job_config, None
+        return None
     plan, _, _ = prepare_run(job_config, external)
     check_data(job_config, plan)
     check_training_data(job_config, plan)
     export_checked_indexes()  # the ranks skip the stat of every shard file done here
-    return job_config, plan
+    return plan
 
 
 def already_complete(job_config) -> str | None:
@@ -238,25 +254,33 @@ def train_command(args: list[str]) -> int:
     if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         os.environ.pop(VERIFIED_ENV, None)  # the launcher sums every file of what it loads
         os.environ.pop(CHECKED_ENV, None)  # and stats every shard file of its datasets
+    launcher = "RANK" not in os.environ and "SLURM_PROCID" not in os.environ
+    made = False
     try:
-        job_config, plan = checked_config(args)
-        if plan is not None:
-            preflight(job_config, plan, _world_size(nproc))
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"torchtitan train: config error: {e}", file=sys.stderr)
-        return 2
-    done = already_complete(job_config)
-    if done:
-        print(f"torchtitan train: {done}", file=sys.stderr)
-        return 0
-    if plan is not None and "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
-        try:  # one run per dump folder (trainer/lifecycle.py); the ranks hold it too
-            lifecycle.hold_run_folder(job_config.job.dump_folder)
+        try:
+            job_config = parse_job(args)
+            if launcher and is_speechlm(job_config):
+                # one run per dump folder (trainer/lifecycle.py; the ranks hold it too), taken
+                # before any check reads the folder: a second run on a live folder is refused
+                # at once, not after summing the live run's checkpoints and shards
+                check_dump_folder(job_config)  # writable (a probe file): nothing read
+                made = lifecycle.hold_run_folder(job_config.job.dump_folder)
+                lifecycle.forget_stop(job_config.job.dump_folder)
+            plan = check_job(job_config)
+            if plan is not None:
+                preflight(job_config, plan, _world_size(nproc))
         except lifecycle.RunFolderBusy as e:
             print(f"torchtitan train: {e}", file=sys.stderr)
             return 2
-        lifecycle.forget_stop(job_config.job.dump_folder)
-    try:
+        except (ConfigError, FileNotFoundError, ValueError) as e:
+            if made:  # the folder this run would have made: not left behind
+                lifecycle.leave_new_folder(job_config.job.dump_folder)
+            print(f"torchtitan train: config error: {e}", file=sys.stderr)
+            return 2
+        done = already_complete(job_config)
+        if done:
+            print(f"torchtitan train: {done}", file=sys.stderr)
+            return 0
         return _launch(args, job_config, nproc)
     finally:
         lifecycle.release()  # an in-process call (a test, the demo) lets the folder go
@@ -297,7 +321,9 @@ def _launch(args: list[str], job_config, nproc: int) -> int:
         print(f"torchtitan train: {line}", file=sys.stderr)
         return 128 + int(e.sigval)
     except Exception as e:  # the failing rank already printed why (trainer/faults.py)
-        print(f"torchtitan train: {describe_rank_failures(e)}", file=sys.stderr)
+        ckpt = checkpoint_folder(job_config) if job_config.checkpoint.enable else None
+        print(f"torchtitan train: {describe_rank_failures(e)}; {lifecycle.resume_hint(ckpt)}",
+              file=sys.stderr)  # fmt: skip
         return 1
     return 0
 

@@ -29,21 +29,75 @@ from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
 
 
 class JsonlLogger(BaseLogger):
-    """Every logged dict as one JSON line (exact floats, easy to grep, plot or test)."""
+    """Every logged dict as one JSON line (exact floats, easy to grep, plot or test).
+
+    Whole lines only: each line is one ``write`` to the file (no buffer to flush again at
+    exit), and a write that fails part-way (a full disk) is cut back to the line before, so
+    the file never holds half a line; the OSError goes on (the rank's one-line disk message,
+    trainer/faults.py). A file that ends in a torn line anyway (a crash of an older run, a
+    copy cut short) is repaired when the run opens it again: the torn tail is removed, with a
+    warning, before anything is appended."""
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._f = open(path, "a", buffering=1)
+        self.path = path
+        repair_torn_tail(path)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": step}
         row.update(
             {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
         )
-        self._f.write(json.dumps(row) + "\n")
+        append_line(self._fd, json.dumps(row) + "\n", self.path)
 
     def close(self) -> None:
-        self._f.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def append_line(fd: int, line: str, path: str, write=os.write) -> None:
+    """Append ``line`` whole or not at all (a partial write is truncated away); ``write``:
+    ``os.write`` (the fault tests' stands in for a disk that fills part-way)."""
+    data = line.encode()
+    start = os.fstat(fd).st_size
+    try:
+        done = 0
+        while done < len(data):
+            done += write(fd, data[done:])
+    except OSError as e:
+        os.ftruncate(fd, start)
+        if e.filename is None:
+            e.filename = path
+        raise
+
+
+def repair_torn_tail(path: str) -> None:
+    """Cut a file of lines back to its last whole line (warning how much was removed)."""
+    try:
+        with open(path, "rb+") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            keep, end = 0, size
+            while end > 0 and not keep:  # back to the last newline, 64 KiB at a time
+                start = max(0, end - (64 << 10))
+                f.seek(start)
+                chunk = f.read(end - start)
+                keep = start + chunk.rfind(b"\n") + 1 if b"\n" in chunk else 0
+                end = start
+            f.truncate(keep)
+    except FileNotFoundError:
+        return
+    logger.warning(
+        f"{path} ended in a torn line ({size - keep} bytes: a write cut short by a full disk "
+        "or a crash); removed it before appending"
+    )
 
 
 class SpeechLMMetricsProcessor(MetricsProcessor):

@@ -16,6 +16,11 @@ is sampled among codebook k's codes only. The length is the model's decision: wh
 next code would go, the end markers are allowed too (the turn's end token, or stream 0's pad that
 ends codebook 0 in the delay pattern); once chosen, the remaining slots of the segment are
 completed and the turn ends.
+
+``stop(i)``, when given, is asked for every row still decoding after each step: a row it
+answers True for ends there (its codes cut to the frames complete so far, or its text so far)
+and leaves the batch, so that a server drops the work of a client that has left (serving/
+batcher.py) between two steps rather than at the end of the batch.
 """
 
 from __future__ import annotations
@@ -82,8 +87,10 @@ class Decoder:
     """Generates audio codes (``audio``) or text ids (``text``) after prompts, all rows of a
     batch together; the model side (KV cache, inputs) is ``IncrementalForward``'s."""
 
-    def __init__(self, model, config: DecodeConfig | None = None):
+    def __init__(self, model, config: DecodeConfig | None = None,
+                 stop: Callable[[int], bool] | None = None):  # fmt: skip
         self.model, self.cfg = model.eval(), config or DecodeConfig()
+        self.stop = stop  # stop(i): end row i now (see the module's docstring)
         lay = model.args.layout
         self.layout, self.n = lay, lay.num_streams
         self.pattern = get_pattern(model.args.pattern)
@@ -193,6 +200,7 @@ class Decoder:
                     if ready > sent[i]:
                         on_frames(i, state[i].codes[:ready])
                         sent[i] = ready
+            self._stop_audio(state, batch)
             if all(state[i].done for i in batch):
                 break
             left = self._leave(batch, lambda i: state[i].done, uncond is not None)
@@ -201,6 +209,16 @@ class Decoder:
             logits = self.forward.advance(torch.cat([frames, frames]) if uncond else frames)
         self.ended = [st.ended for st in state]
         return [st.codes[: st.length] for st in state]
+
+    def _stop_audio(self, state: list[AudioRow], batch: list[int]) -> None:
+        """End the rows ``stop`` asks to: cut to their complete frames, not ``ended``."""
+        if self.stop is None:
+            return
+        for i in batch:
+            st = state[i]
+            if not st.done and self.stop(i):
+                st.length = st.complete()
+                st.done = True
 
     def _audio_step(self, state, batch, logits, known, gens) -> torch.Tensor:
         """The next frame of every row of ``batch`` ([rows, N]): per stream, the forced slots
@@ -301,6 +319,9 @@ class Decoder:
                 else:
                     out[batch[p]].append(token - lay.text_offset)
                 frames[p, 0] = token
+            if self.stop is not None:
+                for i in batch:
+                    done[i] = done[i] or self.stop(i)
             if all(done):
                 break
             left = self._leave(batch, lambda i: done[i], False)

@@ -25,6 +25,7 @@ from torchtitan_speechlm.utils.audio import load_audio
 
 TASKS = ("tts", "asr", "continuation", "answer")
 FramesCallback = Callable[[int, np.ndarray], None]  # Decoder.audio's on_frames
+StopCheck = Callable[[int], bool]  # Decoder's stop: end row i now
 
 
 def text_ids(loaded: Loaded, text: str) -> np.ndarray:
@@ -92,10 +93,12 @@ def tts_with_ends(
     seeds: list[int] | None = None,
     on_frames: FramesCallback | None = None,
     prompts_codes: list[np.ndarray | None] | None = None,
+    stop: StopCheck | None = None,
 ) -> tuple[list[np.ndarray], list[bool]]:
     """``tts`` plus, per text, whether the model ended the speech itself (False: the
     ``max_frames`` limit cut it), which evaluation reports as the end-of-speech rate.
-    ``seeds`` and ``on_frames``: ``Decoder.audio``'s (per-row seeds; streaming).
+    ``seeds`` and ``on_frames``: ``Decoder.audio``'s (per-row seeds; streaming); ``stop``:
+    ``Decoder``'s (rows ended between steps, a server's cancelled requests).
     ``prompts_codes``: per text, a speaker prompt's codes (``speaker_prompt``; None: none),
     laid out as ``tts_prompt`` trained."""
     speakers = prompts_codes or [None] * len(texts)
@@ -105,7 +108,7 @@ def tts_with_ends(
         drop = np.array([loaded.layout.special("<|cfg_drop|>") - loaded.layout.text_offset])
         uncond = [loaded.builder.prefix(_tts_turns(loaded, drop, p), "assistant", "audio")
                   for p in speakers]  # fmt: skip
-    decoder = Decoder(loaded.model, cfg)
+    decoder = Decoder(loaded.model, cfg, stop)
     codes = decoder.audio(fit_context(loaded, prompts), uncond, seeds=seeds, on_frames=on_frames)
     return codes, decoder.ended
 
@@ -137,23 +140,31 @@ def asr_prompts(loaded: Loaded, codes: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def asr(
-    loaded: Loaded, codes: list[np.ndarray], cfg: DecodeConfig, seeds: list[int] | None = None
+    loaded: Loaded,
+    codes: list[np.ndarray],
+    cfg: DecodeConfig,
+    seeds: list[int] | None = None,
+    stop: StopCheck | None = None,
 ) -> list[str]:
     """The transcript of each utterance's codes."""
     prompts = asr_prompts(loaded, codes)
-    ids = Decoder(loaded.model, cfg).text(fit_context(loaded, prompts), seeds=seeds)
+    ids = Decoder(loaded.model, cfg, stop).text(fit_context(loaded, prompts), seeds=seeds)
     return [loaded.tokenizer.decode(i) for i in ids]
 
 
 def asr_wave(
-    loaded: Loaded, waves: list[np.ndarray], cfg: DecodeConfig, seeds: list[int] | None = None
+    loaded: Loaded,
+    waves: list[np.ndarray],
+    cfg: DecodeConfig,
+    seeds: list[int] | None = None,
+    stop: StopCheck | None = None,
 ) -> list[str]:
     """The transcript of each waveform (float, or int16 as stored, at the audio encoder's rate)
     through the model's continuous audio encoder (the ``asr_wave`` template)."""
     waves = [w if w.dtype == np.int16 else to_int16(w) for w in waves]
     pairs = [loaded.builder.continuous_prefix(w, "assistant", "text") for w in waves]
     prompts = fit_context(loaded, [p for p, _ in pairs])
-    ids = Decoder(loaded.model, cfg).text(prompts, [a for _, a in pairs], seeds=seeds)
+    ids = Decoder(loaded.model, cfg, stop).text(prompts, [a for _, a in pairs], seeds=seeds)
     return [loaded.tokenizer.decode(i) for i in ids]
 
 
@@ -164,13 +175,17 @@ def input_rate(loaded: Loaded) -> int:
 
 
 def transcribe_waves(
-    loaded: Loaded, waves: list[np.ndarray], cfg: DecodeConfig, seeds: list[int] | None = None
+    loaded: Loaded,
+    waves: list[np.ndarray],
+    cfg: DecodeConfig,
+    seeds: list[int] | None = None,
+    stop: StopCheck | None = None,
 ) -> list[str]:
     """``generate --task asr`` on waveforms at ``input_rate``: through the model's continuous
     audio encoder when it has one (docs/audio-encoder.md), else as the data codec's codes."""
     if loaded.model.args.audio is not None:
-        return asr_wave(loaded, waves, cfg, seeds)
-    return asr(loaded, loaded.codec.encode(waves), cfg, seeds)
+        return asr_wave(loaded, waves, cfg, seeds, stop)
+    return asr(loaded, loaded.codec.encode(waves), cfg, seeds, stop)
 
 
 def transcribe_items(loaded: Loaded, items: list, cfg: DecodeConfig) -> list[str]:
@@ -268,6 +283,35 @@ def continuation(
         fit_context(loaded, [prompt] * len(codes)), known=list(codes), seeds=seeds,
         on_frames=on_frames,
     )  # fmt: skip
+
+
+def max_input_seconds(loaded: Loaded) -> float | None:
+    """The longest input audio whose transcription prompt fits the backbone's context, in
+    seconds (None: the backbone names no context), so that a server refuses longer uploads
+    before the model worker encodes them (``fit_context`` would refuse them there). The prompt
+    grows linearly with the audio: its lengths at two sizes give the slope."""
+    ctx = int(loaded.model.args.backbone_config.get("max_position_embeddings") or 0)
+    if not ctx:
+        return None
+    if loaded.model.args.audio is not None:  # continuous: per second of the encoder's input
+        rate = input_rate(loaded)
+
+        def length(k: int) -> int:
+            wave = np.zeros(k * rate, dtype=np.int16)
+            return len(loaded.builder.continuous_prefix(wave, "assistant", "text")[0])
+
+        unit = 1.0
+    else:  # codes: per codec frame
+        n = loaded.layout.num_streams
+
+        def length(k: int) -> int:
+            return len(asr_prompts(loaded, [np.zeros((k, n), dtype=np.int64)])[0])
+
+        unit = loaded.codec.samples_per_frame / loaded.codec.sample_rate
+    one, slope = length(1), length(2) - length(1)
+    if slope <= 0:
+        return None
+    return max(0, (ctx - 2 - one) // slope + 1) * unit
 
 
 def fit_context(loaded: Loaded, prompts: list[np.ndarray]) -> list[np.ndarray]:

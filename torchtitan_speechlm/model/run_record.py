@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import asdict
 
-from torchtitan_speechlm.utils.fileio import write_json_atomic
+from torchtitan_speechlm.utils.fileio import DamagedFileError, read_checked_json, write_checked_json
 
 RUN_RECORD = "speechlm_run.json"
 RECORD_VERSION = 1
@@ -62,7 +62,7 @@ def record_run(
         check_same_model(read_run_record(path), record["model_args"], path)
     elif int(os.environ.get("RANK", "0")) == 0:
         os.makedirs(job_config.job.dump_folder, exist_ok=True)
-        write_json_atomic(path, record)
+        write_checked_json(path, record)
     return record
 
 
@@ -72,8 +72,14 @@ def read_run_record(path: str) -> dict:
             f"{path} not found: it is written by `torchtitan train` when a run starts; the "
             "checkpoint must sit in {dump_folder}/{checkpoint.folder}/step-N of such a run"
         )
-    with open(path) as f:
-        return json.load(f)
+    try:
+        return read_checked_json(path)
+    except DamagedFileError as e:
+        raise RunRecordError(
+            f"{e}. It is the run's record of its model (written at its start); delete it and "
+            "rerun: the run writes it again from its config, and each checkpoint's own identity "
+            "is still checked against the data; or restore it from a copy"
+        ) from None
 
 
 def check_same_model(

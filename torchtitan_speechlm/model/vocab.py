@@ -10,11 +10,15 @@ and reported CE 55.7 instead of 2.1).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from torchtitan_speechlm.utils.fileio import json_hash, write_json_atomic
+from torchtitan_speechlm.utils.fileio import (
+    DamagedFileError,
+    json_hash,
+    read_checked_json,
+    write_checked_json,
+)
 
 NUM_SPECIAL = 64
 _NAMED_SPECIALS = (
@@ -37,6 +41,13 @@ LAYOUT_VERSION = 1
 
 class VocabMismatchError(ValueError):
     """Raised when a run, checkpoint or dataset was built with another vocabulary layout."""
+
+
+REWRITE = (
+    "It is the run's record of its vocabulary layout; delete {path} and rerun (the run writes "
+    "it again; every checkpoint's data position carries the layout's fingerprint, which is "
+    "still checked), or restore it from a copy"
+)
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,7 @@ class VocabLayout:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> VocabLayout:
+    def from_dict(cls, d: dict, where: str = "vocab.json") -> VocabLayout:
         layout = cls(
             text_size=int(d["text_size"]),
             num_streams=int(d["num_streams"]),
@@ -116,7 +127,7 @@ class VocabLayout:
             version=int(d.get("version", LAYOUT_VERSION)),
         )
         if "fingerprint" in d and d["fingerprint"] != layout.fingerprint():
-            raise VocabMismatchError("vocab.json fingerprint does not match its own contents")
+            raise VocabMismatchError(f"{where}: its fingerprint does not match its own contents")
         return layout
 
     def fingerprint(self) -> str:
@@ -143,8 +154,19 @@ class VocabLayout:
                 )
 
     def save(self, path: str | Path) -> None:
-        write_json_atomic(str(path), self.to_dict(), indent=1)
+        write_checked_json(str(path), self.to_dict(), indent=1)
 
     @classmethod
     def load(cls, path: str | Path) -> VocabLayout:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The layout saved at ``path``; VocabMismatchError naming the file when it is damaged
+        (its checksum, its JSON) or incomplete."""
+        try:
+            d = read_checked_json(str(path))
+            return cls.from_dict(d, str(path))
+        except DamagedFileError as e:
+            raise VocabMismatchError(f"{e}. {REWRITE.format(path=path)}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, VocabMismatchError):
+                raise
+            raise VocabMismatchError(f"{path} is damaged: {type(e).__name__}: {e}. "
+                                     f"{REWRITE.format(path=path)}") from None  # fmt: skip

@@ -1,10 +1,13 @@
 """The model worker: one thread owns the model and runs its jobs in dynamic batches.
 
-Request threads ``submit`` a job (a task name and a payload) to a bounded queue: a full queue
-raises :class:`QueueFull` at once (the HTTP layer answers 503 with Retry-After). The worker takes
-the oldest job, then waits up to ``batch_wait_s`` for more jobs *of the same task* (from anywhere
-in the queue; other tasks keep their place), up to ``max_batch`` rows, and makes ONE call of that
-task's runner for the whole batch. A runner is::
+Request threads ``submit`` a job (a task name, a payload and whose it is: a key's name or a
+client address) to a bounded queue: a full queue, or a key that already holds
+``max_queued_per_key`` of its places, raises :class:`QueueFull` at once (the HTTP layer answers
+503 with Retry-After). The worker takes the oldest job, then waits up to ``batch_wait_s`` for
+more jobs *of the same task* (from anywhere in the queue; other tasks keep their place), up to
+``max_batch`` rows, taken one per key in turn (so one client's flood of requests shares each
+batch with the others' instead of filling it), and makes ONE call of that task's runner for the
+whole batch. A runner is::
 
     runner(payloads: list, emit: Callable[[int, object], None]) -> list  # one result per row
 
@@ -17,6 +20,13 @@ back). No exception of a runner ends the worker.
 ``workers`` > 1 runs that many worker threads, each taking and running its own batches: for
 runners whose model is elsewhere (``--engine vllm``: a batch is an HTTP request, and the engine
 batches the requests in flight together); our own model has one worker.
+
+**Cancelling.** A job whose request is gone (its client left, or the drain ran out of time) is
+cancelled: it leaves the queue at once, or, running, is told so through the runner's ``emit``
+(an ``Emit``): ``emit.stopped(row)``, which a runner asks between decode steps to drop that
+row's work (serving/speech.py; a runner that never asks runs its rows to the end, unused). Each
+such question, each piece emitted and each batch's start and end is the worker's *progress*,
+which ``progress()`` reports (``/ready``, the stall metric).
 """
 
 from __future__ import annotations
@@ -39,16 +49,26 @@ class QueueFull(Exception):
     """The job queue holds ``queue_size`` jobs: try again later."""
 
 
+class Cancelled(Exception):
+    """The job was cancelled (its client left, or the drain ran out of time)."""
+
+
 class Job:
     """One request's row: what the worker emits and its result or error, read by the request
     thread through ``stream()`` (the pieces as they come) or ``result()``."""
 
-    def __init__(self, task: str, payload: Any):
-        self.task, self.payload = task, payload
+    def __init__(self, task: str, payload: Any, key: str | None = None):
+        self.task, self.payload, self.key = task, payload, key
         self.batch_size = 0  # the batch it ran in (0 until it runs)
         self.value: Any = None
+        self.cancelled = False
         self._events: queue.Queue = queue.Queue()
         self._closed = False
+
+    def cancel(self, why: str = "the client left") -> None:
+        """Stop waiting for this job: its reader gets ``Cancelled``; the worker skips it."""
+        self.cancelled = True
+        self.fail(Cancelled(why))
 
     # the worker's side
     def emit(self, piece: Any) -> None:
@@ -92,6 +112,24 @@ class Job:
         return self.value
 
 
+class Emit:
+    """A runner's ``emit`` for one batch: ``emit(row, piece)`` hands a piece to the row's job;
+    ``emit.stopped(row)``: whether that row's job was cancelled. Both count as progress."""
+
+    def __init__(self, jobs: list[Job], beat: Callable[[], None]):
+        self.jobs, self.beat = jobs, beat
+        self.emitted: set[int] = set()
+
+    def __call__(self, row: int, piece: Any) -> None:
+        self.emitted.add(row)
+        self.jobs[row].emit(piece)
+        self.beat()
+
+    def stopped(self, row: int) -> bool:
+        self.beat()
+        return self.jobs[row].cancelled
+
+
 class Batcher:
     """The bounded job queue and the worker thread running ``runners[task]`` in batches."""
 
@@ -106,11 +144,13 @@ class Batcher:
         on_batch: BatchHook | None = None,
         workers: int = 1,
         on_stop: Callable[[], None] | None = None,
+        max_queued_per_key: int = 0,
     ):
         if queue_size < 1 or max_batch < 1 or batch_wait_s < 0 or workers < 1:
             raise ValueError("queue_size, max_batch and workers must be >= 1, batch_wait_s >= 0")
         self.runners = dict(runners)
         self.queue_size, self.max_batch, self.batch_wait_s = queue_size, max_batch, batch_wait_s
+        self.max_queued_per_key = max_queued_per_key  # 0: no cap but queue_size
         self.on_error = on_error or (lambda where, e: None)
         # observers (serving/metrics.py): the queue depth after each change; each model call
         self.on_queue = on_queue or (lambda depth: None)
@@ -121,31 +161,63 @@ class Batcher:
         self.workers = workers
         self.on_stop = on_stop  # after the workers stop: release what the runners hold
         self._threads: list[threading.Thread] = []
+        self._running: set[Job] = set()  # the jobs of the batches being run
+        self._beat = time.monotonic()  # the worker's last progress
         self._counts = threading.Lock()
         self.batches_run = 0
         self.rows_run = 0
         self.largest_batch = 0
         self.rows_retried_alone = 0
+        self.rows_cancelled = 0
 
     # ---- request threads -------------------------------------------------------------------
-    def submit(self, task: str, payload: Any) -> Job:
-        """Queue one row of ``task``; raises QueueFull when ``queue_size`` jobs wait."""
+    def submit(self, task: str, payload: Any, key: str | None = None) -> Job:
+        """Queue one row of ``task`` for ``key``; raises QueueFull when ``queue_size`` jobs
+        wait, or ``max_queued_per_key`` of ``key``'s."""
         if task not in self.runners:
             raise KeyError(f"no runner for task {task!r} ({sorted(self.runners)})")
-        job = Job(task, payload)
+        job = Job(task, payload, key)
         with self._cond:
             if len(self._pending) >= self.queue_size:
                 raise QueueFull(f"the model's queue is full ({self.queue_size} requests waiting)")
+            cap = self.max_queued_per_key
+            if cap and sum(j.key == key for j in self._pending) >= cap:
+                raise QueueFull(f"{key or 'this client'} holds {cap} places of the model's queue "
+                                f"already (--max-queued-per-key {cap})")  # fmt: skip
             self._pending.append(job)
             self._cond.notify_all()
             depth = len(self._pending)
         self.on_queue(depth)
         return job
 
+    def cancel(self, job: Job, why: str = "the client left") -> None:
+        """Cancel ``job``: out of the queue if it waits there; a running one stops at its
+        runner's next ``emit.stopped`` question."""
+        with self._cond:
+            waiting = job in self._pending
+            if waiting:
+                self._pending.remove(job)
+            depth = len(self._pending)
+        if not job.done:
+            with self._counts:
+                self.rows_cancelled += 1
+        job.cancel(why)
+        if waiting:
+            self.on_queue(depth)
+
     @property
     def queue_depth(self) -> int:
         with self._cond:
             return len(self._pending)
+
+    def beat(self) -> None:
+        self._beat = time.monotonic()
+
+    def progress(self) -> tuple[float, bool]:
+        """(seconds since the worker's last progress while a batch runs, 0 when idle; whether
+        a batch runs)."""
+        busy = bool(self._running)
+        return (time.monotonic() - self._beat if busy else 0.0), busy
 
     def stats(self) -> dict:
         return {
@@ -157,6 +229,7 @@ class Batcher:
             else 0.0,
             "largest_batch": self.largest_batch,
             "rows_retried_alone": self.rows_retried_alone,
+            "rows_cancelled": self.rows_cancelled,
         }
 
     # ---- the worker --------------------------------------------------------------------------
@@ -170,16 +243,24 @@ class Batcher:
         return self
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop after the batches in progress; the jobs still queued fail; then ``on_stop``."""
+        """Stop after the batches in progress; the jobs still queued fail; a row still running
+        after ``timeout`` is cancelled (it stops at its next decode step); then ``on_stop``."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        for t in self._threads:
-            t.join(timeout)
-        with self._cond:
             left, self._pending = list(self._pending), deque()
         for job in left:
             job.fail(RuntimeError("the server is shutting down"))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            with self._cond:
+                running = list(self._running)
+            for job in running:
+                job.cancel("the server is shutting down")
+            for t in self._threads:
+                t.join(timeout)
         if self.on_stop is not None:
             self.on_stop()
 
@@ -189,7 +270,8 @@ class Batcher:
 
     def next_batch(self) -> list[Job]:
         """Block for the oldest job, then gather up to ``max_batch`` jobs of its task, waiting
-        at most ``batch_wait_s`` from when the first was taken. [] once stopping."""
+        at most ``batch_wait_s`` from when the first was taken. [] once stopping. (A cancelled
+        job has left the queue already.)"""
         with self._cond:
             while not self._pending and not self._stopping:
                 self._cond.wait()
@@ -199,17 +281,37 @@ class Batcher:
             task = batch[0].task
             deadline = time.monotonic() + self.batch_wait_s
             while len(batch) < self.max_batch:
-                same = [j for j in self._pending if j.task == task][: self.max_batch - len(batch)]
-                for job in same:
-                    self._pending.remove(job)
-                batch += same
+                batch += self._take_fairly(task, batch)
                 left = deadline - time.monotonic()
                 if len(batch) >= self.max_batch or left <= 0 or self._stopping:
                     break
                 self._cond.wait(left)
             depth = len(self._pending)
+            self._running.update(batch)
+            self.beat()
         self.on_queue(depth)
         return batch
+
+    def _take_fairly(self, task: str, batch: list[Job]) -> list[Job]:
+        """Queued jobs of ``task`` to fill ``batch``: one per key in turn (the keys in the
+        order of their oldest job, those already in the batch last), out of the queue."""
+        queues: dict = {}
+        for job in self._pending:
+            if job.task == task:
+                queues.setdefault(job.key, []).append(job)
+        inside = {j.key for j in batch}
+        order = sorted(queues.values(), key=lambda q: q[0].key in inside)  # stable
+        picked, want = [], self.max_batch - len(batch)
+        while order and len(picked) < want:
+            for q in list(order):
+                if len(picked) >= want:
+                    break
+                picked.append(q.pop(0))
+                if not q:
+                    order.remove(q)
+        for job in picked:
+            self._pending.remove(job)
+        return picked
 
     def run_batch(self, batch: list[Job]) -> None:
         """One batched runner call for ``batch`` (one task), with the per-row fallback."""
@@ -220,12 +322,7 @@ class Batcher:
             self.largest_batch = max(self.largest_batch, len(batch))
         for job in batch:
             job.batch_size = len(batch)
-        emitted: set[int] = set()
-
-        def emit(row: int, piece: Any) -> None:
-            emitted.add(row)
-            batch[row].emit(piece)
-
+        emit = Emit(batch, self.beat)
         payloads, t0 = [j.payload for j in batch], time.perf_counter()
         try:
             results = _checked(runner(payloads, emit), len(batch))
@@ -236,9 +333,9 @@ class Batcher:
                 return
             self.on_error(f"a batch of {len(batch)} {batch[0].task} rows (retrying each alone)", e)
             for row, job in enumerate(batch):
-                if row in emitted:
+                if row in emit.emitted:
                     job.fail(e)
-                else:
+                elif not job.cancelled:  # a cancelled row is not run again
                     with self._counts:
                         self.rows_retried_alone += 1
                     self._run_alone(runner, job)
@@ -250,7 +347,7 @@ class Batcher:
     def _run_alone(self, runner: Runner, job: Job) -> None:
         t0 = time.perf_counter()
         try:
-            value = _checked(runner([job.payload], lambda _, piece: job.emit(piece)), 1)[0]
+            value = _checked(runner([job.payload], Emit([job], self.beat)), 1)[0]
         except Exception as e:
             self.on_batch(job.task, [job.payload], None, time.perf_counter() - t0, 1)
             job.fail(e)
@@ -270,6 +367,10 @@ class Batcher:
                 self.on_error("the model worker", e)
                 for job in batch:
                     job.fail(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            finally:
+                with self._cond:
+                    self._running.difference_update(batch)
+                self.beat()
 
 
 def _checked(results: Any, n: int) -> list:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_speechlm.utils.audio import BadAudioError, decode_audio_bytes
+from torchtitan_speechlm.utils.audio import AudioTooLong, BadAudioError, decode_audio_bytes
 
 
 @dataclass(frozen=True)
@@ -57,16 +57,21 @@ class Prompt:
 
 
 def request_prompt(
-    req: dict, voices: Mapping[str, Voice], refusal: str | None, rate: int
+    req: dict,
+    voices: Mapping[str, Voice],
+    refusal: str | None,
+    rate: int,
+    max_seconds: float | None = None,
 ) -> Prompt:
     """The speaker prompt of a speech request's JSON body; raises PromptError. ``refusal``:
     why the model takes no prompt (None: it does); ``rate``: the codec's, uploads are
-    resampled to it (and downmixed) as ``generate --prompt`` reads its file."""
+    resampled to it (and downmixed) as ``generate --prompt`` reads its file; ``max_seconds``:
+    the longest upload decoded (``AudioTooLong`` beyond)."""
     audio = req.get("prompt_audio")
     if audio is not None:
         if refusal is not None:
             raise PromptError(refusal, "prompt_audio", "prompt_refused")
-        return Prompt(wave=decode_prompt_audio(audio, rate))
+        return Prompt(wave=decode_prompt_audio(audio, rate, max_seconds))
     voice = req.get("voice")
     if not voices or voice is None:
         return Prompt()
@@ -83,7 +88,7 @@ def request_prompt(
     return Prompt(codes=voices[voice].codes)
 
 
-def decode_prompt_audio(value: object, rate: int) -> np.ndarray:
+def decode_prompt_audio(value: object, rate: int, max_seconds: float | None = None) -> np.ndarray:
     """``prompt_audio`` (base64 of an audio file, optionally a ``data:...;base64,`` URL; line
     breaks allowed, as ``base64`` writes them) as float32 mono samples at ``rate``."""
     if not isinstance(value, str):
@@ -100,7 +105,9 @@ def decode_prompt_audio(value: object, rate: int) -> np.ndarray:
             f"'prompt_audio' is not valid base64: {e}", "prompt_audio", "invalid_base64"
         ) from None
     try:
-        return decode_audio_bytes(data, rate, "prompt_audio")
+        return decode_audio_bytes(data, rate, "prompt_audio", max_seconds=max_seconds)
+    except AudioTooLong:
+        raise
     except BadAudioError as e:
         reason = re.sub(r"<_io\.BytesIO object at \w+>", "the upload", e.reason)
         raise PromptError(

@@ -13,6 +13,10 @@ generation/tasks.py, on the worker thread only.
   one ``tasks.transcribe_waves`` call per temperature asked (``asr_wave`` through a continuous
   audio encoder, else one ``codec.encode`` of the rows and ``asr``); results are the
   transcripts.
+
+Both ask the batch's ``emit.stopped(row)`` (serving/batcher.py ``Emit``) between decode steps:
+a row whose request was cancelled (its client left) leaves the batch there, is not decoded to
+audio, and its result (0 samples, an empty text) is not used.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ def speak(
     emit: Callable[[int, np.ndarray], None],
 ) -> list[int]:
     """Speak every row in one batched call; ``emit(row, float32 samples)`` in order within a row
-    (streamed rows while decoding, the others at the end); returns each row's sample count."""
+    (streamed rows while decoding, the others at the end); returns each row's sample count
+    (0 for a row ``emit.stopped`` ended)."""
+    stopped = _stop_check(emit)
     streams = {
         i: AudioStream(loaded.codec, lambda block, i=i: emit(i, block))
         for i, row in enumerate(rows)
@@ -55,11 +61,14 @@ def speak(
         cfg,
         on_frames=on_frames if streams else None,
         prompts_codes=prompts if any(p is not None for p in prompts) else None,
+        stop=stopped,
     )
+    gone = {i for i in range(len(rows)) if stopped is not None and stopped(i)}
     samples = [0] * len(rows)
     for i, stream in streams.items():
-        samples[i] = stream.finish(codes[i])
-    whole = [i for i in range(len(rows)) if i not in streams]
+        if i not in gone:
+            samples[i] = stream.finish(codes[i])
+    whole = [i for i in range(len(rows)) if i not in streams and i not in gone]
     for i, wave in zip(whole, tasks.decode_audio(loaded, [codes[i] for i in whole]), strict=True):
         wave = np.asarray(wave, dtype=np.float32).reshape(-1)
         samples[i] = len(wave)
@@ -77,16 +86,23 @@ def prompt_codes(loaded: Loaded, row: SpeechRow) -> np.ndarray | None:
     return None
 
 
-def transcribe(loaded: Loaded, rows: list[AsrRow], cfg: DecodeConfig) -> list[str]:
+def _stop_check(emit) -> Callable[[int], bool] | None:
+    """The batch's ``emit.stopped`` (a plain callable ``emit`` has none: nothing is cut)."""
+    return getattr(emit, "stopped", None)
+
+
+def transcribe(loaded: Loaded, rows: list[AsrRow], cfg: DecodeConfig,
+               stopped: Callable[[int], bool] | None = None) -> list[str]:  # fmt: skip
     """Every row's transcript: one ``tasks.transcribe_waves`` call per temperature asked (the
-    server's for rows that ask none)."""
+    server's for rows that ask none); ``stopped(row)``: ``emit.stopped``."""
     out: list[str] = [""] * len(rows)
     temps = [cfg.text.temperature if r.temperature is None else r.temperature for r in rows]
     for t in dict.fromkeys(temps):
         idx = [i for i, ti in enumerate(temps) if ti == t]
         run = replace(cfg, text=replace(cfg.text, temperature=t))
-        for i, text in zip(idx, tasks.transcribe_waves(loaded, [rows[i].wave for i in idx], run),
-                           strict=True):  # fmt: skip
+        stop = None if stopped is None else (lambda k, idx=idx: stopped(idx[k]))
+        texts = tasks.transcribe_waves(loaded, [rows[i].wave for i in idx], run, stop=stop)
+        for i, text in zip(idx, texts, strict=True):
             out[i] = text
     return out
 
@@ -98,6 +114,6 @@ def runners(loaded: Loaded, cfg: DecodeConfig) -> dict[str, Runner]:
         return speak(loaded, list(rows), cfg, emit)
 
     def asr(rows: list, emit) -> list[str]:
-        return transcribe(loaded, list(rows), cfg)
+        return transcribe(loaded, list(rows), cfg, _stop_check(emit))
 
     return {"tts": tts, "asr": asr}

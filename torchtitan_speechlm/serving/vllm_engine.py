@@ -69,9 +69,10 @@ def refusal(loaded: Loaded) -> str | None:
 class VllmClient:
     """vLLM's OpenAI-compatible server at ``url``: ``GET`` JSON, and ``complete`` (one
     ``/v1/completions`` request, streamed or not), on a fresh connection each call (batches
-    run on several worker threads)."""
+    run on several worker threads); ``api_key``: sent as ``Authorization: Bearer`` (vLLM's
+    ``--api-key``)."""
 
-    def __init__(self, url: str, timeout: float = 600.0):
+    def __init__(self, url: str, timeout: float = 600.0, api_key: str | None = None):
         parts = urllib.parse.urlsplit(url if "//" in url else f"http://{url}")
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"--vllm-url {url!r}: not an http(s) URL")
@@ -82,6 +83,7 @@ class VllmClient:
         if self.base.endswith("/v1"):  # OpenAI clients' base URLs end in /v1
             self.base = self.base[: -len("/v1")]
         self.timeout = timeout
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model: str | None = None  # the served model's name (GET /v1/models)
         self.max_model_len: int | None = None
 
@@ -92,7 +94,7 @@ class VllmClient:
     def get(self, path: str, timeout: float | None = None) -> tuple[int, bytes]:
         conn = self._connection(timeout)
         try:
-            conn.request("GET", self.base + path)
+            conn.request("GET", self.base + path, headers=self.headers)
             r = conn.getresponse()
             return r.status, r.read()
         finally:
@@ -105,6 +107,10 @@ class VllmClient:
             status, body = self.get("/v1/models", timeout=30)
         except OSError as e:
             raise ValueError(f"--vllm-url {self.url}: no vLLM server answers there ({e})") from e
+        if status == 401:
+            given = "its key is not the one given" if self.headers else "it wants a key"
+            raise ValueError(f"--vllm-url {self.url}: GET /v1/models answered 401: {given}; "
+                             "give the key it was started with as --vllm-api-key")  # fmt: skip
         if status != 200:
             raise ValueError(f"--vllm-url {self.url}: GET /v1/models answered {status}: "
                              f"{body[:300]!r}")  # fmt: skip
@@ -129,7 +135,7 @@ class VllmClient:
         conn = self._connection()
         try:
             conn.request("POST", self.base + "/v1/completions", json.dumps(body),
-                         {"Content-Type": "application/json"})  # fmt: skip
+                         {"Content-Type": "application/json", **self.headers})  # fmt: skip
             r = conn.getresponse()
             if r.status != 200:
                 raise _error(r.status, r.read())
@@ -351,13 +357,15 @@ class VllmRunners:
         }
 
 
-def connect(loaded: Loaded, cfg: DecodeConfig, url: str, timeout: float) -> VllmRunners:
-    """The runners over the vLLM server at ``url``, once it is known to serve this model's
-    layout with our masks (``check_probe``); ValueError saying what is wrong otherwise."""
+def connect(loaded: Loaded, cfg: DecodeConfig, url: str, timeout: float,
+            api_key: str | None = None) -> VllmRunners:  # fmt: skip
+    """The runners over the vLLM server at ``url`` (its key: ``api_key``), once it is known
+    to serve this model's layout with our masks (``check_probe``); ValueError saying what is
+    wrong otherwise."""
     why = refusal(loaded)
     if why:
         raise ValueError(why)
-    client = VllmClient(url, timeout)
+    client = VllmClient(url, timeout, api_key)
     client.connect()
     engine = VllmRunners(loaded, cfg, client)
     bos = [loaded.layout.special("<|bos|>")]

@@ -11,11 +11,17 @@ the process's ``PYTHONPATH``; it imports nothing of this package), fp32 as the e
 ``/health`` and fails with the log's tail and path when it exits or times out. It runs in its
 own session (a Ctrl-C meant for the server does not reach it: the server drains first, then
 stops it) and, on Linux, gets SIGTERM if this process dies without stopping it.
+
+It listens on loopback with a key of its own (``VLLM_API_KEY`` in its environment, a fresh
+random token: not on its command line, where any local user could read it), so that nobody
+else on the machine can use it past this server's keys and limits; and this server's own key
+(``TORCHTITAN_SERVE_API_KEY``) is not passed on to it.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -30,6 +36,8 @@ from torchtitan_speechlm.model.lora import merge_lora
 from torchtitan_speechlm.serving.vllm_engine import LOGITS_PROCESSOR, SERVED_NAME
 
 LOG_FILE = "vllm.log"
+VLLM_KEY_ENV = "VLLM_API_KEY"  # vLLM's api_server reads its --api-key from here too
+PRIVATE_ENV = ("TORCHTITAN_SERVE_API_KEY", "TORCHTITAN_VLLM_API_KEY")  # not for the child
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,6 +77,13 @@ def command(python: str, model_dir: str, port: int, kv_cache_mb: int,
     ]  # fmt: skip
 
 
+def child_env(api_key: str) -> dict[str, str]:
+    """vLLM's environment: ours without our keys, with its own key."""
+    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+    env[VLLM_KEY_ENV] = api_key
+    return env
+
+
 class VllmProcess:
     """A vLLM server started for ``loaded``'s model; ``url`` once ``start`` returns."""
 
@@ -83,6 +98,7 @@ class VllmProcess:
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
         self.start_s: float | None = None
+        self.api_key = secrets.token_urlsafe(32)  # the child's own (the module's docstring)
 
     def check_python(self) -> None:
         """ValueError unless ``python`` runs and has vllm installed (its version, read without
@@ -126,7 +142,7 @@ class VllmProcess:
         self.export_s = time.perf_counter() - t0
         port = free_port()
         cmd = command(self.python, lm, port, self.kv_cache_mb, self.extra)
-        env = dict(os.environ)
+        env = child_env(self.api_key)
         # the export's copy of speechlm_vllm_mask.py (vllm_export), as a user's `vllm serve`
         env["PYTHONPATH"] = os.pathsep.join(p for p in (lm, env.get("PYTHONPATH")) if p)
         env.setdefault("VLLM_CACHE_ROOT", os.path.join(self.work, "vllm_cache"))

@@ -10,11 +10,17 @@ Collective failures (a peer hung past ``comm.*_timeout_seconds``, or dead) are r
 name the collective (from the stack) and the peer ranks that stopped beating
 (components/heartbeat.py): by the trainer, which owns the run's heartbeat
 (``CollectiveFailure``), or here, without one, for a failure before training starts.
+
+A full disk (``ENOSPC`` anywhere in the exception's chain, from any file the run writes:
+``metrics.jsonl``, a checkpoint, a record, a log) is one line too (``disk_full_message``): the
+file, the free space, the newest complete checkpoint a rerun resumes from.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import sys
 from contextlib import contextmanager
 
@@ -27,6 +33,7 @@ from torchtitan_speechlm.data.lengths import DataLengthError
 from torchtitan_speechlm.data.sampler import StreamResumeError
 from torchtitan_speechlm.model.run_record import RunRecordError
 from torchtitan_speechlm.model.vocab import VocabMismatchError
+from torchtitan_speechlm.trainer import lifecycle
 from torchtitan_speechlm.utils.collective_errors import collective_of, is_collective_failure
 from torchtitan_speechlm.utils.compat import CheckpointSaveError
 
@@ -86,6 +93,32 @@ def describe_collective_failure(exc: BaseException, heartbeat: Heartbeat | None)
     )
 
 
+def full_disk_error(exc: BaseException) -> OSError | None:
+    """The ``ENOSPC`` (or ``EDQUOT``: a quota) OSError in ``exc``'s chain, if any."""
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def disk_full_message(error: OSError) -> str:
+    """One line: which file, the disk's free space, and the checkpoint a rerun resumes from."""
+    name = error.filename or "a file of the run"
+    where = os.path.dirname(os.path.abspath(error.filename)) if error.filename else "."
+    while not os.path.isdir(where) and where != os.path.dirname(where):
+        where = os.path.dirname(where)
+    try:
+        free = f", {shutil.disk_usage(where).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = ""
+    resume = lifecycle.resume_hint(lifecycle.tracked_checkpoints())
+    return (f"the disk is full (ENOSPC{free}) writing {name}. Free space on that disk (or point "
+            f"job.dump_folder elsewhere, lower checkpoint.keep_latest_k): {resume}")  # fmt: skip
+
+
 @contextmanager
 def exit_on_user_fault():
     """Run a rank; on a user fault print one line and end the process with status 1."""
@@ -94,8 +127,11 @@ def exit_on_user_fault():
     except BaseException as e:  # DCP wraps some failures in a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
+        full = full_disk_error(e) if not isinstance(e, user_fault_types()) else None
         if isinstance(e, user_fault_types()):
             message = str(e)
+        elif full is not None:
+            message, e = disk_full_message(full), full
         elif is_unexplained_collective_failure(e):
             message = describe_collective_failure(e, None)
         else:

@@ -101,9 +101,11 @@ def _busy(dump: str, path: str, what: str) -> RunFolderBusy:
     )
 
 
-def hold_run_folder(dump: str) -> None:
+def hold_run_folder(dump: str) -> bool:
     """The launcher's: take the folder for this run or raise ``RunFolderBusy`` naming the
-    holder. Held until this process ends."""
+    holder. Held until this process ends. Returns whether the folder was made for it (a run
+    refused by a later check then leaves nothing: ``leave_new_folder``)."""
+    made = not os.path.isdir(dump)
     os.makedirs(dump, exist_ok=True)
     run_lock = os.path.join(dump, RUN_LOCK)
     release()  # this process's earlier run (an in-process call) is over
@@ -119,6 +121,22 @@ def hold_run_folder(dump: str) -> None:
     _say_who(fd, "torchtitan train (launcher)")
     _HELD.append(fd)
     os.environ[LAUNCHER_ENV] = str(os.getpid())
+    return made
+
+
+def leave_new_folder(dump: str) -> None:
+    """Let go of a folder ``hold_run_folder`` made for a run that did not start: its lock
+    files go, and the folder too if nothing else was put in it."""
+    release()
+    for name in (RUN_LOCK, RANKS_LOCK):
+        try:
+            os.remove(os.path.join(dump, name))
+        except OSError:
+            pass
+    try:
+        os.rmdir(dump)
+    except OSError:
+        pass
 
 
 def hold_as_rank(dump: str, rank: int) -> None:
@@ -178,16 +196,20 @@ def newest_checkpoint(folder: str) -> str | None:
     return None
 
 
+def resume_hint(ckpt_folder: str | None) -> str:
+    """Where a rerun of the same command starts: the newest complete checkpoint, or step 1."""
+    newest = newest_checkpoint(ckpt_folder) if ckpt_folder else None
+    if newest:
+        return (
+            f"the newest complete checkpoint is {newest}: rerun the same command to resume from it"
+        )
+    return "there is no complete checkpoint yet: a rerun starts from step 1"
+
+
 def stop_line(signum: int, step: int | None, ckpt_folder: str | None) -> str:
     name = signal.Signals(signum).name
     reached = f"at step {step}" if step else "before its first step"
-    newest = newest_checkpoint(ckpt_folder) if ckpt_folder else None
-    resume = (
-        f"the newest complete checkpoint is {newest}: rerun the same command to resume from it"
-        if newest
-        else "there is no complete checkpoint yet: a rerun starts from step 1"
-    )
-    return f"stopped by {name} {reached}; {resume}"
+    return f"stopped by {name} {reached}; {resume_hint(ckpt_folder)}"
 
 
 _RUN: dict = {"dump": None, "checkpoints": None, "step": lambda: None}
@@ -196,6 +218,11 @@ _RUN: dict = {"dump": None, "checkpoints": None, "step": lambda: None}
 def track_run(dump: str, ckpt_folder: str | None, current_step) -> None:
     """What a stop reports: the dump folder, the checkpoint folder, ``current_step()``."""
     _RUN.update(dump=dump, checkpoints=ckpt_folder, step=current_step)
+
+
+def tracked_checkpoints() -> str | None:
+    """The checkpoint folder of the run this rank trains (``track_run``), if known."""
+    return _RUN["checkpoints"]
 
 
 def stop_on_signals():

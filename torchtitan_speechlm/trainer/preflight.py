@@ -8,6 +8,7 @@ process runs are in checks.py.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -37,6 +38,7 @@ from torchtitan_speechlm.model.run_record import (
     model_record,
     read_run_record,
 )
+from torchtitan_speechlm.model.vocab import VocabLayout, VocabMismatchError
 from torchtitan_speechlm.trainer.checks import check_conflicts, check_layout
 from torchtitan_speechlm.trainer.plan import RunPlan
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
@@ -90,7 +92,7 @@ def check_dump_folder(job_config) -> None:
                 f"job.dump_folder: {folder} cannot be created because {existing} is a file; "
                 "choose another folder (--job.dump_folder PATH)"
             )
-        made = []
+        made, probe = [], None
         try:
             missing = []
             path = os.path.abspath(folder)
@@ -108,19 +110,35 @@ def check_dump_folder(job_config) -> None:
             )
             with open(probe, "w") as f:
                 f.write("ok")
-            os.remove(probe)
         except OSError as e:
-            raise ConfigError(
-                f"job.dump_folder: {folder} is not writable ({e.strerror or e}); checkpoints, "
-                "logs and metrics go there: fix its permissions or choose another folder "
-                "(--job.dump_folder PATH)"
-            ) from None
+            raise ConfigError(_unwritable(folder, e)) from None
         finally:
+            if probe is not None and os.path.lexists(probe):
+                os.remove(probe)  # also when the write failed: nothing is left behind
             for path in reversed(made if not keep else []):
                 try:
                     os.rmdir(path)
                 except OSError:
                     pass
+
+
+def _unwritable(folder: str, e: OSError) -> str:
+    """Why the probe could not write ``folder``, and the fix: a full disk is not a permission."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f", {human_bytes(shutil.disk_usage(_nearest_existing(folder)).free)} free"
+        except OSError:
+            free = ""
+        return (
+            f"job.dump_folder: the disk of {folder} is full (ENOSPC{free}): not even a small "
+            "file can be written there; free space on it or choose another folder "
+            "(--job.dump_folder PATH)"
+        )
+    return (
+        f"job.dump_folder: {folder} is not writable ({e.strerror or e}); checkpoints, "
+        "logs and metrics go there: fix its permissions or choose another folder "
+        "(--job.dump_folder PATH)"
+    )
 
 
 def human_bytes(n: float) -> str:
@@ -181,22 +199,42 @@ def expected_checkpoint_bytes(job_config, model=None, world_size: int = 1) -> in
     )
 
 
+def checkpoints_to_come(job_config) -> int:
+    """How many more checkpoints the run will hold on disk at once, beyond those there: its
+    saves still to come (every ``checkpoint.interval`` steps and the last step), of which
+    ``keep_latest_k`` (0: all) plus the one being written are kept at a time."""
+    ckpt = job_config.checkpoint
+    done = complete_checkpoints(checkpoint_folder(job_config))
+    start, end = (done[-1] if done else 0), job_config.training.steps
+    interval = max(1, int(getattr(ckpt, "interval", 1) or 1))
+    saves = len(range(start - start % interval + interval, end + 1, interval))
+    saves += int(end > start and end % interval != 0)  # the last step is saved too
+    k = ckpt.keep_latest_k
+    if k <= 0:
+        return max(1, saves)
+    return max(1, min(k + 1, len(done) + saves) - len(done))
+
+
 def check_free_space(job_config, model=None, warn=None, world_size: int = 1) -> str | None:
     """A warning (returned and passed to ``warn``) if the checkpoint folder's disk has less
-    free space than one checkpoint needs; None when there is room or checkpoints are off."""
+    free space than the checkpoints this run keeps at once need (``checkpoints_to_come``);
+    None when there is room or checkpoints are off."""
     if not job_config.checkpoint.enable:
         return None
     folder = checkpoint_folder(job_config)
-    need = expected_checkpoint_bytes(job_config, model, world_size)
+    one = expected_checkpoint_bytes(job_config, model, world_size)
+    count = checkpoints_to_come(job_config)
+    need = one * count
     free = shutil.disk_usage(_nearest_existing(folder)).free
     if free >= need:
         return None
     k = job_config.checkpoint.keep_latest_k
     keep = f"keep_latest_k = {k} keeps up to {k + 1} at a time" if k else "all are kept"
+    many = f"{count} more checkpoints need" if count > 1 else "one checkpoint needs"
     message = (
-        f"only {human_bytes(free)} free on the disk of {folder}, but one checkpoint needs "
-        f"about {human_bytes(need)} ({keep}): the first save will fail. Free space, point "
-        "job.dump_folder elsewhere, or lower checkpoint.keep_latest_k"
+        f"only {human_bytes(free)} free on the disk of {folder}, but {many} about "
+        f"{human_bytes(need)} ({human_bytes(one)} each; {keep}): a save will fail. Free space, "
+        "point job.dump_folder elsewhere, or lower checkpoint.keep_latest_k"
     )
     (warn or (lambda m: print(f"torchtitan train: warning: {m}", file=sys.stderr)))(message)
     return message
@@ -259,11 +297,23 @@ def check_run_record(job_config, args) -> None:
             raise ConfigError(str(e)) from None
 
 
+def check_vocab_file(job_config, plan: RunPlan) -> None:
+    """The dump folder's vocab.json is intact and this run's layout (else every rank would
+    refuse it after start-up, each with its own line)."""
+    path = os.path.join(job_config.job.dump_folder, "vocab.json")
+    if os.path.isfile(path):
+        try:
+            plan.layout.check_same(VocabLayout.load(path), f"the run in {path}")
+        except VocabMismatchError as e:
+            raise ConfigError(str(e)) from None
+
+
 def preflight(job_config, plan: RunPlan, world_size: int) -> None:
     """Every start-up check, in the launching process (raises ConfigError; warns on stderr)."""
     check_layout(job_config, world_size)
     check_conflicts(job_config)
     check_dump_folder(job_config)
+    check_vocab_file(job_config, plan)
     model, args = _meta_model(job_config, plan)
     check_run_record(job_config, args)
     check_checkpoints_fit(job_config, model)

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.nonfinite import GuardSettings
-from torchtitan_speechlm.components.resume import ResumeError, resolve_resume
+from torchtitan_speechlm.components.resume import (
+    ResumeError,
+    check_checkpoint_identity,
+    resolve_resume,
+    run_identity,
+)
 from torchtitan_speechlm.components.step_codec import StepCodec
 from torchtitan_speechlm.components.training_state import TrainingState
 from torchtitan_speechlm.data.collation import data_stats_keys
@@ -24,7 +29,7 @@ from torchtitan_speechlm.model.run_record import record_run
 from torchtitan_speechlm.trainer.checks import validate_job_config
 from torchtitan_speechlm.trainer.plan import RunPlan
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
-from torchtitan_speechlm.utils.checkpoint_manifest import LEGACY, verify
+from torchtitan_speechlm.utils.checkpoint_manifest import LEGACY, set_identity, verify
 
 
 @dataclass
@@ -44,14 +49,22 @@ def prepare_run(
     job_config, external: ExternalData | None = None
 ) -> tuple[RunPlan, SpeechLMModelArgs, GuardSettings]:
     """Resolve and check a SpeechLM job (every process: the launcher and each rank), and point
-    torchtitan's ``checkpoint.load_step`` at the checkpoint to resume from."""
+    torchtitan's ``checkpoint.load_step`` at the checkpoint to resume from, once it is known
+    to hold what this run's data means (its identity)."""
     plan = RunPlan.resolve(job_config, external)
     validate_job_config(job_config, plan)
     guard = GuardSettings.from_config(job_config.speechlm_faults)
     model_args = plan.model_args(job_config)
     choose_intact_step(job_config)  # before anything reads a checkpoint's .metadata
     resolve_resume(job_config, model_args)  # before torchtitan's checkpointer picks a step
+    check_checkpoint_identity(job_config, identity_of(job_config, plan, model_args))
     return plan, model_args, guard
+
+
+def identity_of(job_config, plan: RunPlan, model_args: SpeechLMModelArgs) -> dict:
+    """What this run's checkpoints mean (components/resume.py ``run_identity``)."""
+    train = [f"{e.task}:{e.dataset}" for e in plan.data.train]
+    return run_identity(job_config, model_args, plan.layout.fingerprint(), train)
 
 
 VERIFIED_ENV = "TORCHTITAN_SPEECHLM_VERIFIED"  # "{step folder}": the launcher checked it
@@ -62,7 +75,8 @@ def choose_intact_step(job_config, warn=None) -> None:
     (utils/checkpoint_manifest.py). A damaged step is named (the file and what differs) and
     the newest intact one is loaded instead, with a warning (``checkpoint.load_step`` is set to
     it); a damaged step the user asked for (``checkpoint.load_step = N``) is refused. A step
-    without a manifest (written before manifests) loads with a warning.
+    without a manifest loads with a warning only when it was written before manifests (no
+    sibling step has one: ``verify``); otherwise it is damaged too.
 
     The launcher sums every file; its ranks then check the sizes only of the step it chose
     (``TORCHTITAN_SPEECHLM_VERIFIED``), not reading the checkpoint once per rank."""
@@ -116,6 +130,8 @@ def choose_intact_step(job_config, warn=None) -> None:
 def start_run(job_config, external: ExternalData | None = None) -> SpeechLMRun:
     """A rank's run: prepared, its model recorded in the dump folder, its state made."""
     plan, model_args, guard = prepare_run(job_config, external)
+    folder = checkpoint_folder(job_config) if job_config.checkpoint.enable else None
+    set_identity(identity_of(job_config, plan, model_args), folder)  # what its saves record
     record_run(
         job_config,
         model_args,

@@ -39,6 +39,7 @@ from torchtitan_speechlm.trainer.preference_reference import use_reference_logps
 from torchtitan_speechlm.trainer.run import start_run
 from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
+from torchtitan_speechlm.utils.checkpoint_manifest import set_identity
 
 SAVE_AND_STOP = "SAVE_AND_STOP"
 
@@ -116,6 +117,7 @@ class SpeechLMTrainer(Trainer):
             super().close()
         finally:
             release_rank()
+            set_identity(None)  # a later run in this process records its own
 
     # torchtitan's __init__ reads the TrainSpec from its registry into ``self.train_spec``;
     # the SpeechLM spec is read as this run's (builders.bind)

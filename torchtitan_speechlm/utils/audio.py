@@ -17,12 +17,13 @@ import struct
 import numpy as np
 
 # Reason codes of BadAudioError, as recorded in failures.jsonl.
-MISSING, UNREADABLE, EMPTY, NONFINITE, TRUNCATED = (
+MISSING, UNREADABLE, EMPTY, NONFINITE, TRUNCATED, TOO_LONG = (
     "missing_audio",
     "unreadable_audio",
     "empty_audio",
     "nonfinite_audio",
     "truncated_audio",
+    "audio_too_long",
 )
 # data chunk sizes a writer that could not seek back leaves as "unknown" (ffmpeg, sox on a pipe)
 _UNKNOWN_SIZES = (0, 0xFFFFFFFF, 0x7FFFFFFF)
@@ -36,6 +37,16 @@ class BadAudioError(ValueError):
         self.path = path
         self.reason = reason
         self.code = code
+
+
+class AudioTooLong(BadAudioError):
+    """Audio longer than the caller's bound: ``seconds`` as its header says (``from_header``)
+    or as far as it was decoded before the bound was passed (then "more than")."""
+
+    def __init__(self, path: str, seconds: float, limit_s: float, from_header: bool):
+        said = f"its header says {seconds:.1f} s" if from_header else f"more than {limit_s:g} s"
+        super().__init__(path, f"{said} of audio, over the limit of {limit_s:g} s", TOO_LONG)
+        self.seconds, self.limit_s, self.from_header = seconds, limit_s, from_header
 
 
 def resample(wav: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
@@ -172,6 +183,8 @@ def load_audio(
     """
     if not os.path.isfile(path):
         raise BadAudioError(path, "file not found", MISSING)
+    if os.path.getsize(path) == 0:  # libsndfile says "Format not recognised"
+        raise BadAudioError(path, "the file is empty (0 bytes): no audio was written to it", EMPTY)
     name = path if start is None and end is None else f"{path}[{start}:{end}]"
     data, sr = _read(path, name, start, end)
     if channel is not None:
@@ -181,9 +194,73 @@ def load_audio(
     return to_codec_audio(data, sr, target_sr, channels, name)
 
 
-def decode_audio_bytes(data: bytes, target_sr: int, name: str, channels: int = 1) -> np.ndarray:
-    """Decode an encoded audio file held in memory (wav, flac, ogg, mp3 ...) like :func:`load_audio`."""
+def decode_audio_bytes(
+    data: bytes, target_sr: int, name: str, channels: int = 1, max_seconds: float | None = None
+) -> np.ndarray:
+    """Decode an encoded audio file held in memory (wav, flac, ogg, mp3 ...) like :func:`load_audio`.
+
+    ``max_seconds`` bounds the work an untrusted upload can cause (a few MB of compressed
+    silence decode to hours: tens of GB as float32): a header that says more is refused before
+    anything is decoded, and a file without a length (or one whose header says less than it
+    holds) is decoded block by block, refused at the block that passes the bound; blocks are
+    downmixed as they come, so the memory is that of the bound, mono."""
     if not data:
         raise BadAudioError(name, "zero-length audio bytes", EMPTY)
-    wav, sr = _read(io.BytesIO(data), name, None, None)
+    if max_seconds is None:
+        wav, sr = _read(io.BytesIO(data), name, None, None)
+    else:
+        wav, sr = _read_bounded(data, name, max_seconds, channels == 1)
     return to_codec_audio(wav, sr, target_sr, channels, name)
+
+
+_BLOCK_S = 1.0  # the bounded read's block
+_LENGTH_UNKNOWN = 1 << 62  # libsndfile's frames of a stream without a length (SF_COUNT_MAX)
+
+
+def _read_bounded(data: bytes, name: str, max_seconds: float, downmix: bool):
+    """``_read`` of a whole file held in memory, at most ``max_seconds`` of it (AudioTooLong).
+    The stream is closed on the way out: its buffer goes then, whatever still refers to it."""
+    with io.BytesIO(data) as source:
+        return _read_blocks(source, name, max_seconds, downmix)
+
+
+def _read_blocks(source, name: str, max_seconds: float, downmix: bool):
+    import soundfile as sf
+
+    try:
+        f = sf.SoundFile(source)
+    except Exception as e:
+        raise BadAudioError(name, f"unreadable audio ({type(e).__name__}: {e})") from None
+    with f:
+        sr, limit = f.samplerate, int(max_seconds * f.samplerate)
+        if limit < f.frames < _LENGTH_UNKNOWN:
+            raise AudioTooLong(name, f.frames / sr, max_seconds, from_header=True)
+        block = max(1, int(_BLOCK_S * sr))
+        blocks, n = [], 0
+        while True:
+            got = _read_block(f, block, name)
+            n += len(got)
+            if n > limit:
+                raise AudioTooLong(name, n / sr, max_seconds, from_header=False)
+            if len(got):
+                blocks.append(got.mean(axis=1, keepdims=True) if downmix else got)
+            if len(got) < block:
+                break
+        present = f.frames if f.frames < _LENGTH_UNKNOWN else n
+    wav = np.concatenate(blocks) if blocks else np.zeros((0, 1), np.float32)
+    _check_complete(source, name, sr, present, None)
+    return wav, sr
+
+
+def _read_block(f, frames: int, name: str) -> np.ndarray:
+    """The next ``frames`` of ``f`` (fewer at its end). libsndfile's read of a stream without
+    a length fails at its end after decoding what was left (soundfile's seek back): the frames
+    it filled are the rows no longer NaN (a decoder never gives NaN)."""
+    out = np.full((frames, f.channels), np.nan, np.float32)
+    try:
+        return f.read(frames, dtype="float32", always_2d=True, out=out)
+    except Exception as e:
+        filled = int(np.isfinite(out).all(axis=1).sum())
+        if f.frames < _LENGTH_UNKNOWN:
+            raise BadAudioError(name, f"unreadable audio ({type(e).__name__}: {e})") from e
+        return out[:filled]

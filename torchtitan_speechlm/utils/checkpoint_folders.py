@@ -6,6 +6,7 @@ checks and the checkpoint-save workaround in utils/compat.py alike, so it sits a
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -36,7 +37,23 @@ def complete_checkpoints(folder: str, warn: bool = False) -> list[int]:
             steps.append(int(m.group(1)))
         elif warn:
             logger.warning(
-                f"{os.path.join(folder, name)} has no .metadata (a save that was "
-                "interrupted): skipped; delete it once you no longer need it"
+                f"{os.path.join(folder, name)} {why_incomplete(os.path.join(folder, name))}"
             )
     return sorted(steps)
+
+
+def why_incomplete(step_dir: str) -> str:
+    """Why a ``step-N`` without ``.metadata`` is skipped: a save that was interrupted, or,
+    when its manifest (written once the save was complete) lists ``.metadata``, a file
+    deleted or lost after the save."""
+    try:
+        with open(os.path.join(step_dir, ".manifest.json")) as f:
+            listed = ".metadata" in json.load(f).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        listed = False
+    if listed:
+        return (
+            "has no .metadata although its manifest lists it: the file was deleted or lost "
+            "after the save completed; skipped (restore it from a copy, or delete the folder)"
+        )
+    return "has no .metadata (a save that was interrupted): skipped; delete it once you no longer need it"

@@ -10,8 +10,18 @@ newest intact step is loaded instead (trainer/run.py ``choose_intact_step``).
 Rank 0 writes ``.manifest.pending`` into the step folder before any rank writes (the save
 workaround in utils/compat.py) and replaces it with the manifest once DCP's save returned (by
 then every rank's files and ``.metadata`` are written). A folder with ``.metadata`` and the
-marker is a save stopped before its manifest: not intact. A folder with neither (written before
-manifests existed) loads with a warning.
+marker is a save stopped before its manifest: not intact. A folder with neither was written
+before manifests existed and loads with a warning, but only where no step beside it has a
+manifest and it carries no identity file: a manifest missing from one step of a run whose
+other steps have theirs was deleted or lost, and that step is damaged (the newest intact one
+is loaded instead), never taken as a legacy step loaded unverified.
+
+**Identity.** Each step also carries what its rows mean: the codec, the text tokenizer, the
+vocabulary layout and the data order it was trained with (``IDENTITY``, a file written with
+the pending marker, so the manifest lists and sums it, and repeated in the manifest). The
+trainer sets it for its run's checkpoint folder (``set_identity``) and components/resume.py checks it on every load, whatever
+else the dump folder holds: a checkpoint folder copied into a new dump folder still refuses
+data made with another codec.
 
 The checksum is CRC-32C computed in hardware (the ``crc32c`` package; zlib's CRC-32 where it is
 missing, recorded in the manifest), which releases the GIL: the files are summed in parallel
@@ -29,7 +39,34 @@ from concurrent.futures import ThreadPoolExecutor
 
 MANIFEST = ".manifest.json"
 PENDING = ".manifest.pending"
+IDENTITY = "speechlm_identity.json"
+MANIFEST_VERSION = 2  # 2: the manifest repeats the step's identity
 _CHUNK = 8 << 20
+_IDENTITY: dict = {}  # {"folder": checkpoint folder, "identity": ...} (set_identity)
+
+
+def set_identity(identity: dict | None, folder: str | None = None) -> None:
+    """What this process's saves into the checkpoint folder ``folder`` record as their
+    identity (None: nothing; a save elsewhere records none)."""
+    _IDENTITY.clear()
+    if identity and folder:
+        _IDENTITY.update(folder=os.path.abspath(folder), identity=dict(identity))
+
+
+def read_identity(step_dir: str) -> dict | None:
+    """A step's identity: its ``IDENTITY`` file, else its manifest's copy; None when it has
+    neither (a step written before checkpoints carried one). A file that cannot be read is
+    None too: the manifest's check names the damage."""
+    for name, key in ((IDENTITY, None), (MANIFEST, "identity")):
+        try:
+            with open(os.path.join(step_dir, name)) as f:
+                body = json.load(f)
+        except (OSError, ValueError):
+            continue
+        found = body.get(key) if key else body
+        if isinstance(found, dict) and found:
+            return found
+    return None
 
 
 SUM = ".sum"  # "{file}.sum": "{size} {checksum}", summed while the file was written
@@ -155,19 +192,26 @@ def describe(step_dir: str) -> dict[str, dict]:
 
 
 def mark_pending(step_dir: str) -> None:
-    """Before a save writes anything: the folder is not intact until its manifest is written."""
+    """Before a save writes anything: the folder is not intact until its manifest is written;
+    the step's identity (``set_identity``) is written beside the marker."""
     os.makedirs(step_dir, exist_ok=True)
     manifest = os.path.join(step_dir, MANIFEST)
     if os.path.exists(manifest):
         os.remove(manifest)
     with open(os.path.join(step_dir, PENDING), "w") as f:
         f.write("a save is writing this checkpoint; it is not intact until .manifest.json\n")
+    if _IDENTITY and os.path.dirname(os.path.abspath(step_dir)) == _IDENTITY["folder"]:
+        with open(os.path.join(step_dir, IDENTITY), "w") as f:
+            json.dump(_IDENTITY["identity"], f, indent=1, sort_keys=True)
 
 
 def write_manifest(step_dir: str) -> dict:
     """After the save: the manifest of every file (tmp + rename, then the marker goes)."""
     files = describe(step_dir)
-    body = {"version": 1, "checksum": CHECKSUM, "files": files}
+    body = {"version": MANIFEST_VERSION, "checksum": CHECKSUM, "files": files}
+    identity = read_identity(step_dir)
+    if identity:
+        body["identity"] = identity
     tmp = os.path.join(step_dir, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(body, f, indent=1, sort_keys=True)
@@ -187,16 +231,39 @@ def write_manifest(step_dir: str) -> dict:
 LEGACY = "no manifest (written before checkpoints had one)"
 
 
+def manifested_siblings(step_dir: str) -> list[str]:
+    """The other ``step-N`` folders beside ``step_dir`` that have a manifest."""
+    parent, own = os.path.split(os.path.abspath(step_dir))
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    return sorted(n for n in names if n.startswith("step-") and n != own
+                  and os.path.isfile(os.path.join(parent, n, MANIFEST)))  # fmt: skip
+
+
 def verify(step_dir: str, checksums: bool = True) -> str:
     """ "" if every file the manifest lists has its size and checksum and nothing is missing;
-    ``LEGACY`` when there is no manifest and no pending marker; else what differs (the file
-    and the difference). ``checksums=False``: sizes only (no file is read)."""
+    ``LEGACY`` when there is no manifest, no pending marker, no identity file and no sibling
+    step with a manifest (a run from before manifests); else what differs (the file and the
+    difference). ``checksums=False``: sizes only (no file is read)."""
     manifest = os.path.join(step_dir, MANIFEST)
     if not os.path.isfile(manifest):
         if os.path.isfile(os.path.join(step_dir, PENDING)):
             return (
                 f"{step_dir} has {PENDING} and no {MANIFEST}: its save was stopped before the "
                 "checkpoint was confirmed"
+            )
+        siblings = manifested_siblings(step_dir)
+        if siblings or os.path.isfile(os.path.join(step_dir, IDENTITY)):
+            beside = (
+                f"its sibling {', '.join(siblings[:3])} ha{'ve' if len(siblings) > 1 else 's'} one"
+                if siblings
+                else f"it carries {IDENTITY}, written with one"
+            )
+            return (
+                f"{manifest} is missing although {beside}: deleted or lost, so its files "
+                "cannot be checked"
             )
         return LEGACY
     try:

@@ -1,9 +1,17 @@
-"""Small file helpers used everywhere: atomic writes and the one canonical-JSON hash.
+"""Small file helpers used everywhere: atomic writes, the one canonical-JSON hash, and JSON
+files that carry their own checksum.
 
 Atomic: write to a temp file next to the target and ``os.replace`` it, so a reader (or a rerun
-after a crash) sees the old file or the new one, never half of one. Hashes identify configs,
+after a crash) sees the old file or the new one, never half of one; the temp file is removed
+when the write fails (a full disk leaves nothing behind). Hashes identify configs,
 vocabularies, tokenizers and inputs by the canonical JSON of a value (sorted keys, compact
 separators, ASCII), optionally followed by the bytes of files.
+
+Checked JSON (``write_checked_json`` / ``read_checked_json``): a run's own files
+(``speechlm_run.json``, ``vocab.json``) hold ``"sha256"``, the hash of the rest, so that a
+flipped byte that still parses is found too; a damaged file is a ``DamagedFileError`` naming
+the file and what is wrong with it (not UTF-8, not JSON: where; a checksum that differs). A
+file written before it had a checksum is read as it is.
 """
 
 from __future__ import annotations
@@ -13,16 +21,71 @@ import json
 import os
 from collections.abc import Iterable
 
+CHECKSUM_KEY = "sha256"
+
+
+class DamagedFileError(ValueError):
+    """A file of the run cannot be trusted; ``path`` and the message say what is wrong."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(f"{path} is damaged: {why}")
+        self.path, self.why = path, why
+
 
 def write_text_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def write_json_atomic(path: str, obj, indent: int = 2) -> None:
     write_text_atomic(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
+
+
+def write_checked_json(path: str, obj: dict, indent: int = 2) -> None:
+    """``write_json_atomic`` of ``obj`` with its checksum (``CHECKSUM_KEY``)."""
+    body = {k: v for k, v in obj.items() if k != CHECKSUM_KEY}
+    write_json_atomic(path, {**body, CHECKSUM_KEY: json_hash(body, length=64)}, indent)
+
+
+def describe_json_error(e: json.JSONDecodeError, line: bool = True) -> str:
+    """``Expecting ',' delimiter at line 3, column 7 (character 41)`` (``line=False``: ``...
+    at column 7``, for one line of a JSONL file): json's message without its own trailing
+    "at" (``Invalid control character at``), which read "at at column" before."""
+    msg = e.msg[: -len(" at")] if e.msg.endswith(" at") else e.msg
+    if not line:
+        return f"{msg} at column {e.colno}"
+    return f"{msg} at line {e.lineno}, column {e.colno} (character {e.pos})"
+
+
+def read_checked_json(path: str) -> dict:
+    """A JSON object written by ``write_checked_json`` (its checksum checked and dropped) or
+    without a checksum; ``DamagedFileError`` naming what is wrong; OSError as ``open``'s."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DamagedFileError(path, f"byte {data[e.start]:#04x} at offset {e.start} is not "
+                                     "UTF-8 (bytes changed on disk)") from None  # fmt: skip
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        what = "it ends early (cut short)" if e.pos >= len(text.rstrip()) else "not JSON"
+        raise DamagedFileError(path, f"{what}: {describe_json_error(e)}") from None
+    if not isinstance(obj, dict):
+        raise DamagedFileError(path, f"a JSON object was expected, not {type(obj).__name__}")
+    want = obj.pop(CHECKSUM_KEY, None)
+    if want is not None and json_hash(obj, length=64) != want:
+        raise DamagedFileError(path, f"its contents no longer match their {CHECKSUM_KEY} "
+                                     "(bytes changed on disk)")  # fmt: skip
+    return obj
 
 
 def canonical_json(obj) -> str:

@@ -109,3 +109,28 @@ def test_index_map_matches_the_patterns():
     for name, frames in (("delay", 6), ("parallel", 4), ("flatten", 12)):
         m = index_map(get_pattern(name), 4, 3)
         assert m.shape == (frames, 3) and sorted(m[m >= 0].tolist()) == list(range(12))
+
+
+def test_stop_ends_a_row_between_steps_and_the_others_run_on(backbone):
+    """``stop(i)`` (a server's cancelled request): row 1 ends at the step it is asked to, its
+    codes the leading frames of its undisturbed decode, and leaves the batch; row 0 is the
+    same as without the stop; the text decoder stops a row the same way."""
+    model, builder, prompts = setup(backbone, "delay")
+    cfg = DecodeConfig(max_frames=10, min_frames=10)  # no early end: 10 frames each
+    full = Decoder(model, cfg).audio(prompts)
+    asked = []
+
+    def stop(i: int) -> bool:
+        asked.append(i)
+        return i == 1 and asked.count(1) >= 4
+
+    dec = Decoder(model, cfg, stop)
+    cut = dec.audio(prompts)
+    assert cut[0].tolist() == full[0].tolist() and len(full[1]) == 10
+    assert 0 < len(cut[1]) < 10 and cut[1].tolist() == full[1][: len(cut[1])].tolist()
+    assert asked.count(1) == 4 and asked.count(0) > 4  # row 1 was not asked again: it left
+    assert dec.ended == [False, False]
+    asr = [builder.prefix([Segment("user", "audio", c)], "assistant", "text") for c in full]
+    whole = Decoder(model, DecodeConfig(max_text_tokens=8)).text(asr)
+    ended = Decoder(model, DecodeConfig(max_text_tokens=8), lambda i: i == 0).text(asr)
+    assert ended[1] == whole[1] and len(ended[0]) <= 1 and ended[0] == whole[0][: len(ended[0])]

@@ -211,3 +211,66 @@ def test_several_workers_run_batches_at_once_and_on_stop_comes_last():
     single.stop()
     with pytest.raises(ValueError, match="workers"):
         Batcher({"tts": runner}, workers=0)
+
+
+def test_a_cancelled_job_leaves_the_queue_and_a_running_one_is_told_between_steps():
+    """``cancel``: a queued job is never run (its reader gets Cancelled at once); a running
+    row's ``emit.stopped(row)`` turns True, so a runner that asks between steps drops it; each
+    question counts as the worker's progress (``progress``), and ``stop`` cancels the rows
+    still running when its time is up."""
+    from torchtitan_speechlm.serving.batcher import Cancelled
+
+    seen, steps = [], {"n": 0}
+
+    def runner(payloads, emit):
+        seen.append(list(payloads))
+        for _ in range(400):
+            if all(emit.stopped(r) for r in range(len(payloads))):
+                break
+            steps["n"] += 1
+            time.sleep(0.005)
+        return [p for p in payloads]
+
+    b = Batcher({"tts": runner}, max_batch=1, batch_wait_s=0).start()
+    first, queued = b.submit("tts", "a"), b.submit("tts", "b")
+    while not seen:
+        time.sleep(0.005)
+    b.cancel(queued)
+    with pytest.raises(Cancelled):
+        queued.result(1)
+    assert b.queue_depth == 0
+    time.sleep(0.05)
+    since, busy = b.progress()
+    assert busy and since < 0.05  # stepping: progress all the time
+    b.cancel(first)
+    with pytest.raises(Cancelled):
+        first.result(1)
+    deadline = time.monotonic() + 2
+    while b.progress()[1] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not b.progress()[1] and steps["n"] < 300  # stopped between steps, not at the end
+    assert seen == [["a"]] and b.stats()["rows_cancelled"] == 2
+    late = b.submit("tts", "c")  # a row running when stop's time is up is cancelled
+    while len(seen) < 2:
+        time.sleep(0.005)
+    t = time.monotonic()
+    b.stop(timeout=0.1)
+    assert time.monotonic() - t < 1.0 and not b.alive
+    with pytest.raises(Cancelled):
+        late.result(1)
+
+
+def test_a_batch_takes_each_keys_jobs_in_turn_and_a_key_holds_its_share_of_the_queue():
+    """One client's flood (key a: 10 queued) shares each batch with the others' (b, c) instead
+    of filling it, and ``max_queued_per_key`` refuses its 11th job while others still queue."""
+    b = Batcher({"tts": Recorder()}, queue_size=32, max_batch=4, batch_wait_s=0,
+                max_queued_per_key=10)  # fmt: skip
+    for i in range(10):
+        b.submit("tts", f"a{i}", key="a")
+    with pytest.raises(QueueFull, match="a holds 10 places .*--max-queued-per-key 10"):
+        b.submit("tts", "a10", key="a")
+    b.submit("tts", "b0", key="b")
+    b.submit("tts", "c0", key="c")
+    b.submit("tts", "b1", key="b")
+    assert [j.payload for j in b.next_batch()] == ["a0", "b0", "c0", "a1"]
+    assert [j.payload for j in b.next_batch()] == ["a2", "b1", "a3", "a4"]

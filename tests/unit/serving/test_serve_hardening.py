@@ -191,7 +191,7 @@ def raw(server, *pieces: bytes, pause: float = 0.0) -> tuple[bytes, float]:
 
 def test_a_chunked_body_is_counted_as_it_arrives():
     with serving(max_upload_bytes=1000) as (server, lines):
-        head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
                 b"Content-Type: application/json\r\n\r\n")  # fmt: skip
         chunk = b"190\r\n" + b" " * 400 + b"\r\n"  # 400 bytes each: the third passes 1000
         got, _ = raw(server, head, chunk, chunk, chunk, chunk, pause=0.05)
@@ -203,13 +203,15 @@ def test_a_chunked_body_is_counted_as_it_arrives():
 def test_slow_clients_get_408_and_their_connection_closed():
     with serving(header_timeout_s=0.5, body_timeout_s=0.5) as (server, lines):
         # headers trickling: cut off at the header timeout
-        got, took = raw(server, b"POST /v1/audio/speech HTTP/1.1\r\n", b"Host: x\r\n", pause=0.3)
+        got, took = raw(
+            server, b"POST /v1/audio/speech HTTP/1.1\r\n", b"Host: localhost\r\n", pause=0.3
+        )
         assert got.startswith(b"HTTP/1.1 408") and took < 5, (got, took)
         # a connection that never sends anything: closed
         got, took = raw(server)
         assert got == b"" and took < 5
         # a body that stops half-way: the body timeout
-        got, took = raw(server, b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\n"
+        got, took = raw(server, b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\n"
                                 b"Content-Length: 100\r\n\r\n{\"input\"")  # fmt: skip
         assert got.startswith(b"HTTP/1.1 408") and took < 5, (got, took)
         assert error(got.split(b"\r\n\r\n", 1)[1])["code"] == "request_timeout"

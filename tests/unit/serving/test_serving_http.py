@@ -165,7 +165,7 @@ def raw(server, request: bytes) -> bytes:
 def test_an_oversized_body_is_refused_from_its_content_length_before_it_is_read(served):
     server, model, client, lines = served
     # headers only: the body (a million bytes) is never sent, and the answer comes anyway
-    got = raw(server, b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n"
+    got = raw(server, b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: localhost\r\n"
                       b"Content-Type: multipart/form-data; boundary=b\r\n"
                       b"Content-Length: 1000000\r\n\r\n")  # fmt: skip
     head, _, body = got.partition(b"\r\n\r\n")
@@ -173,7 +173,7 @@ def test_an_oversized_body_is_refused_from_its_content_length_before_it_is_read(
     err = json.loads(body)["error"]
     assert err["code"] == "request_too_large" and "1000000 bytes" in err["message"]
     # Expect: 100-continue (curl over 1 MB): refused instead of the 100
-    got = raw(server, b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n"
+    got = raw(server, b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5000\r\n"
                       b"Expect: 100-continue\r\n\r\n")  # fmt: skip
     assert got.startswith(b"HTTP/1.1 413") and b"100 Continue" not in got
     # through the client: a body just over the limit, sent in full and refused
@@ -187,18 +187,20 @@ def test_an_oversized_body_is_refused_from_its_content_length_before_it_is_read(
 
 def test_methods_lengths_and_routes(served):
     server, model, client, lines = served
-    assert raw(server, b"PUT /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+    assert raw(server, b"PUT /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n"
                        b"Connection: close\r\n\r\n").startswith(b"HTTP/1.1 405")  # fmt: skip
     # no Content-Length and not chunked: an empty body (HTTP/1.1), not JSON
-    got = raw(server, b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    got = raw(
+        server, b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
     assert got.startswith(b"HTTP/1.1 400") and b"could not parse the JSON" in got
     # a chunked body is read as it comes (and counted against the limit: test below)
-    assert raw(server, b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    assert raw(server, b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
                        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n").startswith(b"HTTP/1.1 400")  # fmt: skip
-    got = raw(server, b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    got = raw(server, b"POST /v1/audio/speech HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
                       b'Transfer-Encoding: chunked\r\n\r\n7\r\n{"input\r\n7\r\n": "a"}\r\n0\r\n\r\n')  # fmt: skip
     assert got.startswith(b"HTTP/1.1 200") and b"RIFF" in got
-    assert raw(server, b"POST /v1/nope HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+    assert raw(server, b"POST /v1/nope HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\n"
                        b"Connection: close\r\n\r\n{}").startswith(b"HTTP/1.1 404")  # fmt: skip
     # keep-alive: a refused request's body is read, the next request on the connection works
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)

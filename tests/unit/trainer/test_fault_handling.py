@@ -443,8 +443,9 @@ def test_ranks_probing_a_new_dump_folder_together_all_pass_and_keep_it(tmp_path,
 
 
 def test_low_free_space_warns_with_the_checkpoint_size(tmp_path, monkeypatch):
-    """Proves: less free space than one checkpoint (the newest one's size) gives a warning
-    naming both sizes; enough space gives none."""
+    """Proves: less free space than the checkpoints the run keeps at once (the newest one's
+    size times those ``keep_latest_k`` keeps beside it: issue 51, D7) gives a warning naming
+    the sizes; room for one but not for two warns too; enough space gives none."""
     from torchtitan_speechlm.trainer import preflight
 
     ckpt = tmp_path / "checkpoint" / "step-2"
@@ -453,13 +454,21 @@ def test_low_free_space_warns_with_the_checkpoint_size(tmp_path, monkeypatch):
     (ckpt / "__0_0.distcp").write_bytes(np.zeros(3 << 20, dtype=np.uint8).tobytes())
     cfg = SimpleNamespace(
         job=SimpleNamespace(dump_folder=str(tmp_path)),
-        checkpoint=SimpleNamespace(enable=True, folder="checkpoint", keep_latest_k=2),
+        checkpoint=SimpleNamespace(enable=True, folder="checkpoint", keep_latest_k=2, interval=2),
+        training=SimpleNamespace(steps=10),
     )
     assert preflight.expected_checkpoint_bytes(cfg) == (3 << 20) + 1
+    # step-2 there; saves at 4, 6, 8, 10, three kept at a time (2 + the one being written)
+    assert preflight.checkpoints_to_come(cfg) == 2
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage._replace(free=1 << 20))
     seen = []
     msg = preflight.check_free_space(cfg, warn=seen.append)
-    assert seen == [msg] and "only 1.0 MiB free" in msg and "needs about 3.0 MiB" in msg
+    assert seen == [msg] and "only 1.0 MiB free" in msg and "2 more checkpoints need" in msg
+    assert "about 6.0 MiB (3.0 MiB each; keep_latest_k = 2 keeps up to 3 at a time)" in msg
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage._replace(free=4 << 20))
+    assert preflight.check_free_space(cfg, warn=seen.append) is not None  # room for one only
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage._replace(free=8 << 20))
     assert preflight.check_free_space(cfg, warn=seen.append) is None
+    cfg.checkpoint.keep_latest_k = 0  # all kept: the four saves to come
+    assert preflight.checkpoints_to_come(cfg) == 4

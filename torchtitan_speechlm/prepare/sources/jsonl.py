@@ -37,6 +37,7 @@ from torchtitan_speechlm.prepare.sources.unique import (
     refuse_repeated_id,
 )
 from torchtitan_speechlm.prepare.spill import SpilledItems
+from torchtitan_speechlm.utils.fileio import describe_json_error
 from torchtitan_speechlm.utils.text_files import text_lines
 
 
@@ -103,7 +104,7 @@ def json_object(line: str, where: str) -> dict:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ManifestError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+        raise ManifestError(f"{where}: invalid JSON ({describe_json_error(e, line=False)})") from e
     if not isinstance(row, dict):
         raise ManifestError(f"{where}: expected a JSON object, got {type(row).__name__}")
     return row
