@@ -291,6 +291,35 @@ def test_the_default_judges_score_the_export(model, tmp_path, capsys):
         assert r["sim"] is not None or any("speaker judge" in f for f in r["failures"])
 
 
+def test_the_word_loop_judges_beside_another_asr_judge(model, tmp_path, capsys):
+    """--judge-word-loop: a second ASR judge (pocketsphinx over each set's words) beside the
+    main one; each item's WERs are its transcripts' against the text, the set's its means."""
+    pytest.importorskip("pocketsphinx", reason="the eval extra (pocketsphinx) is not installed")
+    from torchtitan_speechlm.evaluation.judge_setup import vocabulary_words
+    from torchtitan_speechlm.judges import item_errors
+
+    out = tmp_path / "loop.json"
+    rc = run_eval(model, "export", *DECODE, "--limit", "2", "--judge-asr", "test-asr",
+                  "--judge-speaker", "none", "--judge-quality", "none", "--judge-word-loop",
+                  "--out", str(out))  # fmt: skip
+    assert rc == 0
+    tts = next(v for k, v in json.loads(out.read_text()).items() if k.startswith("tts"))
+    assert "test-asr" in tts["judges"]["asr"] and "pocketsphinx" in tts["judges"]["word_loop"]
+    vocab = set(vocabulary_words([r["text"] for r in tts["per_item"]]))
+    for r in tts["per_item"]:
+        loop = r["word_loop"]
+        assert set(loop["transcript"].split()) <= vocab
+        assert loop["wer"] == pytest.approx(item_errors(r["text"], loop["transcript"])["wer"])
+        assert loop["transcript"] != r["transcript"] or not r["transcript"]  # another judge
+    assert tts["word_loop"]["wer"] == pytest.approx(
+        np.mean([r["word_loop"]["wer"] for r in tts["per_item"]])
+    )
+    assert tts["word_loop"]["floor_wer"] == pytest.approx(
+        np.mean([r["word_loop"]["reference_wer"] for r in tts["per_item"]])
+    )
+    assert "--judge-word-loop" in capsys.readouterr().out
+
+
 def test_judge_flags_choose_the_judges(tmp_path):
     """--judge-vocabulary eval (one loop per set, its own words), FILE (shared), open; a model
     folder that is not one; pocketsphinx options on another judge."""

@@ -234,7 +234,7 @@ def run_eval(a: argparse.Namespace) -> int:
         reward = rewards_by_task(a.reward or []) if a.pairs else None
         options = JudgeOptions(
             a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality,
-            a.judge_quality_items,
+            a.judge_quality_items, a.judge_word_loop,
         )  # fmt: skip
         judges = build_judges(
             options,

@@ -146,6 +146,12 @@ def add_judge_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--judge-grammar", metavar="FILE.jsgf", help="pocketsphinx: a JSGF grammar")
     g.add_argument(
+        "--judge-word-loop",
+        action="store_true",
+        help="also score TTS with pocketsphinx's free word loop over each set's words (the "
+        "results' word_loop: WER, its floor on the references), e.g. beside --judge-grammar",
+    )
+    g.add_argument(
         "--judge-speaker",
         default="resemblyzer",
         metavar="NAME_OR_DIR",

@@ -28,6 +28,7 @@ class JudgeOptions:
     speaker: str = "resemblyzer"
     quality: str = "dnsmos"
     quality_items: int = 0  # the quality judge scores the first N items of a set; 0: all
+    word_loop: bool = False  # also PocketSphinx's free word loop over each set's words
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Judges:
     speaker: object | None = None  # judges.base.SpeakerJudge
     quality: object | None = None  # judges.base.QualityJudge
     quality_items: int = 0  # score quality on the first N items only (0: every item)
+    word_loop: object | None = None  # a second ASR judge: the free word loop (--judge-word-loop)
 
     def for_item(self, index: int) -> Judges:
         """The judges of a set's ``index``-th item: without the quality judge past
@@ -51,7 +53,8 @@ class Judges:
         return {k: (j.describe() if j is not None else None) for k, j in self._pairs()}
 
     def _pairs(self):
-        return (("asr", self.asr), ("speaker", self.speaker), ("quality", self.quality))
+        pairs = (("asr", self.asr), ("speaker", self.speaker), ("quality", self.quality))
+        return (*pairs, ("word_loop", self.word_loop)) if self.word_loop is not None else pairs
 
 
 def _resolve(flag: str, value: str, folder_judge: str | None) -> tuple[str, dict] | None:
@@ -148,7 +151,11 @@ def build_judges(opts: JudgeOptions, sets: dict[str, list[str]]) -> dict[str, Ju
                 hint = f" (--judge-vocabulary eval: the words of {name}; give a word file, open, "
                 raise JudgeError(f"{e}{hint}or --judge-grammar)" if per_set else str(e)) from e
             common = common if per_set else judge
+        loop = None
+        if opts.word_loop:  # its own words: a grammar or a file may allow others
+            loop = _build("--judge-word-loop", "asr", "pocketsphinx",
+                          {"vocabulary": vocabulary_words(texts)})  # fmt: skip
         out[name] = Judges(
-            judge if per_set else common, shared.speaker, shared.quality, shared.quality_items
+            judge if per_set else common, shared.speaker, shared.quality, shared.quality_items, loop
         )
     return out

@@ -81,6 +81,13 @@ def format_table(results: dict) -> str:
                 f"original recordings ({found} of {r['items']} found); "
                 "self = the model's own ASR / token accuracy"
             )
+            if r.get("word_loop"):
+                w = r["word_loop"]
+                out.append(
+                    f"{spec}: the free word loop over its words (--judge-word-loop): WER "
+                    f"{_fmt(w['wer'])}, floor {_fmt(w['floor_wer'])}, rec floor "
+                    f"{_fmt(w['recording_wer'])}"
+                )
         elif r.get("task") == "dialogue":
             out.append(
                 f"{spec}: answers exactly right (after normalisation) {_fmt(r['exact'])}; "

@@ -217,6 +217,9 @@ def _score_item(
         rec["reference_wer"], rec["reference_cer"] = item_rates(it.text, ref_hyp)
     else:
         rec["wer"] = rec["cer"] = rec["reference_wer"] = rec["reference_cer"] = None
+    if judges.word_loop is not None:
+        with clock("asr judge"):
+            rec["word_loop"] = _word_loop(failures, judges.word_loop, it.text, gen, ref, orig, rate)
     if spk is not None and gen is not None and (ref is not None or orig is not None):
         with clock("speaker judge"):
             a = _ask(failures, "speaker judge", spk.embed, gen, rate)
@@ -258,6 +261,18 @@ def _transcripts(failures: list[str], asr, gen, ref, orig, rate: int) -> tuple:
             ("asr judge (recording)", orig),
         )
     )
+
+
+def _word_loop(failures: list[str], asr, text: str, gen, ref, orig, rate: int) -> dict:
+    """The second ASR judge's (``--judge-word-loop``) transcripts and WERs of the generated
+    speech, the reference's resynthesis and the recording."""
+    hyp, ref_hyp, orig_hyp = _transcripts(failures, asr, gen, ref, orig, rate)
+    return {
+        "transcript": hyp,
+        "wer": item_rates(text, hyp)[0],
+        "reference_wer": item_rates(text, ref_hyp)[0],
+        "recording_wer": item_rates(text, orig_hyp)[0] if orig is not None else None,
+    }
 
 
 def _similarity(failures: list[str], spk, gen_embedding, wav, rate: int, what: str):

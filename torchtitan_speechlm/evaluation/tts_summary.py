@@ -23,6 +23,18 @@ def _dnsmos_means(recs: list[dict], key: str) -> dict:
     return {k: mean_of(r[key].get(k) if r.get(key) else None for r in recs) for k in names}
 
 
+def _word_loop_means(recs: list[dict]) -> dict:
+    """The second ASR judge's (``--judge-word-loop``) mean WERs: of the generated speech, of
+    the reference's resynthesis (its floor) and of the recordings found."""
+    loops = [r.get("word_loop") or {} for r in recs]
+    found = [w for r, w in zip(recs, loops, strict=True) if r.get("recording")]
+    return {
+        "wer": mean_of(w.get("wer") for w in loops),
+        "floor_wer": mean_of(w.get("reference_wer") for w in loops),
+        "recording_wer": mean_of(w.get("recording_wer") for w in found) if found else None,
+    }
+
+
 def summarise_tts(per_item: list[dict], judges: Judges, self_acc: dict) -> dict:
     """A TTS set's numbers from its item records (a failed item counts WER/CER 1.0)."""
     refs = [r["text"] for r in per_item]
@@ -74,6 +86,7 @@ def summarise_tts(per_item: list[dict], judges: Judges, self_acc: dict) -> dict:
             "wer_corpus": by_rec.get("wer"),
             "cer_corpus": by_rec.get("cer"),
         },
+        "word_loop": _word_loop_means(per_item) if judges.word_loop is not None else None,
         "self": {
             "note": "the model's own ASR of its TTS and teacher-forced token accuracy: "
             "not independent judges",
