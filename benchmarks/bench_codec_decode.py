@@ -2,7 +2,7 @@
 
 The codec is fitted like the demo's (``demo/speaking.py``): the grammar's sentences spoken by
 espeak-ng (voice en-us, 175 words/min), fitted by ``torchtitan prepare``'s own
-``fit_or_reuse_kmeans`` with prepare's codebook defaults (4 x 256) on the demo's 600 s of audio
+``fit_or_reuse_codec`` with prepare's codebook defaults (4 x 256) on the demo's 600 s of audio
 at its 25 frames/s. Held-out sentences (never fitted on) are encoded, then decoded with classic
 (momentum 0) and fast (momentum 0.99) Griffin-Lim at each ``--iters`` count, with the old decode
 (commit 896967e: torch.istft/stft fast Griffin-Lim, 48 iterations; kept here as
@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import device_name  # noqa: E402
 
 from torchtitan_speechlm.codecs import load_codec  # noqa: E402
+from torchtitan_speechlm.codecs.fitting import FITTERS, FitSettings  # noqa: E402
 from torchtitan_speechlm.codecs.kmeans import GRIFFIN_LIM_ITERS, log_mel_distance  # noqa: E402
 from torchtitan_speechlm.demo import grammar  # noqa: E402
 from torchtitan_speechlm.demo.assets import synthesize_corpus  # noqa: E402
@@ -56,7 +57,7 @@ from torchtitan_speechlm.judges.dnsmos import DNSMOSJudge  # noqa: E402
 from torchtitan_speechlm.judges.pocketsphinx_asr import PocketsphinxJudge  # noqa: E402
 from torchtitan_speechlm.judges.text_scoring import item_errors, normalise_text  # noqa: E402
 from torchtitan_speechlm.prepare.pipeline import build_parser as prepare_parser  # noqa: E402
-from torchtitan_speechlm.prepare.run import fit_or_reuse_kmeans  # noqa: E402
+from torchtitan_speechlm.prepare.run import fit_or_reuse_codec  # noqa: E402
 from torchtitan_speechlm.prepare.sources.jsonl import read_jsonl_manifest  # noqa: E402
 from torchtitan_speechlm.utils.audio import load_audio  # noqa: E402
 
@@ -111,10 +112,11 @@ def build(a) -> dict:
         for name, sents in (("train", train), ("heldout", held))
     }
     t0 = time.perf_counter()
-    codec_dir = fit_or_reuse_kmeans(
-        os.path.join(a.work, "codec"), read_jsonl_manifest(manifests["train"]), a.codebooks,
-        a.codebook_size, a.kmeans_seconds, CorpusPlan.seed, overwrite=True, progress=True,
-        frame_rate=a.frame_rate,
+    settings = FitSettings(a.codebooks, a.codebook_size, CorpusPlan.seed,
+                           kmeans_frame_rate=a.frame_rate)  # fmt: skip
+    codec_dir = fit_or_reuse_codec(
+        FITTERS["kmeans"], os.path.join(a.work, "codec"), read_jsonl_manifest(manifests["train"]),
+        settings, a.kmeans_seconds, overwrite=True, progress=True,
     )  # fmt: skip
     fit_s = time.perf_counter() - t0
     items = read_jsonl_manifest(manifests["heldout"])
