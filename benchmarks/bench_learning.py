@@ -20,6 +20,19 @@ checkpoints 1.3 each with DNSMOS on 10 of their 50 items; the sweep another 6):
     python benchmarks/bench_learning.py --sweep    # + the decoding sweep on the last checkpoint
     python benchmarks/bench_learning.py --steps 2400 --eval-every 800 --tts-share 0.85 \
         --tag _2400                                # longer (40 minutes): docs/quality.md
+
+``--codecs``: the demo instead (its corpus of 2,000 training and 40 held-out sentences, its model
+and recipe, ``train_configs/speechlm_debug.toml``), once per codec fitted by ``torchtitan
+prepare`` (KIND or KIND:BOOKSxSIZE: ``kmeans`` is the demo's 4 x 256 at 25 frames/s, ``mel``
+4 x 1024 at 21.5, ``world`` 3 x 1024 at 25), each trained for ``--steps`` with a checkpoint every
+``--eval-every``, and compared at equal wall time: the checkpoint of each codec whose training
+time (torchtitan's end-to-end step times summed) is closest to, and not over, what the first
+codec's ``--steps`` took. Each is scored on every held-out sentence by both PocketSphinx judges
+(the grammar and the free word loop), SIM, DNSMOS and the model's ASR. Writes
+``learning_codecs.json`` (about 15 minutes per codec on a 2-core CPU):
+
+    python benchmarks/bench_learning.py --codecs kmeans,mel,mel:2x1024,world --steps 400 \
+        --eval-every 100
 """
 
 from __future__ import annotations
@@ -117,6 +130,9 @@ SWEEP = [
 
 
 def evaluate(ckpt: str, paths: dict, out: str, items: int, extra: list[str]) -> dict:
+    if os.path.isfile(out):  # a rerun reuses the scores of a checkpoint it has
+        with open(out) as f:
+            return json.load(f)
     run_command(
         [console("torchtitan"), "eval", "--model", ckpt, "--valid", "asr:heldout", "--valid",
          "tts:heldout", "--limit", str(items), "--judge-grammar", paths["grammar.jsgf"],
@@ -177,7 +193,92 @@ def summarise(scores: dict) -> dict:
         "eos_rate": tts["eos_rate"],
         "dnsmos": tts.get("dnsmos"),
         "reference_dnsmos": tts.get("reference_dnsmos"),
+        "word_loop": tts.get("word_loop"),
     }
+
+
+def parse_codec(spec: str) -> dict:
+    """``kmeans`` / ``mel`` / ``world`` or ``KIND:BOOKSxSIZE`` -> CorpusPlan's codec fields."""
+    kind, _, shape = spec.partition(":")
+    if kind not in ("kmeans", "mel", "world"):
+        raise SystemExit(f"--codecs {spec}: the kind is kmeans, mel or world")
+    books, _, size = shape.partition("x") if shape else ("4", "", "0")
+    return {"codec": kind, "codebooks": int(books), "codebook_size": int(size or 0)}
+
+
+def training_seconds(dump: str) -> dict[int, float]:
+    """{step: seconds of training up to it} (torchtitan's end-to-end step times summed; the
+    first step's compile-free warm-up included)."""
+    total, out = 0.0, {}
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    steps = sorted({int(r["step"]) for r in rows if "time_metrics/end_to_end(s)" in r})
+    by_step = {int(r["step"]): r["time_metrics/end_to_end(s)"] for r in rows
+               if "time_metrics/end_to_end(s)" in r}  # fmt: skip
+    last = 0
+    for step in steps:  # a logged step's time stands for each step since the last logged one
+        total += by_step[step] * (step - last)
+        out[step], last = total, step
+    return out
+
+
+def codec_comparison(a) -> int:
+    """``--codecs`` (the module docstring)."""
+    from torchtitan_speechlm.demo.run import DEFAULT_CONFIG, DEMO_HELD_OUT, DEMO_TRAIN
+
+    root = os.path.dirname(HERE)
+    config = os.path.join(root, DEFAULT_CONFIG)
+    rows, budget, shared = {}, None, None
+    for spec in a.codecs.split(","):
+        name = spec.replace(":", "_")
+        work = os.path.join(a.work, name)
+        if shared is not None and not os.path.exists(os.path.join(work, "corpus")):
+            os.makedirs(work, exist_ok=True)  # one spoken corpus for every codec
+            os.symlink(os.path.abspath(shared), os.path.join(work, "corpus"))
+        plan = CorpusPlan(DEMO_TRAIN, DEMO_HELD_OUT, **parse_codec(spec))
+        t = time.perf_counter()
+        paths = build_corpus(work, plan, workers=2)
+        data_s = time.perf_counter() - t
+        shared = shared or paths["corpus"]
+        dump = os.path.join(work, "run")
+        if not glob.glob(os.path.join(dump, "checkpoint", f"step-{a.steps}")):
+            prepared = paths["prepared"]
+            run_command(
+                [console("torchtitan"), "train", "--job.config_file", config,
+                 "--job.dump_folder", dump, "--model.hf_assets_path", paths["backbone"],
+                 "--speechlm_data.datasets",
+                 f"train={prepared}/train,heldout={prepared}/heldout",
+                 "--training.steps", str(a.steps), "--checkpoint.interval", str(a.eval_every),
+                 "--checkpoint.keep_latest_k", "0", "--validation.freq", str(a.steps),
+                 "--speechlm.sample_every", "0"],
+                log=os.path.join(work, "train.log"),
+            )  # fmt: skip
+        seconds = training_seconds(dump)
+        budget = budget or seconds[a.steps]
+        saved = [s for s in range(a.eval_every, a.steps + 1, a.eval_every) if s in seconds]
+        within = [s for s in saved if seconds[s] <= budget * 1.02] or saved[:1]
+        step = max(within)
+        scores = evaluate(os.path.join(dump, "checkpoint", f"step-{step}"), paths,
+                          os.path.join(work, f"eval_step{step}.json"), DEMO_HELD_OUT,
+                          ["--judge-word-loop", "--judge-quality-items", str(a.quality_items)])  # fmt: skip
+        from torchtitan_speechlm.codecs import load_codec
+
+        codec = load_codec(paths["codec"])
+        rows[spec] = {"codec": {"name": codec.name, "frame_rate": codec.frame_rate,
+                                "streams": codec.num_streams, "size": codec.codebook_size},
+                      "data_s": round(data_s, 1), "step": step,
+                      "train_s": round(seconds[step], 1),
+                      "step_s": round(seconds[a.steps] / a.steps, 3),
+                      **summarise(scores)}  # fmt: skip
+        print(f"[bench] {spec}: {json.dumps(rows[spec])}", flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    out = os.path.join(RESULTS, f"learning_codecs{a.tag}.json")
+    with open(out, "w") as f:
+        json.dump({"machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                   "command": "python benchmarks/bench_learning.py " + " ".join(sys.argv[1:]),
+                   "budget_s": budget, "codecs": rows}, f, indent=1)  # fmt: skip
+    print(f"[bench] wrote {out}")
+    return 0
 
 
 def plot(curve: list[dict], sim_other: dict, png: str) -> None:
@@ -247,7 +348,12 @@ def main() -> int:
         help="skip training: score the checkpoints the work folder already has",
     )
     p.add_argument("--tag", default="", help="suffix of the result files")
+    p.add_argument("--codecs", default=None, help="KIND[:BOOKSxSIZE],...: the demo per codec")
     a = p.parse_args()
+    if a.codecs:
+        if a.work == p.get_default("work"):
+            a.work = os.path.join(HERE, "work", "learning_codecs")
+        return codec_comparison(a)
     t0 = time.perf_counter()
     plan = CorpusPlan(a.train_sentences, a.held_out, hidden=a.hidden, layers=a.layers,
                       kmeans_seconds=a.kmeans_seconds)  # fmt: skip
