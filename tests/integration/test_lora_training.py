@@ -29,6 +29,7 @@ from torchtitan_speechlm.model.pretrained import args_from_record
 from torchtitan_speechlm.model.run_record import read_run_record
 from torchtitan_speechlm.trainer.preflight import preflight
 from torchtitan_speechlm.trainer.run import prepare_run
+from torchtitan_speechlm.utils.fileio import write_checked_json
 
 peft = pytest.importorskip("peft")
 
@@ -162,7 +163,7 @@ def test_adapter_export_of_a_run_without_lora_is_refused(lora_run, tmp_path, cap
     record = json.loads((lora_run / "speechlm_run.json").read_text())
     record["model_args"]["lora"] = {}
     (tmp_path / "dump" / "checkpoint" / "step-1").mkdir(parents=True)
-    (tmp_path / "dump" / "speechlm_run.json").write_text(json.dumps(record))
+    write_checked_json(str(tmp_path / "dump" / "speechlm_run.json"), record)  # sealed, not damaged
     step = str(tmp_path / "dump" / "checkpoint" / "step-1")
     assert export_main(["--checkpoint", step, "--out", str(tmp_path / "x"), "--adapter"]) == 2
     assert "not from a LoRA run" in capsys.readouterr().err
