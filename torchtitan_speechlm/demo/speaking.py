@@ -48,12 +48,18 @@ def console(tool: str) -> str:
 
 
 def run_command(cmd: list[str], log: str | None = None) -> None:
-    """Print and run one command; its output goes to ``log`` (if given) or the terminal."""
+    """Print and run one command; its output goes to the terminal as it comes, and to ``log``
+    too if given (a step the user waits on is never hidden in a file)."""
     shown = " ".join(shlex.quote(c) for c in [os.path.basename(cmd[0]), *cmd[1:]])
-    print(f"[demo] $ {shown}" + (f"  (log: {log})" if log else ""), flush=True)
+    print(f"[demo] $ {shown}" + (f"  (also in {log})" if log else ""), flush=True)
     if log:
         with open(log, "w") as f:
-            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for line in iter(proc.stdout.readline, b""):
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+                f.write(line.decode(errors="replace"))
+            rc = proc.wait()
     else:
         rc = subprocess.call(cmd)
     if rc != 0:
@@ -153,7 +159,7 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
                 codec += ["--kmeans-seconds", f"{plan.kmeans_seconds:g}"]
         run_command(
             [tool, "prepare", "--manifest", manifests[name], *codec, "--tokenizer",
-             p["tokenizer"], "--out", out, "--workers", str(workers), "--no-progress"],
+             p["tokenizer"], "--out", out, "--workers", str(workers)],
         )  # fmt: skip
     p["manifests"] = manifests
     return p

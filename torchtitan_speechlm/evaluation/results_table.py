@@ -8,6 +8,8 @@ The command prints it and the report page puts the same rows on top (``summary_r
 
 from __future__ import annotations
 
+from torchtitan_speechlm.generation.progress_lines import frame_limit_line
+
 COLUMNS = (
     ("set", "set"),
     ("items", "items"),
@@ -81,6 +83,11 @@ def format_table(results: dict) -> str:
                 f"original recordings ({found} of {r['items']} found); "
                 "self = the model's own ASR / token accuracy"
             )
+            if r.get("hit_max_frames"):
+                limit = frame_limit_line(
+                    r["hit_max_frames"], r["items"], r["max_frames"], r["frame_rate"]
+                )
+                out.append(f"{spec}: {limit}")
         elif r.get("task") == "dialogue":
             out.append(
                 f"{spec}: answers exactly right (after normalisation) {_fmt(r['exact'])}; "

@@ -477,7 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace a non-empty --out that is not this same preparation",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-progress",
+        "--quiet",
+        dest="no_progress",
+        action="store_true",
+        help="no progress lines on stderr (a line at least every 5 s otherwise)",
+    )
     p.add_argument(
         "--waveforms",
         type=int,
@@ -520,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point for ``torchtitan prepare``; returns the exit status."""
     join = argparse.ArgumentParser(add_help=False)
     join.add_argument("--join", metavar="OUT")
-    join.add_argument("--no-progress", action="store_true")
+    join.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true")
     ja, rest = join.parse_known_args(argv)
     if ja.join is not None:
         if rest:
