@@ -57,6 +57,15 @@ def _split_launcher_args(args: list[str]) -> tuple[int, list[str]]:
     return known.nproc_per_node, rest
 
 
+def config_file(args: list[str]) -> str | None:
+    """The ``--job.config_file`` of a command line (either spelling, ``=`` or not), or None."""
+    for i, a in enumerate(args):
+        key, eq, val = a.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            return val if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return None
+
+
 def with_config_module(args: list[str]) -> list[str]:
     """Make sure torchtitan merges our [speechlm] sections even if the TOML does not say so."""
     if any(
@@ -229,6 +238,14 @@ def train_command(args: list[str]) -> int:
             pass
         return 0
     nproc, args = _split_launcher_args(args)
+    if not config_file(args):  # torchtitan would run its own default job (llama3, ./assets)
+        print(
+            "torchtitan train: config error: --job.config_file is required: a training TOML "
+            "(e.g. `torchtitan train --job.config_file train_configs/speechlm_debug.toml`, the "
+            "demo's; `torchtitan train --help` lists every key)",
+            file=sys.stderr,
+        )
+        return 2
     try:  # a TOML that is not UTF-8 or not TOML: its file and line, before torchtitan reads it
         check_toml_file(args)
     except ConfigError as e:
