@@ -26,6 +26,7 @@ from torchtitan.tools.logging import logger
 from torchtitan_speechlm.components.nonfinite import StepGuard
 from torchtitan_speechlm.components.samples import TrainingSamples
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
+from torchtitan_speechlm.utils import compat
 
 
 class JsonlLogger(BaseLogger):
@@ -95,7 +96,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             container.add_logger(
                 JsonlLogger(os.path.join(job_config.job.dump_folder, "metrics.jsonl"))
             )
-            self.logger = container
+            self.logger = compat.without_mfu_on_cpu(container)  # no GPU peak to divide by
 
         self.code_usage_interval = job_config.speechlm.code_usage_interval
         self.step_codec = step_codec  # its tokenising time is logged (components/step_codec.py)
