@@ -100,6 +100,8 @@ class SpeechLMTrainer(Trainer):
             ckpt = checkpoint_folder(job_config) if job_config.checkpoint.enable else None
             track_run(dump, ckpt, lambda: getattr(self, "step", None))
         self.run = start_run(job_config, external) if is_speechlm(job_config) else None
+        if not compat.accelerator_available():  # NCCL's flight recorder: nothing on gloo,
+            job_config.comm.trace_buf_size = 0  # so no empty {dump_folder}/comm_traces/ either
         if self.run is not None:
             withdraw_save_request(job_config)
             compat.summarise_model_args(describe_model_args)  # one line, not ~170
