@@ -145,7 +145,9 @@ def _generate(a: argparse.Namespace, progress: Progress) -> int:
         streams = _Streams(loaded, {0: a.out} if streaming else {})
         req = Request(a.task, a.text, a.audio, prompt=a.prompt)
         frames = FrameCounter(float(loaded.codec.frame_rate), progress, streams.on_frames)
-        progress.say(f"{a.task}: decoding (at most --max-frames {cfg.max_frames})")
+        limit = (f"--max-text-tokens {cfg.max_text_tokens}" if a.task in TEXT_OUT
+                 else f"--max-frames {cfg.max_frames}")  # fmt: skip
+        progress.say(f"{a.task}: decoding (at most {limit})")
         outcome = run_requests(loaded, [req], cfg, on_frames=frames)[0]
         progress.say(f"{a.task}: decoded in {frames.seconds():.1f}s; writing")
         result = write_outcome(loaded, a.task, outcome, a.out, stream=streams.get(0))

@@ -224,4 +224,5 @@ def describe_model_args(args: dict) -> str:
         "preference loss": (args.get("preference") or {}).get("kind"),
         "init_from": args.get("init_from"),
     }
-    return ", ".join(parts + [f"{k} {v}" for k, v in extras.items() if v])
+    line = ", ".join(parts + [f"{k} {v}" for k, v in extras.items() if v])
+    return f"{line} (every argument: at DEBUG level, and in the dump folder's speechlm_run.json)"

@@ -546,7 +546,7 @@ class _RunLogFilter(logging.Filter):
             except ValueError:
                 return True
             logging.getLogger().debug(f"{head.rstrip()} with {{{dump}")
-            record.msg = f"{head.rstrip()}: {self.describe(args)} (every argument: at DEBUG)"
+            record.msg = f"{head.rstrip()}: {self.describe(args)}"
         return True
 
 
