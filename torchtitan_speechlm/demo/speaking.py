@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 
 from torchtitan_speechlm.demo import grammar
 from torchtitan_speechlm.demo.assets import build_backbone, build_tokenizer, synthesize_corpus
+from torchtitan_speechlm.utils.progress import Progress
 
 VOICE = "en-us"  # one voice: the demo trains unprompted tts, so the voice is part of the task
 OTHER_VOICE = "en-us+f3"  # another speaker saying the same texts: SIM's comparison point
@@ -110,6 +111,8 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
     }
     train, held = grammar.split_sentences(plan.train, plan.held_out, plan.seed)
     t0 = time.perf_counter()
+    said = Progress("[demo] corpus").start()  # espeak-ng speaks thousands of sentences
+    said.say(f"speaking {len(train)} training and {len(held)} held-out sentences (x2 voices)")
     manifests = {
         "train": synthesize_corpus(
             os.path.join(p["corpus"], "train"), train, len(train), [VOICE], speeds=(SPEED,)
@@ -125,6 +128,7 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
             speeds=(SPEED,),
         ),  # fmt: skip
     }
+    said.stop()
     print(
         f"[demo] corpus: {len(train)} training + {len(held)} held-out sentences of the grammar "
         f"(none shared), espeak-ng voice {VOICE} ({time.perf_counter() - t0:.0f}s)",

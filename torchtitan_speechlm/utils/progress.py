@@ -63,16 +63,24 @@ class Progress:
             if self.status and now - self._last >= self.every:
                 self._print(f"{self.status} ({now - self.start:.0f}s elapsed)")
 
-    def __enter__(self) -> Progress:
+    def start(self) -> Progress:
+        """Start the heartbeat (what ``with`` does); returns self."""
         if self.enabled and self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._beat, name="progress", daemon=True)
             self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """Stop the heartbeat (what leaving ``with`` does)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         self.status = ""
+
+    def __enter__(self) -> Progress:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
