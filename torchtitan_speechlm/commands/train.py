@@ -35,6 +35,7 @@ from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.trainer.trainer import SpeechLMTrainer
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
 from torchtitan_speechlm.utils.compat import run_torchtitan_main
+from torchtitan_speechlm.utils.progress import Progress
 
 CONFIG_MODULE = "torchtitan_speechlm.config"
 
@@ -255,10 +256,12 @@ def train_command(args: list[str]) -> int:
     if "RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         os.environ.pop(VERIFIED_ENV, None)  # the launcher sums every file of what it loads
         os.environ.pop(CHECKED_ENV, None)  # and stats every shard file of its datasets
-    try:
-        job_config, plan = checked_config(args)
-        if plan is not None:
-            preflight(job_config, plan, _world_size(nproc))
+    try:  # every dataset's shards and the checkpoint to resume from: seconds on a large run
+        with Progress("torchtitan train") as checking:
+            checking.status = "checking the config, the datasets and the checkpoints"
+            job_config, plan = checked_config(args)
+            if plan is not None:
+                preflight(job_config, plan, _world_size(nproc))
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"torchtitan train: config error: {e}", file=sys.stderr)
         return 2

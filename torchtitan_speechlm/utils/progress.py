@@ -9,6 +9,11 @@ whenever nothing was printed for ``every`` seconds. So a call that blocks for a 
 judge's pass over a set) still shows a line every ``every`` seconds without the code inside it
 knowing. ``enabled=False`` (``--no-progress``, ``--quiet``) prints nothing: scripts parse
 stdout and keep stderr for errors.
+
+Progress objects nest (the console script's around a command's start-up, a command's around
+its phases, ``prepare``'s codec fit inside its run): silence is counted over every line any of
+them printed, and only the innermost running one speaks for it, so a nested phase never gets
+two heartbeats.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import time
 from typing import TextIO
 
 EVERY_S = 5.0  # the longest silence while a step runs (a longer one reads as a hang)
+_RUNNING: list[Progress] = []  # started heartbeats, innermost last
+_LOCK = threading.Lock()
+_LAST = [time.monotonic()]  # when any Progress last printed
 
 
 class Progress:
@@ -36,9 +44,8 @@ class Progress:
         self.prefix, self.enabled = prefix, enabled
         self.every = EVERY_S if every is None else every
         self._stream = stream
-        self._lock = threading.Lock()
         self.status = ""  # what the heartbeat repeats (printed only after ``every`` s of silence)
-        self.start = self._last = time.monotonic()
+        self.began = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -52,21 +59,24 @@ class Progress:
         self._print(text)
 
     def _print(self, text: str) -> None:
-        with self._lock:
-            self._last = time.monotonic()
+        with _LOCK:
             if self.enabled:
+                _LAST[0] = time.monotonic()
                 print(f"{self.prefix}: {text}", file=self.stream, flush=True)
 
     def _beat(self) -> None:
         while not self._stop.wait(min(0.5, self.every / 4)):
             now = time.monotonic()
-            if self.status and now - self._last >= self.every:
-                self._print(f"{self.status} ({now - self.start:.0f}s elapsed)")
+            innermost = _RUNNING[-1] if _RUNNING else None
+            if innermost is self and self.status and now - _LAST[0] >= self.every:
+                self._print(f"{self.status} ({now - self.began:.0f}s elapsed)")
 
     def start(self) -> Progress:
         """Start the heartbeat (what ``with`` does); returns self."""
         if self.enabled and self._thread is None:
             self._stop.clear()
+            with _LOCK:
+                _RUNNING.append(self)
             self._thread = threading.Thread(target=self._beat, name="progress", daemon=True)
             self._thread.start()
         return self
@@ -77,6 +87,8 @@ class Progress:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            with _LOCK:
+                _RUNNING.remove(self)
         self.status = ""
 
     def __enter__(self) -> Progress:

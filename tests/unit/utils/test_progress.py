@@ -53,6 +53,25 @@ def test_a_blocking_step_says_its_status_at_least_every_period():
     assert max(gaps([t for t, _ in out.stamped], start, end)) < 0.4 + 0.5, out.stamped
 
 
+def test_nested_progress_speaks_once_for_a_silence_with_the_innermost_status():
+    """A command's heartbeat around a phase's: one line per silence, the phase's status."""
+    out = Stamped()
+    with Progress("prepare", every=0.3, stream=out) as outer:
+        outer.status = "reading the source"
+        time.sleep(0.45)
+        with Progress("prepare", every=0.3, stream=out) as inner:
+            inner.status = "fitting the codec"
+            time.sleep(1.0)
+        time.sleep(0.45)
+    lines = [line for _, line in out.stamped]
+    inner_lines = [ln for ln in lines if "fitting the codec" in ln]
+    assert len(inner_lines) in (3, 4), lines  # 1.0 s of silence at one line per 0.3 s
+    assert lines[0].startswith("prepare: reading the source (")
+    assert lines[-1].startswith("prepare: reading the source (")
+    stamps = [t for t, _ in out.stamped]
+    assert min(b - a for a, b in zip(stamps, stamps[1:], strict=False)) > 0.2  # never twice
+
+
 def test_no_progress_prints_nothing():
     out = Stamped()
     with Progress("torchtitan generate", enabled=False, every=0.1, stream=out) as p:
