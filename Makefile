@@ -70,8 +70,9 @@ check: deps
 # benchmark script run at its smallest setting (tests/integration/test_benchmarks_run.py, marker bench_smoke),
 # and the long multi-process runs (marker long): those of LoRA and the audio encoder, and the
 # second variant of an equivalence `make test` proves once (DDP beside FSDP2, selective beside
-# full activation checkpointing, 4 ranks beside 1), and the docs' commands run as written after a
-# small demo (tests/docs/test_docs_after_demo.py). CI runs both targets.
+# full activation checkpointing, 4 ranks beside 1), the docs' commands run as written after a
+# small demo (tests/docs/test_docs_after_demo.py), and README's six journeys after the demo in a
+# fresh copy with .venv activated, none silent for 10 s (tests/docs/test_journeys.py). CI runs both targets.
 faults: deps
 	$(PY) -m pytest -q -m "faults or cluster or bench_smoke or long" $(PYTEST_ARGS)
 
