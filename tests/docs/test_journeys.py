@@ -123,6 +123,10 @@ def run(clone, command: str, timeout: float = 900) -> Timed:
     assert longest <= SILENCE_S, (
         f"`{command}` was silent for {longest:.1f} s after: {sorted(timed.lines)[at][1]!r}"
     )
+    print(
+        f"{end - start:6.1f} s, first line after {stamps[0] - start:4.1f} s, longest silence "
+        f"{longest:4.1f} s: {command[:100]}"
+    )  # fmt: skip  (pytest -s: the measurements)
     return timed
 
 
@@ -180,10 +184,10 @@ def test_export_and_generate(clone):
 
 def test_bring_your_own_data(clone):
     prepare, train, evaluate = walk(clone, "bring your own data")
-    assert (clone / "my_data" / "train" / "metadata.json").is_file()
+    assert (clone / "own_data" / "train" / "metadata.json").is_file()
     assert "Starting job: the demo's model on my recordings" in train.text()
     assert "loaded from speechlm.init_from" in train.text()
-    assert (clone / "outputs/my_data/checkpoint/step-100/.metadata").is_file()
+    assert (clone / "outputs/own_data/checkpoint/step-100/.metadata").is_file()
     table = evaluate.text()
     assert re.search(r"^tts:dev +\d", table, re.M) and re.search(r"^asr:dev +\d", table, re.M)
     assert "torchtitan eval: tts:dev: 1/" in table  # per item
