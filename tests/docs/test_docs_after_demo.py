@@ -27,12 +27,12 @@ from tests.docs.test_doc_commands import DOCS, FENCE, SHOWN
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 TORCHTITAN = ("torchtitan", ".venv/bin/torchtitan")
-PACKAGE = "torchtitan_speechlm."
+PACKAGE = "torchtitan_speechlm.demo."  # the demo's asset makers (a bf16 backbone folder)
 FRAGMENT = "# fragment:"
 
 
 def runnable(text: str) -> list[str] | None:
-    """The argv of a shown `torchtitan` command (or `python -m torchtitan_speechlm.X`: then
+    """The argv of a shown `torchtitan` command (or `python -m torchtitan_speechlm.demo.X`: then
     ["-m", X, ...]) a user can run as written, else None."""
     words = shlex.split(text, comments=True)
     if len(words) > 2 and words[:2] == ["python", "-m"] and words[2].startswith(PACKAGE):
