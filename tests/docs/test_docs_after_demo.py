@@ -99,7 +99,7 @@ def test_the_docs_commands_and_examples_run_as_written_after_the_demo(after_demo
     # what a user runs after the demo: README's prepare, train, eval, export and generate, the
     # LoRA fine-tuning and its two exports, and the examples that load those folders
     readme = [text.split()[1] for where, text in ran if where.startswith("README.md")]
-    assert readme == ["prepare", "train", "eval", "export", "generate", "generate"], ran
+    assert readme[:6] == ["prepare", "train", "eval", "export", "generate", "generate"], ran
     assert sum(w.startswith("checkpoints.md") for w, _ in ran) >= 5, ran  # LoRA, the bf16 Qwen3
     assert any("backbone_folder" in text for _, text in ran), ran
     loads = [w for w, c in python_examples() if "exported/" in c or "exported_adapter" in c]
