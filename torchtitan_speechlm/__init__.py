@@ -29,6 +29,7 @@ def _after_torchtitan() -> None:
 
     compat.install_torchtitan_cpu_patches()
     compat.install_checkpoint_safety()
+    compat.quiet_peak_flops_on_cpu()
 
 
 _TORCHTITAN_FIRST = "torchtitan" in sys.modules

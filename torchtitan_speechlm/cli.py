@@ -15,6 +15,9 @@ import sys
 from collections.abc import Callable
 
 from torchtitan_speechlm.commands import export_args, generate_args, prefer_args, serve_args
+from torchtitan_speechlm.utils.progress import Progress
+
+QUIET = ("--no-progress", "--quiet")  # the commands' flag turning progress lines off
 
 SUBCOMMANDS = {
     "train": "train a model with torchtitan's loop (torchtitan train --job.config_file X.toml)",
@@ -53,29 +56,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchtitan: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     args = PARSERS[cmd]().parse_args(rest) if cmd in PARSERS else None  # --help ends here
+    quiet = not getattr(args, "progress", True) or any(a in QUIET for a in rest)
+    # importing torch and the command takes seconds (more on a busy machine): said, if it lasts
+    with Progress(f"torchtitan {cmd}", enabled=not quiet) as starting:
+        starting.status = "starting (importing torch and the command)"
+        command = _command(cmd)
+    return command(rest if cmd in ("train", "prepare") else args) or 0
+
+
+def _command(cmd: str) -> Callable:
+    """The function that runs ``cmd`` (importing it imports torch)."""
     if cmd == "train":
         from torchtitan_speechlm.commands.train import train_command
 
-        return train_command(rest)
+        return train_command
     if cmd == "prepare":
         from torchtitan_speechlm.prepare.pipeline import main as prepare_main
 
-        return prepare_main(rest) or 0
+        return prepare_main
     if cmd in ("generate", "eval"):
         from torchtitan_speechlm.commands.generate import run_eval, run_generate
 
-        return (run_generate if cmd == "generate" else run_eval)(args)
+        return run_generate if cmd == "generate" else run_eval
     if cmd == "prefer":
         from torchtitan_speechlm.commands.prefer import run as run_prefer
 
-        return run_prefer(args)
+        return run_prefer
     if cmd == "serve":
         from torchtitan_speechlm.commands.serve import run as run_serve
 
-        return run_serve(args)
+        return run_serve
     from torchtitan_speechlm.commands.export import run as run_export
 
-    return run_export(args)
+    return run_export
 
 
 if __name__ == "__main__":

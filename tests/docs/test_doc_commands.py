@@ -142,6 +142,7 @@ def test_a_broken_command_is_caught():
         "make no-such-target",
         "python -m torchtitan_speechlm.commands.wandb_offline",  # RUN_DIR missing
         "torchtitan generate --model DIR [--temperature-typo 0.7]",  # synopsis, bad flag
+        "source venv/bin/activate",  # not the environment make installs into
     ]
     for text in bad:
         with pytest.raises(CommandError):

@@ -27,17 +27,23 @@ from tests.docs.test_doc_commands import DOCS, FENCE, SHOWN
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 TORCHTITAN = ("torchtitan", ".venv/bin/torchtitan")
+PACKAGE = "torchtitan_speechlm.demo."  # the demo's asset makers (a bf16 backbone folder)
 FRAGMENT = "# fragment:"
 
 
 def runnable(text: str) -> list[str] | None:
-    """The argv of a shown `torchtitan` command a user can run as written, else None."""
+    """The argv of a shown `torchtitan` command (or `python -m torchtitan_speechlm.demo.X`: then
+    ["-m", X, ...]) a user can run as written, else None."""
     words = shlex.split(text, comments=True)
-    if not words or words[0] not in TORCHTITAN or len(words) < 2 or _is_synopsis(words):
+    if len(words) > 2 and words[:2] == ["python", "-m"] and words[2].startswith(PACKAGE):
+        words = ["-m", *words[2:]]
+    elif not words or words[0] not in TORCHTITAN or len(words) < 2 or _is_synopsis(words):
         return None
-    if any(is_placeholder(w) for w in words[2:] if not w.startswith("-")):
+    else:
+        words = words[1:]
+    if any(is_placeholder(w) for w in words[1:] if not w.startswith("-")):
         return None
-    return words[1:]
+    return words
 
 
 def python_examples() -> list[tuple[str, str]]:
@@ -76,9 +82,12 @@ def test_the_docs_commands_and_examples_run_as_written_after_the_demo(after_demo
         argv = None if shown.inline else runnable(shown.text)
         if argv is None:
             continue
-        r = forked.torchtitan(argv, cwd=str(after_demo), timeout=900)
+        if argv[0] == "-m":  # python -m torchtitan_speechlm.X (checkpoints.md's bf16 folder)
+            r = forked.python_module(argv[1], argv[2:], cwd=str(after_demo), timeout=900)
+        else:
+            r = forked.torchtitan(argv, cwd=str(after_demo), timeout=900)
         assert r.returncode == 0, f"{shown.where}: `{shown.text}`\n{(r.stdout + r.stderr)[-4000:]}"
-        ran.append(shown.where)
+        ran.append((shown.where, shown.text))
     for where, code in python_examples():
         if code.lstrip().startswith(FRAGMENT):
             continue
@@ -89,10 +98,12 @@ def test_the_docs_commands_and_examples_run_as_written_after_the_demo(after_demo
         examples.append(where)
     # what a user runs after the demo: README's prepare, train, eval, export and generate, the
     # LoRA fine-tuning and its two exports, and the examples that load those folders
-    readme = {"README.md:22", "README.md:24", "README.md:25", "README.md:40", "README.md:41"}
-    assert readme <= set(ran), ran
-    assert sum(w.startswith("checkpoints.md") for w in ran) >= 3, ran
-    assert {"checkpoints.md:92", "checkpoints.md:224"} <= set(examples), examples
+    readme = [text.split()[1] for where, text in ran if where.startswith("README.md")]
+    assert readme[:6] == ["prepare", "train", "eval", "export", "generate", "generate"], ran
+    assert sum(w.startswith("checkpoints.md") for w, _ in ran) >= 5, ran  # LoRA, the bf16 Qwen3
+    assert any("backbone_folder" in text for _, text in ran), ran
+    loads = [w for w, c in python_examples() if "exported/" in c or "exported_adapter" in c]
+    assert len(loads) == 2 and set(loads) <= set(examples), examples
     assert (after_demo / "exported_adapter" / "adapter" / "adapter_config.json").is_file()
 
 

@@ -1,6 +1,7 @@
 """docs/python-api.md's walkthrough of ESPnet's `bin/train.py` (with only the trainer import
 changed) runs as written: each command of its shell block, in order, in a fresh folder where
-`tests/` and `.venv/` are the repository's (as they are in a clone). The data stage, 4 steps on
+`tests/` and `.venv/` are the repository's (as they are in a clone), with `.venv` activated as
+the quickstart says (`python` is the venv's). The data stage, 4 steps on
 1 process, 4 on 2 processes (torch's launcher), and the rerun with `max_step` raised to 8, which
 continues from the step-4 checkpoint."""
 
@@ -34,7 +35,8 @@ def test_the_walkthrough_runs_as_written(tmp_path):
         os.symlink(ROOT / name, tmp_path / name)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for command in commands:
-        r = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True,
+        shell = f"source .venv/bin/activate && {command}"
+        r = subprocess.run(["bash", "-c", shell], cwd=tmp_path, capture_output=True, text=True,
                            timeout=600, env=env)  # fmt: skip
         assert r.returncode == 0, f"`{command}`\n{(r.stdout + r.stderr)[-3000:]}"
     exp = tmp_path / "espnet_demo" / "exp"

@@ -112,6 +112,27 @@ def test_sharded_export(trained, tmp_path):
         assert torch.equal(p, q), n
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_an_export_has_the_modes_of_the_users_umask(trained, tmp_path, umask):
+    """Every folder and file of an export (its temporary folder was mkdtemp's 0700, the
+    safetensors safetensors' 0600) has the mode a plain mkdir / open gives under the umask."""
+    out = tmp_path / "shared"
+    old = os.umask(umask)
+    try:
+        export(trained["step"], str(out), max_shard_size=40_000)
+    finally:
+        os.umask(old)
+    modes = {}
+    for root, dirs, files in os.walk(out):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            modes[os.path.relpath(path, out)] = os.stat(path).st_mode & 0o777
+    modes["."] = os.stat(out).st_mode & 0o777
+    assert any(p.endswith(".safetensors") for p in modes) and "text" in modes
+    want = {p: (0o777 if os.path.isdir(out / p) else 0o666) & ~umask for p in modes}
+    assert modes == want
+
+
 def test_bad_input_is_refused_naming_the_file(trained, tmp_path, capsys):
     out = tmp_path / "exported"
     export(trained["step"], str(out))

@@ -301,3 +301,66 @@ def test_stream_writes_the_same_length_of_audio_as_it_is_generated(overfit, tmp_
     for i, r in enumerate(rows):
         assert 0 < r["first_audio_s"] and r["samples"] == len(sf.read(out / f"t{i}.wav")[0])
         assert r["frames"] == len(ds[i].audio_codes)
+
+
+def test_generate_and_eval_say_their_progress_and_the_frame_limit(
+    overfit, tmp_path, capsys, monkeypatch
+):
+    """What a user waits on is never silent (utils/progress.py: here a line every 0.02 s of
+    silence, each decode step made 0.02 s slower, so the decode shows its frames), eval says
+    each item done; a
+    generation the --max-frames limit cut says so, in its result and in one line."""
+    import time
+
+    from torchtitan_speechlm.model.model import SpeechLM
+    from torchtitan_speechlm.utils import progress
+
+    monkeypatch.setattr(progress, "EVERY_S", 0.02)
+    step = SpeechLM.decode_step
+
+    def slow_step(self, *args, **kwargs):  # a model as slow per frame as a large one
+        time.sleep(0.02)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeechLM, "decode_step", slow_step)
+    text = overfit["data"][0].text
+    argv = ["--model", overfit["step"], "--task", "tts", "--text", text, "--max-frames", "6"]
+    assert generate_main([*argv, "--out", str(tmp_path / "a.wav")]) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    said = [  # ours (transformers' loading bars aside), the heartbeat's repeats left out
+        ln for ln in lines if ln.startswith("torchtitan ") and not ln.endswith("s elapsed)")
+    ]
+    assert said[0] == f"torchtitan generate: loading {overfit['step']}"
+    assert said[1].startswith(f"torchtitan generate: loaded {overfit['step']} in ")
+    assert said[2] == "torchtitan generate: tts: decoding (at most --max-frames 6)"
+    frames = [ln for ln in lines if ln.startswith("torchtitan generate: decoding: ")]
+    assert frames and all(" s of audio) (" in ln for ln in frames), lines
+    rate = load_model(overfit["step"]).codec.frame_rate
+    assert lines[-1] == (
+        f"torchtitan generate: 1 of 1 generated utterance(s) reached --max-frames 6 "
+        f"({6 / rate:.1f} s) without the model ending the speech: they stop at the limit, so "
+        "their duration and end-of-speech figures measure it, not the model; raise "
+        "--max-frames if the speech is longer, else the model has not learnt to end it"
+    )
+    result = json.loads(out)
+    assert result["frames"] == 6 and result["ended"] is False
+    # --quiet: only the frame limit's line, the result on stdout as before
+    assert generate_main([*argv, "--out", str(tmp_path / "b.wav"), "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert [ln for ln in err.splitlines() if ln.startswith("torchtitan ")] == [lines[-1]]
+    assert json.loads(out)["ended"] is False
+
+    res = tmp_path / "r.json"
+    judges = ("--judge-asr", "none", "--judge-speaker", "none", "--judge-quality", "none")
+    assert eval_main(["--model", overfit["step"], "--valid", "tts:tiny", "--max-frames", "6",
+                      "--out", str(res), *judges]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    items = [ln for ln in err.splitlines() if ln.startswith("torchtitan eval: tts:tiny: ")]
+    done = [ln.split(": ")[2].split(",")[0] for ln in items if " items, " in ln]
+    assert done == [f"{k}/{N_ITEMS} items" for k in range(1, N_ITEMS + 1)], err  # per item
+    assert any(": generate: " in ln and " frames (" in ln for ln in items), err
+    tts = json.loads(res.read_text())["tts:tiny"]
+    assert tts["hit_max_frames"] == N_ITEMS and tts["eos_rate"] == 0.0
+    assert (tts["max_frames"], tts["frame_rate"]) == (6, rate)
+    assert f"tts:tiny: {N_ITEMS} of {N_ITEMS} generated utterance(s) reached --max-frames 6" in out

@@ -86,6 +86,16 @@ def test_dpo_starts_at_log_2_with_the_reference_of_every_pair(one_rank, pairs):
     val = [r for r in read_metrics(dump) if any(k.startswith("val/") for k in r)]
     assert val and all(np.isfinite(v) for r in val for k, v in r.items()
                        if k.startswith("val/") and k.endswith("preference_loss"))  # fmt: skip
+    # the console shows the pair statistics at every log step, as metrics.jsonl has them
+    for r in rows:
+        line = next(
+            ln for ln in out.splitlines() if f"step: {r['step']:2}  preference_loss: " in ln
+        )
+        for key, fmt in (("preference_loss", ".4f"), ("rewards/chosen", ".4f"),
+                         ("rewards/margins", ".4f"), ("rewards/accuracies", ".3f"),
+                         ("logps/chosen", ".2f")):  # fmt: skip
+            assert f"{key}: {format(r[f'train/{key}'], fmt)}  " in line, (key, line)
+        assert f"pairs: {int(r['train/preference_pairs'])}" in line
 
 
 def test_two_ranks_train_the_same_steps_as_one(one_rank, pairs):

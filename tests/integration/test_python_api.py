@@ -260,3 +260,29 @@ def test_docs_map_every_espnet_key():
         assert f"`titan_config.{key}" in text, key
     for key in ESPNET_LR_KEYS:
         assert f"lr_scheduler.{key}`" in text, key
+
+
+def test_a_valid_fraction_that_holds_out_nothing_is_one_line(assets, tmp_path):
+    """docs/python-api.md's migration example on a small set: the validation set on a
+    valid_fraction that holds out no item ends the script with the setting, the count, the set
+    and the fix in one line, after a short traceback (the checks' own call stack cut off)."""
+    from tests import forked
+
+    code = f"""
+from torchtitan_speechlm import PreparedData, TitanTrainer
+TitanTrainer(
+    PreparedData({{"ljs": {assets["prepared"]!r}}}, ["tts:ljs:1.0", "asr:ljs:0.5"]),
+    {{"asr_dev": "asr:ljs"}}, {assets["backbone"]!r}, None, {str(tmp_path / "exp")!r},
+    {trainer_args(speechlm_data={"valid_fraction": 0.0001})!r},
+)
+"""
+    r = forked.python_code(code, cwd=str(tmp_path))
+    assert r.returncode == 1
+    trace = r.stderr.strip().splitlines()
+    assert trace[-1].startswith(
+        "torchtitan_speechlm.config.errors.ConfigError: speechlm_data.valid_fraction = 0.0001 "
+        "holds out 0 of the "
+    ), r.stderr[-3000:]
+    assert "'asr_dev' (asr:ljs) would be empty: raise valid_fraction to " in trace[-1]
+    frames = [ln for ln in trace if ln.startswith("  File ") and "tests/forked.py" not in ln]
+    assert len(frames) <= 3, r.stderr  # the script's line, TitanTrainer's __init__ and _parse

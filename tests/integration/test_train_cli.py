@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests import forked
 from tests.helpers import (
     TINY_BACKBONE,
     make_tiny_run_assets,
@@ -107,6 +108,16 @@ def test_bad_config_fails_before_any_work_naming_key_and_fix(assets, tmp_path):
     assert "no sample of tts:tiny fits training.seq_len = 8" in r.stderr
     assert "set training.seq_len >=" in r.stderr
     assert not (tmp_path / "run").exists()
+
+    # no config at all: torchtitan's own default job (llama3, ./assets/tokenizer) never starts
+    for argv in (["train"], ["train", "--training.steps", "3"], ["train", "--job.config_file"]):
+        r = forked.torchtitan(argv, cwd=str(tmp_path))
+        assert r.returncode == 2 and r.stdout == "", argv
+        assert r.stderr.splitlines() == [
+            "torchtitan train: config error: --job.config_file is required: a training TOML "
+            "(e.g. `torchtitan train --job.config_file train_configs/speechlm_debug.toml`, the "
+            "demo's; `torchtitan train --help` lists every key)"
+        ], argv
 
 
 def test_stock_torchtitan_parses_the_same_toml_and_its_trainer_is_told_what_to_run(

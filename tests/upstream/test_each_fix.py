@@ -1,4 +1,4 @@
-"""What each workaround in utils/compat.py (fixes 1-8, 10-12) does, tried as torchtitan is used.
+"""What each workaround in utils/compat.py (fixes 1-8, 10-14) does, tried as torchtitan is used.
 
 These are the tests of the sufficiency check (patches/check_sufficiency.py, `make
 patches-check`): with ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` they pass on a torchtitan with
@@ -34,6 +34,8 @@ FIXES = {
     "test_a_pipeline_matches_one_process": (10,),
     "test_torchtitans_moe_routes_tokens_on_cpu": (11,),
     "test_expert_parallelism_matches_one_process": (12,),
+    "test_a_cpu_run_logs_no_gpu_peak_flops_and_no_mfu": (13,),
+    "test_the_model_arguments_are_one_line_at_info": (14,),
 }
 
 STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--validation.enable", "false")
@@ -68,6 +70,7 @@ def train_moe(tmp_path_factory):
 
 def trainer(root, assets):
     cache: dict[tuple, dict[int, dict]] = {}
+    logs: dict[tuple, str] = {}  # the run's console (rank 0's)
 
     def _train(*flags: str, nproc: int = 1) -> dict[int, dict]:
         key = (flags, nproc)
@@ -77,8 +80,10 @@ def trainer(root, assets):
             r = run_train(cfg, *STEPS, *flags, nproc=nproc, timeout=240)
             assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
             cache[key] = {row["step"]: row for row in read_metrics(dump) if "grad_norm" in row}
+            logs[key] = r.stdout + r.stderr
         return cache[key]
 
+    _train.log = lambda *flags, nproc=1: (_train(*flags, nproc=nproc), logs[(flags, nproc)])[1]
     return _train
 
 
@@ -102,6 +107,26 @@ def test_one_process_trains_on_cpu_through_the_console_script(train):
     rows = reference(train)
     assert sorted(rows) == [1, 2]
     assert all(row["memory/max_reserved(GiB)"] > 0 for row in rows.values())
+
+
+def test_a_cpu_run_logs_no_gpu_peak_flops_and_no_mfu(train):
+    """Fix 13: a CPU has no peak FLOPS, so a CPU run neither runs ``lspci`` and warns about it
+    nor falls back to an A100's peak, and shows and logs no MFU (its tflops stay)."""
+    rows, log = reference(train), train.log("--training.local_batch_size", "4")
+    for said in ("lspci", "Peak flops", "Peak FLOPS", "A100", "mfu"):
+        assert said not in log, said
+    assert all("mfu(%)" not in row and row["tflops"] > 0 for row in rows.values())
+    assert "tflops: " in log
+
+
+def test_the_model_arguments_are_one_line_at_info(train):
+    """Fix 14: torchtitan's ``Building speechlm hf`` line is one line at INFO, not every model
+    argument as indented JSON (the backbone's config.json, the vocabulary's reserved tokens)."""
+    log = train.log("--training.local_batch_size", "4")
+    building = [ln for ln in log.splitlines() if " - INFO - Building speechlm hf" in ln]
+    assert len(building) == 1, building
+    for dumped in ('"_enforced"', '"backbone_config"', "<|reserved_63|>"):
+        assert dumped not in log, dumped
 
 
 def test_two_process_fsdp_on_gloo_matches_one_process(train):

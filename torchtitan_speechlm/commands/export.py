@@ -45,7 +45,7 @@ from torchtitan_speechlm.model.pretrained import (
 )
 from torchtitan_speechlm.model.run_record import model_record, record_for_checkpoint
 from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
-from torchtitan_speechlm.utils.fileio import write_json_atomic
+from torchtitan_speechlm.utils.fileio import honour_umask, write_json_atomic
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32), strict=True))
 TOKENIZER_FILES = (
@@ -163,6 +163,7 @@ def export(
             text = os.path.join(out, "text")  # where the text LM is once the folder is in place
             save_peft_adapter(model, os.path.join(tmp, "adapter"), DTYPES[dtype], text)
             files = sorted(os.listdir(tmp))
+        honour_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600: the user's umask instead
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -56,9 +56,11 @@ from torchtitan_speechlm.evaluation.tts_scores import score_tts
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import load_model
+from torchtitan_speechlm.generation.progress_lines import FrameCounter, frame_limit_line
 from torchtitan_speechlm.generation.requests import TEXT_OUT, Outcome, Request, run_requests
 from torchtitan_speechlm.generation.sampling import Sampling
 from torchtitan_speechlm.generation.streaming import WavFileStream
+from torchtitan_speechlm.utils.progress import Progress
 from torchtitan_speechlm.utils.text_files import line_not_utf8
 
 
@@ -92,6 +94,8 @@ def write_outcome(
                 f.write(outcome.text + "\n")
         return {"task": task, "text": outcome.text, "out": out}
     result = {"task": task, "frames": int(len(outcome.codes)), "out": out}
+    if outcome.ended is not None:  # False: --max-frames cut it (frame_limit_line says so)
+        result["ended"] = bool(outcome.ended)
     if stream is not None:
         result.update(samples=samples, first_audio_s=round(stream.first_audio_s or 0.0, 4))
     elif out:
@@ -125,18 +129,27 @@ def generate_main(argv: list[str] | None = None) -> int:
 
 
 def run_generate(a: argparse.Namespace) -> int:
+    with Progress("torchtitan generate", a.progress) as progress:
+        return _generate(a, progress)
 
+
+def _generate(a: argparse.Namespace, progress: Progress) -> int:
     try:
-        loaded = load_model(a.model, a.device)
+        loaded = _load(a.model, a.device, progress)
         cfg = decode_config(a)
         if a.batch:
-            return _batch(loaded, a.batch, a.out_dir or ".", cfg, a.batch_size, a.stream)
+            return _batch(loaded, a.batch, a.out_dir or ".", cfg, a.batch_size, a.stream, progress)
         if a.out:
             tasks.make_parent_folder(a.out)  # before generating: a bad --out fails at once
         streaming = a.stream and a.out and a.task not in TEXT_OUT
         streams = _Streams(loaded, {0: a.out} if streaming else {})
         req = Request(a.task, a.text, a.audio, prompt=a.prompt)
-        outcome = run_requests(loaded, [req], cfg, on_frames=streams.on_frames)[0]
+        frames = FrameCounter(float(loaded.codec.frame_rate), progress, streams.on_frames)
+        limit = (f"--max-text-tokens {cfg.max_text_tokens}" if a.task in TEXT_OUT
+                 else f"--max-frames {cfg.max_frames}")  # fmt: skip
+        progress.say(f"{a.task}: decoding (at most {limit})")
+        outcome = run_requests(loaded, [req], cfg, on_frames=frames)[0]
+        progress.say(f"{a.task}: decoded in {frames.seconds():.1f}s; writing")
         result = write_outcome(loaded, a.task, outcome, a.out, stream=streams.get(0))
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"torchtitan generate: error: {e}", file=sys.stderr)
@@ -144,12 +157,29 @@ def run_generate(a: argparse.Namespace) -> int:
     if "error" in result:
         print(f"torchtitan generate: error: {result['error']}", file=sys.stderr)
         return 2
+    if result.get("ended") is False:
+        line = frame_limit_line(1, 1, cfg.max_frames, float(loaded.codec.frame_rate))
+        print(f"torchtitan generate: {line}", file=sys.stderr)
     print(result["text"] if a.task in TEXT_OUT else json.dumps(result))
     return 0
 
 
+def _load(model: str, device: str, progress: Progress):
+    t = time.perf_counter()
+    progress.say(f"loading {model}")
+    loaded = load_model(model, device)
+    progress.say(f"loaded {model} in {time.perf_counter() - t:.1f}s")
+    return loaded
+
+
 def _batch(
-    loaded, path: str, out_dir: str, cfg: DecodeConfig, batch_size: int = 8, stream: bool = False
+    loaded,
+    path: str,
+    out_dir: str,
+    cfg: DecodeConfig,
+    batch_size: int = 8,
+    stream: bool = False,
+    progress: Progress | None = None,
 ) -> int:
     """A batch file's requests (one JSON object per line), run by ``run_requests``: grouped by
     task and length into batched decoder calls; a bad line fails alone."""
@@ -183,7 +213,16 @@ def _batch(
     outs = [os.path.join(out_dir, ids[i] + _ext(reqs[i].task)) for i in range(len(reqs))]
     audio_out = {k: outs[i] for k, i in enumerate(good) if reqs[i].task not in TEXT_OUT}
     streams = _Streams(loaded, audio_out if stream else {})
-    found = run_requests(loaded, [reqs[i] for i in good], cfg, batch_size, streams.on_frames)
+    progress = progress or Progress("torchtitan generate", enabled=False)
+    frames = FrameCounter(float(loaded.codec.frame_rate), progress, streams.on_frames)
+    started = [0]
+
+    def on_batch(task: str, rows: int) -> None:
+        frames.frames.clear()
+        progress.say(f"{task}: requests {started[0] + 1}-{started[0] + rows} of {len(good)}")
+        started[0] += rows
+
+    found = run_requests(loaded, [reqs[i] for i in good], cfg, batch_size, frames, on_batch)
     outcomes = [Outcome(error=bad.get(i)) for i in range(len(reqs))]
     for i, outcome in zip(good, found, strict=True):
         outcomes[i] = outcome
@@ -192,7 +231,7 @@ def _batch(
     wavs = dict(
         zip(audio, tasks.decode_audio(loaded, [outcomes[i].codes for i in audio]), strict=True)
     )
-    failed = 0
+    failed, ended = 0, []
     with open(os.path.join(out_dir, "results.jsonl"), "w") as res:
         for i, (rid, req, outcome) in enumerate(zip(ids, reqs, outcomes, strict=True)):
             try:
@@ -203,6 +242,11 @@ def _batch(
                 row = {"task": req.task, "error": str(e)}
             failed += "error" in row
             res.write(json.dumps({"id": rid, **row}) + "\n")
+            ended.append(row.get("ended"))
+    if False in ended:
+        line = frame_limit_line(ended.count(False), len(ended) - ended.count(None),
+                                cfg.max_frames, float(loaded.codec.frame_rate))  # fmt: skip
+        print(f"torchtitan generate: {line}", file=sys.stderr)
     print(f"wrote {os.path.join(out_dir, 'results.jsonl')} ({failed} failed)")
     return 1 if failed else 0
 
@@ -216,8 +260,13 @@ def eval_main(argv: list[str] | None = None) -> int:
 
 
 def run_eval(a: argparse.Namespace) -> int:
+    with Progress("torchtitan eval", a.progress) as progress:
+        return _eval(a, progress)
+
+
+def _eval(a: argparse.Namespace, progress: Progress) -> int:
     try:
-        loaded = load_model(a.model, a.device)
+        loaded = _load(a.model, a.device, progress)
         cfg, results, sets, prompted = decode_config(a), {}, [], {}
         for spec in a.valid:
             task, _, name = spec.partition(":")
@@ -236,6 +285,7 @@ def run_eval(a: argparse.Namespace) -> int:
             a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality,
             a.judge_quality_items, a.judge_word_loop,
         )  # fmt: skip
+        progress.say("loading the judges")
         judges = build_judges(
             options,
             {s: [it.text for it in items] for s, t, _, items in sets if t in ("tts", "tts_prompt")},
@@ -244,22 +294,25 @@ def run_eval(a: argparse.Namespace) -> int:
         manifests: dict = {}  # manifest lines read, shared by the sets
         pairs_prompts, pairs_samples = [], {}
         for i, (spec, task, path, items) in enumerate(sets):
-            progress = _progress(spec) if a.progress else None
             score = functools.partial(
                 score_set, loaded, spec, task, path, items, judges, prompted.get(spec, {}),
-                manifests, progress,
+                manifests,
             )  # fmt: skip
             if not a.pairs:
-                results[spec] = score(cfg, a.report, f"{i}-{_slug(spec)}")
+                progress.prefix = f"torchtitan eval: {spec}"
+                results[spec] = score(progress, cfg, a.report, f"{i}-{_slug(spec)}")
                 continue
             root = a.report or samples_audio_root(a.pairs)
             runs = []
             for k, cfg_k in enumerate(sample_configs(cfg, a.seed, a.samples)):
-                runs.append(score(cfg_k, root, f"{i}-{_slug(spec)}/sample{k}"))
+                # each sample counts its items anew: the prefix says which sample it is
+                progress.prefix = f"torchtitan eval: {spec} sample {k + 1}/{a.samples}"
+                runs.append(score(progress, cfg_k, root, f"{i}-{_slug(spec)}/sample{k}"))
                 results[f"{spec} #{k}"] = runs[-1]
             folder = f"{i}-{_slug(spec)}"
             pairs_prompts += pair_prompts(loaded, task, path, items, runs, root, folder, manifests)
             pairs_samples.update(samples_of(task, items, runs, root))
+        progress.prefix = "torchtitan eval"
         if a.pairs:
             counts = write_pairs(a.pairs, pairs_prompts, pairs_samples, reward, a.pair_margin,
                                  a.seed)  # fmt: skip
@@ -289,8 +342,8 @@ def run_eval(a: argparse.Namespace) -> int:
 
 
 def score_set(loaded, spec: str, task: str, path: str, items: list, judges: dict, prompted: dict,
-              manifests: dict, progress, cfg: DecodeConfig, audio_root: str | None,
-              folder: str) -> dict:  # fmt: skip
+              manifests: dict, progress: Progress | None, cfg: DecodeConfig,
+              audio_root: str | None, folder: str) -> dict:  # fmt: skip
     """One ``--valid`` set decoded with ``cfg`` and scored (TTS: its wavs under
     ``audio_root/folder`` when ``audio_root`` is given)."""
     if task == "asr":
@@ -307,15 +360,6 @@ def score_set(loaded, spec: str, task: str, path: str, items: list, judges: dict
     if prompted:
         result.setdefault("prompted", {})["skipped"] = prompted["skipped"]
     return result
-
-
-def _progress(spec: str):
-    """Progress lines on stderr: items done and seconds per phase, after each batch."""
-
-    def say(line: str) -> None:
-        print(f"torchtitan eval: {spec}: {line}", file=sys.stderr, flush=True)
-
-    return say
 
 
 def _slug(spec: str) -> str:

@@ -37,8 +37,20 @@ def build_generate_parser() -> argparse.ArgumentParser:
         help="write each wav while it is generated (the codec's stream decoder); the result "
         "line gives the time to first audio",
     )
+    add_progress_arg(p, "the model loaded, frames decoded")
     add_decoding_args(p)
     return p
+
+
+def add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """``--no-progress`` (``--quiet``): no progress lines on stderr, for scripts."""
+    p.add_argument(
+        "--no-progress",
+        "--quiet",
+        dest="progress",
+        action="store_false",
+        help=f"no progress lines on stderr ({what}; a line at least every 5 s otherwise)",
+    )
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
@@ -65,12 +77,7 @@ def build_eval_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--report", metavar="DIR", help="write DIR/index.html with audio and spectrograms"
     )
-    p.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="no progress lines on stderr (items done, seconds per phase)",
-    )
+    add_progress_arg(p, "per item: done, seconds per phase")
     g = p.add_argument_group("preference pairs (docs/preference.md)")
     g.add_argument(
         "--samples",

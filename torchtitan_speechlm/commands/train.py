@@ -39,6 +39,7 @@ from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.trainer.trainer import SpeechLMTrainer
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
 from torchtitan_speechlm.utils.compat import run_torchtitan_main
+from torchtitan_speechlm.utils.progress import Progress
 
 CONFIG_MODULE = "torchtitan_speechlm.config"
 
@@ -59,6 +60,15 @@ def _split_launcher_args(args: list[str]) -> tuple[int, list[str]]:
     if known.nproc_per_node < 1:
         raise SystemExit("torchtitan train: --nproc-per-node must be >= 1")
     return known.nproc_per_node, rest
+
+
+def config_file(args: list[str]) -> str | None:
+    """The ``--job.config_file`` of a command line (either spelling, ``=`` or not), or None."""
+    for i, a in enumerate(args):
+        key, eq, val = a.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            return val if eq else (args[i + 1] if i + 1 < len(args) else "")
+    return None
 
 
 def with_config_module(args: list[str]) -> list[str]:
@@ -245,6 +255,14 @@ def train_command(args: list[str]) -> int:
             pass
         return 0
     nproc, args = _split_launcher_args(args)
+    if not config_file(args):  # torchtitan would run its own default job (llama3, ./assets)
+        print(
+            "torchtitan train: config error: --job.config_file is required: a training TOML "
+            "(e.g. `torchtitan train --job.config_file train_configs/speechlm_debug.toml`, the "
+            "demo's; `torchtitan train --help` lists every key)",
+            file=sys.stderr,
+        )
+        return 2
     try:  # a TOML that is not UTF-8 or not TOML: its file and line, before torchtitan reads it
         check_toml_file(args)
     except ConfigError as e:
@@ -266,9 +284,12 @@ def train_command(args: list[str]) -> int:
                 check_dump_folder(job_config)  # writable (a probe file): nothing read
                 made = lifecycle.hold_run_folder(job_config.job.dump_folder)
                 lifecycle.forget_stop(job_config.job.dump_folder)
-            plan = check_job(job_config)
-            if plan is not None:
-                preflight(job_config, plan, _world_size(nproc))
+            # every dataset's shards and the checkpoint to resume from: seconds on a large run
+            with Progress("torchtitan train") as checking:
+                checking.status = "checking the config, the datasets and the checkpoints"
+                plan = check_job(job_config)
+                if plan is not None:
+                    preflight(job_config, plan, _world_size(nproc))
         except lifecycle.RunFolderBusy as e:
             print(f"torchtitan train: {e}", file=sys.stderr)
             return 2

@@ -26,6 +26,7 @@ from torchtitan.tools.logging import logger
 from torchtitan_speechlm.components.nonfinite import StepGuard
 from torchtitan_speechlm.components.samples import TrainingSamples
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
+from torchtitan_speechlm.utils import compat
 
 
 class JsonlLogger(BaseLogger):
@@ -149,7 +150,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             container.add_logger(
                 JsonlLogger(os.path.join(job_config.job.dump_folder, "metrics.jsonl"))
             )
-            self.logger = container
+            self.logger = compat.without_mfu_on_cpu(container)  # no GPU peak to divide by
 
         self.code_usage_interval = job_config.speechlm.code_usage_interval
         self.step_codec = step_codec  # its tokenising time is logged (components/step_codec.py)
@@ -220,6 +221,8 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra)
         if self.samples.due(step) and self.model_parts:
             self.samples.run(step, self.model_parts, self.logger)
+        if "preference_pairs" in stats:  # DPO / SimPO: the pair statistics (docs/preference.md)
+            logger.info(preference_line(step, stats, self.color))
         if "loss_frames" in stats:  # not on a pipeline stage before the last (no loss there)
             accs, ces = (
                 stream_values(stats, "acc_stream", self.num_streams),
@@ -238,4 +241,21 @@ def stream_values(stats: dict[str, float], prefix: str, n: int) -> str:
     """'0.123 - 0.456': a stream with nothing to count (key left out) shows as '-'."""
     return " ".join(
         f"{stats[f'{prefix}{k}']:.3f}" if f"{prefix}{k}" in stats else "-" for k in range(n)
+    )
+
+
+def preference_line(step: int, stats: dict[str, float], color) -> str:
+    """The console line of a preference run's log step: the interval's exact means over pairs
+    (TRL's names; a key the interval has no value for shows as '-')."""
+
+    def v(key: str, fmt: str = ".4f") -> str:
+        return format(stats[key], fmt) if key in stats else "-"
+
+    return (
+        f"{color.green}step: {step:2}  preference_loss: {v('preference_loss')}  "
+        f"rewards/chosen: {v('rewards/chosen')}  rewards/rejected: {v('rewards/rejected')}  "
+        f"rewards/margins: {v('rewards/margins')}  rewards/accuracies: "
+        f"{v('rewards/accuracies', '.3f')}  logps/chosen: {v('logps/chosen', '.2f')}  "
+        f"logps/rejected: {v('logps/rejected', '.2f')}  nll_loss: {v('nll_loss')}  "
+        f"pairs: {int(stats['preference_pairs'])}{color.reset}"
     )

@@ -176,6 +176,30 @@ class DataCatalog:
         """The dataset ``name``, opened (once per process: ``open_prepared``)."""
         return open_prepared(self.datasets[name], self.verify_shards, self.remote)
 
+    def check_held_out(self, set_name: str, entries: list[MixEntry], split: str) -> None:
+        """A validation set read from the held-out part of a training dataset has items in it:
+        a ``valid_fraction`` too small for the dataset holds out none, which is named here with
+        the count and the smallest fraction that holds one out (else the set's stream fails
+        later without naming the setting)."""
+        if split != "valid":
+            return
+        for e in entries:
+            data = self.open(e.dataset)
+            if len(split_indices(data, self.valid_fraction, "valid")):
+                continue
+            hashes = getattr(data, "id_hashes", None)
+            if hashes is None:
+                hashes = [id_hash(i) for i in data.ids]
+            least = float(np.min(np.asarray(hashes, dtype=np.float64))) / float(0xFFFFFFFF)
+            need = np.ceil(least * 1000) / 1000 + (0.001 if least * 1000 % 1 == 0 else 0.0)
+            raise ConfigError(
+                f"speechlm_data.valid_fraction = {self.valid_fraction:g} holds out 0 of the "
+                f"{len(data)} items of dataset {e.dataset!r}, so the validation set "
+                f"{set_name!r} ({e.task}:{e.dataset}) would be empty: raise valid_fraction to "
+                f"{min(need, 1.0):g} or more (the smallest that holds out one of its items), or "
+                "validate on a dataset training does not use"
+            )
+
     def sources(self, entries: list[MixEntry], split: str) -> list[Source]:
         """The mixture ``entries`` over ``split`` of their datasets (each opened once)."""
         out = []

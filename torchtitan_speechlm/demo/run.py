@@ -124,16 +124,34 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] loss curve  : {png or 'not written (no TensorBoard scalars found)'}")
     if not ckpts:
         return 1
-    print(
-        f"[demo] export      : {console('torchtitan')} export --checkpoint {ckpts[-1]} --out exported/"
-    )
     t2 = time.perf_counter()
     listen(ckpts[-1], paths, dump)
     print(
         f"[demo] done in {time.perf_counter() - t0:.0f}s (data {t_data:.0f}s, training "
         f"{t_train:.0f}s, listening {time.perf_counter() - t2:.0f}s)"
     )
+    print("\n".join(next_steps(ckpts[-1])))
     return 0
+
+
+def next_steps(checkpoint: str) -> list[str]:
+    """What to type next, written as README and docs/ write every command: ``torchtitan ...``
+    with the virtual environment's ``bin`` on the PATH (its activation line first when this
+    interpreter is a virtual environment's)."""
+    lines = []
+    if sys.prefix != sys.base_prefix:  # a venv: its console scripts are on the PATH once active
+        venv = os.path.relpath(sys.prefix)
+        venv = sys.prefix if venv.startswith("..") else venv
+        lines.append(
+            f"[demo] next        : source {os.path.join(venv, 'bin', 'activate')}   "
+            "# puts torchtitan on the PATH (every command of README.md and docs/ is written so)"
+        )
+    lines += [
+        f"[demo] export      : torchtitan export --checkpoint {checkpoint} --out exported/",
+        '[demo] speak       : torchtitan generate --model exported/ --task tts --text "The quiet '
+        'cat saw the king." --out hello.wav',
+    ]
+    return lines
 
 
 def listen(checkpoint: str, paths: dict, dump: str) -> dict:
@@ -157,10 +175,6 @@ def listen(checkpoint: str, paths: dict, dump: str) -> dict:
     reference = first["recording"] or os.path.join(report, first["audio"]["reference"])
     generated = os.path.join(report, first["audio"]["generated"])
     png = plot_pair(reference, generated, os.path.join(out, "tts_vs_reference.png"), first["text"])
-    with open(os.path.join(out, "eval.log")) as f:  # the table, without library warnings
-        lines = f.read().splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("set ")), len(lines))
-    print("\n".join(lines[start:]))
     print(f"[demo] reference   : {reference}")
     print(f'[demo] generated   : {generated} ("{first["text"]}")')
     print(f"[demo] spectrograms: {png}")

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 
 from torchtitan_speechlm.demo import grammar
 from torchtitan_speechlm.demo.assets import build_backbone, build_tokenizer, synthesize_corpus
+from torchtitan_speechlm.utils.progress import Progress
 
 VOICE = "en-us"  # one voice: the demo trains unprompted tts, so the voice is part of the task
 OTHER_VOICE = "en-us+f3"  # another speaker saying the same texts: SIM's comparison point
@@ -67,12 +68,18 @@ def console(tool: str) -> str:
 
 
 def run_command(cmd: list[str], log: str | None = None) -> None:
-    """Print and run one command; its output goes to ``log`` (if given) or the terminal."""
+    """Print and run one command; its output goes to the terminal as it comes, and to ``log``
+    too if given (a step the user waits on is never hidden in a file)."""
     shown = " ".join(shlex.quote(c) for c in [os.path.basename(cmd[0]), *cmd[1:]])
-    print(f"[demo] $ {shown}" + (f"  (log: {log})" if log else ""), flush=True)
+    print(f"[demo] $ {shown}" + (f"  (also in {log})" if log else ""), flush=True)
     if log:
         with open(log, "w") as f:
-            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for line in iter(proc.stdout.readline, b""):
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+                f.write(line.decode(errors="replace"))
+            rc = proc.wait()
     else:
         rc = subprocess.call(cmd)
     if rc != 0:
@@ -123,6 +130,8 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
     }
     train, held = grammar.split_sentences(plan.train, plan.held_out, plan.seed)
     t0 = time.perf_counter()
+    said = Progress("[demo] corpus").start()  # espeak-ng speaks thousands of sentences
+    said.say(f"speaking {len(train)} training and {len(held)} held-out sentences (x2 voices)")
     manifests = {
         "train": synthesize_corpus(
             os.path.join(p["corpus"], "train"), train, len(train), [VOICE], speeds=(SPEED,)
@@ -138,6 +147,7 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
             speeds=(SPEED,),
         ),  # fmt: skip
     }
+    said.stop()
     print(
         f"[demo] corpus: {len(train)} training + {len(held)} held-out sentences of the grammar "
         f"(none shared), espeak-ng voice {VOICE} ({time.perf_counter() - t0:.0f}s)",
@@ -168,7 +178,7 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
         codec = plan.codec_flags(p["codec"]) if fit else ["--codec", p["codec"]]
         run_command(
             [tool, "prepare", "--manifest", manifests[name], *codec, "--tokenizer",
-             p["tokenizer"], "--out", out, "--workers", str(workers), "--no-progress"],
+             p["tokenizer"], "--out", out, "--workers", str(workers)],
         )  # fmt: skip
     p["manifests"] = manifests
     return p

@@ -8,6 +8,8 @@ The command prints it and the report page puts the same rows on top (``summary_r
 
 from __future__ import annotations
 
+from torchtitan_speechlm.generation.progress_lines import frame_limit_line
+
 COLUMNS = (
     ("set", "set"),
     ("items", "items"),
@@ -88,6 +90,11 @@ def format_table(results: dict) -> str:
                     f"{_fmt(w['wer'])}, floor {_fmt(w['floor_wer'])}, rec floor "
                     f"{_fmt(w['recording_wer'])}"
                 )
+            if r.get("hit_max_frames"):
+                limit = frame_limit_line(
+                    r["hit_max_frames"], r["items"], r["max_frames"], r["frame_rate"]
+                )
+                out.append(f"{spec}: {limit}")
         elif r.get("task") == "dialogue":
             out.append(
                 f"{spec}: answers exactly right (after normalisation) {_fmt(r['exact'])}; "

@@ -9,14 +9,13 @@ a few examples) of the same scoring.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from torchtitan_speechlm.evaluation.phase_clock import PhaseClock
 from torchtitan_speechlm.evaluation.rates import item_rates, mean_of, pooled_rates
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import Loaded
 from torchtitan_speechlm.generation.requests import batches_by_length
+from torchtitan_speechlm.utils.progress import Progress
 
 
 def score_asr(
@@ -24,7 +23,7 @@ def score_asr(
     items: list,
     cfg: DecodeConfig,
     batch: int = 8,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict:
     """The model's transcripts of each item's reference codes, WER / CER after
     ``normalise_text`` (per item, their mean, and pooled); ``progress`` gets a line after each
@@ -38,7 +37,7 @@ def score_answers(
     items: list,
     cfg: DecodeConfig,
     batch: int = 8,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict:
     """Dialogue sets (spoken question answering and other audio-conditioned text tasks): the
     model's answer to each dialogue (its last turn, assistant text, generated from the turns
@@ -67,12 +66,13 @@ def _score_text(task: str, items, refs, generate, loaded, cfg, batch, progress) 
     """Text the model generates per item (``generate(loaded, items, cfg)``) scored against
     ``refs``: per item, the mean, and pooled."""
     found: dict[int, str] = {}
-    clock = PhaseClock()
+    clock = PhaseClock(progress)
     for part in batches_by_length([_input_length(it) for it in items], batch):
+        clock.working_on(len(found), len(part), len(items))
         with clock("generate"):
             found.update(zip(part, generate(loaded, [items[i] for i in part], cfg), strict=True))
         if progress is not None:
-            progress(clock.line(len(found), len(items)))
+            progress.say(clock.line(len(found), len(items)))
     hyps = [found[i] for i in range(len(items))]
     per_item = []
     for it, ref, hyp in zip(items, refs, hyps, strict=True):

@@ -41,9 +41,11 @@ from torchtitan_speechlm.evaluation.tts_summary import summarise_tts
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import Loaded
+from torchtitan_speechlm.generation.progress_lines import FrameCounter
 from torchtitan_speechlm.generation.requests import batches_by_length
 from torchtitan_speechlm.judges.base import JudgeError
 from torchtitan_speechlm.utils.audio import BadAudioError, load_audio
+from torchtitan_speechlm.utils.progress import Progress
 
 
 def score_tts(
@@ -55,7 +57,7 @@ def score_tts(
     audio_dir: str = "",
     batch: int = 8,
     recordings: dict[str, str | None] | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
     prompts: list | None = None,
     speakers: list[int] | None = None,
 ) -> dict:
@@ -65,7 +67,8 @@ def score_tts(
     ``audio_root``, the generated, reference and recording wavs are written under
     ``audio_root/audio_dir`` (the recording re-encoded as it was judged) and each item's
     ``audio`` gives their paths relative to ``audio_root`` (the report's links). ``progress``
-    gets a line after each batch (items done, seconds per phase). ``prompts`` (a speaker-prompted
+    says a line after each item (items done, seconds per phase), and the phase and frames
+    decoded as its status while a batch runs. ``prompts`` (a speaker-prompted
     set, evaluation/prompted_tts.py): per item, the item whose codes prompt it, and ``speakers``
     its speaker; the result then has ``prompted``: SIM to the prompt and to the other speakers,
     and the speaker-identification accuracy, and each item ``prompt_id`` and ``prompt_seconds``
@@ -75,13 +78,17 @@ def score_tts(
     per_item: dict[int, dict] = {}
     generated: dict[int, np.ndarray | None] = {}
     heard: dict[int, np.ndarray] = {}  # the prompts as the model heard them
-    clock = PhaseClock()
+    clock = PhaseClock(progress)
     for part in batches_by_length([len(it.text) for it in items], batch):
         chunk = [items[i] for i in part]
+        frames = None
+        if progress is not None:
+            label = clock.working_on(len(per_item), len(part), len(items)) + ": generate"
+            frames = FrameCounter(float(loaded.codec.frame_rate), progress, label=label)
         with clock("generate"):
             given = None if prompts is None else [prompts[i].audio_codes for i in part]
             codes, ended = tasks.tts_with_ends(
-                loaded, [it.text for it in chunk], cfg, prompts_codes=given
+                loaded, [it.text for it in chunk], cfg, on_frames=frames, prompts_codes=given
             )
         spoken = [i for i, c in enumerate(codes) if len(c)]
         self_hyps = [""] * len(chunk)
@@ -111,10 +118,13 @@ def score_tts(
                     )
             per_item[i] = rec
             generated[i] = wavs["generated"]
-        if progress is not None:
-            progress(clock.line(len(per_item), len(items)))
+            if progress is not None:
+                progress.say(clock.line(len(per_item), len(items)))
     per_item = [per_item[i] for i in range(len(items))]
     result = summarise_tts(per_item, judges, token_accuracy(loaded, items))
+    # generations the limit cut (not the model): results_table says so under the table
+    result["max_frames"], result["frame_rate"] = cfg.max_frames, float(loaded.codec.frame_rate)
+    result["hit_max_frames"] = sum(1 for r in per_item if r["frames"] and not r["ended"])
     if prompts is not None and judges.speaker is not None:
         with clock("speaker judge"):
             result["prompted"] = speaker_scores(

@@ -37,6 +37,7 @@ from torchtitan_speechlm.model.lora import merge_lora
 from torchtitan_speechlm.model.model import canonical_name
 from torchtitan_speechlm.model.pretrained import write_safetensors
 from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
+from torchtitan_speechlm.utils.fileio import honour_umask
 
 NOTE_FILE = "speechlm_layout.json"
 # our decoder's masks as a vLLM logits processor (a standalone module), copied beside the weights:
@@ -182,7 +183,10 @@ def export_from(path: str, out: str, dtype: str = "fp32") -> list[str]:
     model = load_model(path).model
     if model.args.lora:
         merge_lora(model)
-    return export_flatten_lm(model, out, dtypes[dtype])
+    files = export_flatten_lm(model, out, dtypes[dtype])
+    # safetensors writes 0600 files (the others were written under the umask already)
+    honour_umask(out, [f for f in files if f.endswith(".safetensors")])
+    return files
 
 
 def build_parser() -> argparse.ArgumentParser:

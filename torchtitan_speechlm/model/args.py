@@ -201,3 +201,28 @@ def preference_settings(speechlm) -> dict:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return dataclasses.asdict(loss)
+
+
+def describe_model_args(args: dict) -> str:
+    """A SpeechLM's model arguments (``SpeechLMModelArgs`` as a dict) in one line: the line a
+    training log shows where torchtitan dumps them all (utils/compat.py fix 14: the whole dump
+    goes to DEBUG; every argument is also in the run's ``speechlm_run.json``)."""
+    try:
+        cfg, vocab = args.get("backbone_config") or {}, args["vocab"]
+        parts = [
+            f"backbone {args['backbone']} ({cfg.get('model_type', '?')}, "
+            f"{cfg.get('num_hidden_layers', '?')} layers, hidden {cfg.get('hidden_size', '?')})",
+            f"vocabulary {vocab['size']} ({vocab['text_size']} text, {len(vocab['specials'])} "
+            f"specials, {vocab['num_streams']} streams x {vocab['codebook_size']} codes)",
+            f"pattern {args['pattern']}",
+        ]
+    except (KeyError, TypeError, AttributeError):
+        return f"{len(args)} model arguments"
+    extras = {
+        "LoRA rank": (args.get("lora") or {}).get("rank"),
+        "audio encoder": (args.get("audio_encoder") or {}).get("path"),
+        "preference loss": (args.get("preference") or {}).get("kind"),
+        "init_from": args.get("init_from"),
+    }
+    line = ", ".join(parts + [f"{k} {v}" for k, v in extras.items() if v])
+    return f"{line} (every argument: at DEBUG level, and in the dump folder's speechlm_run.json)"

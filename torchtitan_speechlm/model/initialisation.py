@@ -53,10 +53,11 @@ def initialise_parameters(
     family: Backbone,
     std: float,
     audio: dict[str, torch.Tensor],
-) -> None:
+) -> str:
     """Give every parameter of ``named`` (canonical name, parameter) its initial value: the
     random init (or ``audio``'s value), the backbone checkpoint's text tensor where there is
-    one, a starting point's tensor where ``args.init_from`` has one."""
+    one, a starting point's tensor where ``args.init_from`` has one. Returns one line saying
+    where the weights came from (what a user checks first: were my weights loaded?)."""
     start = {}
     if args.init_from:
         base = {n for n, _ in named if not is_lora_param(n)}  # adapters always start fresh
@@ -73,21 +74,39 @@ def initialise_parameters(
         if reader
         else {}
     )
+    came = {"backbone": 0, "init_from": 0, "audio encoder": 0, "initialised": 0}
     with torch.no_grad():
         for name, param in named:
-            full = audio.get(name)
+            full, source = audio.get(name), "audio encoder"
             if full is None:
-                full = _random_init(name, param, std, args.init_seed)
+                full, source = _random_init(name, param, std, args.init_seed), "initialised"
             if name in text:
                 _load_pretrained(full, reader, *text[name], family, name, args.backbone_config)
+                source = "backbone"
             if name in start:
                 if tuple(start[name].shape) != tuple(full.shape):
                     raise ValueError(
                         f"speechlm.init_from: {name} has shape "
                         f"{tuple(start[name].shape)}, the model {tuple(full.shape)}"
                     )
-                full = start[name].float()
+                full, source = start[name].float(), "init_from"
+            came[source] += 1
             _assign(param, full)
+    return weights_line(args, came)
+
+
+def weights_line(args: SpeechLMModelArgs, came: dict[str, int]) -> str:
+    """Where the parameters' initial values came from (``came``: parameters per source), in
+    one line."""
+    where = {
+        "backbone": f"loaded from the backbone {args.hf_assets_path} (the decoder; of the "
+        "embedding and head only the text rows, their other rows initialised)",
+        "init_from": f"loaded from speechlm.init_from = {args.init_from}",
+        "audio encoder": f"loaded from the audio encoder {getattr(args.audio, 'path', '')}",
+        "initialised": f"initialised (init_seed {args.init_seed})",
+    }
+    parts = [f"{n} {where[k]}" for k, n in came.items() if n]
+    return f"weights of {sum(came.values())} parameters: " + "; ".join(parts)
 
 
 def _random_init(name: str, param: torch.Tensor, std: float, seed: int) -> torch.Tensor:

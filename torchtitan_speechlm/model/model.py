@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchtitan.protocols import ModelProtocol
+from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.audio.tower import AudioTower
@@ -298,7 +300,9 @@ class SpeechLM(ModelProtocol):
         audio = {}
         if self.audio_encoder is not None:
             audio = audio_tower_state(self.audio_encoder, args, [n for n, _ in named], std, device)
-        initialise_parameters(named, args, self.family, std, audio)
+        line = initialise_parameters(named, args, self.family, std, audio)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info(line)
 
 
 def build_model(args: SpeechLMModelArgs, device: str = "cpu") -> SpeechLM:

@@ -5,6 +5,12 @@ from its weights needs the model's shape and meaning: the resolved model args (b
 and config, vocabulary layout, pattern, tied head), the codec and tokenizer the data was made
 with, and the backbone folder. Rank 0 writes them next to ``vocab.json``; a rerun refuses a
 record of another model (the same rule as vocab.json), so a dump folder never mixes two.
+
+Its paths (the backbone, codec, tokenizer and datasets) are written relative to the dump
+folder when they lie inside it or inside the folder the run was started from (the project: a
+clone with its ``demo_work/``), so the record names no user's home and a moved project still
+resolves; others (a shared model folder, a URL) stay as they are. ``read_run_record`` gives
+them back absolute, and reads records written with absolute paths alike.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ def model_record(args) -> dict:
 def record_run(
     job_config, args, *, backbone_path: str, codec: dict, tokenizer: dict, datasets: dict
 ) -> dict:
-    """Write (rank 0) or check the record of this run's model; returns it."""
+    """Write (rank 0) or check the record of this run's model; returns it (paths absolute)."""
     record = {
         "version": RECORD_VERSION,
         "model_name": job_config.model.name,
@@ -55,31 +61,73 @@ def record_run(
         "hf_assets_path": os.path.abspath(backbone_path),
         "codec": codec,
         "tokenizer": tokenizer,
-        "datasets": {name: os.path.abspath(p) for name, p in datasets.items()},
+        "datasets": {name: _absolute(p) for name, p in datasets.items()},
     }
-    path = os.path.join(job_config.job.dump_folder, RUN_RECORD)
+    dump = job_config.job.dump_folder
+    path = os.path.join(dump, RUN_RECORD)
     if os.path.isfile(path):
         check_same_model(read_run_record(path), record["model_args"], path)
     elif int(os.environ.get("RANK", "0")) == 0:
-        os.makedirs(job_config.job.dump_folder, exist_ok=True)
-        write_checked_json(path, record)
+        os.makedirs(dump, exist_ok=True)
+        write_checked_json(path, _map_paths(record, lambda p: _relative(p, dump)))
     return record
 
 
 def read_run_record(path: str) -> dict:
+    """A run record, its paths absolute (written relative to its folder: see the module)."""
     if not os.path.isfile(path):
         raise RunRecordError(
             f"{path} not found: it is written by `torchtitan train` when a run starts; the "
             "checkpoint must sit in {dump_folder}/{checkpoint.folder}/step-N of such a run"
         )
     try:
-        return read_checked_json(path)
+        record = read_checked_json(path)
     except DamagedFileError as e:
         raise RunRecordError(
             f"{e}. It is the run's record of its model (written at its start); delete it and "
             "rerun: the run writes it again from its config, and each checkpoint's own identity "
             "is still checked against the data; or restore it from a copy"
         ) from None
+    folder = os.path.dirname(os.path.abspath(path))
+    return _map_paths(record, lambda p: os.path.normpath(os.path.join(folder, p)))
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def _absolute(path: str) -> str:
+    return path if _is_url(path) else os.path.abspath(path)
+
+
+def _relative(path: str, dump: str) -> str:
+    """``path`` relative to the dump folder if it lies inside it or inside this process's
+    working folder (the project), else as it is (absolute)."""
+    if not path or _is_url(path):
+        return path
+    path = os.path.abspath(path)
+    for root in (os.path.abspath(dump), os.getcwd()):
+        if path == root or path.startswith(root.rstrip(os.sep) + os.sep):
+            return os.path.relpath(path, os.path.abspath(dump))
+    return path
+
+
+def _map_paths(record: dict, fn) -> dict:
+    """``record`` with ``fn`` applied to each relative-or-absolute path it holds (URLs and
+    absolute paths are kept by the reader's ``fn``: ``os.path.join`` keeps an absolute one)."""
+    out = dict(record)
+
+    def one(p):
+        return p if not isinstance(p, str) or not p or _is_url(p) else fn(p)
+
+    if "hf_assets_path" in out:
+        out["hf_assets_path"] = one(out["hf_assets_path"])
+    for key in ("codec", "tokenizer"):
+        if isinstance(out.get(key), dict) and "path" in out[key]:
+            out[key] = {**out[key], "path": one(out[key]["path"])}
+    if isinstance(out.get("datasets"), dict):
+        out["datasets"] = {k: one(v) for k, v in out["datasets"].items()}
+    return out
 
 
 def check_same_model(

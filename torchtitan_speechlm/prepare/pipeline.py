@@ -65,6 +65,7 @@ from torchtitan_speechlm.prepare.worker import (
 )
 from torchtitan_speechlm.utils.audio import BadAudioError
 from torchtitan_speechlm.utils.fileio import write_json_atomic
+from torchtitan_speechlm.utils.progress import Progress
 from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
 
 
@@ -477,7 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace a non-empty --out that is not this same preparation",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-progress",
+        "--quiet",
+        dest="no_progress",
+        action="store_true",
+        help="no progress lines on stderr (a line at least every 5 s otherwise)",
+    )
     p.add_argument(
         "--waveforms",
         type=int,
@@ -520,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point for ``torchtitan prepare``; returns the exit status."""
     join = argparse.ArgumentParser(add_help=False)
     join.add_argument("--join", metavar="OUT")
-    join.add_argument("--no-progress", action="store_true")
+    join.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true")
     ja, rest = join.parse_known_args(argv)
     if ja.join is not None:
         if rest:
@@ -565,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.waveforms < 0:
         print(f"error: --waveforms {args.waveforms}: give a sample rate in Hz", file=sys.stderr)
         return 1
+    said = Progress("prepare", not args.no_progress).start()  # between its own lines
+    said.status = f"preparing {args.out}: reading the source, checking the tokenizer, the codec"
     try:
         s = prepare_dataset(
             None, args.codec, args.tokenizer, args.out, batch_size=args.batch_size,
@@ -596,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
             PlanMismatchError, NoItemsError, SplitError, RemoteDatasetError) as e:  # fmt: skip
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        said.stop()
     for _, summary in parts:
         print(format_summary(summary))
     if args.dev_fraction is not None and all("num_items" in s[n] for n in ("train", "dev")):

@@ -35,27 +35,32 @@ from torchtitan_speechlm.prepare.worker import (
     use_in_process,
 )
 from torchtitan_speechlm.utils.audio import BadAudioError
+from torchtitan_speechlm.utils.progress import Progress
 
 
-class Progress:
-    """A throttled 'items done / total, audio s/s, ETA' line on stderr."""
+class ItemProgress:
+    """A throttled 'items done / total, audio s/s, ETA' line on stderr, and between lines the
+    heartbeat of utils/progress.py (workers starting, a long shard: never silent for long)."""
 
     def __init__(self, total: int, enabled: bool, every_s: float = 2.0):
-        self.total, self.enabled, self.every_s = total, enabled, every_s
+        self.total, self.every_s = total, every_s
+        self.line = Progress("prepare", enabled)
+        self.line.status = f"encoding: 0/{total} items (starting)"
         self.start = self.last = time.monotonic()
         self.done, self.seconds = 0, 0.0
 
     def add(self, items: int, seconds: float) -> None:
         self.done += items
         self.seconds += seconds
+        self.line.status = f"encoding: {self.done}/{self.total} items"
         now = time.monotonic()
-        if not self.enabled or (now - self.last < self.every_s and self.done < self.total):
+        if now - self.last < self.every_s and self.done < self.total:
             return
         self.last = now
         elapsed = max(now - self.start, 1e-9)
         eta = (self.total - self.done) * elapsed / max(self.done, 1)
-        print(f"prepare: {self.done}/{self.total} items, {self.seconds / elapsed:.1f} audio s/s, "
-              f"elapsed {elapsed:.0f}s, ETA {eta:.0f}s", file=sys.stderr, flush=True)  # fmt: skip
+        self.line.say(f"{self.done}/{self.total} items, {self.seconds / elapsed:.1f} audio s/s, "
+                      f"elapsed {elapsed:.0f}s, ETA {eta:.0f}s")  # fmt: skip
 
 
 def run_shards(tasks: Iterable[ShardTask], out_dir: str, cfg: WorkerConfig, workers: int,
@@ -67,9 +72,15 @@ def run_shards(tasks: Iterable[ShardTask], out_dir: str, cfg: WorkerConfig, work
     if total is None or count is None:
         tasks = list(tasks)
         total, count = sum(len(t.items) for t in tasks), len(tasks)
-    bar = Progress(total, progress)
+    bar = ItemProgress(total, progress)
     if not count:
         return 0.0
+    with bar.line:
+        return _run_shards(tasks, out_dir, cfg, workers, codec, tok, bar, count)
+
+
+def _run_shards(tasks, out_dir: str, cfg: WorkerConfig, workers: int, codec, tok,
+                bar: ItemProgress, count: int) -> float:  # fmt: skip
     if workers == 1:
         use_in_process(cfg, codec, tok, bar.add)
         for t in tasks:
@@ -202,10 +213,25 @@ def fit_or_reuse_codec(fitter: Fitter, out: str, items, settings: FitSettings,
                 + ", ".join(f"{k} {a} there, {b} asked" for k, (a, b) in differ.items())
                 + f"); pass --overwrite to refit it, or choose another {flag} folder"
             )
+    with Progress("prepare", progress) as said:
+        said.say(f"reading {seconds:g} s of audio to fit the {fitter.label} codec {out} on")
+        wavs, total = _fit_audio(fitter, items, settings, seconds, hf_reader, said)
+        _check_fit_audio(wavs, total, seconds, flag)
+        said.say(f"fitting the {fitter.label} codec on {total:.0f}s of audio")
+        t0 = time.monotonic()
+        fitter.fit(wavs, out, settings, size)
+        said.say(f"fitted {fitter.label} codec {out} on {total:.0f}s of audio "
+                 f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
+    return out
+
+
+def _fit_audio(fitter: Fitter, items, settings: FitSettings, seconds: float, hf_reader,
+               said: Progress) -> tuple[list, float]:  # fmt: skip
+    """Randomly chosen readable input audio (``fit_order``) until ``seconds`` are read."""
     sr = fitter.sample_rate
     reader = HFAudioReader(*hf_reader) if hf_reader else None
     refs = AudioRefs(items)  # (a list of every reference would be O(items))
-    wavs, total, t0 = [], 0.0, time.monotonic()
+    wavs, total = [], 0.0
     for j in fit_order(len(refs), settings.seed):
         try:
             w = load_ref(refs[j], sr, reader)
@@ -213,8 +239,13 @@ def fit_or_reuse_codec(fitter: Fitter, out: str, items, settings: FitSettings,
             continue  # reported later, when the item itself is prepared
         wavs.append(w)
         total += len(w) / sr
+        said.status = f"reading audio to fit the codec on: {total:.0f} of {seconds:g} s"
         if total >= seconds:
             break
+    return wavs, total
+
+
+def _check_fit_audio(wavs: list, total: float, seconds: float, flag: str) -> None:
     if not wavs:
         raise CodecError(f"cannot fit a codec ({flag}): no readable audio in the input")
     if total < seconds:
@@ -223,8 +254,3 @@ def fit_or_reuse_codec(fitter: Fitter, out: str, items, settings: FitSettings,
             f"codec on, the input has {total:.0f} s; pass --kmeans-seconds {int(total)} to fit "
             "on all of it (a codec serves the voices it was fitted on), or give more audio"
         )
-    fitter.fit(wavs, out, settings, size)
-    if progress:
-        print(f"prepare: fitted {fitter.label} codec {out} on {total:.0f}s of audio "
-              f"({time.monotonic() - t0:.1f}s)", file=sys.stderr, flush=True)  # fmt: skip
-    return out

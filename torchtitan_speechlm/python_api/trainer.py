@@ -367,7 +367,10 @@ class TitanTrainer:
         # every rank parses its own copy (rank 0's file may not be visible yet)
         with tempfile.TemporaryDirectory() as tmp:
             path = write_toml(os.path.join(tmp, TOML_NAME), sections)
-            return check_config(torchtitan_args(["--job.config_file", path]), external)
+            try:
+                return check_config(torchtitan_args(["--job.config_file", path]), external)
+            except ConfigError as e:  # its one line, not the checks' call stack
+                raise ConfigError(str(e)) from None
 
     def _choose_wandb(self):
         run = current_run()

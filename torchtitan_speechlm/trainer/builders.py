@@ -120,7 +120,8 @@ def check_data(job_config, plan: RunPlan) -> None:
         return
     stream(job_config, plan, plan.data.train, "train", dp_rank=0, dp_world_size=1, training=True)
     if job_config.validation.enable:
-        for entries, split in plan.data.valid.values():
+        for name, (entries, split) in plan.data.valid.items():
+            plan.data.check_held_out(name, entries, split)
             stream(job_config, plan, entries, split, dp_rank=0, dp_world_size=1, training=False)
 
 

@@ -136,6 +136,9 @@ def _passes(trainer, rank: int, world: int) -> list:
     return [s for s in out if getattr(s, "preference", False)]
 
 
+PROGRESS_S = 5.0  # the longest the reference pass is silent (a large set takes minutes)
+
+
 def compute_reference_logps(trainer) -> dict[str, np.ndarray]:
     """Every pair's (chosen, rejected) log-probs under the current weights, per dataset: this
     rank's share of finite passes over the training mixture and the validation sets, gathered
@@ -150,6 +153,7 @@ def compute_reference_logps(trainer) -> dict[str, np.ndarray]:
     for m in trainer.model_parts:
         m.eval()
     rows, t0 = [], time.perf_counter()  # (dataset, item, chosen, rejected)
+    said = t0
     try:
         with torch.no_grad():
             for pass_ in _passes(trainer, rank, world):
@@ -181,6 +185,10 @@ def compute_reference_logps(trainer) -> dict[str, np.ndarray]:
                         out = out.float().cpu().numpy()
                     rows += [(names[int(s)], int(i), float(c), float(r))
                              for (s, i), (c, r) in zip(key, out, strict=True)]  # fmt: skip
+                    if time.perf_counter() - said > PROGRESS_S and rank == 0:  # not silent
+                        said = time.perf_counter()
+                        logger.info(f"DPO reference: {len(rows)} pairs of this rank scored "
+                                    f"({said - t0:.0f} s)")  # fmt: skip
     finally:
         for m, was in zip(trainer.model_parts, was_training, strict=True):
             m.train(was)

@@ -26,6 +26,7 @@ from torchtitan.train import Trainer
 
 from torchtitan_speechlm.data.external import ExternalData
 from torchtitan_speechlm.distributed.pipeline import STAGE_KWARGS
+from torchtitan_speechlm.model.args import describe_model_args
 from torchtitan_speechlm.model.pipeline_pairs import reference_per_frame
 from torchtitan_speechlm.trainer.builders import bind
 from torchtitan_speechlm.trainer.checks import master_weights_note
@@ -38,6 +39,7 @@ from torchtitan_speechlm.trainer.lifecycle import hold_as_rank, release_rank, tr
 from torchtitan_speechlm.trainer.preference_reference import use_reference_logps
 from torchtitan_speechlm.trainer.run import start_run
 from torchtitan_speechlm.trainer.spec import is_speechlm
+from torchtitan_speechlm.utils import compat
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
 from torchtitan_speechlm.utils.checkpoint_manifest import set_identity
 
@@ -99,11 +101,15 @@ class SpeechLMTrainer(Trainer):
             ckpt = checkpoint_folder(job_config) if job_config.checkpoint.enable else None
             track_run(dump, ckpt, lambda: getattr(self, "step", None))
         self.run = start_run(job_config, external) if is_speechlm(job_config) else None
+        if not compat.accelerator_available():  # NCCL's flight recorder: nothing on gloo,
+            job_config.comm.trace_buf_size = 0  # so no empty {dump_folder}/comm_traces/ either
         if self.run is not None:
             withdraw_save_request(job_config)
+            compat.summarise_model_args(describe_model_args)  # one line, not ~170
             note = master_weights_note(job_config, self.run.plan)
-            if note and _rank() == 0:
-                logger.warning(note)
+            if note and _rank() == 0:  # bf16 master weights lose updates: a warning
+                say = logger.info if job_config.training.dtype == "float32" else logger.warning
+                say(note)
         shapes = BatchShapeLine()
         if external is not None:
             logger.addFilter(shapes)

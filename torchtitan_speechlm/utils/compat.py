@@ -3,7 +3,7 @@
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
 texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8,
-10-12 off, so that a torchtitan with the diffs applied can be shown to need none of them
+10-14 off, so that a torchtitan with the diffs applied can be shown to need none of them
 (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
@@ -96,15 +96,34 @@ Three more of torchtitan's, for pipelines and for mixture-of-experts layers on a
     driver: expert parallelism cannot run on CPU ranks. -> ``permute_tokens_on_cpu()`` passes
     ``use_cpu=True`` for CPU tensors (torchtitan's own ``fill_indices_cpu``).
     (patches/0012-moe-permute-on-cpu.diff)
+
+Two of what a run logs, which a user reads first:
+
+13. ``torchtitan/tools/utils.py::get_peak_flops`` runs ``lspci`` and, on a CPU, warns twice
+    (``Error running lspci``, ``Peak flops undefined for: cpu, fallback to A100``, once from
+    ``train.py``'s Trainer and once from ``components/metrics.py``'s MetricsProcessor), then
+    every step line shows ``mfu: 0.00%`` against an A100's peak. -> ``quiet_peak_flops_on_cpu()``
+    gives a CPU no peak (no ``lspci``, no warnings) and drops the MFU line, the step line's
+    ``mfu`` and the ``mfu(%)`` metric on a CPU (``without_mfu_on_cpu`` wraps the metric loggers).
+    (patches/0013-no-peak-flops-on-cpu.diff)
+
+14. ``torchtitan/train.py::Trainer.__init__`` logs ``Building NAME FLAVORwith {...}``: every
+    model argument as indented JSON at INFO, about 170 lines for a SpeechLM (the backbone's
+    config.json, the vocabulary's 64 reserved tokens) in every training log.
+    -> ``summarise_model_args(describe)`` turns that record into one line (``describe`` of the
+    arguments) and logs the JSON at DEBUG. (patches/0014-model-args-at-debug.diff)
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import resource
 import sys
 from collections import namedtuple
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -122,7 +141,7 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8 and 10-12 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
+    """Fixes 1-8 and 10-14 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
     with the patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
@@ -499,3 +518,89 @@ def permute_tokens_on_cpu() -> None:
 
     generate_permute_indices._speechlm_cpu = True
     utils.generate_permute_indices = generate_permute_indices
+
+
+_MFU = re.compile(r"\s+(\x1b\[[0-9;]*m)?mfu: \S+%")  # the step line's mfu column
+
+
+class _RunLogFilter(logging.Filter):
+    """Fixes 13 and 14 on the records torchtitan logs through its (root) logger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu = False  # fix 13: drop the MFU figures
+        self.describe: Callable[[dict], str] | None = None  # fix 14: the arguments' summary
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or not isinstance(record.msg, str):
+            return True
+        msg = record.msg
+        if self.cpu and msg.startswith("Peak FLOPS used for computing MFU"):
+            return False
+        if self.cpu and "mfu: " in msg:
+            record.msg = _MFU.sub("", msg)
+        head, sep, dump = msg.partition("with {")
+        if self.describe is not None and msg.startswith("Building ") and sep:
+            try:
+                args = json.loads("{" + dump)
+            except ValueError:
+                return True
+            logging.getLogger().debug(f"{head.rstrip()} with {{{dump}")
+            record.msg = f"{head.rstrip()}: {self.describe(args)}"
+        return True
+
+
+def _run_log_filter() -> _RunLogFilter:
+    root = logging.getLogger()  # torchtitan's logger
+    found = next((f for f in root.filters if isinstance(f, _RunLogFilter)), None)
+    if found is None:
+        found = _RunLogFilter()
+        root.addFilter(found)
+    return found
+
+
+def quiet_peak_flops_on_cpu() -> None:
+    """Fix 13 (idempotent; CPU only): no peak FLOPS for a CPU, so no ``lspci``, no warnings,
+    and no MFU on the console (the metric: ``without_mfu_on_cpu``)."""
+    if accelerator_available() or not workarounds_on():
+        return
+    import torchtitan.tools.utils as tt_utils
+
+    if not getattr(tt_utils.get_peak_flops, "_speechlm_cpu", False):
+        original = tt_utils.get_peak_flops
+
+        def get_peak_flops(device_name: str) -> float:
+            # inf: torchtitan's MFU division gives 0, which is never shown (_RunLogFilter)
+            return float("inf") if device_name == "cpu" else original(device_name)
+
+        get_peak_flops._speechlm_cpu = True
+        tt_utils.get_peak_flops = get_peak_flops
+    _run_log_filter().cpu = True
+
+
+class _WithoutMfu:
+    """A metrics logger (torchtitan's BaseLogger interface) that drops ``mfu(%)``."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.inner.log({k: v for k, v in metrics.items() if k != "mfu(%)"}, step)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def without_mfu_on_cpu(metrics_logger):
+    """Fix 13's metric: ``metrics_logger`` without the ``mfu(%)`` key on a CPU (unchanged with
+    an accelerator or the switch off)."""
+    if accelerator_available() or not workarounds_on():
+        return metrics_logger
+    return _WithoutMfu(metrics_logger)
+
+
+def summarise_model_args(describe: Callable[[dict], str]) -> None:
+    """Fix 14 (idempotent): torchtitan's ``Building ... with {JSON}`` becomes one line,
+    ``describe(model arguments as a dict)``; the JSON goes to DEBUG."""
+    if workarounds_on():
+        _run_log_filter().describe = describe

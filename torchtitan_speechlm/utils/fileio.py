@@ -44,6 +44,36 @@ def write_text_atomic(path: str, text: str) -> None:
         raise
 
 
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(folder: str, names: Iterable[str] | None = None) -> None:
+    """Give ``folder`` and everything under it (or only its entries ``names``) the modes a
+    plain ``mkdir`` / ``open`` would under the user's umask: ``tempfile.mkdtemp`` (the atomic
+    export's temporary folder) makes 0700 and safetensors' writer 0600 files, so an export
+    was readable by its owner alone, whatever the umask said (a shared model folder, a
+    server's user)."""
+    mask = current_umask()
+    dir_mode, file_mode = 0o777 & ~mask, 0o666 & ~mask
+
+    def fix(path: str) -> None:
+        if not os.path.islink(path):
+            os.chmod(path, dir_mode if os.path.isdir(path) else file_mode)
+
+    if names is not None:
+        for name in names:
+            fix(os.path.join(folder, name))
+        return
+    fix(folder)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            fix(os.path.join(root, name))
+
+
 def write_json_atomic(path: str, obj, indent: int = 2) -> None:
     write_text_atomic(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
 

@@ -85,3 +85,31 @@ def test_held_out_sets_without_explicit_valid(assets, tmp_path):
     assert held == valid_items(jc, "asr_tiny_heldout")
     assert not held & train_items(jc)
     assert np.isclose(len(held) / 40, 0.3, atol=0.2)
+
+
+def test_a_valid_fraction_that_holds_out_nothing_is_named_with_the_count_and_the_fix(
+    assets, tmp_path
+):
+    """A validation set on the held-out part of a training dataset with a valid_fraction too
+    small for it (0 of its items held out) fails before any rank starts, in one line naming
+    the setting, the count, the set and the smallest fraction that holds one item out; that
+    fraction does, and the one 0.001 below it does not."""
+    from torchtitan_speechlm.config import ConfigError
+    from torchtitan_speechlm.trainer.builders import check_data
+
+    jc = job(assets, tmp_path, "--speechlm_data.valid_fraction", "0.0001")
+    with pytest.raises(ConfigError) as e:
+        check_data(jc, start_run(jc).plan)
+    msg = str(e.value)
+    fix = float(msg.split("raise valid_fraction to ")[1].split()[0])
+    assert msg == (
+        "speechlm_data.valid_fraction = 0.0001 holds out 0 of the 40 items of dataset 'tiny', "
+        "so the validation set 'asr_tiny' (asr:tiny) would be empty: raise valid_fraction to "
+        f"{fix:g} or more (the smallest that holds out one of its items), or validate on a "
+        "dataset training does not use"
+    )
+    assert len(valid_items(job(assets, tmp_path, "--speechlm_data.valid_fraction", f"{fix}"),
+                           "asr_tiny")) >= 1  # fmt: skip
+    with pytest.raises(ConfigError, match="holds out 0 of the 40 items"):
+        jc = job(assets, tmp_path, "--speechlm_data.valid_fraction", f"{fix - 0.001:g}")
+        check_data(jc, start_run(jc).plan)
