@@ -11,10 +11,9 @@ and freezes the rest (model/lora.py), so every later stage sees the adapted mode
 from __future__ import annotations
 
 from torch import nn
-from torchtitan.protocols.model_converter import register_model_converter
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.model.lora import CONVERTER, apply_lora, trained_parameters
+from torchtitan_speechlm.utils.upstream import logger, register_model_converter
 
 
 class LoraConverter:

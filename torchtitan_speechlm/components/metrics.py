@@ -15,17 +15,17 @@ from math import nan
 from typing import Any
 
 import torch
-from torchtitan.components.metrics import (
-    BaseLogger,
-    LoggerContainer,
-    MetricsProcessor,
-    _get_metrics_rank,
-)
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.nonfinite import StepGuard
 from torchtitan_speechlm.components.samples import TrainingSamples
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
+from torchtitan_speechlm.utils.upstream import (
+    BaseLogger,
+    LoggerContainer,
+    MetricsProcessor,
+    get_metrics_rank,
+    logger,
+)
 
 
 class JsonlLogger(BaseLogger):
@@ -142,7 +142,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         self.accumulator, self.guard, self.samples = accumulator, guard, samples
         self.frame_rate, self.num_streams = frame_rate, num_streams
         # the rank torchtitan logs from (a pipeline's: the first rank of the last stage)
-        log_rank = _get_metrics_rank(parallel_dims, job_config) if parallel_dims else 0
+        log_rank = get_metrics_rank(parallel_dims, job_config) if parallel_dims else 0
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == log_rank:
             container = LoggerContainer()
             container.add_logger(self.logger)

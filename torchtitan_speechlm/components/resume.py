@@ -22,8 +22,6 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
-from torchtitan.tools.logging import logger
-
 from torchtitan_speechlm.data.catalog import parse_datasets, read_dataset_metadata
 from torchtitan_speechlm.data.remote import RemoteCache, local_path
 from torchtitan_speechlm.model.pretrained import PretrainedError, read_export_config
@@ -38,6 +36,7 @@ from torchtitan_speechlm.model.run_record import (
 from torchtitan_speechlm.model.starting_point import SAME, check_same
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
 from torchtitan_speechlm.utils.checkpoint_manifest import read_identity
+from torchtitan_speechlm.utils.upstream import logger
 
 
 class ResumeError(ValueError):

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import Loaded
 from torchtitan_speechlm.model.model import build_model
 from torchtitan_speechlm.model.run_record import model_record
+from torchtitan_speechlm.utils.upstream import logger
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.format import check_compatible, id_hash, parse_metadata
@@ -25,6 +24,7 @@ from torchtitan_speechlm.data.mixing import AllItems, Source
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.data.remote import Mirror, RemoteCache, is_url, local_path
 from torchtitan_speechlm.data.tasks import TASKS
+from torchtitan_speechlm.utils.upstream import logger
 
 SPLITS = ("train", "valid", "all", "external")
 

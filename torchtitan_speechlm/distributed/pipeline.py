@@ -37,16 +37,16 @@ from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     get_schedule_class,
 )
-from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed.pipeline_parallel import (
-    build_pipeline_schedule,
-    generate_llm_fqn_per_model_part,
-)
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.loss import SpeechLMLoss
 from torchtitan_speechlm.distributed.parallelize import apply_freeze
 from torchtitan_speechlm.utils.compat import pipeline_stage_loss
+from torchtitan_speechlm.utils.upstream import (
+    TORCH_DTYPE_MAP,
+    build_pipeline_schedule,
+    generate_llm_fqn_per_model_part,
+    logger,
+)
 
 # zero-bubble schedules, whose backward runs in two halves (refused: see stage_layout)
 SPLIT_BACKWARD = ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV")

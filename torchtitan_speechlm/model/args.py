@@ -9,7 +9,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from torch import nn
-from torchtitan.protocols import BaseModelArgs
 
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs, training_flops_per_clip
@@ -17,6 +16,7 @@ from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.preference_settings import PreferenceLoss
 from torchtitan_speechlm.model.vocab import VocabLayout
+from torchtitan_speechlm.utils.upstream import BaseModelArgs
 
 
 @dataclass

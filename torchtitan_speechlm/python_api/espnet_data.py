@@ -43,9 +43,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.codecs import load_codec
 from torchtitan_speechlm.config import ConfigError
@@ -70,6 +67,7 @@ from torchtitan_speechlm.python_api.espnet_io import (
 from torchtitan_speechlm.python_api.espnet_vocab import SPECIAL_KEY, EspnetVocab, int_intervals
 from torchtitan_speechlm.utils.fileio import json_hash
 from torchtitan_speechlm.utils.text_tokenizer import tokenizer_fingerprint
+from torchtitan_speechlm.utils.upstream import IGNORE_INDEX, BaseDataLoader, logger
 
 
 class EspnetData:

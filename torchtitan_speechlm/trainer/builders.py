@@ -15,7 +15,6 @@ from dataclasses import fields, replace
 from functools import partial
 
 import numpy as np
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader
 from torchtitan_speechlm.components.loss import SpeechLMLoss
@@ -35,6 +34,7 @@ from torchtitan_speechlm.model.vocab import VocabLayout
 from torchtitan_speechlm.trainer.plan import RunPlan
 from torchtitan_speechlm.trainer.run import SpeechLMRun
 from torchtitan_speechlm.utils.compat import accelerator_available
+from torchtitan_speechlm.utils.upstream import logger
 
 NEEDS_OUR_TRAINER = (
     "the {name!r} TrainSpec is built by torchtitan_speechlm's trainer, which resolves the run "

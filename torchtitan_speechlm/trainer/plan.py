@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtitan.protocols.train_spec import get_train_spec
-
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.catalog import DataCatalog
 from torchtitan_speechlm.data.external import ExternalData
@@ -27,6 +25,7 @@ from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.lora import lora_settings
 from torchtitan_speechlm.model.patterns import PATTERNS
 from torchtitan_speechlm.model.vocab import VocabLayout
+from torchtitan_speechlm.utils.upstream import get_train_spec
 
 # keys whose value must name a registered extension (checked with a "did you mean", also for
 # values given on the command line, which the TOML check does not see)

@@ -22,12 +22,12 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.data.planner import Unit
 from torchtitan_speechlm.distributed.pipeline import STAGE_KWARGS
 from torchtitan_speechlm.trainer.builders import stream
 from torchtitan_speechlm.utils.fileio import write_json_atomic
+from torchtitan_speechlm.utils.upstream import logger
 
 REF_DIR = "preference_reference"
 LOGPS = "logps.npz"

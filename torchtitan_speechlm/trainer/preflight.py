@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.tokenizer_check import (
@@ -42,6 +41,7 @@ from torchtitan_speechlm.model.vocab import VocabLayout, VocabMismatchError
 from torchtitan_speechlm.trainer.checks import check_conflicts, check_layout
 from torchtitan_speechlm.trainer.plan import RunPlan
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
+from torchtitan_speechlm.utils.upstream import get_train_spec
 
 ADAMW_BYTES_PER_PARAM = 4 + 8  # fp32 weights + AdamW's two fp32 moments
 

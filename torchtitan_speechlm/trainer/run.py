@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from torchtitan.tools.logging import logger
-
 from torchtitan_speechlm.components.nonfinite import GuardSettings
 from torchtitan_speechlm.components.resume import (
     ResumeError,
@@ -30,6 +28,7 @@ from torchtitan_speechlm.trainer.checks import validate_job_config
 from torchtitan_speechlm.trainer.plan import RunPlan
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
 from torchtitan_speechlm.utils.checkpoint_manifest import LEGACY, set_identity, verify
+from torchtitan_speechlm.utils.upstream import logger
 
 
 @dataclass

@@ -11,8 +11,6 @@ it to them.
 
 from __future__ import annotations
 
-from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
-
 from torchtitan_speechlm.components import lora as _lora_converter  # noqa: F401 (registers it)
 from torchtitan_speechlm.distributed.parallelize import parallelize_speechlm
 from torchtitan_speechlm.distributed.pipeline import pipeline_speechlm
@@ -27,6 +25,11 @@ from torchtitan_speechlm.trainer.builders import (
     build_metrics_processor,
     build_optimizers,
     build_validator,
+)
+from torchtitan_speechlm.utils.upstream import (
+    TrainSpec,
+    get_train_spec,
+    register_train_spec,
 )
 
 SPEC_NAME = "speechlm"

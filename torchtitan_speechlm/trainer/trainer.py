@@ -21,8 +21,6 @@ import re
 
 import torch
 import torch.distributed as dist
-from torchtitan.tools.logging import logger
-from torchtitan.train import Trainer
 
 from torchtitan_speechlm.data.external import ExternalData
 from torchtitan_speechlm.distributed.pipeline import STAGE_KWARGS
@@ -40,6 +38,7 @@ from torchtitan_speechlm.trainer.run import start_run
 from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
 from torchtitan_speechlm.utils.checkpoint_manifest import set_identity
+from torchtitan_speechlm.utils.upstream import Trainer, logger
 
 SAVE_AND_STOP = "SAVE_AND_STOP"
 

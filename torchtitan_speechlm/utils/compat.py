@@ -110,6 +110,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchtitan_speechlm.utils import upstream
 from torchtitan_speechlm.utils.checkpoint_folders import complete_checkpoints
 from torchtitan_speechlm.utils.checkpoint_manifest import (
     install_stream_sums,
@@ -150,9 +151,7 @@ def use_cpu_when_no_accelerator() -> None:
     if "torchtitan.tools.utils" in sys.modules:
         # Too late for this process: torchtitan already cached "cuda". Say so instead of failing
         # later with an obscure CUDA error.
-        import torchtitan.tools.utils as tt_utils
-
-        if tt_utils.device_type != "cpu":
+        if upstream.tools_utils.device_type != "cpu":
             raise RuntimeError(
                 "torchtitan was imported before torchtitan_speechlm could select the CPU device. "
                 "Import torchtitan_speechlm first, or use the `torchtitan train` console script."
@@ -209,9 +208,7 @@ def install_torchtitan_cpu_patches() -> None:
     """Fixes 2 and 4, applied to the torchtitan modules (idempotent, no-op with an accelerator)."""
     if accelerator_available() or not workarounds_on():
         return
-    import torchtitan.components.metrics as tt_metrics
-    import torchtitan.distributed.utils as tt_dist
-
+    tt_metrics, tt_dist = upstream.metrics_module, upstream.distributed_utils
     if getattr(tt_dist, "_speechlm_cpu_patched", False):
         return
 
@@ -287,10 +284,8 @@ def install_checkpoint_safety() -> None:
     """Fix 8 and the save-error message (idempotent; on every device)."""
     import shutil
 
-    from torchtitan.components import checkpoint as tt_ckpt
-    from torchtitan.tools.logging import logger
-
-    manager = tt_ckpt.CheckpointManager
+    logger = upstream.logger
+    manager = upstream.checkpoint_module.CheckpointManager
     if getattr(manager, "_speechlm_safe", False):
         return
     install_stream_sums()
@@ -386,9 +381,7 @@ def force_sum_reduction_on_cpu(model: torch.nn.Module) -> None:
 def run_torchtitan_main(args: list[str], trainer_class) -> None:
     """Fix 5: run ``torchtitan.train.main(trainer_class)`` on ``args`` instead of import-time
     argv; then fix 9."""
-    from torchtitan.config.manager import ConfigManager
-    from torchtitan.train import main
-
+    ConfigManager, main = upstream.ConfigManager, upstream.train_main
     if not workarounds_on():  # patches/0005: parse_args reads sys.argv when called
         argv = sys.argv
         sys.argv = [argv[0], *args]
@@ -486,8 +479,7 @@ def pipeline_stage_loss(loss_sum: torch.Tensor, global_valid_tokens) -> torch.Te
 def permute_tokens_on_cpu() -> None:
     """Fix 12 (idempotent): expert parallelism's token permutation on CPU tensors runs
     torchtitan's CPU implementation instead of its Triton kernel."""
-    from torchtitan.models.moe import utils
-
+    utils = upstream.moe_utils
     if not workarounds_on() or getattr(utils.generate_permute_indices, "_speechlm_cpu", False):
         return
     original = utils.generate_permute_indices
