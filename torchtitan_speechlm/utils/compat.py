@@ -3,7 +3,7 @@
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
 texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8,
-10-12 off, so that a torchtitan with the diffs applied can be shown to need none of them
+10-14 off, so that a torchtitan with the diffs applied can be shown to need none of them
 (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
@@ -96,6 +96,24 @@ Three more of torchtitan's, for pipelines and for mixture-of-experts layers on a
     driver: expert parallelism cannot run on CPU ranks. -> ``permute_tokens_on_cpu()`` passes
     ``use_cpu=True`` for CPU tensors (torchtitan's own ``fill_indices_cpu``).
     (patches/0012-moe-permute-on-cpu.diff)
+
+Two more seams torchtitan 0.2.2 lacks, for a trainer that owns its run (trainer/trainer.py):
+
+13. ``torchtitan/train.py::Trainer.__init__`` reads its TrainSpec from the process-wide registry
+    (``get_train_spec(job_config.model.name)``), so a subclass cannot hand it a spec of its own:
+    our builders need the run the trainer resolved (its plan and training state;
+    trainer/builders.py ``RunBuilders``). -> ``init_trainer(init, job_config, train_spec)`` runs
+    ``Trainer.__init__`` with the registry answering ``train_spec`` for the job's model name, for
+    that call only. (patches/0013-trainer-train-spec-argument.diff: a ``train_spec`` argument.)
+
+14. ``torchtitan/components/checkpoint.py::CheckpointManager`` saves only on its interval or the
+    last step (``_should_save``), so a run asked to stop (``SAVE_AND_STOP``: a preemption) or the
+    Python API's ``train()`` chunks cannot checkpoint the step they stop at.
+    -> ``save_checkpoint_now(checkpointer, step, last_step)`` saves it in full unless the loop's
+    own save of this step did, reading ``_should_save`` and setting ``interval`` to 1 for that
+    one save. (patches/0014-checkpoint-save-now.diff: ``CheckpointManager.save_now``.)
+
+The switch turns 13 and 14 off too: the code then calls the public forms the diffs add.
 """
 
 from __future__ import annotations
@@ -123,7 +141,7 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8 and 10-12 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
+    """Fixes 1-8 and 10-14 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
     with the patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
@@ -491,3 +509,42 @@ def permute_tokens_on_cpu() -> None:
 
     generate_permute_indices._speechlm_cpu = True
     utils.generate_permute_indices = generate_permute_indices
+
+
+def init_trainer(init, job_config, train_spec) -> None:
+    """Fix 13: ``init(job_config)`` (torchtitan's ``Trainer.__init__``, bound) with
+    ``train_spec`` as the trainer's spec instead of the registered one of the job's model name.
+    With the switch off (patches/0013 applied) the spec is torchtitan's ``train_spec`` argument.
+    ``train_spec`` None (a job of another spec): torchtitan's own."""
+    if train_spec is None:
+        return init(job_config)
+    if not workarounds_on():
+        return init(job_config, train_spec=train_spec)
+    registry = upstream.train_spec_module
+    registered = registry.get_train_spec
+    name = job_config.model.name
+
+    def get_train_spec(asked: str):
+        return train_spec if asked == name else registered(asked)
+
+    registry.get_train_spec = get_train_spec  # torchtitan's __init__ reads it once, by name
+    try:
+        return init(job_config)
+    finally:
+        registry.get_train_spec = registered
+
+
+def save_checkpoint_now(checkpointer, step: int, last_step: bool) -> None:
+    """Fix 14: save ``step`` in full now, off the checkpoint interval, unless the loop's own
+    ``save(step, last_step)`` saved it. With the switch off (patches/0014 applied):
+    ``CheckpointManager.save_now``."""
+    if not workarounds_on():
+        return checkpointer.save_now(step, last_step)
+    if not checkpointer.enable or checkpointer._should_save(step, last_step):
+        return
+    interval = checkpointer.interval
+    checkpointer.interval = 1
+    try:
+        checkpointer.save(step)
+    finally:
+        checkpointer.interval = interval

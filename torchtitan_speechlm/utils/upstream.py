@@ -108,8 +108,8 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "ParallelAwareDataloader": ("__init__", "__iter__", "state_dict", "load_state_dict"),
     "BaseDataLoader": ("__init__", "__iter__", "state_dict", "load_state_dict"),  # python_api
     "StateDictAdapter": ("__init__", "to_hf", "from_hf"),  # model/state_dict_adapter.py
-    "BaseModelArgs": ("update_from_config", "get_nparams_and_flops"),  # model/args.py
-    "ModelProtocol": ("__init__", "init_weights"),  # model/model.py
+    "BaseModelArgs": ("__init__", "update_from_config", "get_nparams_and_flops"),  # model/args.py (a dataclass)
+    "ModelProtocol": ("__init__", "forward", "init_weights"),  # model/model.py
 }  # fmt: skip
 
 # (what, where, why, upstream: "compat fix N, patches/00NN-..." or the change that would end it)
