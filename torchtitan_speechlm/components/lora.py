@@ -29,7 +29,7 @@ class LoraConverter:
         total = sum(p.numel() for p in model.parameters())
         trained = trained_parameters(model)  # the held text rows do not train
         logger.info(
-            f"LoRA (rank {self.settings['rank']}, alpha {self.settings['alpha']}) on "
+            f"LoRA (rank {self.settings.rank}, alpha {self.settings.alpha}) on "
             f"{len(targets)} linear layers; {trained:,} of {total:,} parameters train"
         )
 

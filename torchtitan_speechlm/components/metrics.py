@@ -117,7 +117,12 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         num_streams: int,
         model_args=None,
         step_codec=None,
+        code_usage_interval: int = 0,
+        espnet_keys: bool = False,
     ):
+        """``code_usage_interval``: log per-stream code usage at these steps (0: never);
+        ``espnet_keys``: also log ESPnet TitanTrainer's keys (``speechlm.code_usage_interval``
+        and ``metrics.espnet_keys``, which the builder hands in: no section is read here)."""
         # MFU counts the head only on frames that carry loss (where it runs): see
         # num_flops_per_token below and SpeechLMModelArgs.head_flops_per_loss_frame.
         self._head_flops = (
@@ -151,7 +156,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             )
             self.logger = container
 
-        self.code_usage_interval = job_config.speechlm.code_usage_interval
+        self.code_usage_interval, self.espnet_keys = code_usage_interval, espnet_keys
         self.step_codec = step_codec  # its tokenising time is logged (components/step_codec.py)
         self._steps_since_log = 0  # train steps since the last log (should_log: once a step)
 
@@ -210,7 +215,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         self._steps_since_log = 0
         if self.step_codec is not None:
             extra.update(self.step_codec.interval_metrics(steps))
-        if self.job_config.metrics.espnet_keys:  # ESPnet TitanTrainer's dashboards' keys
+        if self.espnet_keys:  # ESPnet TitanTrainer's dashboards' keys
             extra["train/lr"] = extra.get("lr", nan)
             extra["train/grad_norm"] = grad_norm
             extra["time/iter"] = (time.perf_counter() - self.time_last_log) / steps

@@ -60,7 +60,7 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
     if parallel_dims.ep_enabled:
         apply_expert_parallel(model, parallel_dims)
         logger.info(f"Applied expert parallelism (EP={parallel_dims.ep}, torchtitan's MoE plan)")
-    apply_freeze(model, job_config.speechlm.freeze)
+    apply_freeze(model, model.args.freeze)
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
         # apply_ac wraps the children of `layers`; the backbone owns them.

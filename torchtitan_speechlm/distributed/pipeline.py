@@ -214,7 +214,7 @@ def pipeline_speechlm(
     pp_mesh = parallel_dims.get_mesh("pp")
     names, _ = stage_layout(p, len(model.backbone.layers))
     # on the whole model: a stage may hold none of a prefix's parameters, the model must
-    apply_freeze(model, job_config.speechlm.freeze)
+    apply_freeze(model, model.args.freeze)
     stages, parts = [], []
     example = stage_examples(job_config, parallel_dims, model_args, device)
     for idx in stage_indices(len(names), pp_mesh.size(), pp_mesh.get_local_rank()):

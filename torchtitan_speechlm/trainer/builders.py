@@ -30,6 +30,7 @@ from torchtitan_speechlm.components.validate import SpeechLMValidator
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.catalog import MixEntry
 from torchtitan_speechlm.data.format import KINDS
+from torchtitan_speechlm.data.settings import StreamSettings
 from torchtitan_speechlm.data.stream import SpeechLMDataset
 from torchtitan_speechlm.distributed.batch import accumulation_steps
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -117,6 +118,8 @@ class RunBuilders:
             num_streams=run.plan.num_streams,
             model_args=model_args,
             step_codec=run.step_codec,
+            code_usage_interval=job_config.speechlm.code_usage_interval,
+            espnet_keys=job_config.metrics.espnet_keys,
         )
 
     def optimizers(self, model_parts, optimizer_config, parallel_dims, ft_manager=None):
@@ -135,56 +138,44 @@ class RunBuilders:
 
 # ---- data ----------------------------------------------------------------------------------------
 def stream(
-    job_config, plan: RunPlan, entries: list[MixEntry], split: str, *, dp_rank: int,
-    dp_world_size: int, training: bool, training_shape: bool = False,
+    plan: RunPlan, entries: list[MixEntry], split: str, settings: StreamSettings, *,
+    dp_rank: int, dp_world_size: int, accumulation: int = 1,
 ) -> SpeechLMDataset:  # fmt: skip
-    """A train (infinite, shuffled, augmented) or validation (finite, ordered, clean) stream.
-
-    Training steps hold torchtitan's global batch: ``accumulation`` micro-batches per rank,
-    exactly as torchtitan's Trainer computes its gradient accumulation steps.
-    ``training_shape``: a finite stream in training's rows and ``seq_len`` (a pipeline's
-    stages exchange those shapes only: DPO's reference pass)."""
-    data = job_config.speechlm_data
-    if training or training_shape:
-        seq_len, rows = job_config.training.seq_len, job_config.training.local_batch_size
-        accumulation = accumulation_steps(job_config.training, dp_world_size) if training else 1
-        key = "training.seq_len"
-    else:
-        v = job_config.validation
-        seq_len = v.seq_len if v.seq_len > 0 else job_config.training.seq_len
-        rows, accumulation = v.local_batch_size, 1
-        key = "validation.seq_len" if v.seq_len > 0 else "training.seq_len"
+    """This rank's share of a stream over ``entries`` (``split`` of their datasets):
+    ``settings`` is the plan's training stream (infinite, shuffled, augmented) or one of its
+    finite forms (``for_validation``, ``finite``)."""
     return SpeechLMDataset(
         plan.data.sources(entries, split),
-        plan.template_builder(job_config),
-        seq_len=seq_len,
-        local_batch_size=rows,
-        max_tokens=data.max_tokens,
-        mode=data.batching,
-        window=data.window,
+        plan.template_builder(),
+        settings,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         accumulation=accumulation,
-        seed=data.seed,
-        shuffle=data.shuffle and training,
-        infinite=training,
-        cfg_dropout=data.cfg_dropout if training else 0.0,
-        max_too_long_fraction=data.max_too_long_fraction if training else 1.0,
-        seq_len_key=key,
-        order=data.order,
     )
+
+
+def train_stream(job_config, plan: RunPlan, *, dp_rank: int, dp_world_size: int):
+    """The training stream: its steps hold torchtitan's global batch, ``accumulation``
+    micro-batches per rank, exactly as torchtitan's Trainer computes its gradient accumulation
+    steps (from its ``[training]`` section)."""
+    accumulation = accumulation_steps(job_config.training, dp_world_size)
+    return stream(
+        plan, plan.data.train, "train", plan.train_stream,
+        dp_rank=dp_rank, dp_world_size=dp_world_size, accumulation=accumulation,
+    )  # fmt: skip
 
 
 def check_data(job_config, plan: RunPlan) -> None:
     """Build the training stream and every validation set once, as the ranks will: bad
-    mixtures, empty entries, bad batching values and lengths that do not fit ``seq_len`` fail
-    here, before any rank starts."""
+    mixtures, empty entries and lengths that do not fit ``seq_len`` fail here, before any rank
+    starts (bad batching values already did, when the plan read them)."""
     if plan.external is not None:  # a Python data object checks its own
         return
-    stream(job_config, plan, plan.data.train, "train", dp_rank=0, dp_world_size=1, training=True)
+    train_stream(job_config, plan, dp_rank=0, dp_world_size=1)
     if job_config.validation.enable:
+        valid = plan.train_stream.for_validation(job_config.validation)
         for entries, split in plan.data.valid.values():
-            stream(job_config, plan, entries, split, dp_rank=0, dp_world_size=1, training=False)
+            stream(plan, entries, split, valid, dp_rank=0, dp_world_size=1)
 
 
 def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
@@ -215,10 +206,7 @@ def build_dataloader(run: SpeechLMRun, dp_world_size: int, dp_rank: int, job_con
             accumulation=accumulation_steps(job_config.training, dp_world_size),
             continuous_frames=audio.frames_of if audio else None,
         )
-    dataset = stream(
-        job_config, plan, plan.data.train, "train",
-        dp_rank=dp_rank, dp_world_size=dp_world_size, training=True,
-    )  # fmt: skip
+    dataset = train_stream(job_config, plan, dp_rank=dp_rank, dp_world_size=dp_world_size)
     logger.info(
         "SpeechLM data: "
         + ", ".join(
@@ -255,17 +243,11 @@ def validation_sets(job_config, run: SpeechLMRun, dp_rank: int, dp_world_size: i
             name: partial(plan.external.valid_dataset, name, plan.layout, continuous_frames=frames)
             for name in plan.data.valid
         }
+    valid = plan.train_stream.for_validation(job_config.validation)
     return {
         name: partial(
-            stream,
-            job_config,
-            plan,
-            entries,
-            split,
-            dp_rank=dp_rank,
-            dp_world_size=dp_world_size,
-            training=False,
-        )  # fmt: skip
+            stream, plan, entries, split, valid, dp_rank=dp_rank, dp_world_size=dp_world_size
+        )
         for name, (entries, split) in plan.data.valid.items()
     }
 
@@ -302,10 +284,9 @@ def sample_prompts(job_config, plan: RunPlan) -> SamplePrompts:
             prompts.append(ds[same[(same.index(i) + 1) % len(same)]] if len(same) > 1 else None)
         return [ds[i] for i in chosen], prompts
 
-    tokenizer = next(iter(plan.data.metadata.values()))["tokenizer"]
     return SamplePrompts(
         plan.codec,
-        tokenizer.get("path", ""),
+        plan.data.tokenizer.get("path", ""),
         plan.frame_rate,
         lambda count: speech(count)[0],
         lambda count: speech(count)[1],

@@ -489,12 +489,12 @@ def test_lora_keeps_the_towers_freeze_options(assets):
     """LoRA freezes the model, then the tower's own options apply again: the adaptor trains,
     a frozen encoder stays frozen, Whisper's fixed positions stay fixed."""
     pytest.importorskip("peft")
-    from torchtitan_speechlm.model.lora import apply_lora
+    from torchtitan_speechlm.model.lora import LoraSettings, apply_lora
 
     for freeze_encoder in (True, False):
         model = speechlm(assets, freeze_encoder=freeze_encoder)
-        settings = dict(rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj"],
-                        train_audio_rows=False, train_head=False)  # fmt: skip
+        settings = LoraSettings(rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj"],
+                                train_audio_rows=False, train_head=False)  # fmt: skip
         apply_lora(model, settings)
         tower = dict(model.audio_encoder.named_parameters())
         assert all(p.requires_grad for n, p in tower.items() if n.startswith("adaptor."))
