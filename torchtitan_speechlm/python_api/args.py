@@ -73,10 +73,7 @@ FREEZE_PREFIXES = (
 
 def config_class() -> type:
     """torchtitan's JobConfig with our sections merged, as ``torchtitan train`` builds it."""
-
-    return upstream.ConfigManager()._maybe_add_custom_config(
-        ["--job.custom_config_module", CONFIG_MODULE], None
-    )
+    return upstream.job_config_class(CONFIG_MODULE)
 
 
 def section_names() -> list[str]:

@@ -19,6 +19,9 @@ contact-surface section of docs/architecture.md, without importing torch):
   given); the others read a private helper instead of copying its rule, and say what the
   upstream change would be.
 
+Besides the tables, ``job_config_class`` wraps one private call, so that the private name is
+read here and nowhere else (as the ``SYMBOLS`` that name a private attribute do).
+
 Not here: torchtitan's TOML schema and command line (``ConfigManager``) are reached through
 ``config/`` and ``commands/train.py`` with these symbols, and the sections we add to the job
 config are ours (``config/job_config.py``).
@@ -149,16 +152,26 @@ PRIVATE: tuple[tuple[str, str, str, str], ...] = (
      "tower per clip; torchtitan fixes one figure per run",
      "a MetricsProcessor hook giving the FLOPs of the logged interval"),
     ("ConfigManager._maybe_add_custom_config",
-     "python_api/args.py config_class",
+     "utils/upstream.py job_config_class (python_api/args.py)",
      "the JobConfig class with our sections merged, without parsing a command line (the Python "
      "API writes a TOML from it)",
      "a public ConfigManager.job_config_class(custom_config_module)"),
-    ("Trainer.checkpointer.load replaced on the instance for one call",
+    ("Trainer.checkpointer.load replaced on the instance for one call (and validation.enable "
+     "set for it)",
      "python_api/trainer.py ChunkedTrainer.train_until",
      "the Python API's train() chunks call torchtitan's train() again; the checkpoint was loaded "
-     "once, and a second load would rewind the chunk",
+     "once, and a second load would rewind the chunk (a chunk of train() does not validate)",
      "a Trainer.train(load_checkpoint=True) argument"),
 )  # fmt: skip
+
+
+def job_config_class(custom_config_module: str) -> type:
+    """torchtitan's JobConfig class with ``custom_config_module``'s sections merged, without
+    parsing a command line (PRIVATE: ``ConfigManager._maybe_add_custom_config``)."""
+    manager = __getattr__("ConfigManager")()
+    return manager._maybe_add_custom_config(
+        ["--job.custom_config_module", custom_config_module], None
+    )
 
 
 def __getattr__(name: str):
