@@ -2,13 +2,17 @@
 
 ``RunPlan.resolve`` reads each section through the layer that owns it and checks what spans
 sections: the backbone family of the spec's flavor and its config (``model.hf_assets_path``),
-the data catalog (``[speechlm_data]``: data/catalog.py) or a Python data object, the vocabulary
-layout (the backbone's text rows + the codec's streams), the audio encoder (``[audio_encoder]``:
-model/audio/tower.py), LoRA (``[lora]``: model/lora.py), the loss weights against the codec's
-streams, and continuous-audio tasks against the encoder and the data's waveforms. The model
-args follow from it (``model_args``). The plan is a value: the launcher resolves one to check
-the job before any rank starts, each rank's trainer resolves its own (trainer.py) and hands it
-to the spec's builders; nothing is cached in a module or on the job config.
+the data catalog (``[speechlm_data]``: data/catalog.py, each dataset's codec a
+``CodecIdentity``) or a Python data object, the vocabulary layout (the backbone's text rows +
+the codec's streams), the audio encoder (``[audio_encoder]``: model/audio/tower.py), LoRA
+(``[lora]``: model/lora.py ``LoraSettings``), the loss weights against the codec's streams,
+continuous-audio tasks against the encoder and the data's waveforms, the model args
+(``[speechlm]``: model/args.py), the training stream's settings (data/settings.py
+``StreamSettings.from_config``) and the data order. It is the one reader: the plan holds these
+typed values and nothing reads the job config's SpeechLM sections for the run again. The plan
+is a value: the launcher resolves one to check the job before any rank starts, each rank's
+trainer resolves its own (trainer.py) and hands it to the spec's builders; nothing is cached in
+a module or on the job config.
 """
 
 from __future__ import annotations
