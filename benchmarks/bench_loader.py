@@ -38,7 +38,7 @@ from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader
 from torchtitan_speechlm.data.catalog import parse_datasets
 from torchtitan_speechlm.data.mixing import Source
 from torchtitan_speechlm.data.stream import SpeechLMDataset
-from torchtitan_speechlm.trainer.builders import stream
+from torchtitan_speechlm.trainer.builders import stream, train_stream
 from torchtitan_speechlm.trainer.run import prepare_run
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
@@ -141,7 +141,10 @@ def job(config: str, *overrides: str):
 
 def dataset(jc, training=True):
     plan = prepare_run(jc)[0]
-    return stream(jc, plan, plan.data.train, "train", dp_rank=0, dp_world_size=1, training=training)
+    if training:
+        return train_stream(jc, plan, dp_rank=0, dp_world_size=1)
+    valid = plan.train_stream.for_validation(jc.validation)  # a finite pass over the mixture
+    return stream(plan, plan.data.train, "train", valid, dp_rank=0, dp_world_size=1)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -51,7 +51,7 @@ MODES = ("full", "lora", "lora_adapters_only")
 def measure(mode: str, shape: str, rank: int, device: str, repeats: int) -> dict:
     """One mode's step time and peak memory (run in a fresh process)."""
     import torchtitan_speechlm  # noqa: F401  (selects the CPU device before torchtitan)
-    from torchtitan_speechlm.model.lora import apply_lora
+    from torchtitan_speechlm.model.lora import LoraSettings, apply_lora
 
     h, layers, heads, kv, ffn, text, b, t, docs = SHAPES[shape]
     torch.manual_seed(0)
@@ -68,7 +68,7 @@ def measure(mode: str, shape: str, rank: int, device: str, repeats: int) -> dict
         family="qwen3",
     )
     if mode != "full":
-        settings = dict(
+        settings = LoraSettings(
             rank=rank,
             alpha=2.0 * rank,
             dropout=0.0,

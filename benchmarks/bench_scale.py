@@ -181,7 +181,7 @@ def child(kind: str, toml: str, state_path: str) -> dict:
 
     from torchtitan_speechlm.data.catalog import open_prepared
     from torchtitan_speechlm.data.index_store import CHECKED_ENV, export_checked_indexes
-    from torchtitan_speechlm.trainer.builders import check_data, stream
+    from torchtitan_speechlm.trainer.builders import check_data, train_stream
     from torchtitan_speechlm.trainer.preflight import check_training_data
     from torchtitan_speechlm.trainer.run import prepare_run
 
@@ -208,7 +208,7 @@ def child(kind: str, toml: str, state_path: str) -> dict:
     ds = open_prepared(os.path.abspath(plan.data.datasets["train"]), plan.data.verify_shards)
     out["open_s"], out["open_cpu_s"] = time.perf_counter() - t1, time.process_time() - c1
     out["index"] = {"built": ds.index_info.built, "verified_full": ds.index_info.verified_full}
-    st = stream(jc, plan, plan.data.train, "train", dp_rank=RANK, dp_world_size=DP, training=True)
+    st = train_stream(jc, plan, dp_rank=RANK, dp_world_size=DP)
     if kind == "resume":
         with open(state_path, "rb") as f:
             st.load_state_dict(pickle.load(f))

@@ -6,12 +6,13 @@ import copy
 import torch
 
 from tests.helpers import build_speechlm
+from torchtitan_speechlm.model.lora import LoraSettings
 from torchtitan_speechlm.model.model import SpeechLM, build_model
 
 TARGETS = ["q_proj", "v_proj", "mlp.down_proj"]
 
 
-def settings(**kw) -> dict:
+def settings(**kw) -> LoraSettings:
     base = dict(
         rank=4,
         alpha=8.0,
@@ -20,7 +21,7 @@ def settings(**kw) -> dict:
         train_audio_rows=False,
         train_head=False,
     )
-    return {**base, **kw}
+    return LoraSettings(**{**base, **kw})
 
 
 def lora_model(backbone_dir, **kw) -> SpeechLM:

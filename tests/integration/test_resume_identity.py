@@ -12,6 +12,7 @@ import pytest
 
 from tests.helpers import make_tiny_run_assets, run_train, write_tiny_config
 from tests.tiny_codecs import build_codec
+from torchtitan_speechlm.model.codec_identity import CodecIdentity
 from torchtitan_speechlm.model.run_record import RunRecordError, check_same_data
 from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 
@@ -66,12 +67,13 @@ def test_resume_onto_data_of_another_codec_is_refused_naming_both(tmp_path):
     assert (dump / "checkpoint" / "step-4").is_dir()
 
 
-CODEC = {"name": "encodec", "path": "/c/a", "config_hash": "aaaa"}
+CODEC_ENTRY = {"name": "encodec", "path": "/c/a", "config_hash": "aaaa"}  # as records hold it
+CODEC = CodecIdentity.from_dict(CODEC_ENTRY)
 TOKENIZER = {"path": "/t/a", "vocab_size": 259, "hash": "t1"}
 
 
 def test_another_tokenizer_is_refused_and_an_old_record_resumes_with_a_warning():
-    record = {"codec": CODEC, "tokenizer": TOKENIZER, "datasets": {"tiny": "/d/a"}}
+    record = {"codec": CODEC_ENTRY, "tokenizer": TOKENIZER, "datasets": {"tiny": "/d/a"}}
     other_tok = {"path": "/t/b", "vocab_size": 259, "hash": "t2"}
     try:
         check_same_data(record, CODEC, other_tok, {"tiny": "/d/b"}, "R")

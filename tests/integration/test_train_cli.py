@@ -145,7 +145,7 @@ def test_stock_torchtitan_parses_the_same_toml_and_its_trainer_is_told_what_to_r
 
 
 def test_each_builder_gets_the_run_its_trainer_resolved_once(assets, tmp_path, monkeypatch):
-    """One resolve per trainer, handed to the spec's builders (builders.bind): the model args
+    """One resolve per trainer, handed to the spec's builders (builders.RunBuilders): the model args
     torchtitan reads, the data loader, loss, metrics and optimizers all see that run's plan and
     share its training state; a second run in the same process gets its own state; nothing is
     stored on the job config."""
@@ -154,7 +154,7 @@ def test_each_builder_gets_the_run_its_trainer_resolved_once(assets, tmp_path, m
 
     from torchtitan_speechlm.commands.train import check_config, torchtitan_args
     from torchtitan_speechlm.trainer import plan as plan_module
-    from torchtitan_speechlm.trainer.builders import bind
+    from torchtitan_speechlm.trainer.builders import RunBuilders
     from torchtitan_speechlm.trainer.run import start_run
 
     cfg = write_tiny_config(tmp_path / "c.toml", assets, tmp_path / "run")
@@ -167,7 +167,7 @@ def test_each_builder_gets_the_run_its_trainer_resolved_once(assets, tmp_path, m
         classmethod(lambda cls, *a, **k: builds.append(a) or real(cls, *a, **k)),
     )  # fmt: skip
     run = start_run(job)
-    spec = bind(get_train_spec(job.model.name), run)
+    spec = RunBuilders(run).train_spec(get_train_spec(job.model.name))
     assert len(builds) == 1
     args = spec.model_args[job.model.flavor]
     assert args is run.model_args and args.layout == run.plan.layout

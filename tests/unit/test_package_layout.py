@@ -171,3 +171,60 @@ def test_every_package_says_what_it_holds():
     for d, _, files in os.walk(PKG):
         if any(f.endswith(".py") for f in files) and "__pycache__" not in d:
             assert (Path(d) / "__init__.py").exists(), d
+
+
+def test_only_the_contact_module_imports_torchtitan(tmp_path, monkeypatch):
+    """Every torchtitan symbol reaches the package through utils/upstream.py (docs/architecture.md,
+    The contact surface with torchtitan); the checker finds a direct import at any depth (a tree
+    built here)."""
+    assert import_graph.direct_upstream_imports() == []
+    pkg = tmp_path / "torchtitan_speechlm"
+    (pkg / "utils").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "utils" / "__init__.py"):
+        init.write_text("")
+    (pkg / "utils" / "upstream.py").write_text("import torchtitan.train\n")
+    (pkg / "a.py").write_text("def f():\n    from torchtitan.tools.logging import logger\n")
+    (pkg / "b.py").write_text("import torchtitan_speechlm.utils.upstream\n")
+    monkeypatch.setattr(import_graph, "ROOT", pkg)
+    assert import_graph.direct_upstream_imports() == [("a", 2, "torchtitan.tools.logging")]
+    assert any("a imports torchtitan.tools.logging" in p for p in import_graph.report([]))
+
+
+def test_the_contact_surface_resolves_against_the_installed_torchtitan():
+    """A torchtitan upgrade is a reading of utils/upstream.py: each symbol still resolves, each
+    method our subclasses override still exists upstream, each symbol is used by the package,
+    and what a subclass of ours overrides of a torchtitan class is listed in OVERRIDES."""
+    import importlib
+    import re
+
+    from torchtitan_speechlm.utils import upstream
+
+    sources = {p: p.read_text() for p in PKG.rglob("*.py") if p != PKG / "utils" / "upstream.py"}
+    for name in upstream.SYMBOLS:
+        assert getattr(upstream, name) is not None, name
+        assert any(re.search(rf"\b{name}\b", text) for text in sources.values()), f"{name} unused"
+    for module in ("trainer.trainer", "components.metrics", "components.validate",
+                   "components.dataloader", "model.state_dict_adapter", "model.model",
+                   "python_api.trainer", "python_api.espnet_data", "python_api.wandb_run"):  # fmt: skip
+        importlib.import_module(f"torchtitan_speechlm.{module}")
+    for cls_name, methods in upstream.OVERRIDES.items():
+        base = getattr(upstream, cls_name)
+        declared = set(getattr(base, "__annotations__", {}))  # attributes set per instance
+        missing = [m for m in methods if not hasattr(base, m) and m not in declared]
+        assert not missing, f"torchtitan's {cls_name} no longer has {missing}"
+        pending = list(base.__subclasses__())
+        while pending:
+            sub = pending.pop()
+            pending.extend(sub.__subclasses__())
+            if not sub.__module__.startswith("torchtitan_speechlm"):
+                continue
+            own = {  # methods and properties written in the class body that torchtitan has
+                n for n, v in vars(sub).items()
+                if (hasattr(base, n) or n in declared) and (n == "__init__" or not n.startswith("__"))
+                and (callable(v) or isinstance(v, (property, classmethod, staticmethod)))
+            }  # fmt: skip
+            unlisted = own - set(methods)
+            assert not unlisted, (
+                f"{sub.__module__}.{sub.__name__} overrides {sorted(unlisted)} of torchtitan's "
+                f"{cls_name}: list them in utils/upstream.py OVERRIDES"
+            )

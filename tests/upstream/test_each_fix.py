@@ -1,4 +1,4 @@
-"""What each workaround in utils/compat.py (fixes 1-8, 10-14) does, tried as torchtitan is used.
+"""What each workaround in utils/compat.py (fixes 1-8, 10-16) does, tried as torchtitan is used.
 
 These are the tests of the sufficiency check (patches/check_sufficiency.py, `make
 patches-check`): with ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` they pass on a torchtitan with
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.upstream
 # test name -> the compat fixes (and patches/ diffs) it exercises: with that diff left out and
 # the workarounds off, the test must fail
 FIXES = {
-    "test_one_process_trains_on_cpu_through_the_console_script": (1, 2, 5),
+    "test_one_process_trains_on_cpu_through_the_console_script": (1, 2, 5, 15),
     "test_two_process_fsdp_on_gloo_matches_one_process": (3, 4),
     "test_ddp_with_accumulation_matches_one_process": (6, 7),
     "test_purge_never_counts_a_half_written_checkpoint": (8,),
@@ -36,6 +36,7 @@ FIXES = {
     "test_expert_parallelism_matches_one_process": (12,),
     "test_a_cpu_run_logs_no_gpu_peak_flops_and_no_mfu": (13,),
     "test_the_model_arguments_are_one_line_at_info": (14,),
+    "test_a_step_off_the_interval_is_saved_once_when_asked": (16,),
 }
 
 STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--validation.enable", "false")
@@ -103,7 +104,8 @@ def test_one_process_trains_on_cpu_through_the_console_script(train):
     """Fix 1: torchtitan picks the CPU (not CUDA) without an accelerator; fix 2: its device
     memory monitor works on the CPU and reports the process's peak RSS; fix 5: torchtitan's
     ``main`` parses the arguments our console script hands it (``torchtitan train ...``), not
-    those of the process it was imported in."""
+    those of the process it was imported in; fix 15: torchtitan's Trainer builds the run from
+    the spec our trainer hands it (its builders bound to the run), not the registered one."""
     rows = reference(train)
     assert sorted(rows) == [1, 2]
     assert all(row["memory/max_reserved(GiB)"] > 0 for row in rows.values())
@@ -208,6 +210,34 @@ def test_a_resave_removes_the_old_index_before_the_ranks_write(tmp_path, monkeyp
         None, {"w": torch.zeros(2)}, str(target), tt_ckpt.AsyncMode.DISABLED
     )
     assert seen == [False]
+
+
+def test_a_step_off_the_interval_is_saved_once_when_asked():
+    """Fix 16: a run asked to stop (SAVE_AND_STOP) saves its step in full off the interval,
+    and not again a step the loop's own save wrote (on the interval, or the last step); the
+    manager's interval is as before afterwards. The manager's writing is stubbed: what is
+    checked is which steps it is asked to write, and as full (not last-step) saves."""
+    from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
+
+    from torchtitan_speechlm.utils.compat import save_checkpoint_now
+
+    manager = object.__new__(CheckpointManager)
+    saved = []
+    for key, value in dict(
+        enable=True, load_only=False, enable_first_step_checkpoint=False, interval=10,
+        enable_ft_dataloader_checkpoints=False, ft_manager=None, async_mode=AsyncMode.DISABLED, stager=None,
+        _create_checkpoint_id=lambda step, folder="": f"step-{step}",
+        _async_wait=lambda: None, _flattened_model_states_sd=lambda: {"full": True},
+        _purge_stale_checkpoints=lambda: None,
+        _save_last_step=lambda step: saved.append(("last", step)),
+        dcp_save=lambda states, checkpoint_id, **kw: saved.append((checkpoint_id, states)),
+    ).items():  # fmt: skip
+        setattr(manager, key, value)
+    save_checkpoint_now(manager, 3, last_step=False)
+    save_checkpoint_now(manager, 10, last_step=False)  # the loop saved it (interval)
+    save_checkpoint_now(manager, 12, last_step=True)  # the loop saved it (last step)
+    assert saved == [("step-3", {"full": True})]
+    assert manager.interval == 10
 
 
 def test_a_pipeline_matches_one_process(train_llama):

@@ -43,7 +43,12 @@ from torchtitan_speechlm.model.pretrained import (
     load_checkpoint_state,
     write_safetensors,
 )
-from torchtitan_speechlm.model.run_record import model_record, record_for_checkpoint
+from torchtitan_speechlm.model.run_record import (
+    model_args_of,
+    model_record,
+    record_for_checkpoint,
+    recorded_codec,
+)
 from torchtitan_speechlm.model.state_dict_adapter import text_tensor_map
 from torchtitan_speechlm.utils.fileio import honour_umask, write_json_atomic
 
@@ -140,6 +145,7 @@ def export(
     if dtype not in DTYPES:
         raise PretrainedError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     record = record_for_checkpoint(checkpoint)
+    codec = recorded_codec(record)  # read before a merge rewrites the record's model args
     args = args_from_record(record["model_args"], record.get("hf_assets_path", ""))
     if adapter and not args.lora:
         raise PretrainedError(f"--adapter: {checkpoint} is not from a LoRA run (no adapters)")
@@ -157,8 +163,9 @@ def export(
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
     try:
         files = _write(
-            model, state, record, checkpoint, tmp, DTYPES[dtype], text_only, max_shard_size
-        )
+            model, state, record, codec, checkpoint, tmp, DTYPES[dtype], text_only,
+            max_shard_size,
+        )  # fmt: skip
         if adapter:
             text = os.path.join(out, "text")  # where the text LM is once the folder is in place
             save_peft_adapter(model, os.path.join(tmp, "adapter"), DTYPES[dtype], text)
@@ -173,7 +180,7 @@ def export(
     return {"out": out, "files": files, "parameters": sum(v.numel() for v in state.values())}
 
 
-def _write(model, state, record, checkpoint, out, dtype, text_only, max_shard) -> list[str]:
+def _write(model, state, record, codec, checkpoint, out, dtype, text_only, max_shard) -> list[str]:
     tok = record["tokenizer"].get("path", "")
     if text_only:
         if not model.args.family.embed_key:
@@ -184,17 +191,16 @@ def _write(model, state, record, checkpoint, out, dtype, text_only, max_shard) -
     cast = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     write_safetensors(cast, out, max_shard)
     write_json_atomic(os.path.join(out, "vocab.json"), model.args.vocab, indent=1)
-    codec = dict(record["codec"])
-    if codec.get("path") and os.path.isdir(codec["path"]):
-        shutil.copytree(codec["path"], os.path.join(out, "codec"))
-        codec["folder"] = "codec"
+    if codec.path and os.path.isdir(codec.path):
+        shutil.copytree(codec.path, os.path.join(out, "codec"))
+        codec = codec.located("codec")
     config = {
         "model_type": EXPORT_MODEL_TYPE,
         "format_version": EXPORT_VERSION,
         "architectures": ["SpeechLM"],
         "dtype": str(dtype).replace("torch.", ""),
-        "model_args": record["model_args"],
-        "codec": codec,
+        "model_args": model_args_of(record),
+        "codec": codec.to_dict(),
         "tokenizer": record["tokenizer"],
         "source": {
             "checkpoint": checkpoint,

@@ -32,6 +32,7 @@ import sys
 from torchtitan_speechlm.commands.generate import eval_main
 from torchtitan_speechlm.commands.generate_args import build_eval_parser
 from torchtitan_speechlm.config.toml_check import load_toml_file
+from torchtitan_speechlm.data.format import codec_of
 from torchtitan_speechlm.evaluation.sampled_pairs import PAIR_SETS, samples_file
 from torchtitan_speechlm.prepare.pipeline import main as prepare_main
 
@@ -116,7 +117,7 @@ def passed_eval_flags(a) -> list[str]:
 
 def _prepare(a, pairs: str, out: str) -> int:
     meta = _prompt_metadata(a.prompts[0])
-    return prepare_main(["--preference", pairs, "--codec", meta["codec"]["path"],
+    return prepare_main(["--preference", pairs, "--codec", codec_of(meta).path,
                          "--tokenizer", meta["tokenizer"]["path"], "--out", out,
                          "--no-progress"])  # fmt: skip
 

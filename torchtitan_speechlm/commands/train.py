@@ -37,6 +37,7 @@ from torchtitan_speechlm.trainer.preflight import (
 from torchtitan_speechlm.trainer.run import VERIFIED_ENV, prepare_run
 from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.trainer.trainer import SpeechLMTrainer
+from torchtitan_speechlm.utils import upstream
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
 from torchtitan_speechlm.utils.compat import run_torchtitan_main
 from torchtitan_speechlm.utils.progress import Progress
@@ -94,9 +95,8 @@ def _bool_fields(config_cls) -> set[str]:
 
 def normalise_bool_flags(args: list[str]) -> list[str]:
     """`--section.key false` -> tyro's `--section.no_key` (and `true` -> `--section.key`)."""
-    from torchtitan.config import ConfigManager
 
-    manager = ConfigManager()
+    manager = upstream.ConfigManager()
     bools = _bool_fields(manager._maybe_add_custom_config(args, manager._maybe_load_toml(args)))
     out, i = [], 0
     while i < len(args):
@@ -152,9 +152,8 @@ def checked_config(args: list[str], external=None) -> tuple[object, RunPlan | No
 def parse_job(args: list[str]):
     """The job config as the ranks will parse it (the TOML's keys checked), before anything
     on disk is read: the launcher takes the dump folder's lock with it (``train_command``)."""
-    from torchtitan.config import ConfigManager
 
-    manager = ConfigManager()
+    manager = upstream.ConfigManager()
     toml_values = manager._maybe_load_toml(args)
     import_extensions(args, toml_values)
     config_cls = manager._maybe_add_custom_config(args, toml_values)
@@ -247,10 +246,9 @@ def train_command(args: list[str]) -> int:
             "usage: torchtitan train --job.config_file FILE.toml [--nproc-per-node N] "
             "[--section.key value ...]\n"
         )
-        from torchtitan.config import ConfigManager  # the package already chose the device
 
         try:  # torchtitan's own option list, with our [speechlm] sections merged in
-            ConfigManager().parse_args(with_config_module(["--help"]))
+            upstream.ConfigManager().parse_args(with_config_module(["--help"]))
         except SystemExit:
             pass
         return 0

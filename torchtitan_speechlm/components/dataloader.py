@@ -16,14 +16,13 @@ import os
 import pickle
 
 from torch.utils.data import Dataset, Sampler
-from torchtitan.components.dataloader import ParallelAwareDataloader
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.data.collation import batch_hash
 from torchtitan_speechlm.data.position import gather_position
 from torchtitan_speechlm.data.sampler import Plan
 from torchtitan_speechlm.data.stream import SpeechLMDataset
 from torchtitan_speechlm.data.transport import Inbox, Outbox
+from torchtitan_speechlm.utils.upstream import ParallelAwareDataloader, logger
 
 
 class PlanSampler(Sampler):

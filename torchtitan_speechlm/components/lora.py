@@ -11,10 +11,9 @@ and freezes the rest (model/lora.py), so every later stage sees the adapted mode
 from __future__ import annotations
 
 from torch import nn
-from torchtitan.protocols.model_converter import register_model_converter
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.model.lora import CONVERTER, apply_lora, trained_parameters
+from torchtitan_speechlm.utils.upstream import logger, register_model_converter
 
 
 class LoraConverter:
@@ -30,7 +29,7 @@ class LoraConverter:
         total = sum(p.numel() for p in model.parameters())
         trained = trained_parameters(model)  # the held text rows do not train
         logger.info(
-            f"LoRA (rank {self.settings['rank']}, alpha {self.settings['alpha']}) on "
+            f"LoRA (rank {self.settings.rank}, alpha {self.settings.alpha}) on "
             f"{len(targets)} linear layers; {trained:,} of {total:,} parameters train"
         )
 

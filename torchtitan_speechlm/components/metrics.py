@@ -15,18 +15,18 @@ from math import nan
 from typing import Any
 
 import torch
-from torchtitan.components.metrics import (
-    BaseLogger,
-    LoggerContainer,
-    MetricsProcessor,
-    _get_metrics_rank,
-)
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.nonfinite import StepGuard
 from torchtitan_speechlm.components.samples import TrainingSamples
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
 from torchtitan_speechlm.utils import compat
+from torchtitan_speechlm.utils.upstream import (
+    BaseLogger,
+    LoggerContainer,
+    MetricsProcessor,
+    get_metrics_rank,
+    logger,
+)
 
 
 class JsonlLogger(BaseLogger):
@@ -118,7 +118,12 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         num_streams: int,
         model_args=None,
         step_codec=None,
+        code_usage_interval: int = 0,
+        espnet_keys: bool = False,
     ):
+        """``code_usage_interval``: log per-stream code usage at these steps (0: never);
+        ``espnet_keys``: also log ESPnet TitanTrainer's keys (``speechlm.code_usage_interval``
+        and ``metrics.espnet_keys``, which the builder hands in: no section is read here)."""
         # MFU counts the head only on frames that carry loss (where it runs): see
         # num_flops_per_token below and SpeechLMModelArgs.head_flops_per_loss_frame.
         self._head_flops = (
@@ -143,7 +148,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         self.accumulator, self.guard, self.samples = accumulator, guard, samples
         self.frame_rate, self.num_streams = frame_rate, num_streams
         # the rank torchtitan logs from (a pipeline's: the first rank of the last stage)
-        log_rank = _get_metrics_rank(parallel_dims, job_config) if parallel_dims else 0
+        log_rank = get_metrics_rank(parallel_dims, job_config) if parallel_dims else 0
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == log_rank:
             container = LoggerContainer()
             container.add_logger(self.logger)
@@ -152,7 +157,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             )
             self.logger = compat.without_mfu_on_cpu(container)  # no GPU peak to divide by
 
-        self.code_usage_interval = job_config.speechlm.code_usage_interval
+        self.code_usage_interval, self.espnet_keys = code_usage_interval, espnet_keys
         self.step_codec = step_codec  # its tokenising time is logged (components/step_codec.py)
         self._steps_since_log = 0  # train steps since the last log (should_log: once a step)
 
@@ -211,7 +216,7 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
         self._steps_since_log = 0
         if self.step_codec is not None:
             extra.update(self.step_codec.interval_metrics(steps))
-        if self.job_config.metrics.espnet_keys:  # ESPnet TitanTrainer's dashboards' keys
+        if self.espnet_keys:  # ESPnet TitanTrainer's dashboards' keys
             extra["train/lr"] = extra.get("lr", nan)
             extra["train/grad_norm"] = grad_norm
             extra["time/iter"] = (time.perf_counter() - self.time_last_log) / steps

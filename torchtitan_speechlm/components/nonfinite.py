@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.utils.upstream import logger
 
 SPIKE_MIN_HISTORY = 5  # steps in the running median before spikes are looked for
 ANOMALIES = "anomalies.jsonl"

@@ -19,11 +19,10 @@ from __future__ import annotations
 import fnmatch
 
 from torch import nn
-from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
 
 from torchtitan_speechlm.components.nonfinite import StepGuard, guard_optimizers
 from torchtitan_speechlm.model.model import canonical_name
+from torchtitan_speechlm.utils.upstream import build_lr_schedulers, build_optimizers
 
 EMBEDDING_PREFIXES = ("tok_embeddings.", "head.stream_emb.")
 

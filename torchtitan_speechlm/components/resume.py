@@ -20,24 +20,23 @@ without a word (loss 3.80 -> 6.03) before.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 
-from torchtitan.tools.logging import logger
-
-from torchtitan_speechlm.data.catalog import parse_datasets, read_dataset_metadata
-from torchtitan_speechlm.data.remote import RemoteCache, local_path
+from torchtitan_speechlm.data.catalog import DataCatalog
+from torchtitan_speechlm.model.codec_identity import CodecIdentity
 from torchtitan_speechlm.model.pretrained import PretrainedError, read_export_config
 from torchtitan_speechlm.model.run_record import (
     RUN_RECORD,
     RunRecordError,
     check_same_data,
-    describe_codec,
     read_run_record,
     record_for_checkpoint,
 )
 from torchtitan_speechlm.model.starting_point import SAME, check_same
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
 from torchtitan_speechlm.utils.checkpoint_manifest import read_identity
+from torchtitan_speechlm.utils.upstream import logger
 
 
 class ResumeError(ValueError):
@@ -98,20 +97,21 @@ def newest_full_step(job_config) -> int | None:
     return full[-1] if full else None
 
 
-def resolve_resume(job_config, model_args) -> None:
+def resolve_resume(job_config, model_args, data: DataIdentity) -> None:
     """Set ``checkpoint.load_step`` so that torchtitan resumes from a full checkpoint
-    (``model_args``: the run's, to refuse an ``initial_load_path`` made for another model)."""
+    (``model_args`` and ``data``: the run's, to refuse an ``initial_load_path`` or
+    ``speechlm.init_from`` made for another model or codec)."""
     ckpt = job_config.checkpoint
-    check_resume_data(job_config, model_args)
+    check_resume_data(job_config, data)
     if not ckpt.enable:
-        check_init_from(model_args)
+        check_init_from(model_args, data.codec)
         return
     folder = checkpoint_folder(job_config)
     steps = complete_checkpoints(folder, warn=True)
     if not steps and ckpt.initial_load_path:
-        check_initial_load(job_config, model_args)
+        check_initial_load(job_config, model_args, data.codec)
     if not steps:
-        check_init_from(model_args)
+        check_init_from(model_args, data.codec)
     if ckpt.load_step >= 0:
         path = os.path.join(folder, f"step-{ckpt.load_step}")
         if ckpt.load_step in steps and ckpt.load_step > 0 and not is_full(path):
@@ -144,37 +144,50 @@ def resolve_resume(job_config, model_args) -> None:
     ckpt.load_step = full
 
 
-def data_identity(job_config, model_args) -> tuple[dict, dict | None, dict]:
-    """The codec, text tokenizer and datasets (name -> absolute path) of the data this job
-    reads, as its prepared ``metadata.json`` files record them (a Python data object: its
-    codec hash only)."""
-    data = job_config.speechlm_data
-    datasets = {
-        name: local_path(path) for name, path in parse_datasets(list(data.datasets)).items()
-    }
-    if not datasets:
-        return {"config_hash": model_args.codec_hash}, None, {}
-    remote = RemoteCache(data.remote_cache_dir, data.remote_cache_gb)
-    meta = read_dataset_metadata(next(iter(datasets.values())), remote)
-    codec = meta.get("codec") or {}
-    if codec.get("config_hash") != model_args.codec_hash:  # not the data it trains on
-        return {"config_hash": model_args.codec_hash}, None, {}
-    return codec, meta.get("tokenizer"), datasets
+@dataclass(frozen=True)
+class DataIdentity:
+    """What the data a run reads means: its codec, its text tokenizer (None: a Python data
+    object's, not compared) and its datasets (name -> absolute path; none for a data object),
+    as the run's catalog read them once (data/catalog.py)."""
+
+    codec: CodecIdentity
+    tokenizer: dict | None
+    datasets: dict[str, str]
+
+    @classmethod
+    def of(cls, catalog: DataCatalog) -> DataIdentity:
+        if not catalog.refs:  # a Python data object: its codec only
+            return cls(catalog.codec, None, {})
+        return cls(catalog.codec, catalog.tokenizer, {n: r.local for n, r in catalog.refs.items()})
 
 
-def run_identity(job_config, model_args, vocab_fingerprint: str, train: list[str]) -> dict:
+@dataclass(frozen=True)
+class DataOrder:
+    """What orders a run's training data (its saved data position belongs to it): the mixture
+    as ``TASK:NAME`` entries and the keys of ``[speechlm_data]`` that order it."""
+
+    train: tuple[str, ...]
+    seed: int
+    shuffle: bool
+    batching: str
+
+
+# 2: the codec whole (model/codec_identity.py) and this version; 1 (no "version"): the codec's
+# name and hash only. Both are read (``identity_difference`` compares the hashes).
+IDENTITY_VERSION = 2
+
+
+def run_identity(data: DataIdentity, order: DataOrder, vocab_fingerprint: str) -> dict:
     """What this run's checkpoints mean: its data's codec and text tokenizer, its vocabulary
-    layout (``vocab_fingerprint``) and its data order (the mixture ``train``, as TASK:NAME,
-    and the keys that order it)."""
-    codec, tokenizer, _ = data_identity(job_config, model_args)
-    data = job_config.speechlm_data
+    layout (``vocab_fingerprint``) and its data order."""
     identity = {
-        "codec": {"name": codec.get("name"),
-                  "config_hash": codec.get("config_hash") or model_args.codec_hash},
+        "version": IDENTITY_VERSION,
+        "codec": data.codec.to_dict(),
         "vocab": vocab_fingerprint,
-        "data_order": {"train": list(train), "seed": data.seed, "shuffle": data.shuffle,
-                       "batching": data.batching},
+        "data_order": {"train": list(order.train), "seed": order.seed, "shuffle": order.shuffle,
+                       "batching": order.batching},
     }  # fmt: skip
+    tokenizer = data.tokenizer
     if tokenizer and tokenizer.get("hash"):
         identity["tokenizer"] = {"hash": tokenizer["hash"], "path": tokenizer.get("path"),
                                  "vocab_size": tokenizer.get("vocab_size")}  # fmt: skip
@@ -184,14 +197,11 @@ def run_identity(job_config, model_args, vocab_fingerprint: str, train: list[str
 def identity_difference(saved: dict, ours: dict, data_order: bool = True) -> str | None:
     """The first way a checkpoint's identity differs from this run's, in words (None: the
     same, or nothing recorded to compare)."""
-    old_codec, new_codec = saved.get("codec") or {}, ours.get("codec") or {}
-    if (
-        old_codec.get("config_hash")
-        and new_codec.get("config_hash")
-        and (old_codec["config_hash"] != new_codec["config_hash"])
-    ):
-        return (f"was trained on data made with codec {describe_codec(old_codec)}, but this "
-                f"run's data was made with codec {describe_codec(new_codec)}: its audio rows "
+    old_codec = CodecIdentity.from_dict(saved.get("codec"))
+    new_codec = CodecIdentity.from_dict(ours.get("codec"))
+    if old_codec.same_codes(new_codec) is False:
+        return (f"was trained on data made with codec {old_codec.describe()}, but this "
+                f"run's data was made with codec {new_codec.describe()}: its audio rows "
                 "mean the other codec's codes")  # fmt: skip
     old_tok, new_tok = saved.get("tokenizer") or {}, ours.get("tokenizer") or {}
     if old_tok.get("hash") and new_tok.get("hash") and old_tok["hash"] != new_tok["hash"]:
@@ -246,7 +256,7 @@ def check_checkpoint_identity(job_config, identity: dict, warn=None) -> None:
         )
 
 
-def check_resume_data(job_config, model_args) -> None:
+def check_resume_data(job_config, data: DataIdentity) -> None:
     """The dump folder's run record names the codec and tokenizer its checkpoints were trained
     on; data made with another one is refused (model/run_record.py: ``check_same_data``),
     before torchtitan loads a checkpoint and before any rank starts."""
@@ -258,16 +268,17 @@ def check_resume_data(job_config, model_args) -> None:
         folder = checkpoint_folder(job_config)
         done = complete_checkpoints(folder)
         start_from = os.path.join(folder, f"step-{done[-1]}") if done else None
-    codec, tokenizer, datasets = data_identity(job_config, model_args)
     check_same_data(
-        read_run_record(path), codec, tokenizer, datasets, path, start_from, logger.warning
-    )
+        read_run_record(path), data.codec, data.tokenizer, data.datasets, path, start_from,
+        logger.warning,
+    )  # fmt: skip
 
 
-def check_init_from(model_args) -> None:
+def check_init_from(model_args, codec: CodecIdentity) -> None:
     """``speechlm.init_from`` of an export or a training checkpoint made for another
-    vocabulary, pattern, backbone or codec: refused here, before any rank starts (each rank
-    checks it again when it loads the weights: model/starting_point.py)."""
+    vocabulary, pattern, backbone or codec (``codec``: the data's): refused here, before any
+    rank starts (a rank loading the weights checks the model's keys again, not the codec:
+    model/starting_point.py)."""
     if not model_args.init_from:
         return
     path = os.path.abspath(model_args.init_from)
@@ -282,12 +293,12 @@ def check_init_from(model_args) -> None:
         return  # the rank's load names what is wrong with the folder
     ours = {k: getattr(model_args, k) for k in SAME}
     try:
-        check_same(source, ours, model_args.codec_hash, f"speechlm.init_from = {path}")
+        check_same(source, ours, codec, f"speechlm.init_from = {path}")
     except PretrainedError as e:
         raise ResumeError(str(e)) from None
 
 
-def check_initial_load(job_config, model_args) -> None:
+def check_initial_load(job_config, model_args, codec: CodecIdentity) -> None:
     """``checkpoint.initial_load_path`` of another run's DCP checkpoint: refuse one made for
     another vocabulary, pattern, backbone or codec before torchtitan loads it."""
     path = job_config.checkpoint.initial_load_path
@@ -302,7 +313,7 @@ def check_initial_load(job_config, model_args) -> None:
         "pattern": model_args.pattern,
         "backbone_config": model_args.backbone_config,
     }
-    check_same(record, ours, model_args.codec_hash, path)
+    check_same(record, ours, codec, path)
 
 
 def completed_run_step(job_config) -> int | None:

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import Loaded
+from torchtitan_speechlm.model.codec_identity import CodecIdentity
 from torchtitan_speechlm.model.model import build_model
 from torchtitan_speechlm.model.run_record import model_record
+from torchtitan_speechlm.utils.upstream import logger
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class SamplePrompts:
     (None where there is none), which prompts the TTS samples of a model trained with a
     prompted task."""
 
-    codec: dict
+    codec: CodecIdentity
     tokenizer_path: str
     frame_rate: float
     items: Callable[[int], list]
@@ -74,9 +75,9 @@ class TrainingSamples:
         copy.load_state_dict(state, strict=False)
         loaded = Loaded(
             copy.eval(),
-            {"model_args": model_record(args), "codec": prompts.codec},
+            {"model_args": model_record(args), "codec": prompts.codec.to_dict()},
             prompts.tokenizer_path,
-            prompts.codec.get("path", ""),
+            prompts.codec.path,
             "training",
         )
         items = prompts.items(self.count)

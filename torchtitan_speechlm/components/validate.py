@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.validate import BaseValidator
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.stats import StatsAccumulator, loss_group
 from torchtitan_speechlm.data.planner import Unit
+from torchtitan_speechlm.utils.upstream import BaseValidator, logger
 
 
 class SpeechLMValidator(BaseValidator):

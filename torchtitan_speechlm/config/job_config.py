@@ -15,6 +15,7 @@ from typing import Literal
 
 # Allowed values typed once: modules that act on them derive their tuples with get_args.
 Batching = Literal["pack", "bucket"]
+OrderName = Literal["auto", "keyed", "permutation"]  # the first: the default
 LossRegion = Literal["assistant", "all"]
 ChatTemplate = Literal["ours", "espnet"]
 
@@ -141,7 +142,7 @@ class SpeechLMData:
     shuffle: bool = True
     """Shuffle items (per epoch) and rows / micro-batches (per window) in training;
     validation never shuffles."""
-    order: Literal["auto", "keyed", "permutation"] = "auto"
+    order: OrderName = "auto"
     """How an epoch orders each source's items. `keyed`: a keyed bijection evaluated only at
     the positions a rank reads (data/keyed_order.py): the same start-up at any corpus size.
     `permutation`: numpy's Fisher-Yates shuffle per epoch, the order of runs before stream

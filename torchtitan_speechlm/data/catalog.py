@@ -2,8 +2,8 @@
 
 ``DataCatalog.from_config`` reads the section's ``datasets`` (``NAME=PATH``), ``train``
 (``TASK:NAME[:WEIGHT]``), ``valid`` (``[SET=]TASK:NAME``), ``valid_fraction`` and
-``verify_shards``, reads each dataset's metadata.json and checks that they share one codec
-layout and tokenizer. ``sources`` opens the datasets of a mixture for a split: ``train`` (the
+``verify_shards``, reads each dataset's metadata.json once (``DatasetRef``: its codec typed) and checks that they
+share one codec layout and tokenizer. ``sources`` opens the datasets of a mixture for a split: ``train`` (the
 items not held out), ``valid`` (held out by id hash) or ``all``. A Python data object (the
 Python API's ESPnet iterators, data/external.py) gives a catalog with its codec and named
 validation sets and no prepared datasets (``DataCatalog.external``).
@@ -17,14 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.config import ConfigError
-from torchtitan_speechlm.data.format import check_compatible, id_hash, parse_metadata
+from torchtitan_speechlm.data.format import check_compatible, codec_of, id_hash, parse_metadata
 from torchtitan_speechlm.data.mixing import AllItems, Source
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.data.remote import Mirror, RemoteCache, is_url, local_path
 from torchtitan_speechlm.data.tasks import TASKS
+from torchtitan_speechlm.model.codec_identity import CodecIdentity
+from torchtitan_speechlm.utils.upstream import logger
 
 SPLITS = ("train", "valid", "all", "external")
 
@@ -101,9 +102,39 @@ def read_dataset_metadata(path: str, remote: RemoteCache | None = None) -> dict:
 
 
 @dataclass(frozen=True)
+class DatasetRef:
+    """One prepared dataset of ``speechlm_data.datasets``, its metadata.json read once: the
+    name the mixture uses, the path as given (a folder or an fsspec URL), its codec (typed:
+    model/codec_identity.py), its text tokenizer's fingerprint and the rest of the record
+    (waveforms, the tokenizer check, totals; not the shards', which the reader owns)."""
+
+    name: str
+    path: str
+    codec: CodecIdentity
+    tokenizer: dict
+    metadata: dict
+
+    @classmethod
+    def read(cls, name: str, path: str, remote: RemoteCache | None = None) -> DatasetRef:
+        meta = read_dataset_metadata(path, remote)
+        return cls(name, path, codec_of(meta), dict(meta.get("tokenizer") or {}), meta)
+
+    @property
+    def local(self) -> str:
+        """The path as the run records it (absolute; a URL unchanged)."""
+        return local_path(self.path)
+
+    @property
+    def waveform(self) -> dict | None:
+        """Its waveforms' record (prepare/waveforms.py), None without."""
+        return self.metadata.get("waveform") or None
+
+
+@dataclass(frozen=True)
 class DataCatalog:
-    datasets: dict[str, str]  # name -> prepared dataset path
-    metadata: dict[str, dict]  # name -> its metadata.json
+    refs: dict[str, DatasetRef]  # name -> the prepared dataset ({}: a Python data object)
+    codec: CodecIdentity  # every dataset's (checked to be the same), or the data object's
+    tokenizer: dict  # the text tokenizer's fingerprint (``tokenizer_fingerprint``)
     train: list[MixEntry]
     valid: dict[str, tuple[list[MixEntry], str]]  # set name -> (entries, split to read)
     valid_fraction: float = 0.0
@@ -119,43 +150,46 @@ class DataCatalog:
         if not train:
             raise ConfigError("speechlm_data.train is empty: list at least one TASK:NAME entry")
         remote = RemoteCache(data.remote_cache_dir, data.remote_cache_gb)
-        metadata = {name: read_dataset_metadata(p, remote) for name, p in datasets.items()}
-        first = next(iter(metadata))
-        for name, meta in metadata.items():
+        refs = {name: DatasetRef.read(name, p, remote) for name, p in datasets.items()}
+        first = next(iter(refs.values()))
+        for ref in refs.values():
             try:
-                check_compatible(metadata[first], meta)
+                check_compatible(first.metadata, ref.metadata)
             except ValueError as e:
                 raise ConfigError(
-                    f"datasets {first!r} and {name!r} cannot be mixed: {e}; prepare all of them "
-                    "with the same codec (and --num-streams) and tokenizer."
+                    f"datasets {first.name!r} and {ref.name!r} cannot be mixed: {e}; prepare all "
+                    "of them with the same codec (and --num-streams) and tokenizer."
                 ) from None
         valid = validation_sets(data.valid, data.valid_fraction, datasets, train)
-        return cls(datasets, metadata, train, valid, data.valid_fraction, data.verify_shards,
-                   remote=remote)  # fmt: skip
+        return cls(refs, first.codec, first.tokenizer, train, valid, data.valid_fraction,
+                   data.verify_shards, remote=remote)  # fmt: skip
 
     @classmethod
     def external(
-        cls, codec: dict, valid_names: list[str], text_vocab: int, tokenizer: dict | None = None
+        cls,
+        codec: CodecIdentity,
+        valid_names: list[str],
+        text_vocab: int,
+        tokenizer: dict | None = None,
     ) -> DataCatalog:
         """The catalog of a Python data object: its codec, named validation sets and text
         tokenizer (``tokenizer_fingerprint``'s dict, when the object knows it)."""
         tok = dict(tokenizer) if tokenizer else {"vocab_size": text_vocab}
-        metadata = {"external": {"codec": dict(codec), "tokenizer": tok}}
         valid = {name: ([], "external") for name in valid_names}
-        return cls({}, metadata, [], valid, external_names=list(valid_names))
+        return cls({}, codec, tok, [], valid, external_names=list(valid_names))
 
     @property
-    def codec(self) -> dict:
-        """The codec every dataset was prepared with (checked to be the same)."""
-        return next(iter(self.metadata.values()))["codec"]
+    def datasets(self) -> dict[str, str]:
+        """name -> path, as ``speechlm_data.datasets`` gives them."""
+        return {name: ref.path for name, ref in self.refs.items()}
 
     @property
     def num_streams(self) -> int:
-        return int(self.codec["num_streams"])
+        return self.codec.num_streams
 
     @property
     def frame_rate(self) -> float:
-        return float(self.codec["frame_rate"])
+        return float(self.codec.frame_rate)
 
     def entries(self) -> list[MixEntry]:
         """Every mixture entry the run reads: training and validation."""
@@ -163,8 +197,8 @@ class DataCatalog:
 
     def check_text_vocab(self, text_size: int, backbone_path: str) -> None:
         """Every dataset's tokenizer fits the backbone's ``text_size`` embedding rows."""
-        for name, meta in self.metadata.items():
-            tv = int(meta["tokenizer"]["vocab_size"])
+        for name, ref in self.refs.items():
+            tv = int(ref.tokenizer["vocab_size"])
             if tv > text_size:
                 raise ConfigError(
                     f"dataset {name!r} was tokenised with {tv} text tokens but the backbone "
@@ -174,7 +208,7 @@ class DataCatalog:
 
     def open(self, name: str) -> PreparedDataset:
         """The dataset ``name``, opened (once per process: ``open_prepared``)."""
-        return open_prepared(self.datasets[name], self.verify_shards, self.remote)
+        return open_prepared(self.refs[name].path, self.verify_shards, self.remote)
 
     def check_held_out(self, set_name: str, entries: list[MixEntry], split: str) -> None:
         """A validation set read from the held-out part of a training dataset has items in it:

@@ -14,13 +14,13 @@ import hashlib
 
 import numpy as np
 import torch
-from torchtitan.components.loss import IGNORE_INDEX
 
 from torchtitan_speechlm.data.examples import Examples
 from torchtitan_speechlm.data.pairs import PREF_KEYS, PairExample, PairRows
 from torchtitan_speechlm.data.planner import Draw, Unit
 from torchtitan_speechlm.data.tasks import TASKS, TemplateBuilder
 from torchtitan_speechlm.model.vocab import VocabLayout
+from torchtitan_speechlm.utils.upstream import IGNORE_INDEX
 
 CONTINUOUS_KEYS = ("audio_wave", "audio_lengths", "audio_index")
 BASE_STATS = (

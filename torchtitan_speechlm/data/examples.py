@@ -7,12 +7,11 @@ collation), never fatal: one bad file must not kill a multi-day run.
 
 from __future__ import annotations
 
-from torchtitan.tools.logging import logger
-
 from torchtitan_speechlm.data.mixing import Source
 from torchtitan_speechlm.data.pairs import PairExample, build_pair
 from torchtitan_speechlm.data.planner import Draw
 from torchtitan_speechlm.data.tasks import Example, TemplateBuilder, get_task
+from torchtitan_speechlm.utils.upstream import logger
 
 
 class Examples:

@@ -13,13 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from torchtitan_speechlm.model.codec_identity import CodecIdentity
+
 
 class ExternalData(Protocol):
     """What a data object given to the trainer provides."""
 
-    codec: dict
-    """``num_streams``, ``codebook_size`` and ``frame_rate`` of the audio tokens (as a
-    prepared dataset's metadata.json ``codec`` entry)."""
+    codec: CodecIdentity
+    """What made the audio tokens (model/codec_identity.py): at least their ``num_streams``,
+    ``codebook_size``, ``frame_rate`` and a ``config_hash``, as a prepared dataset records its
+    codec."""
 
     def valid_names(self) -> list[str]:
         """Names of the validation sets, logged as ``val/{name}/*``."""

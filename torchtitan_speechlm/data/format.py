@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from torchtitan_speechlm.model.codec_identity import COMPATIBLE, CodecIdentity
+
 FORMAT_VERSION = 2
 METADATA = "metadata.json"
 SHARDS_DIR = "shards"
@@ -102,7 +104,7 @@ def column_row(row: dict, line_offset: int) -> tuple:
 
 
 REGENERATE = "re-create it with `torchtitan prepare` (see docs/data.md)"
-CODEC_COMPAT_KEYS = ("name", "num_streams", "codebook_size", "config_hash", "frame_rate")
+CODEC_COMPAT_KEYS = COMPATIBLE  # model/codec_identity.py: what must agree for codes to mix
 
 
 class CorruptDatasetError(ValueError):
@@ -159,12 +161,18 @@ def speaker_summary(labelled: dict[str, int], unlabelled: int) -> dict:
     }
 
 
+def codec_of(meta: dict) -> CodecIdentity:
+    """The codec a metadata.json, shard.json or plan.json records (its ``codec`` entry): the one
+    place that entry is read."""
+    return CodecIdentity.from_dict(meta.get("codec"))
+
+
 def first_difference(a: dict, b: dict) -> str | None:
     """Name (``codec.<key>`` / ``tokenizer.hash``) of the first codec-layout or tokenizer key
     where two metadata dicts differ, or None."""
-    for key in CODEC_COMPAT_KEYS:
-        if a.get("codec", {}).get(key) != b.get("codec", {}).get(key):
-            return f"codec.{key}"
+    key = codec_of(a).difference(codec_of(b), CODEC_COMPAT_KEYS)
+    if key is not None:
+        return f"codec.{key}"
     if a.get("tokenizer", {}).get("hash") != b.get("tokenizer", {}).get("hash"):
         return "tokenizer.hash"
     return None
@@ -173,6 +181,8 @@ def first_difference(a: dict, b: dict) -> str | None:
 def metadata_value(meta: dict, dotted: str):
     """``metadata_value(meta, "codec.name")``: a value of a metadata dict by its dotted key."""
     section, key = dotted.split(".")
+    if section == "codec":
+        return codec_of(meta).value_of(key)
     return meta.get(section, {}).get(key)
 
 

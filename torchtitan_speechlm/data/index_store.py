@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.data.format import (
     AUDIO_CODES,
@@ -45,6 +44,7 @@ from torchtitan_speechlm.data.shard_files import (
     shard_dir,
 )
 from torchtitan_speechlm.utils.fileio import write_json_atomic
+from torchtitan_speechlm.utils.upstream import logger
 
 INDEX_DIR = "index"
 INDEX_META = "index.json"

@@ -157,14 +157,15 @@ class Mixture:
         length: Callable[..., int],
         prompts=None,
         own_shards: list[int] | None = None,
-        order: str = "permutation",
+        order: str,
     ):
         """``prompts``: the speaker prompts of prompted sources (speaker_prompts.py); a draw
         of such a source carries its prompt, and its length counts the prompt's frames.
         ``own_shards``: the shards this process walks (None: any); an epoch's permutation is
         then cut into their shares at once and not kept (a rank of dp 8 keeps 1/8 of it).
-        ``order``: ``speechlm_data.order``: ``"permutation"`` (an epoch's Fisher-Yates
-        permutation of each source) or ``"keyed"`` (keyed_order.py: each shard's share
+        ``order``: the epoch order ``speechlm_data.order`` resolved to (settings.py
+        ``StreamSettings.start_order``, or a resumed stream's): ``"permutation"`` (an epoch's
+        Fisher-Yates permutation of each source) or ``"keyed"`` (keyed_order.py: each shard's share
         evaluated where it is read; other batches)."""
         self.order = order
         self.sources, self.step_pieces, self.length = sources, step_pieces, length

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torchtitan.components.loss import IGNORE_INDEX
 
 from torchtitan_speechlm.data.mixing import compact
 from torchtitan_speechlm.data.tasks import Example, TemplateBuilder, get_task
+from torchtitan_speechlm.utils.upstream import IGNORE_INDEX
 
 PREF_KEYS = ("pref_doc", "pref_pairs", "pref_key")  # hashed with the batch (not pref_ref)
 

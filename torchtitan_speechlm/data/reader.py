@@ -16,6 +16,7 @@ from torchtitan_speechlm.data.format import (
     CorruptDatasetError,
     PreparedItem,
     Turn,
+    codec_of,
     gc_paused,
     parse_metadata,
 )
@@ -95,7 +96,8 @@ class PreparedDataset:
                 f"{meta_path}: format_version {version!r} is not supported (this code reads "
                 f"{FORMAT_VERSION}); {REGENERATE} with this version of torchtitan_speechlm"
             )
-        self.num_streams = int(self.metadata["codec"]["num_streams"])
+        self.codec = codec_of(self.metadata)  # model/codec_identity.py
+        self.num_streams = self.codec.num_streams
         fetch = None
         if self.mirror is not None:
             self.mirror.index_files(self.metadata, sizes=verify != "none")

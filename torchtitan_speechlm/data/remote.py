@@ -33,8 +33,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from torchtitan.tools.logging import logger
-
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.format import (
     AUDIO_CODES,
@@ -50,6 +48,7 @@ from torchtitan_speechlm.data.format import (
     CorruptDatasetError,
     check_recorded,
 )
+from torchtitan_speechlm.utils.upstream import logger
 
 ARRAYS = (TEXT_TOKENS, AUDIO_CODES, AUDIO_WAVE)  # fetched when a shard is first read
 SMALL = (SHARD_META, COLUMNS, ITEMS, WAVE_INDEX)  # fetched when the dataset is opened

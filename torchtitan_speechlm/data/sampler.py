@@ -12,8 +12,6 @@ import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from torchtitan.tools.logging import logger
-
 from torchtitan_speechlm.data.mixing import Mixture
 from torchtitan_speechlm.data.planner import Unit
 from torchtitan_speechlm.data.position import ShardCursor, StreamPosition, WindowState
@@ -21,6 +19,7 @@ from torchtitan_speechlm.data.settings import ORDERS, StreamSettings
 from torchtitan_speechlm.data.shards import ShardLayout
 from torchtitan_speechlm.data.windows import ShardWindows
 from torchtitan_speechlm.model.vocab import VocabMismatchError
+from torchtitan_speechlm.utils.upstream import logger
 
 EXCLUDE = "add 'dataloader' to checkpoint.exclude_from_loading to restart the data stream"
 

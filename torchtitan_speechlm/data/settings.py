@@ -8,12 +8,12 @@ Python API, a test) built it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import get_args
 
-from torchtitan_speechlm.config import Batching, ConfigError
+from torchtitan_speechlm.config import Batching, ConfigError, OrderName
 
-ORDERS = ("auto", "keyed", "permutation")
+ORDERS = get_args(OrderName)  # typed once: config/job_config.py (``speechlm_data.order``)
 NEW_RUN_ORDER = "keyed"  # what "auto" means for a stream not resumed (stream version 2)
 
 
@@ -35,7 +35,44 @@ class StreamSettings:
     cfg_dropout: float = 0.0
     max_too_long_fraction: float = 1.0
     seq_len_key: str = "training.seq_len"
-    order: str = "auto"  # speechlm_data.order (data/mixing.py, keyed_order.py)
+    order: str = ORDERS[0]  # speechlm_data.order (data/mixing.py, keyed_order.py)
+
+    @classmethod
+    def from_config(cls, data, training) -> StreamSettings:
+        """The training stream's: ``[speechlm_data]``'s batching keys and ``training.seq_len``
+        and ``local_batch_size``, each read here by name (the run plan calls it once)."""
+        return cls(
+            seq_len=training.seq_len,
+            local_batch_size=training.local_batch_size,
+            mode=data.batching,
+            window=data.window,
+            seed=data.seed,
+            shuffle=data.shuffle,
+            infinite=True,
+            max_tokens=data.max_tokens,
+            cfg_dropout=data.cfg_dropout,
+            max_too_long_fraction=data.max_too_long_fraction,
+            seq_len_key="training.seq_len",
+            order=data.order,
+        )
+
+    def for_validation(self, validation) -> StreamSettings:
+        """A validation set's: finite, ordered and clean (no CFG dropout, no too-long limit),
+        in ``validation.local_batch_size`` rows of ``validation.seq_len`` (0: training's)."""
+        own = validation.seq_len > 0
+        return replace(
+            self.finite(),
+            seq_len=validation.seq_len if own else self.seq_len,
+            local_batch_size=validation.local_batch_size,
+            seq_len_key="validation.seq_len" if own else self.seq_len_key,
+        )
+
+    def finite(self) -> StreamSettings:
+        """One ordered, clean pass in training's rows and ``seq_len`` (a pipeline's stages
+        exchange those shapes only: DPO's reference pass)."""
+        return replace(
+            self, shuffle=False, infinite=False, cfg_dropout=0.0, max_too_long_fraction=1.0
+        )
 
     def __post_init__(self) -> None:
         problem = next(self._problems(), None)

@@ -31,6 +31,7 @@ from torchtitan_speechlm.data.format import (
     CorruptDatasetError,
     ShardMismatchError,
     check_shard_files,
+    codec_of,
     first_difference,
     metadata_value,
     read_json,
@@ -210,7 +211,7 @@ def check_shard(
         length = np.asarray(cols[len_key], dtype=np.int64)
         if n and ((off < 0).any() or (length < 0).any() or (off + length > have).any()):
             raise CorruptDatasetError(f"{file}: {ITEMS} points past its {have} rows; {REGENERATE}")
-    num_streams = int(metadata["codec"]["num_streams"])
+    num_streams = codec_of(metadata).num_streams
     if codes.shape[1] != num_streams:
         raise CorruptDatasetError(
             f"{os.path.join(sdir, AUDIO_CODES)} has {codes.shape[1]} streams, metadata says "
@@ -281,6 +282,7 @@ class ShardCache:
         self.fetch = fetch
         self.layout = layout
         self.entries = metadata.get("shards", [])
+        self.num_streams = codec_of(metadata).num_streams
         self.capacity = max(1, capacity if capacity is not None else SHARD_CACHE)
         self.waves = waves
         self._open: OrderedDict[int, OpenShard] = OrderedDict()
@@ -324,7 +326,7 @@ class ShardCache:
             text_at, text_size, text_rows, codes_at, codes_size, codes_rows = (
                 int(x) for x in self.layout[s]
             )
-            n = int(self.metadata["codec"]["num_streams"])
+            n = self.num_streams
             got = ((text_at, np.dtype(f"<i{text_size}"), (text_rows,)),
                    (codes_at, np.dtype(f"<i{codes_size}"), (codes_rows, n)))  # fmt: skip
         return got

@@ -17,10 +17,10 @@ items so affected are counted (``unprompted``, logged once per source).
 from __future__ import annotations
 
 import numpy as np
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.data.mixing import Source
 from torchtitan_speechlm.data.tasks import get_task
+from torchtitan_speechlm.utils.upstream import logger
 
 PROMPT_SEED = 1299709  # a prompt draw hashes [seed, PROMPT_SEED, source, epoch, shard, item]
 _MASK = (1 << 64) - 1

@@ -85,58 +85,42 @@ class SpeechLMDataset(IterableDataset, Stateful):
         self,
         sources: list[Source],
         builder: TemplateBuilder,
+        settings: StreamSettings | None = None,
         *,
-        seq_len: int,
-        local_batch_size: int,
-        mode: str,
-        window: int,
         dp_rank: int,
         dp_world_size: int,
-        seed: int,
-        shuffle: bool,
-        infinite: bool,
         accumulation: int = 1,
-        max_tokens: int = 0,
-        cfg_dropout: float = 0.0,
-        max_too_long_fraction: float = 1.0,
-        seq_len_key: str = "training.seq_len",
-        order: str = "auto",
+        **values,
     ):
-        self.settings = StreamSettings(  # refuses values out of range, naming the key
-            seq_len=seq_len,
-            local_batch_size=local_batch_size,
-            mode=mode,
-            window=window,
-            seed=seed,
-            shuffle=shuffle,
-            infinite=infinite,
-            max_tokens=max_tokens,
-            cfg_dropout=cfg_dropout,
-            max_too_long_fraction=max_too_long_fraction,
-            seq_len_key=seq_len_key,
-            order=order,
-        )
-        self.shards = ShardLayout(mode, local_batch_size, dp_rank, dp_world_size, accumulation)
+        """``settings``: the stream's (a run plan's ``StreamSettings``, checked when it was
+        made); or its fields by name (``values``: ``seq_len=``, ``mode=``, ... as
+        ``StreamSettings`` takes them, checked here), as the tests and benchmarks build one."""
+        if settings is None:
+            settings = StreamSettings(**values)  # refuses values out of range, naming the key
+        elif values:
+            raise TypeError(f"SpeechLMDataset: settings and {sorted(values)} both given")
+        self.settings = s = settings
+        self.shards = ShardLayout(s.mode, s.local_batch_size, dp_rank, dp_world_size, accumulation)
         self.sources, self.builder, self.layout = sources, builder, builder.layout
         self.stats_keys = data_stats_keys(self.layout.num_streams)
         keep_eligible(sources)
         preference = preference_stream(sources)  # (refuses a mixture with other tasks)
         # speaker prompts of the prompted tasks (tts_prompt), drawn within each source's split
-        prompted = any(get_task(s.task).prompted for s in sources)
-        self.prompts = SpeakerPrompts(sources, seed) if prompted else None
+        prompted = any(get_task(src.task).prompted for src in sources)
+        self.prompts = SpeakerPrompts(sources, s.seed) if prompted else None
         self.lengths_table = LengthTable(sources, builder, self.prompts)
-        self.check_lengths(max_too_long_fraction, seq_len_key)
+        self.check_lengths(s.max_too_long_fraction, s.seq_len_key)
         mixture = Mixture(
             sources,
             step_pieces=self.step_pieces,
-            seed=seed,
-            shuffle=shuffle,
-            infinite=infinite,
-            cfg_dropout=self.settings.train_cfg_dropout,
+            seed=s.seed,
+            shuffle=s.shuffle,
+            infinite=s.infinite,
+            cfg_dropout=s.train_cfg_dropout,
             length=self.lengths_table.length,
             prompts=self.prompts,
             own_shards=self.own_shards(),
-            order=self.settings.start_order,
+            order=s.start_order,
         )
         self.sampler = StreamSampler(mixture, self.settings, self.shards)
         self.examples = Examples(sources, builder)

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.data.mixing import Mixture
 from torchtitan_speechlm.data.planner import Draw, split_too_long, window_pieces
 from torchtitan_speechlm.data.position import ShardCursor, WindowState
 from torchtitan_speechlm.data.settings import StreamSettings
+from torchtitan_speechlm.utils.upstream import logger
 
 PACK_ORDER_SEED = 65537  # a window's pack candidates: permutation [seed, shard, window, this]
 PIECE_ORDER_SEED = 31337  # a window's piece order: permutation [seed, shard, window, this]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from torchtitan_speechlm.utils import upstream
 from torchtitan_speechlm.utils.compat import permute_tokens_on_cpu
 
 
@@ -58,10 +59,9 @@ def check_expert_parallel(job_config, family, backbone_config: dict | None) -> N
 def apply_expert_parallel(model: nn.Module, parallel_dims) -> None:
     """torchtitan's ``apply_moe_ep_tp`` on the decoder (its ``layers`` are torchtitan's
     blocks, ``moe_enabled`` where they hold an MoE)."""
-    from torchtitan.models.llama4.infra.parallelize import apply_moe_ep_tp
 
     permute_tokens_on_cpu()  # compat fix 12
-    apply_moe_ep_tp(
+    upstream.apply_moe_ep_tp(
         model.backbone,
         tp_mesh=None,
         ep_mesh=parallel_dims.get_mesh("ep"),

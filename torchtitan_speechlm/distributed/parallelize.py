@@ -27,15 +27,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import (
-    _op_sac_save_list,
-    apply_ddp,
-    disable_fsdp_gradient_division,
-)
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.distributed.batch import accumulation_steps
 from torchtitan_speechlm.distributed.expert_parallel import (
@@ -44,10 +35,20 @@ from torchtitan_speechlm.distributed.expert_parallel import (
     shard_experts,
 )
 from torchtitan_speechlm.model.lora import ADAPTER, lora_layers
+from torchtitan_speechlm.utils import upstream
 from torchtitan_speechlm.utils.compat import (
     force_sum_reduction_on_cpu,
     sum_gradients_in_ddp,
     sync_gradients_on_last_microbatch,
+)
+from torchtitan_speechlm.utils.upstream import (
+    TORCH_DTYPE_MAP,
+    ParallelDims,
+    apply_ac,
+    apply_ddp,
+    disable_fsdp_gradient_division,
+    logger,
+    op_sac_save_list,
 )
 
 
@@ -59,7 +60,7 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
     if parallel_dims.ep_enabled:
         apply_expert_parallel(model, parallel_dims)
         logger.info(f"Applied expert parallelism (EP={parallel_dims.ep}, torchtitan's MoE plan)")
-    apply_freeze(model, job_config.speechlm.freeze)
+    apply_freeze(model, model.args.freeze)
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
         # apply_ac wraps the children of `layers`; the backbone owns them.
@@ -69,7 +70,7 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
             model.backbone,
             job_config.activation_checkpoint,
             model_compile_enabled=compile_model,
-            op_sac_save_list=_op_sac_save_list,
+            op_sac_save_list=op_sac_save_list,
             base_folder=job_config.job.dump_folder,
         )
         if model.audio_encoder is not None:
@@ -77,7 +78,7 @@ def parallelize_speechlm(model: nn.Module, parallel_dims: ParallelDims, job_conf
                 model.audio_encoder.encoder,
                 job_config.activation_checkpoint,
                 model_compile_enabled=compile_model,
-                op_sac_save_list=_op_sac_save_list,
+                op_sac_save_list=op_sac_save_list,
                 base_folder=job_config.job.dump_folder,
             )
     if compile_model:
@@ -162,14 +163,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     import warnings
 
     from torch.distributed.tensor import distribute_module
-    from torchtitan.models.llama3.infra.parallelize import apply_tp
 
     # distributing a parameter makes a new one that requires grad: keep LoRA's frozen ones
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     adapted = unwrap_lora(model)  # torchtitan's plan names the nn.Linears themselves
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Parallelize plan key")
-        apply_tp(model.backbone, tp_mesh, loss_parallel=False, enable_float8_tensorwise_tp=False)
+        upstream.apply_tp(
+            model.backbone, tp_mesh, loss_parallel=False, enable_float8_tensorwise_tp=False
+        )
     for name, layer in adapted.items():
         model.backbone.set_submodule(name, layer)
         shard_lora(layer, tp_mesh)
@@ -202,15 +204,14 @@ def shard_lora(layer: nn.Module, tp_mesh) -> None:
         RowwiseParallel,
         parallelize_module,
     )
-    from torchtitan.distributed import NoParallel
 
     a, b = layer.lora_A[ADAPTER], layer.lora_B[ADAPTER]
     if layer.get_base_layer().weight.placements[0] == Shard(0):  # column-wise
-        parallelize_module(a, tp_mesh, NoParallel())
+        parallelize_module(a, tp_mesh, upstream.NoParallel())
         parallelize_module(b, tp_mesh, ColwiseParallel())
     else:
         parallelize_module(a, tp_mesh, RowwiseParallel(output_layouts=Replicate()))
-        parallelize_module(b, tp_mesh, NoParallel(output_layout=Shard(1)))
+        parallelize_module(b, tp_mesh, upstream.NoParallel(output_layout=Shard(1)))
 
 
 def apply_freeze(model: nn.Module, prefixes: list[str]) -> None:

@@ -37,16 +37,16 @@ from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     get_schedule_class,
 )
-from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed.pipeline_parallel import (
-    build_pipeline_schedule,
-    generate_llm_fqn_per_model_part,
-)
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.loss import SpeechLMLoss
 from torchtitan_speechlm.distributed.parallelize import apply_freeze
 from torchtitan_speechlm.utils.compat import pipeline_stage_loss
+from torchtitan_speechlm.utils.upstream import (
+    TORCH_DTYPE_MAP,
+    build_pipeline_schedule,
+    generate_llm_fqn_per_model_part,
+    logger,
+)
 
 # zero-bubble schedules, whose backward runs in two halves (refused: see stage_layout)
 SPLIT_BACKWARD = ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV")
@@ -214,7 +214,7 @@ def pipeline_speechlm(
     pp_mesh = parallel_dims.get_mesh("pp")
     names, _ = stage_layout(p, len(model.backbone.layers))
     # on the whole model: a stage may hold none of a prefix's parameters, the model must
-    apply_freeze(model, job_config.speechlm.freeze)
+    apply_freeze(model, model.args.freeze)
     stages, parts = [], []
     example = stage_examples(job_config, parallel_dims, model_args, device)
     for idx in stage_indices(len(names), pp_mesh.size(), pp_mesh.get_local_rank()):

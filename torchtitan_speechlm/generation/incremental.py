@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from torchtitan_speechlm.data.collation import continuous_batch
+from torchtitan_speechlm.utils import upstream
 
 COMPILE_SETTINGS = ("auto", "on", "graphs", "off")
 
@@ -44,9 +45,7 @@ class IncrementalForward:
         mode = "reduce-overhead" if cfg.compile == "graphs" else "default"  # CUDA graphs
         self.compiled = model.compile_decode(wanted, mode)
         if wanted and not self.compiled and cfg.compile == "on":
-            from torchtitan.tools.logging import logger
-
-            logger.warning(
+            upstream.logger.warning(
                 f"decode compile = 'on': the {model.family.name} backbone has no static cache "
                 "to compile a step over; decoding eagerly"
             )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from torchtitan_speechlm.data.tasks import LossWeights, TemplateBuilder, normalised_stream_weights
+from torchtitan_speechlm.model.codec_identity import CodecIdentity
 from torchtitan_speechlm.model.model import SpeechLM, build_model
 from torchtitan_speechlm.model.pretrained import (
     PretrainedError,
@@ -16,7 +17,7 @@ from torchtitan_speechlm.model.pretrained import (
     load_checkpoint_state,
     read_export_config,
 )
-from torchtitan_speechlm.model.run_record import record_for_checkpoint
+from torchtitan_speechlm.model.run_record import record_for_checkpoint, recorded_codec
 from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer
 
 
@@ -58,7 +59,7 @@ class Loaded:
         """Codec frames a speaker prompt is cut to (0: the model takes no prompt)."""
         if not self.prompt_seconds:
             return 0
-        rate = self.record.get("codec", {}).get("frame_rate")
+        rate = self.codec_identity.frame_rate
         rate = float(rate) if rate else float(self.codec.frame_rate)
         return max(1, round(self.prompt_seconds * rate))
 
@@ -72,20 +73,25 @@ class Loaded:
         return load_text_tokenizer(self.tokenizer_path)
 
     @cached_property
+    def codec_identity(self) -> CodecIdentity:
+        """The codec the model was trained with, as its record or export names it."""
+        return recorded_codec(self.record)
+
+    @cached_property
     def codec(self):
         from torchtitan_speechlm.codecs import load_codec
 
-        meta = self.record.get("codec", {})
+        meta = self.codec_identity
         if not self.codec_path or not os.path.isdir(self.codec_path):
             raise PretrainedError(
                 f"{self.source}: the codec of its data ({self.codec_path!r}) is not found; "
                 "exports carry it in codec/"
             )
-        codec = load_codec(self.codec_path, num_streams=meta.get("num_streams"))
-        if meta.get("config_hash") and codec.config_hash != meta["config_hash"]:
+        codec = load_codec(self.codec_path, num_streams=meta.num_streams or None)
+        if meta.config_hash and codec.config_hash != meta.config_hash:
             raise PretrainedError(
                 f"{self.codec_path} is not the codec the model was trained "
-                f"with (config_hash {codec.config_hash} vs {meta['config_hash']})"
+                f"with (config_hash {codec.config_hash} vs {meta.config_hash})"
             )
         return codec
 
@@ -101,12 +107,9 @@ def load_model(path: str, device: str = "cpu") -> Loaded:
             if os.path.isfile(os.path.join(path, "tokenizer.json"))
             else record.get("tokenizer", {}).get("path", "")
         )
-        codec = (
-            os.path.join(path, record["codec"]["folder"])
-            if record["codec"].get("folder")
-            else record["codec"].get("path", "")
-        )
-        return Loaded(model, record, tok, codec, path)
+        codec = recorded_codec(record)
+        codec_path = os.path.join(path, codec.folder) if codec.folder else codec.path
+        return Loaded(model, record, tok, codec_path, path)
     if os.path.isdir(path):
         record = record_for_checkpoint(path)
         model = build_model(args_from_record(record["model_args"]), device)
@@ -116,7 +119,7 @@ def load_model(path: str, device: str = "cpu") -> Loaded:
             model.eval(),
             record,
             record["tokenizer"].get("path", ""),
-            record["codec"].get("path", ""),
+            recorded_codec(record).path,
             path,
         )
     raise PretrainedError(

@@ -9,14 +9,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from torch import nn
-from torchtitan.protocols import BaseModelArgs
 
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs, training_flops_per_clip
 from torchtitan_speechlm.model.backbones import Backbone, get_backbone
+from torchtitan_speechlm.model.lora import LoraSettings
 from torchtitan_speechlm.model.patterns import get_pattern
 from torchtitan_speechlm.model.preference_settings import PreferenceLoss
 from torchtitan_speechlm.model.vocab import VocabLayout
+from torchtitan_speechlm.utils.upstream import BaseModelArgs
 
 
 @dataclass
@@ -42,14 +43,16 @@ class SpeechLMModelArgs(BaseModelArgs):
     init_from_allow_unexpected: list[str] = field(default_factory=list)
     weight_decay_exclude: list[str] = field(default_factory=list)
     """Read by the optimizer builder (components/optim.py) from the model it optimises."""
-    codec_hash: str = ""
-    """The codec the data was made with (an ``init_from`` source must share it)."""
+    freeze: list[str] = field(default_factory=list)
+    """``speechlm.freeze``: parameter-name prefixes the parallelize and pipelining functions
+    freeze (distributed/parallelize.py ``apply_freeze``), read from the model they are given."""
     z_loss_weight: float = 0.0
     load_balance_weight: float = 0.0
     loss_chunk_size: int = 4096
     loss_chunk_mb: float = 256.0
-    lora: dict = field(default_factory=dict)
-    """LoRA's settings (model/lora.py) when the run converts the model with it; empty: none."""
+    lora: LoraSettings | None = None
+    """LoRA's settings (model/lora.py ``LoraSettings``) when the run converts the model with it;
+    None: none (a record's dict is read into the type: ``__post_init__``)."""
     audio_encoder: dict = field(default_factory=dict)
     """The continuous audio input (``AudioEncoderArgs.to_dict()``); empty: none."""
     preference: dict = field(default_factory=dict)
@@ -68,13 +71,13 @@ class SpeechLMModelArgs(BaseModelArgs):
         hf_assets_path: str,
         backbone_config: dict,
         layout: VocabLayout,
-        codec_hash: str,
-        lora: dict,
+        lora: LoraSettings | None,
         audio_encoder: dict,
         prompt_seconds: float = 0.0,
     ) -> SpeechLMModelArgs:
         """The model args of a run: ``[speechlm]``'s model keys (read here, each by name) and
-        what the run plan resolved (backbone, vocabulary, codec, LoRA, audio encoder)."""
+        what the run plan resolved (backbone, vocabulary, LoRA, audio encoder). The codec is the
+        run's (its record and checkpoints' identity), not the model's."""
         for key in ("z_loss_weight", "load_balance_weight"):
             if getattr(speechlm, key) < 0:
                 raise ConfigError(f"speechlm.{key} must be >= 0")
@@ -100,7 +103,7 @@ class SpeechLMModelArgs(BaseModelArgs):
             init_from_allow_missing=list(speechlm.init_from_allow_missing),
             init_from_allow_unexpected=list(speechlm.init_from_allow_unexpected),
             weight_decay_exclude=list(speechlm.weight_decay_exclude),
-            codec_hash=codec_hash,
+            freeze=list(speechlm.freeze),
             z_loss_weight=speechlm.z_loss_weight,
             load_balance_weight=speechlm.load_balance_weight,
             loss_chunk_size=speechlm.loss_chunk_size,
@@ -110,6 +113,10 @@ class SpeechLMModelArgs(BaseModelArgs):
             prompt_seconds=float(prompt_seconds),
             preference=preference_settings(speechlm),
         )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # a run record's or export's form
+            self.lora = LoraSettings.from_dict(self.lora)
 
     @property
     def preference_loss(self) -> PreferenceLoss | None:

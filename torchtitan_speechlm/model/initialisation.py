@@ -61,7 +61,7 @@ def initialise_parameters(
     start = {}
     if args.init_from:
         base = {n for n, _ in named if not is_lora_param(n)}  # adapters always start fresh
-        start = load_starting_point(args, base, args.codec_hash)
+        start = load_starting_point(args, base)
     reader = family.weights(args.hf_assets_path) if args.load_weights else None
     # our parameter -> (its tensor in the backbone checkpoint, rows of ours it fills)
     text = (

@@ -16,8 +16,9 @@ with torchtitan's plan and the adapters around them (distributed/parallelize.py)
 as PEFT's do (A: Kaiming-uniform, B: zeros: the model starts as the base model), drawn from
 (init_seed, name) like every other parameter so any world size starts identically.
 
-The settings dict (``SpeechLMModelArgs.lora``, empty: no LoRA) is recorded with the run, so an
-export or a reload rebuilds the same modules (``model.build_model``). ``merge_lora`` folds the
+The settings (``LoraSettings``, carried by ``SpeechLMModelArgs.lora``; None: no LoRA) are
+recorded with the run, so an export or a reload rebuilds the same modules
+(``model.build_model``). ``merge_lora`` folds the
 adapters into the base weights (PEFT's ``merge``), giving the plain SpeechLM back.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -113,43 +115,69 @@ def match_targets(backbone: nn.Module, patterns: list[str]) -> list[str]:
     return [n for n in linears if n in chosen]
 
 
-def lora_settings(lora, converters: list[str]) -> dict:
-    """The ``[lora]`` section as the model args' settings when ``model.converters`` lists
-    ``"lora"``, else {} (no LoRA). The one place the section is read: the run plan calls it and
-    every later user (the converter, export, generation) reads the model args."""
-    if CONVERTER not in converters:
-        return {}
-    return {key: copy.deepcopy(getattr(lora, key)) for key in SETTING_KEYS}
+@dataclass(frozen=True)
+class LoraSettings:
+    """``[lora]`` as the model carries it (``SpeechLMModelArgs.lora``; None: no LoRA). Read
+    once, by the run plan (``from_config``: when ``model.converters`` lists ``"lora"``), typed
+    and checked once, here, when made (a ``LoraError`` naming the key); recorded with the run
+    and its exports (``to_dict``, the keys of ``SETTING_KEYS``) and read back (``from_dict``),
+    so the converter, export and generation apply the same value."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = (ALL_LINEAR,)
+    train_audio_rows: bool = True
+    train_head: bool = False
+
+    def __post_init__(self) -> None:
+        if int(self.rank) < 1:
+            raise LoraError(f"lora.rank = {self.rank}: must be >= 1")
+        if float(self.alpha) <= 0:
+            raise LoraError(f"lora.alpha = {self.alpha}: must be > 0")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise LoraError(f"lora.dropout = {self.dropout}: must be in [0, 1)")
+        for key, kind in (("rank", int), ("alpha", float), ("dropout", float),
+                          ("train_audio_rows", bool), ("train_head", bool)):  # fmt: skip
+            object.__setattr__(self, key, kind(getattr(self, key)))
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    @classmethod
+    def from_config(cls, lora, converters: list[str]) -> LoraSettings | None:
+        """The ``[lora]`` section when ``model.converters`` lists ``"lora"``, else None."""
+        if CONVERTER not in converters:
+            return None
+        return cls(**{key: copy.deepcopy(getattr(lora, key)) for key in SETTING_KEYS})
+
+    @classmethod
+    def from_dict(cls, settings: dict | None) -> LoraSettings | None:
+        """A run record's or export's ``lora`` entry (empty or null: no LoRA)."""
+        if not settings:
+            return None
+        return cls(**{key: settings[key] for key in SETTING_KEYS if key in settings})
+
+    def to_dict(self) -> dict:
+        """The recorded form (JSON's: a list of target modules)."""
+        return {**asdict(self), "target_modules": list(self.target_modules)}
 
 
-def check_settings(settings: dict) -> None:
-    """Values in range (raise LoraError naming the key)."""
-    if int(settings["rank"]) < 1:
-        raise LoraError(f"lora.rank = {settings['rank']}: must be >= 1")
-    if float(settings["alpha"]) <= 0:
-        raise LoraError(f"lora.alpha = {settings['alpha']}: must be > 0")
-    if not 0.0 <= float(settings["dropout"]) < 1.0:
-        raise LoraError(f"lora.dropout = {settings['dropout']}: must be in [0, 1)")
-
-
-def lora_config(settings: dict, targets: list[str]):
+def lora_config(settings: LoraSettings, targets: list[str]):
     """PEFT's LoraConfig of these settings over the exact module names ``targets``."""
     peft = peft_module()
     return peft.LoraConfig(
-        r=int(settings["rank"]),
-        lora_alpha=float(settings["alpha"]),
-        lora_dropout=float(settings["dropout"]),
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
         target_modules=list(targets),
         bias="none",
     )
 
 
-def apply_lora(model: nn.Module, settings: dict) -> list[str]:
+def apply_lora(model: nn.Module, settings: LoraSettings) -> list[str]:
     """Wrap the selected decoder layers of a SpeechLM (meta or real) in PEFT LoRA layers and set
     what trains; returns the wrapped modules' names inside the backbone."""
-    check_settings(settings)
     peft = peft_module()
-    targets = match_targets(model.backbone, list(settings["target_modules"]))
+    targets = match_targets(model.backbone, list(settings.target_modules))
     peft.inject_adapter_in_model(lora_config(settings, targets), model.backbone, ADAPTER)
     for module in (model.tok_embeddings, model.backbone, model.head):  # the LM; other parts
         for p in module.parameters():  # (an audio encoder) keep their own freeze settings
@@ -158,7 +186,7 @@ def apply_lora(model: nn.Module, settings: dict) -> list[str]:
         p.requires_grad_(is_lora_param("." + name))
     layout = model.args.layout
     text = (layout.text_offset, layout.text_offset + layout.text_size)
-    audio, head = bool(settings["train_audio_rows"]), bool(settings["train_head"])
+    audio, head = settings.train_audio_rows, settings.train_head
     head_weight = model.tok_embeddings if model.args.tie_embeddings else model.head.output
     if audio:
         for module in (model.tok_embeddings, head_weight, model.head.stream_emb):
@@ -190,7 +218,7 @@ def merge_lora(model: nn.Module) -> None:
         parent, _, child = name.rpartition(".")
         owner = model.backbone.get_submodule(parent) if parent else model.backbone
         setattr(owner, child, layer.get_base_layer())
-    model.args.lora = {}
+    model.args.lora = None
 
 
 def adapter_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

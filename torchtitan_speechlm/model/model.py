@@ -20,8 +20,6 @@ from collections import deque
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchtitan.protocols import ModelProtocol
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.audio.tower import AudioTower
@@ -37,6 +35,7 @@ from torchtitan_speechlm.model.pretrained import (
     read_export_config,
     read_safetensors,
 )
+from torchtitan_speechlm.utils.upstream import ModelProtocol, logger
 
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 

@@ -22,7 +22,10 @@ import torch
 from torchtitan_speechlm.model.args import SpeechLMModelArgs
 
 EXPORT_MODEL_TYPE = "speechlm"
-EXPORT_VERSION = 1
+# 2: the codec named once (``codec``, model/codec_identity.py, with ``folder`` its copy here);
+# version 1 also kept its hash in ``model_args.codec_hash`` (still read: run_record.py
+# ``recorded_codec``, ``model_args_of``)
+EXPORT_VERSION = 2
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
+from torchtitan_speechlm.model.codec_identity import CodecIdentity
 from torchtitan_speechlm.utils.fileio import DamagedFileError, read_checked_json, write_checked_json
 
 RUN_RECORD = "speechlm_run.json"
-RECORD_VERSION = 1
+# 2: the codec recorded once, whole (``codec``: model/codec_identity.py); a version 1 record
+# also kept its hash in ``model_args.codec_hash`` (still read: ``recorded_codec``)
+RECORD_VERSION = 2
+# what version 1 records (and exports) kept in ``model_args`` that the model args no longer have
+LEGACY_MODEL_KEYS = ("codec_hash",)
 # the model args that define the parameters and what they mean (others may change on resume)
 IDENTITY_KEYS = ("backbone", "backbone_config", "vocab", "pattern", "tie_embeddings")
 
@@ -50,16 +55,17 @@ def model_record(args) -> dict:
 
 
 def record_run(
-    job_config, args, *, backbone_path: str, codec: dict, tokenizer: dict, datasets: dict
+    job_config, args, *, backbone_path: str, codec: CodecIdentity, tokenizer: dict, datasets: dict
 ) -> dict:
-    """Write (rank 0) or check the record of this run's model; returns it (paths absolute)."""
+    """Write (rank 0) or check the record of this run's model; returns it (paths absolute).
+    ``datasets``: name -> path as given."""
     record = {
         "version": RECORD_VERSION,
         "model_name": job_config.model.name,
         "flavor": job_config.model.flavor,
         "model_args": model_record(args),
         "hf_assets_path": os.path.abspath(backbone_path),
-        "codec": codec,
+        "codec": codec.to_dict(),
         "tokenizer": tokenizer,
         "datasets": {name: _absolute(p) for name, p in datasets.items()},
     }
@@ -136,7 +142,7 @@ def check_same_model(
     """Raise naming the first identity key that differs (vocabulary, pattern, streams...).
     ``start_from``: a checkpoint of the recorded run a new run could start from (named in the
     message of a LoRA change, the usual reason: fine-tuning a finished run)."""
-    old = record.get("model_args", record)
+    old = model_args_of(record) if "model_args" in record else record
     for key in IDENTITY_KEYS:
         if comparable(key, old.get(key)) != comparable(key, model_args.get(key)):
             raise RunRecordError(
@@ -182,12 +188,22 @@ def record_for_checkpoint(step_dir: str) -> dict:
     return read_run_record(os.path.join(dump, RUN_RECORD))
 
 
-def describe_codec(codec: dict | None, datasets: dict | None = None) -> str:
-    """``encodec (config_hash 4806d537bd4d07ec, /path/codec; datasets tiny=/path)``."""
-    codec = codec or {}
-    where = f", {codec['path']}" if codec.get("path") else ""
-    data = f"; datasets {_datasets(datasets)}" if datasets else ""
-    return f"{codec.get('name', '?')} (config_hash {codec.get('config_hash') or '?'}{where}{data})"
+def recorded_codec(record: dict) -> CodecIdentity:
+    """The codec a run record (or an export's config.json, which carries the record's entries)
+    names: its ``codec`` entry. A version 1 file kept the codec's hash in
+    ``model_args.codec_hash`` too, and a record of a Python data object had it only there."""
+    codec = CodecIdentity.from_dict(record.get("codec"))
+    version = record.get("version", record.get("format_version", 1))
+    legacy = (record.get("model_args") or {}).get("codec_hash")
+    if not codec.config_hash and legacy and version < 2:
+        codec = replace(codec, config_hash=str(legacy))
+    return codec
+
+
+def model_args_of(record: dict) -> dict:
+    """A record's (or export's) model args without the keys version 1 files kept there that
+    the model args no longer have (``LEGACY_MODEL_KEYS``)."""
+    return {k: v for k, v in (record.get("model_args") or {}).items() if k not in LEGACY_MODEL_KEYS}
 
 
 def _datasets(datasets: dict | None) -> str:
@@ -196,7 +212,7 @@ def _datasets(datasets: dict | None) -> str:
 
 def check_same_data(
     record: dict,
-    codec: dict | None,
+    codec: CodecIdentity,
     tokenizer: dict | None,
     datasets: dict | None,
     where: str,
@@ -210,28 +226,25 @@ def check_same_data(
 
     A record without a codec hash or tokenizer hash (older runs, or a Python data object with
     none) cannot be checked: ``warn`` says so and the run goes on."""
-    old_codec, old_tok = record.get("codec") or {}, record.get("tokenizer") or {}
-    old_hash = old_codec.get("config_hash") or record.get("model_args", {}).get("codec_hash")
-    old_codec = {**old_codec, "config_hash": old_hash}
-    new_hash = (codec or {}).get("config_hash")
+    old_codec, old_tok = recorded_codec(record), record.get("tokenizer") or {}
     old_data, new_data = _datasets(record.get("datasets")), _datasets(datasets)
     new_run = "start a new run in another job.dump_folder, from the backbone"
-    if old_hash and new_hash and old_hash != new_hash:
+    if old_codec.same_codes(codec) is False:
         raise RunRecordError(
             f"{where} was trained on data made with codec "
-            f"{describe_codec(old_codec, record.get('datasets'))}, but speechlm_data.datasets "
-            f"was made with codec {describe_codec(codec, datasets)}: the checkpoints' audio rows mean "
+            f"{old_codec.describe(record.get('datasets'))}, but speechlm_data.datasets "
+            f"was made with codec {codec.describe(datasets)}: the checkpoints' audio rows mean "
             "the other codec's codes, and export and generate would decode with the recorded "
             "one. To continue that run, point speechlm_data.datasets at data prepared with "
-            f"its codec (`torchtitan prepare ... --codec {old_codec.get('path') or 'CODEC_DIR'} "
+            f"its codec (`torchtitan prepare ... --codec {old_codec.path or 'CODEC_DIR'} "
             f"--out DIR`); to train on this data, {new_run} (speechlm.init_from refuses "
             f"weights trained on another codec's codes{_refused(start_from)})"
         )
-    if not old_hash and new_hash and warn is not None:
+    if not old_codec.config_hash and codec.config_hash and warn is not None:
         warn(
             f"{where} does not record the codec its checkpoints were trained with (an older "
             "run record): cannot check that speechlm_data.datasets was made with the same "
-            f"one (it was made with codec {describe_codec(codec, datasets)}); resuming anyway"
+            f"one (it was made with codec {codec.describe(datasets)}); resuming anyway"
         )
     old_tok_hash, new_tok_hash = old_tok.get("hash"), (tokenizer or {}).get("hash")
     if old_tok_hash and new_tok_hash and old_tok_hash != new_tok_hash:

@@ -19,13 +19,19 @@ import os
 
 import torch
 
+from torchtitan_speechlm.model.codec_identity import CodecIdentity
 from torchtitan_speechlm.model.pretrained import (
     PretrainedError,
     load_checkpoint_state,
     read_export_config,
     read_safetensors,
 )
-from torchtitan_speechlm.model.run_record import comparable, record_for_checkpoint
+from torchtitan_speechlm.model.run_record import (
+    comparable,
+    model_args_of,
+    record_for_checkpoint,
+    recorded_codec,
+)
 
 # what must agree between the source's model and ours for its weights to mean the same
 SAME = ("vocab", "pattern", "backbone", "backbone_config", "tie_embeddings")
@@ -49,12 +55,12 @@ def rename(state: dict, mapping: list[str]) -> dict:
     return out
 
 
-def check_same(source: dict | None, ours: dict, codec_hash: str | None, where: str) -> None:
+def check_same(source: dict | None, ours: dict, codec: CodecIdentity | None, where: str) -> None:
     """Refuse a source made for another vocabulary, pattern, backbone or codec (``ours``: the
-    SAME keys we know, as JSON values)."""
+    SAME keys we know, as JSON values; ``codec``: the data's, None: not compared)."""
     if source is None:
         return
-    model_args = source.get("model_args", {})
+    model_args = model_args_of(source)
     for key, value in ours.items():
         if key in model_args and comparable(key, model_args[key]) != comparable(key, _json(value)):
             raise PretrainedError(
@@ -62,11 +68,11 @@ def check_same(source: dict | None, ours: dict, codec_hash: str | None, where: s
                 f"{str(_json(value))[:80]}); start from weights of a model with the same "
                 "vocabulary, pattern, backbone and codec (or train from the backbone)"
             )
-    theirs = (source.get("codec") or {}).get("config_hash")
-    if codec_hash and theirs and theirs != codec_hash:
+    theirs = recorded_codec(source)
+    if codec is not None and theirs.same_codes(codec) is False:
         raise PretrainedError(
             f"{where} was trained on codes of another codec (config_hash "
-            f"{theirs} vs {codec_hash}); re-prepare the data with its codec"
+            f"{theirs.config_hash} vs {codec.config_hash}); re-prepare the data with its codec"
         )
 
 
@@ -76,15 +82,18 @@ def _json(value):
     return json.loads(json.dumps(value))
 
 
-def load_starting_point(args, names: set[str], codec_hash: str | None = None) -> dict:
-    """Full tensors by our parameter names from ``args.init_from``."""
+def load_starting_point(args, names: set[str]) -> dict:
+    """Full tensors by our parameter names from ``args.init_from``. The source's vocabulary,
+    pattern and backbone are checked here (the model's own); its codec against the data's
+    once, by the run before any rank builds a model (components/resume.py
+    ``check_init_from``): the codec is the run's, not the model args'."""
     path = os.path.abspath(args.init_from)
     ours = {k: getattr(args, k) for k in SAME}
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        check_same(read_export_config(path), ours, codec_hash, path)
+        check_same(read_export_config(path), ours, None, path)
         state = read_safetensors(path)
     elif os.path.isdir(path):
-        check_same(record_for_checkpoint(path), ours, codec_hash, path)
+        check_same(record_for_checkpoint(path), ours, None, path)
         state = load_checkpoint_state(path, names)
     elif os.path.isfile(path):
         try:

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+from torchtitan_speechlm.utils.upstream import StateDictAdapter
 
 EMBED, HEAD = "tok_embeddings.weight", "head.output.weight"
 

@@ -23,8 +23,9 @@ import json
 import os
 import re
 import socket
+from dataclasses import replace
 
-from torchtitan_speechlm.data.format import shard_name
+from torchtitan_speechlm.data.format import codec_of, shard_name
 from torchtitan_speechlm.utils.fileio import json_hash, write_json_atomic
 
 STATE_DIR = ".prepare"  # OUT/.prepare: locks, part records, the whole-corpus checks
@@ -104,7 +105,7 @@ def owned(num_shards: int, part: tuple[int, int]) -> list[int]:
 
 def run_id(plan: dict) -> str:
     """One id for every part of one preparation (the plan without paths, which may differ)."""
-    codec = {k: v for k, v in plan.get("codec", {}).items() if k != "path"}
+    codec = replace(codec_of(plan), path="").to_dict()  # (an unknown path is left out)
     tokenizer = {k: v for k, v in plan.get("tokenizer", {}).items() if k != "path"}
     return json_hash(dict(plan, codec=codec, tokenizer=tokenizer))
 

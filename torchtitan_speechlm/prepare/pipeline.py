@@ -20,7 +20,7 @@ import time
 
 from torchtitan_speechlm.codecs import CodecError, load_codec
 from torchtitan_speechlm.codecs.fitting import FITTERS, FitSettings
-from torchtitan_speechlm.data.format import CorruptDatasetError, read_json
+from torchtitan_speechlm.data.format import CorruptDatasetError, codec_of, read_json
 from torchtitan_speechlm.data.remote import RemoteDatasetError, is_url, staging_folder, upload
 from torchtitan_speechlm.data.tokenizer_check import LossyTokenizerError, check_inputs
 from torchtitan_speechlm.prepare.items import ManifestError, ManifestItem
@@ -246,7 +246,7 @@ def _prepare_part(items, description: dict, out_dir: str, t0: float, *, codec, t
         write_checks(out_dir, {"tokenizer_roundtrip": roundtrip})
     try:
         cfg = dataclasses.replace(
-            cfg, header={"codec": plan["codec"], "tokenizer": plan["tokenizer"]}
+            cfg, header={"codec": codec_of(plan).to_dict(), "tokenizer": plan["tokenizer"]}
         )
         todo = [s for s in mine if not shard_done(out_dir, s, plan["shard_inputs"][s], plan)]
         # each shard's items are taken from the source when its task is handed out, not all

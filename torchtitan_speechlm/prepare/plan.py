@@ -20,12 +20,14 @@ from torchtitan_speechlm.data.format import (
     METADATA,
     SHARD_META,
     SHARDS_DIR,
+    codec_of,
     fingerprint_shard,
     first_difference,
     read_json,
     shard_name,
     speaker_summary,
 )
+from torchtitan_speechlm.model.codec_identity import CodecIdentity
 from torchtitan_speechlm.prepare.items import ManifestItem
 from torchtitan_speechlm.prepare.parts import STATE_DIR
 from torchtitan_speechlm.prepare.worker import FAILURES
@@ -66,12 +68,7 @@ def _item_key(it: ManifestItem) -> list:
 
 def build_plan(items, source: dict, codec, tokenizer: dict, shard_size: int,
                allow_audio_only: bool) -> dict:  # fmt: skip
-    codec_meta = {
-        "name": codec.name, "path": codec.path, "class": codec.class_name,
-        "sample_rate": codec.sample_rate, "frame_rate": codec.frame_rate,
-        "num_streams": codec.num_streams, "total_streams": codec.total_streams,
-        "codebook_size": codec.codebook_size, "config_hash": codec.config_hash,
-    }  # fmt: skip
+    codec_meta = CodecIdentity.of_codec(codec).to_dict()  # metadata.json's codec entry
     hashes, speakers = [], False  # one pass over the items (a spilled source: one read)
     for s in range(0, len(items), shard_size):
         shard = items[s : s + shard_size]
@@ -102,9 +99,9 @@ def plan_difference(old: dict, new: dict) -> str | None:
     ):
         if old.get(k) != new.get(k):
             return k
-    for k in ("sample_rate", "total_streams"):
-        if old.get("codec", {}).get(k) != new.get("codec", {}).get(k):
-            return f"codec.{k}"
+    key = codec_of(old).difference(codec_of(new), ("sample_rate", "total_streams"))
+    if key is not None:
+        return f"codec.{key}"
     pairs = zip(old.get("shard_inputs", []), new["shard_inputs"], strict=False)
     for s, (a, b) in enumerate(pairs):
         if a != b:
@@ -204,7 +201,8 @@ def finalize(out_dir: str, plan: dict, run_info: dict, checks: dict | None = Non
         "total_frames": sum(s["total_frames"] for s in shards),
         "kinds": dict(sorted(kinds.items())),
     }
-    n_streams = plan["codec"]["num_streams"]
+    codec = codec_of(plan)
+    n_streams = codec.num_streams
     voices = speaker_summary(speakers, totals["num_items"] - sum(speakers.values()))
     summary = dict(totals, out_dir=out_dir, hours=totals["total_audio_seconds"] / 3600,
                    num_streams=n_streams, audio_tokens_per_stream=totals["total_frames"],
@@ -218,7 +216,7 @@ def finalize(out_dir: str, plan: dict, run_info: dict, checks: dict | None = Non
         if os.path.exists(meta_path):
             os.remove(meta_path)
         return summary
-    meta = {"format_version": FORMAT_VERSION, "codec": plan["codec"], "tokenizer": plan["tokenizer"],
+    meta = {"format_version": FORMAT_VERSION, "codec": codec.to_dict(), "tokenizer": plan["tokenizer"],
             "source": plan["source"], "shard_size": plan["shard_size"], "shards": shards,
             "num_failed": len(failures), **(checks or {}), **totals}  # fmt: skip
     if speakers:  # only where the source named speakers: other datasets' metadata unchanged

@@ -18,13 +18,16 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from torchtitan.config.job_config import Parallelism, Training
-
 from torchtitan_speechlm.config import ConfigError, check_toml
 from torchtitan_speechlm.distributed.batch import data_parallel_degree
 from torchtitan_speechlm.trainer.plan import REGISTERED_VALUES
+from torchtitan_speechlm.utils import upstream
 from torchtitan_speechlm.utils.compat import accelerator_available
 from torchtitan_speechlm.utils.fileio import write_text_atomic
+from torchtitan_speechlm.utils.upstream import (
+    ParallelismConfig,
+    TrainingConfig,
+)
 
 CONFIG_MODULE = "torchtitan_speechlm.config"
 TOML_NAME = "titan_trainer.toml"
@@ -70,11 +73,7 @@ FREEZE_PREFIXES = (
 
 def config_class() -> type:
     """torchtitan's JobConfig with our sections merged, as ``torchtitan train`` builds it."""
-    from torchtitan.config import ConfigManager
-
-    return ConfigManager()._maybe_add_custom_config(
-        ["--job.custom_config_module", CONFIG_MODULE], None
-    )
+    return upstream.job_config_class(CONFIG_MODULE)
 
 
 def section_names() -> list[str]:
@@ -104,9 +103,7 @@ def map_freeze(prefix: str) -> str:
 def _optimizer(opt: Mapping) -> dict:
     from dataclasses import fields
 
-    from torchtitan.config.job_config import Optimizer
-
-    known = [f.name for f in fields(Optimizer)]
+    known = [f.name for f in fields(upstream.OptimizerConfig)]
     out = dict(ESPNET_OPTIMIZER_DEFAULTS)
     out["implementation"] = "fused" if accelerator_available() else "foreach"
     for key, value in opt.items():
@@ -252,8 +249,10 @@ def trainer_args_to_sections(
 def global_batch(sections: dict, world_size: int) -> int:
     """Rows of one optimizer step without accumulation: local batch x data-parallel degree."""
     t, p = sections.get("training", {}), sections.get("parallelism", {})
-    local = int(t.get("local_batch_size", Training.local_batch_size))
-    parallelism = Parallelism(**{f.name: p[f.name] for f in fields(Parallelism) if f.name in p})
+    local = int(t.get("local_batch_size", TrainingConfig.local_batch_size))
+    parallelism = ParallelismConfig(
+        **{f.name: p[f.name] for f in fields(ParallelismConfig) if f.name in p}
+    )
     return local * max(1, data_parallel_degree(parallelism, world_size))
 
 

@@ -9,12 +9,12 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
-from torchtitan.components.loss import IGNORE_INDEX
 
 from torchtitan_speechlm.components.step_codec import token_counts
 from torchtitan_speechlm.data.collation import data_stats_keys
 from torchtitan_speechlm.data.tasks import TASKS
 from torchtitan_speechlm.model.vocab import VocabLayout
+from torchtitan_speechlm.utils.upstream import IGNORE_INDEX
 
 
 class EspnetBatchError(ValueError):

@@ -27,11 +27,11 @@ import os
 import re
 
 import torch
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.optim import apply_factors
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.python_api.espnet_vocab import EspnetVocab
+from torchtitan_speechlm.utils.upstream import logger
 
 STEP_FOLDER = re.compile(r"^step_(\d+)$")
 ROW_PARAMS = {"tok_embeddings.weight": "model.embed_tokens.weight",

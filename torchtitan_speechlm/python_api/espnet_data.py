@@ -39,17 +39,16 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
-from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.codecs import load_codec
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.planner import Unit
+from torchtitan_speechlm.model.codec_identity import CodecIdentity
 from torchtitan_speechlm.model.vocab import VocabLayout
 from torchtitan_speechlm.python_api.espnet_batch import (
     EspnetBatchError,
@@ -70,6 +69,7 @@ from torchtitan_speechlm.python_api.espnet_io import (
 from torchtitan_speechlm.python_api.espnet_vocab import SPECIAL_KEY, EspnetVocab, int_intervals
 from torchtitan_speechlm.utils.fileio import json_hash
 from torchtitan_speechlm.utils.text_tokenizer import tokenizer_fingerprint
+from torchtitan_speechlm.utils.upstream import IGNORE_INDEX, BaseDataLoader, logger
 
 
 class EspnetData:
@@ -111,31 +111,26 @@ class EspnetData:
         self.encoder_path = ""  # [audio_encoder] path (for messages), set by check()
 
     @property
-    def codec(self) -> dict:
-        """The audio tokens' identity, as a prepared dataset's metadata.json ``codec``: a codec
-        of ours (``speechlm_data.step_codec``) as ``torchtitan prepare`` records it, so eval,
-        generate and export decode with it; else ESPnet's io (its class, codec tag, delay and
-        the vocabulary), which nothing here can decode."""
+    def codec(self) -> CodecIdentity:
+        """The audio tokens' identity, as a prepared dataset's metadata.json records its codec:
+        a codec of ours (``speechlm_data.step_codec``) as ``torchtitan prepare`` records it, so
+        eval, generate and export decode with it; else ESPnet's io (its class, codec tag, delay
+        and the vocabulary), which nothing here can decode."""
         if self._codec is not None:
-            c = self._codec
-            return {
-                "name": c.name, "path": os.path.abspath(self.step_codec_path),
-                "class": c.class_name, "sample_rate": c.sample_rate, "frame_rate": c.frame_rate,
-                "num_streams": self.vocab.num_streams, "total_streams": c.total_streams,
-                "codebook_size": c.codebook_size, "config_hash": c.config_hash,
-            }  # fmt: skip
+            ours = CodecIdentity.of_codec(self._codec, num_streams=self.vocab.num_streams)
+            return replace(ours, path=os.path.abspath(self.step_codec_path))
         identity = {"vocab_intervals": self.vocab_intervals, "io": self.audio}
         if self.audio_io is not None:
             identity["class"] = type(self.audio_io).__name__
             identity["codec"] = str(getattr(self.audio_io, "codec_hf_model_tag", ""))
             identity["delay"] = io_delay(self.audio_io)
-        return {
-            "name": f"espnet:{self.audio}",
-            "num_streams": self.vocab.num_streams,
-            "codebook_size": self.codebook_size,
-            "frame_rate": self.frame_rate,
-            "config_hash": json_hash(identity),
-        }
+        return CodecIdentity(
+            name=f"espnet:{self.audio}",
+            num_streams=self.vocab.num_streams,
+            codebook_size=self.codebook_size,
+            frame_rate=self.frame_rate,
+            config_hash=json_hash(identity),
+        )
 
     @property
     def tokenizer(self) -> dict | None:

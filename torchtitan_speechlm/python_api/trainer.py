@@ -30,8 +30,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torchtitan.tools.logging import logger
-
 from torchtitan_speechlm.commands.train import check_config, set_single_process_env, torchtitan_args
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.python_api.args import (
@@ -57,6 +55,8 @@ from torchtitan_speechlm.python_api.espnet_model import (
 )
 from torchtitan_speechlm.python_api.wandb_run import RunLogger, current_run
 from torchtitan_speechlm.trainer.trainer import SpeechLMTrainer
+from torchtitan_speechlm.utils import upstream
+from torchtitan_speechlm.utils.upstream import logger
 
 BACKBONE_DIR = "backbone"
 
@@ -330,9 +330,7 @@ class TitanTrainer:
         self.trainer_args = dict(trainer_args)
         use_single_process_env()
         if not logging.getLogger().handlers:  # torchtitan's console log, unless the caller has one
-            from torchtitan.tools.logging import init_logger
-
-            init_logger()
+            upstream.init_logger()
         espnet = espnet_model_parts(model) if is_espnet_model(model) else None
         plan = resolve_data(train_data_factory, valid_data_factories, self.trainer_args, espnet)
         sections = run_sections(self.trainer_args, plan, model, resume_path, self.output_dir)

@@ -15,7 +15,8 @@ import sys
 from typing import Any
 
 import torch
-from torchtitan.components.metrics import BaseLogger
+
+from torchtitan_speechlm.utils.upstream import BaseLogger
 
 
 def current_run() -> Any | None:

@@ -1,21 +1,22 @@
 """The SpeechLM TrainSpec's builders: a job config and the run -> what torchtitan's loop calls.
 
 torchtitan's Trainer calls each ``build_*_fn`` of the TrainSpec with the job config (and a few
-objects of its own). Ours also take ``run``: the ``SpeechLMRun`` the trainer resolved once
-(trainer.py binds it into the spec it reads), whose plan says what the run is made of and whose
-training state the loss, metrics, optimizers and loader share. Here, and only here, a TOML
-setting is turned into the explicit arguments of a component (components/, data/): the
-components never read the job config's SpeechLM sections or each other's state themselves.
+objects of its own). Ours are the methods of ``RunBuilders``, bound to the ``SpeechLMRun`` the
+trainer resolved once, whose plan says what the run is made of and whose training state the
+loss, metrics, optimizers and loader share; the trainer hands torchtitan the spec
+``RunBuilders.train_spec`` makes for it. The registered spec's builders (``needs_the_run``) only
+say which commands run a SpeechLM. Here, and only here, the run's values become the explicit
+arguments of a component (components/, data/): the components never read the job config's
+SpeechLM sections or each other's state themselves.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import fields, replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.components.dataloader import SpeechLMDataLoader
 from torchtitan_speechlm.components.loss import SpeechLMLoss
@@ -29,12 +30,14 @@ from torchtitan_speechlm.components.validate import SpeechLMValidator
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.catalog import MixEntry
 from torchtitan_speechlm.data.format import KINDS
+from torchtitan_speechlm.data.settings import StreamSettings
 from torchtitan_speechlm.data.stream import SpeechLMDataset
 from torchtitan_speechlm.distributed.batch import accumulation_steps
 from torchtitan_speechlm.model.vocab import VocabLayout
 from torchtitan_speechlm.trainer.plan import RunPlan
 from torchtitan_speechlm.trainer.run import SpeechLMRun
 from torchtitan_speechlm.utils.compat import accelerator_available
+from torchtitan_speechlm.utils.upstream import TrainSpec, logger
 
 NEEDS_OUR_TRAINER = (
     "the {name!r} TrainSpec is built by torchtitan_speechlm's trainer, which resolves the run "
@@ -44,85 +47,136 @@ NEEDS_OUR_TRAINER = (
 )
 
 
-def _require(run: SpeechLMRun | None, job_config=None) -> SpeechLMRun:
-    if run is None:
-        name = getattr(getattr(job_config, "model", None), "name", "speechlm")
-        raise ConfigError(NEEDS_OUR_TRAINER.format(name=name))
-    return run
+def needs_the_run(*args, **kwargs):
+    """The builders of the registered spec: torchtitan's own Trainer (``-m torchtitan.train``)
+    has no run to give them, so the first one it calls says which commands do."""
+    job_config = kwargs.get("job_config", next((a for a in args if hasattr(a, "model")), None))
+    name = getattr(getattr(job_config, "model", None), "name", "speechlm")
+    raise ConfigError(NEEDS_OUR_TRAINER.format(name=name))
 
 
-def bind(spec, run: SpeechLMRun):
-    """The TrainSpec ``spec`` for ``run``: its model args are the run's (complete, so
-    torchtitan's ``update_from_config`` has nothing left to do) and each builder of ours gets
-    the run as an argument."""
-    flavor = run.job_config.model.flavor
-    builders = {
-        f.name: partial(getattr(spec, f.name), run=run)
-        for f in fields(spec)
-        if getattr(getattr(spec, f.name), "takes_run", False)
-    }
-    return replace(spec, model_args={flavor: run.model_args}, **builders)
+@dataclass(frozen=True)
+class RunBuilders:
+    """The TrainSpec builders of one run, bound to it: torchtitan's Trainer calls each with its
+    own arguments (the job config, ranks, model parts...), and what the components share (the
+    plan, the model args, the training state, the step codec) is this object's ``run``.
 
+    ``train_spec`` gives torchtitan the spec it builds this run from: the registered one (its
+    model class, parallelize and pipelining functions, state-dict adapter) with the run's model
+    args and these methods as its builders. ``trainer.SpeechLMTrainer`` hands it to torchtitan's
+    ``Trainer.__init__`` (utils/compat.py fix 15); nothing is looked up elsewhere, and two runs
+    in one process each have their own."""
 
-def takes_run(fn):
-    """Mark a TrainSpec builder that ``bind`` gives the run."""
-    fn.takes_run = True
-    return fn
+    run: SpeechLMRun
+
+    def train_spec(self, registered: TrainSpec) -> TrainSpec:
+        """``registered`` for this run: its model args are the run's (complete, so torchtitan's
+        ``update_from_config`` has nothing left to do), its builders this object's methods."""
+        return replace(
+            registered,
+            model_args={self.run.job_config.model.flavor: self.run.model_args},
+            build_dataloader_fn=self.dataloader,
+            build_validator_fn=self.validator,
+            build_loss_fn=self.loss,
+            build_metrics_processor_fn=self.metrics_processor,
+            build_optimizers_fn=self.optimizers,
+            build_lr_schedulers_fn=self.lr_schedulers,
+        )
+
+    def dataloader(self, dp_world_size: int, dp_rank: int, tokenizer, job_config):
+        """TrainSpec.build_dataloader_fn."""
+        return build_dataloader(self.run, dp_world_size, dp_rank, job_config)
+
+    def validator(self, **kwargs) -> SpeechLMValidator:
+        """TrainSpec.build_validator_fn (torchtitan passes everything by keyword)."""
+        run = self.run
+        sets = validation_sets(
+            kwargs["job_config"], run, kwargs["dp_rank"], kwargs["dp_world_size"]
+        )
+        return SpeechLMValidator(
+            sets=sets, stats_keys=run.state.stats.data_stats_keys, step_codec=run.step_codec,
+            **kwargs,
+        )  # fmt: skip
+
+    def loss(self, job_config, **kwargs) -> SpeechLMLoss:
+        """TrainSpec.build_loss_fn: the loss reports to the run's statistics and step guard."""
+        return SpeechLMLoss(self.run.state.stats, self.run.state.guard)
+
+    def metrics_processor(
+        self, job_config, parallel_dims, model_args=None, tag=None
+    ) -> SpeechLMMetricsProcessor:
+        """TrainSpec.build_metrics_processor_fn."""
+        run = self.run
+        return SpeechLMMetricsProcessor(
+            job_config,
+            parallel_dims,
+            tag,
+            accumulator=run.state.stats,
+            guard=run.state.guard,
+            samples=training_samples(job_config, run.plan),
+            frame_rate=run.plan.frame_rate,
+            num_streams=run.plan.num_streams,
+            model_args=model_args,
+            step_codec=run.step_codec,
+            code_usage_interval=job_config.speechlm.code_usage_interval,
+            espnet_keys=job_config.metrics.espnet_keys,
+        )
+
+    def optimizers(self, model_parts, optimizer_config, parallel_dims, ft_manager=None):
+        """TrainSpec.build_optimizers_fn: torchtitan's, behind the run's step guard."""
+        return build_speechlm_optimizers(
+            model_parts, optimizer_config, parallel_dims, ft_manager, guard=self.run.state.guard
+        )
+
+    def lr_schedulers(self, optimizers, lr_scheduler_config, training_steps: int):
+        """TrainSpec.build_lr_schedulers_fn: torchtitan's, held at its floor; the guard's
+        steps."""
+        return build_speechlm_lr_schedulers(
+            optimizers, lr_scheduler_config, training_steps, guard=self.run.state.guard
+        )
 
 
 # ---- data ----------------------------------------------------------------------------------------
 def stream(
-    job_config, plan: RunPlan, entries: list[MixEntry], split: str, *, dp_rank: int,
-    dp_world_size: int, training: bool, training_shape: bool = False,
+    plan: RunPlan, entries: list[MixEntry], split: str, settings: StreamSettings, *,
+    dp_rank: int, dp_world_size: int, accumulation: int = 1,
 ) -> SpeechLMDataset:  # fmt: skip
-    """A train (infinite, shuffled, augmented) or validation (finite, ordered, clean) stream.
-
-    Training steps hold torchtitan's global batch: ``accumulation`` micro-batches per rank,
-    exactly as torchtitan's Trainer computes its gradient accumulation steps.
-    ``training_shape``: a finite stream in training's rows and ``seq_len`` (a pipeline's
-    stages exchange those shapes only: DPO's reference pass)."""
-    data = job_config.speechlm_data
-    if training or training_shape:
-        seq_len, rows = job_config.training.seq_len, job_config.training.local_batch_size
-        accumulation = accumulation_steps(job_config.training, dp_world_size) if training else 1
-        key = "training.seq_len"
-    else:
-        v = job_config.validation
-        seq_len = v.seq_len if v.seq_len > 0 else job_config.training.seq_len
-        rows, accumulation = v.local_batch_size, 1
-        key = "validation.seq_len" if v.seq_len > 0 else "training.seq_len"
+    """This rank's share of a stream over ``entries`` (``split`` of their datasets):
+    ``settings`` is the plan's training stream (infinite, shuffled, augmented) or one of its
+    finite forms (``for_validation``, ``finite``)."""
     return SpeechLMDataset(
         plan.data.sources(entries, split),
-        plan.template_builder(job_config),
-        seq_len=seq_len,
-        local_batch_size=rows,
-        max_tokens=data.max_tokens,
-        mode=data.batching,
-        window=data.window,
+        plan.template_builder(),
+        settings,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         accumulation=accumulation,
-        seed=data.seed,
-        shuffle=data.shuffle and training,
-        infinite=training,
-        cfg_dropout=data.cfg_dropout if training else 0.0,
-        max_too_long_fraction=data.max_too_long_fraction if training else 1.0,
-        seq_len_key=key,
-        order=data.order,
     )
+
+
+def train_stream(job_config, plan: RunPlan, *, dp_rank: int, dp_world_size: int):
+    """The training stream: its steps hold torchtitan's global batch, ``accumulation``
+    micro-batches per rank, exactly as torchtitan's Trainer computes its gradient accumulation
+    steps (from its ``[training]`` section)."""
+    accumulation = accumulation_steps(job_config.training, dp_world_size)
+    return stream(
+        plan, plan.data.train, "train", plan.train_stream,
+        dp_rank=dp_rank, dp_world_size=dp_world_size, accumulation=accumulation,
+    )  # fmt: skip
 
 
 def check_data(job_config, plan: RunPlan) -> None:
     """Build the training stream and every validation set once, as the ranks will: bad
-    mixtures, empty entries, bad batching values and lengths that do not fit ``seq_len`` fail
-    here, before any rank starts."""
+    mixtures, empty entries and lengths that do not fit ``seq_len`` fail here, before any rank
+    starts (bad batching values already did, when the plan read them)."""
     if plan.external is not None:  # a Python data object checks its own
         return
-    stream(job_config, plan, plan.data.train, "train", dp_rank=0, dp_world_size=1, training=True)
+    train_stream(job_config, plan, dp_rank=0, dp_world_size=1)
     if job_config.validation.enable:
+        valid = plan.train_stream.for_validation(job_config.validation)
         for name, (entries, split) in plan.data.valid.items():
             plan.data.check_held_out(name, entries, split)
-            stream(job_config, plan, entries, split, dp_rank=0, dp_world_size=1, training=False)
+            stream(plan, entries, split, valid, dp_rank=0, dp_world_size=1)
 
 
 def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
@@ -139,10 +193,8 @@ def record_vocab(dump_folder: str, layout: VocabLayout) -> None:
         layout.save(path)  # atomic
 
 
-@takes_run
-def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, *, run=None):
-    """TrainSpec.build_dataloader_fn."""
-    run = _require(run, job_config)
+def build_dataloader(run: SpeechLMRun, dp_world_size: int, dp_rank: int, job_config):
+    """This rank's training loader of ``run`` (``RunBuilders.dataloader``)."""
     plan = run.plan
     record_vocab(job_config.job.dump_folder, plan.layout)
     if plan.external is not None:  # a Python data object (data/external.py)
@@ -155,10 +207,7 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, *,
             accumulation=accumulation_steps(job_config.training, dp_world_size),
             continuous_frames=audio.frames_of if audio else None,
         )
-    dataset = stream(
-        job_config, plan, plan.data.train, "train",
-        dp_rank=dp_rank, dp_world_size=dp_world_size, training=True,
-    )  # fmt: skip
+    dataset = train_stream(job_config, plan, dp_rank=dp_rank, dp_world_size=dp_world_size)
     logger.info(
         "SpeechLM data: "
         + ", ".join(
@@ -195,39 +244,16 @@ def validation_sets(job_config, run: SpeechLMRun, dp_rank: int, dp_world_size: i
             name: partial(plan.external.valid_dataset, name, plan.layout, continuous_frames=frames)
             for name in plan.data.valid
         }
+    valid = plan.train_stream.for_validation(job_config.validation)
     return {
         name: partial(
-            stream,
-            job_config,
-            plan,
-            entries,
-            split,
-            dp_rank=dp_rank,
-            dp_world_size=dp_world_size,
-            training=False,
-        )  # fmt: skip
+            stream, plan, entries, split, valid, dp_rank=dp_rank, dp_world_size=dp_world_size
+        )
         for name, (entries, split) in plan.data.valid.items()
     }
 
 
-@takes_run
-def build_validator(*, run=None, **kwargs) -> SpeechLMValidator:
-    """TrainSpec.build_validator_fn (torchtitan passes everything by keyword)."""
-    run = _require(run, kwargs.get("job_config"))
-    sets = validation_sets(kwargs["job_config"], run, kwargs["dp_rank"], kwargs["dp_world_size"])
-    return SpeechLMValidator(
-        sets=sets, stats_keys=run.state.stats.data_stats_keys, step_codec=run.step_codec, **kwargs
-    )
-
-
 # ---- loss, metrics, optimizers ---------------------------------------------------------------
-@takes_run
-def build_loss(job_config, *, run=None, **kwargs) -> SpeechLMLoss:
-    """TrainSpec.build_loss_fn: the loss reports to the run's statistics and step guard."""
-    run = _require(run, job_config)
-    return SpeechLMLoss(run.state.stats, run.state.guard)
-
-
 def sample_prompts(job_config, plan: RunPlan) -> SamplePrompts:
     """The sample set's codec, tokenizer and ASR prompts: the first speech items of the first
     validation set, and their speaker prompts (for a run with a prompted task)."""
@@ -259,10 +285,9 @@ def sample_prompts(job_config, plan: RunPlan) -> SamplePrompts:
             prompts.append(ds[same[(same.index(i) + 1) % len(same)]] if len(same) > 1 else None)
         return [ds[i] for i in chosen], prompts
 
-    tokenizer = next(iter(plan.data.metadata.values()))["tokenizer"]
     return SamplePrompts(
         plan.codec,
-        tokenizer.get("path", ""),
+        plan.data.tokenizer.get("path", ""),
         plan.frame_rate,
         lambda count: speech(count)[0],
         lambda count: speech(count)[1],
@@ -278,42 +303,4 @@ def training_samples(job_config, plan: RunPlan) -> TrainingSamples:
     folder = os.path.join(job_config.job.dump_folder, "samples")
     return TrainingSamples(
         every, sl.sample_count, sl.sample_texts, folder, sample_prompts(job_config, plan)
-    )
-
-
-@takes_run
-def build_metrics_processor(
-    job_config, parallel_dims, model_args=None, tag=None, *, run=None
-) -> SpeechLMMetricsProcessor:
-    """TrainSpec.build_metrics_processor_fn."""
-    run = _require(run, job_config)
-    return SpeechLMMetricsProcessor(
-        job_config,
-        parallel_dims,
-        tag,
-        accumulator=run.state.stats,
-        guard=run.state.guard,
-        samples=training_samples(job_config, run.plan),
-        frame_rate=run.plan.frame_rate,
-        num_streams=run.plan.num_streams,
-        model_args=model_args,
-        step_codec=run.step_codec,
-    )
-
-
-@takes_run
-def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None, *, run=None):
-    """TrainSpec.build_optimizers_fn: torchtitan's, behind the run's step guard."""
-    run = _require(run)
-    return build_speechlm_optimizers(
-        model_parts, optimizer_config, parallel_dims, ft_manager, guard=run.state.guard
-    )
-
-
-@takes_run
-def build_lr_schedulers(optimizers, lr_scheduler_config, training_steps: int, *, run=None):
-    """TrainSpec.build_lr_schedulers_fn: torchtitan's, held at its floor; the guard's steps."""
-    run = _require(run)
-    return build_speechlm_lr_schedulers(
-        optimizers, lr_scheduler_config, training_steps, guard=run.state.guard
     )

@@ -15,7 +15,7 @@ from torchtitan_speechlm.data.tasks import get_task
 from torchtitan_speechlm.distributed.batch import data_parallel_degree
 from torchtitan_speechlm.distributed.parallelize import check_parallelism
 from torchtitan_speechlm.distributed.pipeline import check_pipeline
-from torchtitan_speechlm.model.lora import CONVERTER, LoraError, check_settings, peft_module
+from torchtitan_speechlm.model.lora import CONVERTER, LoraError, peft_module
 from torchtitan_speechlm.trainer.plan import RunPlan
 
 
@@ -25,7 +25,7 @@ def validate_job_config(job_config, plan: RunPlan) -> None:
     the world size."""
     try:
         check_parallelism(job_config, plan.family, plan.backbone_config)
-        check_pipeline(job_config, plan.family, plan.backbone_config, plan.model_args(job_config))
+        check_pipeline(job_config, plan.family, plan.backbone_config, plan.model_args)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_conflicts(job_config)
@@ -145,11 +145,10 @@ def master_weights_note(job_config, plan: RunPlan) -> str | None:
 
 def check_lora(job_config, plan: RunPlan) -> None:
     """LoRA's settings, PEFT installed, and the options LoRA cannot work with."""
-    if not plan.lora:
+    if plan.lora is None:  # its values were checked when the plan read them (LoraSettings)
         return
     converters = list(job_config.model.converters)
     try:
-        check_settings(plan.lora)
         peft_module()
     except LoraError as e:
         raise ConfigError(str(e)) from None

@@ -22,12 +22,12 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from torchtitan.tools.logging import logger
 
 from torchtitan_speechlm.data.planner import Unit
 from torchtitan_speechlm.distributed.pipeline import STAGE_KWARGS
 from torchtitan_speechlm.trainer.builders import stream
 from torchtitan_speechlm.utils.fileio import write_json_atomic
+from torchtitan_speechlm.utils.upstream import logger
 
 REF_DIR = "preference_reference"
 LOGPS = "logps.npz"
@@ -128,8 +128,11 @@ def _passes(trainer, rank: int, world: int) -> list:
     """The finite passes the reference scores: the training mixture's items, and every
     validation set (which holds the held-out items the training pass does not)."""
     jc, plan = trainer.job_config, trainer.run.plan
-    out = [stream(jc, plan, plan.data.train, "train", dp_rank=rank, dp_world_size=world,
-                  training=False, training_shape=trainer.parallel_dims.pp_enabled)]  # fmt: skip
+    # a finite pass, in validation's rows and seq_len, or in training's under a pipeline (its
+    # stages exchange those shapes only)
+    shape = (plan.train_stream.finite() if trainer.parallel_dims.pp_enabled
+             else plan.train_stream.for_validation(jc.validation))  # fmt: skip
+    out = [stream(plan, plan.data.train, "train", shape, dp_rank=rank, dp_world_size=world)]
     validator = getattr(trainer, "validator", None)
     if jc.validation.enable and validator is not None:
         out += [make() for make in getattr(validator, "sets", {}).values()]

@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torchtitan.protocols.train_spec import get_train_spec
 
 from torchtitan_speechlm.config import ConfigError
 from torchtitan_speechlm.data.tokenizer_check import (
@@ -29,7 +28,7 @@ from torchtitan_speechlm.data.tokenizer_check import (
     roundtrip_report,
 )
 from torchtitan_speechlm.distributed.parallelize import apply_freeze
-from torchtitan_speechlm.model.lora import CONVERTER, LoraError, apply_lora
+from torchtitan_speechlm.model.lora import LoraError, apply_lora
 from torchtitan_speechlm.model.model import canonical_name
 from torchtitan_speechlm.model.run_record import (
     RUN_RECORD,
@@ -42,21 +41,22 @@ from torchtitan_speechlm.model.vocab import VocabLayout, VocabMismatchError
 from torchtitan_speechlm.trainer.checks import check_conflicts, check_layout
 from torchtitan_speechlm.trainer.plan import RunPlan
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
+from torchtitan_speechlm.utils.upstream import get_train_spec
 
 ADAMW_BYTES_PER_PARAM = 4 + 8  # fp32 weights + AdamW's two fp32 moments
 
 
 def check_trainable(job_config, model) -> None:
-    """With LoRA, something must still train after speechlm.freeze."""
-    if CONVERTER not in job_config.model.converters:
+    """With LoRA, something must still train after speechlm.freeze (the model args')."""
+    if not model.args.lora:
         return
     try:
-        apply_freeze(model, job_config.speechlm.freeze)
+        apply_freeze(model, model.args.freeze)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(
-            f"speechlm.freeze = {job_config.speechlm.freeze} freezes every LoRA adapter and "
+            f"speechlm.freeze = {model.args.freeze} freezes every LoRA adapter and "
             "lora.train_audio_rows / train_head are false: nothing would train. Remove the "
             "prefixes that cover the adapters (backbone..., the wrapped layers), or narrow "
             "lora.target_modules instead"
@@ -158,7 +158,7 @@ def _folder_bytes(path: str) -> int:
 def _meta_model(job_config, plan: RunPlan):
     """The job's model on the meta device (no memory, no weights read)."""
     spec = get_train_spec(job_config.model.name)
-    args = plan.model_args(job_config)
+    args = plan.model_args
     with torch.device("meta"):
         model = spec.model_cls(args)
     if args.lora:  # what the lora converter does in the ranks
@@ -332,11 +332,11 @@ def check_training_data(
     catalog, allow_lossy = plan.data, job_config.speechlm_data.allow_lossy_tokenizer
     used = {e.dataset for e in catalog.entries()}
     tokenizers: dict[str, tuple] = {}
-    for name in catalog.datasets:
+    for name, ref in catalog.refs.items():
         if name not in used:
             continue
-        meta = catalog.metadata[name]
-        key = str(meta.get("tokenizer", {}).get("hash"))
+        meta = ref.metadata
+        key = str(ref.tokenizer.get("hash"))
         if key not in tokenizers:
             tokenizers[key] = find_tokenizer(meta, plan.backbone_path)
         tok, tok_path = tokenizers[key]

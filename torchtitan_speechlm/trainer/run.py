@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from torchtitan.tools.logging import logger
-
 from torchtitan_speechlm.components.nonfinite import GuardSettings
 from torchtitan_speechlm.components.resume import (
+    DataIdentity,
     ResumeError,
     check_checkpoint_identity,
     resolve_resume,
@@ -30,6 +29,7 @@ from torchtitan_speechlm.trainer.checks import validate_job_config
 from torchtitan_speechlm.trainer.plan import RunPlan
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
 from torchtitan_speechlm.utils.checkpoint_manifest import LEGACY, set_identity, verify
+from torchtitan_speechlm.utils.upstream import logger
 
 
 @dataclass
@@ -54,17 +54,16 @@ def prepare_run(
     plan = RunPlan.resolve(job_config, external)
     validate_job_config(job_config, plan)
     guard = GuardSettings.from_config(job_config.speechlm_faults)
-    model_args = plan.model_args(job_config)
+    model_args = plan.model_args
     choose_intact_step(job_config)  # before anything reads a checkpoint's .metadata
-    resolve_resume(job_config, model_args)  # before torchtitan's checkpointer picks a step
-    check_checkpoint_identity(job_config, identity_of(job_config, plan, model_args))
+    resolve_resume(job_config, model_args, DataIdentity.of(plan.data))  # before torchtitan's
+    check_checkpoint_identity(job_config, identity_of(plan))  # checkpointer reads
     return plan, model_args, guard
 
 
-def identity_of(job_config, plan: RunPlan, model_args: SpeechLMModelArgs) -> dict:
+def identity_of(plan: RunPlan) -> dict:
     """What this run's checkpoints mean (components/resume.py ``run_identity``)."""
-    train = [f"{e.task}:{e.dataset}" for e in plan.data.train]
-    return run_identity(job_config, model_args, plan.layout.fingerprint(), train)
+    return run_identity(DataIdentity.of(plan.data), plan.order, plan.layout.fingerprint())
 
 
 VERIFIED_ENV = "TORCHTITAN_SPEECHLM_VERIFIED"  # "{step folder}": the launcher checked it
@@ -131,13 +130,13 @@ def start_run(job_config, external: ExternalData | None = None) -> SpeechLMRun:
     """A rank's run: prepared, its model recorded in the dump folder, its state made."""
     plan, model_args, guard = prepare_run(job_config, external)
     folder = checkpoint_folder(job_config) if job_config.checkpoint.enable else None
-    set_identity(identity_of(job_config, plan, model_args), folder)  # what its saves record
+    set_identity(identity_of(plan), folder)  # what its saves record
     record_run(
         job_config,
         model_args,
         backbone_path=plan.backbone_path,
         codec=plan.codec,
-        tokenizer=next(iter(plan.data.metadata.values()))["tokenizer"],
+        tokenizer=plan.data.tokenizer,
         datasets=plan.data.datasets,
     )
     keys = data_stats_keys(plan.num_streams)

@@ -5,13 +5,11 @@ with our model, parallelize function, data loader, loss, metrics and validator.
 blocks. ``register_speechlm_spec`` registers a SpeechLM over another decoder family (a
 registered Backbone): one call, e.g. ``register_speechlm_spec("speechlm_mine",
 backbone="mine")`` and ``model.name = "speechlm_mine"``, ``model.flavor = "mine"`` in the TOML
-(docs/extending.md). The builders take the run (builders.py); ``trainer.SpeechLMTrainer`` gives
-it to them.
+(docs/extending.md). The builders are the run's (builders.py ``RunBuilders``): the registered
+spec is what ``trainer.SpeechLMTrainer`` builds each run's spec from.
 """
 
 from __future__ import annotations
-
-from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from torchtitan_speechlm.components import lora as _lora_converter  # noqa: F401 (registers it)
 from torchtitan_speechlm.distributed.parallelize import parallelize_speechlm
@@ -20,13 +18,11 @@ from torchtitan_speechlm.model.args import SpeechLMModelArgs
 from torchtitan_speechlm.model.backbones import get_backbone
 from torchtitan_speechlm.model.model import SpeechLM
 from torchtitan_speechlm.model.state_dict_adapter import SpeechLMStateDictAdapter
-from torchtitan_speechlm.trainer.builders import (
-    build_dataloader,
-    build_loss,
-    build_lr_schedulers,
-    build_metrics_processor,
-    build_optimizers,
-    build_validator,
+from torchtitan_speechlm.trainer.builders import needs_the_run
+from torchtitan_speechlm.utils.upstream import (
+    TrainSpec,
+    get_train_spec,
+    register_train_spec,
 )
 
 SPEC_NAME = "speechlm"
@@ -53,13 +49,15 @@ def speechlm_train_spec(
         model_args={name: SpeechLMModelArgs(backbone=name) for name in backbones},
         parallelize_fn=parallelize_fn,
         pipelining_fn=pipeline_speechlm,
-        build_optimizers_fn=build_optimizers,
-        build_lr_schedulers_fn=build_lr_schedulers,
-        build_dataloader_fn=build_dataloader,
+        # the run's builders replace these (builders.RunBuilders.train_spec); torchtitan's own
+        # Trainer has no run, and the first of them it calls says which commands have one
+        build_optimizers_fn=needs_the_run,
+        build_lr_schedulers_fn=needs_the_run,
+        build_dataloader_fn=needs_the_run,
         build_tokenizer_fn=None,
-        build_loss_fn=build_loss,
-        build_validator_fn=build_validator,
-        build_metrics_processor_fn=build_metrics_processor,
+        build_loss_fn=needs_the_run,
+        build_validator_fn=needs_the_run,
+        build_metrics_processor_fn=needs_the_run,
         state_dict_adapter=SpeechLMStateDictAdapter,
     )
 

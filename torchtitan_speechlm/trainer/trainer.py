@@ -5,8 +5,9 @@ builders share (the resolved run, the statistics the loss hands the metrics, the
 between loss, loader and optimizers, a Python data object) would have to live in process
 globals or be parked on the job config. This subclass instead resolves the run once
 (``start_run``: the plan, its checks, the resume decision, the run record, the training state)
-and reads the registered TrainSpec through ``builders.bind``: the same spec, with the run's
-model args and each builder given the run. It also starts the run's heartbeat once the process
+and hands torchtitan's ``Trainer.__init__`` the run's TrainSpec (``builders.RunBuilders``: the
+registered spec with the run's model args and builders bound to the run; utils/compat.py fix
+13 passes it, since torchtitan 0.2.2's Trainer reads its spec from the registry by name). It also starts the run's heartbeat once the process
 group is up, and when a collective fails names the peer that went silent.
 
 torchtitan's ``main(trainer_class)`` runs it (commands/train.py), as it runs its experiments'
@@ -21,14 +22,12 @@ import re
 
 import torch
 import torch.distributed as dist
-from torchtitan.tools.logging import logger
-from torchtitan.train import Trainer
 
 from torchtitan_speechlm.data.external import ExternalData
 from torchtitan_speechlm.distributed.pipeline import STAGE_KWARGS
 from torchtitan_speechlm.model.args import describe_model_args
 from torchtitan_speechlm.model.pipeline_pairs import reference_per_frame
-from torchtitan_speechlm.trainer.builders import bind
+from torchtitan_speechlm.trainer.builders import RunBuilders
 from torchtitan_speechlm.trainer.checks import master_weights_note
 from torchtitan_speechlm.trainer.faults import (
     CollectiveFailure,
@@ -42,6 +41,8 @@ from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.utils import compat
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
 from torchtitan_speechlm.utils.checkpoint_manifest import set_identity
+from torchtitan_speechlm.utils.compat import init_trainer, save_checkpoint_now
+from torchtitan_speechlm.utils.upstream import Trainer, get_train_spec, logger
 
 SAVE_AND_STOP = "SAVE_AND_STOP"
 
@@ -113,8 +114,11 @@ class SpeechLMTrainer(Trainer):
         shapes = BatchShapeLine()
         if external is not None:
             logger.addFilter(shapes)
+        spec = None
+        if self.run is not None:  # the run's spec, built from the registered one
+            spec = RunBuilders(self.run).train_spec(get_train_spec(job_config.model.name))
         try:
-            super().__init__(job_config)
+            init_trainer(super().__init__, job_config, spec)  # compat fix 15
         finally:
             logger.removeFilter(shapes)
 
@@ -124,16 +128,6 @@ class SpeechLMTrainer(Trainer):
         finally:
             release_rank()
             set_identity(None)  # a later run in this process records its own
-
-    # torchtitan's __init__ reads the TrainSpec from its registry into ``self.train_spec``;
-    # the SpeechLM spec is read as this run's (builders.bind)
-    @property
-    def train_spec(self):
-        return self._train_spec
-
-    @train_spec.setter
-    def train_spec(self, spec) -> None:
-        self._train_spec = bind(spec, self.run) if self.run is not None else spec
 
     def init_distributed(self):
         return self.beating(super().init_distributed())
@@ -158,18 +152,10 @@ class SpeechLMTrainer(Trainer):
         return super().should_continue_training()
 
     def save_now(self) -> None:
-        """Save this step in full unless torchtitan just did (a step off the save interval)."""
-        ckpt = self.checkpointer
-        if not ckpt.enable or ckpt._should_save(
-            self.step, self.step == self.job_config.training.steps
-        ):
-            return
-        interval = ckpt.interval
-        ckpt.interval = 1
-        try:
-            ckpt.save(self.step)
-        finally:
-            ckpt.interval = interval
+        """Save this step in full unless torchtitan just did (a step off the save interval:
+        compat fix 16)."""
+        last = self.step == self.job_config.training.steps
+        save_checkpoint_now(self.checkpointer, self.step, last)
 
     # ---- pipeline parallelism (distributed/pipeline.py) --------------------------------------
     def post_dataloading_process(self, input_dict, labels):

@@ -3,7 +3,7 @@
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
 texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8,
-10-14 off, so that a torchtitan with the diffs applied can be shown to need none of them
+10-16 off, so that a torchtitan with the diffs applied can be shown to need none of them
 (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
@@ -112,6 +112,24 @@ Two of what a run logs, which a user reads first:
     config.json, the vocabulary's 64 reserved tokens) in every training log.
     -> ``summarise_model_args(describe)`` turns that record into one line (``describe`` of the
     arguments) and logs the JSON at DEBUG. (patches/0014-model-args-at-debug.diff)
+
+Two seams torchtitan 0.2.2 lacks, for a trainer that owns its run (trainer/trainer.py):
+
+15. ``torchtitan/train.py::Trainer.__init__`` reads its TrainSpec from the process-wide registry
+    (``get_train_spec(job_config.model.name)``), so a subclass cannot hand it a spec of its own:
+    our builders need the run the trainer resolved (its plan and training state;
+    trainer/builders.py ``RunBuilders``). -> ``init_trainer(init, job_config, train_spec)`` runs
+    ``Trainer.__init__`` with the registry answering ``train_spec`` for the job's model name, for
+    that call only. (patches/0015-trainer-train-spec-argument.diff: a ``train_spec`` argument.)
+
+16. ``torchtitan/components/checkpoint.py::CheckpointManager`` saves only on its interval or the
+    last step (``_should_save``), so a run asked to stop (``SAVE_AND_STOP``: a preemption) or the
+    Python API's ``train()`` chunks cannot checkpoint the step they stop at.
+    -> ``save_checkpoint_now(checkpointer, step, last_step)`` saves it in full unless the loop's
+    own save of this step did, reading ``_should_save`` and setting ``interval`` to 1 for that
+    one save. (patches/0016-checkpoint-save-now.diff: ``CheckpointManager.save_now``.)
+
+The switch turns 15 and 16 off too: the code then calls the public forms the diffs add.
 """
 
 from __future__ import annotations
@@ -129,6 +147,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchtitan_speechlm.utils import upstream
 from torchtitan_speechlm.utils.checkpoint_folders import complete_checkpoints
 from torchtitan_speechlm.utils.checkpoint_manifest import (
     install_stream_sums,
@@ -141,7 +160,7 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8 and 10-14 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
+    """Fixes 1-8 and 10-16 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
     with the patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
@@ -169,9 +188,7 @@ def use_cpu_when_no_accelerator() -> None:
     if "torchtitan.tools.utils" in sys.modules:
         # Too late for this process: torchtitan already cached "cuda". Say so instead of failing
         # later with an obscure CUDA error.
-        import torchtitan.tools.utils as tt_utils
-
-        if tt_utils.device_type != "cpu":
+        if upstream.tools_utils.device_type != "cpu":
             raise RuntimeError(
                 "torchtitan was imported before torchtitan_speechlm could select the CPU device. "
                 "Import torchtitan_speechlm first, or use the `torchtitan train` console script."
@@ -228,9 +245,7 @@ def install_torchtitan_cpu_patches() -> None:
     """Fixes 2 and 4, applied to the torchtitan modules (idempotent, no-op with an accelerator)."""
     if accelerator_available() or not workarounds_on():
         return
-    import torchtitan.components.metrics as tt_metrics
-    import torchtitan.distributed.utils as tt_dist
-
+    tt_metrics, tt_dist = upstream.metrics_module, upstream.distributed_utils
     if getattr(tt_dist, "_speechlm_cpu_patched", False):
         return
 
@@ -306,10 +321,8 @@ def install_checkpoint_safety() -> None:
     """Fix 8 and the save-error message (idempotent; on every device)."""
     import shutil
 
-    from torchtitan.components import checkpoint as tt_ckpt
-    from torchtitan.tools.logging import logger
-
-    manager = tt_ckpt.CheckpointManager
+    logger = upstream.logger
+    manager = upstream.checkpoint_module.CheckpointManager
     if getattr(manager, "_speechlm_safe", False):
         return
     install_stream_sums()
@@ -405,9 +418,7 @@ def force_sum_reduction_on_cpu(model: torch.nn.Module) -> None:
 def run_torchtitan_main(args: list[str], trainer_class) -> None:
     """Fix 5: run ``torchtitan.train.main(trainer_class)`` on ``args`` instead of import-time
     argv; then fix 9."""
-    from torchtitan.config.manager import ConfigManager
-    from torchtitan.train import main
-
+    ConfigManager, main = upstream.ConfigManager, upstream.train_main
     if not workarounds_on():  # patches/0005: parse_args reads sys.argv when called
         argv = sys.argv
         sys.argv = [argv[0], *args]
@@ -505,8 +516,7 @@ def pipeline_stage_loss(loss_sum: torch.Tensor, global_valid_tokens) -> torch.Te
 def permute_tokens_on_cpu() -> None:
     """Fix 12 (idempotent): expert parallelism's token permutation on CPU tensors runs
     torchtitan's CPU implementation instead of its Triton kernel."""
-    from torchtitan.models.moe import utils
-
+    utils = upstream.moe_utils
     if not workarounds_on() or getattr(utils.generate_permute_indices, "_speechlm_cpu", False):
         return
     original = utils.generate_permute_indices
@@ -564,8 +574,7 @@ def quiet_peak_flops_on_cpu() -> None:
     and no MFU on the console (the metric: ``without_mfu_on_cpu``)."""
     if accelerator_available() or not workarounds_on():
         return
-    import torchtitan.tools.utils as tt_utils
-
+    tt_utils = upstream.tools_utils
     if not getattr(tt_utils.get_peak_flops, "_speechlm_cpu", False):
         original = tt_utils.get_peak_flops
 
@@ -604,3 +613,42 @@ def summarise_model_args(describe: Callable[[dict], str]) -> None:
     ``describe(model arguments as a dict)``; the JSON goes to DEBUG."""
     if workarounds_on():
         _run_log_filter().describe = describe
+
+
+def init_trainer(init, job_config, train_spec) -> None:
+    """Fix 15: ``init(job_config)`` (torchtitan's ``Trainer.__init__``, bound) with
+    ``train_spec`` as the trainer's spec instead of the registered one of the job's model name.
+    With the switch off (patches/0015 applied) the spec is torchtitan's ``train_spec`` argument.
+    ``train_spec`` None (a job of another spec): torchtitan's own."""
+    if train_spec is None:
+        return init(job_config)
+    if not workarounds_on():
+        return init(job_config, train_spec=train_spec)
+    registry = upstream.train_spec_module
+    registered = registry.get_train_spec
+    name = job_config.model.name
+
+    def get_train_spec(asked: str):
+        return train_spec if asked == name else registered(asked)
+
+    registry.get_train_spec = get_train_spec  # torchtitan's __init__ reads it once, by name
+    try:
+        return init(job_config)
+    finally:
+        registry.get_train_spec = registered
+
+
+def save_checkpoint_now(checkpointer, step: int, last_step: bool) -> None:
+    """Fix 16: save ``step`` in full now, off the checkpoint interval, unless the loop's own
+    ``save(step, last_step)`` saved it. With the switch off (patches/0016 applied):
+    ``CheckpointManager.save_now``."""
+    if not workarounds_on():
+        return checkpointer.save_now(step, last_step)
+    if not checkpointer.enable or checkpointer._should_save(step, last_step):
+        return
+    interval = checkpointer.interval
+    checkpointer.interval = 1
+    try:
+        checkpointer.save(step)
+    finally:
+        checkpointer.interval = interval

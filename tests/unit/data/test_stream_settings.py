@@ -82,7 +82,7 @@ def test_the_weighted_draw_is_generator_choice():
     sources = [Source(t, "s", w, data, np.arange(40)) for t, w in zip(tasks, weights, strict=True)]
     mix = Mixture(
         sources, step_pieces=4, seed=1, shuffle=True, infinite=True, cfg_dropout=0.0,
-        length=lambda src, item, drop: 10,
+        length=lambda src, item, drop: 10, order="permutation",
     )  # fmt: skip
     epoch, pos = [0] * 4, [0] * 4
     rng, ref = np.random.default_rng(9), np.random.default_rng(9)
@@ -97,7 +97,7 @@ def test_a_finite_pass_takes_each_source_share_once_in_order():
     sources = [Source(t, "s", 1.0, data, np.arange(10)) for t in ("tts", "asr")]
     mix = Mixture(
         sources, step_pieces=3, seed=0, shuffle=False, infinite=False, cfg_dropout=0.0,
-        length=lambda src, item, drop: 10,
+        length=lambda src, item, drop: 10, order="permutation",
     )  # fmt: skip
     epoch, pos, rng = [0, 0], [0, 0], np.random.default_rng(0)
     got = []
@@ -118,7 +118,8 @@ def test_all_items_and_warmed_orders_walk_as_the_plain_arrays():
         sources = [Source("tts", "a", 0.6, data, idx), Source("asr", "a", 0.3, data, idx),
                    Source("asr", "b", 0.1, data, held)]  # fmt: skip
         return Mixture(sources, step_pieces=4, seed=3, shuffle=True, infinite=True,
-                       cfg_dropout=0.0, length=lambda src, item, drop: 10, own_shards=own)  # fmt: skip
+                       cfg_dropout=0.0, length=lambda src, item, drop: 10, own_shards=own,
+                       order="permutation")  # fmt: skip
 
     plain = mixture(False, None)
     for own in ([1, 3], None):

@@ -7,7 +7,7 @@ import pytest
 from torchtitan.config import ConfigManager
 
 from tests.helpers import make_tiny_run_assets, write_tiny_config
-from torchtitan_speechlm.trainer.builders import stream, validation_sets
+from torchtitan_speechlm.trainer.builders import train_stream, validation_sets
 from torchtitan_speechlm.trainer.run import start_run
 
 
@@ -27,9 +27,7 @@ def job(assets, tmp_path, *overrides, toml_edit=("", "")):
 
 def train_items(job_config) -> set[int]:
     plan = start_run(job_config).plan
-    ds = stream(
-        job_config, plan, plan.data.train, "train", dp_rank=0, dp_world_size=1, training=True
-    )
+    ds = train_stream(job_config, plan, dp_rank=0, dp_world_size=1)
     return {int(i) for s in ds.sources for i in s.indices}
 
 

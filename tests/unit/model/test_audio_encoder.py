@@ -315,7 +315,7 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
     from torchtitan_speechlm.data.reader import PreparedDataset
     from torchtitan_speechlm.model.model import build_model
     from torchtitan_speechlm.prepare.waveforms import add_waveforms, read_manifest, to_int16
-    from torchtitan_speechlm.trainer.builders import build_dataloader
+    from torchtitan_speechlm.trainer.builders import RunBuilders
     from torchtitan_speechlm.trainer.run import prepare_run, start_run
     from torchtitan_speechlm.utils.audio import load_audio
 
@@ -361,7 +361,7 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
         it = iter(loader)
         return [next(it)[0] for _ in range(n)]
 
-    loader = build_dataloader(1, 0, None, good, run=start_run(good))
+    loader = RunBuilders(start_run(good)).dataloader(1, 0, None, good)
     first = batches(loader, 3)
     seen = 0
     for b in first:
@@ -396,10 +396,10 @@ def test_waveform_data_packs_continuous_segments_and_resumes_exactly(assets, tmp
     heard = [tasks.transcribe(loaded, paths[data.ids[i]], cfg) for i in (0, 1)]
     assert [e["hyp"] for e in scored["examples"]] == heard and "wer" in scored
 
-    loader = build_dataloader(1, 0, None, good, run=start_run(good))
+    loader = RunBuilders(start_run(good)).dataloader(1, 0, None, good)
     batches(loader, 1)
     state = loader.state_dict()
-    resumed = build_dataloader(1, 0, None, good, run=start_run(good))
+    resumed = RunBuilders(start_run(good)).dataloader(1, 0, None, good)
     resumed.load_state_dict(state)
     for a, b in zip(first[1:], batches(resumed, 2), strict=True):
         assert a.keys() == b.keys()
@@ -489,12 +489,12 @@ def test_lora_keeps_the_towers_freeze_options(assets):
     """LoRA freezes the model, then the tower's own options apply again: the adaptor trains,
     a frozen encoder stays frozen, Whisper's fixed positions stay fixed."""
     pytest.importorskip("peft")
-    from torchtitan_speechlm.model.lora import apply_lora
+    from torchtitan_speechlm.model.lora import LoraSettings, apply_lora
 
     for freeze_encoder in (True, False):
         model = speechlm(assets, freeze_encoder=freeze_encoder)
-        settings = dict(rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj"],
-                        train_audio_rows=False, train_head=False)  # fmt: skip
+        settings = LoraSettings(rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj"],
+                                train_audio_rows=False, train_head=False)  # fmt: skip
         apply_lora(model, settings)
         tower = dict(model.audio_encoder.named_parameters())
         assert all(p.requires_grad for n, p in tower.items() if n.startswith("adaptor."))
@@ -562,7 +562,7 @@ def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, t
     from torchtitan_speechlm.judges import normalise_text
     from torchtitan_speechlm.model.model import build_model
     from torchtitan_speechlm.prepare.waveforms import WaveformError, add_waveforms, to_int16
-    from torchtitan_speechlm.trainer.builders import build_dataloader
+    from torchtitan_speechlm.trainer.builders import RunBuilders
     from torchtitan_speechlm.trainer.run import prepare_run, start_run
     from torchtitan_speechlm.utils.audio import load_audio
 
@@ -612,7 +612,7 @@ def test_spoken_qa_dialogues_read_their_audio_turn_through_the_encoder(assets, t
         assert len(prompt) == len(ex.frames) - len(answer.tokens) - 1
         assert len(waves) == 1 and waves[0][0] == 3
 
-    loader = build_dataloader(1, 0, None, job, run=start_run(job))
+    loader = RunBuilders(start_run(job)).dataloader(1, 0, None, job)
     it = iter(loader)
     dialogues = 0
     for _ in range(3):

@@ -21,6 +21,7 @@ from torchtitan_speechlm.model.backbones import Backbone, register_backbone
 from torchtitan_speechlm.model.documents import NAME as DOCUMENT_ATTENTION
 from torchtitan_speechlm.model.documents import Documents
 from torchtitan_speechlm.model.documents import register as register_document_attention
+from torchtitan_speechlm.utils import upstream
 
 # transformers implementations that turn per-document position ids into a dense mask
 DENSE_MASK_ATTENTION = ("sdpa", "eager")
@@ -90,9 +91,7 @@ def build_backbone(hf_config, attn_implementation: str = "sdpa") -> nn.Module:
     if attn_implementation == DOCUMENT_ATTENTION:
         register_document_attention()
     elif attn_implementation in DENSE_MASK_ATTENTION:
-        from torchtitan.tools.logging import logger
-
-        logger.warning(
+        upstream.logger.warning(
             f"attn_implementation = {attn_implementation!r}: transformers builds a dense "
             "[B, 1, T, T] mask for packed rows (memory and time grow with T^2); the default "
             f"{DOCUMENT_ATTENTION!r} attends within each document without one"
@@ -214,9 +213,8 @@ class HFBackbone(Backbone):
         unknown = unknown_config_keys(path, config)
         if unknown:
             import transformers
-            from torchtitan.tools.logging import logger
 
-            logger.warning(
+            upstream.logger.warning(
                 f"{Path(path) / 'config.json'}: {', '.join(unknown)} unknown to transformers "
                 f"{transformers.__version__}'s {type(config).__name__} (kept, but no layer of "
                 "this version reads them)"

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtitan.tools.logging import logger
+
+from torchtitan_speechlm.utils.upstream import logger
 
 MIN_CAPACITY = 256  # slots allocated at the first call (at least; a power of two)
 

@@ -21,17 +21,19 @@ from collections import deque
 
 import torch
 from torch import nn
-from torchtitan.models.attention import ScaledDotProductAttentionWrapper
-from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
-from torchtitan.models.llama3.model.model import (
-    TransformerBlock,
-    apply_rotary_emb,
-    precompute_freqs_cis,
-)
 
 from torchtitan_speechlm.model.backbones import Backbone, kv_cache, register_backbone, rope_of
 from torchtitan_speechlm.model.backbones.hf import PretrainedWeights, load_hf_config
 from torchtitan_speechlm.model.documents import Documents
+from torchtitan_speechlm.utils import upstream
+from torchtitan_speechlm.utils.upstream import (
+    Llama3Block,
+    RoPEScalingArgs,
+    ScaledDotProductAttentionWrapper,
+    TransformerModelArgs,
+    llama3_apply_rotary_emb,
+    precompute_freqs_cis,
+)
 
 # our name inside the decoder -> the HF Llama checkpoint name ({} = layer)
 HF_NAMES = {
@@ -156,9 +158,7 @@ class NativeDecoder(nn.Module):
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
         self.args = args
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): Llama3Block(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.register_buffer("freqs_cis", self._freqs(), persistent=False)
         self.tp_mesh = None  # set by the parallelize function with sequence parallelism
@@ -229,18 +229,19 @@ def document_block_mask(position_ids: torch.Tensor | None, t: int, padded: int):
     """torchtitan's flex BlockMask: causal, and within one document (a run of positions from
     0) of each row; a padded tail (sequence parallelism) is a document of its own."""
     from torch.nn.attention.flex_attention import and_masks
-    from torchtitan.models.attention import create_attention_mask, get_causal_mask_mod
 
     if position_ids is None:
-        return create_attention_mask(get_causal_mask_mod(), 1, None, padded, padded)
+        return upstream.create_attention_mask(
+            upstream.get_causal_mask_mod(), 1, None, padded, padded
+        )
     doc = (position_ids == 0).cumsum(-1)
     doc = torch.nn.functional.pad(doc, (0, padded - t), value=int(doc.max()) + 1)
 
     def same_document(b, h, q, kv):
         return doc[b, q] == doc[b, kv]
 
-    return create_attention_mask(
-        and_masks(get_causal_mask_mod(), same_document), doc.shape[0], None, padded, padded
+    return upstream.create_attention_mask(
+        and_masks(upstream.get_causal_mask_mod(), same_document), doc.shape[0], None, padded, padded
     )
 
 
@@ -262,7 +263,7 @@ class NativeLlamaBackbone(kv_cache.StaticCacheDecoding, Backbone):
 
     def rotary(self, module):
         """(decode: the static KV cache of ``kv_cache.py``, refused under tensor parallelism)"""
-        return apply_rotary_emb, module.freqs_cis
+        return llama3_apply_rotary_emb, module.freqs_cis
 
     def reset_buffers(self, module, device) -> None:
         module.freqs_cis = module._freqs().to(device)

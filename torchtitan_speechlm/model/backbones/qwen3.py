@@ -26,13 +26,6 @@ import dataclasses
 
 import torch
 from torch import nn
-from torchtitan.models.moe import MoEArgs
-from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-from torchtitan.models.qwen3.model.model import (
-    TransformerBlock,
-    apply_rotary_emb,
-    precompute_rope_cache,
-)
 
 from torchtitan_speechlm.model.backbones import Backbone, kv_cache, register_backbone, rope_of
 from torchtitan_speechlm.model.backbones.hf import PretrainedWeights, load_hf_config
@@ -42,6 +35,13 @@ from torchtitan_speechlm.model.backbones.native import (
     use_document_attention,
 )
 from torchtitan_speechlm.model.backbones.qwen3_weights import hf_key
+from torchtitan_speechlm.utils.upstream import (
+    MoEArgs,
+    Qwen3Block,
+    Qwen3ModelArgs,
+    precompute_rope_cache,
+    qwen3_apply_rotary_emb,
+)
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 
@@ -143,9 +143,7 @@ class Qwen3Decoder(nn.Module):
         self.moe_layers = list(moe_layers)
         self.layers = nn.ModuleDict(
             {
-                str(i): TransformerBlock(
-                    i, dataclasses.replace(args, moe_enabled=i in self.moe_layers)
-                )
+                str(i): Qwen3Block(i, dataclasses.replace(args, moe_enabled=i in self.moe_layers))
                 for i in range(args.n_layers)
             }
         )
@@ -252,7 +250,7 @@ class Qwen3Backbone(kv_cache.StaticCacheDecoding, Backbone):
         return super().decode(module, inputs_embeds, position_ids, attention_mask, cache)
 
     def rotary(self, module):
-        return apply_rotary_emb, module.rope_cache
+        return qwen3_apply_rotary_emb, module.rope_cache
 
     def expert_load(self, module) -> torch.Tensor | None:
         if not module.moe_layers:
