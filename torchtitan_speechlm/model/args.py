@@ -223,6 +223,8 @@ def describe_model_args(args: dict) -> str:
             f"specials, {vocab['num_streams']} streams x {vocab['codebook_size']} codes)",
             f"pattern {args['pattern']}",
         ]
+        if args.get("tie_embeddings"):
+            parts.append("embedding and head tied")
     except (KeyError, TypeError, AttributeError):
         return f"{len(args)} model arguments"
     extras = {

@@ -10,6 +10,7 @@ import shutil
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+from torchtitan_speechlm.model.codec_identity import CodecIdentity
 from torchtitan_speechlm.model.run_record import read_run_record, record_for_checkpoint, record_run
 
 
@@ -32,7 +33,9 @@ def test_paths_inside_the_project_are_relative_and_read_back_absolute(tmp_path, 
         job("./outputs/run"),
         Args(),
         backbone_path="demo_work/backbone",
-        codec={"name": "kmeans", "path": str(project / "demo_work" / "codec"), "config_hash": "c"},
+        codec=CodecIdentity(
+            name="kmeans", path=str(project / "demo_work" / "codec"), config_hash="c"
+        ),
         tokenizer={"path": str(elsewhere), "hash": "t"},
         datasets={
             "train": "demo_work/prepared/train",
