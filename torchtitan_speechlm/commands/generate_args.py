@@ -116,25 +116,33 @@ def build_eval_parser() -> argparse.ArgumentParser:
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding")
     g.add_argument("--temperature", type=float, default=0.0, help="audio sampling (0 = greedy)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="audio: the k most likely codes (0 = all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="audio: nucleus mass (1 = off)")
     g.add_argument("--text-temperature", type=float, default=0.0, help="text (0 = greedy)")
-    g.add_argument("--text-top-k", type=int, default=0)
-    g.add_argument("--text-top-p", type=float, default=1.0)
+    g.add_argument("--text-top-k", type=int, default=0, help="text: as --top-k (0 = all)")
+    g.add_argument("--text-top-p", type=float, default=1.0, help="text: as --top-p (1 = off)")
     g.add_argument("--cfg-scale", type=float, default=1.0, help="TTS guidance (1 = off)")
-    g.add_argument("--min-frames", type=int, default=1)
-    g.add_argument("--max-frames", type=int, default=500)
-    g.add_argument("--max-text-tokens", type=int, default=200)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--min-frames", type=int, default=1, help="TTS: no end before (1)")
+    g.add_argument(
+        "--max-frames",
+        type=int,
+        default=500,
+        help="TTS: audio frames at most (500); a generation cut here is reported as such",
+    )
+    g.add_argument(
+        "--max-text-tokens", type=int, default=200, help="ASR: text tokens at most (200)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="the sampling seed (0)")
     g.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
     g.add_argument(
         "--compile",
         default="auto",
         choices=("auto", "on", "graphs", "off"),
         help="the one-frame decode step under torch.compile (auto: on CUDA, for the native and "
-        "qwen3 backbones' static cache; graphs: replayed as CUDA graphs)",
+        "qwen3 backbones' static cache; on: also on a CPU; graphs: torch.compile's "
+        "reduce-overhead mode, replayed as CUDA graphs, CUDA only; off) (default: auto)",
     )
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default="cpu", help="torch device (cpu), e.g. cuda")
 
 
 def add_judge_args(p: argparse.ArgumentParser) -> None:
@@ -143,7 +151,7 @@ def add_judge_args(p: argparse.ArgumentParser) -> None:
         "--judge-asr",
         default="pocketsphinx",
         metavar="NAME_OR_DIR",
-        help="ASR judge: a judge name, a transformers ASR model folder, or none",
+        help="ASR judge: a judge name, a transformers ASR model folder, or none (pocketsphinx)",
     )
     g.add_argument(
         "--judge-vocabulary",
@@ -162,10 +170,14 @@ def add_judge_args(p: argparse.ArgumentParser) -> None:
         "--judge-speaker",
         default="resemblyzer",
         metavar="NAME_OR_DIR",
-        help="speaker judge (SIM): a judge name, a transformers speaker-verification folder, or none",
+        help="speaker judge (SIM): a judge name, a transformers speaker-verification folder, or "
+        "none (resemblyzer)",
     )
     g.add_argument(
-        "--judge-quality", default="dnsmos", metavar="NAME", help="quality judge: dnsmos or none"
+        "--judge-quality",
+        default="dnsmos",
+        metavar="NAME",
+        help="quality judge: dnsmos or none (dnsmos)",
     )
     g.add_argument(
         "--judge-quality-items",

@@ -441,7 +441,12 @@ def build_parser() -> argparse.ArgumentParser:
         "is finished, else list the missing shards and parts and exit 1; the last part to "
         "finish does this itself",
     )
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="clips per codec call (8): larger is faster on a GPU, costs memory",
+    )
     p.add_argument(
         "--device",
         default="cpu",
