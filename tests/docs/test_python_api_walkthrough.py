@@ -28,6 +28,19 @@ def walkthrough() -> list[str]:
     return [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
 
 
+def torch_teardown_abort(stderr: str, folder, command: str) -> bool:
+    """True when a 2-process command failed only in torch's interpreter teardown after its run
+    completed: a rank's ``terminate called without an active exception`` (SIGABRT) and the run's
+    last checkpoint (step 4) whole on disk. That is patches/0009-gloo-teardown-abort.md (torch,
+    CPU gloo only; ``torchtitan train`` leaves with ``os._exit``, ESPnet's ``bin/train.py``
+    cannot); python-api.md says so under *Differences to keep in mind*. Any other failure, or
+    this one before the checkpoint, still fails the test."""
+    if "--nproc-per-node 2" not in command:
+        return False
+    done = folder / "espnet_demo" / "exp2" / "checkpoint" / "step-4" / ".metadata"
+    return "terminate called without an active exception" in stderr and done.is_file()
+
+
 def test_the_walkthrough_runs_as_written(tmp_path):
     commands = walkthrough()
     assert len(commands) == 5 and "tests.espnet_side.train_main" in commands[2]
@@ -38,6 +51,8 @@ def test_the_walkthrough_runs_as_written(tmp_path):
         shell = f"source .venv/bin/activate && {command}"
         r = subprocess.run(["bash", "-c", shell], cwd=tmp_path, capture_output=True, text=True,
                            timeout=600, env=env)  # fmt: skip
+        if r.returncode != 0 and torch_teardown_abort(r.stderr, tmp_path, command):
+            continue  # torch's gloo teardown abort after a completed run (see the helper)
         assert r.returncode == 0, f"`{command}`\n{(r.stdout + r.stderr)[-3000:]}"
     exp = tmp_path / "espnet_demo" / "exp"
     assert sorted(os.listdir(exp / "checkpoint")) == ["step-2", "step-4", "step-6", "step-8"]

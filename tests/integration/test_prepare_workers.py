@@ -87,6 +87,8 @@ def test_two_workers_after_torch_work_finish_and_match_one_worker(kaldi, tmp_pat
             "2",
             "--codebook-size",
             "16",
+            "--kmeans-seconds",
+            "5",  # the corpus holds 6 s: less than the default 600 is refused (issue 50)
             "--out",
             str(tmp_path / "fit_w2"),
             "--workers",
