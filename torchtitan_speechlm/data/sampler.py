@@ -72,7 +72,7 @@ def check_same_stream(state: dict, names: list[str], vocab: str, pieces: dict) -
             )
 
 
-def check_layout(pos: StreamPosition, layout: ShardLayout) -> None:
+def check_resume_layout(pos: StreamPosition, layout: ShardLayout) -> None:
     """Refuse a position cut into another number of pieces per step, taken mid-step on another
     layout, or lacking this rank's shards."""
     if pos.step_pieces != layout.step_pieces:
@@ -142,7 +142,7 @@ class StreamSampler:
             self.follow_order(state.get("pieces", {}).get("order", "permutation"))
         check_same_stream(state, self.names, vocab, self.piece_params)
         pos = StreamPosition.from_dict(copy.deepcopy(state["position"]))
-        check_layout(pos, self.layout)
+        check_resume_layout(pos, self.layout)
         self._start = self._position = pos.for_rank(
             self.layout.own_shards(), self.layout.accumulation
         )

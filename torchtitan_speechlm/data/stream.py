@@ -26,9 +26,9 @@ form a step depends only on ``S``. Loader worker ``w`` of ``n`` serves this rank
 
 Position = optimizer steps done, micro-batches done in an unfinished step, and each shard's
 cursor (its window's start state and the pieces taken from it). A rank knows its own shards'
-cursors; the loader gathers all of them when a checkpoint is written (loader.py), so a resume
-on another data-parallel degree or accumulation (same global batch) picks up its shards where
-the stream left them.
+cursors; the loader gathers all of them when a checkpoint is written
+(components/dataloader.py), so a resume on another data-parallel degree or accumulation (same
+global batch) picks up its shards where the stream left them.
 
 The pieces, one job per module (as lhotse keeps sampler, bucketing, dataset and collation
 apart): ``settings`` (the stream's settings and their ranges), ``mixing`` (sources and the
@@ -184,7 +184,7 @@ class SpeechLMDataset(IterableDataset, Stateful):
     def plans(self) -> Iterator[Plan]:
         """This rank's micro-batches as ``Plan``s (which samples go where), without building
         them: cheap, from item lengths alone. The loader computes them once, in the main
-        process, and hands each to one loader worker to build (loader.py)."""
+        process, and hands each to one loader worker to build (components/dataloader.py)."""
         return self.sampler.plans()
 
     def __iter__(self):

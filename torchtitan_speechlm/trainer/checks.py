@@ -32,10 +32,10 @@ def validate_job_config(job_config, plan: RunPlan) -> None:
     check_lora(job_config, plan)
     check_preference(job_config, plan)
     if "WORLD_SIZE" in os.environ:  # a rank (the launcher checks with --nproc-per-node)
-        check_layout(job_config, int(os.environ["WORLD_SIZE"]))
+        check_parallel_layout(job_config, int(os.environ["WORLD_SIZE"]))
 
 
-def check_layout(job_config, world_size: int) -> None:
+def check_parallel_layout(job_config, world_size: int) -> None:
     """Parallel degrees that fit ``world_size``; a global batch that splits into micro-batches."""
     p = job_config.parallelism
     degrees = {

@@ -38,7 +38,7 @@ from torchtitan_speechlm.model.run_record import (
     read_run_record,
 )
 from torchtitan_speechlm.model.vocab import VocabLayout, VocabMismatchError
-from torchtitan_speechlm.trainer.checks import check_conflicts, check_layout
+from torchtitan_speechlm.trainer.checks import check_conflicts, check_parallel_layout
 from torchtitan_speechlm.trainer.plan import RunPlan
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder, complete_checkpoints
 from torchtitan_speechlm.utils.upstream import get_train_spec
@@ -310,7 +310,7 @@ def check_vocab_file(job_config, plan: RunPlan) -> None:
 
 def preflight(job_config, plan: RunPlan, world_size: int) -> None:
     """Every start-up check, in the launching process (raises ConfigError; warns on stderr)."""
-    check_layout(job_config, world_size)
+    check_parallel_layout(job_config, world_size)
     check_conflicts(job_config)
     check_dump_folder(job_config)
     check_vocab_file(job_config, plan)

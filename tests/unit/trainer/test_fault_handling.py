@@ -339,28 +339,28 @@ def _layout_cfg(world_replicate=1, shard=-1, tp=1, pp=1, cp=1, ep=1, local=2, gl
 def test_impossible_layouts_and_batches_are_refused_naming_key_and_fix():
     """Proves: degrees that do not fit the world size and a global batch that does not split
     into local x dp micro-batches are refused with the keys and a fix."""
-    from torchtitan_speechlm.trainer.preflight import check_conflicts, check_layout
+    from torchtitan_speechlm.trainer.preflight import check_conflicts, check_parallel_layout
 
-    check_layout(_layout_cfg(), 4)
-    check_layout(_layout_cfg(world_replicate=2, shard=2), 4)
+    check_parallel_layout(_layout_cfg(), 4)
+    check_parallel_layout(_layout_cfg(world_replicate=2, shard=2), 4)
     with pytest.raises(
         ConfigError,
         match=r"data_parallel_replicate_degree \(2\) x data_parallel_shard_degree \(2\) = 4 ranks, but the job has 2.*-1",
     ):
-        check_layout(_layout_cfg(world_replicate=2, shard=2), 2)
+        check_parallel_layout(_layout_cfg(world_replicate=2, shard=2), 2)
     with pytest.raises(
         ConfigError, match=r"tensor_parallel_degree \(3\).*does not divide the job's 4 ranks"
     ):
-        check_layout(_layout_cfg(tp=3), 4)
-    check_layout(_layout_cfg(local=2, global_=8), 2)
-    check_layout(_layout_cfg(ep=2), 4)  # EP borrows 2 of the 4 data-parallel ranks
+        check_parallel_layout(_layout_cfg(tp=3), 4)
+    check_parallel_layout(_layout_cfg(local=2, global_=8), 2)
+    check_parallel_layout(_layout_cfg(ep=2), 4)  # EP borrows 2 of the 4 data-parallel ranks
     with pytest.raises(ConfigError, match=r"expert_parallel_degree = 4 must divide .*\(2 x 1\)"):
-        check_layout(_layout_cfg(ep=4), 2)
+        check_parallel_layout(_layout_cfg(ep=4), 2)
     with pytest.raises(
         ConfigError,
         match=r"training.global_batch_size = 6 is not a multiple of training.local_batch_size \(2\) x the data-parallel degree \(2\) = 4: .*e.g. 4 or 8",
     ):
-        check_layout(_layout_cfg(local=2, global_=6), 2)
+        check_parallel_layout(_layout_cfg(local=2, global_=6), 2)
     with pytest.raises(ConfigError, match="keep_latest_k = 1"):
         check_conflicts(_layout_cfg(k=1))
     with pytest.raises(
