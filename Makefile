@@ -7,6 +7,11 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?= --durations=20
+# Two test files at a time (pytest-xdist; a file's tests and module fixtures stay on one worker):
+# most tests wait on a subprocess or on I/O a good part of the time, so two workers on 2 cores
+# take about half the wall time. TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: demo test check faults patches-check deps system-deps lint bench gpu-wheels clean
 
@@ -54,14 +59,14 @@ demo: deps
 # (one module's behaviour, no training run), tests/integration (`torchtitan` commands, mostly in
 # forks of the test process: tests/forked.py) and tests/docs (the documented commands parse).
 test: deps
-	$(PY) -m pytest -q -m "not faults and not cluster and not bench_smoke and not long and not upstream" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not faults and not cluster and not bench_smoke and not long and not upstream" $(PYTEST_ARGS)
 
 # The developers' quick loop (well under 3 minutes): lint, the layer check, the unit tests.
 check: deps
 	$(VENV)/bin/ruff check torchtitan_speechlm tests benchmarks tools patches
 	$(VENV)/bin/ruff format --check torchtitan_speechlm tests benchmarks tools patches
 	$(PY) tools/import_graph.py --check
-	$(PY) -m pytest -q tests/unit -m "not faults and not cluster and not bench_smoke and not long and not upstream" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) tests/unit -m "not faults and not cluster and not bench_smoke and not long and not upstream" $(PYTEST_ARGS)
 
 # The slow half of the fault suite (docs/errors.md): ranks killed mid-save, NaN steps, a full
 # disk, hung and dead ranks, each on real 2-process runs compared bit for bit with an
@@ -74,7 +79,7 @@ check: deps
 # small demo (tests/docs/test_docs_after_demo.py), and README's six journeys after the demo in a
 # fresh copy with .venv activated, none silent for 10 s (tests/docs/test_journeys.py). CI runs both targets.
 faults: deps
-	$(PY) -m pytest -q -m "faults or cluster or bench_smoke or long" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "faults or cluster or bench_smoke or long" $(PYTEST_ARGS)
 
 # The patches/ diffs replace utils/compat.py's workarounds, and each is needed
 # (patches/check_sufficiency.py; about 4 minutes on 2 CPU cores); CI runs it after `make faults`.
