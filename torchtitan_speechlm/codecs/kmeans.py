@@ -25,7 +25,6 @@ Saved like an HF model (``config.json`` with ``model_type: speechlm_kmeans`` plu
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -35,8 +34,8 @@ import torch
 
 from torchtitan_speechlm.codecs import residual_kmeans
 from torchtitan_speechlm.codecs.base import config_hash, register_codec
+from torchtitan_speechlm.codecs.fitted_folder import save_fitted
 from torchtitan_speechlm.codecs.streaming import ChunkedStreamDecoder
-from torchtitan_speechlm.utils.fileio import write_json_atomic
 
 MODEL_TYPE = "speechlm_kmeans"
 WEIGHTS = "model.safetensors"
@@ -152,8 +151,6 @@ def fit_kmeans_codec(
     at least twice the hop so that Griffin-Lim's frames still overlap. A lower rate means
     shorter sequences for the LM (25 frames/s halves them) at some cost in detail.
     """
-    from safetensors.torch import save_file
-
     hop = sample_rate / frame_rate
     if frame_rate <= 0 or hop != int(hop) or hop < 64:
         raise ValueError(
@@ -171,25 +168,14 @@ def fit_kmeans_codec(
             f"k-means codec: {x.shape[0]} frames of audio cannot fit {codebook_size} centroids; "
             "give more audio or a smaller --codebook-size"
         )
-    rng = np.random.default_rng(seed)
-    if x.shape[0] > max_frames:
-        x = x[np.sort(rng.permutation(x.shape[0])[:max_frames])]
-    mean, std = residual_kmeans.column_stats(x)
-    books = residual_kmeans.fit((x - mean) / std, num_codebooks, codebook_size, seed, iters)
-    tensors = {
-        "books": torch.from_numpy(np.ascontiguousarray(books)),  # [N, C, n_mels] grid units
-        "mel_mean": torch.from_numpy(mean),
-        "mel_std": torch.from_numpy(std),
-    }
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        digest.update(tensors[name].numpy().tobytes())
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, WEIGHTS))
-    config = dict(asdict(cfg), model_type=MODEL_TYPE, fit_frames=int(x.shape[0]),
-                  weights_sha256=digest.hexdigest()[:16])  # fmt: skip
-    write_json_atomic(os.path.join(out_dir, "config.json"), config)  # last: its presence = complete
-    return out_dir
+    pick = residual_kmeans.draw_rows(x.shape[0], max_frames, seed)
+    x = x if pick is None else x[pick]
+    books, mean, std = residual_kmeans.fit_standardised(
+        x, num_codebooks, codebook_size, seed, iters
+    )
+    arrays = {"books": books, "mel_mean": mean, "mel_std": std}  # books: [N, C, n_mels] grid units
+    config = dict(asdict(cfg), model_type=MODEL_TYPE, fit_frames=int(x.shape[0]))
+    return save_fitted(out_dir, WEIGHTS, arrays, config)
 
 
 class KMeansCodec:

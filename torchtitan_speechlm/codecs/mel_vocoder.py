@@ -26,7 +26,6 @@ codec's identity (``config_hash``) in every prepared set, run and export.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import math
 import os
@@ -37,7 +36,7 @@ import torch
 
 from torchtitan_speechlm.codecs import hifigan, residual_kmeans
 from torchtitan_speechlm.codecs.base import CodecError, config_hash, register_codec
-from torchtitan_speechlm.utils.fileio import write_json_atomic
+from torchtitan_speechlm.codecs.fitted_folder import save_fitted
 
 MODEL_TYPE = "speechlm_mel_hifigan"
 WEIGHTS = "model.safetensors"
@@ -110,8 +109,6 @@ def fit_mel_codec(
 ) -> str:  # fmt: skip
     """Fit on mono waveforms at 22,050 Hz (the vocoder's rate) and save the codec to
     ``out_dir``; return it. At most ``max_vectors`` stacked frames are used (a seeded draw)."""
-    from safetensors.torch import save_file
-
     cfg = MelCodecConfig(stack=stack, num_codebooks=num_codebooks, codebook_size=codebook_size,
                          seed=seed, vocoder_sha256=hifigan.generator_sha256("universal"))  # fmt: skip
     check_vocoder_config(cfg)
@@ -122,25 +119,13 @@ def fit_mel_codec(
             f"mel codec: {x.shape[0]} frames of audio ({x.shape[0] / 21.5:.0f} s) cannot fit "
             f"{codebook_size} centroids; give more audio or a smaller --codebook-size"
         )
-    rng = np.random.default_rng(seed)
-    if x.shape[0] > max_vectors:
-        x = x[np.sort(rng.permutation(x.shape[0])[:max_vectors])]
-    mean, std = residual_kmeans.column_stats(x)
-    books = residual_kmeans.fit((x - mean) / std, num_codebooks, codebook_size, seed, iters)
-    tensors = {
-        "books": torch.from_numpy(np.ascontiguousarray(books)),
-        "mean": torch.from_numpy(mean),
-        "std": torch.from_numpy(std),
-    }
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        digest.update(tensors[name].numpy().tobytes())
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, WEIGHTS))
-    config = dict(asdict(cfg), model_type=MODEL_TYPE, fit_frames=int(x.shape[0]),
-                  weights_sha256=digest.hexdigest()[:16])  # fmt: skip
-    write_json_atomic(os.path.join(out_dir, "config.json"), config)  # last: its presence = complete
-    return out_dir
+    pick = residual_kmeans.draw_rows(x.shape[0], max_vectors, seed)
+    x = x if pick is None else x[pick]
+    books, mean, std = residual_kmeans.fit_standardised(
+        x, num_codebooks, codebook_size, seed, iters
+    )
+    config = dict(asdict(cfg), model_type=MODEL_TYPE, fit_frames=int(x.shape[0]))
+    return save_fitted(out_dir, WEIGHTS, {"books": books, "mean": mean, "std": std}, config)
 
 
 class MelVocoderCodec:

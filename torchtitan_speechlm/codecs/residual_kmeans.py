@@ -144,3 +144,20 @@ def dequantise(codes: np.ndarray, books: np.ndarray) -> np.ndarray:
     for q in range(codes.shape[1]):
         out += np.asarray(books[q], dtype=np.float64)[codes[:, q]]
     return out * GRID
+
+
+def draw_rows(n: int, limit: int, seed: int) -> np.ndarray | None:
+    """Sorted indices of a seeded draw of ``limit`` of ``n`` rows, or None when all ``n`` fit:
+    a fit's vectors are capped the same way by every codec that fits."""
+    if n <= limit:
+        return None
+    return np.sort(np.random.default_rng(seed).permutation(n)[:limit])
+
+
+def fit_standardised(
+    x: np.ndarray, num_codebooks: int, size: int, seed: int, iters: int = 20
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``fit`` on ``x`` standardised per column (``column_stats``): the codebooks and the mean
+    and std to standardise with again at encoding."""
+    mean, std = column_stats(x)
+    return fit((x - mean) / std, num_codebooks, size, seed, iters), mean, std

@@ -19,17 +19,15 @@ with fewer distinct values uses fewer of its codes).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import torch
 
 from torchtitan_speechlm.codecs import residual_kmeans
 from torchtitan_speechlm.codecs.base import CodecError, config_hash, register_codec
-from torchtitan_speechlm.utils.fileio import write_json_atomic
+from torchtitan_speechlm.codecs.fitted_folder import save_fitted
 
 MODEL_TYPE = "speechlm_world"
 WEIGHTS = "model.safetensors"
@@ -96,8 +94,6 @@ def fit_world_codec(wavs: list[np.ndarray], out_dir: str, codebook_size: int = 1
                     seed: int = 0, iters: int = 20, max_frames: int = 100_000) -> str:  # fmt: skip
     """Fit the envelope and aperiodicity codebooks on mono waveforms at 16 kHz; save the codec
     to ``out_dir`` and return it."""
-    from safetensors.torch import save_file
-
     cfg = WorldConfig(codebook_size=codebook_size, seed=seed)
     parts = [analyse(cfg, w) for w in wavs if len(w)]
     env = np.concatenate([p[1] for p in parts])
@@ -108,26 +104,15 @@ def fit_world_codec(wavs: list[np.ndarray], out_dir: str, codebook_size: int = 1
             f" s) cannot fit {codebook_size} centroids; give more audio or a smaller "
             "--codebook-size"
         )
-    rng = np.random.default_rng(seed)
-    if env.shape[0] > max_frames:
-        pick = np.sort(rng.permutation(env.shape[0])[:max_frames])
+    pick = residual_kmeans.draw_rows(env.shape[0], max_frames, seed)
+    if pick is not None:
         env, bands = env[pick], bands[pick]
-    tensors = {}
+    arrays = {}
     for name, x in (("envelope", env), ("aperiodicity", bands)):
-        mean, std = residual_kmeans.column_stats(x)
-        books = residual_kmeans.fit((x - mean) / std, 1, codebook_size, seed, iters)
-        tensors.update({f"{name}_books": torch.from_numpy(np.ascontiguousarray(books)),
-                        f"{name}_mean": torch.from_numpy(mean),
-                        f"{name}_std": torch.from_numpy(std)})  # fmt: skip
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        digest.update(tensors[name].numpy().tobytes())
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, WEIGHTS))
-    config = dict(asdict(cfg), model_type=MODEL_TYPE, fit_frames=int(env.shape[0]),
-                  weights_sha256=digest.hexdigest()[:16])  # fmt: skip
-    write_json_atomic(os.path.join(out_dir, "config.json"), config)
-    return out_dir
+        books, mean, std = residual_kmeans.fit_standardised(x, 1, codebook_size, seed, iters)
+        arrays.update({f"{name}_books": books, f"{name}_mean": mean, f"{name}_std": std})
+    config = dict(asdict(cfg), model_type=MODEL_TYPE, fit_frames=int(env.shape[0]))
+    return save_fitted(out_dir, WEIGHTS, arrays, config)
 
 
 class WorldCodec:
