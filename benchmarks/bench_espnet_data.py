@@ -15,7 +15,7 @@ warmup 30 from 0, cosine to 0.1, about 2,048 frames a step, TTS 3 : ASR 1) in th
   k-means codec (``speechlm_data.step_codec``), the stream weights 1/4 each (ours).
 
 - ``espnet_mixed``: the same, but the factory's batches re-made from its own items in a random
-  order, 2,048 frames of data each as in the other arms (its rows padded to the longest, which
+  order (``torchtitan_speechlm.mix_espnet_batches``), 2,048 frames of data each as in the other arms (its rows padded to the longest, which
   the length-sorted batches never need). ESPnet's ``batchfy`` sorts every item by length, so
   an utterance's TTS and ASR items (the same length) and the resampled copies fall into
   neighbouring batches: most of its batches hold one task (85% of them here) and one length.
@@ -169,42 +169,15 @@ def train_espnet(args, paths: dict, seed: int, mixed: bool = False) -> str:
     return ckpt
 
 
-def mixed_batches(factory, stats: str, budget: int, seed: int = 0) -> None:
-    """Re-make an ESPnet factory's batches from its own items in a random order, each batch
-    ``budget`` frames of data at most (the items' lengths summed: the data a step sees as in
-    the other arms; its rows are padded to its longest item)."""
-    import random
-
-    lengths = {}
-    for name in os.listdir(stats):
-        with open(os.path.join(stats, name)) as f:
-            for line in f:
-                ((key, length),) = json.loads(line).items()
-                lengths.setdefault(key, {})[name] = length
-    items = [e for b in factory.batched_examples for e in b]
-    random.Random(seed).shuffle(items)
-
-    def length(e):
-        return lengths[e[2]][f"stats_{e[0]}_{e[1]}.jsonl"]
-
-    batches, current = [], []
-    for e in items:
-        if current and sum(map(length, [*current, e])) > budget:
-            batches.append(current)
-            current = []
-        current.append(e)
-    factory.batched_examples = batches + ([current] if current else [])
-
-
 def train_mixed_main(argv: list[str]) -> None:
-    """bin/train.py's steps (tests/espnet_side/train_main.py) with ``mixed_batches`` applied
-    to the training factory before the trainer is built."""
+    """bin/train.py's steps (tests/espnet_side/train_main.py) with ``mix_espnet_batches``
+    applied to the training factory before the trainer is built."""
     import wandb
     from espnet2.speechlm.dataloader.iterator import DataIteratorFactory
 
     from tests.espnet_side.job import SpeechLMJobTemplate
     from tests.espnet_side.train_main import get_parser
-    from torchtitan_speechlm import TitanTrainer
+    from torchtitan_speechlm import TitanTrainer, mix_espnet_batches
 
     args = get_parser().parse_args(argv)
     with open(args.train_config) as f:
@@ -216,7 +189,7 @@ def train_mixed_main(argv: list[str]) -> None:
         collate_fn=job.build_preprocessor().collate_fn, batchfy_method="bucket",
         batch_size=loading["batch_size"], num_workers=0, shuffle=True, seed=loading["seed"],
     )  # fmt: skip
-    mixed_batches(factory, str(args.stats_dir), loading["batch_size"], seed=loading["seed"])
+    mix_espnet_batches(factory, str(args.stats_dir), loading["batch_size"], seed=loading["seed"])
     wandb.init(mode="offline", project="local", dir=str(args.output_dir))
     TitanTrainer(factory, {}, job.build_model(), None, args.output_dir, config["trainer"]).run()
     wandb.finish()

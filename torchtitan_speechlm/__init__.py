@@ -37,8 +37,10 @@ around_import("torchtitan", _before_torchtitan, _after_torchtitan)
 if _TORCHTITAN_FIRST:  # torchtitan's custom_import: the spec is looked up next
     from torchtitan_speechlm.trainer import spec as _spec  # noqa: F401  (registers it)
 
-__all__ = ["SPEC_NAME", "EspnetData", "PreparedData", "TitanTrainer", "register"]
-_PYTHON_API = ("EspnetData", "PreparedData", "TitanTrainer")
+__all__ = [
+    "SPEC_NAME", "EspnetData", "PreparedData", "TitanTrainer", "mix_espnet_batches", "register"
+]  # fmt: skip
+_PYTHON_API = ("EspnetData", "PreparedData", "TitanTrainer", "mix_espnet_batches")
 
 
 def __getattr__(name: str):

@@ -5,6 +5,8 @@ format (a test that fails if tests/espnet_side drifts from the cited files' rule
 discrete audio tokenised in the step exactly as ESPnet's model places it, and the bad inputs.
 In-process, a few seconds each."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -207,6 +209,44 @@ def test_a_resume_skips_the_trained_batches_without_collating_them(espnet_assets
     rest = [next(it)[0]["input"] for _ in range(2)]
     assert len(calls) == 2  # batches 4 and 5 only
     assert all(torch.equal(a, b) for a, b in zip(first[4:], rest, strict=True))
+
+
+def test_mixed_batches_keep_every_item_within_the_frames_and_mix_the_tasks(espnet_assets, tmp_path):
+    """``mix_espnet_batches``: the factory's own items, each once, in batches of at most the
+    frames asked (their lengths from ESPnet's stats), no longer cut from a length-sorted list
+    (where a task's items sit apart from the other's); the same batches from the same seed
+    (every rank), and ESPnet's ``build_iter`` serves them."""
+    import collections
+
+    from torchtitan_speechlm import mix_espnet_batches
+    from torchtitan_speechlm.python_api.espnet_mixing import read_lengths
+
+    _, f = factory(espnet_assets, tmp_path, batch_size=300)
+    stats = str(tmp_path / "stats")
+    before = [list(map(tuple, b)) for b in f.batched_examples]
+    items = [e for b in before for e in b]
+    lengths = read_lengths(stats, items)
+    with open(next(p for p in (tmp_path / "stats").iterdir())) as fh:  # ESPnet's own lines
+        key, length = next(iter(json.loads(fh.readline()).items()))
+    assert length in {lengths[e] for e in items if e[2] == key}
+
+    def spread(batches):  # ESPnet's are cut from a length-sorted list: items of one length
+        return sum(max(lengths[e] for e in b) - min(lengths[e] for e in b) for b in batches)
+
+    n = mix_espnet_batches(f, stats, frames=300, seed=3)
+    after = f.batched_examples
+    assert n == len(after) and collections.Counter(e for b in after for e in b) == (
+        collections.Counter(items)
+    )
+    assert all(sum(lengths[e] for e in b) <= 300 or len(b) == 1 for b in after)
+    assert spread(after) > 2 * spread(before)  # no longer one length per batch
+    _, g = factory(espnet_assets, tmp_path / "again", batch_size=300)
+    mix_espnet_batches(g, stats, frames=300, seed=3)
+    assert g.batched_examples == after
+    batch = next(iter(f.build_iter(global_step=0, length=1)))
+    assert sorted(map(tuple, batch["key"])) in [sorted(b) for b in after]
+    with pytest.raises(FileNotFoundError, match="stats_dir the factory was built with"):
+        mix_espnet_batches(g, str(tmp_path / "nowhere"), frames=300)
 
 
 def test_espnets_task_names_are_counted_and_its_specials_are_ours(espnet_assets, tmp_path):
