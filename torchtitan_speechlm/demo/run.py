@@ -164,7 +164,7 @@ def listen(checkpoint: str, paths: dict, dump: str) -> dict:
     run_command(
         [tool, "eval", "--model", checkpoint, "--valid", "asr:heldout", "--valid", "tts:heldout",
          "--judge-grammar", paths["grammar.jsgf"], "--report", os.path.join(out, "report"),
-         "--out", results, "--limit", "20", "--judge-quality-items", "3"],
+         "--judge-word-loop", "--out", results, "--judge-quality-items", "3"],  # every held-out
         log=os.path.join(out, "eval.log"),
     )  # fmt: skip
     with open(results) as f:
@@ -182,8 +182,9 @@ def listen(checkpoint: str, paths: dict, dump: str) -> dict:
     print(
         f"[demo] held-out ASR WER {asr['wer']:.3f} (the model's transcripts of "
         f"{asr['items']} unseen sentences); TTS intelligibility WER {tts['wer']:.3f} "
-        f"(an independent recogniser on the model's speech; on the references: "
-        f"{tts['floor']['wer']:.3f}); SIM {tts['sim']:.3f}, duration ratio "
+        f"(an independent recogniser, the grammar's, on the model's speech; on the references: "
+        f"{tts['floor']['wer']:.3f}; the free word loop: {tts['word_loop']['wer']:.3f}, on the "
+        f"references {tts['word_loop']['floor_wer']:.3f}); SIM {tts['sim']:.3f}, duration ratio "
         f"{tts['duration_ratio']['median']:.2f}, {tts['eos_rate']:.0%} ended by the model"
     )
     return scores
