@@ -97,7 +97,7 @@ def normalise_bool_flags(args: list[str]) -> list[str]:
     """`--section.key false` -> tyro's `--section.no_key` (and `true` -> `--section.key`)."""
 
     manager = upstream.ConfigManager()
-    bools = _bool_fields(manager._maybe_add_custom_config(args, manager._maybe_load_toml(args)))
+    bools = _bool_fields(upstream.config_class_of(manager, args, upstream.job_toml(manager, args)))
     out, i = [], 0
     while i < len(args):
         key, eq, val = args[i].partition("=")
@@ -154,9 +154,9 @@ def parse_job(args: list[str]):
     on disk is read: the launcher takes the dump folder's lock with it (``train_command``)."""
 
     manager = upstream.ConfigManager()
-    toml_values = manager._maybe_load_toml(args)
+    toml_values = upstream.job_toml(manager, args)
     import_extensions(args, toml_values)
-    config_cls = manager._maybe_add_custom_config(args, toml_values)
+    config_cls = upstream.config_class_of(manager, args, toml_values)
     if toml_values is not None:
         path = next(
             (

@@ -19,7 +19,8 @@ contact-surface section of docs/architecture.md, without importing torch):
   given); the others read a private helper instead of copying its rule, and say what the
   upstream change would be.
 
-Besides the tables, ``job_config_class`` wraps one private call, so that the private name is
+Besides the tables, ``job_config_class``, ``job_toml`` and ``config_class_of`` wrap
+``ConfigManager``'s two private steps, so that the private names are
 read here and nowhere else (as the ``SYMBOLS`` that name a private attribute do).
 
 Not here: torchtitan's TOML schema and command line (``ConfigManager``) are reached through
@@ -162,11 +163,13 @@ PRIVATE: tuple[tuple[str, str, str, str], ...] = (
      "MFU's FLOPs per frame vary per interval: the head runs on loss frames only and the audio "
      "tower per clip; torchtitan fixes one figure per run",
      "a MetricsProcessor hook giving the FLOPs of the logged interval"),
-    ("ConfigManager._maybe_add_custom_config",
-     "utils/upstream.py job_config_class (python_api/args.py)",
+    ("ConfigManager._maybe_load_toml and ._maybe_add_custom_config",
+     "utils/upstream.py job_config_class, job_toml, config_class_of (python_api/args.py; "
+     "commands/train.py parse_job and normalise_bool_flags)",
      "the JobConfig class with our sections merged, without parsing a command line (the Python "
-     "API writes a TOML from it)",
-     "a public ConfigManager.job_config_class(custom_config_module)"),
+     "API writes a TOML from it); the TOML's values and that class before torchtitan parses, so "
+     "the TOML is checked key by key and `--key false` flags are normalised for tyro",
+     "a public ConfigManager.load_toml(args) and job_config_class(args, toml)"),
     ("Trainer.checkpointer.load replaced on the instance for one call (and validation.enable "
      "set for it)",
      "python_api/trainer.py ChunkedTrainer.train_until",
@@ -176,13 +179,22 @@ PRIVATE: tuple[tuple[str, str, str, str], ...] = (
 )  # fmt: skip
 
 
+def job_toml(manager, args: list[str]) -> dict | None:
+    """The values of the TOML ``args`` name, or None (PRIVATE: ``ConfigManager._maybe_load_toml``)."""
+    return manager._maybe_load_toml(args)
+
+
+def config_class_of(manager, args: list[str], toml_values: dict | None) -> type:
+    """The JobConfig class with the custom config module of ``args`` or the TOML merged
+    (PRIVATE: ``ConfigManager._maybe_add_custom_config``)."""
+    return manager._maybe_add_custom_config(args, toml_values)
+
+
 def job_config_class(custom_config_module: str) -> type:
     """torchtitan's JobConfig class with ``custom_config_module``'s sections merged, without
     parsing a command line (PRIVATE: ``ConfigManager._maybe_add_custom_config``)."""
     manager = __getattr__("ConfigManager")()
-    return manager._maybe_add_custom_config(
-        ["--job.custom_config_module", custom_config_module], None
-    )
+    return config_class_of(manager, ["--job.custom_config_module", custom_config_module], None)
 
 
 def __getattr__(name: str):
