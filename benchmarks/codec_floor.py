@@ -113,6 +113,7 @@ def demo_floor(a) -> dict:
     from torchtitan_speechlm.codecs import hifigan
     from torchtitan_speechlm.codecs.fitting import FITTERS, FitSettings
     from torchtitan_speechlm.demo.speaking import CorpusPlan, build_corpus
+    from torchtitan_speechlm.evaluation.harmonicity import harmonicity
     from torchtitan_speechlm.evaluation.judge_setup import vocabulary_words
     from torchtitan_speechlm.utils.audio import load_audio
 
@@ -141,6 +142,7 @@ def demo_floor(a) -> dict:
         out["sim"] = float(np.mean([sim.similarity(sim.embed(w, rate), e)
                                     for w, e in zip(wavs, ref_emb, strict=True)]))  # fmt: skip
         out["dnsmos"] = float(np.mean([mos.score(w, rate)["dnsmos_ovrl"] for w in wavs]))
+        out["harmonicity"] = float(np.mean([harmonicity(w, rate) for w in wavs]))
         return out
 
     def timed_decode(codec, codes: list[np.ndarray]) -> tuple[list[np.ndarray], dict]:

@@ -110,8 +110,10 @@ def codec_rate(prepared) -> int:
 
 
 def check_recording_floor(tts: dict, rate: int) -> None:
-    """Each found item's recording transcript, WER / CER are the test ASR judge's on the file
-    itself (read at the codec's rate), and the set's recording floor their mean / pooled."""
+    """Each found item's recording transcript, WER / CER and harmonicity are the test ASR
+    judge's and harmonicity's on the file itself (read at the codec's rate), and the set's
+    recording floor their mean / pooled."""
+    from torchtitan_speechlm.evaluation.harmonicity import harmonicity
     from torchtitan_speechlm.judges import error_rates, item_errors
     from torchtitan_speechlm.utils.audio import load_audio
 
@@ -126,12 +128,17 @@ def check_recording_floor(tts: dict, rate: int) -> None:
         assert r["recording_cer"] == pytest.approx(e["cer"])
         assert r["recording_seconds"] == pytest.approx(len(wav) / rate)
         assert -1 <= r["sim_recording"] <= 1
+        assert r["harmonicity"]["recording"] == pytest.approx(harmonicity(wav, rate))
     floor = tts["floor_recording"]
     assert floor["wer"] == pytest.approx(np.mean([r["recording_wer"] for r in found]))
     assert floor["cer"] == pytest.approx(np.mean([r["recording_cer"] for r in found]))
     pooled = error_rates([r["text"] for r in found], [r["recording_transcript"] for r in found])
     assert floor["wer_corpus"] == pytest.approx(pooled["wer"])
     assert tts["sim_recording"] == pytest.approx(np.mean([r["sim_recording"] for r in found]))
+    for what in ("generated", "reference", "recording"):  # means over the items that have one
+        have = [r["harmonicity"][what] for r in tts["per_item"] if r["harmonicity"][what]]
+        assert tts["harmonicity"][what] == pytest.approx(np.mean(have))
+    assert all(r["harmonicity"]["recording"] is None for r in tts["per_item"] if r not in found)
 
 
 def run_eval(model: dict, kind: str, *extra: str) -> int:

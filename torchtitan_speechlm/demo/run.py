@@ -21,6 +21,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from torchtitan_speechlm.commands.train import already_complete, check_config
 from torchtitan_speechlm.demo.speaking import CorpusPlan, build_corpus, console, run_command
 from torchtitan_speechlm.evaluation.report import dithered
@@ -170,6 +172,7 @@ def listen(checkpoint: str, paths: dict, dump: str) -> dict:
     with open(results) as f:
         scores = json.load(f)
     asr, tts = scores["asr:heldout"], scores["tts:heldout"]
+    harm = tts["harmonicity"]
     first = tts["per_item"][0]  # the first held-out sentence, as eval spoke and judged it
     report = os.path.join(out, "report")
     reference = first["recording"] or os.path.join(report, first["audio"]["reference"])
@@ -185,35 +188,52 @@ def listen(checkpoint: str, paths: dict, dump: str) -> dict:
         f"(an independent recogniser, the grammar's, on the model's speech; on the references: "
         f"{tts['floor']['wer']:.3f}; the free word loop: {tts['word_loop']['wer']:.3f}, on the "
         f"references {tts['word_loop']['floor_wer']:.3f}); SIM {tts['sim']:.3f}, duration ratio "
-        f"{tts['duration_ratio']['median']:.2f}, {tts['eos_rate']:.0%} ended by the model"
+        f"{tts['duration_ratio']['median']:.2f}, {tts['eos_rate']:.0%} ended by the model; "
+        f"harmonicity {_num(harm['generated'])} (references {_num(harm['reference'])}, "
+        f"recordings {_num(harm['recording'])}: sharp harmonics ~0.9, smeared ~0.6)"
     )
     return scores
 
 
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def plot_pair(reference: str, generated: str, out_png: str, title: str) -> str:
     """One PNG: the reference recording's and the generated speech's spectrograms side by side,
-    on the same time and frequency axes."""
+    on the same time and frequency axes; above, the whole band (wideband: formants), below,
+    0-2 kHz with 64 ms windows (narrowband: the harmonics, sharp lines in a recording, a smear
+    after a codec that loses them), each titled with its harmonicity."""
     import matplotlib
     import soundfile as sf
+
+    from torchtitan_speechlm.evaluation.harmonicity import harmonicity
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), sharey=True)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6.4), sharey="row")
     longest = 0.0
-    for ax, (name, path) in zip(
-        axes, (("reference (espeak-ng)", reference), ("generated (the model)", generated)),
-        strict=True,
-    ):  # fmt: skip
+    for col, (name, path) in enumerate(
+        (("reference (espeak-ng)", reference), ("generated (the model)", generated))
+    ):
         wav, rate = sf.read(path)
         wav = wav.mean(1) if wav.ndim > 1 else wav
         longest = max(longest, len(wav) / rate)
-        ax.specgram(dithered(wav), NFFT=512, Fs=rate, noverlap=384, cmap="magma")
-        ax.set_title(f"{name}: {len(wav) / rate:.2f} s", fontsize=10)
-        ax.set_xlabel("seconds")
-    for ax in axes:
+        wide, narrow = axes[0][col], axes[1][col]
+        wide.specgram(dithered(wav), NFFT=512, Fs=rate, noverlap=384, cmap="magma")
+        wide.set_title(f"{name}: {len(wav) / rate:.2f} s", fontsize=10)
+        window = 1 << int(np.ceil(np.log2(0.064 * rate)))
+        narrow.specgram(
+            dithered(wav), NFFT=window, Fs=rate, noverlap=window - window // 8, cmap="magma"
+        )
+        narrow.set_ylim(0, 2000)
+        narrow.set_title(f"0-2 kHz, harmonicity {_num(harmonicity(wav, rate))}", fontsize=10)
+        narrow.set_xlabel("seconds")
+    for ax in axes.flat:
         ax.set_xlim(0, longest)
-    axes[0].set_ylabel("Hz")
+    axes[0][0].set_ylabel("Hz")
+    axes[1][0].set_ylabel("Hz")
     fig.suptitle(title[:90], fontsize=11)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)

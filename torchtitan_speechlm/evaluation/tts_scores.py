@@ -10,7 +10,9 @@ from each item's text is decoded by the data's codec and
 - a speaker judge compares it with the reference audio: SIM (cosine of embeddings);
 - a quality judge predicts its MOS (DNSMOS), and the reference's;
 - its length against the reference's (duration ratio), and whether the model ended it itself
-  before ``max_frames`` (end-of-speech rate).
+  before ``max_frames`` (end-of-speech rate);
+- its harmonicity (``harmonicity.py``: are the harmonics sharp or smeared), the reference's
+  and the recording's: a signal measure, no model.
 
 The prepared data holds codec codes, not recordings, so the reference audio is the codec's
 resynthesis of the reference codes: ``floor`` and ``sim`` are against it (the fair floor for
@@ -32,6 +34,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from torchtitan_speechlm.evaluation.harmonicity import harmonicity
 from torchtitan_speechlm.evaluation.item_wavs import save_item_wavs
 from torchtitan_speechlm.evaluation.judge_setup import Judges
 from torchtitan_speechlm.evaluation.phase_clock import PhaseClock
@@ -253,6 +256,10 @@ def _score_item(
         sim_recording=sim_orig,
         dnsmos=_floats(dnsmos),
         reference_dnsmos=_floats(ref_dnsmos),
+        harmonicity={
+            what: harmonicity(wav, rate) if wav is not None else None
+            for what, wav in (("generated", gen), ("reference", ref), ("recording", orig))
+        },
         failures=failures,
     )
     return rec, {"generated": gen, "reference": ref, "recording": orig}

@@ -87,6 +87,10 @@ def summarise_tts(per_item: list[dict], judges: Judges, self_acc: dict) -> dict:
             "cer_corpus": by_rec.get("cer"),
         },
         "word_loop": _word_loop_means(per_item) if judges.word_loop is not None else None,
+        "harmonicity": {  # evaluation/harmonicity.py: sharp harmonics ~0.9, smeared ~0.6
+            what: mean_of(r["harmonicity"][what] for r in per_item)
+            for what in ("generated", "reference", "recording")
+        },
         "self": {
             "note": "the model's own ASR of its TTS and teacher-forced token accuracy: "
             "not independent judges",
