@@ -25,6 +25,7 @@ import numpy as np
 
 from torchtitan_speechlm.commands.train import already_complete, check_config
 from torchtitan_speechlm.demo.speaking import CorpusPlan, build_corpus, console, run_command
+from torchtitan_speechlm.evaluation.harmonicity import harmonicity
 from torchtitan_speechlm.evaluation.report import dithered
 
 DEFAULT_CONFIG = "train_configs/speechlm_debug.toml"
@@ -206,8 +207,6 @@ def plot_pair(reference: str, generated: str, out_png: str, title: str) -> str:
     after a codec that loses them), each titled with its harmonicity."""
     import matplotlib
     import soundfile as sf
-
-    from torchtitan_speechlm.evaluation.harmonicity import harmonicity
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
