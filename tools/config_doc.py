@@ -5,54 +5,19 @@ generated blocks of docs/config.md; a test fails when they drift."""
 from __future__ import annotations
 
 import argparse
-import ast
-import inspect
-import json
 import re
 import sys
-from dataclasses import MISSING, fields
 
-from torchtitan_speechlm import config
+from torchtitan_speechlm.config.field_docs import SECTIONS, keys_of
 
-SECTIONS = (
-    ("speechlm", config.SpeechLM),
-    ("speechlm_data", config.SpeechLMData),
-    ("speechlm_faults", config.SpeechLMFaults),
-    ("checkpoint", config.Checkpoint),
-    ("audio_encoder", config.AudioEncoderConfig),
-    ("lora", config.Lora),
-)
 BEGIN, END = "<!-- generated from {name} by tools/config_doc.py -->", "<!-- end generated -->"
 
 
-def field_docs(cls) -> dict[str, str]:
-    """{field: its docstring} from the class source (the string right after each field)."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return json.dumps(value)
-
-
 def table(cls) -> str:
-    docs = field_docs(cls)
     rows = ["| key | default | meaning |", "|---|---|---|"]
-    for f in fields(cls):
-        default = f.default if f.default is not MISSING else f.default_factory()
-        meaning = docs.get(f.name, "").replace("|", "\\|")  # a pipe would end the cell
-        rows.append(f"| `{f.name}` | `{toml_value(default)}` | {meaning} |")
+    for name, default, meaning in keys_of(cls):
+        meaning = meaning.replace("|", "\\|")  # a pipe would end the cell
+        rows.append(f"| `{name}` | `{default}` | {meaning} |")
     return "\n".join(rows)
 
 

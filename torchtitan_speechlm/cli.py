@@ -5,7 +5,8 @@ Start-up is one rule: a command line is parsed by the command's argument module 
 only: commands/*_args.py) before the command's implementation, and with it torch, is imported.
 So `torchtitan --help`, `torchtitan generate --help` and a mistyped flag answer in a fraction of
 a second; tests/unit/commands/test_startup.py holds it. `train` and `prepare` parse with what
-they register (torchtitan's config manager; the prepare sources), so they import first.
+they register (torchtitan's config manager; the prepare sources), so they import first; `train
+--help` is a page made from our config's docstrings (commands/train_help.py), before torch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Callable
 
 from torchtitan_speechlm.commands import export_args, generate_args, prefer_args, serve_args
+from torchtitan_speechlm.commands.train_help import train_help
 from torchtitan_speechlm.utils.progress import Progress
 
 QUIET = ("--no-progress", "--quiet")  # the commands' flag turning progress lines off
@@ -55,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in SUBCOMMANDS:
         print(f"torchtitan: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if cmd == "train" and any(a in ("-h", "--help") for a in rest):  # a page, before torch
+        print(train_help())
+        return 0
     args = PARSERS[cmd]().parse_args(rest) if cmd in PARSERS else None  # --help ends here
     quiet = not getattr(args, "progress", True) or any(a in QUIET for a in rest)
     # importing torch and the command takes seconds (more on a busy machine): said, if it lasts

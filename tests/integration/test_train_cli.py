@@ -99,6 +99,15 @@ def test_bad_config_fails_before_any_work_naming_key_and_fix(assets, tmp_path):
     r = run_train(str(bad))
     assert r.returncode == 2 and "missing" in r.stderr and "config.json" in r.stderr
 
+    # a mistyped override: one line in the docs' spelling, before anything is read (not tyro's
+    # box with the hyphenated form); both spellings of a real key and a bool's no_ form pass it
+    r = run_train(cfg, "--training.local-batch-size", "2", "--speechlm.stepz", "3")
+    assert r.returncode == 2 and "╭" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "torchtitan train: config error: unknown command-line key --speechlm.stepz: [speechlm] "
+        "has no such key (`torchtitan train --help` lists our sections, `--help-all` every key)"
+    )
+
     r = run_train(cfg, "--speechlm.stream_weights", "1", "2")
     assert r.returncode == 2 and "stream_weights" in r.stderr and "4 streams" in r.stderr
 
@@ -116,7 +125,7 @@ def test_bad_config_fails_before_any_work_naming_key_and_fix(assets, tmp_path):
         assert r.stderr.splitlines() == [
             "torchtitan train: config error: --job.config_file is required: a training TOML "
             "(e.g. `torchtitan train --job.config_file train_configs/speechlm_debug.toml`, the "
-            "demo's; `torchtitan train --help` lists every key)"
+            "demo's; `torchtitan train --help` lists our keys, `--help-all` every key)"
         ], argv
 
 

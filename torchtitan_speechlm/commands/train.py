@@ -21,8 +21,10 @@ import socket
 import sys
 from dataclasses import fields, is_dataclass
 
+from torchtitan_speechlm.commands.train_help import USAGE, train_help
 from torchtitan_speechlm.components.resume import completed_run_step
 from torchtitan_speechlm.config import ConfigError, check_toml
+from torchtitan_speechlm.config.override_check import check_override_keys
 from torchtitan_speechlm.config.toml_check import check_toml_file
 from torchtitan_speechlm.data.index_store import CHECKED_ENV, export_checked_indexes
 from torchtitan_speechlm.trainer import lifecycle
@@ -167,6 +169,7 @@ def parse_job(args: list[str]):
             "config",
         )
         check_toml(toml_values, config_cls, source=path, registered=REGISTERED_VALUES)
+    check_override_keys(args, config_cls)
     try:
         return manager.parse_args(args)
     except SystemExit as e:  # tyro already printed what is wrong with the command line
@@ -241,12 +244,11 @@ def _adopt_slurm_env() -> None:
 
 
 def train_command(args: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in args):
-        print(
-            "usage: torchtitan train --job.config_file FILE.toml [--nproc-per-node N] "
-            "[--section.key value ...]\n"
-        )
-
+    if any(a in ("-h", "--help") for a in args):  # called without cli.py (the Python API)
+        print(train_help())
+        return 0
+    if "--help-all" in args:
+        print(f"{USAGE}\n")
         try:  # torchtitan's own option list, with our [speechlm] sections merged in
             upstream.ConfigManager().parse_args(with_config_module(["--help"]))
         except SystemExit:
@@ -257,7 +259,7 @@ def train_command(args: list[str]) -> int:
         print(
             "torchtitan train: config error: --job.config_file is required: a training TOML "
             "(e.g. `torchtitan train --job.config_file train_configs/speechlm_debug.toml`, the "
-            "demo's; `torchtitan train --help` lists every key)",
+            "demo's; `torchtitan train --help` lists our keys, `--help-all` every key)",
             file=sys.stderr,
         )
         return 2

@@ -74,3 +74,23 @@ def test_torchtitan_imported_after_the_package_gets_the_fixes_first():
     gpu, device, cpu_patched, safe = r.stdout.split()[-4:]
     assert device == ("cuda" if gpu == "True" else "cpu")  # an accelerator keeps its own
     assert (cpu_patched, safe) == ("True", "True")
+
+
+def test_train_help_is_a_page_of_our_keys_before_torch():
+    """`torchtitan train --help`: every key of our sections in the docs' spelling, the
+    torchtitan keys it names exist upstream, a page (not tyro's 1,200 lines), before torch."""
+    from torchtitan_speechlm.commands.train_help import TORCHTITAN_KEYS
+    from torchtitan_speechlm.config.field_docs import SECTIONS
+    from torchtitan_speechlm.config.override_check import config_keys
+    from torchtitan_speechlm.utils import upstream
+
+    code, loaded, out = _probe(["train", "--help"])
+    assert (code, loaded) == (0, 0), out
+    assert out.startswith("usage: torchtitan train --job.config_file FILE.toml")
+    for name, cls in SECTIONS:
+        for key in cls.__dataclass_fields__:
+            assert f"  --{name}.{key} (default " in out, key
+    upstream_keys = config_keys(upstream.job_config_class("torchtitan_speechlm.config"))
+    for key, _ in TORCHTITAN_KEYS:
+        assert key in upstream_keys and f"  --{key}\n" in out, key
+    assert len(out.splitlines()) < 400 and "--help-all" in out

@@ -66,8 +66,9 @@ def test_dataset_and_mixture_specs():
 def test_config_docs_are_generated_from_the_field_docstrings():
     from dataclasses import fields
 
-    from tools.config_doc import field_docs, render
+    from tools.config_doc import render
     from torchtitan_speechlm.config import Checkpoint, SpeechLM, SpeechLMData
+    from torchtitan_speechlm.config.field_docs import field_docs
 
     text = open("docs/config.md").read()
     assert render(text) == text, "run `python tools/config_doc.py`"
