@@ -280,6 +280,8 @@ def check(shown: Shown) -> None:
             return  # `torchtitan` alone, or a quoted message (`torchtitan train: rank 3: ...`)
         if sub in ("-h", "--help", "help") and not argv:
             return  # the console script's own usage (cli.main)
+        if sub == "train" and argv in (["-h"], ["--help"], ["--help-all"]):
+            return  # cli.py's page and tyro's full list (tests/unit/commands/test_startup.py)
         if argv in (["-h"], ["--help"]) and sub != "train":
             subcommand_parser(sub, [])  # a subcommand's usage: the subcommand must exist
             return

@@ -94,3 +94,9 @@ def test_train_help_is_a_page_of_our_keys_before_torch():
     for key, _ in TORCHTITAN_KEYS:
         assert key in upstream_keys and f"  --{key}\n" in out, key
     assert len(out.splitlines()) < 400 and "--help-all" in out
+
+
+def test_train_help_all_is_tyros_list_with_our_sections():
+    code, loaded, out = _probe(["train", "--help-all"])
+    assert code == 0 and loaded > 0, out
+    assert "--training.steps" in out and "--speechlm.pattern" in out and "--lora.rank" in out
