@@ -140,6 +140,11 @@ def test_bad_input_is_refused_naming_the_file(trained, tmp_path, capsys):
     assert main(["--checkpoint", trained["step"], "--out", str(out)]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+    # an export given back to export, by the name generate/eval/serve use (--model)
+    assert main(["--model", str(out), "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} is a model folder (it has a config.json), not a training checkpoint" in err
+    assert not (tmp_path / "again").exists()
     # a half-written checkpoint (no .metadata) and a truncated shard
     half = tmp_path / "run" / "checkpoint" / "step-9"
     shutil.copytree(trained["step"], half)

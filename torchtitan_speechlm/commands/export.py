@@ -140,6 +140,12 @@ def export(
 ) -> dict:
     """Export ``checkpoint`` (a ``step-N`` folder) to ``out``; returns what was written."""
     checkpoint, out = os.path.abspath(checkpoint), os.path.abspath(out)
+    if os.path.isfile(os.path.join(checkpoint, "config.json")):  # what load_model reads as one
+        raise PretrainedError(
+            f"{checkpoint} is a model folder (it has a config.json), not a training checkpoint: "
+            "it needs no export (generate, eval and serve take it as --model); export reads "
+            "DUMP/checkpoint/step-N of a `torchtitan train` run"
+        )
     if os.path.exists(out) and not force:
         raise PretrainedError(f"{out} exists; pass --force to replace it, or choose another --out")
     if dtype not in DTYPES:

@@ -14,7 +14,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="write a training checkpoint as a self-contained model folder",
     )
     p.add_argument(
-        "--checkpoint", required=True, help="a checkpoint folder: DUMP/checkpoint/step-N"
+        "--checkpoint",
+        "--model",
+        dest="checkpoint",
+        required=True,
+        help="a checkpoint folder: DUMP/checkpoint/step-N (--model: the same flag, by the name "
+        "generate, eval and serve give theirs)",
     )
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES)
