@@ -32,6 +32,7 @@ import base64
 import http.client
 import io
 import json
+import signal
 import socket
 import threading
 import time
@@ -411,22 +412,86 @@ def test_low_a_key_no_request_could_send_is_refused_at_start(capsys, tmp_path):
     assert f"{keys}:2" in capsys.readouterr().err
 
 
-def test_low_the_drain_is_bounded_by_drain_seconds():
-    """A request held in the worker: shutdown returns after --drain-seconds (1), not after the
-    request timeout (600 + 5 s); the held request's job is cancelled."""
-    with serving(server_kw={"drain_s": 1.0}) as (server, model, lines, said):
+def shut_down(status: int, head: dict, body: bytes) -> bool:
+    """The answer to a request the drain ran out on: JSON 503 ``shutting_down``, Retry-After."""
+    return (status == 503 and head["content-type"] == "application/json"
+            and int(head["retry-after"]) >= 1 and error(body)["code"] == "shutting_down")  # fmt: skip
+
+
+def test_low_the_drain_is_bounded_by_drain_seconds_and_what_it_cuts_is_a_json_503():
+    """A request held in the worker, one queued behind it and a stream already begun:
+    shutdown returns after --drain-seconds (1), not after the request timeout (600 + 5 s).
+    The two not yet answered get OpenAI's JSON 503 ``shutting_down`` with Retry-After (it was
+    uvicorn's plain-text 500 while the log said 503), the stream is cut; all three are logged
+    and counted as ``shutting_down``, none as a 500 or a 499."""
+    with serving({"with_metrics": True}, server_kw={"drain_s": 1.0}, step_s=0.05, queue_size=8,
+                 max_batch=1) as (server, model, lines, said):  # fmt: skip
         address = server.server_address
-        model.gate.clear()
-        held = threading.Thread(target=call, args=(address, "POST", "/v1/audio/speech",
-                                                   speech(), JSON, 30))  # fmt: skip
-        held.start()
-        assert model.entered.wait(10)
+        answers: dict = {}
+
+        def send(name: str, path: str, text: str) -> None:
+            try:
+                answers[name] = call(address, "POST", path, speech(text), JSON, 30)
+            except http.client.IncompleteRead as e:  # a stream cut short
+                answers[name] = ("cut", len(e.partial))
+
+        streamed = threading.Thread(target=send, args=("streamed", "/v1/audio/speech?stream=1",
+                                                       "x" * 50))  # fmt: skip
+        streamed.start()
+        deadline = time.monotonic() + 10
+        while model.steps < 2 and time.monotonic() < deadline:  # its first chunks are out
+            time.sleep(0.01)
+        model.gate.clear()  # the worker holds the stream's row: the next two wait
+        held = [threading.Thread(target=send, args=(f"waiting{i}", "/v1/audio/speech", "hi"))
+                for i in range(2)]  # fmt: skip
+        for t in held:
+            t.start()
+        time.sleep(0.3)
         t = time.monotonic()
         server.shutdown(10)
         assert time.monotonic() - t < 4, time.monotonic() - t
-        assert server.app.batcher.stats()["rows_cancelled"] == 1
-        logged = lines_of(lines, n=1)
-        assert logged and logged[-1]["status"] == 503 and logged[-1]["reason"] == "shutting_down"
+        for thread in (streamed, *held):
+            thread.join(10)
+        assert shut_down(*answers["waiting0"]) and shut_down(*answers["waiting1"]), answers
+        assert answers["streamed"][0] == "cut", answers["streamed"]
+        logged = lines_of(lines, n=3)
+        assert [(r["status"], r["reason"]) for r in logged] == [(503, "shutting_down")] * 3
+        metrics = server.app.metrics.render()[0].decode()
+        assert 'speechlm_rejected_total{reason="shutting_down"} 3.0' in metrics
+        assert 'status="500"' not in metrics and 'status="499"' not in metrics
+
+
+def test_sigterm_on_the_server_process_answers_what_the_drain_cuts_with_a_json_503():
+    """The server in its own process (tests/fake_serve.py), SIGTERM with --drain-seconds 1 and
+    three requests of 8 s each in flight (one running, two queued, one of them streamed):
+    each client gets the JSON 503 within the drain time, each is in the access log as 503
+    ``shutting_down``, no traceback is printed and the process exits 0."""
+    child = Child({"app": {"with_metrics": True}, "server": {"drain_s": 1.0}, "step_s": 0.2,
+                   "max_batch": 1})  # fmt: skip
+    try:
+        answers: dict = {}
+
+        def send(name: str, path: str) -> None:
+            answers[name] = call(child.address, "POST", path, speech("x" * 40), JSON, 30)
+
+        paths = ["/v1/audio/speech", "/v1/audio/speech", "/v1/audio/speech?stream=1"]
+        threads = [threading.Thread(target=send, args=(i, p)) for i, p in enumerate(paths)]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)
+        assert health(child.address)["queue_depth"] == 2
+        child.proc.send_signal(signal.SIGTERM)
+        t = time.monotonic()
+        for thread in threads:
+            thread.join(10)
+        assert time.monotonic() - t < 5, time.monotonic() - t
+        assert all(shut_down(*answers[i]) for i in range(3)), answers
+        assert child.proc.wait(30) == 0
+    finally:
+        child.close()
+    logged = [json.loads(x) for x in child.lines if x.startswith('{"method": "POST"')]
+    assert [(r["status"], r["reason"]) for r in logged] == [(503, "shutting_down")] * 3
+    assert not any("Traceback" in x or "Internal Server Error" in x for x in child.lines)
 
 
 def test_low_a_connection_cut_by_the_header_timeout_is_logged_and_counted():
