@@ -507,6 +507,47 @@ def test_low_a_connection_cut_by_the_header_timeout_is_logged_and_counted():
         assert 'speechlm_rejected_total{reason="header_timeout"} 1.0' in metrics
 
 
+def test_proxy_headers_are_read_from_a_trusted_proxy_only():
+    """--proxy-headers: from a trusted proxy address (here 127.0.0.1, the flag alone), the
+    access log's client and the per-client rate limit use X-Forwarded-For (its last address
+    that is not a trusted proxy: the one the proxy appended, not one the client sent);
+    without the flag, or with a proxy address that is not the sender's, the header is ignored
+    (a client can neither pick its own address nor dodge its rate limit by changing it)."""
+    from torchtitan_speechlm.commands.serve_args import build_parser
+
+    assert build_parser().parse_args(["--model", "m", "--proxy-headers"]).proxy_headers == (
+        "127.0.0.1"
+    )
+    assert build_parser().parse_args(["--model", "m"]).proxy_headers is None
+
+    def seen(proxy_headers: str | None) -> tuple[list[dict], list[int]]:
+        """Two requests forwarded for two clients, with the request ids they carry: their
+        access lines and statuses under one request a minute per client."""
+        with serving({"requests_per_minute": 1}, server_kw={"proxy_headers": proxy_headers}) as (
+            server, model, lines, said,
+        ):  # fmt: skip
+            statuses = []
+            for i, client in enumerate(("203.0.113.7", "198.51.100.9")):
+                # what the client sent ("6.6.6.6", a spoof) and what the proxy appended
+                head = {**JSON, "X-Forwarded-For": f"6.6.6.6, {client}",
+                        "X-Request-Id": f"req-{i}"}  # fmt: skip
+                status, got, _ = call(server.server_address, "POST", "/v1/audio/speech",
+                                      speech(), head)  # fmt: skip
+                assert got["x-request-id"] == f"req-{i}"
+                statuses.append(status)
+            return lines_of(lines, n=2), statuses
+
+    trusted, statuses = seen("127.0.0.1")
+    assert [r["client"].split(":")[0] for r in trusted] == ["203.0.113.7", "198.51.100.9"]
+    assert [r["request_id"] for r in trusted] == ["req-0", "req-1"]
+    assert statuses == [200, 200]  # one window per forwarded client
+    for flag in (None, "10.9.9.9"):  # no flag; a proxy address that is not the sender's
+        ignored, statuses = seen(flag)
+        assert [r["client"].split(":")[0] for r in ignored] == ["127.0.0.1"] * 2, flag
+        assert [r["request_id"] for r in ignored] == ["req-0", "req-1"]
+        assert statuses == [200, 429], flag  # one window: the sender's own address
+
+
 # ---- keys and rate limits ----------------------------------------------------------------
 def test_keys_from_a_file_rotate_without_a_restart_and_each_has_its_own_limits(
     tmp_path, monkeypatch
