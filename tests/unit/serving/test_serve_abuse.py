@@ -34,6 +34,7 @@ import io
 import json
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -633,6 +634,67 @@ def test_the_vllm_child_gets_its_own_key_and_never_ours(monkeypatch):
         assert seen == ["Bearer theirs", None]
     finally:
         stand_in.shutdown()
+
+
+# a stand-in for --vllm-python: answers check_python's version probe, and as the api_server
+# writes the command line and environment it was started with to {work}/started.json, then
+# answers GET /health on its --port until SIGTERM (vLLM itself cannot be installed here)
+FAKE_VLLM_PYTHON = """#!{python}
+import json, os, signal, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+if sys.argv[1] == "-c":
+    print("0.0.0+fake")
+    sys.exit(0)
+with open(os.path.join(os.getcwd(), "started.json"), "w") as f:  # its cwd: the work folder
+    json.dump({{"argv": sys.argv, "env": dict(os.environ)}}, f)
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_the_vllm_child_is_started_with_its_own_key_in_its_environment_only(tmp_path, monkeypatch):
+    """What ``--vllm-python`` really starts (a stand-in python that records its command line
+    and environment): our key (``TORCHTITAN_SERVE_API_KEY``) and --vllm-url's
+    (``TORCHTITAN_VLLM_API_KEY``) are nowhere in either; its own fresh key is in
+    ``VLLM_API_KEY`` and not on its command line (which any local user can read); it listens
+    on loopback only; each start makes a new key."""
+    from torchtitan_speechlm.serving.vllm_process import VllmProcess
+
+    monkeypatch.setenv("TORCHTITAN_SERVE_API_KEY", "our-serve-key-0123456789")
+    monkeypatch.setenv("TORCHTITAN_VLLM_API_KEY", "our-vllm-url-key-0123456789")
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_VLLM_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    keys = []
+    for i in range(2):
+        work = tmp_path / f"work{i}"
+        process = VllmProcess(str(fake), str(work), timeout_s=60, say=lambda line: None)
+        monkeypatch.setattr(process, "export", lambda loaded, work=work: str(work / "lm"))
+        (work / "lm").mkdir(parents=True)
+        url = process.start(None)  # the export stubbed: no model
+        try:
+            started = json.loads((work / "started.json").read_text())
+        finally:
+            assert process.stop(timeout=10) == 0
+        argv, env = started["argv"], started["env"]
+        everything = json.dumps(started)
+        assert "our-serve-key" not in everything and "our-vllm-url-key" not in everything
+        assert "TORCHTITAN_SERVE_API_KEY" not in env and "TORCHTITAN_VLLM_API_KEY" not in env
+        assert env["VLLM_API_KEY"] == process.api_key and len(process.api_key) >= 32
+        assert process.api_key not in " ".join(argv) and "--api-key" not in argv
+        assert argv[argv.index("--host") + 1] == "127.0.0.1" and url.startswith("http://127.0.0.1:")
+        keys.append(process.api_key)
+    assert keys[0] != keys[1]
 
 
 def test_a_minutes_requests_cannot_be_spent_in_one_burst(monkeypatch):
