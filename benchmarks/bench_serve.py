@@ -157,15 +157,20 @@ def cli_calls(a, model: str, work: str) -> dict:
 
 
 class Server:
-    def __init__(self, a, model: str, engine: list[str] | None = None):
+    def __init__(self, a, model: str, engine: list[str] | None = None,
+                 own_session: bool = False):  # fmt: skip
         cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "serve", "--model", model,
                "--port", "0", "--max-batch", str(a.max_batch),
                "--batch-wait-ms", str(a.batch_wait_ms), "--replicas", str(a.replicas),
                "--body-timeout", str(a.slow_seconds), *decoding(a), *(engine or [])]  # fmt: skip
         env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONUNBUFFERED="1")
         t0 = time.perf_counter()
+        # own_session: its own session, so its own scheduling group where the kernel groups
+        # by session (autogroup): what other processes of this script's session do on other
+        # cores (an attacker's threads) does not shrink its share of its own core
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=ROOT)  # fmt: skip
+                                     text=True, env=env, cwd=ROOT,
+                                     start_new_session=own_session)  # fmt: skip
         self.lines: list[str] = []
         for line in self.proc.stdout:
             self.lines.append(line)

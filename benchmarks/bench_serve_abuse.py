@@ -32,11 +32,20 @@ many) and this script's clients, normal and attacking, on the other half, so tha
 measured is what the attacks cost the server, not the attacker's own CPU (a remote attacker
 pays for its own; here every client shares the machine). For each attack its answers
 are counted by status (and whether every refusal is JSON with ``Retry-After`` where it is for
-load). Results: benchmarks/results/serve_abuse_cpu.json.
+load). Beside the normal clients' own p95 (what they waited, their threads' waits included),
+each phase has the server's side of it (``normal_server_side``: their requests' times in the
+server's access log, from its arrival to its access line) and the server's CPU time per second
+(``server_cpu_per_s``). ``--attacker-process``: the attack runs in a process of its own, in a
+session of its own as the server is (its threads then share neither the normal clients'
+interpreter lock nor, where the kernel groups processes by session for scheduling (autogroup),
+the server's share of its core: on a machine other sessions load, a flood of 401s took the
+server from 0.50 to 0.31 cores without it). Results: benchmarks/results/serve_abuse_cpu.json
+(M2 alone, with and without ``--attacker-process``: serve_abuse_cpu_m2*.json).
 
     python benchmarks/bench_serve_abuse.py [--frames 25] [--clients 2] [--seconds 20] [--attacks h1,h2,m1,m2,m3]
     python benchmarks/bench_serve_abuse.py --model DIR --seconds 30
     python benchmarks/bench_serve_abuse.py --rpm 0 --per-key 8 --out benchmarks/results/serve_abuse_cpu_no_limits.json
+    python benchmarks/bench_serve_abuse.py --attacks m2 --attacker-process --out benchmarks/results/serve_abuse_cpu_m2_attacker_process.json
 
 Smallest setting (a smoke test of the script): ``--frames 2 --clients 1 --seconds 2 --hidden
 32 --layers 1 --h1-hours 0.02 --h2-mb 1 --m1-sockets 4 --m2-concurrent 8 --m3-requests 4
@@ -48,6 +57,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing
 import os
 import platform
 import socket
@@ -88,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--steps", type=int, default=2, help="training steps before the export")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--attacker-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the attack in a process of its own (default: threads of this "
+                   "script, beside the normal clients' and sharing their interpreter lock)")  # fmt: skip
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
                    help="the server on half the cores, the clients on the other half (default: "
                    "on with 2 or more cores)")  # fmt: skip
@@ -126,7 +139,7 @@ def start_server(a, model: str, work: str) -> Server:
         f.write("".join(f"{name} {key}\n" for name, key in keys(a.clients).items()))
     a.max_batch, a.batch_wait_ms, a.replicas, a.slow_seconds = 8, 10.0, 1, 60.0
     limits = ["--max-queued-per-key", str(a.per_key), "--requests-per-minute", str(a.rpm)]
-    server = Server(a, model, ["--api-key-file", path, *limits])
+    server = Server(a, model, ["--api-key-file", path, *limits], own_session=a.attacker_process)
     if a.pin:
         pin(server.proc.pid, a.server_cores)
     return server
@@ -378,19 +391,81 @@ def m3(attack: Attack, a, work: str) -> None:
 ATTACKS = {"h1": h1, "h2": h2, "m1": m1, "m2": m2, "m3": m3}
 
 
+class AttackProcess:
+    """``--attacker-process``: the attack ``name`` in a forked process of its own (on the
+    clients' cores), so that its threads do not take the interpreter lock the normal
+    clients' threads and the server's stdout reader need; ``join`` as ``Attack``'s."""
+
+    def __init__(self, name: str, a, server: Server, work: str):
+        ctx = multiprocessing.get_context("fork")
+        self.stop = ctx.Event()
+        self._answers, sender = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_attack_child, args=(name, a, server, work, self.stop,
+                                                            sender), daemon=True)  # fmt: skip
+        self.proc.start()
+
+    def join(self) -> dict:
+        self.stop.set()
+        got = self._answers.recv() if self._answers.poll(180) else {"answers": "none (hung)"}
+        self.proc.join(30)
+        return got
+
+
+def _attack_child(name: str, a, server: Server, work: str, stop, sender) -> None:
+    os.setsid()  # a scheduling group of its own (autogroup): its load is not the clients'
+    own = threading.Event()
+    attack = Attack(server, own)
+    ATTACKS[name](attack, a, work)
+    stop.wait()
+    own.set()
+    sender.send(attack.join())
+
+
+def cpu_s(pid: int) -> float:
+    """``pid``'s CPU time so far (user + system, all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_side(server: Server, first_line: int) -> dict:
+    """The normal clients' answered speech requests as the server's access log timed them
+    (from its arrival to its access line: no client-side waits), since ``first_line``."""
+    ms = []
+    for line in server.lines[first_line:]:
+        if line.startswith('{"method": "POST"'):
+            record = json.loads(line)
+            if record.get("status") == 200 and str(record.get("key", "")).startswith("normal-"):
+                ms.append(record["ms"] / 1000)
+    return summary(ms, 1.0) if ms else {"requests": 0}
+
+
 def phase(name: str, a, server: Server, memory: MemoryWatch, work: str) -> dict:
     """The normal clients for --seconds, beside the attack ``name`` (none: idle)."""
     stop = threading.Event()
-    attack = Attack(server, stop)
+    attack: Attack | AttackProcess = Attack(server, stop)
     if name in ATTACKS:
-        ATTACKS[name](attack, a, work)
+        if a.attacker_process:
+            attack = AttackProcess(name, a, server, work)
+        else:
+            ATTACKS[name](attack, a, work)
     memory.reset()
+    first_line = len(server.lines)
+    cpu0, wall0 = cpu_s(server.proc.pid), time.perf_counter()
     timer = threading.Timer(a.seconds, stop.set)
     timer.start()
     normal = normal_clients(server, a.clients, stop)
     out = {"normal": normal, "server_peak_rss_mb": memory.peak()}
+    # the server's CPU time over the phase, per second of it (1.0: one core all the time)
+    out["server_cpu_per_s"] = round(
+        (cpu_s(server.proc.pid) - cpu0) / (time.perf_counter() - wall0), 2
+    )
     if name in ATTACKS:
         out["attack"] = attack.join()
+    time.sleep(0.5)  # the last access lines
+    served = server_side(server, first_line)
+    out["normal_server_side"] = {k: served[k] for k in ("requests", "p50_ms", "p95_ms")
+                                 if k in served}  # fmt: skip
     out["server_rss_after_mb"] = round(rss_kb(server.proc.pid) / 1024, 1)
     return out
 
@@ -427,6 +502,7 @@ def main(argv=None) -> None:
         "machine": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "attacker": "its own process" if a.attacker_process else "threads of the clients' process",
         "pinned": {"server_cores": sorted(a.server_cores),
                    "client_cores": sorted(os.sched_getaffinity(0))} if a.pin else False,
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
@@ -466,10 +542,14 @@ def judge(result: dict) -> None:
             }
             continue
         p95 = under["normal"]["p95_ms"] / idle["normal"]["p95_ms"]
+        inside = [got[k].get("normal_server_side", {}).get("p95_ms") for k in ("idle", name)]
         mem = under["server_peak_rss_mb"] / idle["server_peak_rss_mb"]
         verdict[name] = {
             "idle_p95_ms": idle["normal"]["p95_ms"], "p95_ms": under["normal"]["p95_ms"],
-            "p95_ratio": round(p95, 2), "idle_peak_rss_mb": idle["server_peak_rss_mb"],
+            "p95_ratio": round(p95, 2),
+            "server_side_p95_ms": inside,
+            "server_side_p95_ratio": round(inside[1] / inside[0], 2) if all(inside) else None,
+            "idle_peak_rss_mb": idle["server_peak_rss_mb"],
             "peak_rss_mb": under["server_peak_rss_mb"], "memory_ratio": round(mem, 3),
             "p95_within_target": p95 <= TARGETS["p95_ratio_max"],
             "memory_within_target": mem <= TARGETS["memory_ratio_max"],

@@ -13,6 +13,9 @@ the fix:
   appends whole lines.
 - D4: a damaged ``vocab.json`` / ``speechlm_run.json`` is one line of the launcher naming the
   file (both ranks died with tracebacks after the launcher's checks passed).
+- D6: a second ``torchtitan train`` on the dump folder of a live 2-rank run is refused by the
+  lock before it opens or lists anything of the live run's folder or its dataset's shards (it
+  read the live run's checkpoints and shards for ~21 s before the lock refused it).
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.fault_injection import RUN_ARGS
 from tests.helpers import make_tiny_run_assets, run_train, write_tiny_config
+from tests.integration.test_run_lifecycle import _launch, _wait_for
 from tests.integration.test_run_lifecycle import _losses as losses
 from tests.unit.trainer.test_checkpoint_integrity import _flip
 
@@ -128,3 +135,57 @@ def test_d4_a_damaged_vocab_or_run_record_is_the_launchers_one_line(assets, tmp_
         path.write_bytes(good)
     r = run_train(cfg, *COMMON, "--training.steps", "2", nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+# what a second launcher opens or lists under ROOTS (argv[1], JSON), but for the lock files and
+# its write probe: Python's audit events ("open" is raised by open() and os.open() alike)
+WATCHED = r"""
+import json, os, sys, time
+roots = tuple(json.loads(sys.argv[1]))
+ours = (".speechlm-run.lock", ".speechlm-ranks.lock", ".speechlm-write-probe-")
+seen = []
+
+def hook(event, args):
+    if event in ("open", "os.listdir", "os.scandir") and args:
+        path = args[0]
+        if isinstance(path, (str, bytes, os.PathLike)):
+            path = os.path.abspath(os.fsdecode(path))
+            if path.startswith(roots) and not os.path.basename(path).startswith(ours):
+                seen.append(f"{event} {path}")
+
+from torchtitan_speechlm import cli
+import torchtitan_speechlm.commands.train  # its imports (torch, torchtitan) are not timed
+sys.addaudithook(hook)
+t = time.monotonic()
+rc = cli.main(sys.argv[2:])
+print(f"READ {json.dumps(seen)} IN {time.monotonic() - t:.2f}", file=sys.stderr)
+sys.exit(rc)
+"""
+
+
+def test_d6_a_second_run_on_a_live_folder_is_refused_before_it_reads_it(assets, tmp_path):
+    dump = tmp_path / "run"
+    cfg = write_tiny_config(tmp_path / "c.toml", assets, dump)
+    log = tmp_path / "live.log"
+    live = _launch(cfg, log)  # 2 ranks, 400 steps, a checkpoint every 2
+    try:
+        _wait_for(dump / "checkpoint" / "step-2" / ".manifest.json", live, log)
+        roots = [str(dump.resolve()), str(Path(assets["prepared"]).resolve())]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        second = subprocess.run(
+            [sys.executable, "-c", WATCHED, json.dumps(roots), "train", "--job.config_file", cfg,
+             "--nproc-per-node", "2", *COMMON, "--training.steps", "400"],
+            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+        )  # fmt: skip
+        assert live.poll() is None, log.read_text()[-3000:]  # the live run was live throughout
+    finally:
+        if live.poll() is None:
+            os.killpg(live.pid, signal.SIGKILL)
+        live.wait()
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert f"job.dump_folder {dump} is in use by another run: its launcher" in second.stderr
+    read = next(x for x in second.stderr.splitlines() if x.startswith("READ "))
+    seen, took = read.removeprefix("READ ").rsplit(" IN ", 1)
+    assert json.loads(seen) == [], seen  # no checkpoint, no shard, no run record
+    assert "Traceback" not in second.stderr and "rank 0" not in second.stderr
+    print(f"refused {took} s after the command began (its imports aside)")

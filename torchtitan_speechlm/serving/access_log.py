@@ -13,7 +13,9 @@ The line goes to ``on_done(record)``: the server counts it (``/health``'s served
 ``record.job`` (``request.scope[RECORD]``): its ``batch_size`` is logged. ``reason`` is the
 ``code`` of the error answered (serving/errors.py ``REFUSAL``); an answer of status 5xx also
 has ``error``, its message. A client that left before its answer is status 499 with reason
-``client_gone``, not a server error. An exception that escapes the app before an answer
+``client_gone``, not a server error. One the drain's time (``--drain-seconds``) ran out on is
+answered 503 ``shutting_down`` in OpenAI's JSON with ``Retry-After`` (a stream already begun is
+cut), and logged and counted so. An exception that escapes the app before an answer
 started is answered here with a 500 in OpenAI's shape; one after the answer started (a stream
 that failed half-way) is re-raised, so that the server drops the connection and the client
 sees the stream unfinished.
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtitan_speechlm.serving.auth import KEY_NAME
-from torchtitan_speechlm.serving.errors import CLIENT_GONE, REFUSAL, ApiError, send_error
+from torchtitan_speechlm.serving.errors import CLIENT_GONE, REFUSAL, ApiError, busy, send_error
 
 LOGGER = logging.getLogger("torchtitan_speechlm.serving.access")
 RECORD = "torchtitan_speechlm.access"  # the scope key of a request's Record
@@ -106,10 +108,7 @@ class AccessLog:
         try:
             await self.app(scope, receive, counted)
         except asyncio.CancelledError:  # the drain ran out of time (--drain-seconds)
-            record.status = record.status if record.finished else 503
-            record.error = record.error or "cancelled: the server's drain ran out of time"
-            record.reason = record.reason or "shutting_down"
-            raise
+            await _cut_by_the_drain(record, counted, scope)
         except Exception as e:
             record.error = f"{type(e).__name__}: {' '.join(str(e).split())}"
             if record.finished:  # answered already (FastAPI's 500 handler re-raises)
@@ -121,6 +120,36 @@ class AccessLog:
         finally:
             _explain(record, scope)
             self.on_done(record)
+
+
+async def _cut_by_the_drain(record: Record, send, scope) -> None:
+    """A request the drain's time ran out on (uvicorn cancels its task): answered here, not
+    re-raised (uvicorn would answer a plain-text 500 and log a traceback). Before its answer
+    began: OpenAI's JSON 503 ``shutting_down`` with ``Retry-After`` (another replica or the
+    restarted server can take it); a stream cut half-way: the connection is dropped (uvicorn
+    closes it) and the line says 503 ``shutting_down``. The task's cancellation is consumed:
+    nothing is left to cancel in it."""
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "uncancel"):  # Python 3.11+
+        task.uncancel()
+    if record.finished:  # answered already: nothing was cut
+        return
+    record.error = record.error or (
+        "cancelled: the server's drain ran out of time (--drain-seconds)"
+    )
+    record.reason = "shutting_down"
+    if record.status:  # a stream had begun: it cannot become a 503, it ends unfinished
+        record.status = 503
+        return
+    await send_error(send, shutting_down(), scope)
+
+
+def shutting_down() -> ApiError:
+    """The answer to a request the server drops because it is stopping."""
+    error = busy(503, "the server is shutting down: this request was not finished within "
+                      "its drain time; send it again", "shutting_down", 1.0)  # fmt: skip
+    error.headers["Connection"] = "close"
+    return error
 
 
 def _explain(record: Record, scope) -> None:

@@ -32,7 +32,9 @@ import base64
 import http.client
 import io
 import json
+import signal
 import socket
+import sys
 import threading
 import time
 
@@ -411,22 +413,86 @@ def test_low_a_key_no_request_could_send_is_refused_at_start(capsys, tmp_path):
     assert f"{keys}:2" in capsys.readouterr().err
 
 
-def test_low_the_drain_is_bounded_by_drain_seconds():
-    """A request held in the worker: shutdown returns after --drain-seconds (1), not after the
-    request timeout (600 + 5 s); the held request's job is cancelled."""
-    with serving(server_kw={"drain_s": 1.0}) as (server, model, lines, said):
+def shut_down(status: int, head: dict, body: bytes) -> bool:
+    """The answer to a request the drain ran out on: JSON 503 ``shutting_down``, Retry-After."""
+    return (status == 503 and head["content-type"] == "application/json"
+            and int(head["retry-after"]) >= 1 and error(body)["code"] == "shutting_down")  # fmt: skip
+
+
+def test_low_the_drain_is_bounded_by_drain_seconds_and_what_it_cuts_is_a_json_503():
+    """A request held in the worker, one queued behind it and a stream already begun:
+    shutdown returns after --drain-seconds (1), not after the request timeout (600 + 5 s).
+    The two not yet answered get OpenAI's JSON 503 ``shutting_down`` with Retry-After (it was
+    uvicorn's plain-text 500 while the log said 503), the stream is cut; all three are logged
+    and counted as ``shutting_down``, none as a 500 or a 499."""
+    with serving({"with_metrics": True}, server_kw={"drain_s": 1.0}, step_s=0.05, queue_size=8,
+                 max_batch=1) as (server, model, lines, said):  # fmt: skip
         address = server.server_address
-        model.gate.clear()
-        held = threading.Thread(target=call, args=(address, "POST", "/v1/audio/speech",
-                                                   speech(), JSON, 30))  # fmt: skip
-        held.start()
-        assert model.entered.wait(10)
+        answers: dict = {}
+
+        def send(name: str, path: str, text: str) -> None:
+            try:
+                answers[name] = call(address, "POST", path, speech(text), JSON, 30)
+            except http.client.IncompleteRead as e:  # a stream cut short
+                answers[name] = ("cut", len(e.partial))
+
+        streamed = threading.Thread(target=send, args=("streamed", "/v1/audio/speech?stream=1",
+                                                       "x" * 50))  # fmt: skip
+        streamed.start()
+        deadline = time.monotonic() + 10
+        while model.steps < 2 and time.monotonic() < deadline:  # its first chunks are out
+            time.sleep(0.01)
+        model.gate.clear()  # the worker holds the stream's row: the next two wait
+        held = [threading.Thread(target=send, args=(f"waiting{i}", "/v1/audio/speech", "hi"))
+                for i in range(2)]  # fmt: skip
+        for t in held:
+            t.start()
+        time.sleep(0.3)
         t = time.monotonic()
         server.shutdown(10)
         assert time.monotonic() - t < 4, time.monotonic() - t
-        assert server.app.batcher.stats()["rows_cancelled"] == 1
-        logged = lines_of(lines, n=1)
-        assert logged and logged[-1]["status"] == 503 and logged[-1]["reason"] == "shutting_down"
+        for thread in (streamed, *held):
+            thread.join(10)
+        assert shut_down(*answers["waiting0"]) and shut_down(*answers["waiting1"]), answers
+        assert answers["streamed"][0] == "cut", answers["streamed"]
+        logged = lines_of(lines, n=3)
+        assert [(r["status"], r["reason"]) for r in logged] == [(503, "shutting_down")] * 3
+        metrics = server.app.metrics.render()[0].decode()
+        assert 'speechlm_rejected_total{reason="shutting_down"} 3.0' in metrics
+        assert 'status="500"' not in metrics and 'status="499"' not in metrics
+
+
+def test_sigterm_on_the_server_process_answers_what_the_drain_cuts_with_a_json_503():
+    """The server in its own process (tests/fake_serve.py), SIGTERM with --drain-seconds 1 and
+    three requests of 8 s each in flight (one running, two queued, one of them streamed):
+    each client gets the JSON 503 within the drain time, each is in the access log as 503
+    ``shutting_down``, no traceback is printed and the process exits 0."""
+    child = Child({"app": {"with_metrics": True}, "server": {"drain_s": 1.0}, "step_s": 0.2,
+                   "max_batch": 1})  # fmt: skip
+    try:
+        answers: dict = {}
+
+        def send(name: str, path: str) -> None:
+            answers[name] = call(child.address, "POST", path, speech("x" * 40), JSON, 30)
+
+        paths = ["/v1/audio/speech", "/v1/audio/speech", "/v1/audio/speech?stream=1"]
+        threads = [threading.Thread(target=send, args=(i, p)) for i, p in enumerate(paths)]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)
+        assert health(child.address)["queue_depth"] == 2
+        child.proc.send_signal(signal.SIGTERM)
+        t = time.monotonic()
+        for thread in threads:
+            thread.join(10)
+        assert time.monotonic() - t < 5, time.monotonic() - t
+        assert all(shut_down(*answers[i]) for i in range(3)), answers
+        assert child.proc.wait(30) == 0
+    finally:
+        child.close()
+    logged = [json.loads(x) for x in child.lines if x.startswith('{"method": "POST"')]
+    assert [(r["status"], r["reason"]) for r in logged] == [(503, "shutting_down")] * 3
+    assert not any("Traceback" in x or "Internal Server Error" in x for x in child.lines)
 
 
 def test_low_a_connection_cut_by_the_header_timeout_is_logged_and_counted():
@@ -440,6 +506,47 @@ def test_low_a_connection_cut_by_the_header_timeout_is_logged_and_counted():
         assert logged[0]["status"] == 408 and logged[0]["reason"] == "header_timeout"
         metrics = call(server.server_address, "GET", "/metrics")[2].decode()
         assert 'speechlm_rejected_total{reason="header_timeout"} 1.0' in metrics
+
+
+def test_proxy_headers_are_read_from_a_trusted_proxy_only():
+    """--proxy-headers: from a trusted proxy address (here 127.0.0.1, the flag alone), the
+    access log's client and the per-client rate limit use X-Forwarded-For (its last address
+    that is not a trusted proxy: the one the proxy appended, not one the client sent);
+    without the flag, or with a proxy address that is not the sender's, the header is ignored
+    (a client can neither pick its own address nor dodge its rate limit by changing it)."""
+    from torchtitan_speechlm.commands.serve_args import build_parser
+
+    assert build_parser().parse_args(["--model", "m", "--proxy-headers"]).proxy_headers == (
+        "127.0.0.1"
+    )
+    assert build_parser().parse_args(["--model", "m"]).proxy_headers is None
+
+    def seen(proxy_headers: str | None) -> tuple[list[dict], list[int]]:
+        """Two requests forwarded for two clients, with the request ids they carry: their
+        access lines and statuses under one request a minute per client."""
+        with serving({"requests_per_minute": 1}, server_kw={"proxy_headers": proxy_headers}) as (
+            server, model, lines, said,
+        ):  # fmt: skip
+            statuses = []
+            for i, client in enumerate(("203.0.113.7", "198.51.100.9")):
+                # what the client sent ("6.6.6.6", a spoof) and what the proxy appended
+                head = {**JSON, "X-Forwarded-For": f"6.6.6.6, {client}",
+                        "X-Request-Id": f"req-{i}"}  # fmt: skip
+                status, got, _ = call(server.server_address, "POST", "/v1/audio/speech",
+                                      speech(), head)  # fmt: skip
+                assert got["x-request-id"] == f"req-{i}"
+                statuses.append(status)
+            return lines_of(lines, n=2), statuses
+
+    trusted, statuses = seen("127.0.0.1")
+    assert [r["client"].split(":")[0] for r in trusted] == ["203.0.113.7", "198.51.100.9"]
+    assert [r["request_id"] for r in trusted] == ["req-0", "req-1"]
+    assert statuses == [200, 200]  # one window per forwarded client
+    for flag in (None, "10.9.9.9"):  # no flag; a proxy address that is not the sender's
+        ignored, statuses = seen(flag)
+        assert [r["client"].split(":")[0] for r in ignored] == ["127.0.0.1"] * 2, flag
+        assert [r["request_id"] for r in ignored] == ["req-0", "req-1"]
+        assert statuses == [200, 429], flag  # one window: the sender's own address
 
 
 # ---- keys and rate limits ----------------------------------------------------------------
@@ -527,6 +634,67 @@ def test_the_vllm_child_gets_its_own_key_and_never_ours(monkeypatch):
         assert seen == ["Bearer theirs", None]
     finally:
         stand_in.shutdown()
+
+
+# a stand-in for --vllm-python: answers check_python's version probe, and as the api_server
+# writes the command line and environment it was started with to {work}/started.json, then
+# answers GET /health on its --port until SIGTERM (vLLM itself cannot be installed here)
+FAKE_VLLM_PYTHON = """#!{python}
+import json, os, signal, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+if sys.argv[1] == "-c":
+    print("0.0.0+fake")
+    sys.exit(0)
+with open(os.path.join(os.getcwd(), "started.json"), "w") as f:  # its cwd: the work folder
+    json.dump({{"argv": sys.argv, "env": dict(os.environ)}}, f)
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_the_vllm_child_is_started_with_its_own_key_in_its_environment_only(tmp_path, monkeypatch):
+    """What ``--vllm-python`` really starts (a stand-in python that records its command line
+    and environment): our key (``TORCHTITAN_SERVE_API_KEY``) and --vllm-url's
+    (``TORCHTITAN_VLLM_API_KEY``) are nowhere in either; its own fresh key is in
+    ``VLLM_API_KEY`` and not on its command line (which any local user can read); it listens
+    on loopback only; each start makes a new key."""
+    from torchtitan_speechlm.serving.vllm_process import VllmProcess
+
+    monkeypatch.setenv("TORCHTITAN_SERVE_API_KEY", "our-serve-key-0123456789")
+    monkeypatch.setenv("TORCHTITAN_VLLM_API_KEY", "our-vllm-url-key-0123456789")
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_VLLM_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    keys = []
+    for i in range(2):
+        work = tmp_path / f"work{i}"
+        process = VllmProcess(str(fake), str(work), timeout_s=60, say=lambda line: None)
+        monkeypatch.setattr(process, "export", lambda loaded, work=work: str(work / "lm"))
+        (work / "lm").mkdir(parents=True)
+        url = process.start(None)  # the export stubbed: no model
+        try:
+            started = json.loads((work / "started.json").read_text())
+        finally:
+            assert process.stop(timeout=10) == 0
+        argv, env = started["argv"], started["env"]
+        everything = json.dumps(started)
+        assert "our-serve-key" not in everything and "our-vllm-url-key" not in everything
+        assert "TORCHTITAN_SERVE_API_KEY" not in env and "TORCHTITAN_VLLM_API_KEY" not in env
+        assert env["VLLM_API_KEY"] == process.api_key and len(process.api_key) >= 32
+        assert process.api_key not in " ".join(argv) and "--api-key" not in argv
+        assert argv[argv.index("--host") + 1] == "127.0.0.1" and url.startswith("http://127.0.0.1:")
+        keys.append(process.api_key)
+    assert keys[0] != keys[1]
 
 
 def test_a_minutes_requests_cannot_be_spent_in_one_burst(monkeypatch):

@@ -1,5 +1,5 @@
 """Issue 51's training-run findings in their cheap form (real DCP checkpoints, real files, a
-real full tmpfs where root can mount one; the 2-process runs are in
+real full tmpfs where root can mount one; the 2-process runs, D6 among them, are in
 tests/integration/test_run_identity.py): each test failed before the fix.
 
 - D1: every checkpoint step carries its identity (codec, tokenizer, vocabulary, data order) in
