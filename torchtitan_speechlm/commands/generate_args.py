@@ -7,6 +7,11 @@ command (torch, the model, the judges), so ``--help`` and a mistyped flag answer
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, fields
+
+from torchtitan_speechlm.evaluation.pairs import check_sampling
+
+EVAL_TASKS = ("asr", "tts", "tts_prompt", "dialogue")  # the TASK of ``--valid TASK:DATA``
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
@@ -111,6 +116,84 @@ def build_eval_parser() -> argparse.ArgumentParser:
     add_judge_args(p)
     add_decoding_args(p)
     return p
+
+
+@dataclass(kw_only=True)
+class EvalArgs:
+    """The settings of ``torchtitan eval``: one field per flag of ``build_eval_parser`` (the
+    flag's dest, type and default), in the parser's order; ``evaluate`` (commands/generate.py)
+    takes it whole. tests/unit/commands/test_command_args.py holds the fields to the parser."""
+
+    model: str
+    valid: list[str]  # TASK:DATA, repeatable
+    valid_fraction: float = 0.0
+    limit: int = 0
+    out: str | None = None
+    report: str | None = None
+    progress: bool = True  # --no-progress / --quiet: False
+    # preference pairs
+    samples: int = 1
+    pairs: str | None = None
+    reward: list[str] | None = None  # [TASK:]SCORE=W,..., repeatable
+    pair_margin: float = 0.0
+    # judges (add_judge_args)
+    judge_asr: str = "pocketsphinx"
+    judge_vocabulary: str | None = None
+    judge_grammar: str | None = None
+    judge_word_loop: bool = False
+    judge_speaker: str = "resemblyzer"
+    judge_quality: str = "dnsmos"
+    judge_quality_items: int = 0
+    # decoding (add_decoding_args)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    text_temperature: float = 0.0
+    text_top_k: int = 0
+    text_top_p: float = 1.0
+    cfg_scale: float = 1.0
+    min_frames: int = 1
+    max_frames: int = 500
+    max_text_tokens: int = 200
+    seed: int = 0
+    no_cache: bool = False
+    compile: str = "auto"
+    device: str = "cpu"
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> EvalArgs:
+        """The parsed ``torchtitan eval`` command line (``build_eval_parser().parse_args``)."""
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+
+    def validate(self) -> None:
+        """The checks of the settings themselves (before any model or data is read): a
+        ValueError naming the flag."""
+        for spec in self.valid:
+            task = spec.partition(":")[0]
+            if task not in EVAL_TASKS:
+                raise ValueError(f"--valid {spec!r}: the task is asr, tts, tts_prompt or dialogue")
+            if self.pairs:
+                check_sampling(task, self.samples, self.temperature, self.text_temperature)
+
+    def command_line(self, names: list[str] | None = None) -> list[str]:
+        """The ``torchtitan eval`` flags giving the fields ``names`` (all by default) their
+        values: each field's flag is its name with dashes (``progress``: ``--no-progress``);
+        unset (None, False, the default True of ``progress``) fields are left out."""
+        out: list[str] = []
+        for name in names if names is not None else [f.name for f in fields(self)]:
+            value = getattr(self, name)
+            if name == "progress":
+                out += [] if value else ["--no-progress"]
+                continue
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                out += [flag] if value else []
+            elif isinstance(value, list):
+                for v in value:
+                    out += [flag, str(v)]
+            elif value is not None:
+                out += [flag, str(value)]
+        return out
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
