@@ -6,12 +6,14 @@
 Round ``r`` (folder ``WORK/round-r/``) is four stages, each one command this package already
 has, run in order:
 
-1. **pairs**: ``torchtitan eval --samples K --pairs`` with the round's model (round 0: the
-   config's ``speechlm.init_from``; then the last checkpoint of the round before), seed
-   ``--seed + 1000 r`` (evaluation/sampled_pairs.py);
-2. **prepare**: ``torchtitan prepare --preference`` with the prompts' codec and tokenizer;
+1. **pairs**: ``torchtitan eval --samples K --pairs`` (``evaluate(EvalArgs)``, called here) with
+   the round's model (round 0: the config's ``speechlm.init_from``; then the last checkpoint of
+   the round before), seed ``--seed + 1000 r`` (evaluation/sampled_pairs.py);
+2. **prepare**: ``torchtitan prepare --preference`` (``prepare(PrepareArgs)``, called here) with
+   the prompts' codec and tokenizer;
 3. **train**: ``torchtitan train`` of the config for ``--steps`` steps from the round's model
-   (DPO's reference: the round's model, as iterative DPO has it), on the round's pairs;
+   (DPO's reference: the round's model, as iterative DPO has it), on the round's pairs: a
+   process of its own (``_train``);
 4. the round's figures: the mean reward of every sample (the policy's reward: it should rise
    from round to round), of the chosen and of the rejected, to ``WORK/loop.json``.
 
