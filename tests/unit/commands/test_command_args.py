@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from torchtitan_speechlm.commands import prefer
+from torchtitan_speechlm.commands.flag_fields import command_line
 from torchtitan_speechlm.commands.generate_args import EVAL_TASKS, EvalArgs, build_eval_parser
 from torchtitan_speechlm.commands.prefer_args import build_parser as build_prefer_parser
 from torchtitan_speechlm.commands.prepare_args import PrepareArgs, UsageError
@@ -102,6 +103,17 @@ def test_prepare_args_from_a_command_line():
     assert args.source == "kaldi" and args.options_of_source() == {
         o.name: o.default for o in SOURCES.get("kaldi").options
     }
+
+
+def test_prepare_args_through_a_command_line_and_back():
+    """A value written as a command line (the source's flags, then flag_fields.command_line of
+    the other fields) parses back to itself."""
+    args = PrepareArgs(sources={"hf_dataset": "ds/"}, source_options={"text_column": "sentence"},
+                       tokenizer="t", out="o", codebook_size=64, kmeans_seconds=30.5,
+                       imports=["a", "b"], overwrite=True, no_progress=True, part="1/2")  # fmt: skip
+    flags = {s.name: s.flag for _, s in SOURCES.items()}
+    argv = [flags["hf_dataset"], "ds/", "--text-column", "sentence", *command_line(args)]
+    assert PrepareArgs.from_namespace(build_prepare_parser().parse_args(argv)) == args
 
 
 def test_prepare_args_validate_in_order():
