@@ -1,8 +1,9 @@
 """`EvalArgs` and `PrepareArgs` (commands/generate_args.py, commands/prepare_args.py): one field
 per flag of the command's parser, with the flag's default, built from a parsed command line; and
 `torchtitan prefer` hands `evaluate` and `prepare` the same values their command lines would
-give (it builds the values, no command line). The parsers are walked here (argparse's actions:
-the independent reading of what each command line means)."""
+give (it builds the values, no command line). The parsers (generated from the fields:
+commands/flag_fields.py) are walked here through argparse's actions, the independent reading of
+what each command line means."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def test_eval_args_from_a_command_line_and_back():
 
 
 def test_eval_args_validate_names_the_flag():
+    from torchtitan_speechlm.commands.generate import EVAL_KINDS
+
+    assert set(EVAL_TASKS) == set(EVAL_KINDS)  # what validate lets through, eval can read
     EvalArgs(model="m", valid=[f"{t}:x" for t in EVAL_TASKS]).validate()
     with pytest.raises(ValueError, match="--valid 'mt:x': the task is asr, tts"):
         EvalArgs(model="m", valid=["mt:x"]).validate()
