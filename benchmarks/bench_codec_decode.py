@@ -50,13 +50,13 @@ from bench_common import device_name  # noqa: E402
 from torchtitan_speechlm.codecs import load_codec  # noqa: E402
 from torchtitan_speechlm.codecs.fitting import FITTERS, FitSettings  # noqa: E402
 from torchtitan_speechlm.codecs.kmeans import GRIFFIN_LIM_ITERS, log_mel_distance  # noqa: E402
+from torchtitan_speechlm.commands.prepare_args import build_parser as prepare_parser  # noqa: E402
 from torchtitan_speechlm.demo import grammar  # noqa: E402
 from torchtitan_speechlm.demo.assets import synthesize_corpus  # noqa: E402
 from torchtitan_speechlm.demo.speaking import SPEED, VOICE, CorpusPlan  # noqa: E402
 from torchtitan_speechlm.judges.dnsmos import DNSMOSJudge  # noqa: E402
 from torchtitan_speechlm.judges.pocketsphinx_asr import PocketsphinxJudge  # noqa: E402
 from torchtitan_speechlm.judges.text_scoring import item_errors, normalise_text  # noqa: E402
-from torchtitan_speechlm.prepare.pipeline import build_parser as prepare_parser  # noqa: E402
 from torchtitan_speechlm.prepare.run import fit_or_reuse_codec  # noqa: E402
 from torchtitan_speechlm.prepare.sources.jsonl import read_jsonl_manifest  # noqa: E402
 from torchtitan_speechlm.utils.audio import load_audio  # noqa: E402

@@ -125,10 +125,10 @@ def subcommand_parser(sub: str, argv: list[str]) -> argparse.ArgumentParser:
     if sub not in cli.SUBCOMMANDS:
         raise CommandError(f"torchtitan has no subcommand {sub!r} ({sorted(cli.SUBCOMMANDS)})")
     if sub == "prepare":
-        from torchtitan_speechlm.prepare import pipeline
+        from torchtitan_speechlm.commands import prepare, prepare_args
 
-        pipeline.import_extensions(argv)
-        return pipeline.build_parser()
+        prepare.import_extensions(argv)
+        return prepare_args.build_parser()
     if sub in cli.PARSERS:
         return cli.PARSERS[sub]()
     raise CommandError(f"torchtitan {sub}: no argparse parser (train: use parse_train)")

@@ -375,7 +375,7 @@ def spoken_qa_dataset(tmp_path, run, n: int = 6) -> tuple[str, str]:
     import json
     import os
 
-    from torchtitan_speechlm.prepare.pipeline import main as prepare_main
+    from torchtitan_speechlm.commands.prepare import main as prepare_main
 
     manifest = str(tmp_path / "qa.jsonl")
     with open(os.path.join(os.path.dirname(run["prepared"]), "manifest.jsonl")) as f:

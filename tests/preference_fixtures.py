@@ -11,7 +11,7 @@ import shutil
 import soundfile as sf
 
 from tests.data_fixtures import SR, tone
-from torchtitan_speechlm.prepare.pipeline import main
+from torchtitan_speechlm.commands.prepare import main
 
 TTS_SECONDS = [(0.3, 0.9), (1.1, 0.5), (0.7, 0.7), (1.4, 0.4), (0.5, 1.2)]  # (chosen, rejected)
 ASR_SECONDS = [0.4, 1.0, 0.6, 1.3]

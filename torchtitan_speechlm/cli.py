@@ -1,5 +1,5 @@
 """The `torchtitan` console script: one subcommand per job (`train`, `prepare`, ...), each
-implemented in its own module (commands/, prepare/).
+implemented in its own module (commands/).
 
 Start-up is one rule: a command line is parsed by the command's argument module (standard library
 only: commands/*_args.py) before the command's implementation, and with it torch, is imported.
@@ -76,7 +76,7 @@ def _command(cmd: str) -> Callable:
 
         return train_command
     if cmd == "prepare":
-        from torchtitan_speechlm.prepare.pipeline import main as prepare_main
+        from torchtitan_speechlm.commands.prepare import main as prepare_main
 
         return prepare_main
     if cmd in ("generate", "eval"):

@@ -611,8 +611,8 @@ def test_pairs_from_seeded_judged_samples(model, tmp_path, capsys):
     each pair's sides are the best and worst sample by the reward (recomputed here from the test
     judge's transcript of the wav itself), every sample is listed, and prepare reads the pairs."""
     from torchtitan_speechlm.commands.generate import eval_main
+    from torchtitan_speechlm.commands.prepare import main as prepare_main
     from torchtitan_speechlm.judges import item_errors
-    from torchtitan_speechlm.prepare.pipeline import main as prepare_main
     from torchtitan_speechlm.utils.audio import load_audio
 
     data, rate = model["prepared"], codec_rate(model["prepared"])
@@ -724,11 +724,11 @@ def test_tts_prompt_pairs_from_seeded_judged_samples(tmp_path, capsys):
     answer."""
     from tests.helpers import train_mixture
     from torchtitan_speechlm.commands.generate import eval_main
+    from torchtitan_speechlm.commands.prepare import main as prepare_main
     from torchtitan_speechlm.data.catalog import open_prepared
     from torchtitan_speechlm.data.pairs import PairSide, build_pair
     from torchtitan_speechlm.data.reader import PreparedDataset
     from torchtitan_speechlm.generation.loading import load_model
-    from torchtitan_speechlm.prepare.pipeline import main as prepare_main
     from torchtitan_speechlm.utils.audio import load_audio
 
     assets = make_tiny_run_assets(tmp_path / "assets", n_items=6, speakers=2)

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from tests.helpers import make_tiny_run_assets, run_train, write_tiny_config
+from torchtitan_speechlm.commands.prepare import main as prepare_main
 from torchtitan_speechlm.data.catalog import open_prepared
 from torchtitan_speechlm.data.format import CorruptDatasetError
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.data.remote import ARRAYS, RemoteCache, RemoteDatasetError
-from torchtitan_speechlm.prepare.pipeline import main as prepare_main
 
 pytestmark = pytest.mark.slow
 SHARD_SIZE = 5  # 24 items: 5 shards, for the cache to evict

@@ -82,7 +82,7 @@ LAZY_IMPORTS = {
         "commands.train",
     ): "`torchtitan --help` start-up: each subcommand's modules load only when "
     "that subcommand runs",
-    ("cli", "prepare.pipeline"): "as above (prepare: codecs, sources)",
+    ("cli", "commands.prepare"): "as above (prepare: codecs, sources)",
     ("cli", "commands.generate"): "as above (generate / eval: judges, the report page)",
     ("cli", "commands.export"): "as above (export)",
     ("cli", "commands.serve"): "as above (serve: the model, the server)",

@@ -34,7 +34,11 @@ import os
 import sys
 import time
 
-from torchtitan_speechlm.commands.generate_args import build_eval_parser, build_generate_parser
+from torchtitan_speechlm.commands.generate_args import (
+    EvalArgs,
+    build_eval_parser,
+    build_generate_parser,
+)
 from torchtitan_speechlm.data.catalog import open_prepared, split_indices
 from torchtitan_speechlm.evaluation.judge_setup import JudgeOptions, build_judges
 from torchtitan_speechlm.evaluation.prompted_tts import prompted_set
@@ -42,7 +46,6 @@ from torchtitan_speechlm.evaluation.recordings import find_recordings
 from torchtitan_speechlm.evaluation.report import slug, write_report
 from torchtitan_speechlm.evaluation.results_table import format_table
 from torchtitan_speechlm.evaluation.sampled_pairs import (
-    check_sampling,
     counts_line,
     pair_prompts,
     rewards_by_task,
@@ -256,30 +259,35 @@ def _ext(task: str | None) -> str:
 
 
 def eval_main(argv: list[str] | None = None) -> int:
-    return run_eval(build_eval_parser().parse_args(argv))
+    """``torchtitan eval`` of a command line (without the command's name)."""
+    return evaluate(EvalArgs.from_namespace(build_eval_parser().parse_args(argv)))
 
 
 def run_eval(a: argparse.Namespace) -> int:
-    with Progress("torchtitan eval", a.progress) as progress:
-        return _eval(a, progress)
+    """``torchtitan eval`` of the command line cli.py parsed."""
+    return evaluate(EvalArgs.from_namespace(a))
 
 
-def _eval(a: argparse.Namespace, progress: Progress) -> int:
+def evaluate(args: EvalArgs) -> int:
+    """``torchtitan eval``: score ``args.model`` on the ``args.valid`` sets (and write the
+    preference pairs of ``args.pairs``); the exit status (2: an error, said on stderr)."""
+    with Progress("torchtitan eval", args.progress) as progress:
+        return _eval(args, progress)
+
+
+def _eval(a: EvalArgs, progress: Progress) -> int:
     try:
+        a.validate()
         loaded = _load(a.model, a.device, progress)
         cfg, results, sets, prompted = decode_config(a), {}, [], {}
         for spec in a.valid:
             task, _, name = spec.partition(":")
-            if task not in EVAL_KINDS:
-                raise ValueError(f"--valid {spec!r}: the task is asr, tts, tts_prompt or dialogue")
             if task == "tts_prompt":  # each item with another utterance of its speaker
                 prompted[spec] = prompted_set(eval_dataset(loaded, name), a.valid_fraction, a.limit)
                 items = prompted[spec]["items"]
             else:
                 items = eval_items(loaded, name, a.valid_fraction, a.limit, EVAL_KINDS[task])
             sets.append((spec, task, eval_dataset(loaded, name), items))
-            if a.pairs:
-                check_sampling(task, a.samples, cfg)
         reward = rewards_by_task(a.reward or []) if a.pairs else None
         options = JudgeOptions(
             a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality,

@@ -7,6 +7,12 @@ command (torch, the model, the judges), so ``--help`` and a mistyped flag answer
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, fields
+
+from torchtitan_speechlm.commands.flag_fields import add_flags, command_line, flag
+from torchtitan_speechlm.evaluation.pairs import check_sampling
+
+EVAL_TASKS = ("asr", "tts", "tts_prompt", "dialogue")  # the TASK of ``--valid TASK:DATA``
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
@@ -42,59 +48,69 @@ def build_generate_parser() -> argparse.ArgumentParser:
     return p
 
 
+def progress_help(what: str) -> str:
+    return f"no progress lines on stderr ({what}; a line at least every 5 s otherwise)"
+
+
 def add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
     """``--no-progress`` (``--quiet``): no progress lines on stderr, for scripts."""
     p.add_argument(
-        "--no-progress",
-        "--quiet",
-        dest="progress",
-        action="store_false",
-        help=f"no progress lines on stderr ({what}; a line at least every 5 s otherwise)",
+        "--no-progress", "--quiet", dest="progress", action="store_false", help=progress_help(what)
     )
 
 
-def build_eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchtitan eval", description="score a SpeechLM")
-    p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
-    p.add_argument(
-        "--valid",
+PAIRS = "preference pairs (docs/preference.md)"
+JUDGES = "judges (independent models scoring TTS; see docs/generation.md)"
+DECODING = "decoding"
+
+
+@dataclass(kw_only=True)
+class EvalArgs:
+    """The settings of ``torchtitan eval``: each field is a flag (its dest, default, help:
+    commands/flag_fields.py), ``build_eval_parser`` is generated from them, and ``evaluate``
+    (commands/generate.py) takes the value whole. The judge and decoding flags are shared with
+    ``generate``, ``serve`` and ``prefer`` (``add_judge_args``, ``add_decoding_args``)."""
+
+    model: str = flag(help="a checkpoint step folder or an export folder")
+    valid: list[str] = flag(
         action="append",
-        required=True,
         metavar="TASK:DATA",
         help="asr:NAME, tts:NAME, tts_prompt:NAME or dialogue:NAME (a dataset of the run, or "
         "a prepared folder; tts_prompt: each item prompted with another utterance of its "
         "speaker, scored by SIM to the prompt and speaker ID; dialogue: the answer each "
         "dialogue ends in, e.g. spoken QA)",
     )
-    p.add_argument(
-        "--valid-fraction",
-        type=float,
-        default=0.0,
-        help="only the items training held out with this fraction (its id hash)",
+    valid_fraction: float = flag(
+        0.0, help="only the items training held out with this fraction (its id hash)"
     )
-    p.add_argument("--limit", type=int, default=0, help="at most this many items per set")
-    p.add_argument("--out", metavar="FILE.json", help="write the results as JSON here")
-    p.add_argument(
-        "--report", metavar="DIR", help="write DIR/index.html with audio and spectrograms"
+    limit: int = flag(0, help="at most this many items per set")
+    out: str | None = flag(None, metavar="FILE.json", help="write the results as JSON here")
+    report: str | None = flag(
+        None, metavar="DIR", help="write DIR/index.html with audio and spectrograms"
     )
-    add_progress_arg(p, "per item: done, seconds per phase")
-    g = p.add_argument_group("preference pairs (docs/preference.md)")
-    g.add_argument(
-        "--samples",
-        type=int,
-        default=1,
+    progress: bool = flag(
+        True,
+        names=("--no-progress", "--quiet"),
+        action="store_false",
+        help=progress_help("per item: done, seconds per phase"),
+    )
+    samples: int = flag(
+        1,
+        group=PAIRS,
         metavar="K",
         help="with --pairs: K samples per item, sample k decoded with seed --seed + k",
     )
-    g.add_argument(
-        "--pairs",
+    pairs: str | None = flag(
+        None,
+        group=PAIRS,
         metavar="FILE.jsonl",
         help="write each item's best and worst judged sample as a preference pair (the "
         "`torchtitan prepare --preference` format; tts, asr and tts_prompt sets) and every sample to "
         "FILE.samples.jsonl",
     )
-    g.add_argument(
-        "--reward",
+    reward: list[str] | None = flag(
+        None,
+        group=PAIRS,
         action="append",
         metavar="[TASK:]SCORE=W,...",
         help="the reward ranking the samples: a weighted sum of wer, cer, sim, dnsmos, ended, "
@@ -102,88 +118,112 @@ def build_eval_parser() -> argparse.ArgumentParser:
         "SIM to the prompt); TASK: for one task's sets only, e.g. --reward tts:wer=-1,ended=0.5 "
         "--reward asr:wer=-1 --reward tts_prompt:sim=1,wer=-1 (default wer=-1)",
     )
-    g.add_argument(
-        "--pair-margin",
-        type=float,
-        default=0.0,
+    pair_margin: float = flag(
+        0.0,
+        group=PAIRS,
         help="no pair where the best and worst rewards differ by this or less (0)",
     )
-    add_judge_args(p)
-    add_decoding_args(p)
-    return p
-
-
-def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("decoding")
-    g.add_argument("--temperature", type=float, default=0.0, help="audio sampling (0 = greedy)")
-    g.add_argument("--top-k", type=int, default=0, help="audio: the k most likely codes (0 = all)")
-    g.add_argument("--top-p", type=float, default=1.0, help="audio: nucleus mass (1 = off)")
-    g.add_argument("--text-temperature", type=float, default=0.0, help="text (0 = greedy)")
-    g.add_argument("--text-top-k", type=int, default=0, help="text: as --top-k (0 = all)")
-    g.add_argument("--text-top-p", type=float, default=1.0, help="text: as --top-p (1 = off)")
-    g.add_argument("--cfg-scale", type=float, default=1.0, help="TTS guidance (1 = off)")
-    g.add_argument("--min-frames", type=int, default=1, help="TTS: no end before (1)")
-    g.add_argument(
-        "--max-frames",
-        type=int,
-        default=500,
+    judge_asr: str = flag(
+        "pocketsphinx",
+        group=JUDGES,
+        metavar="NAME_OR_DIR",
+        help="ASR judge: a judge name, a transformers ASR model folder, or none (pocketsphinx)",
+    )
+    judge_vocabulary: str | None = flag(
+        None,
+        group=JUDGES,
+        metavar="eval|open|FILE",
+        help="pocketsphinx: eval (default: a free word loop over the set's words), open (its "
+        "shipped LM) or a file of words",
+    )
+    judge_grammar: str | None = flag(
+        None, group=JUDGES, metavar="FILE.jsgf", help="pocketsphinx: a JSGF grammar"
+    )
+    judge_word_loop: bool = flag(
+        False,
+        group=JUDGES,
+        help="also score TTS with pocketsphinx's free word loop over each set's words (the "
+        "results' word_loop: WER, its floor on the references), e.g. beside --judge-grammar",
+    )
+    judge_speaker: str = flag(
+        "resemblyzer",
+        group=JUDGES,
+        metavar="NAME_OR_DIR",
+        help="speaker judge (SIM): a judge name, a transformers speaker-verification folder, or "
+        "none (resemblyzer)",
+    )
+    judge_quality: str = flag(
+        "dnsmos", group=JUDGES, metavar="NAME", help="quality judge: dnsmos or none (dnsmos)"
+    )
+    judge_quality_items: int = flag(
+        0,
+        group=JUDGES,
+        metavar="N",
+        help="the quality judge scores only the first N items of each TTS set (0: all); "
+        "DNSMOS costs about 1.5 s per short clip, for the generated and the reference audio",
+    )
+    temperature: float = flag(0.0, group=DECODING, help="audio sampling (0 = greedy)")
+    top_k: int = flag(0, group=DECODING, help="audio: the k most likely codes (0 = all)")
+    top_p: float = flag(1.0, group=DECODING, help="audio: nucleus mass (1 = off)")
+    text_temperature: float = flag(0.0, group=DECODING, help="text (0 = greedy)")
+    text_top_k: int = flag(0, group=DECODING, help="text: as --top-k (0 = all)")
+    text_top_p: float = flag(1.0, group=DECODING, help="text: as --top-p (1 = off)")
+    cfg_scale: float = flag(1.0, group=DECODING, help="TTS guidance (1 = off)")
+    min_frames: int = flag(1, group=DECODING, help="TTS: no end before (1)")
+    max_frames: int = flag(
+        500,
+        group=DECODING,
         help="TTS: audio frames at most (500); a generation cut here is reported as such",
     )
-    g.add_argument(
-        "--max-text-tokens", type=int, default=200, help="ASR: text tokens at most (200)"
-    )
-    g.add_argument("--seed", type=int, default=0, help="the sampling seed (0)")
-    g.add_argument("--no-cache", action="store_true", help="recompute every step (slow)")
-    g.add_argument(
-        "--compile",
-        default="auto",
+    max_text_tokens: int = flag(200, group=DECODING, help="ASR: text tokens at most (200)")
+    seed: int = flag(0, group=DECODING, help="the sampling seed (0)")
+    no_cache: bool = flag(False, group=DECODING, help="recompute every step (slow)")
+    compile: str = flag(
+        "auto",
+        group=DECODING,
         choices=("auto", "on", "graphs", "off"),
         help="the one-frame decode step under torch.compile (auto: on CUDA, for the native and "
         "qwen3 backbones' static cache; on: also on a CPU; graphs: torch.compile's "
         "reduce-overhead mode, replayed as CUDA graphs, CUDA only; off) (default: auto)",
     )
-    g.add_argument("--device", default="cpu", help="torch device (cpu), e.g. cuda")
+    device: str = flag("cpu", group=DECODING, help="torch device (cpu), e.g. cuda")
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> EvalArgs:
+        """The parsed ``torchtitan eval`` command line (``build_eval_parser().parse_args``)."""
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+
+    def validate(self) -> None:
+        """The checks of the settings themselves (before any model or data is read): a
+        ValueError naming the flag."""
+        for spec in self.valid:
+            task = spec.partition(":")[0]
+            if task not in EVAL_TASKS:
+                raise ValueError(f"--valid {spec!r}: the task is asr, tts, tts_prompt or dialogue")
+            if self.pairs:
+                check_sampling(task, self.samples, self.temperature, self.text_temperature)
+
+    def command_line(self, names: list[str] | None = None) -> list[str]:
+        """The ``torchtitan eval`` flags giving the fields ``names`` (all by default) their
+        values (flag_fields.command_line)."""
+        return command_line(self, names)
+
+
+JUDGE_FIELDS = tuple(f.name for f in fields(EvalArgs) if f.metadata["group"] == JUDGES)
+DECODING_FIELDS = tuple(f.name for f in fields(EvalArgs) if f.metadata["group"] == DECODING)
+
+
+def build_eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="torchtitan eval", description="score a SpeechLM")
+    add_flags(p, EvalArgs)
+    return p
+
+
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    """The decoding flags (EvalArgs' decoding group)."""
+    add_flags(p, EvalArgs, DECODING_FIELDS)
 
 
 def add_judge_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("judges (independent models scoring TTS; see docs/generation.md)")
-    g.add_argument(
-        "--judge-asr",
-        default="pocketsphinx",
-        metavar="NAME_OR_DIR",
-        help="ASR judge: a judge name, a transformers ASR model folder, or none (pocketsphinx)",
-    )
-    g.add_argument(
-        "--judge-vocabulary",
-        metavar="eval|open|FILE",
-        help="pocketsphinx: eval (default: a free word loop over the set's words), open (its "
-        "shipped LM) or a file of words",
-    )
-    g.add_argument("--judge-grammar", metavar="FILE.jsgf", help="pocketsphinx: a JSGF grammar")
-    g.add_argument(
-        "--judge-word-loop",
-        action="store_true",
-        help="also score TTS with pocketsphinx's free word loop over each set's words (the "
-        "results' word_loop: WER, its floor on the references), e.g. beside --judge-grammar",
-    )
-    g.add_argument(
-        "--judge-speaker",
-        default="resemblyzer",
-        metavar="NAME_OR_DIR",
-        help="speaker judge (SIM): a judge name, a transformers speaker-verification folder, or "
-        "none (resemblyzer)",
-    )
-    g.add_argument(
-        "--judge-quality",
-        default="dnsmos",
-        metavar="NAME",
-        help="quality judge: dnsmos or none (dnsmos)",
-    )
-    g.add_argument(
-        "--judge-quality-items",
-        type=int,
-        default=0,
-        metavar="N",
-        help="the quality judge scores only the first N items of each TTS set (0: all); "
-        "DNSMOS costs about 1.5 s per short clip, for the generated and the reference audio",
-    )
+    """The judge flags (EvalArgs' judges group)."""
+    add_flags(p, EvalArgs, JUDGE_FIELDS)

@@ -6,12 +6,14 @@
 Round ``r`` (folder ``WORK/round-r/``) is four stages, each one command this package already
 has, run in order:
 
-1. **pairs**: ``torchtitan eval --samples K --pairs`` with the round's model (round 0: the
-   config's ``speechlm.init_from``; then the last checkpoint of the round before), seed
-   ``--seed + 1000 r`` (evaluation/sampled_pairs.py);
-2. **prepare**: ``torchtitan prepare --preference`` with the prompts' codec and tokenizer;
+1. **pairs**: ``torchtitan eval --samples K --pairs`` (``evaluate(EvalArgs)``, called here) with
+   the round's model (round 0: the config's ``speechlm.init_from``; then the last checkpoint of
+   the round before), seed ``--seed + 1000 r`` (evaluation/sampled_pairs.py);
+2. **prepare**: ``torchtitan prepare --preference`` (``prepare(PrepareArgs)``, called here) with
+   the prompts' codec and tokenizer;
 3. **train**: ``torchtitan train`` of the config for ``--steps`` steps from the round's model
-   (DPO's reference: the round's model, as iterative DPO has it), on the round's pairs;
+   (DPO's reference: the round's model, as iterative DPO has it), on the round's pairs: a
+   process of its own (``_train``);
 4. the round's figures: the mean reward of every sample (the policy's reward: it should rise
    from round to round), of the chosen and of the rejected, to ``WORK/loop.json``.
 
@@ -28,17 +30,21 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import fields
 
-from torchtitan_speechlm.commands.generate import eval_main
-from torchtitan_speechlm.commands.generate_args import build_eval_parser
+from torchtitan_speechlm.commands.generate import evaluate
+from torchtitan_speechlm.commands.generate_args import EvalArgs
+from torchtitan_speechlm.commands.prepare import prepare
+from torchtitan_speechlm.commands.prepare_args import PrepareArgs
 from torchtitan_speechlm.config.toml_check import load_toml_file
-from torchtitan_speechlm.data.format import codec_of
+from torchtitan_speechlm.data.format import PREFERENCE, codec_of
 from torchtitan_speechlm.evaluation.sampled_pairs import PAIR_SETS, samples_file
-from torchtitan_speechlm.prepare.pipeline import main as prepare_main
 
-# eval flags the loop sets itself; every other eval flag (decoding, judges) is passed through
-OWN = {"help", "model", "valid", "limit", "samples", "pairs", "reward", "pair_margin", "seed",
+# EvalArgs fields the loop sets itself (or leaves at their defaults); every other one (the
+# decoding and judge flags, which prefer's parser shares with eval's) is passed through
+OWN = {"model", "valid", "limit", "samples", "pairs", "reward", "pair_margin", "seed",
        "out", "report", "progress", "valid_fraction"}  # fmt: skip
+PASSED = tuple(f.name for f in fields(EvalArgs) if f.name not in OWN)
 RECORDED = ("config", "prompts", "steps", "limit", "samples", "reward", "pair_margin", "seed",
             "nproc_per_node", "train_arg")  # fmt: skip
 
@@ -92,38 +98,38 @@ def _round(a, work: str, r: int, model: str, state: dict) -> str:
 
 
 def _eval_pairs(a, model: str, pairs: str, seed: int) -> int:
-    argv = ["--model", model, "--samples", str(a.samples), "--pairs", pairs,
-            "--seed", str(seed), "--limit", str(a.limit), "--pair-margin", str(a.pair_margin)]  # fmt: skip
-    for spec in a.prompts:
-        argv += ["--valid", spec]
-    for spec in a.reward or []:
-        argv += ["--reward", spec]
-    return eval_main(argv + passed_eval_flags(a))
+    return evaluate(eval_args(a, model, pairs, seed))
 
 
-def passed_eval_flags(a) -> list[str]:
-    """The decoding and judge flags of ``a`` as ``torchtitan eval`` takes them."""
-    out = []
-    for action in build_eval_parser()._actions:
-        if action.dest in OWN or not action.option_strings:
-            continue
-        value = getattr(a, action.dest)
-        if isinstance(action, argparse._StoreTrueAction):
-            out += [action.option_strings[0]] if value else []
-        elif value is not None:
-            out += [action.option_strings[0], str(value)]
-    return out
+def eval_args(a: argparse.Namespace, model: str, pairs: str, seed: int) -> EvalArgs:
+    """``torchtitan eval``'s settings for a round: K samples of every prompt with ``model``
+    (seeds ``seed + k``) judged into ``pairs``; decoding and judges as ``a`` gives them."""
+    return EvalArgs(
+        model=model, valid=list(a.prompts), limit=a.limit, samples=a.samples, pairs=pairs,
+        reward=list(a.reward) if a.reward else None, pair_margin=a.pair_margin, seed=seed,
+        **{name: getattr(a, name) for name in PASSED},
+    )  # fmt: skip
+
+
+def passed_eval_flags(a: argparse.Namespace) -> list[str]:
+    """The decoding and judge flags of ``a`` as ``torchtitan eval`` takes them (loop.json
+    records them: a rerun with others is refused)."""
+    return eval_args(a, "", "", 0).command_line(list(PASSED))
 
 
 def _prepare(a, pairs: str, out: str) -> int:
     meta = _prompt_metadata(a.prompts[0])
-    return prepare_main(["--preference", pairs, "--codec", codec_of(meta).path,
-                         "--tokenizer", meta["tokenizer"]["path"], "--out", out,
-                         "--no-progress"])  # fmt: skip
+    return prepare(PrepareArgs(sources={PREFERENCE: pairs}, codec=codec_of(meta).path,
+                               tokenizer=meta["tokenizer"]["path"], out=out,
+                               no_progress=True))  # fmt: skip
 
 
 def _train(a, model: str, prepared: str, dump: str, tasks: list[str]) -> int:
-    """``torchtitan train`` of the round: the ``*_pref`` task of each task with pairs."""
+    """``torchtitan train`` of the round: the ``*_pref`` task of each task with pairs.
+
+    The one stage run as a command line, in a process of its own: a training run is launched
+    (torchrun, ``--nproc-per-node`` ranks) and owns its processes' distributed state, CUDA
+    devices and torchtitan's global settings, which must not outlive it in the loop's process."""
     cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "train", "--job.config_file",
            a.config, "--nproc-per-node", str(a.nproc_per_node), "--job.dump_folder", dump,
            "--speechlm.init_from", model, "--speechlm_data.datasets", f"pairs={prepared}",

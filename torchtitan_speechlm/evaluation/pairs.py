@@ -17,6 +17,24 @@ from dataclasses import dataclass
 # the judge scores a reward may weigh (evaluation/tts_scores.py, text_scores.py name them so)
 SCORES = ("wer", "cer", "sim", "dnsmos", "duration_ratio_error", "ended", "self_wer", "self_cer")
 
+PAIR_SETS = ("tts", "asr", "tts_prompt")  # the --valid tasks --pairs makes pairs of (prepare's
+# PAIR_TASKS); the answers of all but asr are audio
+
+
+def check_sampling(task: str, samples: int, temperature: float, text_temperature: float) -> None:
+    """K samples decoded greedily are one sample K times: refuse, naming the flag to set."""
+    if samples < 2:
+        raise ValueError(f"--pairs needs --samples K with K >= 2 (got {samples})")
+    if task not in PAIR_SETS:
+        raise ValueError(f"--pairs makes pairs of {' and '.join(PAIR_SETS)} sets, not {task!r}")
+    flag, temp = (("--temperature", temperature) if task != "asr"
+                  else ("--text-temperature", text_temperature))  # fmt: skip
+    if temp <= 0:
+        raise ValueError(
+            f"--samples {samples} of a {task} set are all the same greedy decode: set "
+            f"{flag} > 0 (e.g. 0.8) so that the samples differ"
+        )
+
 
 @dataclass(frozen=True)
 class RewardSpec:

@@ -30,27 +30,9 @@ import os
 from collections import Counter
 from dataclasses import replace
 
-from torchtitan_speechlm.evaluation.pairs import RewardSpec, Sample, preference_lines
+from torchtitan_speechlm.evaluation.pairs import PAIR_SETS, RewardSpec, Sample, preference_lines
 from torchtitan_speechlm.evaluation.recordings import find_recordings
 from torchtitan_speechlm.generation.tasks import write_wav
-
-PAIR_SETS = ("tts", "asr", "tts_prompt")  # the --valid tasks --pairs makes pairs of (prepare's
-# PAIR_TASKS); the answers of all but asr are audio
-
-
-def check_sampling(task: str, samples: int, cfg) -> None:
-    """K samples decoded greedily are one sample K times: refuse, naming the flag to set."""
-    if samples < 2:
-        raise ValueError(f"--pairs needs --samples K with K >= 2 (got {samples})")
-    if task not in PAIR_SETS:
-        raise ValueError(f"--pairs makes pairs of {' and '.join(PAIR_SETS)} sets, not {task!r}")
-    flag, temp = (("--temperature", cfg.audio.temperature) if task != "asr"
-                  else ("--text-temperature", cfg.text.temperature))  # fmt: skip
-    if temp <= 0:
-        raise ValueError(
-            f"--samples {samples} of a {task} set are all the same greedy decode: set "
-            f"{flag} > 0 (e.g. 0.8) so that the samples differ"
-        )
 
 
 def sample_configs(cfg, seed: int, samples: int) -> list:

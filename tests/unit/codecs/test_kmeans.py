@@ -14,9 +14,9 @@ from safetensors.numpy import load_file
 from tests.data_fixtures import needs_espeak
 from torchtitan_speechlm.codecs import load_codec
 from torchtitan_speechlm.codecs.kmeans import fit_kmeans_codec, log_mel_distance
+from torchtitan_speechlm.commands.prepare import main
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.demo import assets as demo_assets
-from torchtitan_speechlm.prepare.pipeline import main
 from torchtitan_speechlm.prepare.sources.jsonl import read_jsonl_manifest
 from torchtitan_speechlm.utils.audio import load_audio
 

@@ -277,7 +277,7 @@ def prompted(tmp_path_factory):
     import soundfile as sf
 
     from tests.data_fixtures import SR, tone
-    from torchtitan_speechlm.prepare.pipeline import main
+    from torchtitan_speechlm.commands.prepare import main
 
     assets = build_assets(tmp_path_factory.mktemp("pref_prompt"))
     root = os.path.join(assets["root"], "pairs")

@@ -14,6 +14,7 @@ import pytest
 
 from tests.data_fixtures import build_assets
 from tests.helpers import TINY_BACKBONE, write_tiny_config
+from torchtitan_speechlm.commands.prepare import main as prepare_main
 from torchtitan_speechlm.data.tokenizer_check import (
     LossyTokenizerError,
     Sample,
@@ -21,7 +22,6 @@ from torchtitan_speechlm.data.tokenizer_check import (
     sample_indices,
 )
 from torchtitan_speechlm.demo.assets import SPECIAL_TOKENS, build_backbone
-from torchtitan_speechlm.prepare.pipeline import main as prepare_main
 from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer
 

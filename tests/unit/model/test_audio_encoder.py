@@ -509,8 +509,8 @@ def test_prepare_writes_the_waveforms_in_the_same_command(tmp_path, capsys):
     """``torchtitan prepare --manifest M --waveforms 16000`` gives the dataset the separate
     step gives it (same int16 samples, index and metadata); other sources are refused with
     the way to do it."""
+    from torchtitan_speechlm.commands.prepare import main as prepare_main
     from torchtitan_speechlm.data.format import AUDIO_WAVE, WAVE_INDEX
-    from torchtitan_speechlm.prepare.pipeline import main as prepare_main
     from torchtitan_speechlm.prepare.waveforms import add_waveforms
 
     run = make_tiny_run_assets(tmp_path / "run", n_items=6)

@@ -14,10 +14,10 @@ import soundfile as sf
 
 from tests.data_fixtures import assert_same_dataset
 from tests.helpers import TINY_TOML, read_metrics, run_train, tiny_model_assets
+from torchtitan_speechlm.commands.prepare import main
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.demo.assets import load_sentences
 from torchtitan_speechlm.prepare.items import ManifestItem
-from torchtitan_speechlm.prepare.pipeline import main
 from torchtitan_speechlm.prepare.split import SplitError, split_items
 
 

@@ -21,9 +21,10 @@ from scipy.signal import resample_poly
 
 from tests.data_fixtures import SR, assert_same_dataset, build_assets, tone
 from torchtitan_speechlm.codecs import load_codec
+from torchtitan_speechlm.commands.prepare import main
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.prepare.items import ManifestError
-from torchtitan_speechlm.prepare.pipeline import main, prepare_dataset
+from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 from torchtitan_speechlm.prepare.sources.lhotse import INSTALL, read_lhotse_cuts
 
 lhotse = pytest.importorskip("lhotse")

@@ -11,6 +11,7 @@ import socket
 import pytest
 
 from tests.data_fixtures import build_assets, write_tone_corpus
+from torchtitan_speechlm.commands.prepare import main
 from torchtitan_speechlm.prepare import pipeline
 from torchtitan_speechlm.prepare import worker as prepare_worker
 from torchtitan_speechlm.prepare.parts import (
@@ -21,7 +22,7 @@ from torchtitan_speechlm.prepare.parts import (
     parse_part,
     part_device,
 )
-from torchtitan_speechlm.prepare.pipeline import join_parts, main, prepare_dataset
+from torchtitan_speechlm.prepare.pipeline import join_parts, prepare_dataset
 
 
 @pytest.fixture(scope="module")

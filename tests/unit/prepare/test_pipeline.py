@@ -13,6 +13,7 @@ import soundfile as sf
 from tests.data_fixtures import SR, build_assets, needs_espeak, sine
 from tests.tiny_codecs import build_codec
 from torchtitan_speechlm.codecs import CodecError, load_codec
+from torchtitan_speechlm.commands.prepare import main
 from torchtitan_speechlm.data.format import (
     AUDIO_CODES,
     TEXT_TOKENS,
@@ -22,7 +23,7 @@ from torchtitan_speechlm.data.format import (
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.demo import assets as demo_assets
 from torchtitan_speechlm.prepare.items import ManifestError
-from torchtitan_speechlm.prepare.pipeline import BadItemError, main, prepare_dataset
+from torchtitan_speechlm.prepare.pipeline import BadItemError, prepare_dataset
 from torchtitan_speechlm.prepare.sources.jsonl import read_jsonl_manifest
 from torchtitan_speechlm.utils.audio import BadAudioError, decode_audio_bytes, load_audio
 from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer, tokenizer_fingerprint

@@ -14,9 +14,9 @@ import pytest
 from tests.data_fixtures import build_assets
 from tests.preference_fixtures import prepare_pairs
 from torchtitan_speechlm.codecs import load_codec
+from torchtitan_speechlm.commands.prepare import main
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.prepare.items import ManifestError
-from torchtitan_speechlm.prepare.pipeline import main
 from torchtitan_speechlm.prepare.sources.preference import read_preference_jsonl
 from torchtitan_speechlm.utils.audio import load_audio
 from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer

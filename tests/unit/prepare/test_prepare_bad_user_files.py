@@ -19,8 +19,8 @@ import pytest
 import soundfile as sf
 
 from tests.data_fixtures import build_assets, tone, write_manifest
+from torchtitan_speechlm.commands.prepare import main
 from torchtitan_speechlm.data.reader import PreparedDataset
-from torchtitan_speechlm.prepare.pipeline import main
 from torchtitan_speechlm.utils.audio import BadAudioError, load_audio, wav_header_frames
 
 SR = 16000

@@ -13,11 +13,12 @@ import soundfile as sf
 
 from tests.data_fixtures import assert_same_dataset, build_assets, write_manifest, write_tone_corpus
 from tests.tiny_codecs import build_codec
+from torchtitan_speechlm.commands.prepare import main
 from torchtitan_speechlm.data.format import CorruptDatasetError, ShardMismatchError
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.demo import assets as demo_assets
 from torchtitan_speechlm.prepare import run as prepare_run
-from torchtitan_speechlm.prepare.pipeline import NoItemsError, main, prepare_dataset
+from torchtitan_speechlm.prepare.pipeline import NoItemsError, prepare_dataset
 from torchtitan_speechlm.prepare.plan import PlanMismatchError
 
 

@@ -13,9 +13,10 @@ import soundfile as sf
 
 from tests.data_fixtures import SR, build_assets, sine, tone, write_manifest
 from torchtitan_speechlm.codecs import load_codec
+from torchtitan_speechlm.commands.prepare import main
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.prepare.items import ManifestError
-from torchtitan_speechlm.prepare.pipeline import main, prepare_dataset
+from torchtitan_speechlm.prepare.pipeline import prepare_dataset
 from torchtitan_speechlm.prepare.sources.kaldi import read_kaldi_dir
 from torchtitan_speechlm.utils.audio import load_audio
 from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer

@@ -13,9 +13,10 @@ import pytest
 import soundfile as sf
 
 from tests.data_fixtures import build_assets, tone, write_manifest
+from torchtitan_speechlm.commands.prepare import main
 from torchtitan_speechlm.data.reader import PreparedDataset
 from torchtitan_speechlm.prepare.items import AudioRef, ManifestError, ManifestItem, TurnSpec
-from torchtitan_speechlm.prepare.pipeline import format_speakers, main, prepare_dataset
+from torchtitan_speechlm.prepare.pipeline import format_speakers, prepare_dataset
 from torchtitan_speechlm.prepare.plan import PlanMismatchError, _item_key
 from torchtitan_speechlm.prepare.sources.hf import read_hf_items
 from torchtitan_speechlm.prepare.sources.jsonl import read_jsonl_manifest
