@@ -63,6 +63,12 @@ def after_demo(tmp_path_factory):
     """A fresh folder as `make demo` leaves it (small corpus, small backbone)."""
     from torchtitan_speechlm.demo.speaking import CorpusPlan, build_corpus
 
+    # The k-means codec, not `make demo`'s mel codec (demo/run.py's DEMO_CODEC): the commands
+    # are the same for either (README shows the one that fits the codec inline), and the mel
+    # codec's HiFi-GAN decode of every sample the docs' DPO and `prefer` commands draw made
+    # this test about 12 minutes instead of 3 on 2 CPU cores. The mel codec's own tests:
+    # tests/unit/codecs/test_vocoder_codecs.py.
+
     root = tmp_path_factory.mktemp("after_demo")
     shutil.copytree(ROOT / "train_configs", root / "train_configs")
     cwd = os.getcwd()

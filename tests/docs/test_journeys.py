@@ -159,6 +159,7 @@ def clone(tmp_path_factory):
     os.symlink(ROOT / ".venv", root / ".venv")
     run(root, "python -c 'import shutil, sys; assert shutil.which(\"torchtitan\") == "
         "sys.prefix + \"/bin/torchtitan\"; print(\"torchtitan is on the PATH\")'")  # fmt: skip
+    # the k-means codec, not make demo's mel codec: tests/docs/test_docs_after_demo.py says why
     code = (
         "from torchtitan_speechlm.demo.speaking import CorpusPlan, build_corpus\n"
         "build_corpus('demo_work', CorpusPlan(train=48, held_out=4, hidden=32, layers=2, "

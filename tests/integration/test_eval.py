@@ -441,6 +441,39 @@ def test_empty_generation_and_refused_audio_are_recorded_failures(model, monkeyp
     assert "no audio" in page and "(no transcript)" in page and "empty generation" in page
 
 
+def test_nothing_decoded_when_nothing_listens(model, monkeypatch, tmp_path):
+    """Judges ``none`` and no report (DPO's pair sampling by the model's own ASR): the codec
+    decodes nothing (a HiFi-GAN decode is about half real time on a CPU) and every record is
+    the one a decoded run gives, durations from the frame counts, harmonicity null."""
+    from torchtitan_speechlm.commands.generate import eval_items
+    from torchtitan_speechlm.evaluation import tts_scores
+    from torchtitan_speechlm.evaluation.judge_setup import Judges
+    from torchtitan_speechlm.generation.decode import DecodeConfig
+    from torchtitan_speechlm.generation.loading import load_model
+
+    loaded = load_model(model["export"])
+    items = eval_items(loaded, model["prepared"], 0.0, 3)
+    cfg = DecodeConfig(max_frames=12, max_text_tokens=8)
+    decoded = tts_scores.score_tts(loaded, items, cfg, Judges(), str(tmp_path), "tts")
+    real = tts_scores.tasks.decode_audio
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decoded audio nobody listens to")
+
+    monkeypatch.setattr(tts_scores.tasks, "decode_audio", refuse)
+    quiet = tts_scores.score_tts(loaded, items, cfg, Judges())
+    rate, per_frame = loaded.codec.sample_rate, loaded.codec.samples_per_frame
+    for a, b, it in zip(quiet["per_item"], decoded["per_item"], items, strict=True):
+        wav = real(loaded, [np.asarray(it.audio_codes)])[0]
+        assert a["reference_seconds"] == pytest.approx(len(wav) / rate)
+        assert a["seconds"] == pytest.approx(a["frames"] * per_frame / rate)
+        assert a["harmonicity"] == {"generated": None, "reference": None, "recording": None}
+        assert b["harmonicity"]["generated"] is not None
+        b = {k: v for k, v in b.items() if k not in ("audio", "harmonicity")}
+        assert {k: v for k, v in a.items() if k != "harmonicity"} == b
+    assert quiet["harmonicity"] == {"generated": None, "reference": None, "recording": None}
+
+
 def _tone(path, seconds: float, hz: float) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     t = np.arange(int(16000 * seconds)) / 16000

@@ -315,7 +315,10 @@ def _eval(a: EvalArgs, progress: Progress) -> int:
             for k, cfg_k in enumerate(sample_configs(cfg, a.seed, a.samples)):
                 # each sample counts its items anew: the prefix says which sample it is
                 progress.prefix = f"torchtitan eval: {spec} sample {k + 1}/{a.samples}"
-                runs.append(score(progress, cfg_k, root, f"{i}-{_slug(spec)}/sample{k}"))
+                hear = bool(a.report) or (spec in judges and judges[spec].hears_audio())
+                runs.append(
+                    score(progress, cfg_k, root, f"{i}-{_slug(spec)}/sample{k}", references=hear)
+                )
                 results[f"{spec} #{k}"] = runs[-1]
             folder = f"{i}-{_slug(spec)}"
             pairs_prompts += pair_prompts(loaded, task, path, items, runs, root, folder, manifests)
@@ -351,9 +354,10 @@ def _eval(a: EvalArgs, progress: Progress) -> int:
 
 def score_set(loaded, spec: str, task: str, path: str, items: list, judges: dict, prompted: dict,
               manifests: dict, progress: Progress | None, cfg: DecodeConfig,
-              audio_root: str | None, folder: str) -> dict:  # fmt: skip
+              audio_root: str | None, folder: str, references: bool = True) -> dict:  # fmt: skip
     """One ``--valid`` set decoded with ``cfg`` and scored (TTS: its wavs under
-    ``audio_root/folder`` when ``audio_root`` is given)."""
+    ``audio_root/folder`` when ``audio_root`` is given; ``references=False``: without the
+    references' audio, which nothing then listens to)."""
     if task == "asr":
         return score_asr(loaded, items, cfg, progress=progress)
     if task == "dialogue":
@@ -364,6 +368,7 @@ def score_set(loaded, spec: str, task: str, path: str, items: list, judges: dict
     result = score_tts(
         loaded, items, cfg, judges[spec], audio_root, folder, recordings=found,
         progress=progress, prompts=prompted.get("prompts"), speakers=prompted.get("speakers"),
+        reference_audio=references,
     )  # fmt: skip
     if prompted:
         result.setdefault("prompted", {})["skipped"] = prompted["skipped"]

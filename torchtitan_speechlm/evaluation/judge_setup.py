@@ -48,6 +48,11 @@ class Judges:
             return self
         return replace(self, quality=None)
 
+    def hears_audio(self) -> bool:
+        """Whether any judge listens to the decoded audio (else a set needs no decode: the
+        model's own ASR reads codes)."""
+        return any(j is not None for _, j in self._pairs())
+
     def describe(self) -> dict:
         """Each judge's description (None where there is none): the results' ``judges``."""
         return {k: (j.describe() if j is not None else None) for k, j in self._pairs()}

@@ -63,9 +63,11 @@ def score_tts(
     progress: Progress | None = None,
     prompts: list | None = None,
     speakers: list[int] | None = None,
+    reference_audio: bool = True,
 ) -> dict:
     """Generate each item's speech from its text and score it with ``judges`` (see the module
-    docstring). ``recordings``: ``{item id: its original audio file or None}``
+    docstring). ``reference_audio=False``: the references are not decoded (pair sampling
+    without judges or a report keeps only the generated wavs). ``recordings``: ``{item id: its original audio file or None}``
     (``recordings.find_recordings``), read at the codec's rate with ``audio.load_audio``. With
     ``audio_root``, the generated, reference and recording wavs are written under
     ``audio_root/audio_dir`` (the recording re-encoded as it was judged) and each item's
@@ -78,6 +80,7 @@ def score_tts(
     (as heard); with ``audio_root`` also the prompt's wavs (``_prompt_audio``), so that the
     report plays what the model was given beside what it made."""
     rate = int(loaded.codec.sample_rate)
+    listened = audio_root is not None or judges.hears_audio()  # else no decode is needed
     per_item: dict[int, dict] = {}
     generated: dict[int, np.ndarray | None] = {}
     heard: dict[int, np.ndarray] = {}  # the prompts as the model heard them
@@ -99,16 +102,19 @@ def score_tts(
             texts = tasks.asr(loaded, [codes[i] for i in spoken], cfg)
         for i, text in zip(spoken, texts, strict=True):
             self_hyps[i] = text
-        with clock("codec decode"):  # the chunk's generated and reference audio together
-            gen = _decoded(loaded, codes)
-            ref = _decoded(loaded, [it.audio_codes for it in chunk])
-            if given is not None and (audio_root is not None or judges.speaker is not None):
-                heard.update(zip(part, heard_prompts(loaded, given), strict=True))
+        gen = ref = [None] * len(chunk)
+        if listened:
+            with clock("codec decode"):  # the chunk's generated and reference audio together
+                gen = _decoded(loaded, codes)
+                if reference_audio:
+                    ref = _decoded(loaded, [it.audio_codes for it in chunk])
+                if given is not None and (audio_root is not None or judges.speaker is not None):
+                    heard.update(zip(part, heard_prompts(loaded, given), strict=True))
         for k, (i, it) in enumerate(zip(part, chunk, strict=True)):
             recording = (recordings or {}).get(it.id)
             rec, wavs = _score_item(
                 loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges.for_item(i),
-                recording, clock, (gen[k], ref[k]),
+                recording, clock, (gen[k], ref[k]) if listened else NOT_DECODED,
             )  # fmt: skip
             if prompts is not None:
                 rec.update(prompt_id=prompts[i].id, prompt_seconds=_seconds(heard.get(i), rate))
@@ -161,6 +167,9 @@ def _seconds(wav: np.ndarray | None, rate: int) -> float | None:
     return None if wav is None else len(wav) / rate
 
 
+NOT_DECODED = (None, None)  # _score_item's ``decoded`` when nothing listens to the audio
+
+
 def _decoded(loaded, codes: list) -> list:
     """The codec's audio of each [F, N] codes, decoded together; None for no frames."""
     have = [i for i, c in enumerate(codes) if len(c)]
@@ -193,25 +202,28 @@ def _score_item(
 ):
     """One item's record and its {generated, reference, recording} waveforms (None where there
     is none); ``recording`` is the item's original audio file, if found; ``decoded``: the
-    (generated, reference) audio already decoded (``_decoded``), else decoded here."""
+    (generated, reference) audio already decoded (``_decoded``), ``NOT_DECODED`` when nothing
+    listens to it (no judge hears audio and no report is written: durations then come from
+    the frame counts, which is what decoding gives), else decoded here."""
     rate, failures, clock = int(loaded.codec.sample_rate), [], clock or PhaseClock()
     if decoded is None:
         with clock("codec decode"):
             decoded = (_decoded(loaded, [codes])[0], _decoded(loaded, [it.audio_codes])[0])
     gen, ref = decoded
-    if gen is None:
+    if not len(codes):
         failures.append("empty generation (0 frames)")
-    if ref is None:
+    if not len(it.audio_codes):
         failures.append("the reference has no audio codes")
-    orig = _load_recording(recording, rate, failures)
+    orig = _load_recording(recording, rate, failures) if decoded is not NOT_DECODED else None
+    per_s = int(loaded.codec.samples_per_frame) / rate  # a decode is frames x samples_per_frame
     rec = {
         "id": it.id,
         "text": it.text,
         "ended": ended,
         "frames": int(len(codes)),
         "reference_frames": int(len(it.audio_codes)),
-        "seconds": len(gen) / rate if gen is not None else 0.0,
-        "reference_seconds": len(ref) / rate if ref is not None else 0.0,
+        "seconds": len(codes) * per_s,
+        "reference_seconds": len(it.audio_codes) * per_s,
         "recording": recording if orig is not None else None,
         "recording_seconds": len(orig) / rate if orig is not None else None,
     }
@@ -244,7 +256,7 @@ def _score_item(
                 dnsmos = _ask(failures, "quality judge", qual.score, gen, rate)
             if ref is not None:
                 ref_dnsmos = _ask(failures, "quality judge (reference)", qual.score, ref, rate)
-    self_wer, self_cer = item_rates(it.text, self_hyp if gen is not None else None)
+    self_wer, self_cer = item_rates(it.text, self_hyp if len(codes) else None)
     rec.update(
         transcript=hyp,
         reference_transcript=ref_hyp,
