@@ -311,11 +311,11 @@ def _eval(a: EvalArgs, progress: Progress) -> int:
                 results[spec] = score(progress, cfg, a.report, f"{i}-{_slug(spec)}")
                 continue
             root = a.report or samples_audio_root(a.pairs)
+            hear = bool(a.report) or (spec in judges and judges[spec].hears_audio())
             runs = []
             for k, cfg_k in enumerate(sample_configs(cfg, a.seed, a.samples)):
                 # each sample counts its items anew: the prefix says which sample it is
                 progress.prefix = f"torchtitan eval: {spec} sample {k + 1}/{a.samples}"
-                hear = bool(a.report) or (spec in judges and judges[spec].hears_audio())
                 runs.append(
                     score(progress, cfg_k, root, f"{i}-{_slug(spec)}/sample{k}", references=hear)
                 )

@@ -66,9 +66,10 @@ def score_tts(
     reference_audio: bool = True,
 ) -> dict:
     """Generate each item's speech from its text and score it with ``judges`` (see the module
-    docstring). ``reference_audio=False``: the references are not decoded (pair sampling
-    without judges or a report keeps only the generated wavs). ``recordings``: ``{item id: its original audio file or None}``
-    (``recordings.find_recordings``), read at the codec's rate with ``audio.load_audio``. With
+    docstring). Audio is decoded only when a judge hears it or ``audio_root`` is given;
+    ``reference_audio=False``: not the references' (pair sampling without judges or a report
+    keeps only the generated wavs). ``recordings``: ``{item id: its original audio file or
+    None}`` (``recordings.find_recordings``), read at the codec's rate with ``audio.load_audio``. With
     ``audio_root``, the generated, reference and recording wavs are written under
     ``audio_root/audio_dir`` (the recording re-encoded as it was judged) and each item's
     ``audio`` gives their paths relative to ``audio_root`` (the report's links). ``progress``
@@ -114,7 +115,7 @@ def score_tts(
             recording = (recordings or {}).get(it.id)
             rec, wavs = _score_item(
                 loaded, it, codes[k], bool(ended[k]), self_hyps[k], judges.for_item(i),
-                recording, clock, (gen[k], ref[k]) if listened else NOT_DECODED,
+                recording, clock, (gen[k], ref[k]),
             )  # fmt: skip
             if prompts is not None:
                 rec.update(prompt_id=prompts[i].id, prompt_seconds=_seconds(heard.get(i), rate))
@@ -167,9 +168,6 @@ def _seconds(wav: np.ndarray | None, rate: int) -> float | None:
     return None if wav is None else len(wav) / rate
 
 
-NOT_DECODED = (None, None)  # _score_item's ``decoded`` when nothing listens to the audio
-
-
 def _decoded(loaded, codes: list) -> list:
     """The codec's audio of each [F, N] codes, decoded together; None for no frames."""
     have = [i for i, c in enumerate(codes) if len(c)]
@@ -202,9 +200,9 @@ def _score_item(
 ):
     """One item's record and its {generated, reference, recording} waveforms (None where there
     is none); ``recording`` is the item's original audio file, if found; ``decoded``: the
-    (generated, reference) audio already decoded (``_decoded``), ``NOT_DECODED`` when nothing
-    listens to it (no judge hears audio and no report is written: durations then come from
-    the frame counts, which is what decoding gives), else decoded here."""
+    (generated, reference) audio already decoded (``_decoded``; None where nothing listens
+    to it: durations and failures come from the frame counts, which is what decoding
+    gives), else decoded here."""
     rate, failures, clock = int(loaded.codec.sample_rate), [], clock or PhaseClock()
     if decoded is None:
         with clock("codec decode"):
@@ -214,7 +212,7 @@ def _score_item(
         failures.append("empty generation (0 frames)")
     if not len(it.audio_codes):
         failures.append("the reference has no audio codes")
-    orig = _load_recording(recording, rate, failures) if decoded is not NOT_DECODED else None
+    orig = _load_recording(recording, rate, failures)
     per_s = int(loaded.codec.samples_per_frame) / rate  # a decode is frames x samples_per_frame
     rec = {
         "id": it.id,
