@@ -31,7 +31,7 @@ TORCHTITAN_KEYS = (
     ("training.seq_len", "tokens per sequence (packed)"),
     ("training.max_norm", "gradient clipping norm"),
     ("optimizer.lr", "peak learning rate"),
-    ("lr_scheduler.warmup_steps", "warmup steps (see [lr_scheduler] warmup_from_zero below)"),
+    ("lr_scheduler.warmup_steps", "warmup steps (see [lr_scheduler] warmup_from_zero above)"),
     ("lr_scheduler.decay_type", "linear, sqrt or cosine"),
     ("lr_scheduler.min_lr_factor", "the LR floor, as a fraction of the peak"),
     ("checkpoint.enable", "save checkpoints (DCP, reshardable)"),
@@ -47,7 +47,10 @@ TORCHTITAN_KEYS = (
     ("metrics.log_freq", "steps between logged metrics"),
     ("metrics.enable_wandb", "log to wandb (offline files unless WANDB_MODE says otherwise)"),
 )
-EXTRA_SECTIONS = {"checkpoint": "[checkpoint] (torchtitan's, with these keys added)"}
+EXTRA_SECTIONS = {  # torchtitan's sections with keys of ours in them
+    name: f"[{name}] (torchtitan's, with these keys of ours)"
+    for name in ("checkpoint", "lr_scheduler", "metrics")
+}
 
 
 def _first_sentence(text: str) -> str:

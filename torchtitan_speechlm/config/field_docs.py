@@ -13,6 +13,8 @@ from torchtitan_speechlm.config.job_config import (
     AudioEncoderConfig,
     Checkpoint,
     Lora,
+    LRScheduler,
+    Metrics,
     SpeechLM,
     SpeechLMData,
     SpeechLMFaults,
@@ -23,6 +25,8 @@ SECTIONS = (  # ours, in the order the docs and the help show them
     ("speechlm_data", SpeechLMData),
     ("speechlm_faults", SpeechLMFaults),
     ("checkpoint", Checkpoint),
+    ("lr_scheduler", LRScheduler),
+    ("metrics", Metrics),
     ("audio_encoder", AudioEncoderConfig),
     ("lora", Lora),
 )
