@@ -7,9 +7,9 @@ TTS*); 14 speakers are seen in training, each saying its own ``--train-per-speak
 (no sentence spoken twice), and 4 are held out entirely. Every speaker, seen or not, says the
 same ``--heldout-per-speaker`` held-out sentences, which never occur in training. The baseline is
 the unprompted single-voice recipe at the same budget: the same training sentences spoken by
-the demo's one voice (``en-us``), task ``tts``. Both fit their own k-means codec on their own
-training audio and start from the same random-init backbone (the demo's 256-wide 6-layer
-Llama, train_configs/speechlm_debug.toml) and tokenizer; both train ``--steps`` steps with ASR
+the demo's one voice (``en-us``), task ``tts``. Both fit their own codec (``--codec``: k-means,
+or the demo's mel codec) on their own training audio and start from the same random-init
+backbone (the demo's 256-wide 6-layer Llama, train_configs/speechlm_debug.toml) and tokenizer; both train ``--steps`` steps with ASR
 as a quarter of the mixture, then ``torchtitan eval`` scores (commands printed as run):
 
 - the prompted model on ``tts_prompt:`` the held-out sentences of the seen speakers, and of the
@@ -31,7 +31,8 @@ speakers: the figure, whatever it is.
 Defaults: 600 training sentences per seen speaker (8,400 in all), 10 held-out sentences per
 speaker, 1,600 steps, 3-second prompts, a 25 frames/s codec fitted on 2,400 s of training audio.
 Variants: ``--prompt-seconds``, ``--plain-tts-share`` (part of the TTS share trained unprompted
-on the same data), ``--frame-rate`` (the prompted recipe's codec), ``--tag`` (names the variant's
+on the same data), ``--codec mel[:BOOKSxSIZE]`` (both recipes on the mel codec, decoded by
+HiFi-GAN), ``--frame-rate`` (the prompted recipe's k-means codec), ``--tag`` (names the variant's
 run; variants share the data and the baseline), ``--no-baseline``, and extra
 ``--section.key value`` train overrides. The tried variants and their figures are in
 docs/quality.md, *Speaker-prompted TTS: the learning benchmark*.
@@ -101,14 +102,15 @@ def build_data(work: str, a: argparse.Namespace) -> dict:
     grammar_file = os.path.join(work, "grammar.jsgf")
     with open(grammar_file, "w") as f:
         f.write(grammar.jsgf())
-    sets = {  # (manifests, codec frame rate): the baseline is the demo recipe's 25 frames/s
+    sets = {  # (manifests, k-means frame rate): the baseline is the demo recipe's 25 frames/s
         "voices": ({"train": multi.train, "heldout": multi.heldout,
                     "heldout_speakers": multi.heldout_speakers}, a.frame_rate),
         "one_voice": ({"train": single.train, "heldout": single.heldout}, 25),
     }  # fmt: skip
     prepared: dict[str, dict[str, str]] = {}
     for corpus, (manifests, rate) in sets.items():
-        folder = os.path.join(work, corpus if rate == 25 else f"{corpus}_{rate}fps")
+        suffix, fit = codec_fit(a, rate)
+        folder = os.path.join(work, corpus + suffix)
         codec = os.path.join(folder, "codec")
         for name, manifest in manifests.items():
             out = os.path.join(folder, "prepared", name)
@@ -117,14 +119,28 @@ def build_data(work: str, a: argparse.Namespace) -> dict:
                 continue
             how = ["--codec", codec]
             if name == "train":  # each recipe fits its codec on its own training audio
-                how = ["--fit-kmeans-codec", codec, "--kmeans-frame-rate", str(rate),
-                       "--kmeans-seconds", f"{a.kmeans_seconds:g}"]  # fmt: skip
+                how = [fit[0], codec, *fit[1:], "--kmeans-seconds", f"{a.kmeans_seconds:g}"]
             run_command(
                 [console("torchtitan"), "prepare", "--manifest", manifest, *how, "--tokenizer",
                  tok, "--out", out, "--workers", str(a.workers), "--no-progress"],
             )  # fmt: skip
     return {"backbone": backbone, "grammar": grammar_file, "prepared": prepared,
             "seen": multi.seen, "held_out": multi.held_out, "n_train": n_train}  # fmt: skip
+
+
+def codec_fit(a, rate: int) -> tuple[str, list[str]]:
+    """``--codec``'s corpus-folder suffix and ``torchtitan prepare`` fit flags: ``kmeans`` at
+    ``rate`` frames/s (no suffix at the demo's 25), or ``mel[:BOOKSxSIZE]`` (2 x 1024, the
+    demo's mel codec; its frame rate is the vocoder's 21.5/s, so ``--frame-rate`` does not
+    apply)."""
+    kind, _, shape = a.codec.partition(":")
+    if kind == "kmeans":
+        suffix = "" if rate == 25 else f"_{rate}fps"
+        return suffix, ["--fit-kmeans-codec", "--kmeans-frame-rate", str(rate)]
+    if kind != "mel":
+        raise SystemExit(f"--codec {a.codec}: kmeans or mel[:BOOKSxSIZE]")
+    books, _, size = (shape or "2x1024").partition("x")
+    return f"_mel{books}x{size}", ["--fit-mel-codec", "--codebooks", books, "--codebook-size", size]
 
 
 def mixture(task: str, a) -> str:
@@ -144,6 +160,8 @@ def run_name(kind: str, mix: str, a, prompted: bool) -> str:
     settings = [a.steps, mix, a.kmeans_seconds, a.train_args]
     if prompted:
         settings += [a.prompt_seconds, a.frame_rate]
+    if a.codec != "kmeans":  # (k-means runs keep the digests they had before --codec)
+        settings.append(a.codec)
     digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:8]
     return f"{kind}{a.tag if prompted else ''}-{digest}"
 
@@ -230,6 +248,11 @@ def main() -> int:
         "--frame-rate", type=int, default=25, help="the prompted recipe's k-means codec frames/s"
     )
     p.add_argument(
+        "--codec",
+        default="kmeans",
+        help="both recipes' codec: kmeans (4 x 256) or mel[:BOOKSxSIZE] (2 x 1024, the demo's)",
+    )
+    p.add_argument(
         "--quality-items", type=int, default=5, help="DNSMOS items per scored set (0: none)"
     )
     p.add_argument("--eval-limit", type=int, default=0, help="items per scored set (0: all)")
@@ -237,7 +260,7 @@ def main() -> int:
         "--kmeans-seconds",
         type=float,
         default=2400.0,
-        help="audio each k-means codec is fitted on (torchtitan prepare --kmeans-seconds)",
+        help="audio each fitted codec is fitted on (torchtitan prepare --kmeans-seconds)",
     )
     p.add_argument("--workers", type=int, default=2, help="torchtitan prepare --workers")
     p.add_argument("--tag", default="", help="names the prompted run (variants share the data)")
@@ -311,6 +334,7 @@ def main() -> int:
             "baseline_mixture": base_mix,
             "prompt_seconds": a.prompt_seconds,
             "frame_rate": a.frame_rate,
+            "codec": a.codec,
             "config": os.path.relpath(CONFIG, os.path.dirname(HERE)),
             "overrides": a.train_args,
             "tag": a.tag,
