@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_speechlm.commands.prepare_args import build_parser as build_prepare_parser
 from torchtitan_speechlm.cli import PARSERS
+from torchtitan_speechlm.commands.prepare_args import build_parser as build_prepare_parser
 
 SNAPSHOT = Path(__file__).with_name("parser_snapshot.json")
 COMMANDS = ("eval", "export", "generate", "prefer", "prepare", "serve")
