@@ -55,7 +55,7 @@ def sample_inputs(layout, seed=0):
 
 def test_export_loads_back_with_identical_logits(trained, tmp_path):
     out = tmp_path / "exported"
-    assert main(["--checkpoint", trained["step"], "--out", str(out)]) == 0
+    assert main(["--checkpoint", trained["step"], "--out-dir", str(out)]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "speechlm" and cfg["codec"]["folder"] == "codec"
     assert (out / "vocab.json").is_file() and (out / "tokenizer.json").is_file()
@@ -94,7 +94,7 @@ def test_text_lm_loads_into_transformers_with_the_same_text_logits(trained, tmp_
         for folder in (out / "text", tmp_path / "text_only"):
             if folder.name == "text_only":
                 assert (
-                    main(["--checkpoint", trained["step"], "--out", str(folder), "--text-only"])
+                    main(["--checkpoint", trained["step"], "--out-dir", str(folder), "--text-only"])
                     == 0
                 )
             hf = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
@@ -137,11 +137,11 @@ def test_bad_input_is_refused_naming_the_file(trained, tmp_path, capsys):
     out = tmp_path / "exported"
     export(trained["step"], str(out))
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    assert main(["--checkpoint", trained["step"], "--out", str(out)]) == 2
+    assert main(["--checkpoint", trained["step"], "--out-dir", str(out)]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
     # an export given back to export, by the name generate/eval/serve use (--model)
-    assert main(["--model", str(out), "--out", str(tmp_path / "again")]) == 2
+    assert main(["--model", str(out), "--out-dir", str(tmp_path / "again")]) == 2
     err = capsys.readouterr().err
     assert f"{out} is a model folder (it has a config.json), not a training checkpoint" in err
     assert not (tmp_path / "again").exists()

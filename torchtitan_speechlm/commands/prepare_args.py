@@ -109,11 +109,14 @@ class PrepareArgs:
         "is finished, else list the missing shards and parts and exit 1; the last part to "
         "finish does this itself",
     )
-    batch_size: int = flag(
-        8, help="clips per codec call (8): larger is faster on a GPU, costs memory"
+    codec_batch_size: int = flag(
+        8,
+        old=("--batch-size",),
+        help="clips per codec call (8): larger is faster on a GPU, costs memory",
     )
     device: str = flag(
-        "cpu", help="torch device for the codec, e.g. cuda (cuda:LOCAL_RANK under torchrun/srun)"
+        "cpu",
+        help="torch device for the codec (cpu), e.g. cuda (cuda:LOCAL_RANK under torchrun/srun)",
     )
     workers: int = flag(
         1, help="encoding processes (1); with --device cuda and several GPUs, each on its own"
