@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.helpers import make_tiny_run_assets, run_train, text_only_inputs, write_tiny_config
-from torchtitan_speechlm.commands.export import export, main
+from torchtitan_speechlm.commands.export import export, export_command, main
+from torchtitan_speechlm.commands.export_args import ExportArgs
 from torchtitan_speechlm.model.model import SpeechLM, build_model
 from torchtitan_speechlm.model.pretrained import (
     PretrainedError,
@@ -131,6 +132,22 @@ def test_an_export_has_the_modes_of_the_users_umask(trained, tmp_path, umask):
     assert any(p.endswith(".safetensors") for p in modes) and "text" in modes
     want = {p: (0o777 if os.path.isdir(out / p) else 0o666) & ~umask for p in modes}
     assert modes == want
+
+
+def test_export_command_from_python_and_the_old_out_spelling(trained, tmp_path, capsys):
+    """``export_command(ExportArgs)``: the command without a command line; ``--out``, the
+    folder flag's old spelling, writes the same folder and says ``--out-dir`` in one line."""
+    args = ExportArgs(checkpoint=trained["step"], out_dir=str(tmp_path / "a"), dtype="bf16")
+    assert export_command(args) == 0
+    said = capsys.readouterr()
+    assert said.err == "" and f"to {tmp_path / 'a'}:" in said.out
+    assert main(["--checkpoint", trained["step"], "--out", str(tmp_path / "b"), "--dtype",
+                 "bf16"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out is now --out-dir: use --out-dir" in err
+    assert sorted(os.listdir(tmp_path / "a")) == sorted(os.listdir(tmp_path / "b"))
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
 
 
 def test_bad_input_is_refused_naming_the_file(trained, tmp_path, capsys):

@@ -128,9 +128,10 @@ class EvalArgs(JudgeArgs, DecodingArgs):
         "dialogue ends in, e.g. spoken QA)",
     )
     valid_fraction: float = flag(
-        0.0, help="only the items training held out with this fraction (its id hash)"
+        0.0,
+        help="only the items training held out with this fraction (its id hash; 0: all items)",
     )
-    limit: int = flag(0, help="at most this many items per set")
+    limit: int = flag(0, help="at most this many items per set (0: all)")
     out: str | None = flag(None, metavar="FILE.json", help="write the results as JSON here")
     report: str | None = flag(
         None, metavar="DIR", help="write DIR/index.html with audio and spectrograms"

@@ -149,7 +149,7 @@ class PrepareArgs:
         0,
         metavar="RATE",
         help="also store each item's waveform (mono int16 at RATE Hz) for a continuous audio "
-        "encoder (docs/audio-encoder.md); --manifest only",
+        "encoder (docs/audio-encoder.md); --manifest only (0: none)",
     )
     imports: list[str] = flag(
         [],
