@@ -242,6 +242,9 @@ class GenerateArgs(DecodingArgs):
         if self.out_dir is not None and not self.batch:
             raise ValueError("--out-dir is the folder of a --batch's outputs; one request "
                              "writes --out FILE")  # fmt: skip
+        if self.out is not None and self.batch:
+            raise ValueError("--out is one request's FILE; a --batch writes into --out-dir "
+                             "FOLDER")  # fmt: skip
 
     def command_line(self, names: list[str] | None = None) -> list[str]:
         """The ``torchtitan generate`` flags giving the fields ``names`` (all by default)."""

@@ -102,6 +102,8 @@ def test_generate_checks_its_args_before_the_model(capsys, tmp_path):
     assert "--batch-size 0: at least 1" in capsys.readouterr().err
     assert generate(GenerateArgs(model="m", task="tts", text="hi", out_dir="o")) == 2
     assert "--out-dir is the folder of a --batch's outputs" in capsys.readouterr().err
+    assert generate(GenerateArgs(model="m", batch="b.jsonl", out="o.wav")) == 2
+    assert "--out is one request's FILE; a --batch writes into --out-dir" in capsys.readouterr().err
     args = GenerateArgs(model=str(tmp_path / "none"), task="tts", text="hi", progress=False)
     assert generate(args) == 2  # no such model: one line
     assert "torchtitan generate: error:" in capsys.readouterr().err
