@@ -112,8 +112,8 @@ def add_flag(target, *names: str, old: tuple[str, ...] = (), **kw: Any) -> argpa
     spellings ``old`` as aliases (``renamed``; its help says them)."""
     if old:
         kw["action"] = renamed(kw.get("action"), old, names[0])
-        said = ", ".join(old)
-        kw["help"] = f"{kw['help']} ({said}: the old spelling, still taken)"
+        said = f"{', '.join(old)}: the old spelling, still taken"
+        kw["help"] = f"{kw['help']} ({said})" if kw.get("help") else said
     return target.add_argument(*names, *old, **kw)
 
 

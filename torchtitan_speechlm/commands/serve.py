@@ -53,7 +53,7 @@ from torchtitan_speechlm.serving.vllm_process import VllmProcess
 from torchtitan_speechlm.serving.voices import load_voices
 
 SERVE_DEPS = ("fastapi", "uvicorn", "multipart", "starlette", "pydantic")
-try:  # the serve extra; without it the command says what to install (``run``)
+try:  # the serve extra; without it the command says what to install (``serve``)
     from torchtitan_speechlm.serving.access_log import LOGGER
     from torchtitan_speechlm.serving.app import App
     from torchtitan_speechlm.serving.browsers import default_trusted_hosts, split_list
