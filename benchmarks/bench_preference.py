@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(loop, exist_ok=True)
     config = write_config(a.demo, os.path.join(loop, "dpo.toml"), a)
     t_loop = time.perf_counter()
-    cmd = [console("torchtitan"), "prefer", "--config", config, "--prompts", f"tts:{prompts}",
+    cmd = [console("torchtitan"), "prefer", "--job.config_file", config, "--prompts", f"tts:{prompts}",
            "--work", loop, "--rounds", str(a.rounds), "--steps", str(a.steps), "--limit",
            str(a.prompts), "--samples", str(a.samples), "--temperature", str(a.temperature),
            "--reward", a.reward, "--judge-asr", a.reward_judge, "--judge-speaker", "none",

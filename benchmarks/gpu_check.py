@@ -406,7 +406,7 @@ class Check:
                                       "note": "no training run passed: nothing to export"})  # fmt: skip
             return
         note = f"from {Path(source).parent.parent.parent.name}"
-        self.run("export", self.cli("export", "--checkpoint", source, "--out", str(export),
+        self.run("export", self.cli("export", "--checkpoint", source, "--out-dir", str(export),
                                     "--force"), note=note)  # fmt: skip
         wav = self.work / "tts.wav"
         self.run("generate_tts", self.cli(

@@ -135,7 +135,7 @@ def test_a_broken_command_is_caught():
     bad = [
         "python benchmarks/bench_vs_llama3.py --sizes debug --steps 5",  # flags of old
         "torchtitan eval --model DIR",  # --valid is required
-        "torchtitan export --checkpoint C --out O --dtype fp8",  # not a choice
+        "torchtitan export --checkpoint C --out-dir O --dtype fp8",  # not a choice
         "torchtitan train --job.config_file train_configs/no_such.toml",
         "torchtitan train --job.config_file X.toml --training.no_such_key 3",
         "torchtitan synthesise --model DIR",  # no such subcommand

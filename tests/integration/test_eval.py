@@ -724,7 +724,7 @@ def test_the_online_loop_runs_its_rounds_and_a_rerun_continues(model, tmp_path):
     )  # fmt: skip
     open(cfg, "w").write(text)
     sampling = [*JUDGE_FLAGS, *DECODE, "--temperature", "1.0", "--text-temperature", "1.0"]
-    args = ["--config", cfg, "--prompts", f"tts:{data}", "--prompts", f"asr:{data}", "--work",
+    args = ["--job.config_file", cfg, "--prompts", f"tts:{data}", "--prompts", f"asr:{data}", "--work",
             str(work), "--steps", "2", "--samples", "3", "--reward", "tts:cer=-1,dnsmos=1",
             "--train-arg", "training.seq_len=512", *sampling]  # fmt: skip
     assert run(build_parser().parse_args([*args, "--rounds", "1"])) == 0

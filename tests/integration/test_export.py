@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.helpers import make_tiny_run_assets, run_train, text_only_inputs, write_tiny_config
-from torchtitan_speechlm.commands.export import export, main
+from torchtitan_speechlm.commands.export import export, export_command, main
+from torchtitan_speechlm.commands.export_args import ExportArgs
 from torchtitan_speechlm.model.model import SpeechLM, build_model
 from torchtitan_speechlm.model.pretrained import (
     PretrainedError,
@@ -55,7 +56,7 @@ def sample_inputs(layout, seed=0):
 
 def test_export_loads_back_with_identical_logits(trained, tmp_path):
     out = tmp_path / "exported"
-    assert main(["--checkpoint", trained["step"], "--out", str(out)]) == 0
+    assert main(["--checkpoint", trained["step"], "--out-dir", str(out)]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "speechlm" and cfg["codec"]["folder"] == "codec"
     assert (out / "vocab.json").is_file() and (out / "tokenizer.json").is_file()
@@ -94,7 +95,7 @@ def test_text_lm_loads_into_transformers_with_the_same_text_logits(trained, tmp_
         for folder in (out / "text", tmp_path / "text_only"):
             if folder.name == "text_only":
                 assert (
-                    main(["--checkpoint", trained["step"], "--out", str(folder), "--text-only"])
+                    main(["--checkpoint", trained["step"], "--out-dir", str(folder), "--text-only"])
                     == 0
                 )
             hf = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
@@ -133,15 +134,33 @@ def test_an_export_has_the_modes_of_the_users_umask(trained, tmp_path, umask):
     assert modes == want
 
 
+def test_export_command_from_python_and_the_old_out_spelling(trained, tmp_path, capsys):
+    """``export_command(ExportArgs)``: the command without a command line; ``--out``, the
+    folder flag's old spelling, writes the same folder and says ``--out-dir`` in one line."""
+    args = ExportArgs(checkpoint=trained["step"], out_dir=str(tmp_path / "a"), dtype="bf16")
+    assert export_command(args) == 0
+    said = capsys.readouterr()
+    assert "is now" not in said.err and f"to {tmp_path / 'a'}:" in said.out
+    assert main(["--checkpoint", trained["step"], "--out", str(tmp_path / "b"), "--dtype",
+                 "bf16"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "is now" in line]  # (and transformers' bars)
+    assert said == ["torchtitan export: --out is now --out-dir: use --out-dir (the old spelling "
+                    "still works)"], err  # fmt: skip
+    assert sorted(os.listdir(tmp_path / "a")) == sorted(os.listdir(tmp_path / "b"))
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+
+
 def test_bad_input_is_refused_naming_the_file(trained, tmp_path, capsys):
     out = tmp_path / "exported"
     export(trained["step"], str(out))
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    assert main(["--checkpoint", trained["step"], "--out", str(out)]) == 2
+    assert main(["--checkpoint", trained["step"], "--out-dir", str(out)]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
     # an export given back to export, by the name generate/eval/serve use (--model)
-    assert main(["--model", str(out), "--out", str(tmp_path / "again")]) == 2
+    assert main(["--model", str(out), "--out-dir", str(tmp_path / "again")]) == 2
     err = capsys.readouterr().err
     assert f"{out} is a model folder (it has a config.json), not a training checkpoint" in err
     assert not (tmp_path / "again").exists()

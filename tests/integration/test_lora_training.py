@@ -105,8 +105,8 @@ def assert_exports_agree(step: str, tmp_path) -> None:
     the LoRA model computes; the PEFT adapter on ``text/`` equals the merged ``text/``."""
     from transformers import AutoModelForCausalLM
 
-    assert export_main(["--checkpoint", step, "--out", str(tmp_path / "merged")]) == 0
-    assert export_main(["--checkpoint", step, "--out", str(tmp_path / "ad"), "--adapter"]) == 0
+    assert export_main(["--checkpoint", step, "--out-dir", str(tmp_path / "merged")]) == 0
+    assert export_main(["--checkpoint", step, "--out-dir", str(tmp_path / "ad"), "--adapter"]) == 0
     unmerged = load_model(step).model
     merged = SpeechLM.from_pretrained(str(tmp_path / "merged"))
     assert not any(is_lora_param(n) for n, _ in merged.named_parameters())
@@ -147,8 +147,8 @@ def test_the_adapter_folder_loads_from_any_directory(lora_run, tmp_path, monkeyp
     from transformers import AutoModelForCausalLM
 
     step = str(lora_run / "checkpoint" / "step-4")
-    assert export_main(["--checkpoint", step, "--out", str(tmp_path / "merged")]) == 0
-    assert export_main(["--checkpoint", step, "--out", str(tmp_path / "ad"), "--adapter"]) == 0
+    assert export_main(["--checkpoint", step, "--out-dir", str(tmp_path / "merged")]) == 0
+    assert export_main(["--checkpoint", step, "--out-dir", str(tmp_path / "ad"), "--adapter"]) == 0
     config = json.loads((tmp_path / "ad" / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tmp_path / "ad" / "text")
     (tmp_path / "elsewhere").mkdir()
@@ -168,7 +168,7 @@ def test_adapter_export_of_a_run_without_lora_is_refused(lora_run, tmp_path, cap
     (tmp_path / "dump" / "checkpoint" / "step-1").mkdir(parents=True)
     write_checked_json(str(tmp_path / "dump" / "speechlm_run.json"), record)  # sealed, not damaged
     step = str(tmp_path / "dump" / "checkpoint" / "step-1")
-    assert export_main(["--checkpoint", step, "--out", str(tmp_path / "x"), "--adapter"]) == 2
+    assert export_main(["--checkpoint", step, "--out-dir", str(tmp_path / "x"), "--adapter"]) == 2
     assert "not from a LoRA run" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 

@@ -24,8 +24,8 @@ import soundfile as sf
 from tests.helpers import make_tiny_run_assets, train_mixture
 from torchtitan_speechlm import cli
 from torchtitan_speechlm.commands.generate import generate_main
-from torchtitan_speechlm.commands.serve import build
-from torchtitan_speechlm.commands.serve_args import build_parser
+from torchtitan_speechlm.commands.serve import access, build
+from torchtitan_speechlm.commands.serve_args import ServeArgs, build_parser
 from torchtitan_speechlm.data.template_pieces import Segment
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder, Sampling
@@ -62,8 +62,8 @@ def runs(tmp_path_factory):
 def serving(*argv: str):
     """`torchtitan serve ARGV` started as the command starts it, on a free port: the openai
     client, the access log's JSON lines, its batcher."""
-    a = build_parser().parse_args([*argv, "--port", "0", *DECODING])
-    server, batcher = build(a)
+    a = ServeArgs.from_namespace(build_parser().parse_args([*argv, "--port", "0", *DECODING]))
+    server, batcher = build(a, access(a))
     lines: list[str] = []
     server.app.log = lines.append
     batcher.start()

@@ -1,7 +1,11 @@
 """``torchtitan export``: a training checkpoint -> a self-contained model folder.
 
-    torchtitan export --checkpoint DUMP/checkpoint/step-N --out DIR [--dtype bf16|fp32|fp16]
+    torchtitan export --checkpoint DUMP/checkpoint/step-N --out-dir DIR [--dtype bf16|fp32|fp16]
                       [--text-only] [--adapter] [--max-shard-size 5GB] [--force]
+
+``export_command(ExportArgs)`` is the command as a Python function (commands/export_args.py: the
+settings, one field per flag); ``main(argv)`` parses a command line into it; ``export`` below is
+the work itself, for a caller with a checkpoint and a folder.
 
 Reads the DCP checkpoint in one CPU process without a process group (whatever number of ranks
 wrote it), rebuilds the model from the run's ``speechlm_run.json``, checks every parameter is
@@ -25,7 +29,7 @@ import tempfile
 
 import torch
 
-from torchtitan_speechlm.commands.export_args import DTYPE_NAMES, build_parser
+from torchtitan_speechlm.commands.export_args import DTYPE_NAMES, ExportArgs, build_parser
 from torchtitan_speechlm.model.backbones import split_stacked
 from torchtitan_speechlm.model.lora import (
     adapter_tensors,
@@ -147,7 +151,9 @@ def export(
             "DUMP/checkpoint/step-N of a `torchtitan train` run"
         )
     if os.path.exists(out) and not force:
-        raise PretrainedError(f"{out} exists; pass --force to replace it, or choose another --out")
+        raise PretrainedError(
+            f"{out} exists; pass --force to replace it, or choose another --out-dir"
+        )
     if dtype not in DTYPES:
         raise PretrainedError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     record = record_for_checkpoint(checkpoint)
@@ -230,29 +236,29 @@ def _copy_tokenizer(path: str, out: str, skip=()) -> None:
             shutil.copy2(os.path.join(path, name), os.path.join(out, name))
 
 
-def parse_size(text: str) -> int:
-    units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
-    for unit, factor in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    """``torchtitan export`` of a command line (without the command's name)."""
+    return export_command(ExportArgs.from_namespace(build_parser().parse_args(argv)))
 
 
 def run(a: argparse.Namespace) -> int:
+    """``torchtitan export`` of the command line cli.py parsed."""
+    return export_command(ExportArgs.from_namespace(a))
 
+
+def export_command(args: ExportArgs) -> int:
+    """``torchtitan export``: ``args.checkpoint`` written as a model folder at ``args.out_dir``;
+    the exit status (2: an error, said on stderr)."""
     try:
+        args.validate()
         summary = export(
-            a.checkpoint,
-            a.out,
-            a.dtype,
-            a.text_only,
-            parse_size(a.max_shard_size),
-            a.force,
-            a.adapter,
+            args.checkpoint,
+            args.out_dir,
+            args.dtype,
+            args.text_only,
+            args.shard_bytes(),
+            args.force,
+            args.adapter,
         )
     except (PretrainedError, ValueError, FileNotFoundError) as e:
         print(f"torchtitan export: error: {e}", file=sys.stderr)

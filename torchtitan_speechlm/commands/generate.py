@@ -23,6 +23,12 @@ each result is written to ``out-dir/ID.wav`` or ``ID.txt`` and a line of ``resul
 ``evaluation/tts_scores.py``: the scoring; ASR and dialogue sets: ``evaluation/text_scores.py``),
 prints ``evaluation/results_table.py``'s table and writes an HTML report with ``--report``
 (``evaluation/report.py``).
+
+``generate(GenerateArgs)`` and ``evaluate(EvalArgs)`` are the commands as Python functions
+(commands/generate_args.py: the settings, one field per flag, checked once by their
+``validate``); ``generate_main(argv)`` / ``eval_main(argv)`` parse a command line into them.
+The decoding flags become the decoder's ``DecodeConfig`` in commands/decoding.py (``serve``
+uses it too).
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ import os
 import sys
 import time
 
+from torchtitan_speechlm.commands.decoding import decode_config
 from torchtitan_speechlm.commands.generate_args import (
     EvalArgs,
+    GenerateArgs,
     build_eval_parser,
     build_generate_parser,
 )
@@ -61,24 +69,9 @@ from torchtitan_speechlm.generation.decode import DecodeConfig
 from torchtitan_speechlm.generation.loading import load_model
 from torchtitan_speechlm.generation.progress_lines import FrameCounter, frame_limit_line
 from torchtitan_speechlm.generation.requests import TEXT_OUT, Outcome, Request, run_requests
-from torchtitan_speechlm.generation.sampling import Sampling
 from torchtitan_speechlm.generation.streaming import WavFileStream
 from torchtitan_speechlm.utils.progress import Progress
 from torchtitan_speechlm.utils.text_files import line_not_utf8
-
-
-def decode_config(a) -> DecodeConfig:
-    return DecodeConfig(
-        text=Sampling(a.text_temperature, a.text_top_k, a.text_top_p),
-        audio=Sampling(a.temperature, a.top_k, a.top_p),
-        cfg_scale=a.cfg_scale,
-        min_frames=a.min_frames,
-        max_frames=a.max_frames,
-        max_text_tokens=a.max_text_tokens,
-        use_cache=not a.no_cache,
-        seed=a.seed,
-        compile=a.compile,
-    )
 
 
 def write_outcome(
@@ -128,16 +121,26 @@ class _Streams(dict):
 
 
 def generate_main(argv: list[str] | None = None) -> int:
-    return run_generate(build_generate_parser().parse_args(argv))
+    """``torchtitan generate`` of a command line (without the command's name)."""
+    return generate(GenerateArgs.from_namespace(build_generate_parser().parse_args(argv)))
 
 
 def run_generate(a: argparse.Namespace) -> int:
-    with Progress("torchtitan generate", a.progress) as progress:
-        return _generate(a, progress)
+    """``torchtitan generate`` of the command line cli.py parsed."""
+    return generate(GenerateArgs.from_namespace(a))
 
 
-def _generate(a: argparse.Namespace, progress: Progress) -> int:
+def generate(args: GenerateArgs) -> int:
+    """``torchtitan generate``: one request (``args.task``, written to ``args.out``) or a
+    batch file of them (``args.batch``, written into ``args.out_dir``) with ``args.model``; the
+    exit status (2: an error, said on stderr; 1: a batch with failed requests)."""
+    with Progress("torchtitan generate", args.progress) as progress:
+        return _generate(args, progress)
+
+
+def _generate(a: GenerateArgs, progress: Progress) -> int:
     try:
+        a.validate()
         loaded = _load(a.model, a.device, progress)
         cfg = decode_config(a)
         if a.batch:

@@ -1,4 +1,7 @@
-"""The arguments of ``torchtitan generate`` and ``torchtitan eval`` (commands/generate.py).
+"""The arguments of ``torchtitan generate`` and ``torchtitan eval`` (commands/generate.py):
+``GenerateArgs`` and ``EvalArgs``, whose fields are the flags (commands/flag_fields.py); the
+decoding flags (``DecodingArgs``: ``serve`` and ``prefer`` take them too) and the judge flags
+(``JudgeArgs``: ``prefer`` too) are base classes of them.
 
 Standard library only: cli.py parses a command line with these parsers before it imports the
 command (torch, the model, the judges), so ``--help`` and a mistyped flag answer at once.
@@ -7,56 +10,23 @@ command (torch, the model, the judges), so ``--help`` and a mistyped flag answer
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from torchtitan_speechlm.commands.flag_fields import add_flags, command_line, flag
+from torchtitan_speechlm.commands.flag_fields import (
+    add_flags,
+    command_line,
+    flag,
+    flag_fields,
+    from_namespace,
+)
 from torchtitan_speechlm.evaluation.pairs import check_sampling
 
 EVAL_TASKS = ("asr", "tts", "tts_prompt", "dialogue")  # the TASK of ``--valid TASK:DATA``
-
-
-def build_generate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchtitan generate", description="generate with a SpeechLM")
-    p.add_argument("--model", required=True, help="a checkpoint step folder or an export folder")
-    p.add_argument("--task", help="tts, asr, continuation or answer (spoken QA)")
-    p.add_argument("--text", help="tts: the text to speak; answer: an instruction (optional)")
-    p.add_argument(
-        "--audio", help="asr / continuation / answer: an audio file (any rate, any channels)"
-    )
-    p.add_argument(
-        "--prompt",
-        help="tts: a recording of the voice to speak in (any rate, any channels; cut to the "
-        "model's prompt_seconds); for models trained with the tts_prompt task",
-    )
-    p.add_argument("--out", help="the wav (tts, continuation) or text file (asr, answer)")
-    p.add_argument("--batch", help="a JSONL file of requests")
-    p.add_argument("--out-dir", help="with --batch: where outputs and results.jsonl go")
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=8,
-        help="with --batch: requests decoded together (grouped by task and length; 8)",
-    )
-    p.add_argument(
-        "--stream",
-        action="store_true",
-        help="write each wav while it is generated (the codec's stream decoder); the result "
-        "line gives the time to first audio",
-    )
-    add_progress_arg(p, "the model loaded, frames decoded")
-    add_decoding_args(p)
-    return p
+MODEL_HELP = "a checkpoint step folder or an export folder"
 
 
 def progress_help(what: str) -> str:
     return f"no progress lines on stderr ({what}; a line at least every 5 s otherwise)"
-
-
-def add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
-    """``--no-progress`` (``--quiet``): no progress lines on stderr, for scripts."""
-    p.add_argument(
-        "--no-progress", "--quiet", dest="progress", action="store_false", help=progress_help(what)
-    )
 
 
 PAIRS = "preference pairs (docs/preference.md)"
@@ -65,64 +35,41 @@ DECODING = "decoding"
 
 
 @dataclass(kw_only=True)
-class EvalArgs:
-    """The settings of ``torchtitan eval``: each field is a flag (its dest, default, help:
-    commands/flag_fields.py), ``build_eval_parser`` is generated from them, and ``evaluate``
-    (commands/generate.py) takes the value whole. The judge and decoding flags are shared with
-    ``generate``, ``serve`` and ``prefer`` (``add_judge_args``, ``add_decoding_args``)."""
+class DecodingArgs:
+    """The decoding flags, shared by ``generate``, ``eval``, ``serve`` and ``prefer``
+    (commands/decoding.py's ``decode_config`` makes them a ``DecodeConfig``)."""
 
-    model: str = flag(help="a checkpoint step folder or an export folder")
-    valid: list[str] = flag(
-        action="append",
-        metavar="TASK:DATA",
-        help="asr:NAME, tts:NAME, tts_prompt:NAME or dialogue:NAME (a dataset of the run, or "
-        "a prepared folder; tts_prompt: each item prompted with another utterance of its "
-        "speaker, scored by SIM to the prompt and speaker ID; dialogue: the answer each "
-        "dialogue ends in, e.g. spoken QA)",
+    temperature: float = flag(0.0, group=DECODING, help="audio sampling (%(default)g; 0 = greedy)")
+    top_k: int = flag(0, group=DECODING, help="audio: the k most likely codes (0 = all)")
+    top_p: float = flag(1.0, group=DECODING, help="audio: nucleus mass (1 = off)")
+    text_temperature: float = flag(0.0, group=DECODING, help="text (%(default)g; 0 = greedy)")
+    text_top_k: int = flag(0, group=DECODING, help="text: as --top-k (0 = all)")
+    text_top_p: float = flag(1.0, group=DECODING, help="text: as --top-p (1 = off)")
+    cfg_scale: float = flag(1.0, group=DECODING, help="TTS guidance (1 = off)")
+    min_frames: int = flag(1, group=DECODING, help="TTS: no end before (1)")
+    max_frames: int = flag(
+        500,
+        group=DECODING,
+        help="TTS: audio frames at most (500); a generation cut here is reported as such",
     )
-    valid_fraction: float = flag(
-        0.0, help="only the items training held out with this fraction (its id hash)"
+    max_text_tokens: int = flag(200, group=DECODING, help="ASR: text tokens at most (200)")
+    seed: int = flag(0, group=DECODING, help="the sampling seed (0)")
+    no_cache: bool = flag(False, group=DECODING, help="recompute every step (slow)")
+    compile: str = flag(
+        "auto",
+        group=DECODING,
+        choices=("auto", "on", "graphs", "off"),
+        help="the one-frame decode step under torch.compile (auto: on CUDA, for the native and "
+        "qwen3 backbones' static cache; on: also on a CPU; graphs: torch.compile's "
+        "reduce-overhead mode, replayed as CUDA graphs, CUDA only; off) (default: auto)",
     )
-    limit: int = flag(0, help="at most this many items per set")
-    out: str | None = flag(None, metavar="FILE.json", help="write the results as JSON here")
-    report: str | None = flag(
-        None, metavar="DIR", help="write DIR/index.html with audio and spectrograms"
-    )
-    progress: bool = flag(
-        True,
-        names=("--no-progress", "--quiet"),
-        action="store_false",
-        help=progress_help("per item: done, seconds per phase"),
-    )
-    samples: int = flag(
-        1,
-        group=PAIRS,
-        metavar="K",
-        help="with --pairs: K samples per item, sample k decoded with seed --seed + k",
-    )
-    pairs: str | None = flag(
-        None,
-        group=PAIRS,
-        metavar="FILE.jsonl",
-        help="write each item's best and worst judged sample as a preference pair (the "
-        "`torchtitan prepare --preference` format; tts, asr and tts_prompt sets) and every sample to "
-        "FILE.samples.jsonl",
-    )
-    reward: list[str] | None = flag(
-        None,
-        group=PAIRS,
-        action="append",
-        metavar="[TASK:]SCORE=W,...",
-        help="the reward ranking the samples: a weighted sum of wer, cer, sim, dnsmos, ended, "
-        "duration_ratio_error, self_wer, self_cer (asr sets: wer, cer; tts_prompt sets: sim is "
-        "SIM to the prompt); TASK: for one task's sets only, e.g. --reward tts:wer=-1,ended=0.5 "
-        "--reward asr:wer=-1 --reward tts_prompt:sim=1,wer=-1 (default wer=-1)",
-    )
-    pair_margin: float = flag(
-        0.0,
-        group=PAIRS,
-        help="no pair where the best and worst rewards differ by this or less (0)",
-    )
+    device: str = flag("cpu", group=DECODING, help="torch device (cpu), e.g. cuda")
+
+
+@dataclass(kw_only=True)
+class JudgeArgs:
+    """The judge flags, shared by ``eval`` and ``prefer``."""
+
     judge_asr: str = flag(
         "pocketsphinx",
         group=JUDGES,
@@ -162,36 +109,73 @@ class EvalArgs:
         help="the quality judge scores only the first N items of each TTS set (0: all); "
         "DNSMOS costs about 1.5 s per short clip, for the generated and the reference audio",
     )
-    temperature: float = flag(0.0, group=DECODING, help="audio sampling (0 = greedy)")
-    top_k: int = flag(0, group=DECODING, help="audio: the k most likely codes (0 = all)")
-    top_p: float = flag(1.0, group=DECODING, help="audio: nucleus mass (1 = off)")
-    text_temperature: float = flag(0.0, group=DECODING, help="text (0 = greedy)")
-    text_top_k: int = flag(0, group=DECODING, help="text: as --top-k (0 = all)")
-    text_top_p: float = flag(1.0, group=DECODING, help="text: as --top-p (1 = off)")
-    cfg_scale: float = flag(1.0, group=DECODING, help="TTS guidance (1 = off)")
-    min_frames: int = flag(1, group=DECODING, help="TTS: no end before (1)")
-    max_frames: int = flag(
-        500,
-        group=DECODING,
-        help="TTS: audio frames at most (500); a generation cut here is reported as such",
+
+
+@dataclass(kw_only=True)
+class EvalArgs(JudgeArgs, DecodingArgs):
+    """The settings of ``torchtitan eval``: each field is a flag (its dest, default, help:
+    commands/flag_fields.py), ``build_eval_parser`` is generated from them, and ``evaluate``
+    (commands/generate.py) takes the value whole. The judge and decoding flags are shared with
+    ``generate``, ``serve`` and ``prefer`` (``add_judge_args``, ``add_decoding_args``)."""
+
+    model: str = flag(help=MODEL_HELP)
+    valid: list[str] = flag(
+        action="append",
+        metavar="TASK:DATA",
+        help="asr:NAME, tts:NAME, tts_prompt:NAME or dialogue:NAME (a dataset of the run, or "
+        "a prepared folder; tts_prompt: each item prompted with another utterance of its "
+        "speaker, scored by SIM to the prompt and speaker ID; dialogue: the answer each "
+        "dialogue ends in, e.g. spoken QA)",
     )
-    max_text_tokens: int = flag(200, group=DECODING, help="ASR: text tokens at most (200)")
-    seed: int = flag(0, group=DECODING, help="the sampling seed (0)")
-    no_cache: bool = flag(False, group=DECODING, help="recompute every step (slow)")
-    compile: str = flag(
-        "auto",
-        group=DECODING,
-        choices=("auto", "on", "graphs", "off"),
-        help="the one-frame decode step under torch.compile (auto: on CUDA, for the native and "
-        "qwen3 backbones' static cache; on: also on a CPU; graphs: torch.compile's "
-        "reduce-overhead mode, replayed as CUDA graphs, CUDA only; off) (default: auto)",
+    valid_fraction: float = flag(
+        0.0,
+        help="only the items training held out with this fraction (its id hash; 0: all items)",
     )
-    device: str = flag("cpu", group=DECODING, help="torch device (cpu), e.g. cuda")
+    limit: int = flag(0, help="at most this many items per set (0: all)")
+    out: str | None = flag(None, metavar="FILE.json", help="write the results as JSON here")
+    report: str | None = flag(
+        None, metavar="DIR", help="write DIR/index.html with audio and spectrograms"
+    )
+    progress: bool = flag(
+        True,
+        names=("--no-progress", "--quiet"),
+        action="store_false",
+        help=progress_help("per item: done, seconds per phase"),
+    )
+    samples: int = flag(
+        1,
+        group=PAIRS,
+        metavar="K",
+        help="with --pairs: K samples per item, sample k decoded with seed --seed + k (1)",
+    )
+    pairs: str | None = flag(
+        None,
+        group=PAIRS,
+        metavar="FILE.jsonl",
+        help="write each item's best and worst judged sample as a preference pair (the "
+        "`torchtitan prepare --preference` format; tts, asr and tts_prompt sets) and every sample to "
+        "FILE.samples.jsonl",
+    )
+    reward: list[str] | None = flag(
+        None,
+        group=PAIRS,
+        action="append",
+        metavar="[TASK:]SCORE=W,...",
+        help="the reward ranking the samples: a weighted sum of wer, cer, sim, dnsmos, ended, "
+        "duration_ratio_error, self_wer, self_cer (asr sets: wer, cer; tts_prompt sets: sim is "
+        "SIM to the prompt); TASK: for one task's sets only, e.g. --reward tts:wer=-1,ended=0.5 "
+        "--reward asr:wer=-1 --reward tts_prompt:sim=1,wer=-1 (default wer=-1)",
+    )
+    pair_margin: float = flag(
+        0.0,
+        group=PAIRS,
+        help="no pair where the best and worst rewards differ by this or less (0)",
+    )
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> EvalArgs:
         """The parsed ``torchtitan eval`` command line (``build_eval_parser().parse_args``)."""
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+        return from_namespace(cls, ns)
 
     def validate(self) -> None:
         """The checks of the settings themselves (before any model or data is read): a
@@ -209,8 +193,72 @@ class EvalArgs:
         return command_line(self, names)
 
 
-JUDGE_FIELDS = tuple(f.name for f in fields(EvalArgs) if f.metadata["group"] == JUDGES)
-DECODING_FIELDS = tuple(f.name for f in fields(EvalArgs) if f.metadata["group"] == DECODING)
+@dataclass(kw_only=True)
+class GenerateArgs(DecodingArgs):
+    """The settings of ``torchtitan generate``: each field is a flag (commands/flag_fields.py),
+    ``build_generate_parser`` is generated from them, and ``generate`` (commands/generate.py)
+    takes the value whole. One request (``--task`` and its inputs, written to ``--out``, a
+    FILE) or a batch file of them (``--batch``, written into ``--out-dir``, a FOLDER)."""
+
+    model: str = flag(help=MODEL_HELP)
+    task: str | None = flag(None, help="tts, asr, continuation or answer (spoken QA)")
+    text: str | None = flag(None, help="tts: the text to speak; answer: an instruction (optional)")
+    audio: str | None = flag(
+        None, help="asr / continuation / answer: an audio file (any rate, any channels)"
+    )
+    prompt: str | None = flag(
+        None,
+        help="tts: a recording of the voice to speak in (any rate, any channels; cut to the "
+        "model's prompt_seconds); for models trained with the tts_prompt task",
+    )
+    out: str | None = flag(None, help="the wav (tts, continuation) or text file (asr, answer)")
+    batch: str | None = flag(None, help="a JSONL file of requests")
+    out_dir: str | None = flag(None, help="with --batch: where outputs and results.jsonl go")
+    batch_size: int = flag(
+        8, help="with --batch: requests decoded together (grouped by task and length; 8)"
+    )
+    stream: bool = flag(
+        False,
+        help="write each wav while it is generated (the codec's stream decoder); the result "
+        "line gives the time to first audio",
+    )
+    progress: bool = flag(
+        True,
+        names=("--no-progress", "--quiet"),
+        action="store_false",
+        help=progress_help("the model loaded, frames decoded"),
+    )
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> GenerateArgs:
+        """The parsed ``torchtitan generate`` command line (``build_generate_parser``)."""
+        return from_namespace(cls, ns)
+
+    def validate(self) -> None:
+        """The checks of the settings themselves (before the model is read): a ValueError
+        naming the flag. (A request's task and inputs are checked against the model.)"""
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size {self.batch_size}: at least 1")
+        if self.out_dir is not None and not self.batch:
+            raise ValueError("--out-dir is the folder of a --batch's outputs; one request "
+                             "writes --out FILE")  # fmt: skip
+        if self.out is not None and self.batch:
+            raise ValueError("--out is one request's FILE; a --batch writes into --out-dir "
+                             "FOLDER")  # fmt: skip
+
+    def command_line(self, names: list[str] | None = None) -> list[str]:
+        """The ``torchtitan generate`` flags giving the fields ``names`` (all by default)."""
+        return command_line(self, names)
+
+
+JUDGE_FIELDS = tuple(f.name for f in flag_fields(JudgeArgs))
+DECODING_FIELDS = tuple(f.name for f in flag_fields(DecodingArgs))
+
+
+def build_generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="torchtitan generate", description="generate with a SpeechLM")
+    add_flags(p, GenerateArgs)
+    return p
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
@@ -220,10 +268,10 @@ def build_eval_parser() -> argparse.ArgumentParser:
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    """The decoding flags (EvalArgs' decoding group)."""
-    add_flags(p, EvalArgs, DECODING_FIELDS)
+    """The decoding flags (``DecodingArgs``)."""
+    add_flags(p, DecodingArgs)
 
 
 def add_judge_args(p: argparse.ArgumentParser) -> None:
-    """The judge flags (EvalArgs' judges group)."""
-    add_flags(p, EvalArgs, JUDGE_FIELDS)
+    """The judge flags (``JudgeArgs``)."""
+    add_flags(p, JudgeArgs)

@@ -1,6 +1,6 @@
 """``torchtitan prefer``: the online preference loop (issue 40, item 3).
 
-    torchtitan prefer --config dpo.toml --prompts tts:data/prepared/train --limit 400 \\
+    torchtitan prefer --job.config_file dpo.toml --prompts tts:data/prepared/train --limit 400 \\
         --rounds 2 --steps 50 --samples 6 --reward tts:self_wer=-1 --work runs/prefer
 
 Round ``r`` (folder ``WORK/round-r/``) is four stages, each one command this package already
@@ -30,8 +30,8 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import fields
 
+from torchtitan_speechlm.commands.flag_fields import flag_fields
 from torchtitan_speechlm.commands.generate import evaluate
 from torchtitan_speechlm.commands.generate_args import EvalArgs
 from torchtitan_speechlm.commands.prepare import prepare
@@ -44,7 +44,7 @@ from torchtitan_speechlm.evaluation.sampled_pairs import PAIR_SETS, samples_file
 # decoding and judge flags, which prefer's parser shares with eval's) is passed through
 OWN = {"model", "valid", "limit", "samples", "pairs", "reward", "pair_margin", "seed",
        "out", "report", "progress", "valid_fraction"}  # fmt: skip
-PASSED = tuple(f.name for f in fields(EvalArgs) if f.name not in OWN)
+PASSED = tuple(f.name for f in flag_fields(EvalArgs) if f.name not in OWN)
 RECORDED = ("config", "prompts", "steps", "limit", "samples", "reward", "pair_margin", "seed",
             "nproc_per_node", "train_arg")  # fmt: skip
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from torchtitan_speechlm.commands.flag_fields import add_flag
 from torchtitan_speechlm.commands.generate_args import add_decoding_args, add_judge_args
 
 
@@ -18,8 +19,12 @@ def build_parser() -> argparse.ArgumentParser:
         "train N steps of DPO/SimPO (docs/preference.md, The online loop); rerun the same "
         "command to continue after any interruption",
     )
-    p.add_argument(
-        "--config",
+    add_flag(
+        p,
+        "--job.config_file",  # train's name for it
+        old=("--config",),
+        dest="config",
+        metavar="FILE.toml",
         required=True,
         help="the preference training TOML ([speechlm] preference_loss, init_from: the model "
         "the first round samples from and starts at); the loop sets its data",
@@ -43,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[TASK:]SCORE=W,...",
         help="as `torchtitan eval --reward` (default wer=-1)",
     )
-    p.add_argument("--pair-margin", type=float, default=0.0)
+    p.add_argument(
+        "--pair-margin", type=float, default=0.0, help="as `torchtitan eval --pair-margin` (0)"
+    )
     p.add_argument("--nproc-per-node", type=int, default=1, help="training processes (1)")
     p.add_argument(
         "--train-arg",

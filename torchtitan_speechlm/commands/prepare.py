@@ -67,7 +67,7 @@ def prepare(args: PrepareArgs) -> int:
     said.status = f"preparing {out_dir}: reading the source, checking the tokenizer, the codec"
     try:
         s = prepare_dataset(
-            None, args.codec, args.tokenizer, out_dir, batch_size=args.batch_size,
+            None, args.codec, args.tokenizer, out_dir, batch_size=args.codec_batch_size,
             device=args.device, progress=not args.no_progress, overwrite=args.overwrite,
             source=(args.source, args.sources[args.source]),
             source_options=args.options_of_source(), imports=tuple(args.imports),

@@ -109,11 +109,14 @@ class PrepareArgs:
         "is finished, else list the missing shards and parts and exit 1; the last part to "
         "finish does this itself",
     )
-    batch_size: int = flag(
-        8, help="clips per codec call (8): larger is faster on a GPU, costs memory"
+    codec_batch_size: int = flag(
+        8,
+        old=("--batch-size",),
+        help="clips per codec call (8): larger is faster on a GPU, costs memory",
     )
     device: str = flag(
-        "cpu", help="torch device for the codec, e.g. cuda (cuda:LOCAL_RANK under torchrun/srun)"
+        "cpu",
+        help="torch device for the codec (cpu), e.g. cuda (cuda:LOCAL_RANK under torchrun/srun)",
     )
     workers: int = flag(
         1, help="encoding processes (1); with --device cuda and several GPUs, each on its own"
@@ -146,7 +149,7 @@ class PrepareArgs:
         0,
         metavar="RATE",
         help="also store each item's waveform (mono int16 at RATE Hz) for a continuous audio "
-        "encoder (docs/audio-encoder.md); --manifest only",
+        "encoder (docs/audio-encoder.md); --manifest only (0: none)",
     )
     imports: list[str] = flag(
         [],

@@ -17,6 +17,13 @@ SIGTERM or Ctrl-C drains: no new connections, the requests in flight finish with
 for them: the jobs still queued fail). ``--engine vllm`` runs a
 flatten model on a vLLM server (serving/vllm_engine.py; one it starts with --vllm-python is
 stopped after the drain).
+
+``serve(ServeArgs)`` is the command as a Python function (commands/serve_args.py: the settings,
+one field per flag); ``main(argv)`` parses a command line into it. Its checks run once, before
+anything is loaded: the flags (``ServeArgs.validate``: the engine's, the bounds, --replicas),
+then the keys and who may reach the server (``access``: the key ring, the exposure rule); the
+server is then built with that key ring (``build``), in this process or, with ``--replicas``,
+in each replica process (the ring travels to it).
 """
 
 from __future__ import annotations
@@ -28,8 +35,8 @@ import signal
 import sys
 import threading
 
-from torchtitan_speechlm.commands.generate import decode_config
-from torchtitan_speechlm.commands.serve_args import build_parser, check_bounds, check_engine_flags
+from torchtitan_speechlm.commands.decoding import decode_config
+from torchtitan_speechlm.commands.serve_args import ServeArgs, build_parser
 from torchtitan_speechlm.generation.loading import load_model
 from torchtitan_speechlm.generation.tasks import (
     PromptRefused,
@@ -37,21 +44,21 @@ from torchtitan_speechlm.generation.tasks import (
     input_rate,
     max_input_seconds,
 )
+from torchtitan_speechlm.serving.auth import ENV_KEY, check_exposure
 from torchtitan_speechlm.serving.batcher import Batcher
+from torchtitan_speechlm.serving.keys import KeyRing
 from torchtitan_speechlm.serving.speech import runners
 from torchtitan_speechlm.serving.vllm_engine import connect, refusal
 from torchtitan_speechlm.serving.vllm_process import VllmProcess
 from torchtitan_speechlm.serving.voices import load_voices
 
 SERVE_DEPS = ("fastapi", "uvicorn", "multipart", "starlette", "pydantic")
-try:  # the serve extra; without it the command says what to install (``run``)
+try:  # the serve extra; without it the command says what to install (``serve``)
     from torchtitan_speechlm.serving.access_log import LOGGER
     from torchtitan_speechlm.serving.app import App
-    from torchtitan_speechlm.serving.auth import ENV_KEY, check_exposure
     from torchtitan_speechlm.serving.browsers import default_trusted_hosts, split_list
     from torchtitan_speechlm.serving.errors import Redactions
     from torchtitan_speechlm.serving.gate import RateLimits
-    from torchtitan_speechlm.serving.keys import KeyRing
     from torchtitan_speechlm.serving.metrics import ServeMetrics
     from torchtitan_speechlm.serving.replicas import Replicas
     from torchtitan_speechlm.serving.server import SpeechServer, bind
@@ -87,27 +94,31 @@ def _refusal(loaded) -> str | None:
     return None
 
 
-def api_key(a: argparse.Namespace) -> str | None:
+def api_key(a: ServeArgs) -> str | None:
     """``--api-key``, else ``TORCHTITAN_SERVE_API_KEY``; None: no key is checked."""
     return a.api_key or os.environ.get(ENV_KEY) or None
 
 
-def key_ring(a: argparse.Namespace) -> KeyRing:
+def key_ring(a: ServeArgs) -> KeyRing:
     """The keys of ``--api-key`` (or its variable) and ``--api-key-file``; ValueError naming
     a key no request could send (not printable ASCII) or a bad key file."""
     return KeyRing(api_key(a), a.api_key_file, say=_say)
 
 
-def build(a: argparse.Namespace, sock=None, device: str | None = None
-          ) -> tuple[SpeechServer, Batcher]:  # fmt: skip
-    """The server, bound to its port (or on ``sock``, a replica's), and its batcher, not
-    started: everything that can fail at start-up (the key rule, the engine's flags, the
-    model, its codec, the voices, a vLLM server, the port) has failed here, as ValueError or
-    OSError."""
+def access(a: ServeArgs) -> KeyRing:
+    """The key ring, once the exposure rule holds (a non-loopback ``--host`` needs a key or
+    ``--no-auth``); ValueError naming what is wrong."""
     keys = key_ring(a)
     check_exposure(a.host, keys.enabled, a.no_auth)
-    check_engine_flags(a)
-    check_bounds(a)
+    return keys
+
+
+def build(a: ServeArgs, keys: KeyRing, sock=None, device: str | None = None
+          ) -> tuple[SpeechServer, Batcher]:  # fmt: skip
+    """The server with the key ring ``keys`` (``access``), bound to its port (or on ``sock``,
+    a replica's), and its batcher, not started: what can fail at start-up after the checks of
+    ``serve`` (the model, its codec, the voices, a vLLM server, the port) has failed here, as
+    ValueError or OSError."""
     loaded = load_model(a.model, device or a.device)
     loaded.tokenizer, loaded.codec  # noqa: B018  (their errors now, not at the first request)
     voices = load_voices(loaded, a.voices) if a.voices else {}
@@ -134,7 +145,7 @@ def build(a: argparse.Namespace, sock=None, device: str | None = None
         raise
 
 
-def engine(a: argparse.Namespace, loaded, cfg) -> tuple[dict, int, VllmProcess | None]:
+def engine(a: ServeArgs, loaded, cfg) -> tuple[dict, int, VllmProcess | None]:
     """The batcher's runners, its worker threads, and the vLLM server started for them (or
     None): ``--engine ours``, our decoder on one worker; ``--engine vllm``, the model on the
     vLLM server at --vllm-url or started with --vllm-python (serving/vllm_engine.py)."""
@@ -201,7 +212,7 @@ def _server(a, sock, keys, loaded, voices, metrics, batcher) -> SpeechServer:
     )
 
 
-def audio_bound(a: argparse.Namespace, loaded) -> tuple[float, str]:
+def audio_bound(a: ServeArgs, loaded) -> tuple[float, str]:
     """The longest upload taken, and what sets it: ``--max-audio-seconds``, or the model's
     context when it holds less (a longer upload could only fail in the model worker)."""
     flag = f"--max-audio-seconds {a.max_audio_seconds:g}"
@@ -239,7 +250,20 @@ def _log_to_stdout() -> None:
     LOGGER.propagate = False
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``torchtitan serve`` of a command line (without the command's name)."""
+    return serve(ServeArgs.from_namespace(build_parser().parse_args(argv)))
+
+
 def run(a: argparse.Namespace) -> int:
+    """``torchtitan serve`` of the command line cli.py parsed."""
+    return serve(ServeArgs.from_namespace(a))
+
+
+def serve(args: ServeArgs) -> int:
+    """``torchtitan serve``: serve ``args.model`` until SIGTERM / Ctrl-C; the exit status (2: a
+    start-up error, said on stderr in one line). The checks run once, here: the flags
+    (``args.validate()``), then the keys and the exposure rule (``access``)."""
     if MISSING is not None:
         print(
             f"torchtitan serve: error: the server needs the 'serve' extra (no module named "
@@ -247,27 +271,23 @@ def run(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if a.replicas < 1:
-        print(f"torchtitan serve: error: --replicas {a.replicas}: at least 1", file=sys.stderr)
-        return 2
     try:
-        check_engine_flags(a)
-        check_bounds(a)
-        key_ring(a)  # a key no request could send: refused before the model loads
+        args.validate()
+        keys = access(args)  # a key no request could send: refused before the model loads
     except ValueError as e:
         print(f"torchtitan serve: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    if a.replicas > 1:
-        return run_replicas(a)
+    if args.replicas > 1:
+        return run_replicas(args, keys)
     try:
-        server, batcher = build(a)
+        server, batcher = build(args, keys)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"torchtitan serve: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    return serve_until_stopped(a, server, batcher)
+    return serve_until_stopped(args, server, batcher)
 
 
-def serve_until_stopped(a: argparse.Namespace, server: SpeechServer, batcher: Batcher,
+def serve_until_stopped(a: ServeArgs, server: SpeechServer, batcher: Batcher,
                         ready=None, index: int | None = None) -> int:  # fmt: skip
     """Serve until SIGTERM / Ctrl-C, then drain; a replica reports ready on ``ready``."""
     _log_to_stdout()
@@ -308,19 +328,17 @@ def serve_until_stopped(a: argparse.Namespace, server: SpeechServer, batcher: Ba
     return 0 if stop.is_set() else 1  # 1: the server ended by itself (its error is above)
 
 
-def run_replicas(a: argparse.Namespace) -> int:
+def run_replicas(a: ServeArgs, keys: KeyRing) -> int:
     """``--replicas N``: the port bound here, N replica processes serving it
-    (serving/replicas.py), the drain on SIGTERM / Ctrl-C."""
+    (serving/replicas.py) with the key ring ``keys``, the drain on SIGTERM / Ctrl-C."""
     try:
-        keys = key_ring(a)
-        check_exposure(a.host, keys.enabled, a.no_auth)
         sock = bind(a.host, a.port)
-    except (ValueError, OSError) as e:
+    except OSError as e:
         print(f"torchtitan serve: error: {_one_line(e)}", file=sys.stderr)
         return 2
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    replicas = Replicas(a.replicas, sock, replica_main, a, a.device, say=_say)
+    replicas = Replicas(a.replicas, sock, replica_main, (a, keys), a.device, say=_say)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -343,24 +361,22 @@ def run_replicas(a: argparse.Namespace) -> int:
     return status
 
 
-def replica_main(a: argparse.Namespace, sock, index: int, device: str, threads: int,
-                 ready) -> None:  # fmt: skip
-    """One replica process (spawned): its model on ``device``, the shared socket, served
-    until SIGTERM; its start-up error goes to ``ready``."""
+def replica_main(settings: tuple[ServeArgs, KeyRing], sock, index: int, device: str,
+                 threads: int, ready) -> None:  # fmt: skip
+    """One replica process (spawned): its model on ``device``, the shared socket, the key
+    ring checked by the supervisor (``settings``: its args and keys), served until SIGTERM;
+    its start-up error goes to ``ready``."""
     import torch
 
+    a, keys = settings
     if threads:
         torch.set_num_threads(threads)
     try:
-        server, batcher = build(a, sock=sock, device=device)
+        server, batcher = build(a, keys, sock=sock, device=device)
     except (ValueError, FileNotFoundError, OSError) as e:
         ready.put((index, _one_line(e)))
         sys.exit(2)
     sys.exit(serve_until_stopped(a, server, batcher, ready, index))
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ starts (so a typo costs a second, not a cluster allocation):
 - with `--nproc-per-node N > 1`: starts N local ranks through torch's own elastic launcher;
 - otherwise: runs one process.
 The device is CUDA + NCCL when a GPU is visible and CPU + gloo otherwise, with no flag.
+
+Train's settings are torchtitan's config (a TOML and ``--section.key`` overrides), not an
+``*Args`` dataclass: its entry points are ``train_command(argv)`` (what the console script runs;
+``torchtitan prefer`` runs it in a process of its own) and, from Python with ESPnet's API,
+``torchtitan_speechlm.TitanTrainer(...).run()`` (python_api/trainer.py, torchtitan's own loop).
 """
 
 from __future__ import annotations

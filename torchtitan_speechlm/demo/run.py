@@ -157,7 +157,7 @@ def next_steps(checkpoint: str) -> list[str]:
             "# puts torchtitan on the PATH (every command of README.md and docs/ is written so)"
         )
     lines += [
-        f"[demo] export      : torchtitan export --checkpoint {checkpoint} --out exported/",
+        f"[demo] export      : torchtitan export --checkpoint {checkpoint} --out-dir exported/",
         '[demo] speak       : torchtitan generate --model exported/ --task tts --text "The quiet '
         'cat saw the king." --out hello.wav',
     ]

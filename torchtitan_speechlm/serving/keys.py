@@ -75,6 +75,15 @@ class KeyRing:
         self._checked = time.monotonic()
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        """Picklable (a ``--replicas`` process gets the ring the supervisor checked): all
+        but the lock."""
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @property
     def enabled(self) -> bool:
         return bool(self._single or self.path)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from torchtitan_speechlm.commands import prefer
-from torchtitan_speechlm.commands.flag_fields import command_line
+from torchtitan_speechlm.commands.flag_fields import command_line, flag_fields
 from torchtitan_speechlm.commands.generate_args import EVAL_TASKS, EvalArgs, build_eval_parser
 from torchtitan_speechlm.commands.prefer_args import build_parser as build_prefer_parser
 from torchtitan_speechlm.commands.prepare_args import PrepareArgs, UsageError
@@ -33,7 +33,7 @@ def _default(f: dataclasses.Field):
 
 
 def test_every_eval_flag_is_a_field_of_eval_args_with_its_default_in_order():
-    actions, fields = _actions(build_eval_parser()), dataclasses.fields(EvalArgs)
+    actions, fields = _actions(build_eval_parser()), flag_fields(EvalArgs)
     assert [a.dest for a in actions] == [f.name for f in fields]
     for action, f in zip(actions, fields, strict=True):
         if action.required:
@@ -140,7 +140,7 @@ def test_prepare_args_validate_in_order():
         PrepareArgs(join="o", tokenizer="t").validate()
 
 
-PREFER = ["--config", "c.toml", "--prompts", "tts:d1", "--prompts", "asr:d2", "--work", "w",
+PREFER = ["--job.config_file", "c.toml", "--prompts", "tts:d1", "--prompts", "asr:d2", "--work", "w",
           "--limit", "7", "--samples", "3", "--reward", "tts:cer=-1", "--pair-margin", "0.25",
           "--judge-asr", "none", "--judge-word-loop", "--top-p", "0.9", "--no-cache",
           "--max-frames", "40", "--device", "cuda"]  # fmt: skip

@@ -189,7 +189,7 @@ def test_shar_codes_workers_and_resume(assets, tmp_path):
     assert got["st"].text == "left side right side"
     two = tmp_path / "two"
     rc = main(["--lhotse-shar", shar, "--codec", assets["codec"], "--tokenizer", assets["tok"],
-               "--out", str(two), "--workers", "2", "--shard-size", "2", "--batch-size", "1",
+               "--out", str(two), "--workers", "2", "--shard-size", "2", "--codec-batch-size", "1",
                "--no-progress"])  # fmt: skip
     assert rc == 0
     assert_same_dataset(str(one), str(two))

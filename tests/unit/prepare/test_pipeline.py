@@ -279,7 +279,7 @@ def test_prepare_refuses_to_overwrite_then_overwrites(assets, tmp_path, capsys):
             "--tokenizer", assets["tok"], "--out", str(out)]  # fmt: skip
     assert main(args + ["--no-progress"]) == 1
     assert "not empty" in capsys.readouterr().err and (out / "keep.txt").exists()
-    assert main(args + ["--overwrite", "--batch-size", "3"]) == 0
+    assert main(args + ["--overwrite", "--codec-batch-size", "3"]) == 0
     captured = capsys.readouterr()
     assert "6 items written" in captured.out and "prepare: 6/6 items" in captured.err
     assert sorted(os.listdir(tmp_path)) == ["out"]

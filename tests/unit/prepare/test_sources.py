@@ -132,7 +132,7 @@ def test_hf_dataset_saved_to_disk(assets, tmp_path):
     out = tmp_path / "out"
     rc = main(["--hf-dataset", str(tmp_path / "hf"), "--split", "train", "--audio-column",
                "speech", "--text-column", "sentence", "--codec", assets["codec"], "--tokenizer",
-               assets["tok"], "--out", str(out), "--batch-size", "1", "--no-progress"])  # fmt: skip
+               assets["tok"], "--out", str(out), "--codec-batch-size", "1", "--no-progress"])  # fmt: skip
     assert rc == 0
     prepared = PreparedDataset(str(out))
     assert prepared.ids == ["x", "y", "z"]
