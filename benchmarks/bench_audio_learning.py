@@ -122,7 +122,7 @@ def qa_data(work: str, demo: dict) -> dict:
                     g.write(json.dumps({"id": f"{r['id']}_q{k}", "turns": turns}) + "\n")
         run_command(
             [console("torchtitan"), "prepare", "--manifest", manifest, "--codec", demo["codec"],
-             "--tokenizer", demo["tokenizer"], "--out", dst, "--workers", "2", "--no-progress",
+             "--tokenizer", demo["tokenizer"], "--out-dir", dst, "--workers", "2", "--no-progress",
              "--waveforms", "16000"],
         )  # fmt: skip
     return out

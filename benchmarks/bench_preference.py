@@ -68,7 +68,7 @@ def sentence_set(demo: str, work: str, name: str, start: int, n: int) -> str:
     data = os.path.join(demo, "demo_work")
     run([console("torchtitan"), "prepare", "--manifest", manifest, "--codec",
          os.path.join(data, "codec"), "--tokenizer", os.path.join(data, "tokenizer"),
-         "--out", out, "--no-progress"], os.path.join(work, name, "prepare.log"))  # fmt: skip
+         "--out-dir", out, "--no-progress"], os.path.join(work, name, "prepare.log"))  # fmt: skip
     return out
 
 

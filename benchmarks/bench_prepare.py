@@ -205,7 +205,7 @@ def parts_run(paths: dict, n_parts: int, shard_size: int, device: str = "cpu") -
     exe = shutil.which("torchtitan", path=os.path.dirname(sys.executable))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [exe, "prepare", "--manifest", paths["manifest"], "--codec", paths["kmeans"],
-           "--tokenizer", paths["tok"], "--out", os.path.join(out, "ds"), "--shard-size",
+           "--tokenizer", paths["tok"], "--out-dir", os.path.join(out, "ds"), "--shard-size",
            str(shard_size), "--no-progress", "--device", device]  # fmt: skip
     t0 = time.perf_counter()
     logs = [open(os.path.join(out, f"part{i}.log"), "w+") for i in range(n_parts)]
@@ -294,7 +294,7 @@ def fixed_cost(paths: dict, shard_size: int, device: str = "cpu") -> float:
     out = tempfile.mkdtemp(prefix="bench_parts_fixed_")
     exe = shutil.which("torchtitan", path=os.path.dirname(sys.executable))
     cmd = [exe, "prepare", "--manifest", paths["manifest"], "--codec", paths["kmeans"],
-           "--tokenizer", paths["tok"], "--out", os.path.join(out, "ds"), "--shard-size",
+           "--tokenizer", paths["tok"], "--out-dir", os.path.join(out, "ds"), "--shard-size",
            str(shard_size), "--no-progress", "--device", device]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_RANK="0")
     subprocess.run(cmd, env=env, check=True, capture_output=True)

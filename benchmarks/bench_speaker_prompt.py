@@ -122,7 +122,7 @@ def build_data(work: str, a: argparse.Namespace) -> dict:
                 how = [fit[0], codec, *fit[1:], "--kmeans-seconds", f"{a.kmeans_seconds:g}"]
             run_command(
                 [console("torchtitan"), "prepare", "--manifest", manifest, *how, "--tokenizer",
-                 tok, "--out", out, "--workers", str(a.workers), "--no-progress"],
+                 tok, "--out-dir", out, "--workers", str(a.workers), "--no-progress"],
             )  # fmt: skip
     return {"backbone": backbone, "grammar": grammar_file, "prepared": prepared,
             "seen": multi.seen, "held_out": multi.held_out, "n_train": n_train}  # fmt: skip

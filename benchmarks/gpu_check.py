@@ -343,7 +343,7 @@ class Check:
         self.run("prepare", self.cli(
             "prepare", "--manifest", str(work / "audio" / "manifest.jsonl"),
             "--codec", str(work / "mimi"), "--num-streams", streams, "--dev-fraction", "0.2",
-            "--tokenizer", str(work / "backbone_0.6b"), "--out", str(prepared),
+            "--tokenizer", str(work / "backbone_0.6b"), "--out-dir", str(prepared),
             "--device", self.device, "--no-progress", "--overwrite",
         ), note=f"Mimi, {streams} streams, on {self.device}")  # fmt: skip
         for key in ("0.6b", "1.7b"):

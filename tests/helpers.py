@@ -389,7 +389,8 @@ def spoken_qa_dataset(tmp_path, run, n: int = 6) -> tuple[str, str]:
     out = str(tmp_path / "qa")
     common = ["--codec", run["codec"], "--tokenizer", run["tokenizer"], "--no-progress"]
     assert (
-        prepare_main(["--manifest", manifest, *common, "--out", out, "--waveforms", "16000"]) == 0
+        prepare_main(["--manifest", manifest, *common, "--out-dir", out, "--waveforms", "16000"])
+        == 0
     )
     return manifest, out
 

@@ -62,6 +62,6 @@ def prepare_pairs(assets: dict, out: str) -> tuple[str, list[dict]]:
     """Write the pairs next to the assets and prepare them with the CLI; (dataset, rows)."""
     path, rows = write_pairs(os.path.join(assets["root"], "pairs"), assets["sentences"])
     argv = ["--preference", path, "--codec", assets["codec"], "--tokenizer", assets["tok"],
-            "--out", out, "--shard-size", "4", "--no-progress"]  # fmt: skip
+            "--out-dir", out, "--shard-size", "4", "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     return out, rows

@@ -688,7 +688,7 @@ def test_pairs_from_seeded_judged_samples(model, tmp_path, capsys):
                 assert scores["reward"] == pytest.approx(-scores["wer"])
     out_dir = tmp_path / "prepared_pairs"
     argv = ["--preference", str(pairs), "--codec", model["assets"]["codec"], "--tokenizer",
-            model["assets"]["tokenizer"], "--out", str(out_dir), "--no-progress"]  # fmt: skip
+            model["assets"]["tokenizer"], "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
     assert prepare_main(argv) == 0
     meta = json.loads((out_dir / "metadata.json").read_text())
     assert meta["num_items"] == len(lines)
@@ -795,7 +795,7 @@ def test_tts_prompt_pairs_from_seeded_judged_samples(tmp_path, capsys):
             assert scores["reward"] == pytest.approx(scores["sim"] - scores["wer"])
     out = tmp_path / "prepared_pairs"
     assert prepare_main(["--preference", str(pairs), "--codec", assets["codec"], "--tokenizer",
-                         assets["tokenizer"], "--out", str(out), "--no-progress"]) == 0  # fmt: skip
+                         assets["tokenizer"], "--out-dir", str(out), "--no-progress"]) == 0  # fmt: skip
     prepared, b = PreparedDataset(str(out)), loaded.builder
     assert len(prepared) == len(lines)
     for i in range(len(prepared)):
@@ -816,7 +816,7 @@ def test_tts_prompt_pairs_from_seeded_judged_samples(tmp_path, capsys):
     pairs2, out2 = tmp_path / "pairs2.jsonl", tmp_path / "prepared_pairs2"
     pairs2.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert prepare_main(["--preference", str(pairs2), "--codec", assets["codec"], "--tokenizer",
-                         assets["tokenizer"], "--out", str(out2), "--no-progress"]) == 0  # fmt: skip
+                         assets["tokenizer"], "--out-dir", str(out2), "--no-progress"]) == 0  # fmt: skip
     dump = tmp_path / "dpo"
     cfg = write_tiny_config(str(tmp_path / "dpo.toml"), assets, str(dump))
     text = open(cfg).read().replace('datasets = ["tiny=', 'datasets = ["pairs=')

@@ -61,7 +61,7 @@ def toy(tmp_path_factory):
             codec,
             "--tokenizer",
             tok,
-            "--out",
+            "--out-dir",
             str(out),
             "--workers",
             "2",

@@ -2,7 +2,7 @@
 mode started on 127.0.0.1 by this module, reached through s3fs and botocore exactly as an S3
 bucket is (credentials from AWS_* variables, AWS_ENDPOINT_URL). Nothing of the reader is mocked.
 
-- `torchtitan prepare --out s3://...` prepares in its staging folder and uploads, metadata.json
+- `torchtitan prepare --out-dir s3://...` prepares in its staging folder and uploads, metadata.json
   last; `torchtitan train` on `NAME=s3://...` consumes the same micro-batches (content hashes)
   as on the same manifest prepared to a local folder;
 - read item by item through a mirror capped below the dataset's size, every item equals the
@@ -69,8 +69,8 @@ def prepared(s3, tmp_path_factory):
     common = ["--manifest", str(tmp / "assets" / "manifest.jsonl"), "--codec", assets["codec"],
               "--tokenizer", assets["tokenizer"], "--shard-size", str(SHARD_SIZE),
               "--no-progress"]  # fmt: skip
-    assert prepare_main([*common, "--out", local]) == 0
-    assert prepare_main([*common, "--out", url, "--staging", str(tmp / "staging")]) == 0
+    assert prepare_main([*common, "--out-dir", local]) == 0
+    assert prepare_main([*common, "--out-dir", url, "--staging", str(tmp / "staging")]) == 0
     return {"assets": assets, "local": local, "url": url, "tmp": tmp}
 
 

@@ -42,7 +42,7 @@ def test_console_script_imports_a_module_of_the_current_directory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run(
         [CONSOLE, "prepare", "--import", "mymod", "--tsv", "corpus.tsv", "--codec", "codec",
-         "--tokenizer", "tok", "--out", "prepared", "--workers", "2", "--shard-size", "4",
+         "--tokenizer", "tok", "--out-dir", "prepared", "--workers", "2", "--shard-size", "4",
          "--no-progress"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -53,7 +53,7 @@ def test_console_script_imports_a_module_of_the_current_directory(tmp_path):
 
     # a module that is nowhere to be found still says so
     r = subprocess.run(
-        [CONSOLE, "prepare", "--import", "no_such_module_here", "--tokenizer", "tok", "--out", "x"],
+        [CONSOLE, "prepare", "--import", "no_such_module_here", "--tokenizer", "tok", "--out-dir", "x"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode != 0 and "No module named 'no_such_module_here'" in r.stderr

@@ -24,7 +24,7 @@ def corpus(tmp_path_factory):
     a["common"] = ["--manifest", os.path.join(c, "manifest.jsonl"), "--codec", a["codec"],
                    "--tokenizer", a["tok"], "--shard-size", "2", "--no-progress"]  # fmt: skip
     a["one"] = os.path.join(a["root"], "one")
-    r = run(["prepare", *a["common"], "--out", a["one"]])
+    r = run(["prepare", *a["common"], "--out-dir", a["one"]])
     assert r.returncode == 0, r.stderr
     return a
 
@@ -57,7 +57,7 @@ def tree(out) -> dict:
 def test_two_concurrent_parts_equal_one_process(corpus, tmp_path):
     out = str(tmp_path / "out")
     procs = [
-        subprocess.Popen([*exe(), "prepare", *corpus["common"], "--out", out, "--part", p, *w],
+        subprocess.Popen([*exe(), "prepare", *corpus["common"], "--out-dir", out, "--part", p, *w],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
         for p, w in (("0/2", []), ("1/2", ["--workers", "2"]))
     ]  # fmt: skip
@@ -78,7 +78,7 @@ def test_two_concurrent_parts_equal_one_process(corpus, tmp_path):
 def test_torchrun_two_ranks_equal_one_process(corpus, tmp_path):
     out = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "torchtitan_speechlm.cli", "prepare", *corpus["common"], "--out", out]  # fmt: skip
+           "-m", "torchtitan_speechlm.cli", "prepare", *corpus["common"], "--out-dir", out]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env())
     assert r.returncode == 0, r.stderr[-3000:]
     assert tree(out) == tree(corpus["one"])

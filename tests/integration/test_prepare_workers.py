@@ -89,7 +89,7 @@ def test_two_workers_after_torch_work_finish_and_match_one_worker(kaldi, tmp_pat
             "16",
             "--kmeans-seconds",
             "5",  # the corpus holds 6 s: less than the default 600 is refused (issue 50)
-            "--out",
+            "--out-dir",
             str(tmp_path / "fit_w2"),
             "--workers",
             "2",
@@ -98,9 +98,9 @@ def test_two_workers_after_torch_work_finish_and_match_one_worker(kaldi, tmp_pat
     )
     for name, codec in (("kmeans", km), ("encodec", kaldi["codec"])):
         ref, two = tmp_path / f"{name}_w1", tmp_path / f"{name}_w2"
-        prepare([*common, "--codec", codec, "--out", str(ref), "--workers", "1"], threads)
+        prepare([*common, "--codec", codec, "--out-dir", str(ref), "--workers", "1"], threads)
         prepare(
-            [*common, "--codec", codec, "--out", str(two), "--workers", "2"],
+            [*common, "--codec", codec, "--out-dir", str(two), "--workers", "2"],
             None,
             script=str(script),
         )

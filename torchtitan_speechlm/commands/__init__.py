@@ -22,8 +22,8 @@ builds, and ``train_command`` in a process of its own.
 
 A flag's name has one meaning across commands: ``--out`` is a FILE in generate and eval (a wav
 or text; the results' JSON), ``--out-dir`` a FOLDER (export's model folder, generate's batch
-outputs), ``--job.config_file`` the training TOML (train, prefer), ``--model`` the model read
-(generate, eval, serve; export's ``--checkpoint``). prepare's ``--out`` names the dataset it
-writes, a folder or a URL. A renamed flag keeps its old spelling as an alias that says the new
-one when used (flag_fields.py ``renamed``).
+outputs, prepare's dataset: a folder, or a URL it is uploaded to), ``--job.config_file`` the
+training TOML (train, prefer), ``--model`` the model read (generate, eval, serve; export's
+``--checkpoint``). A renamed flag keeps its old spelling as an alias that says the new one when
+used (flag_fields.py ``renamed``: export's and prepare's ``--out``).
 """

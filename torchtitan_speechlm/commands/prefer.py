@@ -120,7 +120,7 @@ def passed_eval_flags(a: argparse.Namespace) -> list[str]:
 def _prepare(a, pairs: str, out: str) -> int:
     meta = _prompt_metadata(a.prompts[0])
     return prepare(PrepareArgs(sources={PREFERENCE: pairs}, codec=codec_of(meta).path,
-                               tokenizer=meta["tokenizer"]["path"], out=out,
+                               tokenizer=meta["tokenizer"]["path"], out_dir=out,
                                no_progress=True))  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """``torchtitan prepare``: turn a corpus (JSONL manifest, Kaldi dir, HF dataset on disk, lhotse cuts
 or Shar) into a prepared dataset (docs/data.md).
 
-    torchtitan prepare --manifest train.jsonl --codec CODEC --tokenizer TOK --out data/prepared
+    torchtitan prepare --manifest train.jsonl --codec CODEC --tokenizer TOK --out-dir data/prepared
 
 ``prepare(PrepareArgs)`` is the command as a Python function (``torchtitan prefer`` calls it);
 ``main(argv)`` parses a command line into a ``PrepareArgs`` (commands/prepare_args.py) and calls
@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare(args: PrepareArgs) -> int:
-    """``torchtitan prepare``: prepare ``args.out`` from the source (or join the parts of
+    """``torchtitan prepare``: prepare ``args.out_dir`` from the source (or join the parts of
     ``args.join``); the exit status (1: an error, said on stderr). A ``UsageError`` (no
-    ``--tokenizer`` or ``--out``; ``--staging`` without a URL) is raised."""
+    ``--tokenizer`` or ``--out-dir``; ``--staging`` without a URL) is raised."""
     import_modules(args.imports)  # the sources and codecs they register, before the checks
     try:
         args.validate()
@@ -61,8 +61,8 @@ def prepare(args: PrepareArgs) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         return 0
-    url = args.out.rstrip("/") if is_url(args.out) else None
-    out_dir = (args.staging or staging_folder(url)) if url is not None else args.out
+    url = args.out_dir.rstrip("/") if is_url(args.out_dir) else None
+    out_dir = (args.staging or staging_folder(url)) if url is not None else args.out_dir
     said = Progress("prepare", not args.no_progress).start()  # between its own lines
     said.status = f"preparing {out_dir}: reading the source, checking the tokenizer, the codec"
     try:

@@ -86,28 +86,29 @@ class PrepareArgs:
         help="also carve a dev split holding about F of the items (0 < F < 1): whole speakers "
         "where the source names them (no speaker in both splits), else single items, chosen "
         "by a hash of speaker/id and --dev-seed (not by order or --workers); writes two "
-        "datasets, OUT/train and OUT/dev, and OUT/split.json",
+        "datasets, OUT_DIR/train and OUT_DIR/dev, and OUT_DIR/split.json",
     )
     dev_seed: int | None = flag(None, type=int, help="seed of the dev split's hash (0)")
     tokenizer: str | None = flag(None, help="local text tokenizer directory (required)")
-    out: str | None = flag(
+    out_dir: str | None = flag(
         None,
-        help="output directory for the prepared dataset (required), or an fsspec URL "
+        old=("--out",),
+        help="the output folder of the prepared dataset (required), or an fsspec URL "
         "(s3://bucket/path, ...): prepared in --staging, then uploaded (metadata.json last)",
     )
     staging: str | None = flag(
         None,
         metavar="DIR",
-        help="with a URL --out: the local folder the dataset is prepared in before the upload "
-        "(default ~/.cache/torchtitan_speechlm/upload/<hash of the URL>; a rerun resumes there; "
-        "parts on several machines need a shared one)",
+        help="with a URL --out-dir: the local folder the dataset is prepared in before the "
+        "upload (default ~/.cache/torchtitan_speechlm/upload/<hash of the URL>; a rerun resumes "
+        "there; parts on several machines need a shared one)",
     )
     join: str | None = flag(
         None,
-        metavar="OUT",
-        help="alone: join the parts prepared into OUT (writes metadata.json) once every shard "
-        "is finished, else list the missing shards and parts and exit 1; the last part to "
-        "finish does this itself",
+        metavar="OUT_DIR",
+        help="alone: join the parts prepared into the output folder OUT_DIR (their --out-dir; "
+        "writes metadata.json) once every shard is finished, else list the missing shards and "
+        "parts and exit 1; the last part to finish does this itself",
     )
     codec_batch_size: int = flag(
         8,
@@ -124,8 +125,8 @@ class PrepareArgs:
     part: str | None = flag(
         None,
         metavar="I/N",
-        help="encode only part I of N (the shards j with j %% N == I) into --out; the last part "
-        "to finish joins the dataset. Default: RANK/WORLD_SIZE under torchrun, "
+        help="encode only part I of N (the shards j with j %% N == I) into --out-dir; the last "
+        "part to finish joins the dataset. Default: RANK/WORLD_SIZE under torchrun, "
         "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT in a SLURM array, SLURM_PROCID/SLURM_NTASKS "
         "under srun, else 0/1 (all). With --device cuda each part uses cuda:LOCAL_RANK",
     )
@@ -138,7 +139,7 @@ class PrepareArgs:
         False, help="accept a tokenizer that does not give back the input texts (else refused)"
     )
     overwrite: bool = flag(
-        False, help="replace a non-empty --out that is not this same preparation"
+        False, help="replace a non-empty --out-dir that is not this same preparation"
     )
     no_progress: bool = flag(
         False,
@@ -184,12 +185,12 @@ class PrepareArgs:
             others = [_flag(f) for f in fields(self) if f.name not in ("join", "no_progress")
                       and getattr(self, f.name) != default_of(f)]  # fmt: skip
             if others:
-                raise ValueError(f"--join OUT takes no other flags (got {' '.join(others)})")
+                raise ValueError(f"--join OUT_DIR takes no other flags (got {' '.join(others)})")
             return
-        if self.tokenizer is None or self.out is None:
-            raise UsageError("the following arguments are required: --tokenizer, --out")
-        if self.staging and not is_url(self.out):
-            raise UsageError("--staging is for an --out that is a URL")
+        if self.tokenizer is None or self.out_dir is None:
+            raise UsageError("the following arguments are required: --tokenizer, --out-dir")
+        if self.staging and not is_url(self.out_dir):
+            raise UsageError("--staging is for an --out-dir that is a URL")
         if len(self.sources) != 1 or any(name not in SOURCES for name in self.sources):
             raise ValueError(
                 f"give exactly one source: {', '.join(s.flag for _, s in SOURCES.items())}"

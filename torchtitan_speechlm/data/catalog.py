@@ -92,7 +92,7 @@ def read_dataset_metadata(path: str, remote: RemoteCache | None = None) -> dict:
         if not meta.is_file():
             raise ConfigError(
                 f"prepared dataset {path!r} has no metadata.json; create it with "
-                "`torchtitan prepare --manifest M.jsonl --codec DIR --tokenizer DIR --out "
+                "`torchtitan prepare --manifest M.jsonl --codec DIR --tokenizer DIR --out-dir "
                 f"{path}`."
             )
         data = meta.read_bytes()

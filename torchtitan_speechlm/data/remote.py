@@ -134,7 +134,7 @@ class Mirror:
                 raise RemoteDatasetError(f"cannot read {self.url}: {_why(e)}") from None
             raise RemoteDatasetError(
                 f"{self.url}/{METADATA} not found: not a prepared dataset (or an unfinished one: "
-                "metadata.json is written last); create it with `torchtitan prepare --out "
+                "metadata.json is written last); create it with `torchtitan prepare --out-dir "
                 f"{self.url}`"
             ) from None
         except Exception as e:  # the storage library's own errors (botocore, gcsfs, ...)
@@ -326,7 +326,7 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 
 def staging_folder(url: str) -> str:
-    """Where ``torchtitan prepare --out URL`` prepares the dataset before uploading it."""
+    """Where ``torchtitan prepare --out-dir URL`` prepares the dataset before uploading it."""
     base = os.path.join(os.path.expanduser("~"), ".cache", "torchtitan_speechlm", "upload")
     return os.path.join(base, hashlib.sha256(url.encode()).hexdigest()[:16])
 

@@ -178,7 +178,7 @@ def build_corpus(work: str, plan: CorpusPlan, workers: int = 2) -> dict:
         codec = plan.codec_flags(p["codec"]) if fit else ["--codec", p["codec"]]
         run_command(
             [tool, "prepare", "--manifest", manifests[name], *codec, "--tokenizer",
-             p["tokenizer"], "--out", out, "--workers", str(workers)],
+             p["tokenizer"], "--out-dir", out, "--workers", str(workers)],
         )  # fmt: skip
     p["manifests"] = manifests
     return p

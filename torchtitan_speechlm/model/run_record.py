@@ -237,7 +237,7 @@ def check_same_data(
             "the other codec's codes, and export and generate would decode with the recorded "
             "one. To continue that run, point speechlm_data.datasets at data prepared with "
             f"its codec (`torchtitan prepare ... --codec {old_codec.path or 'CODEC_DIR'} "
-            f"--out DIR`); to train on this data, {new_run} (speechlm.init_from refuses "
+            f"--out-dir DIR`); to train on this data, {new_run} (speechlm.init_from refuses "
             f"weights trained on another codec's codes{_refused(start_from)})"
         )
     if not old_codec.config_hash and codec.config_hash and warn is not None:
@@ -256,7 +256,7 @@ def check_same_data(
             f"{new_data}): the checkpoints' text rows mean the other tokenizer's ids. To "
             "continue that run, point speechlm_data.datasets at data prepared with its "
             f"tokenizer (`torchtitan prepare ... --tokenizer {old_tok.get('path') or 'DIR'} "
-            f"--out DIR`); to train on this data, {new_run}"
+            f"--out-dir DIR`); to train on this data, {new_run}"
         )
     if not old_tok_hash and new_tok_hash and warn is not None:
         warn(

@@ -1,7 +1,7 @@
 """``torchtitan prepare`` as N independent parts (``--part i/N``, torchrun, a SLURM array).
 
 Part ``i`` of ``N`` encodes the shards ``j`` with ``j % N == i`` of the one plan that every
-part derives from the same source and settings, into the same ``--out``; nothing but finished
+part derives from the same source and settings, into the same ``--out-dir``; nothing but finished
 shards is shared, so parts run on any mix of processes, GPUs and machines (one file system).
 The last part to find every shard finished joins them (``finalize``: failures.jsonl,
 summary.json, metadata.json); ``torchtitan prepare --join OUT`` does the same by hand and
@@ -33,7 +33,7 @@ CHECKS = "checks.json"
 
 
 class PartError(ValueError):
-    """A bad ``--part``, a held ``--out``, or a join with shards missing."""
+    """A bad ``--part``, a held ``--out-dir``, or a join with shards missing."""
 
 
 def parse_part(spec: str | None, env: dict | None = None) -> tuple[int, int]:
@@ -185,7 +185,7 @@ class PartLock:
                 raise PartError(
                     f"{self.out_dir} is being prepared by another run ({who}, part "
                     f"{h.get('part', '?')}, run {h.get('run', '?')}; this run is {self.rid}): "
-                    "wait for it to finish (or stop it), or use another --out"
+                    "wait for it to finish (or stop it), or use another --out-dir"
                 )
             if path == self.path:
                 raise PartError(

@@ -207,8 +207,8 @@ def prepare_dataset(
         raise FileExistsError(f"output path {out_dir} exists and is not a directory")
     if os.path.isfile(os.path.join(out_dir, PLAN)):
         raise PlanMismatchError(
-            f"{out_dir} holds a preparation without a dev split; with --dev-fraction, --out is "
-            "the folder of the two splits (OUT/train, OUT/dev): use another --out"
+            f"{out_dir} holds a preparation without a dev split; with --dev-fraction, --out-dir is "
+            "the folder of the two splits (OUT/train, OUT/dev): use another --out-dir"
         )
     summaries = {}
     for name, subset in (("train", split.train), ("dev", split.dev)):

@@ -38,7 +38,7 @@ SUMMARY = "summary.json"
 
 
 class PlanMismatchError(ValueError):
-    """``--out`` holds a different preparation (or other files); the message names the key."""
+    """``--out-dir`` holds a different preparation (or other files); the message names the key."""
 
 
 def _size(path: str | None) -> int:
@@ -144,7 +144,8 @@ def open_out_dir(out_dir: str, plan: dict, overwrite: bool, own: set[int] | None
         if why is not None:
             if not overwrite:
                 raise PlanMismatchError(
-                    f"{why}; pass overwrite=True (--overwrite) to replace it, or use another --out"
+                    f"{why}; pass overwrite=True (--overwrite) to replace it, or use another "
+                    "--out-dir"
                 )
             _clear(out_dir)
     shards = os.path.join(out_dir, SHARDS_DIR)

@@ -25,7 +25,7 @@ from torchtitan_speechlm.prepare.items import ManifestItem
 from torchtitan_speechlm.prepare.sources.unique import contains
 from torchtitan_speechlm.prepare.spill import SpilledItems
 
-SPLITS = ("train", "dev")  # subfolders of --out, the names the recipes' `datasets` use
+SPLITS = ("train", "dev")  # subfolders of --out-dir, the names the recipes' `datasets` use
 SPLIT_FILE = "split.json"  # <out>/split.json: the split's settings and counts
 
 

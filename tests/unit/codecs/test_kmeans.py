@@ -151,7 +151,7 @@ def test_prepare_fits_kmeans_codec_then_reuses_it(speech, tmp_path, capsys):
     tok = demo_assets.build_tokenizer(str(tmp_path / "tok"), demo_assets.load_sentences())
     km, out = tmp_path / "km", tmp_path / "out"
     args = ["--manifest", speech["manifest"], "--fit-kmeans-codec", str(km), "--codebooks", "3",
-            "--codebook-size", "32", "--kmeans-seconds", "40", "--tokenizer", tok, "--out",
+            "--codebook-size", "32", "--kmeans-seconds", "40", "--tokenizer", tok, "--out-dir",
             str(out), "--shard-size", "10", "--num-streams", "2"]  # fmt: skip
     assert main(args) == 0
     assert "fitted k-means codec" in capsys.readouterr().err
@@ -197,6 +197,6 @@ def test_prepare_refits_nothing_but_refuses_another_frame_rate(speech, tmp_path)
     tok = demo_assets.build_tokenizer(str(tmp_path / "tok"), demo_assets.load_sentences())
     args = ["--manifest", speech["manifest"], "--fit-kmeans-codec", codec, "--tokenizer", tok,
             "--codebook-size", "64", "--kmeans-seconds", "60", "--no-progress"]  # fmt: skip
-    assert main([*args, "--out", out, "--kmeans-frame-rate", "25"]) == 0
+    assert main([*args, "--out-dir", out, "--kmeans-frame-rate", "25"]) == 0
     assert load_codec(codec).frame_rate == 25.0
-    assert main([*args, "--out", out + "2"]) == 1  # 50/s asked, a 25/s codec there
+    assert main([*args, "--out-dir", out + "2"]) == 1  # 50/s asked, a 25/s codec there

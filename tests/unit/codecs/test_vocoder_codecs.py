@@ -33,7 +33,7 @@ def corpus(tmp_path_factory):
     for kind in ("mel", "world"):
         out[kind] = str(root / kind)
         args = ["--manifest", manifest, f"--fit-{kind}-codec", out[kind], "--codebook-size", "64",
-                "--kmeans-seconds", "60", "--tokenizer", tok, "--out", str(root / f"p_{kind}"),
+                "--kmeans-seconds", "60", "--tokenizer", tok, "--out-dir", str(root / f"p_{kind}"),
                 "--no-progress"] + (["--codebooks", "2"] if kind == "mel" else [])  # fmt: skip
         assert main(args) == 0
     out["items"] = list(read_jsonl_manifest(manifest))
@@ -139,7 +139,7 @@ def test_bad_fits_are_refused_and_write_nothing(corpus, tmp_path, capsys):
     codec folder untouched."""
     base = ["--manifest", corpus["manifest"], "--tokenizer", corpus["tok"], "--no-progress"]
     target = tmp_path / "mel"
-    assert main([*base, "--fit-mel-codec", str(target), "--out", str(tmp_path / "o1")]) == 1
+    assert main([*base, "--fit-mel-codec", str(target), "--out-dir", str(tmp_path / "o1")]) == 1
     err = capsys.readouterr().err.strip()
     assert "--kmeans-seconds 600 asks for 600 s" in err and "pass --kmeans-seconds 1" in err
     assert not target.exists() and not (tmp_path / "o1").exists()
@@ -150,13 +150,13 @@ def test_bad_fits_are_refused_and_write_nothing(corpus, tmp_path, capsys):
     shutil.copytree(corpus["world"], world)
     before = sorted(os.listdir(world))
     assert main([*base, "--fit-mel-codec", str(world), "--kmeans-seconds", "60",
-                 "--out", str(tmp_path / "o2")]) == 1  # fmt: skip
+                 "--out-dir", str(tmp_path / "o2")]) == 1  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert "sample_rate 16000 there, 22050 asked" in err and "--overwrite" in err
     assert sorted(os.listdir(world)) == before
 
     assert main([*base, "--fit-mel-codec", str(target), "--kmeans-seconds", "10",
-                 "--codebook-size", "4096", "--out", str(tmp_path / "o3")]) == 1  # fmt: skip
+                 "--codebook-size", "4096", "--out-dir", str(tmp_path / "o3")]) == 1  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert "cannot fit 4096 centroids" in err and "smaller --codebook-size" in err
     assert not (target / "config.json").exists()

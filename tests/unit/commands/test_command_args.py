@@ -97,10 +97,10 @@ def test_every_prepare_flag_is_a_field_of_prepare_args_with_its_default_in_order
 
 
 def test_prepare_args_from_a_command_line():
-    argv = ["--kaldi", "k/", "--tokenizer", "t", "--out", "o", "--workers", "2", "--strict",
+    argv = ["--kaldi", "k/", "--tokenizer", "t", "--out-dir", "o", "--workers", "2", "--strict",
             "--import", "mod", "--no-progress", "--dev-fraction", "0.1"]  # fmt: skip
     args = PrepareArgs.from_namespace(build_prepare_parser().parse_args(argv))
-    want = PrepareArgs(sources={"kaldi": "k/"}, tokenizer="t", out="o", workers=2, strict=True,
+    want = PrepareArgs(sources={"kaldi": "k/"}, tokenizer="t", out_dir="o", workers=2, strict=True,
                        imports=["mod"], no_progress=True, dev_fraction=0.1)  # fmt: skip
     assert args == want
     args.validate()
@@ -113,7 +113,7 @@ def test_prepare_args_through_a_command_line_and_back():
     """A value written as a command line (the source's flags, then flag_fields.command_line of
     the other fields) parses back to itself."""
     args = PrepareArgs(sources={"hf_dataset": "ds/"}, source_options={"text_column": "sentence"},
-                       tokenizer="t", out="o", codebook_size=64, kmeans_seconds=30.5,
+                       tokenizer="t", out_dir="o", codebook_size=64, kmeans_seconds=30.5,
                        imports=["a", "b"], overwrite=True, no_progress=True, part="1/2")  # fmt: skip
     flags = {s.name: s.flag for _, s in SOURCES.items()}
     argv = [flags["hf_dataset"], "ds/", "--text-column", "sentence", *command_line(args)]
@@ -121,11 +121,11 @@ def test_prepare_args_through_a_command_line_and_back():
 
 
 def test_prepare_args_validate_in_order():
-    ok = dict(sources={"manifest": "m.jsonl"}, tokenizer="t", out="o")
+    ok = dict(sources={"manifest": "m.jsonl"}, tokenizer="t", out_dir="o")
     PrepareArgs(**ok).validate()
-    with pytest.raises(UsageError, match="required: --tokenizer, --out"):
-        PrepareArgs(sources={"manifest": "m"}, out="o").validate()
-    with pytest.raises(UsageError, match="--staging is for an --out that is a URL"):
+    with pytest.raises(UsageError, match="required: --tokenizer, --out-dir"):
+        PrepareArgs(sources={"manifest": "m"}, out_dir="o").validate()
+    with pytest.raises(UsageError, match="--staging is for an --out-dir that is a URL"):
         PrepareArgs(**ok, staging="s").validate()
     with pytest.raises(ValueError, match="give exactly one source"):
         PrepareArgs(**dict(ok, sources={"manifest": "m", "kaldi": "k"})).validate()
@@ -136,7 +136,7 @@ def test_prepare_args_validate_in_order():
     with pytest.raises(ValueError, match="--waveforms -1: give a sample rate"):
         PrepareArgs(**ok, waveforms=-1).validate()
     PrepareArgs(join="o", no_progress=True).validate()
-    with pytest.raises(ValueError, match=r"--join OUT takes no other flags \(got --tokenizer"):
+    with pytest.raises(ValueError, match=r"--join OUT_DIR takes no other flags \(got --tokenizer"):
         PrepareArgs(join="o", tokenizer="t").validate()
 
 
@@ -184,6 +184,6 @@ def test_prefer_hands_prepare_what_the_prepare_command_line_would_give(monkeypat
     monkeypatch.setattr(prefer, "_prompt_metadata", lambda spec: {"tokenizer": {"path": "tok"}})
     monkeypatch.setattr(prefer, "codec_of", lambda meta: SimpleNamespace(path="codec"))
     assert prefer._prepare(a, "pairs.jsonl", "out") == 0
-    argv = ["--preference", "pairs.jsonl", "--codec", "codec", "--tokenizer", "tok", "--out",
+    argv = ["--preference", "pairs.jsonl", "--codec", "codec", "--tokenizer", "tok", "--out-dir",
             "out", "--no-progress"]  # fmt: skip
     assert got == [PrepareArgs.from_namespace(build_prepare_parser().parse_args(argv))]

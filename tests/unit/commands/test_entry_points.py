@@ -37,6 +37,9 @@ RENAMED = [
      "--out", "--out-dir"),
     (build_prepare_parser, ["--batch-size", "3"], ["--codec-batch-size", "3"], "--batch-size",
      "--codec-batch-size"),
+    (build_prepare_parser, ["--manifest", "m", "--out", "o"], ["--manifest", "m", "--out-dir", "o"],
+     "--out", "--out-dir"),
+    (build_prepare_parser, ["--out=s3://b/p"], ["--out-dir=s3://b/p"], "--out", "--out-dir"),
     (build_prefer_parser, ["--config", "c.toml", "--prompts", "tts:p", "--work", "w"],
      ["--job.config_file", "c.toml", "--prompts", "tts:p", "--work", "w"], "--config",
      "--job.config_file"),
@@ -67,6 +70,19 @@ def test_the_old_spelling_through_the_console_script_is_said_once(capsys, monkey
     assert cli.main(["export", "--checkpoint", "c", "--out", "o", "--force"]) == 0
     assert capsys.readouterr().err.count("--out is now --out-dir") == 1
     assert ExportArgs.from_namespace(got[0]) == ExportArgs(checkpoint="c", out_dir="o", force=True)
+
+
+def test_prepare_old_out_through_the_console_script_is_said_once(capsys):
+    """prepare parses its command line once, in its own main (its sources are flags): the old
+    ``--out`` is said in one line, and a missing flag names ``--out-dir``."""
+    from torchtitan_speechlm import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["prepare", "--manifest", "m.jsonl", "--out", "o"])  # no --tokenizer
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("--out is now --out-dir: use --out-dir") == 1, err
+    assert "the following arguments are required: --tokenizer, --out-dir" in err
 
 
 def _expanded_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
@@ -115,7 +131,7 @@ def test_evaluate_checks_its_args_before_the_model(capsys):
 
 
 def test_prepare_checks_its_args(capsys):
-    args = PrepareArgs(sources={"manifest": "m.jsonl"}, tokenizer="t", out="o", dev_seed=1)
+    args = PrepareArgs(sources={"manifest": "m.jsonl"}, tokenizer="t", out_dir="o", dev_seed=1)
     assert prepare(args) == 1
     assert "--dev-seed seeds the split of --dev-fraction" in capsys.readouterr().err
 

@@ -297,7 +297,7 @@ def prompted(tmp_path_factory):
         f.writelines(json.dumps(r) + "\n" for r in rows)
     out = os.path.join(assets["root"], "prepared")
     argv = ["--preference", path, "--codec", assets["codec"], "--tokenizer", assets["tok"],
-            "--out", out, "--no-progress"]  # fmt: skip
+            "--out-dir", out, "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     ds = PreparedDataset(out)
     codec, tok = load_codec(assets["codec"]), load_text_tokenizer(assets["tok"])

@@ -68,7 +68,7 @@ def assets(tmp_path_factory):
 
 def prepare_args(a: dict, tokenizer: str, out, *extra: str) -> list[str]:
     return ["--manifest", a["manifest"], "--codec", a["codec"], "--tokenizer", tokenizer,
-            "--out", str(out), "--no-progress", *extra]  # fmt: skip
+            "--out-dir", str(out), "--no-progress", *extra]  # fmt: skip
 
 
 def metadata(path) -> dict:

@@ -518,7 +518,8 @@ def test_prepare_writes_the_waveforms_in_the_same_command(tmp_path, capsys):
     out = str(tmp_path / "one_command")
     common = ["--codec", run["codec"], "--tokenizer", run["tokenizer"], "--no-progress"]
     assert (
-        prepare_main(["--manifest", manifest, *common, "--out", out, "--waveforms", "16000"]) == 0
+        prepare_main(["--manifest", manifest, *common, "--out-dir", out, "--waveforms", "16000"])
+        == 0
     )
     assert "waveforms of 6 items at 16000 Hz" in capsys.readouterr().out
     two_steps = add_waveforms(run["prepared"], manifest, 16000)["waveform"]
@@ -536,7 +537,7 @@ def test_prepare_writes_the_waveforms_in_the_same_command(tmp_path, capsys):
     assert index[0] == index[1] and index[0].count("\n") == 6
     kaldi = tmp_path / "kaldi"
     kaldi.mkdir()
-    rc = prepare_main(["--kaldi", str(kaldi), *common, "--out", str(tmp_path / "k"),
+    rc = prepare_main(["--kaldi", str(kaldi), *common, "--out-dir", str(tmp_path / "k"),
                        "--waveforms", "16000"])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 1 and "--waveforms reads the audio again from a JSONL manifest" in err

@@ -93,7 +93,7 @@ def test_a_split_that_cannot_hold_both_sides_is_refused():
 def test_cli_refuses_bad_fractions_before_doing_anything(bad, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--manifest", str(tmp_path / "none.jsonl"), "--codec", str(tmp_path / "c"),
-            "--tokenizer", str(tmp_path / "t"), "--out", str(out), "--dev-fraction", bad]  # fmt: skip
+            "--tokenizer", str(tmp_path / "t"), "--out-dir", str(out), "--dev-fraction", bad]  # fmt: skip
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "error: --dev-fraction (dev_fraction) must be between 0 and 1" in err
@@ -103,7 +103,7 @@ def test_cli_refuses_bad_fractions_before_doing_anything(bad, tmp_path, capsys):
 def test_cli_refuses_a_dev_seed_without_a_dev_fraction(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--manifest", str(tmp_path / "none.jsonl"), "--codec", str(tmp_path / "c"),
-            "--tokenizer", str(tmp_path / "t"), "--out", str(out), "--dev-seed", "3"]  # fmt: skip
+            "--tokenizer", str(tmp_path / "t"), "--out-dir", str(out), "--dev-seed", "3"]  # fmt: skip
     assert main(argv) == 1
     assert "--dev-seed seeds the split of --dev-fraction: give both" in capsys.readouterr().err
     assert not out.exists()
@@ -134,7 +134,7 @@ def corpus(tmp_path_factory):
 def _prepare(corpus, out, *extra) -> int:
     a = corpus["assets"]
     return main(["--manifest", corpus["manifest"], "--codec", a["codec"], "--tokenizer",
-                 a["tokenizer"], "--out", str(out), "--no-progress", "--shard-size", "4",
+                 a["tokenizer"], "--out-dir", str(out), "--no-progress", "--shard-size", "4",
                  "--dev-fraction", "0.25", *extra])  # fmt: skip
 
 
@@ -171,7 +171,7 @@ def test_prepare_writes_train_and_dev_that_training_reads(corpus, capsys):
     assert capsys.readouterr().out.count("0 shards written, ") == 2
     # another fraction in the same folder is another preparation: refused without --overwrite
     assert main(["--manifest", corpus["manifest"], "--codec", corpus["assets"]["codec"],
-                 "--tokenizer", corpus["assets"]["tokenizer"], "--out", str(root / "p1"),
+                 "--tokenizer", corpus["assets"]["tokenizer"], "--out-dir", str(root / "p1"),
                  "--no-progress", "--dev-fraction", "0.5"]) == 1  # fmt: skip
     assert "source differs" in capsys.readouterr().err
 

@@ -189,7 +189,7 @@ def test_shar_codes_workers_and_resume(assets, tmp_path):
     assert got["st"].text == "left side right side"
     two = tmp_path / "two"
     rc = main(["--lhotse-shar", shar, "--codec", assets["codec"], "--tokenizer", assets["tok"],
-               "--out", str(two), "--workers", "2", "--shard-size", "2", "--codec-batch-size", "1",
+               "--out-dir", str(two), "--workers", "2", "--shard-size", "2", "--codec-batch-size", "1",
                "--no-progress"])  # fmt: skip
     assert rc == 0
     assert_same_dataset(str(one), str(two))
@@ -217,17 +217,17 @@ def test_broken_shar_named_before_any_work(assets, tmp_path, capsys):
     data = open(tar, "rb").read()
     with open(tar, "wb") as f:
         f.write(data[: len(data) // 2])
-    assert main(["--lhotse-shar", shar, "--out", str(tmp_path / "o1"), *args]) == 1
+    assert main(["--lhotse-shar", shar, "--out-dir", str(tmp_path / "o1"), *args]) == 1
     err = capsys.readouterr().err
     assert "recording.000001.tar: truncated" in err and not (tmp_path / "o1").exists()
     with tarfile.open(fileobj=io.BytesIO(data)) as t:
         third = t.getmembers()[2].offset
     with open(tar, "wb") as f:  # cut after its first cut's pair of members: one cut short
         f.write(data[:third])
-    assert main(["--lhotse-shar", shar, "--out", str(tmp_path / "o1"), *args]) == 1
+    assert main(["--lhotse-shar", shar, "--out-dir", str(tmp_path / "o1"), *args]) == 1
     assert "holds audio for 1 of the 2 cuts" in capsys.readouterr().err
     os.remove(tar)
-    assert main(["--lhotse-shar", shar, "--out", str(tmp_path / "o2"), *args]) == 1
+    assert main(["--lhotse-shar", shar, "--out-dir", str(tmp_path / "o2"), *args]) == 1
     assert "recording.000001.tar is missing" in capsys.readouterr().err
     assert not (tmp_path / "o2").exists()
     # a tar that lhotse cannot decode inside: that cut is recorded, the others prepared
@@ -263,7 +263,7 @@ def test_bad_cuts_and_options(assets, tmp_path, capsys):
     with pytest.raises(ValueError, match="--lhotse-padding must be keep or trim"):
         read_lhotse_cuts(str(path), padding="cut")
     rc = main(["--lhotse", str(path), "--lhotse-channel", "left", "--codec", assets["codec"],
-               "--tokenizer", assets["tok"], "--out", str(tmp_path / "o"), "--no-progress"])  # fmt: skip
+               "--tokenizer", assets["tok"], "--out-dir", str(tmp_path / "o"), "--no-progress"])  # fmt: skip
     assert (
         rc == 1 and "--lhotse-channel must be 'mix' or a channel number" in capsys.readouterr().err
     )
@@ -286,6 +286,6 @@ def test_missing_lhotse_names_the_install_line(assets, tmp_path, capsys, monkeyp
     path.write_text("{}\n")
     monkeypatch.setitem(sys.modules, "lhotse", None)  # `import lhotse` now raises ImportError
     rc = main(["--lhotse", str(path), "--codec", assets["codec"], "--tokenizer", assets["tok"],
-               "--out", str(tmp_path / "o"), "--no-progress"])  # fmt: skip
+               "--out-dir", str(tmp_path / "o"), "--no-progress"])  # fmt: skip
     assert rc == 1 and INSTALL in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -1,5 +1,5 @@
 """`torchtitan prepare` in parts, in process: which part runs (--part, torchrun, SLURM), the
-lock on --out, a failed part rerun doing only what is missing, --join refusing while shards
+lock on --out-dir, a failed part rerun doing only what is missing, --join refusing while shards
 are missing. The multi-process runs (concurrent parts, torchrun) are in
 tests/integration/test_prepare_parts.py."""
 
@@ -121,7 +121,7 @@ def test_failed_part_keeps_the_rest_and_its_rerun_does_only_what_is_missing(
 def test_another_prepare_on_the_same_out_is_refused(assets, tmp_path, capsys):
     out = str(tmp_path / "out")
     args = ["--manifest", assets["m10"], "--codec", assets["codec"], "--tokenizer", assets["tok"],
-            "--out", out, "--shard-size", "2", "--no-progress"]  # fmt: skip
+            "--out-dir", out, "--shard-size", "2", "--no-progress"]  # fmt: skip
     os.makedirs(out)
     other = PartLock(out, (0, 1), "0123456789abcdef")  # a live run of another plan
     with Mutex(out):

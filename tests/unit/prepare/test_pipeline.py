@@ -276,7 +276,7 @@ def test_prepare_refuses_to_overwrite_then_overwrites(assets, tmp_path, capsys):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     args = ["--manifest", assets["manifest"], "--codec", assets["codec"],
-            "--tokenizer", assets["tok"], "--out", str(out)]  # fmt: skip
+            "--tokenizer", assets["tok"], "--out-dir", str(out)]  # fmt: skip
     assert main(args + ["--no-progress"]) == 1
     assert "not empty" in capsys.readouterr().err and (out / "keep.txt").exists()
     assert main(args + ["--overwrite", "--codec-batch-size", "3"]) == 0

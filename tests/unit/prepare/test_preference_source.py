@@ -132,7 +132,7 @@ def test_the_cli_refuses_a_file_without_scores(prepared, tmp_path, capsys):
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps(row) + "\n")
     argv = ["--preference", str(path), "--codec", a["codec"], "--tokenizer", a["tok"],
-            "--out", str(tmp_path / "out"), "--no-progress"]  # fmt: skip
+            "--out-dir", str(tmp_path / "out"), "--no-progress"]  # fmt: skip
     assert main(argv) == 1
     assert f"{path}:1: a preference pair without 'scores'" in capsys.readouterr().err
 
@@ -149,7 +149,7 @@ def test_rescoring_a_pair_changes_its_shard_inputs(prepared, tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = str(tmp_path / "out")
     argv = ["--preference", str(path), "--codec", a["codec"], "--tokenizer", a["tok"],
-            "--out", out, "--no-progress"]  # fmt: skip
+            "--out-dir", out, "--no-progress"]  # fmt: skip
     assert main(argv) == 0 and main(argv) == 0  # unchanged: reused
     rows[1] = {**rows[1], "scores": {"chosen": {"wer": 0.0}, "rejected": {"wer": 0.9}}}
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -182,7 +182,7 @@ def test_tts_prompt_pairs_hold_the_speaker_prompt_then_the_text(tmp_path, capsys
     path.write_text(json.dumps(row) + "\n")
     out = str(tmp_path / "out")
     argv = ["--preference", str(path), "--codec", a["codec"], "--tokenizer", a["tok"],
-            "--out", out, "--no-progress"]  # fmt: skip
+            "--out-dir", out, "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     (line,) = items_jsonl(out)
     assert line["kind"] == "preference"

@@ -33,7 +33,7 @@ def assets(tmp_path_factory):
 
 def _prepare(assets, out, *source: str) -> int:
     return main([*source, "--codec", assets["codec"], "--tokenizer", assets["tok"],
-                 "--out", str(out), "--no-progress"])  # fmt: skip
+                 "--out-dir", str(out), "--no-progress"])  # fmt: skip
 
 
 def _latin1_line(text: str) -> bytes:

@@ -84,7 +84,7 @@ def test_interrupted_run_resumes_without_redoing_shards(assets, tmp_path, monkey
 def test_two_workers_give_the_same_dataset(assets, tmp_path, capsys):
     out = tmp_path / "w2"
     rc = main(["--manifest", assets["m14"], "--codec", assets["codec"], "--tokenizer",
-               assets["tok"], "--out", str(out), "--shard-size", "2", "--workers", "2"])  # fmt: skip
+               assets["tok"], "--out-dir", str(out), "--shard-size", "2", "--workers", "2"])  # fmt: skip
     assert rc == 0
     assert "prepare: 14/14 items" in capsys.readouterr().err
     assert_same_dataset(str(out), assets["clean"])
@@ -108,7 +108,7 @@ def test_failures_are_recorded_and_skipped(assets, tmp_path, capsys):
     m = write_manifest(tmp_path / "m.jsonl", rows)
     out = tmp_path / "out"
     rc = main(["--manifest", m, "--codec", assets["codec"], "--tokenizer", assets["tok"],
-               "--out", str(out), "--shard-size", "3", "--no-progress"])  # fmt: skip
+               "--out-dir", str(out), "--shard-size", "3", "--no-progress"])  # fmt: skip
     assert rc == 0
     printed = capsys.readouterr().out
     assert "4 items written" in printed and "5 skipped" in printed
@@ -133,7 +133,7 @@ def test_failures_are_recorded_and_skipped(assets, tmp_path, capsys):
     assert len(open(tmp_path / "o2" / "failures.jsonl").readlines()) == 4
     assert not (tmp_path / "o2" / "metadata.json").exists()
     assert main(["--manifest", m2, "--codec", assets["codec"], "--tokenizer", assets["tok"],
-                 "--out", str(tmp_path / "o3"), "--no-progress"]) == 1  # fmt: skip
+                 "--out-dir", str(tmp_path / "o3"), "--no-progress"]) == 1  # fmt: skip
     assert "all 4 items failed" in capsys.readouterr().err
 
 

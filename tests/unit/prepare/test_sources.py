@@ -102,7 +102,7 @@ def test_cli_reports_piped_wav_scp(assets, tmp_path, capsys):
     data = make_kaldi(tmp_path, with_segments=False)
     (data / "wav.scp").write_text("rec0 flac -dc rec0.flac |\n")
     rc = main(["--kaldi", str(data), "--codec", assets["codec"], "--tokenizer", assets["tok"],
-               "--out", str(tmp_path / "o"), "--no-progress"])  # fmt: skip
+               "--out-dir", str(tmp_path / "o"), "--no-progress"])  # fmt: skip
     assert rc == 1 and "piped command" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -132,7 +132,7 @@ def test_hf_dataset_saved_to_disk(assets, tmp_path):
     out = tmp_path / "out"
     rc = main(["--hf-dataset", str(tmp_path / "hf"), "--split", "train", "--audio-column",
                "speech", "--text-column", "sentence", "--codec", assets["codec"], "--tokenizer",
-               assets["tok"], "--out", str(out), "--codec-batch-size", "1", "--no-progress"])  # fmt: skip
+               assets["tok"], "--out-dir", str(out), "--codec-batch-size", "1", "--no-progress"])  # fmt: skip
     assert rc == 0
     prepared = PreparedDataset(str(out))
     assert prepared.ids == ["x", "y", "z"]
@@ -237,7 +237,7 @@ def test_num_streams_keeps_first_codebooks(assets, tmp_path):
     full, two = tmp_path / "full", tmp_path / "two"
     prepare_dataset(assets["manifest"], assets["codec"], assets["tok"], str(full), progress=False)
     rc = main(["--manifest", assets["manifest"], "--codec", assets["codec"], "--tokenizer",
-               assets["tok"], "--out", str(two), "--num-streams", "2", "--no-progress"])  # fmt: skip
+               assets["tok"], "--out-dir", str(two), "--num-streams", "2", "--no-progress"])  # fmt: skip
     assert rc == 0
     a, b = PreparedDataset(str(full)), PreparedDataset(str(two))
     assert b.metadata["codec"]["num_streams"] == 2 and b.metadata["codec"]["total_streams"] == 4

@@ -60,7 +60,7 @@ def test_jsonl_speakers_reach_the_index_summary_and_metadata(assets, tmp_path, c
     m = write_manifest(tmp_path / "m.jsonl", rows)
     out = tmp_path / "out"
     assert main(["--manifest", m, "--codec", assets["codec"], "--tokenizer", assets["tok"],
-                 "--out", str(out), "--shard-size", "4", "--no-progress"]) == 0  # fmt: skip
+                 "--out-dir", str(out), "--shard-size", "4", "--no-progress"]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert ("speakers: 5 (4 named + 1 items without one, each its own); utterances per "
             "speaker: min 1, median 1, max 2; 4 with a single utterance") in printed  # fmt: skip
@@ -90,7 +90,7 @@ def test_jsonl_without_speakers_is_prepared_as_before(assets, tmp_path, capsys):
     speaker key (files as before speakers existed); each item is its own speaker."""
     out = tmp_path / "out"
     assert main(["--manifest", assets["manifest"], "--codec", assets["codec"], "--tokenizer",
-                 assets["tok"], "--out", str(out), "--no-progress"]) == 0  # fmt: skip
+                 assets["tok"], "--out-dir", str(out), "--no-progress"]) == 0  # fmt: skip
     assert "speakers: none named by the source (each of the 6 items is its own)" in (
         capsys.readouterr().out
     )
@@ -233,7 +233,7 @@ def test_hf_speaker_id_column_by_default(assets, tmp_path):
         read_hf_items(path, speaker_column="spk")
     out = tmp_path / "out"
     assert main(["--hf-dataset", path, "--codec", assets["codec"], "--tokenizer", assets["tok"],
-                 "--out", str(out), "--no-progress"]) == 0  # fmt: skip
+                 "--out-dir", str(out), "--no-progress"]) == 0  # fmt: skip
     ds = PreparedDataset(str(out))
     assert ds.speakers == ["19", "250"] and ds.metadata["source"]["speaker_column"] == "speaker_id"
 
