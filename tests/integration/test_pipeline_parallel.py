@@ -181,7 +181,7 @@ def test_export_generate_and_eval_read_a_pipeline_checkpoint(runs, tmp_path):
                 "export",
                 "--checkpoint",
                 str(runs(name) / "checkpoint" / f"step-{STEPS}"),
-                "--out",
+                "--out-dir",
                 str(out[name]),
             ]  # fmt: skip
         )
