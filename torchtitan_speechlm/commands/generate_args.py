@@ -16,7 +16,6 @@ from torchtitan_speechlm.commands.flag_fields import (
     add_flags,
     command_line,
     flag,
-    flag_fields,
     from_namespace,
 )
 from torchtitan_speechlm.evaluation.pairs import check_sampling
@@ -249,10 +248,6 @@ class GenerateArgs(DecodingArgs):
     def command_line(self, names: list[str] | None = None) -> list[str]:
         """The ``torchtitan generate`` flags giving the fields ``names`` (all by default)."""
         return command_line(self, names)
-
-
-JUDGE_FIELDS = tuple(f.name for f in flag_fields(JudgeArgs))
-DECODING_FIELDS = tuple(f.name for f in flag_fields(DecodingArgs))
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
