@@ -606,6 +606,57 @@ def test_decoder_says_which_rows_ended_themselves(tmp_path):
     assert seen == {True, False}
 
 
+def _rates(ref: str, hyp: str | None) -> tuple[float, float]:
+    """WER and CER with jiwer on the judges' normalised texts (no speech: 1.0 each)."""
+    import jiwer
+
+    from torchtitan_speechlm.judges.text_scoring import normalise_text
+
+    if hyp is None:
+        return 1.0, 1.0
+    ref, hyp = normalise_text(ref), normalise_text(hyp)
+    return jiwer.wer(ref, hyp), jiwer.cer(ref, hyp)
+
+
+def test_best_of_keeps_the_sample_the_model_reads_back_best(model, tmp_path):
+    """``best_of = 3``: per text, the one of its 3 samples (seed + k, each decoded alone here)
+    that the model ended itself and transcribes with the lowest WER, then CER, then k; and
+    ``eval --best-of 3`` speaks exactly those."""
+    from dataclasses import replace
+
+    from torchtitan_speechlm.commands.generate import eval_items, eval_main
+    from torchtitan_speechlm.generation import tasks
+    from torchtitan_speechlm.generation.decode import DecodeConfig
+    from torchtitan_speechlm.generation.loading import load_model
+    from torchtitan_speechlm.generation.sampling import Sampling
+
+    loaded = load_model(model["step"])
+    items = eval_items(loaded, model["prepared"], 0.0, 3)
+    texts = [it.text for it in items]
+    cfg = DecodeConfig(audio=Sampling(1.0), min_frames=0, max_frames=12, max_text_tokens=8, seed=5)
+    expected, picks = [], []
+    for text in texts:
+        ranked = []
+        for k in range(3):
+            (codes,), (ended,) = tasks.tts_with_ends(loaded, [text], replace(cfg, seed=5 + k))
+            hyp = tasks.asr(loaded, [codes], cfg)[0] if len(codes) else None
+            ranked.append(((not ended, *_rates(text, hyp), k), codes))
+        key, codes = min(ranked, key=lambda r: r[0])
+        expected.append(codes)
+        picks.append(key[-1])
+        assert len({c.tobytes() for _, c in ranked}) > 1  # the samples differ
+    assert set(picks) != {0}  # the choice is not simply the first sample
+    got, _ = tasks.tts_with_ends(loaded, texts, replace(cfg, best_of=3))
+    assert [g.tolist() for g in got] == [e.tolist() for e in expected]
+    out = tmp_path / "best.json"
+    args = ["--model", model["step"], "--valid", f"tts:{model['prepared']}", *JUDGE_FLAGS,
+            *DECODE, "--min-frames", "0", "--temperature", "1.0", "--seed", "5", "--best-of", "3",
+            "--out", str(out)]  # fmt: skip
+    assert eval_main(args) == 0
+    per_item = json.loads(out.read_text())[f"tts:{model['prepared']}"]["per_item"]
+    assert [r["frames"] for r in per_item] == [len(c) for c in expected]
+
+
 def test_quality_judge_on_the_first_items_only(model, tmp_path):
     """``--judge-quality-items 2``: DNSMOS-like scores for items 0 and 1 (generated and
     reference), none after; the set's mean is theirs and the table says how many."""

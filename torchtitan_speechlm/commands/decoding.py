@@ -21,5 +21,6 @@ def decode_config(a: DecodingArgs) -> DecodeConfig:
         max_text_tokens=a.max_text_tokens,
         use_cache=not a.no_cache,
         seed=a.seed,
+        best_of=a.best_of,
         compile=a.compile,
     )

@@ -53,6 +53,14 @@ class DecodingArgs:
     )
     max_text_tokens: int = flag(200, group=DECODING, help="ASR: text tokens at most (200)")
     seed: int = flag(0, group=DECODING, help="the sampling seed (0)")
+    best_of: int = flag(
+        1,
+        group=DECODING,
+        metavar="N",
+        help="TTS: sample N renditions of each text (seeds --seed .. --seed + N - 1; needs "
+        "--temperature > 0) and keep the one the model's own ASR reads back closest to the "
+        "text (1 = off; docs/generation.md, Best of N)",
+    )
     no_cache: bool = flag(False, group=DECODING, help="recompute every step (slow)")
     compile: str = flag(
         "auto",
@@ -63,6 +71,17 @@ class DecodingArgs:
         "reduce-overhead mode, replayed as CUDA graphs, CUDA only; off) (default: auto)",
     )
     device: str = flag("cpu", group=DECODING, help="torch device (cpu), e.g. cuda")
+
+    def check_decoding(self) -> None:
+        """The decoding flags' own checks, which every command taking them runs: a ValueError
+        naming the flag."""
+        if self.best_of < 1:
+            raise ValueError(f"--best-of {self.best_of}: at least 1")
+        if self.best_of > 1 and self.temperature <= 0:
+            raise ValueError(
+                f"--best-of {self.best_of} with --temperature {self.temperature:g}: greedy "
+                "decoding speaks every sample alike; sample, e.g. --temperature 0.6"
+            )
 
 
 @dataclass(kw_only=True)
@@ -179,6 +198,12 @@ class EvalArgs(JudgeArgs, DecodingArgs):
     def validate(self) -> None:
         """The checks of the settings themselves (before any model or data is read): a
         ValueError naming the flag."""
+        self.check_decoding()
+        if self.pairs and self.best_of > 1:
+            raise ValueError(
+                f"--best-of {self.best_of} with --pairs: the pairs are ranked from every sample "
+                "as drawn (--samples); drop --best-of"
+            )
         for spec in self.valid:
             task = spec.partition(":")[0]
             if task not in EVAL_TASKS:
@@ -236,6 +261,9 @@ class GenerateArgs(DecodingArgs):
     def validate(self) -> None:
         """The checks of the settings themselves (before the model is read): a ValueError
         naming the flag. (A request's task and inputs are checked against the model.)"""
+        self.check_decoding()
+        if self.best_of > 1 and self.task not in (None, "tts"):
+            raise ValueError(f"--best-of is for --task tts (speech from text), not {self.task}")
         if self.batch_size < 1:
             raise ValueError(f"--batch-size {self.batch_size}: at least 1")
         if self.out_dir is not None and not self.batch:

@@ -248,6 +248,7 @@ class ServeArgs(DecodingArgs):
         ValueError naming the flag."""
         if self.replicas < 1:
             raise ValueError(f"--replicas {self.replicas}: at least 1")
+        self.check_decoding()
         check_engine_flags(self)
         check_bounds(self)
 
@@ -313,6 +314,10 @@ def check_engine_flags(a: ServeArgs) -> None:
             "samples each request's sequence alone",
         ),
         "--no-cache": (a.no_cache, "vLLM always decodes with its paged KV cache"),
+        "--best-of": (
+            a.best_of != 1,
+            "choosing among samples needs our decoder's ASR of each; vLLM returns one sample",
+        ),
         "--compile": (
             a.compile != "auto",
             "our decoder's compilation; vLLM compiles its own way (--vllm-arg=--enforce-eager "

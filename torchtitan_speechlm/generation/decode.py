@@ -47,6 +47,9 @@ class DecodeConfig:
     max_text_tokens: int = 200
     use_cache: bool = True
     seed: int = 0  # every row's seed unless the caller gives one per row
+    # TTS: draw this many samples per text (seeds seed..seed+n-1) and keep the one the model's
+    # own ASR reads back closest to the text (generation/tasks.py::tts_with_ends); 1 = off
+    best_of: int = 1
     # the one-frame decode step under torch.compile: auto (on CUDA only) | on | off | graphs
     # (compiled and replayed as a CUDA graph: torch.compile's mode="reduce-overhead")
     # (generation/incremental.py::compile_wanted; backbones with a static cache: native, qwen3)

@@ -13,12 +13,14 @@ unconditional prompt replaces the text by ``<|cfg_drop|>``, as CFG dropout did i
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
 from torchtitan_speechlm.data.format import to_int16
 from torchtitan_speechlm.data.tasks import continuous_turn
 from torchtitan_speechlm.data.template_pieces import Segment
+from torchtitan_speechlm.generation import best_of
 from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
 from torchtitan_speechlm.generation.loading import Loaded
 from torchtitan_speechlm.utils.audio import load_audio
@@ -100,7 +102,11 @@ def tts_with_ends(
     ``seeds`` and ``on_frames``: ``Decoder.audio``'s (per-row seeds; streaming); ``stop``:
     ``Decoder``'s (rows ended between steps, a server's cancelled requests).
     ``prompts_codes``: per text, a speaker prompt's codes (``speaker_prompt``; None: none),
-    laid out as ``tts_prompt`` trained."""
+    laid out as ``tts_prompt`` trained. With ``cfg.best_of`` N > 1, each text's N samples
+    are decoded in one batch and the one the model's own ASR reads back best is kept
+    (generation/best_of.py); ``on_frames`` then gets each kept rendition whole, once chosen."""
+    if cfg.best_of > 1:
+        return _tts_best_of(loaded, texts, cfg, seeds, on_frames, prompts_codes, stop)
     speakers = prompts_codes or [None] * len(texts)
     prompts = tts_prompts(loaded, texts, speakers)
     uncond = None
@@ -111,6 +117,32 @@ def tts_with_ends(
     decoder = Decoder(loaded.model, cfg, stop)
     codes = decoder.audio(fit_context(loaded, prompts), uncond, seeds=seeds, on_frames=on_frames)
     return codes, decoder.ended
+
+
+def _tts_best_of(loaded, texts, cfg, seeds, on_frames, prompts_codes, stop):
+    """``tts_with_ends`` with ``cfg.best_of`` N > 1: every text's N candidates (candidate k
+    drawing with the text's seed + k) decoded together, each transcribed by the model, the
+    best kept (``best_of.choose``)."""
+    n, one = cfg.best_of, replace(cfg, best_of=1)
+    row_stop = None if stop is None else (lambda r: stop(r // n))
+    codes, ended = tts_with_ends(
+        loaded,
+        best_of.candidate_rows(texts, n),
+        one,
+        best_of.candidate_seeds(seeds or [cfg.seed] * len(texts), n),
+        prompts_codes=None if prompts_codes is None else best_of.candidate_rows(prompts_codes, n),
+        stop=row_stop,
+    )
+    spoken = [r for r, c in enumerate(codes) if len(c)]
+    transcripts: list[str | None] = [None] * len(codes)
+    for r, text in zip(spoken, asr(loaded, [codes[r] for r in spoken], one), strict=True):
+        transcripts[r] = text
+    picks = best_of.choose(texts, transcripts, ended, n)
+    if on_frames is not None:
+        for i, r in enumerate(picks):
+            if len(codes[r]):
+                on_frames(i, codes[r])
+    return [codes[r] for r in picks], [ended[r] for r in picks]
 
 
 def _tts_turns(loaded: Loaded, text: np.ndarray, speaker) -> list[Segment]:

@@ -187,3 +187,36 @@ def test_prefer_hands_prepare_what_the_prepare_command_line_would_give(monkeypat
     argv = ["--preference", "pairs.jsonl", "--codec", "codec", "--tokenizer", "tok", "--out-dir",
             "out", "--no-progress"]  # fmt: skip
     assert got == [PrepareArgs.from_namespace(build_prepare_parser().parse_args(argv))]
+
+
+def test_best_of_is_checked_by_every_command_that_takes_it():
+    """``--best-of N`` (DecodingArgs): at least 1, sampled (greedy would speak every rendition
+    alike), TTS only in generate, not with eval's --pairs nor serve's --engine vllm; and it
+    reaches the decoder's ``DecodeConfig``."""
+    from torchtitan_speechlm.commands.decoding import decode_config
+    from torchtitan_speechlm.commands.generate_args import GenerateArgs
+    from torchtitan_speechlm.commands.serve_args import ServeArgs
+
+    ok = EvalArgs(model="m", valid=["tts:x"], best_of=4, temperature=0.6)
+    ok.validate()
+    assert (
+        decode_config(ok).best_of == 4 and decode_config(EvalArgs(model="m", valid=[])).best_of == 1
+    )
+    with pytest.raises(ValueError, match="--best-of 0: at least 1"):
+        EvalArgs(model="m", valid=["tts:x"], best_of=0).validate()
+    with pytest.raises(ValueError, match="--best-of 2 with --temperature 0: greedy"):
+        EvalArgs(model="m", valid=["tts:x"], best_of=2).validate()
+    with pytest.raises(ValueError, match="--best-of 2 with --pairs: .* drop --best-of"):
+        EvalArgs(model="m", valid=["tts:x"], best_of=2, temperature=1.0, samples=2,
+                 pairs="p.jsonl").validate()  # fmt: skip
+    GenerateArgs(model="m", task="tts", best_of=2, temperature=1.0).validate()
+    with pytest.raises(ValueError, match="--best-of is for --task tts .*, not asr"):
+        GenerateArgs(model="m", task="asr", best_of=2, temperature=1.0).validate()
+    with pytest.raises(ValueError, match="--best-of 3 with --temperature 0"):
+        GenerateArgs(model="m", task="tts", best_of=3).validate()
+    ServeArgs(model="m", best_of=2, temperature=1.0).validate()
+    with pytest.raises(ValueError, match="--best-of 2 with --temperature 0"):
+        ServeArgs(model="m", best_of=2).validate()
+    with pytest.raises(ValueError, match="--best-of is not taken with --engine vllm"):
+        ServeArgs(model="m", engine="vllm", vllm_url="http://h:1/v1", best_of=2,
+                  temperature=1.0).validate()  # fmt: skip
