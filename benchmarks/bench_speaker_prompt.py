@@ -34,7 +34,8 @@ Variants: ``--prompt-seconds``, ``--plain-tts-share`` (part of the TTS share tra
 on the same data), ``--codec mel[:BOOKSxSIZE]`` (both recipes on the mel codec, decoded by
 HiFi-GAN), ``--frame-rate`` (the prompted recipe's k-means codec), ``--tag`` (names the variant's
 run; variants share the data and the baseline), ``--no-baseline``, and extra
-``--section.key value`` train overrides. The tried variants and their figures are in
+``--section.key value`` train overrides; ``--best-of N`` scores what ``eval --best-of N``
+speaks (the eval only: the training is the same run). The tried variants and their figures are in
 docs/quality.md, *Speaker-prompted TTS: the learning benchmark*.
 
 Writes benchmarks/results/speaker_prompt.json (``--out``); the work folder is reused (corpora,
@@ -191,9 +192,14 @@ def evaluate(ckpt: str, specs: list[str], out: str, grammar_file: str, a) -> dic
     quality = ["--judge-quality-items", str(a.quality_items)]
     if a.quality_items <= 0:
         quality = ["--judge-quality", "none"]
+    decoding = []
+    if a.best_of > 1:  # docs/generation.md, Best of N
+        decoding = ["--best-of", str(a.best_of), "--temperature", str(a.temperature)]
+        out = out.replace(".json", f"-best{a.best_of}-t{a.temperature:g}.json")
     run_command(
         [console("torchtitan"), "eval", "--model", ckpt, *[x for s in specs for x in ("--valid", s)],
-         "--judge-grammar", grammar_file, *quality, "--limit", str(a.eval_limit), "--out", out],
+         "--judge-grammar", grammar_file, *quality, "--limit", str(a.eval_limit), "--out", out,
+         *decoding],
         log=out.replace(".json", ".log"),
     )  # fmt: skip
     with open(out) as f:
@@ -265,6 +271,14 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2, help="torchtitan prepare --workers")
     p.add_argument("--tag", default="", help="names the prompted run (variants share the data)")
     p.add_argument("--no-baseline", action="store_true", help="skip the unprompted baseline")
+    p.add_argument(
+        "--best-of",
+        type=int,
+        default=1,
+        help="eval speaks each item N times and keeps what the model's own ASR reads back best "
+        "(eval --best-of; 1: greedy, one rendition)",
+    )
+    p.add_argument("--temperature", type=float, default=0.6, help="with --best-of: eval's")
     p.add_argument("--out", default=os.path.join(HERE, "results", "speaker_prompt.json"))
     p.add_argument("train_args", nargs="*", help="extra --section.key value train overrides")
     a = p.parse_args()
@@ -339,6 +353,9 @@ def main() -> int:
             "overrides": a.train_args,
             "tag": a.tag,
         },  # fmt: skip
+        "decoding": (
+            {"best_of": a.best_of, "temperature": a.temperature} if a.best_of > 1 else "greedy"
+        ),
         **result,
         "codec_ceiling": ceiling,
         "checkpoints": {

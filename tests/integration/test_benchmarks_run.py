@@ -8,7 +8,9 @@ compared, its results written under tmp_path and never to benchmarks/results/.
 Not run: `bench_speaker_prompt.py` (a multi-voice espeak-ng corpus, a codec fit, training and
 three judges: 98 s at its smallest, moved out of `make faults` for CI's 40 minutes; its flags and
 pure functions are tested), `bench_preference.py` and `bench_preference_ceiling.py` (need a
-`make demo` clone; the first's config and table, the second's best-of-k figures are tested), `bench_audio_learning.py` (two trainings of the demo's model on its espeak-ng corpus,
+`make demo` clone; the first's config and table, the second's best-of-k figures are tested),
+`bench_demo_seeds.py` (the whole demo once per seed, about 8 minutes each; imported, its usage
+line parses), `bench_audio_learning.py` (two trainings of the demo's model on its espeak-ng corpus,
 minutes on 2 cores; imported and its usage lines parse), `bench_espnet_data.py` (an espeak-ng corpus, a codec fit, two trainings and two
 `torchtitan eval`s: 56 s at its smallest, the second usage line of its docstring, run by hand; imported, its usage lines parse), `bench_learning.py` (an espeak-ng corpus, a codec fit, prepare, train, then `torchtitan
 eval` with three judges per checkpoint: 96 s even at its smallest, `--train-sentences 8
@@ -83,6 +85,7 @@ SMOKE = {
 NOT_RUN = (
     "bench_audio_learning.py",
     "bench_common.py",
+    "bench_demo_seeds.py",
     "bench_espnet_data.py",
     "bench_learning.py",
     "bench_preference.py",

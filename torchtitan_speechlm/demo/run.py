@@ -36,11 +36,11 @@ DEMO_TRAIN, DEMO_HELD_OUT = 2000, 40
 # demo's model and 400 steps, mel 2x1024 gives held-out TTS WER 0.17 (word loop 0.24) where the
 # k-means 4x256 codec gave 0.30 (0.52), with harmonics (benchmarks/results/learning_codecs.json).
 DEMO_CODEC = {"codec": "mel", "codebooks": 2}
-# How the demo speaks: 4 samples per sentence at temperature 0.6, the one its own ASR reads back
+# How the demo speaks: 8 samples per sentence at temperature 0.6, the one its own ASR reads back
 # best kept (generation/best_of.py). Measured on the demo's model (docs/quality.md): greedy
 # decoding says a held-out sentence's last noun wrong often enough for TTS WER 0.17; best of 4,
-# 0.07, for about 10 s more listening.
-DEMO_DECODING = ["--best-of", "4", "--temperature", "0.6"]
+# 0.07-0.11 (two models: two instruction sets), best of 8, 0.065-0.070, for seconds of decoding.
+DEMO_DECODING = ["--best-of", "8", "--temperature", "0.6"]
 
 
 def build_demo_data(
@@ -164,7 +164,7 @@ def next_steps(checkpoint: str) -> list[str]:
     lines += [
         f"[demo] export      : torchtitan export --checkpoint {checkpoint} --out-dir exported/",
         '[demo] speak       : torchtitan generate --model exported/ --task tts --text "The quiet '
-        'cat saw the king." --out hello.wav --best-of 4 --temperature 0.6',
+        'cat saw the king." --out hello.wav --best-of 8 --temperature 0.6',
     ]
     return lines
 
@@ -198,7 +198,7 @@ def listen(checkpoint: str, paths: dict, dump: str) -> dict:
     print(
         f"[demo] held-out ASR WER {asr['wer']:.3f} (the model's transcripts of "
         f"{asr['items']} unseen sentences); TTS intelligibility WER {tts['wer']:.3f} "
-        f"(an independent recogniser, the grammar's, on the model's speech, the best of 4 "
+        f"(an independent recogniser, the grammar's, on the model's speech, the best of 8 "
         f"samples by its own ASR; on the references: "
         f"{tts['floor']['wer']:.3f}; the free word loop: {tts['word_loop']['wer']:.3f}, on the "
         f"references {tts['word_loop']['floor_wer']:.3f}); SIM {tts['sim']:.3f}, duration ratio "
