@@ -646,8 +646,14 @@ def test_best_of_keeps_the_sample_the_model_reads_back_best(model, tmp_path):
         picks.append(key[-1])
         assert len({c.tobytes() for _, c in ranked}) > 1  # the samples differ
     assert set(picks) != {0}  # the choice is not simply the first sample
-    got, _ = tasks.tts_with_ends(loaded, texts, replace(cfg, best_of=3))
+    streamed = []  # on_frames (streaming) gets each kept rendition whole, once chosen
+    got, _ = tasks.tts_with_ends(
+        loaded, texts, replace(cfg, best_of=3), on_frames=lambda i, c: streamed.append((i, c))
+    )
     assert [g.tolist() for g in got] == [e.tolist() for e in expected]
+    assert [(i, c.tolist()) for i, c in streamed] == [
+        (i, e.tolist()) for i, e in enumerate(expected) if len(e)
+    ]
     out = tmp_path / "best.json"
     args = ["--model", model["step"], "--valid", f"tts:{model['prepared']}", *JUDGE_FLAGS,
             *DECODE, "--min-frames", "0", "--temperature", "1.0", "--seed", "5", "--best-of", "3",
