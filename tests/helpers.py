@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tests.real_checkpoints import SHIPPED_AS, dress_as_shipped
@@ -504,3 +506,15 @@ def start_server(export: str, *flags: str, wait_s: float = 180, timeout: float =
     assert started.wait(wait_s) and url, "\n".join(lines[-30:])
     client = openai.OpenAI(base_url=url[0] + "/v1", api_key="none", max_retries=0, timeout=timeout)
     return {"url": url[0], "client": client, "lines": lines, "proc": proc}
+
+
+def aborted_in_torch_teardown(stderr: str, last_checkpoint) -> bool:
+    """True when a multi-process gloo run failed only in torch's interpreter teardown after it
+    completed: a rank's ``terminate called without an active exception`` (SIGABRT) and the
+    run's last checkpoint (``last_checkpoint``, a step folder) whole on disk. That is
+    patches/0009-gloo-teardown-abort.md (torch, CPU gloo only): ``torchtitan train`` leaves with
+    ``os._exit``, but a Python API run (ESPnet's ``bin/train.py`` calling ``TitanTrainer``)
+    cannot, and docs/python-api.md says so. Any other failure, or this one before the last
+    checkpoint, is not this."""
+    done = os.path.join(str(last_checkpoint), ".metadata")
+    return "terminate called without an active exception" in stderr and os.path.isfile(done)

@@ -15,7 +15,7 @@ import yaml
 
 from tests import forked
 from tests.espnet_side.assets import job_config, prepare_stats, specifiers
-from tests.helpers import read_metrics
+from tests.helpers import aborted_in_torch_teardown, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -74,9 +74,10 @@ def train(assets, tmp_path, out, tasks, max_step, nproc=1, resume_path=None, che
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", MAIN, *argv]  # fmt: skip
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=ROOT)
-    if check:
+    last = out / "checkpoint" / f"step-{max_step}"
+    if check and not (nproc > 1 and aborted_in_torch_teardown(r.stderr, last)):
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    return r
+    return r  # (a completed 2-rank run that torch's gloo teardown aborted: tests/helpers.py)
 
 
 def steps_of(out) -> dict[int, dict]:
