@@ -122,7 +122,13 @@ def tts_with_ends(
 def _tts_best_of(loaded, texts, cfg, seeds, on_frames, prompts_codes, stop):
     """``tts_with_ends`` with ``cfg.best_of`` N > 1: every text's N candidates (candidate k
     drawing with the text's seed + k) decoded together, each transcribed by the model, the
-    best kept (``best_of.choose``)."""
+    best kept (``best_of.choose``). A model that hears speech through its audio encoder was
+    not trained to read codes, so its transcripts of codes would rank nothing: refused."""
+    if loaded.model.args.audio is not None:
+        raise ValueError(
+            "--best-of ranks renditions by the model's ASR of their codes, and this model reads "
+            "speech through its audio encoder (docs/audio-encoder.md); drop --best-of"
+        )
     n, one = cfg.best_of, replace(cfg, best_of=1)
     row_stop = None if stop is None else (lambda r: stop(r // n))
     codes, ended = tts_with_ends(
