@@ -1,4 +1,4 @@
-"""What each workaround in utils/compat.py (fixes 1-8, 10-16) does, tried as torchtitan is used.
+"""What each workaround in utils/compat.py (fixes 1-8, 10-17) does, tried as torchtitan is used.
 
 These are the tests of the sufficiency check (patches/check_sufficiency.py, `make
 patches-check`): with ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` they pass on a torchtitan with
@@ -37,6 +37,7 @@ FIXES = {
     "test_a_cpu_run_logs_no_gpu_peak_flops_and_no_mfu": (13,),
     "test_the_model_arguments_are_one_line_at_info": (14,),
     "test_a_step_off_the_interval_is_saved_once_when_asked": (16,),
+    "test_training_ends_on_a_barrier_of_the_ranks_not_a_sleep": (17,),
 }
 
 STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--validation.enable", "false")
@@ -136,6 +137,16 @@ def test_two_process_fsdp_on_gloo_matches_one_process(train):
     torchtitan's process-group timeouts are set after step 1 on gloo (no device barrier)."""
     fsdp = train("--training.local_batch_size", "2", nproc=2)
     assert_same_steps(fsdp, reference(train))
+
+
+def test_training_ends_on_a_barrier_of_the_ranks_not_a_sleep(train):
+    """Fix 17: torchtitan's ``train`` ends with every rank at a barrier, not with rank 0 alone
+    sleeping 2 seconds (every run paid them, one process included): the 2-process run above
+    completes, exactly as one process does, and neither says it sleeps."""
+    for nproc in (2, 1):
+        log = train.log("--training.local_batch_size", str(4 // nproc), nproc=nproc)
+        assert "Training completed" in log
+        assert "Sleeping 2 seconds" not in log, nproc
 
 
 def test_ddp_with_accumulation_matches_one_process(train):

@@ -41,7 +41,11 @@ from torchtitan_speechlm.trainer.spec import is_speechlm
 from torchtitan_speechlm.utils import compat
 from torchtitan_speechlm.utils.checkpoint_folders import checkpoint_folder
 from torchtitan_speechlm.utils.checkpoint_manifest import set_identity
-from torchtitan_speechlm.utils.compat import init_trainer, save_checkpoint_now
+from torchtitan_speechlm.utils.compat import (
+    end_train_on_a_barrier,
+    init_trainer,
+    save_checkpoint_now,
+)
 from torchtitan_speechlm.utils.upstream import Trainer, get_train_spec, logger
 
 SAVE_AND_STOP = "SAVE_AND_STOP"
@@ -205,9 +209,11 @@ class SpeechLMTrainer(Trainer):
         return super().batch_generator(data_iterable)
 
     def train(self) -> None:
-        """torchtitan's ``train``; a failed collective names the peer that went silent."""
+        """torchtitan's ``train``, ending on a barrier of the ranks instead of a 2-second sleep
+        (compat fix 17); a failed collective names the peer that went silent."""
         try:
-            super().train()
+            with end_train_on_a_barrier():
+                super().train()
         except BaseException as e:  # DCP wraps some failures in a BaseException
             if self.run is None or not is_unexplained_collective_failure(e):
                 raise

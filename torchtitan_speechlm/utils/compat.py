@@ -3,7 +3,7 @@
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
 texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8,
-10-16 off, so that a torchtitan with the diffs applied can be shown to need none of them
+10-17 off, so that a torchtitan with the diffs applied can be shown to need none of them
 (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
@@ -130,19 +130,33 @@ Two seams torchtitan 0.2.2 lacks, for a trainer that owns its run (trainer/train
     one save. (patches/0016-checkpoint-save-now.diff: ``CheckpointManager.save_now``.)
 
 The switch turns 15 and 16 off too: the code then calls the public forms the diffs add.
+
+One of the loop's end, paid by every run:
+
+17. ``torchtitan/train.py::Trainer.train`` ends with rank 0 logging "Sleeping 2 seconds for other
+    ranks to complete" and sleeping 2 s, while the other ranks wait for nothing: every run, one
+    process included, ends 2 s late (the Python API's ``train()`` chunks, each a call of it, pay
+    it per chunk), and nothing makes sure the other ranks did complete.
+    -> ``end_train_on_a_barrier()``, around our ``Trainer.train``: torchtitan's loop runs without
+    that sleep (its module's ``time`` has no ``sleep`` for that call, and the line is not logged),
+    then every rank of a multi-rank run meets at a barrier before any goes on to close.
+    (patches/0017-train-ends-on-a-barrier.diff)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import resource
 import sys
+import time
 from collections import namedtuple
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -160,7 +174,7 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8 and 10-16 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
+    """Fixes 1-8 and 10-17 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
     with the patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
@@ -530,21 +544,25 @@ def permute_tokens_on_cpu() -> None:
     utils.generate_permute_indices = generate_permute_indices
 
 
+_FINAL_SLEEP = "Sleeping 2 seconds for other ranks"  # torchtitan's Trainer.train, fix 17
 _MFU = re.compile(r"\s+(\x1b\[[0-9;]*m)?mfu: \S+%")  # the step line's mfu column
 
 
 class _RunLogFilter(logging.Filter):
-    """Fixes 13 and 14 on the records torchtitan logs through its (root) logger."""
+    """Fixes 13, 14 and 17 on the records torchtitan logs through its (root) logger."""
 
     def __init__(self) -> None:
         super().__init__()
         self.cpu = False  # fix 13: drop the MFU figures
         self.describe: Callable[[dict], str] | None = None  # fix 14: the arguments' summary
+        self.no_final_sleep = False  # fix 17: the sleep it announces does not happen
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.INFO or not isinstance(record.msg, str):
             return True
         msg = record.msg
+        if self.no_final_sleep and msg.startswith(_FINAL_SLEEP):
+            return False
         if self.cpu and msg.startswith("Peak FLOPS used for computing MFU"):
             return False
         if self.cpu and "mfu: " in msg:
@@ -652,3 +670,31 @@ def save_checkpoint_now(checkpointer, step: int, last_step: bool) -> None:
         checkpointer.save(step)
     finally:
         checkpointer.interval = interval
+
+
+# fix 17: torchtitan.train's ``time`` while our trainer's train() runs: time.sleep is only called
+# for the 2-second wait at the end of Trainer.train there (every other name is time's own)
+_TIME_WITHOUT_SLEEP = SimpleNamespace(
+    **{k: getattr(time, k) for k in dir(time) if not k.startswith("_")}
+)
+_TIME_WITHOUT_SLEEP.sleep = lambda seconds: None
+
+
+@contextlib.contextmanager
+def end_train_on_a_barrier() -> Iterator[None]:
+    """Fix 17, around a call of torchtitan's ``Trainer.train``: no 2-second sleep at its end,
+    then, once it returned, a barrier of every rank of a multi-rank run (none on one process;
+    none when it raised: a failed rank must not wait for the others). With the switch off
+    (patches/0017 applied) torchtitan's ``train`` ends on that barrier itself."""
+    if not workarounds_on():
+        yield
+        return
+    module = upstream.train_module
+    _run_log_filter().no_final_sleep = True
+    module.time = _TIME_WITHOUT_SLEEP
+    try:
+        yield
+    finally:
+        module.time = time
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -37,6 +37,7 @@ SYMBOLS: dict[str, tuple[str, str, str]] = {
     # ---- the loop, its spec and its entry point
     "Trainer": ("torchtitan.train", "Trainer", "subclassed: trainer.SpeechLMTrainer (OVERRIDES)"),
     "train_main": ("torchtitan.train", "main", "runs our Trainer subclass (compat fix 5)"),
+    "train_module": ("torchtitan.train", "", "compat fix 17: Trainer.train's 2-second end sleep"),
     "TrainSpec": ("torchtitan.protocols.train_spec", "TrainSpec", "the SpeechLM specs (trainer/spec.py)"),
     "get_train_spec": ("torchtitan.protocols.train_spec", "get_train_spec", "reads a registered spec (its flavors' backbones)"),
     "register_train_spec": ("torchtitan.protocols.train_spec", "register_train_spec", "registers the SpeechLM specs"),
@@ -123,6 +124,11 @@ PRIVATE: tuple[tuple[str, str, str, str], ...] = (
      "a run's builders need the run (its plan and training state): the trainer hands torchtitan "
      "a spec built for its run (trainer/builders.py RunBuilders) instead of the registered one",
      "compat fix 15, patches/0015-trainer-train-spec-argument.diff (a `train_spec` argument)"),
+    ("torchtitan.train's module global `time` replaced while our Trainer.train runs",
+     "trainer/trainer.py via compat.end_train_on_a_barrier",
+     "Trainer.train ends with rank 0 sleeping 2 s for the other ranks (every run, every Python "
+     "API chunk); a barrier of every rank takes its place",
+     "compat fix 17, patches/0017-train-ends-on-a-barrier.diff"),
     ("CheckpointManager._should_save and .interval",
      "trainer/trainer.py save_now via compat.save_checkpoint_now",
      "SAVE_AND_STOP (and the Python API's train()) save the current step in full off the "
