@@ -7,11 +7,16 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?= --durations=20
-# Two test files at a time (pytest-xdist; a file's tests and module fixtures stay on one worker):
-# most tests wait on a subprocess or on I/O a good part of the time, so two workers on 2 cores
-# take about half the wall time. TEST_WORKERS=0 runs them in this process, one after another.
-TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+# Test files run in parallel (pytest-xdist; a file's tests and module fixtures stay on one
+# worker). `make test`'s many short tests wait on a subprocess, a socket or a file a good part of
+# the time: three workers on 2 cores kept them 184% busy (two: 167%) and took 365 s instead of
+# 454 s. `make faults` is CPU-bound already at two (177%), and three took longer (1378 s against
+# 1306 s: its long files end unevenly), so it keeps two. TEST_WORKERS=0 (or FAULT_WORKERS=0)
+# runs them in this process, one after another.
+TEST_WORKERS ?= 3
+FAULT_WORKERS ?= 2
+xdist = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile)
+XDIST := $(call xdist,$(TEST_WORKERS))
 
 .PHONY: demo test check faults patches-check deps system-deps lint bench gpu-wheels clean
 
@@ -55,7 +60,7 @@ deps: system-deps $(STAMP)
 demo: deps
 	$(PY) -m torchtitan_speechlm.demo
 
-# Everything but the slow runs `make faults` holds (about 12 minutes on 2 CPU cores): tests/unit
+# Everything but the slow runs `make faults` holds (about 6 minutes on 2 CPU cores): tests/unit
 # (one module's behaviour, no training run), tests/integration (`torchtitan` commands, mostly in
 # forks of the test process: tests/forked.py) and tests/docs (the documented commands parse).
 test: deps
@@ -70,7 +75,7 @@ check: deps
 
 # The slow half of the fault suite (docs/errors.md): ranks killed mid-save, NaN steps, a full
 # disk, hung and dead ranks, each on real 2-process runs compared bit for bit with an
-# uninterrupted one. The fast half is in `make test`. About 10 minutes on 2 CPU cores in all.
+# uninterrupted one. The fast half is in `make test`. About 22 minutes on 2 CPU cores in all.
 # Also the cluster launches (tests/integration/test_cluster.py: the SLURM script on two "nodes") and every
 # benchmark script run at its smallest setting (tests/integration/test_benchmarks_run.py, marker bench_smoke),
 # and the long multi-process runs (marker long): those of LoRA and the audio encoder, and the
@@ -79,7 +84,7 @@ check: deps
 # small demo (tests/docs/test_docs_after_demo.py), and README's six journeys after the demo in a
 # fresh copy with .venv activated, none silent for 10 s (tests/docs/test_journeys.py). CI runs both targets.
 faults: deps
-	$(PY) -m pytest -q $(XDIST) -m "faults or cluster or bench_smoke or long" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(call xdist,$(FAULT_WORKERS)) -m "faults or cluster or bench_smoke or long" $(PYTEST_ARGS)
 
 # The patches/ diffs replace utils/compat.py's workarounds, and each is needed
 # (patches/check_sufficiency.py; about 4 minutes on 2 CPU cores); CI runs it after `make faults`.
