@@ -60,7 +60,7 @@ deps: system-deps $(STAMP)
 demo: deps
 	$(PY) -m torchtitan_speechlm.demo
 
-# Everything but the slow runs `make faults` holds (about 6 minutes on 2 CPU cores): tests/unit
+# Everything but the slow runs `make faults` holds (6-7.5 minutes on 2 CPU cores): tests/unit
 # (one module's behaviour, no training run), tests/integration (`torchtitan` commands, mostly in
 # forks of the test process: tests/forked.py) and tests/docs (the documented commands parse).
 test: deps
