@@ -7,7 +7,9 @@ The model is bench_serve.py's (a Llama backbone over the tests' tiny Encodec, tr
 steps and exported; ``--model DIR`` serves an export instead). Each server runs with its
 defaults but API keys from a file (``normal-I`` for normal client I, ``attacker`` for the
 attacks: a client of its own, as a real abuser is), ``--max-queued-per-key`` (--per-key, 2) and
-``--requests-per-minute`` (--rpm, 360: above a normal client's rate; 0: no limit). The
+``--requests-per-minute`` (--rpm, 360: above a normal client's rate; 0: no limit) and
+``--body-mb-per-minute`` (--body-mb, 32: a normal client sends a few hundred bytes a request,
+a 60-s prompt upload about 2 MB; 0: no limit). The
 normal clients (``--clients`` threads, each its own keep-alive connection) speak one sentence
 for exactly ``--frames`` frames in a closed loop for ``--seconds`` per phase. A fresh server per
 attack: what one attack leaves in the process (an allocator that keeps what it took) is not
@@ -86,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attacks", default=",".join(ATTACK_NAMES), help="which attacks, in order")
     p.add_argument("--per-key", type=int, default=2, help="the server's --max-queued-per-key")
     p.add_argument("--rpm", type=int, default=360, help="the server's --requests-per-minute")
+    p.add_argument("--body-mb", type=float, default=32.0,
+                   help="the server's --body-mb-per-minute (0: no limit)")  # fmt: skip
     p.add_argument("--h1-hours", type=float, default=8.0, help="H1's upload: hours of silence")
     p.add_argument("--h2-mb", type=float, default=10.0, help="H2's input: MB of text")
     p.add_argument(
@@ -138,7 +142,8 @@ def start_server(a, model: str, work: str) -> Server:
     with open(path, "w") as f:
         f.write("".join(f"{name} {key}\n" for name, key in keys(a.clients).items()))
     a.max_batch, a.batch_wait_ms, a.replicas, a.slow_seconds = 8, 10.0, 1, 60.0
-    limits = ["--max-queued-per-key", str(a.per_key), "--requests-per-minute", str(a.rpm)]
+    limits = ["--max-queued-per-key", str(a.per_key), "--requests-per-minute", str(a.rpm),
+              "--body-mb-per-minute", f"{a.body_mb:g}"]  # fmt: skip
     server = Server(a, model, ["--api-key-file", path, *limits], own_session=a.attacker_process)
     if a.pin:
         pin(server.proc.pid, a.server_cores)
@@ -493,6 +498,7 @@ def main(argv=None) -> None:
         "seconds_per_phase": a.seconds,
         "server_flags": "defaults, --api-key-file (normal-0.., attacker), "
                         f"--max-queued-per-key {a.per_key}, --requests-per-minute {a.rpm}, "
+                        f"--body-mb-per-minute {a.body_mb:g}, "
                         f"--min/--max-frames {a.frames}",
         "attack_sizes": {"h1_hours": a.h1_hours, "h2_mb": a.h2_mb, "m1_sockets_each_kind":
                          a.m1_sockets, "m2_concurrent": a.m2_concurrent, "m3_requests_per_s":

@@ -4,8 +4,9 @@
         [--api-key KEY | --api-key-file FILE | --no-auth] [--queue-size 64] [--max-batch 8]
         [--batch-wait-ms 10] [--max-upload-mb 25] [--max-input-chars 4096]
         [--max-audio-seconds 600] [--max-requests N] [--requests-per-minute N]
-        [--audio-seconds-per-minute S] [--header-timeout 10] [--body-timeout 60]
-        [--drain-seconds 25] [decoding flags] [--engine vllm (--vllm-url URL | --vllm-python PATH)]
+        [--audio-seconds-per-minute S] [--body-mb-per-minute M] [--header-timeout 10]
+        [--body-timeout 60] [--drain-seconds 25] [decoding flags]
+        [--engine vllm (--vllm-url URL | --vllm-python PATH)]
 
 DIR is what ``torchtitan generate`` takes (an export or a checkpoint step folder). The server's
 dependencies (the ``serve`` extra: FastAPI, uvicorn, python-multipart), the API key rule
@@ -58,7 +59,7 @@ try:  # the serve extra; without it the command says what to install (``serve``)
     from torchtitan_speechlm.serving.app import App
     from torchtitan_speechlm.serving.browsers import default_trusted_hosts, split_list
     from torchtitan_speechlm.serving.errors import Redactions
-    from torchtitan_speechlm.serving.gate import RateLimits
+    from torchtitan_speechlm.serving.gate import MIB, RateLimits
     from torchtitan_speechlm.serving.metrics import ServeMetrics
     from torchtitan_speechlm.serving.replicas import Replicas
     from torchtitan_speechlm.serving.server import SpeechServer, bind
@@ -189,7 +190,11 @@ def _server(a, sock, keys, loaded, voices, metrics, batcher) -> SpeechServer:
         max_audio_seconds=audio_s,
         audio_bound=bound,
         max_requests=a.max_requests,
-        rate_limits=RateLimits(a.requests_per_minute, a.audio_seconds_per_minute),
+        rate_limits=RateLimits(
+            a.requests_per_minute,
+            a.audio_seconds_per_minute,
+            body_bytes_per_minute=int(a.body_mb_per_minute * MIB),
+        ),
         trusted_hosts=split_list(a.trusted_hosts) or default_trusted_hosts(a.host),
         cors_origins=split_list(a.cors_origins),
         ready_timeout_s=a.ready_timeout,

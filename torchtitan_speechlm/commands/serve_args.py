@@ -125,6 +125,14 @@ class ServeArgs(DecodingArgs):
         help="per API key (per client address without keys): seconds of audio uploaded or "
         "generated in any 60 s; more get 429 with Retry-After (0: no limit)",
     )
+    body_mb_per_minute: float = flag(
+        0.0,
+        group=OVERLOAD,
+        metavar="M",
+        help="per API key (per client address without keys): MiB of request bodies in any 60 "
+        "s, charged from Content-Length before a body is read; more get 429 with Retry-After, "
+        "so that oversized requests cost their sender, not the server (0: no limit)",
+    )
     ready_timeout: float = flag(
         30.0,
         group=OVERLOAD,
@@ -343,6 +351,7 @@ def check_bounds(a: ServeArgs) -> None:
         "--requests-per-minute": (a.requests_per_minute, 0),
         "--max-queued-per-key": (a.max_queued_per_key, 0),
         "--audio-seconds-per-minute": (a.audio_seconds_per_minute, 0),
+        "--body-mb-per-minute": (a.body_mb_per_minute, 0),
         "--drain-seconds": (a.drain_seconds, 0),
     }
     for name, (value, low) in at_least.items():

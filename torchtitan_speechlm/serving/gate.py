@@ -9,8 +9,14 @@
   minute, at most ``--requests-per-minute`` requests (and at most a thirtieth of them, or 5,
   in any one second: a burst may not spend the minute's allowance at once) and
   ``--audio-seconds-per-minute`` seconds of audio (a transcription's upload, charged before
-  the model worker, and the speech generated, charged once spoken); over either a 429 with
-  ``Retry-After``, the time until the window has room again. 0 (the default): no limit.
+  the model worker, and the speech generated, charged once spoken) and
+  ``--body-mb-per-minute`` MiB of request bodies (charged from the Content-Length before the
+  body is read; a chunked body as it is read); over any, a 429 with ``Retry-After``, the time
+  until the window has room again. 0 (the default): no limit. The body window is what makes a
+  key's refused requests cost it: an 8-hour FLAC or a 10 MB ``input`` is refused (413, 400)
+  only once it has been read and parsed, which costs the event loop tens of milliseconds each,
+  so without it a key that sends such requests as fast as it may spends the server's thread
+  (benchmarks/bench_serve_abuse.py, H1 and H2).
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from collections import deque
 
 from torchtitan_speechlm.serving.auth import KEY_NAME, OPEN_PATHS
 from torchtitan_speechlm.serving.errors import ApiError, busy, send_error
+from torchtitan_speechlm.serving.limits import header
 
 WINDOW_S = 60.0
 BURST_DIVISOR = 30  # of a minute's requests, at most this share in one second (twice the mean)
 BURST_MIN = 5  # but never fewer than this many in a second
+MIB = 1 << 20
 
 
 def who(scope) -> str:
@@ -58,48 +66,78 @@ class RequestCap:
             self.in_flight -= 1
 
 
+class AmountWindow:
+    """Per key, the amounts (audio seconds, body bytes) charged in the last ``window_s``
+    seconds, against ``limit`` (callers hold RateLimits' lock)."""
+
+    def __init__(self, limit: float, window_s: float):
+        self.limit, self.window_s = limit, window_s
+        self._charged: dict[str, deque[tuple[float, float]]] = {}
+
+    def trim(self, now: float) -> None:
+        for key in list(self._charged):
+            q = self._charged[key]
+            while q and q[0][0] <= now - self.window_s:
+                q.popleft()
+            if not q:
+                del self._charged[key]
+
+    def used(self, name: str) -> float:
+        return sum(a for _, a in self._charged.get(name, ()))
+
+    def fits(self, name: str, need: float) -> bool:
+        return self.used(name) + need <= self.limit
+
+    def wait(self, name: str, now: float, need: float) -> float:
+        """Seconds until ``need`` more fit in ``name``'s window."""
+        used, wait = self.used(name), 0.0
+        for t, a in self._charged.get(name, ()):
+            if used + need <= self.limit:
+                break
+            used, wait = used - a, t + self.window_s - now
+        return wait
+
+    def charge(self, name: str, now: float, amount: float) -> None:
+        self._charged.setdefault(name, deque()).append((now, amount))
+
+
 class RateLimits:
-    """The per-key windows of requests and audio seconds (thread-safe: audio is charged from
-    waiter threads)."""
+    """The per-key windows of requests, audio seconds and body bytes (thread-safe: audio is
+    charged from waiter threads)."""
 
     def __init__(self, requests_per_minute: int = 0, audio_seconds_per_minute: float = 0.0,
-                 window_s: float = WINDOW_S):  # fmt: skip
-        self.rpm, self.audio_spm, self.window_s = (
-            requests_per_minute,
-            audio_seconds_per_minute,
-            window_s,
-        )
+                 window_s: float = WINDOW_S, body_bytes_per_minute: int = 0):  # fmt: skip
+        self.rpm, self.window_s = requests_per_minute, window_s
+        self.audio = AmountWindow(audio_seconds_per_minute, window_s)
+        self.body = AmountWindow(body_bytes_per_minute, window_s)
         self._requests: dict[str, deque[float]] = {}
-        self._audio: dict[str, deque[tuple[float, float]]] = {}
         self._lock = threading.Lock()
 
     @property
+    def audio_spm(self) -> float:
+        return self.audio.limit
+
+    @property
+    def body_bpm(self) -> int:
+        return int(self.body.limit)
+
+    @property
     def enabled(self) -> bool:
-        return bool(self.rpm or self.audio_spm)
+        return bool(self.rpm or self.audio_spm or self.body_bpm)
 
     def _trim(self, now: float) -> None:
-        for table in (self._requests, self._audio):
-            for key in list(table):
-                q = table[key]
-                while q and (q[0] if table is self._requests else q[0][0]) <= now - self.window_s:
-                    q.popleft()
-                if not q:
-                    del table[key]
+        for key in list(self._requests):
+            q = self._requests[key]
+            while q and q[0] <= now - self.window_s:
+                q.popleft()
+            if not q:
+                del self._requests[key]
+        self.audio.trim(now)
+        self.body.trim(now)
 
-    def _audio_used(self, name: str) -> float:
-        return sum(s for _, s in self._audio.get(name, ()))
-
-    def _audio_wait(self, name: str, now: float, need: float) -> float:
-        """Seconds until ``need`` more audio seconds fit in ``name``'s window."""
-        used, wait = self._audio_used(name), 0.0
-        for t, s in self._audio.get(name, ()):
-            if used + need <= self.audio_spm:
-                break
-            used, wait = used - s, t + self.window_s - now
-        return wait
-
-    def admit(self, name: str) -> ApiError | None:
-        """Count one request of ``name``, or the 429 refusing it."""
+    def admit(self, name: str, body_bytes: int = 0) -> ApiError | None:
+        """Count one request of ``name`` and its ``body_bytes`` (its Content-Length), or the
+        429 refusing it (nothing counted), before its body is read."""
         now = time.monotonic()
         with self._lock:
             self._trim(now)
@@ -113,10 +151,22 @@ class RateLimits:
                 return busy(429, f"rate limit: {name} sent {burst} requests in the last second "
                                  f"(--requests-per-minute {self.rpm} allows {burst} in any "
                                  "one second)", "rate_limited", 1.0)  # fmt: skip
-            if self.audio_spm and self._audio_used(name) >= self.audio_spm:
+            if self.audio_spm and self.audio.used(name) >= self.audio_spm:
                 return self._audio_refusal(name, now, 0.0)
+            if self.body_bpm and not self.body.fits(name, body_bytes):
+                return self._body_refusal(name, now, body_bytes)
             q.append(now)
+            if self.body_bpm and body_bytes:
+                self.body.charge(name, now, body_bytes)
         return None
+
+    def charge_body(self, name: str, n: int) -> None:
+        """Charge ``n`` body bytes read without a Content-Length (a chunked body) to ``name``:
+        its next requests see them."""
+        if self.body_bpm and n:
+            now = time.monotonic()
+            with self._lock:
+                self.body.charge(name, now, n)
 
     def charge_audio(self, name: str, seconds: float, refuse_over: bool) -> ApiError | None:
         """Charge ``seconds`` of audio to ``name``; ``refuse_over``: a 429 instead when they
@@ -126,21 +176,30 @@ class RateLimits:
         now = time.monotonic()
         with self._lock:
             self._trim(now)
-            if refuse_over and self._audio_used(name) + seconds > self.audio_spm:
+            if refuse_over and not self.audio.fits(name, seconds):
                 return self._audio_refusal(name, now, seconds)
-            self._audio.setdefault(name, deque()).append((now, seconds))
+            self.audio.charge(name, now, seconds)
         return None
 
     def _audio_refusal(self, name: str, now: float, need: float) -> ApiError:
-        used = self._audio_used(name)
+        flag = f"--audio-seconds-per-minute {self.audio_spm:g}"
         if need > self.audio_spm:
             return ApiError(429, f"rate limit: this request's {need:.1f} s of audio are more "
-                                 f"than {name} may send in {self.window_s:g} s "
-                                 f"(--audio-seconds-per-minute {self.audio_spm:g})",
+                                 f"than {name} may send in {self.window_s:g} s ({flag})",
                             code="audio_rate_limited")  # fmt: skip
-        return busy(429, f"rate limit: {name} used {used:.1f} s of audio in the last "
-                         f"{self.window_s:g} s (--audio-seconds-per-minute {self.audio_spm:g})",
-                    "audio_rate_limited", self._audio_wait(name, now, need))  # fmt: skip
+        return busy(429, f"rate limit: {name} used {self.audio.used(name):.1f} s of audio in "
+                         f"the last {self.window_s:g} s ({flag})",
+                    "audio_rate_limited", self.audio.wait(name, now, need))  # fmt: skip
+
+    def _body_refusal(self, name: str, now: float, need: int) -> ApiError:
+        flag = f"--body-mb-per-minute {self.body_bpm / MIB:g}"
+        if need > self.body_bpm:
+            return ApiError(429, f"rate limit: this request's body of {need} bytes is more than "
+                                 f"{name} may send in {self.window_s:g} s ({flag})",
+                            code="body_rate_limited")  # fmt: skip
+        return busy(429, f"rate limit: {name} sent {int(self.body.used(name))} bytes of request "
+                         f"bodies in the last {self.window_s:g} s ({flag})",
+                    "body_rate_limited", self.body.wait(name, now, need))  # fmt: skip
 
 
 class RateLimit:
@@ -152,7 +211,20 @@ class RateLimit:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self.limits.enabled and scope["path"] not in OPEN_PATHS:
-            refusal = self.limits.admit(who(scope))
+            name, length = who(scope), header(scope, b"content-length")
+            declared = int(length) if length is not None and length.isdigit() else 0
+            refusal = self.limits.admit(name, declared)
             if refusal is not None:
                 return await send_error(send, refusal, scope)
+            if length is None and self.limits.body_bpm:  # chunked: charged as it is read
+                receive = self._counted(receive, name)
         await self.app(scope, receive, send)
+
+    def _counted(self, receive, name: str):
+        async def counted():
+            msg = await receive()
+            if msg["type"] == "http.request":
+                self.limits.charge_body(name, len(msg.get("body", b"")))
+            return msg
+
+        return counted

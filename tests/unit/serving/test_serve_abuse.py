@@ -22,8 +22,9 @@ the same settings, those it lacks dropped, so it fails on what it does).
   memory and the worker's progress in ``/metrics``, a 5,000-digit number and a lone surrogate
   400s, no server folder in a client's message, a non-ASCII key refused at start, the drain
   bounded by ``--drain-seconds``, the connection closed by ``--header-timeout`` logged.
-- Keys and limits: several keys from a file that rotate without a restart; per key, requests
-  and audio seconds per minute (429 with Retry-After).
+- Keys and limits: several keys from a file that rotate without a restart; per key, requests,
+  audio seconds and body bytes per minute (429 with Retry-After; bytes charged from the
+  Content-Length before the body is read).
 """
 
 from __future__ import annotations
@@ -594,6 +595,65 @@ def test_keys_from_a_file_rotate_without_a_restart_and_each_has_its_own_limits(
         metrics = call(address, "GET", "/metrics", headers={"Authorization": "Bearer key-c"})[2]
         assert b'speechlm_rejected_total{reason="rate_limited"} 1.0' in metrics
         assert b'speechlm_rejected_total{reason="audio_rate_limited"} 1.0' in metrics
+
+
+def test_a_keys_body_bytes_per_minute_refuse_oversized_senders_before_their_body_is_read():
+    """H1/H2's cost: a 10 MB ``input`` or an 8-hour FLAC is refused only once it is read and
+    parsed. With --body-mb-per-minute the bytes a key sends are charged from Content-Length
+    first: a request over the key's window is a 429 ``body_rate_limited`` answered before any
+    of its body arrives (a request whose headers promise a body never sent gets it at once),
+    with Retry-After, or without one when the body alone is over the window; small requests of
+    the same key still fit; both refusals are counted by reason."""
+    from torchtitan_speechlm.serving.gate import RateLimits
+
+    app = {"rate_limits": RateLimits(body_bytes_per_minute=100_000), "with_metrics": True}
+    with serving(app) as (server, model, lines, _):
+        address = server.server_address
+        big = speech("a" * 60_000)  # over --max-input-chars: read, parsed, then refused
+        status, _, body = call(address, "POST", "/v1/audio/speech", big, JSON)
+        assert status == 400 and error(body)["code"] == "input_too_long", body
+
+        def promised(length: int) -> tuple[int, dict, bytes]:
+            """Headers promising ``length`` bytes of body, and none of it sent."""
+            with socket.create_connection(address, timeout=5) as s:
+                s.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Content-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % length)  # fmt: skip
+                answer = http.client.HTTPResponse(s)
+                answer.begin()  # a server waiting for the body would time this out
+                return (
+                    answer.status,
+                    {k.lower(): v for k, v in answer.headers.items()},
+                    answer.read(),
+                )
+
+        status, head, body = promised(50_000)  # 60,0xx + 50,000 > 100,000
+        assert status == 429 and error(body)["code"] == "body_rate_limited", body
+        assert "--body-mb-per-minute" in error(body)["message"] and int(head["retry-after"]) >= 1
+        assert call(address, "POST", "/v1/audio/speech", speech(), JSON)[0] == 200  # still fits
+        status, head, body = promised(200_000)  # more than the whole window
+        assert status == 429 and error(body)["code"] == "body_rate_limited", body
+        assert "retry-after" not in head and "is more than" in error(body)["message"]
+        assert model.steps > 0  # the small request was spoken
+        metrics = call(address, "GET", "/metrics")[2]
+        assert b'speechlm_rejected_total{reason="body_rate_limited"} 2.0' in metrics
+
+
+def test_a_chunked_body_is_charged_as_it_is_read(monkeypatch):
+    """Without a Content-Length nothing can be charged up front: the bytes read are, and the
+    key's next request finds its window spent until they leave it 60 s later."""
+    from torchtitan_speechlm.serving import gate
+
+    now = [1000.0]
+    monkeypatch.setattr(gate.time, "monotonic", lambda: now[0])
+    limits = gate.RateLimits(body_bytes_per_minute=1000)
+    assert limits.admit("key a") is None  # chunked: 0 declared
+    limits.charge_body("key a", 900)
+    refused = limits.admit("key a", 200)
+    assert refused.code == "body_rate_limited" and refused.headers["Retry-After"] == "60"
+    assert limits.admit("key b", 200) is None and limits.admit("key a", 100) is None
+    now[0] += 60.0  # the 900 bytes leave the window
+    assert limits.admit("key a", 800) is None
 
 
 def test_the_vllm_child_gets_its_own_key_and_never_ours(monkeypatch):
