@@ -66,8 +66,14 @@ def _fork_ranks(launch) -> None:
     """torch.distributed.run.run for ``launch`` (its parsed arguments), by forking the ranks."""
     from torchtitan_speechlm.commands.train import run_worker
 
-    n = int(launch.nproc_per_node)
     args = list(launch.training_script_args)
+    fork_ranks(int(launch.nproc_per_node), lambda: run_worker(args))
+
+
+def fork_ranks(n: int, rank_main: Callable[[], int | None]) -> None:
+    """``rank_main()`` in ``n`` forked ranks with the variables torchrun sets (only rank 0's
+    output kept, as ``--local-ranks-filter 0``); raises RanksFailed as torch's agent raises
+    ChildFailedError, after stopping the others when one fails."""
     port = str(_free_port())
     devnull = os.open(os.devnull, os.O_WRONLY)
     pids = {}
@@ -86,7 +92,7 @@ def _fork_ranks(launch) -> None:
                 if rank != 0:  # --local-ranks-filter 0: the other ranks' output is dropped
                     os.dup2(devnull, 1)
                     os.dup2(devnull, 2)
-                code = run_worker(args)
+                code = rank_main() or 0
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else 1
             except BaseException:
@@ -240,16 +246,9 @@ def python_code(
     return _run(["python", "-c", code], main, cwd, timeout)
 
 
-def python_script(
-    path: str,
-    argv: list[str],
-    cwd: str | None = None,
-    timeout: float = 300,
-    env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess:
-    """`python PATH ARGV` in a fork of this process: the script run as ``__main__`` with
-    ``sys.argv`` and ``sys.path[0]`` as Python sets them (its folder first), ``env`` added to the
-    environment."""
+def _script_main(path: str, argv: list[str], env: dict[str, str] | None) -> Callable[[], int]:
+    """The script at ``path`` run as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as Python
+    sets them (its folder first), ``env`` added to the environment."""
     import runpy
 
     def main() -> int:
@@ -264,4 +263,39 @@ def python_script(
         runpy.run_path(path, run_name="__main__")
         return 0
 
-    return _run(["python", path, *argv], main, cwd, timeout)
+    return main
+
+
+def python_script(
+    path: str,
+    argv: list[str],
+    cwd: str | None = None,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """`python PATH ARGV` in a fork of this process (``_script_main``)."""
+    return _run(["python", path, *argv], _script_main(path, argv, env), cwd, timeout)
+
+
+def python_script_ranks(
+    path: str,
+    argv: list[str],
+    nproc: int,
+    cwd: str | None = None,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node NPROC PATH ARGV` with its ranks forked from this process
+    (``fork_ranks``: torchrun's variables, a real gloo process group, rank 0's output); a
+    failed rank is the exit status 1 and a line naming it, as torchrun's."""
+    script = _script_main(path, argv, env)
+
+    def main() -> int:
+        try:
+            fork_ranks(nproc, script)
+        except RanksFailed as e:
+            print(f"torchrun (forked): {e}", file=sys.stderr)
+            return 1
+        return 0
+
+    return _run(["torchrun", f"--nproc-per-node={nproc}", path, *argv], main, cwd, timeout)

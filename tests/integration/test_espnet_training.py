@@ -21,6 +21,10 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAIN = os.path.join(ROOT, "tests", "espnet_side", "train_main.py")
+# the 2-rank case started through torch's own launcher (torchrun), as an ESPnet user starts it;
+# the other 2-rank cases fork their ranks from the test process (tests/forked.py: real ranks on
+# a real gloo group, without three processes importing torch, ESPnet and torchtitan again)
+TORCHRUN_TASKS = "tts+asr"
 # ESPnet's bucket batches come in order of length within an epoch (its factory shuffles each
 # build_iter chunk only), so a 4-step run of the three tasks trains text_only batches only:
 # "tts+asr" is the mixture make test trains, "mixture" (with text) runs in make faults
@@ -70,6 +74,8 @@ def train(assets, tmp_path, out, tasks, max_step, nproc=1, resume_path=None, che
         argv += ["--resume_path", str(resume_path)]
     if nproc == 1:  # the script in a fork of this process (tests/forked.py: no imports again)
         r = forked.python_script(MAIN, argv, cwd=ROOT, timeout=600)
+    elif tasks != TASKS[TORCHRUN_TASKS]:  # its ranks forked from this process (tests/forked.py)
+        r = forked.python_script_ranks(MAIN, argv, nproc, cwd=ROOT, timeout=600)
     else:  # torch's launcher, as an ESPnet user starts it
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", MAIN, *argv]  # fmt: skip

@@ -46,7 +46,7 @@ def train_recipe(root, data, recipe: str, shipped_as: str, nproc: int) -> dict:
     config = filled_recipe(
         recipe, root / "recipe.toml", backbone, {"train": prepared, "dev": prepared}, dump
     )
-    r = run_train(config, *cut_overrides(nproc, steps=STEPS), nproc=nproc, fresh=True, timeout=600)
+    r = run_train(config, *cut_overrides(nproc, steps=STEPS), nproc=nproc, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     return {"dump": dump, "out": out, "backbone": backbone}
