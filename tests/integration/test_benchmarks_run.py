@@ -73,7 +73,8 @@ SMOKE = {
     "bench_scale.py": "--scales 2000:4 --no-prepare --work {tmp}/work --out {tmp}/a.json",
     "bench_serve.py": "--frames 2 --requests 2 --cli-calls 1 --concurrency 1,2 --hidden 32 "
     "--layers 1 --slow-clients 1 --slow-seconds 2 --burst 4x2 --work {tmp}/work --out {tmp}/a.json",
-    "bench_serve_abuse.py": "--frames 2 --clients 1 --seconds 2 --hidden 32 --layers 1 "
+    # --model: the module's tiny export (bench_serve.py's smoke run makes the model both share)
+    "bench_serve_abuse.py": "--model {model} --frames 2 --clients 1 --seconds 2 "
     "--h1-hours 0.02 --h2-mb 1 --m1-sockets 4 --m2-concurrent 8 --m3-requests 4 "
     "--work {tmp}/work --out {tmp}/a.json",
     "bench_step_overhead.py": "--steps 2 --config {toml} --out {tmp}/a.json",
