@@ -5,11 +5,10 @@ factories; the caller's wandb run. Real processes (gloo), tiny models, fp32."""
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests import forked
 from tests.helpers import make_tiny_run_assets, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
@@ -39,22 +38,14 @@ def trainer_args(**overrides) -> dict:
 
 
 def run_script(spec: dict, nproc: int = 1, timeout: int = 300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    launcher = (
-        [sys.executable]
-        if nproc == 1
-        else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-              f"--nproc-per-node={nproc}"]
-    )  # fmt: skip
-    r = subprocess.run(
-        [*launcher, SCRIPT, json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
+    """``python tests/python_api_script.py SPEC`` (``torchrun --nproc-per-node 2`` for 2), as
+    a fork of this process (tests/forked.py: real processes on a real gloo group, without
+    importing torch, torchtitan and transformers again)."""
+    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if nproc == 1:
+        r = forked.python_script(SCRIPT, [json.dumps(spec)], ROOT, timeout, env)
+    else:
+        r = forked.python_script_ranks(SCRIPT, [json.dumps(spec)], nproc, ROOT, timeout, env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return r
 
