@@ -143,6 +143,11 @@ def _redirect(out: str, err: str) -> None:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
         os.close(target)
+    _python_streams_on_fds()
+
+
+def _python_streams_on_fds() -> None:
+    """Python's ``sys.stdout`` / ``sys.stderr`` written straight to fds 1 and 2, line by line."""
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(
         os.fdopen(1, "wb", buffering=0, closefd=False), line_buffering=True
     )
@@ -299,3 +304,70 @@ def python_script_ranks(
         return 0
 
     return _run(["torchrun", f"--nproc-per-node={nproc}", path, *argv], main, cwd, timeout)
+
+
+class Process:
+    """``subprocess.Popen(..., stdout=PIPE, stderr=STDOUT, text=True)`` of ``main()`` run in a
+    fork of this process (a long-running command, e.g. `torchtitan serve`): ``pid``, ``stdout``
+    (its output as text lines), ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``,
+    ``returncode``. ``env`` is added to the child's environment."""
+
+    def __init__(self, cmd: list[str], main: Callable[[], int | None],
+                 env: dict[str, str] | None = None):  # fmt: skip
+        self.args, self.returncode = cmd, None
+        read, write = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(read)
+                os.dup2(write, 1)
+                os.dup2(write, 2)
+                os.close(write)
+                _python_streams_on_fds()
+                import logging
+
+                logging.getLogger().handlers.clear()  # as a fresh interpreter has it
+                os.environ.update(env or {})
+                code = main() or 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(write)
+        self.pid = pid
+        self.stdout = os.fdopen(read, "r", errors="replace")
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = _exit_code(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

@@ -475,21 +475,21 @@ def assert_packed_row_equals_each_sample(model, lengths: list[int], seed: int) -
 
 
 def start_server(export: str, *flags: str, wait_s: float = 180, timeout: float = 120) -> dict:
-    """`torchtitan serve --model EXPORT --port 0 FLAGS` in its own process, once it listens:
-    its URL, an `openai` client on it, its process and its stdout lines (the access log's JSON
-    lines among them)."""
-    import os
-    import subprocess
-    import sys
+    """`torchtitan serve --model EXPORT --port 0 FLAGS` in a process of its own (forked from
+    this one), once it listens: its URL, an `openai` client on it, its process and its stdout
+    lines (the access log's JSON lines among them)."""
     import threading
 
     import openai
 
-    cmd = [sys.executable, "-m", "torchtitan_speechlm.cli", "serve", "--model", export,
-           "--port", "0", *flags]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)  # fmt: skip
+    from tests import forked
+    from torchtitan_speechlm import cli
+
+    argv = ["serve", "--model", export, "--port", "0", *flags]
+    # a fork of this process (tests/forked.py Process): the console script's own main, without
+    # importing torch, transformers and the server again
+    proc = forked.Process(["torchtitan", *argv], lambda: cli.main(list(argv)),
+                          env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
     lines: list[str] = []
     url: list[str] = []
     started = threading.Event()
