@@ -82,28 +82,15 @@ def fork_ranks(n: int, rank_main: Callable[[], int | None]) -> None:
     for rank in range(n):
         pid = os.fork()
         if pid == 0:  # a rank
-            code = 1
-            try:
-                os.environ.update(
-                    RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
-                    LOCAL_WORLD_SIZE=str(n), GROUP_RANK="0", ROLE_RANK=str(rank),
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHELASTIC_RUN_ID="forked",
-                )  # fmt: skip
-                if rank != 0:  # --local-ranks-filter 0: the other ranks' output is dropped
-                    os.dup2(devnull, 1)
-                    os.dup2(devnull, 2)
-                code = rank_main() or 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+            os.environ.update(
+                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
+                LOCAL_WORLD_SIZE=str(n), GROUP_RANK="0", ROLE_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHELASTIC_RUN_ID="forked",
+            )  # fmt: skip
+            if rank != 0:  # --local-ranks-filter 0: the other ranks' output is dropped
+                os.dup2(devnull, 1)
+                os.dup2(devnull, 2)
+            _run_then_exit(rank_main)
         pids[pid] = rank
     failures: dict[int, Failure] = {}
     stopping_since = None
@@ -126,6 +113,25 @@ def fork_ranks(n: int, rank_main: Callable[[], int | None]) -> None:
                 _signal(pids, signal.SIGTERM)
     if failures:
         raise RanksFailed(failures)
+
+
+def _run_then_exit(main: Callable[[], int | None]) -> None:
+    """In a forked child: ``main()``, then leave with its exit status (SystemExit's code; 1
+    and the traceback for any other exception), never returning into the test's code."""
+    code = 1
+    try:
+        code = main() or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _signal(pids, sig) -> None:
@@ -158,8 +164,8 @@ def _python_streams_on_fds() -> None:
 
 def _child(main: Callable[[], int], cwd: str | None, out: str, err: str) -> None:
     """The forked command: ``main()`` in ``cwd``, its ranks (if it starts any) forked."""
-    code = 1
-    try:
+
+    def command() -> int:
         os.setpgid(0, 0)  # its ranks join its group: a timeout kills them all
         _redirect(out, err)
         if cwd is not None:
@@ -177,18 +183,9 @@ def _child(main: Callable[[], int], cwd: str | None, out: str, err: str) -> None
             from tests import fault_injection
 
             fault_injection.install(os.environ["SPEECHLM_FAULTS"])
-        code = main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        import traceback
+        return main()
 
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code or 0)
+    _run_then_exit(command)
 
 
 def _run(
@@ -320,29 +317,16 @@ class Process:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            code = 1
-            try:
-                os.close(read)
-                os.dup2(write, 1)
-                os.dup2(write, 2)
-                os.close(write)
-                _python_streams_on_fds()
-                import logging
+            os.close(read)
+            os.dup2(write, 1)
+            os.dup2(write, 2)
+            os.close(write)
+            _python_streams_on_fds()
+            import logging
 
-                logging.getLogger().handlers.clear()  # as a fresh interpreter has it
-                os.environ.update(env or {})
-                code = main() or 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+            logging.getLogger().handlers.clear()  # as a fresh interpreter has it
+            os.environ.update(env or {})
+            _run_then_exit(main)
         os.close(write)
         self.pid = pid
         self.stdout = os.fdopen(read, "r", errors="replace")

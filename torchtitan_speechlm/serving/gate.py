@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from torchtitan_speechlm.serving.auth import KEY_NAME, OPEN_PATHS
 from torchtitan_speechlm.serving.errors import ApiError, busy, send_error
@@ -182,24 +183,24 @@ class RateLimits:
         return None
 
     def _audio_refusal(self, name: str, now: float, need: float) -> ApiError:
-        flag = f"--audio-seconds-per-minute {self.audio_spm:g}"
-        if need > self.audio_spm:
-            return ApiError(429, f"rate limit: this request's {need:.1f} s of audio are more "
-                                 f"than {name} may send in {self.window_s:g} s ({flag})",
-                            code="audio_rate_limited")  # fmt: skip
-        return busy(429, f"rate limit: {name} used {self.audio.used(name):.1f} s of audio in "
-                         f"the last {self.window_s:g} s ({flag})",
-                    "audio_rate_limited", self.audio.wait(name, now, need))  # fmt: skip
+        return self._refusal(self.audio, name, now, need, "audio_rate_limited",
+                             f"--audio-seconds-per-minute {self.audio_spm:g}",
+                             lambda s: f"{s:.1f} s of audio")  # fmt: skip
 
     def _body_refusal(self, name: str, now: float, need: int) -> ApiError:
-        flag = f"--body-mb-per-minute {self.body_bpm / MIB:g}"
-        if need > self.body_bpm:
-            return ApiError(429, f"rate limit: this request's body of {need} bytes is more than "
+        return self._refusal(self.body, name, now, need, "body_rate_limited",
+                             f"--body-mb-per-minute {self.body_bpm / MIB:g}",
+                             lambda n: f"{int(n)} bytes of request body")  # fmt: skip
+
+    def _refusal(self, window: AmountWindow, name: str, now: float, need: float, code: str,
+                 flag: str, amount: Callable[[float], str]) -> ApiError:  # fmt: skip
+        """The 429 of ``window``: without Retry-After when ``need`` alone is over its limit."""
+        if need > window.limit:
+            return ApiError(429, f"rate limit: this request's {amount(need)} is more than "
                                  f"{name} may send in {self.window_s:g} s ({flag})",
-                            code="body_rate_limited")  # fmt: skip
-        return busy(429, f"rate limit: {name} sent {int(self.body.used(name))} bytes of request "
-                         f"bodies in the last {self.window_s:g} s ({flag})",
-                    "body_rate_limited", self.body.wait(name, now, need))  # fmt: skip
+                            code=code)  # fmt: skip
+        return busy(429, f"rate limit: {name} used {amount(window.used(name))} in the last "
+                         f"{self.window_s:g} s ({flag})", code, window.wait(name, now, need))  # fmt: skip
 
 
 class RateLimit:
