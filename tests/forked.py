@@ -274,9 +274,98 @@ def python_script(
     cwd: str | None = None,
     timeout: float = 300,
     env: dict[str, str] | None = None,
+    fork_commands: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`python PATH ARGV` in a fork of this process (``_script_main``)."""
-    return _run(["python", path, *argv], _script_main(path, argv, env), cwd, timeout)
+    """`python PATH ARGV` in a fork of this process (``_script_main``). ``fork_commands``: the
+    commands of ours the script runs (``ours``) with ``subprocess.run``, or starts with
+    ``subprocess.Popen`` to read their output line by line, run as forks too."""
+    script = _script_main(path, argv, env)
+    if fork_commands:
+
+        def main() -> int:
+            subprocess.run = _run_ours_forked(subprocess.run)
+            subprocess.Popen = _popen_ours_forked(subprocess.Popen)  # type: ignore[misc]
+            return script()
+
+        return _run(["python", path, *argv], main, cwd, timeout)
+    return _run(["python", path, *argv], script, cwd, timeout)
+
+
+def ours(cmd) -> Callable[[], int] | None:
+    """The ``main`` of a command line of ours (our console script, its module or file, or a
+    Python script of benchmarks/), else None."""
+    if isinstance(cmd, str) or not cmd:
+        return None
+    cmd = [str(c) for c in cmd]
+    if os.path.basename(cmd[0]) == "torchtitan":
+        args = cmd[1:]
+    elif os.path.basename(cmd[0]).startswith("python") and len(cmd) > 1:
+        if cmd[1:3] == ["-m", "torchtitan_speechlm.cli"]:
+            args = cmd[3:]
+        elif cmd[1].endswith(os.path.join("torchtitan_speechlm", "cli.py")):
+            args = cmd[2:]
+        elif cmd[1].endswith(".py") and os.path.basename(os.path.dirname(cmd[1])) == "benchmarks":
+            return _script_main(cmd[1], cmd[2:], None)
+        else:
+            return None
+    else:
+        return None
+
+    def main() -> int:
+        from torchtitan_speechlm import cli
+
+        return cli.main(list(args)) or 0
+
+    return main
+
+
+def _run_ours_forked(real_run):
+    """``subprocess.run`` whose calls of ``ours`` commands run in a fork of this process (the
+    output captured, or passed on to this process's own, as the call asks), others unchanged."""
+
+    def run(cmd, *args, **kw):
+        main = ours(cmd)
+        if main is None or args or kw.get("input") is not None or kw.get("stdin") is not None:
+            return real_run(cmd, *args, **kw)
+        env = kw.get("env")
+
+        def with_env() -> int:
+            if env is not None:
+                os.environ.clear()
+                os.environ.update(env)
+            return main()
+
+        r = _run(list(map(str, cmd)), with_env, kw.get("cwd"), kw.get("timeout") or 3600)
+        captured = kw.get("capture_output") or kw.get("stdout") == subprocess.PIPE
+        if not captured:
+            sys.stdout.write(r.stdout)
+            sys.stderr.write(r.stderr)
+            r.stdout = r.stderr = None
+        elif not (kw.get("text") or kw.get("universal_newlines") or kw.get("encoding")):
+            r.stdout, r.stderr = r.stdout.encode(), r.stderr.encode()
+        if kw.get("check") and r.returncode:
+            raise subprocess.CalledProcessError(r.returncode, cmd, r.stdout, r.stderr)
+        return r
+
+    return run
+
+
+def _popen_ours_forked(real_popen):
+    """``subprocess.Popen`` that starts ``ours`` commands read line by line (stdout a text
+    pipe, stderr into it: a server a benchmark starts) as a forked ``Process``; any other call
+    is Popen's own."""
+
+    def popen(cmd, *args, **kw):
+        main = ours(cmd)
+        plain = not args and kw.get("stdout") == subprocess.PIPE
+        plain = plain and kw.get("stderr") == subprocess.STDOUT and kw.get("text")
+        plain = plain and set(kw) <= {"stdout", "stderr", "text", "env", "cwd", "start_new_session"}
+        if main is None or not plain:
+            return real_popen(cmd, *args, **kw)
+        return Process(list(map(str, cmd)), main, kw.get("env"), kw.get("cwd"),
+                       kw.get("start_new_session", False), replace_env=kw.get("env") is not None)  # fmt: skip
+
+    return popen
 
 
 def python_script_ranks(
@@ -310,7 +399,9 @@ class Process:
     ``returncode``. ``env`` is added to the child's environment."""
 
     def __init__(self, cmd: list[str], main: Callable[[], int | None],
-                 env: dict[str, str] | None = None):  # fmt: skip
+                 env: dict[str, str] | None = None, cwd: str | None = None,
+                 start_new_session: bool = False, replace_env: bool = False):  # fmt: skip
+        """``replace_env``: ``env`` is the child's whole environment (Popen's ``env``)."""
         self.args, self.returncode = cmd, None
         read, write = os.pipe()
         sys.stdout.flush()
@@ -325,7 +416,13 @@ class Process:
             import logging
 
             logging.getLogger().handlers.clear()  # as a fresh interpreter has it
+            if replace_env:
+                os.environ.clear()
             os.environ.update(env or {})
+            if start_new_session:
+                os.setsid()
+            if cwd is not None:
+                os.chdir(cwd)
             _run_then_exit(main)
         os.close(write)
         self.pid = pid

@@ -151,9 +151,11 @@ def test_runs_at_its_smallest_setting(name, tmp_path, request):
     parse(script_parser(BENCHMARKS / name), argv)
     before = _results_state()
     # in a fork of this process: the script as `python benchmarks/X.py` runs it, without
-    # importing torch, torchtitan and transformers again (~5 s a script on 2 cores)
+    # importing torch, torchtitan and transformers again (~5 s a script on 2 cores); so do the
+    # `torchtitan ...` and `python benchmarks/X.py ...` commands it runs with subprocess.run
     r = forked.python_script(f"benchmarks/{name}", argv, cwd=str(ROOT), timeout=300,
-                             env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
+                             env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                             fork_commands=True)  # fmt: skip
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     written = sorted(p.name for p in tmp_path.glob("*.json"))
     assert written, f"{name} wrote no results under {tmp_path}"
