@@ -174,6 +174,8 @@ def _child(main: Callable[[], int], cwd: str | None, out: str, err: str) -> None
         import torch.distributed.run
 
         torch.distributed.run.run = _fork_ranks  # this child's launcher only
+        # a command of ours this one runs (prefer's training rounds) is a fork of it too
+        subprocess.run = _run_ours_forked(subprocess.run)
         # inductor's pool of compile workers belongs to the test process (a test that compiled
         # in it started the pool): a fork compiles in its own process instead
         torch._inductor.config.compile_threads = 1
