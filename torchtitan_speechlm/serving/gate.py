@@ -203,6 +203,14 @@ class RateLimits:
                          f"{self.window_s:g} s ({flag})", code, window.wait(name, now, need))  # fmt: skip
 
 
+def _declared(length: str | None) -> int:
+    """A Content-Length as bytes to charge: 0 when absent, not a number (BodyLimit answers that
+    400) or longer than any body (BodyLimit's 413)."""
+    if length is None or not length.isdigit() or len(length) > 18:
+        return 0
+    return int(length)
+
+
 class RateLimit:
     """Wraps an ASGI app: ``limits.admit`` for every request but the probes, before its body
     is read."""
@@ -213,8 +221,7 @@ class RateLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self.limits.enabled and scope["path"] not in OPEN_PATHS:
             name, length = who(scope), header(scope, b"content-length")
-            declared = int(length) if length is not None and length.isdigit() else 0
-            refusal = self.limits.admit(name, declared)
+            refusal = self.limits.admit(name, _declared(length))
             if refusal is not None:
                 return await send_error(send, refusal, scope)
             if length is None and self.limits.body_bpm:  # chunked: charged as it is read

@@ -613,12 +613,12 @@ def test_a_keys_body_bytes_per_minute_refuse_oversized_senders_before_their_body
         status, _, body = call(address, "POST", "/v1/audio/speech", big, JSON)
         assert status == 400 and error(body)["code"] == "input_too_long", body
 
-        def promised(length: int) -> tuple[int, dict, bytes]:
+        def promised(length: int | str) -> tuple[int, dict, bytes]:
             """Headers promising ``length`` bytes of body, and none of it sent."""
             with socket.create_connection(address, timeout=5) as s:
                 s.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                           b"Content-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n" % length)  # fmt: skip
+                          b"Content-Length: " + str(length).encode() + b"\r\n\r\n")  # fmt: skip
                 answer = http.client.HTTPResponse(s)
                 answer.begin()  # a server waiting for the body would time this out
                 return (
@@ -631,6 +631,8 @@ def test_a_keys_body_bytes_per_minute_refuse_oversized_senders_before_their_body
         assert status == 429 and error(body)["code"] == "body_rate_limited", body
         assert "--body-mb-per-minute" in error(body)["message"] and int(head["retry-after"]) >= 1
         assert call(address, "POST", "/v1/audio/speech", speech(), JSON)[0] == 200  # still fits
+        status, _, body = promised("9" * 19)  # no body has that: BodyLimit's 413, never a 500
+        assert status == 413 and error(body)["code"] == "request_too_large", body
         status, head, body = promised(200_000)  # more than the whole window
         assert status == 429 and error(body)["code"] == "body_rate_limited", body
         assert "retry-after" not in head and "is more than" in error(body)["message"]
