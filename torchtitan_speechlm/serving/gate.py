@@ -74,17 +74,18 @@ class AmountWindow:
     def __init__(self, limit: float, window_s: float):
         self.limit, self.window_s = limit, window_s
         self._charged: dict[str, deque[tuple[float, float]]] = {}
+        self._used: dict[str, float] = {}  # each key's sum of _charged: no sum per request
 
     def trim(self, now: float) -> None:
         for key in list(self._charged):
             q = self._charged[key]
             while q and q[0][0] <= now - self.window_s:
-                q.popleft()
+                self._used[key] -= q.popleft()[1]
             if not q:
-                del self._charged[key]
+                del self._charged[key], self._used[key]
 
     def used(self, name: str) -> float:
-        return sum(a for _, a in self._charged.get(name, ()))
+        return self._used.get(name, 0.0)
 
     def fits(self, name: str, need: float) -> bool:
         return self.used(name) + need <= self.limit
@@ -100,6 +101,7 @@ class AmountWindow:
 
     def charge(self, name: str, now: float, amount: float) -> None:
         self._charged.setdefault(name, deque()).append((now, amount))
+        self._used[name] = self._used.get(name, 0.0) + amount
 
 
 class RateLimits:
