@@ -325,6 +325,44 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(model):
     assert [r["status"] for r in access(served["lines"]) if r["method"] == "POST"] == [200, 200]
 
 
+def test_a_request_arriving_while_a_batch_runs_joins_it_and_gets_what_it_gets_alone(model):
+    """Continuous batching: a streamed request runs 300 frames; a second, sent once the first's
+    samples come, joins its batch at the next decode step (no second batch), and each gets
+    the very bytes it gets alone."""
+    frames = "300"
+    served = start(model, "--min-frames", frames, "--max-frames", frames)
+    host, port = served["url"].removeprefix("http://").split(":")
+    running = threading.Event()
+
+    def speak(path: str, text: str, answers: dict) -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        conn.request("POST", path, json.dumps({"input": text}),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        r = conn.getresponse()
+        running.set()
+        answers[path, text] = r.status, r.read()
+
+    first = ("/v1/audio/speech?stream=1", "She sells fresh bread.")
+    second = ("/v1/audio/speech", "The train leaves at noon.")
+    try:
+        together: dict = {}
+        a = threading.Thread(target=speak, args=(*first, together))
+        a.start()
+        assert running.wait(120)  # its first samples came: its batch runs
+        speak(*second, together)
+        a.join(120)
+        h = health(served)
+        assert h["rows_joined"] == 1 and h["batches_run"] == 1, h
+        alone: dict = {}
+        speak(*first, alone)
+        speak(*second, alone)
+        assert health(served)["batches_run"] == 3
+        assert together == alone and all(status == 200 for status, _ in alone.values())
+    finally:
+        served["proc"].terminate()
+        served["proc"].wait(30)
+
+
 # ---- OpenAI parity, field by field (docs/serving.md, *OpenAI's fields*) ----------------------
 def speech_bytes(client, fmt: str, **kw) -> tuple[bytes, str]:
     r = client.audio.speech.with_raw_response.create(

@@ -6,8 +6,9 @@ classifier-free guidance and masks.
 Every step is one model call and, per stream, one masked pick over all rows of the batch (the
 rows' masks stacked into one [rows, vocabulary] tensor); a row that ends leaves the batch (its KV
 cache rows are dropped, ``IncrementalForward.keep``), so the others run at the cost of their own
-number. Each row draws from its own generator, seeded with its own seed: a sampled row is the
-same whether it runs alone or beside others.
+number, and rows may join it between steps (``audio``'s ``join``: a server's continuous
+batching). Each row draws from its own generator, seeded with its own seed: a sampled row is the
+same whether it runs alone, beside others or joins them late.
 
 Audio follows the interleave pattern: an *index map* (the pattern applied to code indices)
 says, for frame j and stream s, which code (frame f, codebook k) sits there or that it is the
@@ -60,6 +61,16 @@ def index_map(pattern, frames: int, num_streams: int) -> np.ndarray:
     """[model frames, N]: ``f * N + k`` where code (f, k) sits, -1 where the stream pads."""
     idx = np.arange(frames * num_streams, dtype=np.int64).reshape(frames, num_streams)
     return pattern.interleave(idx, np.full(num_streams, -1, dtype=np.int64))
+
+
+@dataclass
+class Joining:
+    """A row that joins ``Decoder.audio``'s batch in progress (``join``): its prompt, its
+    unconditional twin's when the batch is guided, its seed (None: ``cfg.seed``)."""
+
+    prompt: np.ndarray
+    uncond: np.ndarray | None = None
+    seed: int | None = None
 
 
 @dataclass
@@ -178,6 +189,8 @@ class Decoder:
         known: list[np.ndarray | None] | None = None,
         seeds: list[int] | None = None,
         on_frames: Callable[[int, np.ndarray], None] | None = None,
+        join: Callable[[int], list[Joining]] | None = None,
+        on_done: Callable[[int, np.ndarray, bool], None] | None = None,
     ) -> list[np.ndarray]:
         """Codes [F, N] generated after each prompt (which ends with ``<|audio|>``); ``uncond``
         prompts enable guidance; ``known`` codes start each segment (continuation); ``seeds``:
@@ -185,14 +198,22 @@ class Decoder:
         time row i's leading complete codec frames grow (streaming: a frame is complete once
         the pattern has emitted all its codebooks), with all of them so far.
 
+        Continuous batching (a server's): ``join(live)`` is asked after every step while rows
+        are decoding (``live`` of them) and the backbone's cache can take more rows; the rows it
+        returns join the batch there (rows ``len(prompts)``, ``len(prompts) + 1``, ... in every
+        callback and in the list returned) and decode as they would alone. ``on_done(i, codes,
+        ended)`` is called once per row, at the step its segment completes, so that a row is
+        answered without waiting for the batch.
+
         Afterwards ``self.ended[i]`` says whether row i's end was the model's choice (True) or
         the ``max_frames`` limit's (False): evaluation reports the share that ended by itself."""
-        b, n, cfg = len(prompts), self.n, self.cfg
-        known = known or [None] * b
-        full = index_map(self.pattern, cfg.max_frames, n)
-        state = [AudioRow(full, np.zeros((cfg.max_frames, n), dtype=np.int64)) for _ in range(b)]
+        b = len(prompts)
+        guided_rows = uncond is not None
+        known = list(known or [None] * b)
+        state = [self._row() for _ in range(b)]
         gens = self._generators(b, seeds)
         sent = [0] * b  # complete frames passed to on_frames
+        reported: set[int] = set()  # rows passed to on_done
         logits = self.forward.start(list(prompts) + list(uncond or []))
         batch = list(range(b))  # the rows in the model's batch, in its order
         while True:
@@ -204,14 +225,58 @@ class Decoder:
                         on_frames(i, state[i].codes[:ready])
                         sent[i] = ready
             self._stop_audio(state, batch)
+            if on_done is not None:
+                for i in batch:
+                    if state[i].done and i not in reported:
+                        on_done(i, state[i].codes[: state[i].length], state[i].ended)
+                        reported.add(i)
             if all(state[i].done for i in batch):
                 break
-            left = self._leave(batch, lambda i: state[i].done, uncond is not None)
+            left = self._leave(batch, lambda i: state[i].done, guided_rows)
             if left is not batch:  # rows left the batch: their frames are not fed
                 frames, batch = frames[_positions(batch, left)], left
-            logits = self.forward.advance(torch.cat([frames, frames]) if uncond else frames)
+            logits = self.forward.advance(torch.cat([frames, frames]) if guided_rows else frames)
+            if join is not None and self.forward.can_join:
+                joining = join(sum(not state[i].done for i in batch))
+                if joining:
+                    logits = self._join(joining, batch, logits, guided_rows, state, known, gens)
+                    sent += [0] * len(joining)
         self.ended = [st.ended for st in state]
         return [st.codes[: st.length] for st in state]
+
+    def _row(self) -> AudioRow:
+        cfg = self.cfg
+        full = index_map(self.pattern, cfg.max_frames, self.n)
+        return AudioRow(full, np.zeros((cfg.max_frames, self.n), dtype=np.int64))
+
+    def _join(self, rows: list[Joining], batch, logits, guided_rows, state, known, gens) -> list:
+        """Add ``rows`` to the batch in progress (``batch`` extended in place); returns the
+        logits of the whole batch, in its order (a guided batch keeps its conditional rows
+        first and their twins after them, in the same order)."""
+        if guided_rows != all(r.uncond is not None for r in rows):
+            raise ValueError("join: a guided batch's rows need their unconditional prompts, "
+                             "an unguided batch's none")  # fmt: skip
+        m, k = len(batch), len(rows)
+        new = self.forward.join(
+            [r.prompt for r in rows] + ([r.uncond for r in rows] if guided_rows else [])
+        )
+        if guided_rows:  # [old cond, old uncond, new cond, new uncond] -> cond first
+            order = [*range(m), *range(2 * m, 2 * m + k), *range(m, 2 * m), *range(2 * m + k, 2 * m + 2 * k)]  # fmt: skip
+            self.forward.keep(order)
+            logits = [
+                torch.cat([o[:m], x[:k], o[m:], x[k:]]) for o, x in zip(logits, new, strict=True)
+            ]
+        else:
+            logits = [torch.cat([o, x]) for o, x in zip(logits, new, strict=True)]
+        first = len(state)
+        for r in rows:
+            state.append(self._row())
+            known.append(None)
+            gens.append(
+                torch.Generator().manual_seed(int(self.cfg.seed if r.seed is None else r.seed))
+            )
+        batch += range(first, first + k)
+        return logits
 
     def _stop_audio(self, state: list[AudioRow], batch: list[int]) -> None:
         """End the rows ``stop`` asks to: cut to their complete frames, not ``ended``."""

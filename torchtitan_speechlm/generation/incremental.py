@@ -3,7 +3,9 @@ row, for the decoder (``generation/decode.py``) to sample from.
 
 Through the backbone's KV cache, the rows left-padded into one batch (an attention mask and
 positions that skip the padding, only the new frame fed after the prompts), or, where a backbone
-has no cache, a full recompute of each row (the same tokens, slower). The prompts' continuous
+has no cache, a full recompute of each row (the same tokens, slower). Rows may join a batch in
+progress (``join``: their prompts run apart, then the two caches joined, left-padded to the same
+length), for a server's continuous batching. The prompts' continuous
 audio segments (``model/audio/tower.py``) are encoded with the prompt and then carried by the
 cache. Kept apart from the decoder so that it only decides tokens: what the model is shown, and
 how, is here.
@@ -60,19 +62,57 @@ class IncrementalForward:
         self.rows = list(range(len(rows)))  # the batch: indices into seqs
         if not self.cfg.use_cache:
             return self._full()
-        width = max(len(r) for r in self.prompts)
-        inputs = self.pads.repeat(len(rows), width, 1)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, r in enumerate(self.prompts):
-            inputs[i, width - len(r) :] = r
-            mask[i, width - len(r) :] = 1
-        self.mask, self.cache = mask, None
-        shifts = [width - len(r) for r in self.prompts]
+        self.cache = None
         try:
-            return self._cached(inputs, **self._audio_inputs(range(len(rows)), shifts, width))
+            logits, self.mask, self.cache = self._prefill(self.rows)
+            return logits
         except NotImplementedError:  # this backbone has no cache: recompute in full
             self.cfg.use_cache = False
             return self._full()
+
+    @property
+    def can_join(self) -> bool:
+        """Whether ``join`` can add rows to the batch now: a cache its backbone can join
+        (not a compiled step, whose shapes are fixed)."""
+        return (
+            self.cfg.use_cache
+            and not self.compiled
+            and self.cache is not None
+            and self.model.can_join_cache_rows(self.cache)
+        )
+
+    @torch.no_grad()
+    def join(self, rows: list[np.ndarray], audio: list[list] | None = None) -> list:
+        """Add ``rows`` (prompts, as ``start``'s) to the batch in progress, after its rows:
+        their prompts are run apart (a cache of their own) and the two caches joined, the
+        shorter side left-padded. Returns the new rows' logits (as ``start``'s); ``advance``
+        then feeds every row. Only where ``can_join``."""
+        first = len(self.prompts)
+        self.prompts += [torch.as_tensor(r, dtype=torch.long) for r in rows]
+        self.fed += [[] for _ in rows]
+        self.audio += audio or [[] for _ in rows]
+        new = list(range(first, first + len(rows)))
+        logits, mask, cache = self._prefill(new)
+        self.cache = self.model.join_cache_rows(self.cache, cache)
+        width = max(self.mask.shape[1], mask.shape[1])
+        self.mask = torch.cat([_left_padded(self.mask, width), _left_padded(mask, width)])
+        self.rows += new
+        return logits
+
+    def _prefill(self, rows: list[int]) -> tuple[list, torch.Tensor, object]:
+        """The prompts of ``rows`` left-padded into one batch and run with a new cache: their
+        logits, attention mask and cache."""
+        prompts = [self.prompts[i] for i in rows]
+        width = max(len(r) for r in prompts)
+        inputs = self.pads.repeat(len(rows), width, 1)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for j, r in enumerate(prompts):
+            inputs[j, width - len(r) :] = r
+            mask[j, width - len(r) :] = 1
+        shifts = [width - len(r) for r in prompts]
+        audio = self._audio_inputs(rows, shifts, width)
+        logits, cache = self._run(inputs, mask, None, **audio)
+        return logits, mask, cache
 
     @torch.no_grad()
     def advance(self, frames: torch.Tensor | list[torch.Tensor]) -> list:
@@ -124,11 +164,17 @@ class IncrementalForward:
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def _cached(self, new: torch.Tensor, **audio):
-        pos = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -new.shape[1] :]
-        logits, self.cache = self.model.decode_step(
-            new.to(self.device), pos.to(self.device), self.mask.to(self.device), self.cache, **audio
+        logits, self.cache = self._run(new, self.mask, self.cache, **audio)
+        return logits
+
+    def _run(self, new: torch.Tensor, mask: torch.Tensor, cache, **audio) -> tuple[list, object]:
+        """The last position's logits after ``new`` (the frames after ``cache``'s; ``mask``:
+        the rows' attention mask over both), and the cache."""
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -new.shape[1] :]
+        logits, cache = self.model.decode_step(
+            new.to(self.device), pos.to(self.device), mask.to(self.device), cache, **audio
         )
-        return [x[:, -1].float().cpu() for x in logits]
+        return [x[:, -1].float().cpu() for x in logits], cache
 
     def _full(self):
         outs = [
@@ -136,3 +182,8 @@ class IncrementalForward:
             for i, r in ((i, self.seq(i)) for i in self.rows)
         ]
         return [torch.cat([o[s][:, -1] for o in outs]).float().cpu() for s in range(self.n)]
+
+
+def _left_padded(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """An attention mask [rows, T] with 0 columns before it, to ``width``."""
+    return torch.nn.functional.pad(mask, (width - mask.shape[1], 0))

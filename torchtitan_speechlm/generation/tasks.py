@@ -21,7 +21,7 @@ from torchtitan_speechlm.data.format import to_int16
 from torchtitan_speechlm.data.tasks import continuous_turn
 from torchtitan_speechlm.data.template_pieces import Segment
 from torchtitan_speechlm.generation import best_of
-from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder
+from torchtitan_speechlm.generation.decode import DecodeConfig, Decoder, Joining
 from torchtitan_speechlm.generation.loading import Loaded
 from torchtitan_speechlm.utils.audio import load_audio
 
@@ -96,6 +96,8 @@ def tts_with_ends(
     on_frames: FramesCallback | None = None,
     prompts_codes: list[np.ndarray | None] | None = None,
     stop: StopCheck | None = None,
+    join: Callable[[int], list[Joining]] | None = None,
+    on_done: Callable[[int, np.ndarray, bool], None] | None = None,
 ) -> tuple[list[np.ndarray], list[bool]]:
     """``tts`` plus, per text, whether the model ended the speech itself (False: the
     ``max_frames`` limit cut it), which evaluation reports as the end-of-speech rate.
@@ -104,19 +106,41 @@ def tts_with_ends(
     ``prompts_codes``: per text, a speaker prompt's codes (``speaker_prompt``; None: none),
     laid out as ``tts_prompt`` trained. With ``cfg.best_of`` N > 1, each text's N samples
     are decoded in one batch and the one the model's own ASR reads back best is kept
-    (generation/best_of.py); ``on_frames`` then gets each kept rendition whole, once chosen."""
+    (generation/best_of.py); ``on_frames`` then gets each kept rendition whole, once chosen.
+    ``join`` and ``on_done``: ``Decoder.audio``'s (rows joining the batch in progress, made by
+    ``tts_joining``; each row's codes as soon as it is complete); not with best-of-N."""
     if cfg.best_of > 1:
+        if join is not None or on_done is not None:
+            raise ValueError("tts_with_ends: join / on_done with best_of > 1")
         return _tts_best_of(loaded, texts, cfg, seeds, on_frames, prompts_codes, stop)
     speakers = prompts_codes or [None] * len(texts)
     prompts = tts_prompts(loaded, texts, speakers)
-    uncond = None
-    if cfg.cfg_scale != 1.0:
-        drop = np.array([loaded.layout.special("<|cfg_drop|>") - loaded.layout.text_offset])
-        uncond = [loaded.builder.prefix(_tts_turns(loaded, drop, p), "assistant", "audio")
-                  for p in speakers]  # fmt: skip
+    uncond = [_uncond(loaded, p) for p in speakers] if cfg.cfg_scale != 1.0 else None
     decoder = Decoder(loaded.model, cfg, stop)
-    codes = decoder.audio(fit_context(loaded, prompts), uncond, seeds=seeds, on_frames=on_frames)
+    codes = decoder.audio(
+        fit_context(loaded, prompts),
+        uncond,
+        seeds=seeds,
+        on_frames=on_frames,
+        join=join,
+        on_done=on_done,
+    )
     return codes, decoder.ended
+
+
+def tts_joining(
+    loaded: Loaded, text: str, cfg: DecodeConfig, speaker: np.ndarray | None = None
+) -> Joining:
+    """One text's row for ``tts_with_ends``'s ``join``: its prompt as ``tts_with_ends`` makes
+    it (checked the same way: ValueError for a prompt the context cannot hold)."""
+    prompt = fit_context(loaded, tts_prompts(loaded, [text], [speaker]))[0]
+    return Joining(prompt, _uncond(loaded, speaker) if cfg.cfg_scale != 1.0 else None)
+
+
+def _uncond(loaded: Loaded, speaker: np.ndarray | None) -> np.ndarray:
+    """The unconditional twin of a TTS prompt (classifier-free guidance): the text dropped."""
+    drop = np.array([loaded.layout.special("<|cfg_drop|>") - loaded.layout.text_offset])
+    return loaded.builder.prefix(_tts_turns(loaded, drop, speaker), "assistant", "audio")
 
 
 def _tts_best_of(loaded, texts, cfg, seeds, on_frames, prompts_codes, stop):

@@ -273,6 +273,16 @@ class SpeechLM(ModelProtocol):
         NotImplementedError for a backbone without a cache."""
         return self.family.select_rows(cache, index)
 
+    def can_join_cache_rows(self, cache) -> bool:
+        """Whether ``join_cache_rows`` can add rows to ``cache`` (this backbone's, filled)."""
+        return self.family.can_join(cache)
+
+    def join_cache_rows(self, cache, other):
+        """``decode_step``'s caches of two batches as one: ``cache``'s rows, then ``other``'s,
+        left-padded to the same length (requests joining a batch in progress); use the cache
+        returned. Raises NotImplementedError where ``can_join_cache_rows`` is False."""
+        return self.family.join_rows(cache, other)
+
     def compile_decode(self, on: bool, mode: str = "default") -> bool:
         """``decode_step``'s one-frame steps under ``torch.compile`` (``on``) or eager; True when
         they are now compiled (False where the backbone has nothing to compile)."""

@@ -12,7 +12,11 @@ whole batch. A runner is::
     runner(payloads: list, emit: Callable[[int, object], None]) -> list  # one result per row
 
 ``emit(row, piece)`` hands a row's partial output (a chunk of audio) to its job while the batch
-is still running: a streamed response writes it at once. If the batched call raises, each row
+is still running: a streamed response writes it at once. A runner that decodes step by step may
+batch continuously (speech: serving/speech.py): between two steps ``emit.take()`` hands it queued
+jobs of its task, which join the batch as its next rows (fairly, up to ``max_batch`` rows
+running; none once a job of another task waits, so that the batch ends), and
+``emit.finish(row, value)`` answers a row the step it completes rather than at the batch's end. If the batched call raises, each row
 that has emitted nothing yet runs again alone, so that one bad row fails only its own job (a
 row whose output had begun to stream fails with the batch's error: its start cannot be taken
 back). No exception of a runner ends the worker.
@@ -114,10 +118,18 @@ class Job:
 
 class Emit:
     """A runner's ``emit`` for one batch: ``emit(row, piece)`` hands a piece to the row's job;
-    ``emit.stopped(row)``: whether that row's job was cancelled. Both count as progress."""
+    ``emit.stopped(row)``: whether that row's job was cancelled. Both count as progress.
 
-    def __init__(self, jobs: list[Job], beat: Callable[[], None]):
+    For a runner that batches continuously: ``emit.take(room)``, the payloads of up to
+    ``room`` (default: up to ``max_batch`` rows running) queued jobs of the batch's task, which join the batch as its next rows (none once
+    a job of another task waits, so that the batch ends and that job runs next);
+    ``emit.finish(row, value)`` / ``emit.fail(row, error)`` answer a row before the batch ends
+    (its result in the list the runner returns is then not used)."""
+
+    def __init__(self, jobs: list[Job], beat: Callable[[], None],
+                 take: Callable[[int | None], list[Job]] | None = None):  # fmt: skip
         self.jobs, self.beat = jobs, beat
+        self._take = take
         self.emitted: set[int] = set()
 
     def __call__(self, row: int, piece: Any) -> None:
@@ -128,6 +140,20 @@ class Emit:
     def stopped(self, row: int) -> bool:
         self.beat()
         return self.jobs[row].cancelled
+
+    def take(self, room: int | None = None) -> list:
+        self.beat()
+        if self._take is None or (room is not None and room < 1):
+            return []
+        return [job.payload for job in self._take(room)]
+
+    def finish(self, row: int, value: Any) -> None:
+        self.jobs[row].finish(value)
+        self.beat()
+
+    def fail(self, row: int, error: BaseException) -> None:
+        self.jobs[row].fail(error)
+        self.beat()
 
 
 class Batcher:
@@ -169,6 +195,7 @@ class Batcher:
         self.largest_batch = 0
         self.rows_retried_alone = 0
         self.rows_cancelled = 0
+        self.rows_joined = 0  # rows that joined a batch in progress (Emit.take)
 
     # ---- request threads -------------------------------------------------------------------
     def submit(self, task: str, payload: Any, key: str | None = None) -> Job:
@@ -230,6 +257,7 @@ class Batcher:
             "largest_batch": self.largest_batch,
             "rows_retried_alone": self.rows_retried_alone,
             "rows_cancelled": self.rows_cancelled,
+            "rows_joined": self.rows_joined,
         }
 
     # ---- the worker --------------------------------------------------------------------------
@@ -292,16 +320,47 @@ class Batcher:
         self.on_queue(depth)
         return batch
 
-    def _take_fairly(self, task: str, batch: list[Job]) -> list[Job]:
-        """Queued jobs of ``task`` to fill ``batch``: one per key in turn (the keys in the
-        order of their oldest job, those already in the batch last), out of the queue."""
+    def _join(self, batch: list[Job], room: int | None) -> list[Job]:
+        """``Emit.take``: up to ``room`` queued jobs of the batch's task (and at most
+        ``max_batch`` rows running), taken fairly and
+        appended to ``batch`` (running from now), unless the oldest queued job is of another
+        task or the batcher is stopping."""
+        with self._cond:
+            if self._stopping or not self._pending or self._pending[0].task != batch[0].task:
+                return []
+            live = [j for j in batch if not j.done]
+            want = (
+                self.max_batch - len(live)
+                if room is None
+                else min(room, self.max_batch - len(live))
+            )
+            picked = self._take_fairly(batch[0].task, live, want)
+            if not picked:
+                return []
+            batch += picked
+            self._running.update(picked)
+            depth = len(self._pending)
+        with self._counts:
+            self.rows_run += len(picked)
+            self.rows_joined += len(picked)
+            self.largest_batch = max(self.largest_batch, len(live) + len(picked))
+        for job in picked:
+            job.batch_size = len(live) + len(picked)
+        self.on_queue(depth)
+        return picked
+
+    def _take_fairly(self, task: str, batch: list[Job], want: int | None = None) -> list[Job]:
+        """Queued jobs of ``task`` to fill ``batch`` (``want`` of them; default up to
+        ``max_batch``): one per key in turn (the keys in the order of their oldest job, those
+        already in the batch last), out of the queue."""
         queues: dict = {}
         for job in self._pending:
             if job.task == task:
                 queues.setdefault(job.key, []).append(job)
         inside = {j.key for j in batch}
         order = sorted(queues.values(), key=lambda q: q[0].key in inside)  # stable
-        picked, want = [], self.max_batch - len(batch)
+        picked = []
+        want = self.max_batch - len(batch) if want is None else want
         while order and len(picked) < want:
             for q in list(order):
                 if len(picked) >= want:
@@ -322,17 +381,21 @@ class Batcher:
             self.largest_batch = max(self.largest_batch, len(batch))
         for job in batch:
             job.batch_size = len(batch)
-        emit = Emit(batch, self.beat)
-        payloads, t0 = [j.payload for j in batch], time.perf_counter()
+        emit = Emit(batch, self.beat, lambda room: self._join(batch, room))
+        t0 = time.perf_counter()
         try:
-            results = _checked(runner(payloads, emit), len(batch))
+            results = runner([j.payload for j in batch], emit)
+            results = _checked(results, len(batch))  # (rows that joined included)
         except Exception as e:
+            payloads = [j.payload for j in batch]
             self.on_batch(batch[0].task, payloads, None, time.perf_counter() - t0, len(batch))
             if len(batch) == 1:
                 batch[0].fail(e)
                 return
             self.on_error(f"a batch of {len(batch)} {batch[0].task} rows (retrying each alone)", e)
             for row, job in enumerate(batch):
+                if job.done:  # answered before the batch failed
+                    continue
                 if row in emit.emitted:
                     job.fail(e)
                 elif not job.cancelled:  # a cancelled row is not run again
@@ -340,6 +403,7 @@ class Batcher:
                         self.rows_retried_alone += 1
                     self._run_alone(runner, job)
             return
+        payloads = [j.payload for j in batch]
         self.on_batch(batch[0].task, payloads, results, time.perf_counter() - t0, 0)
         for job, value in zip(batch, results, strict=True):
             job.finish(value)

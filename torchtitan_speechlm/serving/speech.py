@@ -6,9 +6,11 @@ generation/tasks.py, on the worker thread only.
   here), of any lengths: the decoder batches prompts of different lengths. A streamed row's
   samples are emitted while it is generated: the decoder hands its complete codec frames
   (``on_frames``) to an ``AudioStream`` over the codec's stream decoder (generation/streaming.py),
-  whose blocks go to the row's job as they come. The other rows are decoded whole once the batch
-  ends (``tasks.decode_audio``, together) and emitted as one piece, the exact audio ``torchtitan
-  generate`` writes. Each row's result is its sample count.
+  whose blocks go to the row's job as they come. The other rows are decoded whole
+  (``tasks.decode_audio``) and emitted as one piece, the exact audio ``torchtitan generate``
+  writes. Each row's result is its sample count. Under the batcher the batch is continuous:
+  queued rows join it between decode steps (``emit.take``; ``tasks.tts_joining``) and each row
+  is decoded and answered (``emit.finish``) the step it completes.
 - ``asr``: payloads are ``AsrRow``s, float32 mono waveforms at ``tasks.input_rate(loaded)``;
   one ``tasks.transcribe_waves`` call per temperature asked (``asr_wave`` through a continuous
   audio encoder, else one ``codec.encode`` of the rows and ``asr``); results are the
@@ -27,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 from torchtitan_speechlm.generation import tasks
-from torchtitan_speechlm.generation.decode import DecodeConfig
+from torchtitan_speechlm.generation.decode import DecodeConfig, Joining
 from torchtitan_speechlm.generation.loading import Loaded
 from torchtitan_speechlm.generation.streaming import AudioStream
 from torchtitan_speechlm.serving.batcher import Runner
@@ -41,30 +43,61 @@ def speak(
     emit: Callable[[int, np.ndarray], None],
 ) -> list[int]:
     """Speak every row in one batched call; ``emit(row, float32 samples)`` in order within a row
-    (streamed rows while decoding, the others at the end); returns each row's sample count
-    (0 for a row ``emit.stopped`` ended)."""
-    stopped = _stop_check(emit)
-    streams = {
-        i: AudioStream(loaded.codec, lambda block, i=i: emit(i, block))
-        for i, row in enumerate(rows)
-        if row.stream
-    }
+    (streamed rows while decoding, the others once complete); returns each row's sample count
+    (0 for a row ``emit.stopped`` ended). With the batcher's ``Emit`` (and best-of-N off), the
+    batch is continuous: queued rows join it between decode steps (``emit.take``) and each row
+    is answered (``emit.finish``) at the step it completes."""
+    rows, stopped = list(rows), _stop_check(emit)
+    continuous = cfg.best_of == 1 and hasattr(emit, "take")
+    streams: dict[int, AudioStream] = {}
+    samples = [0] * len(rows)
+    row_of = list(range(len(rows)))  # the decoder's row -> the batch's (a joiner may fail first)
 
-    def on_frames(i: int, codes: np.ndarray) -> None:
-        if i in streams:
-            streams[i].frames(codes)
+    def open_stream(i: int) -> None:
+        if rows[i].stream:
+            streams[i] = AudioStream(loaded.codec, lambda block, i=i: emit(i, block))
 
+    def on_frames(d: int, codes: np.ndarray) -> None:
+        if row_of[d] in streams:
+            streams[row_of[d]].frames(codes)
+
+    def on_done(d: int, codes: np.ndarray, ended: bool) -> None:
+        i = row_of[d]
+        if not stopped(i):
+            samples[i] = _deliver(loaded, codes, streams.get(i), lambda wave: emit(i, wave))
+        emit.finish(i, samples[i])
+
+    def join(live: int) -> list[Joining]:
+        joining = []
+        for row in emit.take():
+            rows.append(row)
+            samples.append(0)
+            i = len(rows) - 1
+            try:  # a bad prompt fails its own request, not the batch
+                joining.append(tasks.tts_joining(loaded, row.text, cfg, prompt_codes(loaded, row)))
+            except Exception as e:  # noqa: BLE001
+                emit.fail(i, e)
+                continue
+            open_stream(i)
+            row_of.append(i)
+        return joining
+
+    for i in range(len(rows)):
+        open_stream(i)
     prompts = [prompt_codes(loaded, r) for r in rows]
     codes, _ = tasks.tts_with_ends(
         loaded,
         [r.text for r in rows],
         cfg,
-        on_frames=on_frames if streams else None,
+        on_frames=on_frames if streams or continuous else None,
         prompts_codes=prompts if any(p is not None for p in prompts) else None,
-        stop=stopped,
+        stop=None if stopped is None else (lambda d: stopped(row_of[d])),
+        join=join if continuous else None,
+        on_done=on_done if continuous else None,
     )
+    if continuous:
+        return samples
     gone = {i for i in range(len(rows)) if stopped is not None and stopped(i)}
-    samples = [0] * len(rows)
     for i, stream in streams.items():
         if i not in gone:
             samples[i] = stream.finish(codes[i])
@@ -74,6 +107,16 @@ def speak(
         samples[i] = len(wave)
         emit(i, wave)
     return samples
+
+
+def _deliver(loaded: Loaded, codes: np.ndarray, stream: AudioStream | None, emit) -> int:
+    """A complete row's audio: its stream's last blocks, or the whole clip decoded and emitted
+    as one piece; its sample count."""
+    if stream is not None:
+        return stream.finish(codes)
+    wave = np.asarray(tasks.decode_audio(loaded, [codes])[0], dtype=np.float32).reshape(-1)
+    emit(wave)
+    return len(wave)
 
 
 def prompt_codes(loaded: Loaded, row: SpeechRow) -> np.ndarray | None:

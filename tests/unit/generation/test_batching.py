@@ -136,3 +136,75 @@ def test_streamed_frames_are_the_returned_codes_as_they_complete(backbone):
         assert all(np.array_equal(x, c[: len(x)]) for x in calls)
     first = [len(seen[i][0]) for i in seen]  # the first call: frame 0 done, at step 3
     assert first == [1] * len(codes)
+
+
+@pytest.mark.parametrize(
+    "family,pattern,streams,cfg_scale,temperature",
+    [
+        ("hf", "delay", 3, 1.0, 0.0),
+        ("native", "delay", 3, 1.0, 0.0),
+        ("qwen3", "parallel", 2, 1.5, 0.0),
+        ("hf", "flatten", 3, 1.5, 1.0),
+    ],
+)
+def test_rows_that_join_a_batch_in_progress_decode_like_each_row_alone(
+    backbone, llama_dir, family, pattern, streams, cfg_scale, temperature
+):
+    """Continuous batching (a server's: serving/batcher.py): rows joining between steps, one
+    with a prompt shorter than the batch's and one longer (the caches left-padded to each
+    other), with and without guidance, greedy and sampled (a joiner's own seed), give each row's
+    codes alone; ``on_done`` reports each row once, at the step it completes, with its codes."""
+    from torchtitan_speechlm.generation.decode import Joining
+
+    path = llama_dir if family == "native" else backbone
+    model, _, prompts, uncond = setup(path, pattern, streams, family)
+    guided = cfg_scale != 1.0
+    cfg = DecodeConfig(
+        audio=Sampling(temperature=temperature, top_k=5), max_frames=30, min_frames=2,
+        cfg_scale=cfg_scale,
+    )  # fmt: skip
+    seeds = [4, 8, 15, 16, 23]
+    arrivals = {1: [2], 3: [3, 4]}  # after step s, these prompts join (5 is 2 tokens, 15 is 15)
+    steps, done, asked = [0], {}, []
+
+    def join(live):
+        asked.append(live)
+        steps[0] += 1
+        return [
+            Joining(prompts[i], uncond[i] if guided else None, seeds[i])
+            for i in arrivals.get(steps[0], [])
+        ]
+
+    def on_done(i, codes, ended):
+        assert i not in done, f"row {i} reported twice"
+        done[i] = (steps[0], codes.copy(), ended)
+
+    dec = Decoder(model, cfg)
+    first = [0, 1]  # 2 and 11 text tokens
+    together = dec.audio(
+        [prompts[i] for i in first], [uncond[i] for i in first] if guided else None,
+        seeds=[seeds[i] for i in first], join=join, on_done=on_done,
+    )  # fmt: skip
+    assert len(together) == 5 and sorted(done) == [0, 1, 2, 3, 4]
+    order = first + arrivals[1] + arrivals[3]  # the decoder's rows: started, then joined
+    for row, i in enumerate(order):
+        one = Decoder(model, cfg)
+        alone = one.audio([prompts[i]], [uncond[i]] if guided else None, seeds=[seeds[i]])[0]
+        assert together[row].tolist() == alone.tolist(), f"prompt {i} (row {row})"
+        assert done[row][1].tolist() == alone.tolist() and done[row][2] == one.ended[0]
+    assert dec.ended == [done[r][2] for r in range(5)]
+    finished = sorted(done[r][0] for r in range(5))
+    assert finished[0] < finished[-1], "rows reported at the batch's end only"
+    assert asked[0] == 2 and max(asked) >= 3  # the live rows, joiners counted
+
+
+def test_a_row_that_joins_no_batch_when_the_cache_cannot_take_it(backbone, monkeypatch):
+    """A compiled step (fixed shapes) or a backbone that cannot join caches is never asked for
+    joiners: what would join waits for the next batch."""
+    model, _, prompts, _ = setup(backbone, "delay")
+    monkeypatch.setattr(model.family, "can_join", lambda cache: False)
+    asked = []
+    Decoder(model, DecodeConfig(max_frames=6, min_frames=6)).audio(
+        prompts[:2], join=lambda live: asked.append(live) or []
+    )
+    assert asked == []

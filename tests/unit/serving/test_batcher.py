@@ -274,3 +274,65 @@ def test_a_batch_takes_each_keys_jobs_in_turn_and_a_key_holds_its_share_of_the_q
     b.submit("tts", "b1", key="b")
     assert [j.payload for j in b.next_batch()] == ["a0", "b0", "c0", "a1"]
     assert [j.payload for j in b.next_batch()] == ["a2", "b1", "a3", "a4"]
+
+
+class Stepper:
+    """A continuous runner: ``steps`` decode steps per row; between steps it takes queued jobs
+    (``emit.take``) and answers each row at the step it completes (``emit.finish``); a payload
+    starting with "bad" fails alone when it joins; ``arrive`` runs after the first step."""
+
+    def __init__(self, steps=4, arrive=None):
+        self.steps, self.arrive, self.joined, self.finished = steps, arrive, [], []
+
+    def __call__(self, payloads, emit):
+        rows = [[p, self.steps] for p in payloads]
+        step = 0
+        while any(left for _, left in rows):
+            for i, row in enumerate(rows):
+                if row[1]:
+                    row[1] -= 1
+                    if not row[1]:
+                        emit.finish(i, row[0].upper())
+                        self.finished.append(row[0])
+            step += 1
+            if step == 1 and self.arrive:
+                self.arrive()
+            for p in emit.take():
+                self.joined.append((step, p))
+                if p.startswith("bad"):
+                    emit.fail(len(rows), ValueError(p))
+                    rows.append([p, 0])
+                else:
+                    rows.append([p, self.steps])
+        return [p.upper() for p, _ in rows]
+
+
+def test_queued_jobs_join_a_running_batch_and_are_answered_when_their_row_completes():
+    b = Batcher({"tts": None, "asr": Recorder()}, max_batch=3, batch_wait_s=0)
+    late = []
+    runner = Stepper(arrive=lambda: late.extend(
+        b.submit("tts", p, key=k) for p, k in [("c", "x"), ("bad", "y"), ("d", "x"), ("e", "x")]
+    ))  # fmt: skip
+    b.runners["tts"] = runner
+    first = [b.submit("tts", p, key=k) for p, k in [("a", "x"), ("b", "y")]]
+    b.run_batch(b.next_batch())
+    assert [j.result(1) for j in first] == ["A", "B"]
+    assert late[0].result(1) == "C" and late[2].result(1) == "D" and late[3].result(1) == "E"
+    with pytest.raises(ValueError, match="bad"):
+        late[1].result(1)
+    # after step 1 one place is free (3 rows at most): "c", the oldest; the others as rows end
+    assert [p for _, p in runner.joined] == ["c", "bad", "d", "e"]
+    assert runner.joined[0][0] == 1 and runner.finished[:2] == ["a", "b"]
+    s = b.stats()
+    assert s["rows_joined"] == 4 and s["batches_run"] == 1 and s["largest_batch"] <= 3
+    assert all(job.batch_size <= 3 for job in first + late)
+
+
+def test_a_job_of_another_task_waiting_stops_the_joining():
+    b = Batcher({"tts": None, "asr": Recorder()}, max_batch=8, batch_wait_s=0)
+    runner = Stepper(arrive=lambda: (b.submit("asr", "q"), b.submit("tts", "later")))
+    b.runners["tts"] = runner
+    job = b.submit("tts", "a")
+    b.run_batch(b.next_batch())
+    assert job.result(1) == "A" and runner.joined == []  # the asr job came first: no joining
+    assert tasks(b, b.next_batch()) == [("asr", "q")]

@@ -108,6 +108,19 @@ class Backbone:
         The caller selects the same rows of its attention mask."""
         raise NotImplementedError
 
+    def can_join(self, cache) -> bool:
+        """Whether ``join_rows`` can join rows to this cache (asked before any row is taken
+        to join it). False by default."""
+        return False
+
+    def join_rows(self, cache, other):
+        """One cache of ``cache``'s rows and then ``other``'s (rows prefilled apart, joining a
+        batch in progress), the shorter one left-padded to the longer one's length; the given
+        caches may be changed or reused: use the one returned. The caller joins the attention
+        masks the same way (``generation/incremental.py``). NotImplementedError (the default):
+        the family cannot, and a batch then runs only the rows it started with."""
+        raise NotImplementedError
+
     def compile_decode(self, module: nn.Module, on: bool, mode: str = "default") -> bool:
         """Run ``decode``'s one-frame steps under ``torch.compile`` (``on``) or eagerly; True
         when they are now compiled. False by default: a family whose cache changes shape every

@@ -277,6 +277,31 @@ class HFBackbone(Backbone):
         cache.batch_select_indices(index)
         return cache
 
+    def can_join(self, cache) -> bool:
+        """Only a cache of plain growing layers (``DynamicLayer``; no sliding window, no
+        recurrent state) is joined: its keys are [B, heads, length, head_dim] in every layer."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        return bool(layers) and all(
+            type(layer) is DynamicLayer and layer.is_initialized for layer in layers
+        )
+
+    def join_rows(self, cache, other):
+        """Per layer, ``other``'s keys and values after ``cache``'s along the batch, the shorter
+        left-padded with zeros (masked by the joined attention mask), in ``cache`` (in place)."""
+        if not (self.can_join(cache) and self.can_join(other)):
+            raise NotImplementedError("join_rows: a cache of other than DynamicLayer layers")
+        for mine, theirs in zip(cache.layers, other.layers, strict=True):
+            length = max(mine.keys.shape[-2], theirs.keys.shape[-2])
+            mine.keys = torch.cat(
+                [_left_padded(mine.keys, length), _left_padded(theirs.keys, length)]
+            )
+            mine.values = torch.cat(
+                [_left_padded(mine.values, length), _left_padded(theirs.values, length)]
+            )
+        return cache
+
     def reset_buffers(self, module, device) -> None:
         reset_non_persistent_buffers(module, device)
 
@@ -289,3 +314,9 @@ class HFBackbone(Backbone):
 
 
 register_backbone("hf", HFBackbone())
+
+
+def _left_padded(t: torch.Tensor, length: int) -> torch.Tensor:
+    """``t`` [B, heads, T, head_dim] with zeros before its T slots, to ``length`` slots."""
+    missing = length - t.shape[-2]
+    return t if missing == 0 else torch.nn.functional.pad(t, (0, 0, missing, 0))

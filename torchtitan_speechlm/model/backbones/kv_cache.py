@@ -104,6 +104,38 @@ class StaticKVCache:
             self.length,
         )
 
+    def joined(self, other: StaticKVCache) -> StaticKVCache:
+        """A new cache of this one's rows, then ``other``'s (requests that join a batch in
+        progress: serving/batcher.py): the shorter one's slots moved right so that both end at
+        the same slot, as left padding (not real; each key keeps its RoPE position, which is
+        its row's position and not its slot)."""
+        if len(self.keys) != len(other.keys) or any(k is None for k in self.keys + other.keys):
+            raise ValueError("joined: both caches must be filled, with the same layers")
+        length = max(self.length, other.length)
+        capacity = _pow2(max(self.capacity, other.capacity, length))
+
+        def cat(a: torch.Tensor, b: torch.Tensor, la: int, lb: int) -> torch.Tensor:
+            out = a.new_zeros(a.shape[0] + b.shape[0], *a.shape[1:2], capacity, *a.shape[3:])
+            out[: a.shape[0], ..., length - la : length, :] = a[..., :la, :]
+            out[a.shape[0] :, ..., length - lb : length, :] = b[..., :lb, :]
+            return out
+
+        real = self.real.new_zeros(self.batch_size + other.batch_size, capacity)
+        real[: self.batch_size, length - self.length : length] = self.real[:, : self.length]
+        real[self.batch_size :, length - other.length : length] = other.real[:, : other.length]
+        return StaticKVCache(
+            [
+                cat(a, b, self.length, other.length)
+                for a, b in zip(self.keys, other.keys, strict=True)
+            ],
+            [
+                cat(a, b, self.length, other.length)
+                for a, b in zip(self.values, other.values, strict=True)
+            ],
+            real,
+            length,
+        )
+
 
 def _grown(t: torch.Tensor | None, capacity: int, filled: int) -> torch.Tensor | None:
     if t is None:
@@ -232,6 +264,12 @@ class StaticCacheDecoding:
 
     def select_rows(self, cache, index):
         return cache.select_rows(index)
+
+    def can_join(self, cache) -> bool:
+        return isinstance(cache, StaticKVCache) and all(k is not None for k in cache.keys)
+
+    def join_rows(self, cache, other):
+        return cache.joined(other)
 
     def compile_decode(self, module, on: bool, mode: str = "default") -> bool:
         return compile_decode(module, on, mode)
