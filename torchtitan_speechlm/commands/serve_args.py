@@ -152,8 +152,9 @@ class ServeArgs(DecodingArgs):
         0,
         group=QUEUE,
         metavar="N",
-        help="queue places one API key (one client address without keys) may hold; more get "
-        "503 queue_full (0: no cap but --queue-size). Batches take each key's requests in turn",
+        help="places one API key (one client address without keys) may hold: its requests "
+        "queued or still decoding; more get 503 queue_full (0: no cap but --queue-size). "
+        "Batches take each key's requests in turn",
     )
     max_batch: int = flag(8, group=QUEUE, help="rows of one task in one model call at most (8)")
     batch_wait_ms: float = flag(

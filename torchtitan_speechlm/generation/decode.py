@@ -227,8 +227,10 @@ class Decoder:
             self._stop_audio(state, batch)
             if on_done is not None:
                 for i in batch:
-                    if state[i].done and i not in reported:
-                        on_done(i, state[i].codes[: state[i].length], state[i].ended)
+                    st = state[i]
+                    if st.done and i not in reported:
+                        st.codes, st.map = st.codes[: st.length].copy(), st.map[:0]  # (kept small)
+                        on_done(i, st.codes, st.ended)
                         reported.add(i)
             if all(state[i].done for i in batch):
                 break

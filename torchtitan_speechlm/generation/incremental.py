@@ -60,6 +60,7 @@ class IncrementalForward:
         self.fed: list[list[torch.Tensor]] = [[] for _ in rows]  # frames fed after the prompts
         self.audio = audio or [[] for _ in rows]
         self.rows = list(range(len(rows)))  # the batch: indices into seqs
+        self.joined = False  # whether rows have joined (join): the cache may then be trimmed
         if not self.cfg.use_cache:
             return self._full()
         self.cache = None
@@ -97,6 +98,7 @@ class IncrementalForward:
         width = max(self.mask.shape[1], mask.shape[1])
         self.mask = torch.cat([_left_padded(self.mask, width), _left_padded(mask, width)])
         self.rows += new
+        self.joined = True
         return logits
 
     def _prefill(self, rows: list[int]) -> tuple[list, torch.Tensor, object]:
@@ -147,8 +149,25 @@ class IncrementalForward:
             except NotImplementedError:
                 return False
             self.mask = self.mask[index.cpu()]
-        self.rows = [self.rows[p] for p in positions]
+            self._trim()
+        rows = [self.rows[p] for p in positions]
+        if self.joined:  # a continuous batch: what the rows that left were fed is not kept
+            for i in set(self.rows) - set(rows):
+                self.fed[i] = []
+        self.rows = rows
         return True
+
+    def _trim(self) -> None:
+        """Drop the leading slots that are padding in every row left (a continuous batch's:
+        rows that joined late were padded back to the first row's start), so that the cache
+        and each step's attention stay as long as the oldest row still decoding, not as the
+        batch's age. Only for a batch that has had rows join (its cache can drop slots)."""
+        if not self.joined or not self.mask.any():
+            return
+        lead = int(self.mask.any(0).long().argmax())
+        if lead >= 16 and 2 * lead >= self.mask.shape[1]:  # worth a copy of the cache
+            self.cache = self.model.drop_first_cache_slots(self.cache, lead)
+            self.mask = self.mask[:, lead:]
 
     def _audio_inputs(self, rows, shifts, width: int) -> dict:
         """The model's continuous inputs of ``rows`` (their frames shifted right by ``shifts``,

@@ -283,6 +283,11 @@ class SpeechLM(ModelProtocol):
         returned. Raises NotImplementedError where ``can_join_cache_rows`` is False."""
         return self.family.join_rows(cache, other)
 
+    def drop_first_cache_slots(self, cache, n: int):
+        """``cache`` without its first ``n`` slots, left padding in every row (where
+        ``can_join_cache_rows``); use the cache returned."""
+        return self.family.drop_first_slots(cache, n)
+
     def compile_decode(self, on: bool, mode: str = "default") -> bool:
         """``decode_step``'s one-frame steps under ``torch.compile`` (``on``) or eager; True when
         they are now compiled (False where the backbone has nothing to compile)."""

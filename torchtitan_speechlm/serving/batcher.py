@@ -43,6 +43,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 Runner = Callable[[list, Callable[[int, Any], None]], list]
+# a continuous batch takes at most this many times max_batch rows in all, then drains and the
+# next batch starts: what a batch keeps of its rows (their jobs, a runner's per-row state) and
+# a batch's entry in the metrics stay bounded under a load that never pauses
+JOINED_BATCHES = 16
 # on_batch(task, payloads, results or None if the call failed, seconds, rows failed)
 BatchHook = Callable[[str, list, "list | None", float, int], None]
 
@@ -208,7 +212,7 @@ class Batcher:
             if len(self._pending) >= self.queue_size:
                 raise QueueFull(f"the model's queue is full ({self.queue_size} requests waiting)")
             cap = self.max_queued_per_key
-            if cap and sum(j.key == key for j in self._pending) >= cap:
+            if cap and self._held(key) >= cap:
                 raise QueueFull(f"{key or 'this client'} holds {cap} places of the model's queue "
                                 f"already (--max-queued-per-key {cap})")  # fmt: skip
             self._pending.append(job)
@@ -216,6 +220,13 @@ class Batcher:
             depth = len(self._pending)
         self.on_queue(depth)
         return job
+
+    def _held(self, key: str | None) -> int:
+        """The places ``key`` holds: its jobs queued and its rows still decoding (a row joins a
+        running batch as soon as there is room, so queued places alone would not bound a key's
+        share of the model)."""
+        queued = sum(j.key == key for j in self._pending)
+        return queued + sum(j.key == key and not j.done for j in self._running)
 
     def cancel(self, job: Job, why: str = "the client left") -> None:
         """Cancel ``job``: out of the queue if it waits there; a running one stops at its
@@ -327,6 +338,8 @@ class Batcher:
         task or the batcher is stopping."""
         with self._cond:
             if self._stopping or not self._pending or self._pending[0].task != batch[0].task:
+                return []
+            if len(batch) >= JOINED_BATCHES * self.max_batch:
                 return []
             live = [j for j in batch if not j.done]
             want = (

@@ -63,9 +63,11 @@ def speak(
 
     def on_done(d: int, codes: np.ndarray, ended: bool) -> None:
         i = row_of[d]
+        stream = streams.pop(i, None)
         if not stopped(i):
-            samples[i] = _deliver(loaded, codes, streams.get(i), lambda wave: emit(i, wave))
+            samples[i] = _deliver(loaded, codes, stream, lambda wave: emit(i, wave))
         emit.finish(i, samples[i])
+        rows[i] = None  # an uploaded prompt's waveform is not kept while the batch goes on
 
     def join(live: int) -> list[Joining]:
         joining = []

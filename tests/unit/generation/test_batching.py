@@ -208,3 +208,36 @@ def test_a_row_that_joins_no_batch_when_the_cache_cannot_take_it(backbone, monke
         prompts[:2], join=lambda live: asked.append(live) or []
     )
     assert asked == []
+
+
+@pytest.mark.parametrize("family", ["hf", "native"])
+def test_a_continuous_batch_keeps_its_cache_as_long_as_its_oldest_row_not_its_age(
+    backbone, llama_dir, family
+):
+    """Rows joining every other step for 80 steps, each 6 frames long: the rows that joined
+    late are padded back to the first row's start, and that padding goes once the rows before
+    them have left, so the cache (and each step's attention) stays about a prompt and a row
+    long; every row is still its alone codes, and each row's state is let go when reported."""
+    from torchtitan_speechlm.generation.decode import Joining
+
+    path = llama_dir if family == "native" else backbone
+    model, _, prompts, _ = setup(path, "delay", 3, family)
+    cfg = DecodeConfig(max_frames=6, min_frames=6)
+    steps, widths, order = [0], [], [0]
+    dec = Decoder(model, cfg)
+
+    def join(live):
+        steps[0] += 1
+        widths.append(dec.forward.mask.shape[1])
+        if steps[0] > 80 or steps[0] % 2:
+            return []
+        order.append(steps[0] // 2 % len(prompts))
+        return [Joining(prompts[order[-1]])]
+
+    together = dec.audio([prompts[0]], join=join, on_done=lambda i, codes, ended: None)
+    assert len(together) == 41 and steps[0] > 80
+    alone = {i: Decoder(model, cfg).audio([prompts[i]])[0].tolist() for i in set(order)}
+    assert [c.tolist() for c in together] == [alone[i] for i in order]
+    longest = max(len(p) for p in prompts) + 3 * cfg.max_frames  # the first row's 24 + 2 steps
+    assert max(widths) <= longest + 32, widths  # (a trim waits for 16 slots and half the width)
+    assert widths[-1] < 2 * longest and max(widths) < 80, "the cache grew with the batch's age"

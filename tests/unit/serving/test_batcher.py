@@ -336,3 +336,19 @@ def test_a_job_of_another_task_waiting_stops_the_joining():
     b.run_batch(b.next_batch())
     assert job.result(1) == "A" and runner.joined == []  # the asr job came first: no joining
     assert tasks(b, b.next_batch()) == [("asr", "q")]
+
+
+def test_a_keys_rows_still_decoding_hold_its_places_too():
+    """Rows join a running batch as soon as there is room, so a key's share counts its rows
+    decoding as well as its queued jobs: without that, a flood would hold every row of the
+    batch however small its queue share."""
+    b = Batcher({"tts": Recorder()}, max_batch=4, batch_wait_s=0, max_queued_per_key=2)
+    running = [b.submit("tts", f"a{i}", key="a") for i in range(2)]
+    assert b.next_batch() == running and b.queue_depth == 0
+    with pytest.raises(QueueFull, match="a holds 2 places"):
+        b.submit("tts", "a2", key="a")
+    b.submit("tts", "b0", key="b")  # another key still queues
+    running[0].finish("A0")  # a row answered: its place is free again
+    b.submit("tts", "a2", key="a")
+    with pytest.raises(QueueFull, match="a holds 2 places"):
+        b.submit("tts", "a3", key="a")

@@ -121,6 +121,13 @@ class Backbone:
         the family cannot, and a batch then runs only the rows it started with."""
         raise NotImplementedError
 
+    def drop_first_slots(self, cache, n: int):
+        """The cache without its first ``n`` slots, which are left padding in every row (the
+        caller drops the same columns of its attention mask): a continuous batch's rows that
+        joined late are padded back to its first row's start, and once the rows before them
+        have left, that padding is dropped. Where ``can_join`` is True."""
+        raise NotImplementedError
+
     def compile_decode(self, module: nn.Module, on: bool, mode: str = "default") -> bool:
         """Run ``decode``'s one-frame steps under ``torch.compile`` (``on``) or eagerly; True
         when they are now compiled. False by default: a family whose cache changes shape every

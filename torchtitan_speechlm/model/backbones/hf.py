@@ -302,6 +302,14 @@ class HFBackbone(Backbone):
             )
         return cache
 
+    def drop_first_slots(self, cache, n: int):
+        """Each layer's keys and values without their first ``n`` slots (in place)."""
+        if not self.can_join(cache):
+            raise NotImplementedError("drop_first_slots: a cache of other than DynamicLayer layers")
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[..., n:, :], layer.values[..., n:, :]
+        return cache
+
     def reset_buffers(self, module, device) -> None:
         reset_non_persistent_buffers(module, device)
 

@@ -104,6 +104,19 @@ class StaticKVCache:
             self.length,
         )
 
+    def without_first(self, n: int) -> StaticKVCache:
+        """This cache without its first ``n`` slots (padding in every row: a continuous batch
+        whose oldest rows have left), the rest moved to the front, in place."""
+        if n <= 0:
+            return self
+        keep = self.length - n
+        for t in self.keys + self.values:
+            t[:, :, :keep] = t[:, :, n : self.length].clone()
+        self.real[:, :keep] = self.real[:, n : self.length].clone()
+        self.real[:, keep:] = False
+        self.length = keep
+        return self
+
     def joined(self, other: StaticKVCache) -> StaticKVCache:
         """A new cache of this one's rows, then ``other``'s (requests that join a batch in
         progress: serving/batcher.py): the shorter one's slots moved right so that both end at
@@ -270,6 +283,9 @@ class StaticCacheDecoding:
 
     def join_rows(self, cache, other):
         return cache.joined(other)
+
+    def drop_first_slots(self, cache, n: int):
+        return cache.without_first(n)
 
     def compile_decode(self, module, on: bool, mode: str = "default") -> bool:
         return compile_decode(module, on, mode)
