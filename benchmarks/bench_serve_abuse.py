@@ -6,7 +6,9 @@ before it (targets: p95 within 2x, memory within 1.2x).
 The model is bench_serve.py's (a Llama backbone over the tests' tiny Encodec, trained --steps
 steps and exported; ``--model DIR`` serves an export instead). Each server runs with its
 defaults but API keys from a file (``normal-I`` for normal client I, ``attacker`` for the
-attacks: a client of its own, as a real abuser is), ``--max-queued-per-key`` (--per-key, 2) and
+attacks: a client of its own, as a real abuser is), ``--max-queued-per-key`` (--per-key, 1: a
+key's one request queued or decoding; speech requests join a running batch, so the places a
+key holds are its share of the batch) and
 ``--requests-per-minute`` (--rpm, 360: above a normal client's rate; 0: no limit) and
 ``--body-mb-per-minute`` (--body-mb, 32: a normal client sends a few hundred bytes a request,
 a 60-s prompt upload about 2 MB; 0: no limit). The
@@ -86,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=2, help="normal client threads")
     p.add_argument("--seconds", type=float, default=20.0, help="each phase's length")
     p.add_argument("--attacks", default=",".join(ATTACK_NAMES), help="which attacks, in order")
-    p.add_argument("--per-key", type=int, default=2, help="the server's --max-queued-per-key")
+    p.add_argument("--per-key", type=int, default=1, help="the server's --max-queued-per-key: "
+                   "a key's requests queued or decoding (1: one in flight, a closed-loop "
+                   "client's need)")  # fmt: skip
     p.add_argument("--rpm", type=int, default=360, help="the server's --requests-per-minute")
     p.add_argument("--body-mb", type=float, default=32.0,
                    help="the server's --body-mb-per-minute (0: no limit)")  # fmt: skip

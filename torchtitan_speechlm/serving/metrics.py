@@ -110,9 +110,9 @@ class ServeMetrics:
                               ("kind",), registry=own)  # fmt: skip
         self.queue = Gauge("speechlm_queue_depth", "jobs waiting for the model", registry=own,
                            **live)  # fmt: skip
-        self.batch_size = Histogram("speechlm_batch_size", "rows per batched model call",
+        self.batch_size = Histogram("speechlm_batch_size", "rows per batch (joined rows included)",
                                     ("task",), buckets=BATCH_BUCKETS, registry=own)  # fmt: skip
-        self.batch_seconds = Histogram("speechlm_batch_seconds", "one batched model call (s)",
+        self.batch_seconds = Histogram("speechlm_batch_seconds", "one batch, start to end (s)",
                                        ("task",), buckets=LATENCY_BUCKETS, registry=own)  # fmt: skip
         self.tokens = Counter("speechlm_generated_tokens", "codec tokens generated",
                               ("task",), registry=own)  # fmt: skip
