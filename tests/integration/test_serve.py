@@ -326,10 +326,10 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(model):
 
 
 def test_a_request_arriving_while_a_batch_runs_joins_it_and_gets_what_it_gets_alone(model):
-    """Continuous batching: a streamed request runs 300 frames; a second, sent once the first's
+    """Continuous batching: a streamed request runs 120 frames; a second, sent once the first's
     samples come, joins its batch at the next decode step (no second batch), and each gets
     the very bytes it gets alone."""
-    frames = "300"
+    frames = "120"
     served = start(model, "--min-frames", frames, "--max-frames", frames)
     host, port = served["url"].removeprefix("http://").split(":")
     running = threading.Event()

@@ -137,9 +137,9 @@ def test_voice_selects_its_file_as_generate_prompt_does(voiced, runs, capsys, mo
     # temperature 1 is near uniform: its samples need not differ, its logits do)
     sent = []
 
-    def spy(loaded, texts, cfg, seeds=None, on_frames=None, prompts_codes=None, stop=None):
+    def spy(loaded, texts, cfg, seeds=None, on_frames=None, prompts_codes=None, **rest):
         sent.extend(prompts_codes or [])
-        return tts_with_ends(loaded, texts, cfg, seeds, on_frames, prompts_codes, stop)
+        return tts_with_ends(loaded, texts, cfg, seeds, on_frames, prompts_codes, **rest)
 
     monkeypatch.setattr(tasks, "tts_with_ends", spy)
     speak(client, voice="bob")
