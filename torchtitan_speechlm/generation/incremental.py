@@ -83,15 +83,15 @@ class IncrementalForward:
         )
 
     @torch.no_grad()
-    def join(self, rows: list[np.ndarray], audio: list[list] | None = None) -> list:
-        """Add ``rows`` (prompts, as ``start``'s) to the batch in progress, after its rows:
+    def join(self, rows: list[np.ndarray]) -> list:
+        """Add ``rows`` (prompts without continuous segments: TTS's) to the batch in progress, after its rows:
         their prompts are run apart (a cache of their own) and the two caches joined, the
         shorter side left-padded. Returns the new rows' logits (as ``start``'s); ``advance``
         then feeds every row. Only where ``can_join``."""
         first = len(self.prompts)
         self.prompts += [torch.as_tensor(r, dtype=torch.long) for r in rows]
         self.fed += [[] for _ in rows]
-        self.audio += audio or [[] for _ in rows]
+        self.audio += [[] for _ in rows]
         new = list(range(first, first + len(rows)))
         logits, mask, cache = self._prefill(new)
         self.cache = self.model.join_cache_rows(self.cache, cache)

@@ -352,3 +352,17 @@ def test_a_keys_rows_still_decoding_hold_its_places_too():
     b.submit("tts", "a2", key="a")
     with pytest.raises(QueueFull, match="a holds 2 places"):
         b.submit("tts", "a3", key="a")
+
+
+def test_a_continuous_batch_takes_at_most_sixteen_times_max_batch_rows_then_drains():
+    from torchtitan_speechlm.serving import batcher as batcher_module
+
+    b = Batcher({"tts": None}, queue_size=64, max_batch=2, batch_wait_s=0)
+    runner = Stepper(steps=2, arrive=lambda: [b.submit("tts", f"j{i}", key=f"k{i}")
+                                              for i in range(40)])  # fmt: skip
+    b.runners["tts"] = runner
+    b.submit("tts", "a", key="a")
+    b.run_batch(b.next_batch())
+    limit = batcher_module.JOINED_BATCHES * 2
+    assert len(runner.joined) == limit - 1 and b.queue_depth == 40 - (limit - 1)
+    assert b.stats()["batches_run"] == 1 and b.stats()["largest_batch"] <= 2
