@@ -12,7 +12,10 @@
   the model worker, and the speech generated, charged once spoken) and
   ``--body-mb-per-minute`` MiB of request bodies (charged from the Content-Length before the
   body is read; a chunked body as it is read); over any, a 429 with ``Retry-After``, the time
-  until the window has room again. 0 (the default): no limit. The body window is what makes a
+  until the window has room again. 0 (the default): no limit. A key that sends again before
+  the ``Retry-After`` of its last 429 waits up to ``HOLD_S`` for its next one (at most
+  ``HELD_MAX`` at once), and a large body it sends then is reset, not read (serving/linger.py):
+  a client that ignores the wait pays for it, not the server. The body window is what makes a
   key's refused requests cost it: an 8-hour FLAC or a 10 MB ``input`` is refused (413, 400)
   only once it has been read and parsed, which costs the event loop tens of milliseconds each,
   so without it a key that sends such requests as fast as it may spends the server's thread
@@ -21,6 +24,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
@@ -28,12 +32,21 @@ from collections.abc import Callable
 
 from torchtitan_speechlm.serving.auth import KEY_NAME, OPEN_PATHS
 from torchtitan_speechlm.serving.errors import ApiError, busy, send_error
-from torchtitan_speechlm.serving.limits import header
+from torchtitan_speechlm.serving.limits import CLOSE, header
+from torchtitan_speechlm.serving.linger import NO_LINGER
 
 WINDOW_S = 60.0
 BURST_DIVISOR = 30  # of a minute's requests, at most this share in one second (twice the mean)
 BURST_MIN = 5  # but never fewer than this many in a second
 MIB = 1 << 20
+# a refusal made before a body over this many bytes (or a chunked one) is read closes the
+# connection (serving/linger.py drops the rest unread); a smaller one is skipped and kept alive
+CLOSE_OVER = 64 << 10
+# a request sent before its key's last Retry-After waits this long (at most) for its 429, so a
+# client that ignores the wait sends one a second per connection, not hundreds; at most
+# HELD_MAX such requests wait at once (the rest are answered at once)
+HOLD_S = 1.0
+HELD_MAX = 256
 
 
 def who(scope) -> str:
@@ -114,6 +127,7 @@ class RateLimits:
         self.audio = AmountWindow(audio_seconds_per_minute, window_s)
         self.body = AmountWindow(body_bytes_per_minute, window_s)
         self._requests: dict[str, deque[float]] = {}
+        self._retry_at: dict[str, float] = {}  # the Retry-After of each key's last 429
         self._lock = threading.Lock()
 
     @property
@@ -137,30 +151,44 @@ class RateLimits:
                 del self._requests[key]
         self.audio.trim(now)
         self.body.trim(now)
+        for key in [k for k, t in self._retry_at.items() if t <= now]:
+            del self._retry_at[key]
 
     def admit(self, name: str, body_bytes: int = 0) -> ApiError | None:
         """Count one request of ``name`` and its ``body_bytes`` (its Content-Length), or the
         429 refusing it (nothing counted), before its body is read."""
         now = time.monotonic()
         with self._lock:
-            self._trim(now)
-            q = self._requests.setdefault(name, deque())
-            if self.rpm and len(q) >= self.rpm:
-                return busy(429, f"rate limit: {name} sent {len(q)} requests in the last "
-                                 f"{self.window_s:g} s (--requests-per-minute {self.rpm})",
-                            "rate_limited", q[0] + self.window_s - now)  # fmt: skip
-            burst = min(self.rpm, max(BURST_MIN, -(-self.rpm // BURST_DIVISOR)))
-            if self.rpm and len(q) >= burst and q[-burst] > now - 1.0:
-                return busy(429, f"rate limit: {name} sent {burst} requests in the last second "
-                                 f"(--requests-per-minute {self.rpm} allows {burst} in any "
-                                 "one second)", "rate_limited", 1.0)  # fmt: skip
-            if self.audio_spm and self.audio.used(name) >= self.audio_spm:
-                return self._audio_refusal(name, now, 0.0)
-            if self.body_bpm and not self.body.fits(name, body_bytes):
-                return self._body_refusal(name, now, body_bytes)
-            q.append(now)
-            if self.body_bpm and body_bytes:
-                self.body.charge(name, now, body_bytes)
+            refusal = self._admit(name, body_bytes, now)
+            if refusal is not None and "Retry-After" in refusal.headers:
+                self._retry_at[name] = now + int(refusal.headers["Retry-After"])
+        return refusal
+
+    def came_early(self, name: str) -> bool:
+        """Whether ``name`` sends before the Retry-After of its last 429 has passed."""
+        with self._lock:
+            return time.monotonic() < self._retry_at.get(name, 0.0)
+
+    def _admit(self, name: str, body_bytes: int, now: float) -> ApiError | None:
+        """``admit`` under the lock."""
+        self._trim(now)
+        q = self._requests.setdefault(name, deque())
+        if self.rpm and len(q) >= self.rpm:
+            return busy(429, f"rate limit: {name} sent {len(q)} requests in the last "
+                             f"{self.window_s:g} s (--requests-per-minute {self.rpm})",
+                        "rate_limited", q[0] + self.window_s - now)  # fmt: skip
+        burst = min(self.rpm, max(BURST_MIN, -(-self.rpm // BURST_DIVISOR)))
+        if self.rpm and len(q) >= burst and q[-burst] > now - 1.0:
+            return busy(429, f"rate limit: {name} sent {burst} requests in the last second "
+                             f"(--requests-per-minute {self.rpm} allows {burst} in any "
+                             "one second)", "rate_limited", 1.0)  # fmt: skip
+        if self.audio_spm and self.audio.used(name) >= self.audio_spm:
+            return self._audio_refusal(name, now, 0.0)
+        if self.body_bpm and not self.body.fits(name, body_bytes):
+            return self._body_refusal(name, now, body_bytes)
+        q.append(now)
+        if self.body_bpm and body_bytes:
+            self.body.charge(name, now, body_bytes)
         return None
 
     def charge_body(self, name: str, n: int) -> None:
@@ -213,22 +241,46 @@ def _declared(length: str | None) -> int:
     return int(length)
 
 
+def _chunked(scope) -> bool:
+    return "chunked" in (header(scope, b"transfer-encoding") or "").lower()
+
+
 class RateLimit:
     """Wraps an ASGI app: ``limits.admit`` for every request but the probes, before its body
     is read."""
 
     def __init__(self, app, limits: RateLimits):
         self.app, self.limits = app, limits
+        self._held = 0  # refusals waiting in _hold (on the event loop: no lock)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self.limits.enabled and scope["path"] not in OPEN_PATHS:
             name, length = who(scope), header(scope, b"content-length")
+            early = self.limits.came_early(name)
             refusal = self.limits.admit(name, _declared(length))
             if refusal is not None:
+                if _declared(length) > CLOSE_OVER or length is None and _chunked(scope):
+                    refusal.headers.update(CLOSE)
+                    if early:  # its Retry-After ignored: what it still sends is reset, not read
+                        scope[NO_LINGER] = True
+                if early and "Retry-After" in refusal.headers:
+                    await self._hold(int(refusal.headers["Retry-After"]))
                 return await send_error(send, refusal, scope)
             if length is None and self.limits.body_bpm:  # chunked: charged as it is read
                 receive = self._counted(receive, name)
         await self.app(scope, receive, send)
+
+    async def _hold(self, retry_after_s: int) -> None:
+        """Wait ``HOLD_S`` (or the Retry-After, if shorter) before a refusal, unless
+        ``HELD_MAX`` refusals wait already. Nothing of the request is read meanwhile (uvicorn
+        stops reading its body past 64 KiB), so a held request costs a socket and a timer."""
+        if self._held >= HELD_MAX:
+            return
+        self._held += 1
+        try:
+            await asyncio.sleep(min(HOLD_S, retry_after_s))
+        finally:
+            self._held -= 1
 
     def _counted(self, receive, name: str):
         async def counted():

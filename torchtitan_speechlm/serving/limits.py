@@ -7,9 +7,9 @@ the requests being served, so clients that trickle their bodies slow nobody else
 
 - A Content-Length over the limit is answered 413 before any of the body is read (with
   ``Expect: 100-continue``, as curl sends over 1 MB, before the client sends it: the server's
-  ``100 Continue`` goes out only when the body is first read). Otherwise up to ``DRAIN_BYTES``
-  of the refused body (at most ``DRAIN_S`` seconds) are read and dropped, never kept, so that a
-  client still sending sees the answer rather than a reset connection.
+  ``100 Continue`` goes out only when the body is first read). What the client still sends is
+  dropped unread by the server's lingering close (serving/linger.py), so that a client still
+  sending sees the answer rather than a reset connection.
 - A chunked body (no Content-Length) is counted as it arrives; the chunk that passes the limit
   ends the read with the same 413.
 - The whole body must arrive within ``body_timeout_s`` of the request's start: a client that
@@ -27,8 +27,6 @@ import time
 
 from torchtitan_speechlm.serving.errors import CLIENT_GONE, ApiError, send_error
 
-DRAIN_BYTES = 16 << 20
-DRAIN_S = 2.0
 CLOSE = {"Connection": "close"}
 
 
@@ -49,20 +47,6 @@ def header(scope, name: bytes) -> str | None:
     return None
 
 
-async def drain(receive, limit: int = DRAIN_BYTES, seconds: float = DRAIN_S) -> None:
-    """Read and drop at most ``limit`` bytes of what is left of a body, for ``seconds`` at most."""
-    deadline = time.monotonic() + seconds
-    left = limit
-    try:
-        while left > 0:
-            msg = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
-            left -= len(msg.get("body", b""))
-            if msg["type"] != "http.request" or not msg.get("more_body", False):
-                return
-    except TimeoutError:
-        return
-
-
 class BodyLimit:
     """Wraps an ASGI app: the body read whole first; 413 over ``max_bytes``, 408 after
     ``body_timeout_s`` (see above)."""
@@ -81,8 +65,6 @@ class BodyLimit:
                 return await send_error(send, ApiError(400, "Content-Length is not a number",
                                                        headers=CLOSE), scope)  # fmt: skip
             if n > self.max_bytes:
-                if (header(scope, b"expect") or "").lower() != "100-continue":
-                    await drain(receive, min(n, DRAIN_BYTES))
                 return await send_error(send, too_large(str(n), self.max_bytes), scope)
         try:
             first = await self._read(receive)
@@ -114,7 +96,6 @@ class BodyLimit:
             parts.append(msg.get("body", b""))
             seen += len(parts[-1])
             if seen > self.max_bytes:
-                await drain(receive)
                 raise too_large(f"over {self.max_bytes}", self.max_bytes)
             if not msg.get("more_body", False):
                 return {"type": "http.request", "body": b"".join(parts), "more_body": False}

@@ -8,7 +8,8 @@ sees) is off: the App caps the requests being served (serving/gate.py), in JSON,
 ``HeaderTimeout`` adds what uvicorn lacks: a connection must finish sending a request's headers
 within ``header_timeout_s`` of opening (or of its previous answer), else it gets a 408 and is
 closed (``on_header_timeout`` logs and counts it), so slow clients cannot hold connections open
-by trickling headers. ``proxy_headers``: the proxy addresses whose ``X-Forwarded-For`` /
+by trickling headers; and an answer sent before its request's body was read closes the
+connection without a reset (serving/linger.py). ``proxy_headers``: the proxy addresses whose ``X-Forwarded-For`` /
 ``X-Forwarded-Proto`` are trusted (uvicorn's ``forwarded_allow_ips``; None: none are read).
 
 ``shutdown`` is the drain: stop listening, let the requests in flight finish for at most
@@ -25,9 +26,9 @@ import threading
 from collections.abc import Callable
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from torchtitan_speechlm.serving.app import App
+from torchtitan_speechlm.serving.linger import LingeringClose
 
 _408_BODY = (
     b'{"error": {"message": "the request headers did not arrive in time (--header-timeout)", '
@@ -42,10 +43,10 @@ TIMEOUT_408 = (
 
 def header_timeout(seconds: float, on_timeout: Callable[[str], None] = lambda client: None
                    ) -> type[asyncio.Protocol]:  # fmt: skip
-    """uvicorn's h11 protocol with a deadline on each request's headers (``on_timeout(client
-    address)`` when one is cut)."""
+    """uvicorn's h11 protocol (with serving/linger.py's lingering close) with a deadline on
+    each request's headers (``on_timeout(client address)`` when one is cut)."""
 
-    class HeaderTimeout(H11Protocol):
+    class HeaderTimeout(LingeringClose):
         _deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:  # type: ignore[override]

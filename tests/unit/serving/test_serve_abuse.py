@@ -782,21 +782,25 @@ def test_a_minutes_requests_cannot_be_spent_in_one_burst(monkeypatch):
 
 
 def test_m2_connections_refused_at_a_high_rate_leave_nothing_behind():
-    """300 uploads of ~1.9 MB refused by the rate limit (429) as fast as a client sends them:
-    the server's memory does not grow with them (the header timer kept each closed
-    connection, and the part of its body it had buffered, for --header-timeout seconds:
-    ~125 KB each, hundreds of MB at a few hundred refusals a second)."""
-    child = Child({"app": {"max_upload_bytes": 8 << 20, "requests_per_minute": 1},
+    """300 uploads of ~1.9 MB refused from their headers as fast as a client sends them (401s:
+    a wrong key; each answered, then its body dropped unread by the lingering close,
+    serving/linger.py; a rate limit's 429s would hold such a client a second each): the
+    server's memory does not grow with them (the header timer kept each closed connection,
+    and the part of its body it had buffered, for --header-timeout seconds: ~125 KB each,
+    hundreds of MB at a few hundred refusals a second)."""
+    child = Child({"app": {"max_upload_bytes": 8 << 20, "api_key": "the-key-0123456789"},
                    "memory_mb": 1500})  # fmt: skip
     try:
         noise = io.BytesIO()
         sf.write(noise, np.random.default_rng(0).uniform(-1, 1, RATE * 120), RATE, format="FLAC")
-        upload = form("noise.flac", noise.getvalue())
-        call(child.address, "POST", "/v1/audio/transcriptions", *upload)  # the one admitted
+        body, head = form("noise.flac", noise.getvalue())
+        good = {**head, "Authorization": "Bearer the-key-0123456789"}
+        assert call(child.address, "POST", "/v1/audio/transcriptions", body, good)[0] == 200
         before = child.rss_mb()
         for _ in range(300):
-            status, head, body = call(child.address, "POST", "/v1/audio/transcriptions", *upload)
-            assert status == 429 and error(body)["code"] == "rate_limited"
+            status, _, answer = call(child.address, "POST", "/v1/audio/transcriptions", body,
+                                     {**head, "Authorization": "Bearer wrong"})  # fmt: skip
+            assert status == 401 and error(answer)["code"] == "invalid_api_key"
         assert child.rss_mb() - before < 15, (before, child.rss_mb())
     finally:
         assert child.close() == 0

@@ -3,8 +3,9 @@ followed by a request that still works: the API key (401 in OpenAI's shape, ``/h
 a non-loopback ``--host`` refused without a key), inputs meant to break the server (a wav whose
 header claims 2^31 samples, a body that is not UTF-8, JSON nested 100,000 deep, a ``voice`` that
 is a path), bodies over the limit as they stream in (chunked), slow clients (headers or body
-trickling past short timeouts: 408 and the connection closed), the access log's JSON line, and
-the command without the ``serve`` extra."""
+trickling past short timeouts: 408 and the connection closed), refusals made from the headers
+of a large upload reaching a client still sending it (the lingering close), the access log's
+JSON line, and the command without the ``serve`` extra."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ import openai
 import pytest
 
 from torchtitan_speechlm import cli
+from torchtitan_speechlm.serving import gate
 from torchtitan_speechlm.serving.app import App
 from torchtitan_speechlm.serving.auth import bearer_ok, check_exposure
 from torchtitan_speechlm.serving.batcher import Batcher
+from torchtitan_speechlm.serving.gate import RateLimits
 from torchtitan_speechlm.serving.prompts import Voice
 from torchtitan_speechlm.serving.server import SpeechServer
 
@@ -187,6 +190,64 @@ def raw(server, *pieces: bytes, pause: float = 0.0) -> tuple[bytes, float]:
         while chunk := s.recv(65536):
             out += chunk
     return out, time.monotonic() - t0
+
+
+def test_a_refusal_from_the_headers_reaches_a_client_still_sending_a_large_body():
+    """A 401, a 413 and a 429 decided before the body is read: ``http.client`` sends its whole
+    8 MB body, then reads. The server answers, shuts its side and drops the rest unread
+    (serving/linger.py); closing at once instead resets the connection under the client's
+    send (ConnectionResetError / BrokenPipeError) and it never sees why. A client that sends a
+    large body again before its 429's Retry-After is closed at once (reset): it pays for the
+    ignored wait, not the server."""
+    big = b"x" * (8 << 20)
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    limits = RateLimits(2)
+    with serving(api_key=KEY, rate_limits=limits, max_upload_bytes=1 << 20) as (server, lines):
+        status, head, body = call(server, "POST", "/v1/audio/speech", big, {})
+        assert status == 401 and error(body)["code"] == "invalid_api_key"
+        assert head["connection"] == "close"
+        status, head, body = call(server, "POST", "/v1/audio/speech", big, auth)
+        assert status == 413 and error(body)["code"] == "request_too_large"
+        status, _, body = call(server, "POST", "/v1/audio/speech", b'{"input": "hi"}', auth)
+        assert status == 200 and body[:4] == b"RIFF"
+        status, head, body = call(server, "POST", "/v1/audio/speech", big, auth)
+        assert status == 429 and error(body)["code"] == "rate_limited", body[:300]
+        assert head["connection"] == "close" and int(head["retry-after"]) >= 1
+        assert limits.came_early("key api-key")  # the next comes before the Retry-After
+        with pytest.raises((ConnectionResetError, BrokenPipeError)):
+            call(server, "POST", "/v1/audio/speech", b"x" * (12 << 20), auth)
+        # a small body refused by the same limit keeps its connection (skipped, not lingered)
+        status, head, _ = call(server, "POST", "/v1/audio/speech", b'{"input": "hi"}', auth)
+        assert status == 429 and "connection" not in head
+        deadline = time.monotonic() + 10  # each line is written just after its answer
+        while len(lines) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [json.loads(line)["status"] for line in lines] == [401, 413, 200, 429, 429, 429]
+
+
+def test_a_key_that_ignores_retry_after_waits_for_its_next_429(monkeypatch):
+    """The first 429 is answered at once; a request sent before its Retry-After has passed
+    waits ``HOLD_S`` for its own (so a client that ignores the wait sends one a second per
+    connection, not hundreds), unless ``HELD_MAX`` wait already; requests within the limits
+    are never held."""
+    monkeypatch.setattr(gate, "HOLD_S", 3.0)
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    speech = ("POST", "/v1/audio/speech", b'{"input": "hi"}', auth)
+
+    def timed() -> tuple[int, float]:
+        t = time.monotonic()
+        status = call(server, *speech)[0]
+        return status, time.monotonic() - t
+
+    with serving(api_key=KEY, rate_limits=RateLimits(2)) as (server, lines):
+        assert [timed()[0] for _ in range(2)] == [200, 200]
+        status, first = timed()
+        assert status == 429 and first < 1.5, first
+        status, held = timed()
+        assert status == 429 and held >= 2.9, held
+        monkeypatch.setattr(gate, "HELD_MAX", 0)
+        status, unheld = timed()
+        assert status == 429 and unheld < 1.5, unheld
 
 
 def test_a_chunked_body_is_counted_as_it_arrives():
