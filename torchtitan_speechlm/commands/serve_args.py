@@ -115,8 +115,8 @@ class ServeArgs(DecodingArgs):
         group=OVERLOAD,
         metavar="N",
         help="per API key (per client address without keys): requests in any 60 s, and at most "
-        "a thirtieth of them (or 5) in any one second; more get 429 with Retry-After (0: no "
-        "limit)",
+        "a thirtieth of them (or 5) in any one second; more get 429 with Retry-After, held up "
+        "to 1 s when sent before the last one's Retry-After (0: no limit)",
     )
     audio_seconds_per_minute: float = flag(
         0.0,
