@@ -66,10 +66,11 @@ demo: deps compiled
 test: deps compiled
 	$(PY) -m pytest -q $(XDIST) -m "not faults and not cluster and not bench_smoke and not long and not upstream" $(PYTEST_ARGS)
 
-# Our own modules compiled once: where PYTHONDONTWRITEBYTECODE is set (CI's and these machines'
-# environments set it), every Python process the tests start (training ranks, launchers, commands)
-# would otherwise compile them from source on import, ~0.15 s each for the 149 a training rank
-# imports (pip compiles the installed packages; an editable install's sources are not).
+# Our own modules compiled once: where PYTHONDONTWRITEBYTECODE is set (the dev machines'
+# environment sets it), every Python process the tests start (training ranks, launchers, commands)
+# would otherwise compile them from source on import: ~0.15 s of compile() for the 149 a training
+# rank imports (pip compiles the installed packages, not an editable install's sources). Too small
+# to show in a whole `make test` next to its run-to-run spread (411-445 s on fresh clones).
 compiled: deps
 	@$(PY) -m compileall -q -j 0 torchtitan_speechlm tests benchmarks tools patches >/dev/null
 

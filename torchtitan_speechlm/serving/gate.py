@@ -256,10 +256,11 @@ class RateLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self.limits.enabled and scope["path"] not in OPEN_PATHS:
             name, length = who(scope), header(scope, b"content-length")
+            declared = _declared(length)
             early = self.limits.came_early(name)
-            refusal = self.limits.admit(name, _declared(length))
+            refusal = self.limits.admit(name, declared)
             if refusal is not None:
-                if _declared(length) > CLOSE_OVER or length is None and _chunked(scope):
+                if declared > CLOSE_OVER or length is None and _chunked(scope):
                     refusal.headers.update(CLOSE)
                     if early:  # its Retry-After ignored: what it still sends is reset, not read
                         scope[NO_LINGER] = True
@@ -272,8 +273,8 @@ class RateLimit:
 
     async def _hold(self, retry_after_s: int) -> None:
         """Wait ``HOLD_S`` (or the Retry-After, if shorter) before a refusal, unless
-        ``HELD_MAX`` refusals wait already. Nothing of the request is read meanwhile (uvicorn
-        stops reading its body past 64 KiB), so a held request costs a socket and a timer."""
+        ``HELD_MAX`` refusals wait already. At most 64 KiB of its body is read meanwhile
+        (uvicorn stops reading there), so a held request costs a socket and a timer."""
         if self._held >= HELD_MAX:
             return
         self._held += 1
