@@ -70,11 +70,16 @@ demo: deps compiled
 test: deps compiled
 	$(PY) -m pytest -q $(XDIST) -m "not faults and not cluster and not bench_smoke and not long and not upstream" $(PYTEST_ARGS)
 
-# Our own modules compiled once: where PYTHONDONTWRITEBYTECODE is set (the dev machines'
-# environment sets it), every Python process the tests start (training ranks, launchers, commands)
-# would otherwise compile them from source on import: ~0.15 s of compile() for the 149 a training
-# rank imports (pip compiles the installed packages, not an editable install's sources). Too small
-# to show in a whole `make test` next to its run-to-run spread (411-445 s on fresh clones).
+# Where PYTHONDONTWRITEBYTECODE is set (the dev machines' environment sets it), pytest never
+# caches the assertion-rewritten test modules: each pytest process (3 workers per suite, each
+# condition of patches-check) rewrote all 199 from source, 5 of its 17 s of collection. Unset for
+# every recipe here, the first run writes that cache (and Python its bytecode) and later ones read it.
+unexport PYTHONDONTWRITEBYTECODE
+
+# Our own modules compiled once, on both cores, before the suites start (an editable install's
+# sources are not compiled by pip): otherwise the first processes of a fresh clone, three test
+# workers and the ranks they start, each compile the same modules from source (~0.15 s of
+# compile() for the 149 a training rank imports) until one has written their bytecode.
 compiled: deps
 	@$(PY) -m compileall -q -j 0 torchtitan_speechlm tests benchmarks tools patches >/dev/null
 
