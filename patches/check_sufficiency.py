@@ -6,7 +6,9 @@
    scratch copies: stock, every diff applied, and every diff but one (for each diff). Each diff
    must apply on its own and all in order, without fuzz.
 2. Runs tests/upstream/test_each_fix.py (one test per behaviour a fix provides; ``FIXES`` there
-   names the fixes each test exercises) on each copy, with ``TORCHTITAN_SPEECHLM_WORKAROUNDS``:
+   names the fixes each test exercises) on each copy, each in a fork of this process (which
+   imported torch, datasets and transformers once: ``PRELOAD``), with
+   ``TORCHTITAN_SPEECHLM_WORKAROUNDS``:
    - stock, workarounds on:    every test passes (the workarounds do the job);
    - all diffs, workarounds off: every test passes (the diffs are sufficient);
    - stock, workarounds off:   every test fails (the job needs doing);
@@ -17,7 +19,7 @@
    on the patched copy, and on the stock copy with our package imported first; every test's
    outcome must be the same, apart from those listed in ``EXPECTED_CHANGES``.
 
-Exits 1 naming each condition that does not hold. About 4 minutes on 2 idle CPU cores (step 4: see
+Exits 1 naming each condition that does not hold. About 70 s on 2 CPU cores (step 4: see
 patches/README.md).
 """
 
@@ -28,6 +30,7 @@ import ast
 import base64
 import csv
 import hashlib
+import importlib
 import importlib.metadata
 import os
 import shutil
@@ -36,7 +39,6 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,21 +98,55 @@ def fix_of(diff: Path) -> int:
     return int(diff.name[:4])
 
 
-def run_tests(copy: Path, workarounds: str, names: list[str], out: Path) -> dict[str, str]:
-    """{test name: passed | failed} for the upstream tests on ``copy``'s torchtitan."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), str(ROOT)]))
-    env[SWITCH] = workarounds
-    # tests/upstream/conftest.py stops the run (exit status 4) if torchtitan is not this copy's
-    env["TORCHTITAN_SPEECHLM_EXPECT_TORCHTITAN"] = str(copy / "torchtitan")
-    xml = out.with_suffix(".xml")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TESTS]
-    cmd += ["-m", "upstream", "-k", " or ".join(names), f"--junitxml={xml}"]
-    with open(out.with_suffix(".log"), "w") as log:
-        run = subprocess.run(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    if run.returncode == 4:  # (also pytest's usage error: the log's last line says which)
+# What each condition's pytest imports before torchtitan (torch and its compiler stack, datasets,
+# transformers, pytest): imported once in this process, which then forks one child per condition,
+# so that a condition imports only its copy of torchtitan, our package and the tests (about 2 s of
+# its 8-24 s was Python, 5 s importing these). None of them imports torchtitan.
+PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.tensor",
+           "torch.distributed.checkpoint", "datasets", "transformers.modeling_utils", "pytest")  # fmt: skip
+
+
+def preload() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # no OpenMP pool to copy into the forks
+    for name in PRELOAD:
+        importlib.import_module(name)
+
+
+def fork_tests(copy: Path, workarounds: str, names: list[str], out: Path) -> int:
+    """Start the upstream tests on ``copy``'s torchtitan in a fork of this process (its output in
+    ``out``.log, its results in ``out``.xml); returns the child's pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 3
+    try:
+        log = os.open(out.with_suffix(".log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ[SWITCH] = workarounds
+        # tests/upstream/conftest.py stops the run (exit status 4) if torchtitan is not this copy's
+        os.environ["TORCHTITAN_SPEECHLM_EXPECT_TORCHTITAN"] = str(copy / "torchtitan")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(copy), str(ROOT)])  # for subprocesses
+        sys.path[:0] = [str(copy), str(ROOT)]
+        os.chdir(ROOT)
+        import pytest
+
+        args = ["-q", "-p", "no:cacheprovider", TESTS, "-m", "upstream", "-k", " or ".join(names)]
+        code = int(pytest.main([*args, f"--junitxml={out.with_suffix('.xml')}"]))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def read_results(status: int, names: list[str], out: Path) -> dict[str, str]:
+    """{test name: passed | failed} from a finished child's wait status and its results file."""
+    if os.waitstatus_to_exitcode(status) == 4:  # (also pytest's usage error: the log says which)
         raise SystemExit(out.with_suffix(".log").read_text().strip().splitlines()[-1])
+    if not out.with_suffix(".xml").is_file():
+        raise SystemExit(f"the tests did not run: see {out.with_suffix('.log')}")
     results = {}
-    for case in ET.parse(xml).iter("testcase"):
+    for case in ET.parse(out.with_suffix(".xml")).iter("testcase"):
         failed = case.find("failure") is not None or case.find("error") is not None
         results[case.get("name")] = "failed" if failed else "passed"
     missing = set(names) - set(results)
@@ -164,19 +200,29 @@ def check_sufficiency(work: Path, stock: Path) -> list[str]:
             (f"every diff but {n:04d}, workarounds off", name, "off", names, "failed")
         )
 
-    def judge(condition) -> str | None:
+    def judge(condition, t0: float, status: int) -> str | None:
         label, copy, switch, names, want = condition
-        t0 = time.time()
-        got = run_tests(copies[copy], switch, names, work / f"{copy}_{switch}")
+        got = read_results(status, names, work / f"{copy}_{switch}")
         wrong = sorted(t for t in names if got[t] != want)
         verdict = "as required" if not wrong else f"NOT {want}: {wrong}"
         say(f"{label}: {len(names)} test(s) {want} {verdict} ({time.time() - t0:.0f} s)")
         return f"{label}: {wrong} should have {want}" if wrong else None
 
-    # each condition is its own pytest process on its own copy: two at a time (most of each is
-    # one core importing torch), in the order given
-    with ThreadPoolExecutor(max_workers=JOBS) as pool:
-        problems += [p for p in pool.map(judge, conditions) if p]
+    # each condition is its own process on its own copy (a fork of this one, after preload()):
+    # JOBS at a time, started in the order given
+    preload()
+    pending, running = list(conditions), {}
+    while pending or running:
+        while pending and len(running) < JOBS:
+            condition = pending.pop(0)
+            _, copy, switch, names, _ = condition
+            pid = fork_tests(copies[copy], switch, names, work / f"{copy}_{switch}")
+            running[pid] = (condition, time.time())
+        pid, status = os.wait()
+        if pid in running:
+            problem = judge(*running.pop(pid), status)
+            if problem:
+                problems.append(problem)
     return problems
 
 
