@@ -103,9 +103,10 @@ check: deps
 faults: deps compiled
 	$(PY) -m pytest -q $(call xdist,$(FAULT_WORKERS)) -m "faults or cluster or bench_smoke or long" $(PYTEST_ARGS)
 
-# tests/file_costs.json, the seconds of each test file that set the order above: run both suites
-# and record them (after adding or changing a slow test file; about 20 minutes).
+# tests/file_costs.json, the seconds of each test file that set the order above: emptied, then
+# both suites run and add their seconds (after adding or changing a slow test file; about 20 minutes).
 test-costs: deps compiled
+	echo "{}" > tests/file_costs.json
 	$(PY) -m pytest -q $(XDIST) -m "not faults and not cluster and not bench_smoke and not long and not upstream" --file-costs-out tests/file_costs.json
 	$(PY) -m pytest -q $(call xdist,$(FAULT_WORKERS)) -m "faults or cluster or bench_smoke or long" --file-costs-out tests/file_costs.json
 

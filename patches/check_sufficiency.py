@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -133,6 +134,8 @@ def fork_tests(copy: Path, workarounds: str, names: list[str], out: Path) -> int
 
         args = ["-q", "-p", "no:cacheprovider", TESTS, "-m", "upstream", "-k", " or ".join(names)]
         code = int(pytest.main([*args, f"--junitxml={out.with_suffix('.xml')}"]))
+    except BaseException:
+        traceback.print_exc()  # into the log: os._exit below would lose it
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -38,8 +38,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--file-costs-out",
         default=None,
-        help="write each test file's seconds (setup, call, teardown) into this JSON file, "
-        "merged with what it holds (tests/file_order.py; `make test-costs`)",
+        help="add each test file's seconds (setup, call, teardown) to this JSON file's "
+        "(tests/file_order.py; `make test-costs`)",
     )
 
 

@@ -9,8 +9,8 @@ and `make faults` run on a 2-core machine), so the workers get the longest files
 together (the "longest processing time first" rule). A file not yet measured counts as
 ``UNMEASURED_S``. Only the order of files changes: a file's own tests keep their order.
 
-Refresh the costs after adding or changing a slow file: ``make test-costs`` (runs both suites
-with ``--file-costs-out`` and writes the merged file).
+Refresh the costs after adding or changing a slow file: ``make test-costs`` empties the table,
+then runs both suites with ``--file-costs-out``; a file with tests in both suites gets the sum.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def longest_first(items: list[pytest.Item], costs: dict[str, float]) -> list[pyt
 
 class CostRecorder:
     """Sums each file's reported setup, call and teardown times (the xdist controller receives
-    every worker's reports) and writes them, merged into what ``path`` already holds."""
+    every worker's reports) and adds them to what ``path`` holds (``make test-costs`` empties it
+    first, so a file with tests in both suites gets both suites' seconds)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -64,5 +65,6 @@ class CostRecorder:
         if not self.seconds:
             return
         merged = load_costs(self.path)
-        merged.update({f: round(s, 1) for f, s in self.seconds.items()})
+        for f, seconds in self.seconds.items():
+            merged[f] = round(merged.get(f, 0.0) + seconds, 1)
         self.path.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
