@@ -22,6 +22,7 @@ def _before_torchtitan() -> None:
 
     compat.use_cpu_when_no_accelerator()
     compat.count_integers_with_histc_on_cpu()
+    compat.defer_hf_text_datasets()
 
 
 def _after_torchtitan() -> None:

@@ -1,4 +1,4 @@
-"""What each workaround in utils/compat.py (fixes 1-8, 10-17) does, tried as torchtitan is used.
+"""What each workaround in utils/compat.py (fixes 1-8, 10-18) does, tried as torchtitan is used.
 
 These are the tests of the sufficiency check (patches/check_sufficiency.py, `make
 patches-check`): with ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` they pass on a torchtitan with
@@ -9,7 +9,10 @@ torchtitan. They need no other condition, so the check can run them under all of
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -38,6 +41,7 @@ FIXES = {
     "test_the_model_arguments_are_one_line_at_info": (14,),
     "test_a_step_off_the_interval_is_saved_once_when_asked": (16,),
     "test_training_ends_on_a_barrier_of_the_ranks_not_a_sleep": (17,),
+    "test_the_trainer_imports_hf_datasets_only_to_build_a_text_dataset": (18,),
 }
 
 STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--validation.enable", "false")
@@ -312,3 +316,50 @@ def test_expert_parallelism_matches_one_process(train_moe):
     ref = train_moe(*moe)
     got = train_moe(*moe, "--parallelism.expert_parallel_degree", "2", nproc=2)
     assert_same_steps(got, ref)
+
+
+TEXT_DATASET_PROBE = """
+import json, sys
+import torchtitan_speechlm.commands.train  # what a training rank imports
+import torchtitan.train
+from torchtitan.config import JobConfig
+from torchtitan.protocols.train_spec import get_train_spec
+
+imported = "datasets" in sys.modules
+
+
+class Tok:
+    def encode(self, text, add_bos, add_eos):
+        return [1, *(ord(c) % 50 for c in text), 2]
+
+
+cfg = JobConfig()
+cfg.training.dataset, cfg.training.dataset_path = "c4_test", sys.argv[1]
+cfg.training.local_batch_size, cfg.training.seq_len = 2, 8
+build = get_train_spec("llama3").build_dataloader_fn
+inputs, labels = next(iter(build(dp_world_size=1, dp_rank=0, tokenizer=Tok(), job_config=cfg)))
+print(json.dumps([imported, inputs["input"].tolist(), labels.tolist()]))
+"""
+
+
+def test_the_trainer_imports_hf_datasets_only_to_build_a_text_dataset(tmp_path):
+    """Fix 18: a process that imports the training side (ours and torchtitan's trainer) has not
+    imported Hugging Face ``datasets``; torchtitan's own llama3 text dataloader still loads a
+    local c4-style set through it and yields the tokens computed here. A fresh process: this
+    one imported ``datasets`` long ago."""
+    texts = [f"line {i} of a small local text set" for i in range(6)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts)
+    )
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_DATASETS_OFFLINE="1")
+    r = subprocess.run(
+        [sys.executable, "-c", TEXT_DATASET_PROBE, str(tmp_path / "data")],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    imported, inputs, labels = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not imported, "datasets was imported with the trainer"
+    stream = [t for text in texts for t in (1, *(ord(c) % 50 for c in text), 2)]
+    assert inputs == [stream[0:8], stream[9:17]]  # each row takes seq_len + 1 tokens
+    assert labels == [stream[1:9], stream[10:18]]

@@ -3,7 +3,7 @@
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
 texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8,
-10-17 off, so that a torchtitan with the diffs applied can be shown to need none of them
+10-18 off, so that a torchtitan with the diffs applied can be shown to need none of them
 (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
@@ -141,6 +141,18 @@ One of the loop's end, paid by every run:
     that sleep (its module's ``time`` has no ``sleep`` for that call, and the line is not logged),
     then every rank of a multi-rank run meets at a barrier before any goes on to close.
     (patches/0017-train-ends-on-a-barrier.diff)
+
+One of every process's start:
+
+18. ``torchtitan/hf_datasets/text_datasets.py`` imports Hugging Face ``datasets`` (with pandas
+    and pyarrow) at module level, and ``torchtitan/components/validate.py`` and every model
+    package's ``__init__`` import that module, so every process that imports torchtitan's
+    trainer pays about 0.5-0.8 s (2 CPU cores) for a library only torchtitan's own text datasets
+    (c4) use: each rank, each `torchtitan` command. -> ``defer_hf_text_datasets()`` (before
+    torchtitan's code runs) defers that module's code to the first use of one of its names
+    (utils/import_hooks.py ``run_on_first_use``); torchtitan's text dataloaders, called, load it
+    and work as before. (patches/0018-hf-datasets-imported-on-use.diff: the module imports
+    ``datasets`` where it loads one.)
 """
 
 from __future__ import annotations
@@ -161,7 +173,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from torchtitan_speechlm.utils import upstream
+from torchtitan_speechlm.utils import import_hooks, upstream
 from torchtitan_speechlm.utils.checkpoint_folders import complete_checkpoints
 from torchtitan_speechlm.utils.checkpoint_manifest import (
     install_stream_sums,
@@ -174,7 +186,7 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8 and 10-17 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
+    """Fixes 1-8 and 10-18 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
     with the patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
@@ -185,6 +197,21 @@ def workarounds_on() -> bool:
 def accelerator_available() -> bool:
     """True when CUDA (or another torch accelerator) is usable in this process."""
     return torch.cuda.is_available()
+
+
+# fix 18: torchtitan's text datasets module, and the functions other torchtitan modules import
+# from it by name when they are imported (components/validate.py, models/*/__init__.py)
+HF_TEXT_DATASETS = "torchtitan.hf_datasets.text_datasets"
+HF_TEXT_DATASETS_IMPORTED = ("build_text_dataloader", "build_text_validation_dataloader")
+
+
+def defer_hf_text_datasets() -> None:
+    """Fix 18: must run before torchtitan's trainer modules are imported. Their import of
+    torchtitan's text datasets module (and with it Hugging Face ``datasets``, pandas, pyarrow)
+    waits until one of its names is used: a run of torchtitan's own llama3 on c4 loads it at its
+    dataloader's build; a SpeechLM run never does."""
+    if workarounds_on():
+        import_hooks.run_on_first_use(HF_TEXT_DATASETS, HF_TEXT_DATASETS_IMPORTED)
 
 
 def use_cpu_when_no_accelerator() -> None:

@@ -150,6 +150,14 @@ PRIVATE: tuple[tuple[str, str, str, str], ...] = (
      "purge among complete checkpoints only; a stale .metadata removed; save errors in words; "
      "the manifest written around each save",
      "compat fix 8, patches/0008-checkpoint-purge-complete-only.diff"),
+    ("torchtitan.hf_datasets.text_datasets's code deferred to its first use (an import hook: "
+     "its two dataloader builders stand in until called)",
+     "utils/compat.py defer_hf_text_datasets (torchtitan_speechlm/__init__.py, before torchtitan "
+     "runs), utils/import_hooks.py run_on_first_use",
+     "the module imports Hugging Face datasets, pandas and pyarrow, and torchtitan's trainer "
+     "imports it: 0.5-0.8 s of every rank's and every command's start for datasets no SpeechLM "
+     "run reads",
+     "compat fix 18, patches/0018-hf-datasets-imported-on-use.diff"),
     ("torch DCP FileSystem.create_stream wrapped",
      "utils/checkpoint_manifest.py install_stream_sums (from compat fix 8)",
      "each checkpoint file's size and CRC-32C summed as DCP writes it, for the manifest: DCP's "
