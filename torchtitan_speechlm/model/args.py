@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.model import families  # noqa: F401  (the built-in families register)
 from torchtitan_speechlm.model.audio.tower import AudioEncoderArgs, training_flops_per_clip
 from torchtitan_speechlm.model.backbones import Backbone, get_backbone
 from torchtitan_speechlm.model.lora import LoraSettings

@@ -31,6 +31,8 @@ config are ours (``config/job_config.py``).
 from __future__ import annotations
 
 import importlib
+import logging
+from collections.abc import Callable
 
 # name -> (torchtitan module, attribute ("": the module itself), what we do with it)
 SYMBOLS: dict[str, tuple[str, str, str]] = {
@@ -211,6 +213,15 @@ def job_config_class(custom_config_module: str) -> type:
     return config_class_of(manager, ["--job.custom_config_module", custom_config_module], None)
 
 
+# SYMBOLS whose object is known without importing torchtitan: torchtitan.tools.logging's
+# ``logger`` is the root logger (``logging.getLogger()``). Importing any torchtitan module runs
+# the package's __init__ first (its quantization converters, the attention module that compiles
+# flex attention: about 2 s on 2 cores), which the data side (`torchtitan prepare` and its
+# workers) needs nothing else of. tests/unit/test_package_layout.py checks that each is the
+# object torchtitan has.
+KNOWN_WITHOUT_IMPORT: dict[str, Callable[[], object]] = {"logger": logging.getLogger}
+
+
 def __getattr__(name: str):
     """A ``SYMBOLS`` name: its torchtitan module imported (once) and the attribute read."""
     try:
@@ -220,6 +231,10 @@ def __getattr__(name: str):
             f"{__name__} has no {name!r}: add the torchtitan symbol to SYMBOLS (the one "
             "contact surface with torchtitan)"
         ) from None
+    if name in KNOWN_WITHOUT_IMPORT:
+        value = KNOWN_WITHOUT_IMPORT[name]()
+        globals()[name] = value
+        return value
     value = importlib.import_module(module)
     if attribute:
         value = getattr(value, attribute)

@@ -76,6 +76,31 @@ def test_torchtitan_imported_after_the_package_gets_the_fixes_first():
     assert (cpu_patched, safe) == ("True", "True")
 
 
+def test_prepare_loads_no_backbone_torchtitan_or_hf_datasets():
+    """`torchtitan prepare`'s modules (its command, pipeline, workers, sources and the task
+    templates it reads) load the light parts of the model (vocabulary, patterns, codec
+    identity) without a backbone family, torchtitan or Hugging Face datasets (model/families.py,
+    utils/upstream.py KNOWN_WITHOUT_IMPORT): about 3 s less of its start. The training side
+    still registers every built-in family."""
+    code = (
+        "import sys\n"
+        "import torchtitan_speechlm.commands.prepare, torchtitan_speechlm.prepare.pipeline\n"
+        "import torchtitan_speechlm.prepare.worker, torchtitan_speechlm.data.tasks\n"
+        "heavy = sorted(m for m in sys.modules if m.startswith(('torchtitan.', 'datasets', "
+        "'torchtitan_speechlm.model.backbones', 'torchtitan_speechlm.model.audio')))\n"
+        "print('PREPARE', heavy[:5])\n"
+        "from torchtitan_speechlm.model import args\n"
+        "from torchtitan_speechlm.model.audio.encoders import AUDIO_ENCODERS\n"
+        "from torchtitan_speechlm.model.backbones import BACKBONES\n"
+        "print('TRAINING', sorted(BACKBONES.names()), len(AUDIO_ENCODERS.names()) > 0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+    assert lines["PREPARE"] == "[]", lines
+    assert lines["TRAINING"] == "['hf', 'native', 'qwen3'] True", lines
+
+
 def test_train_help_is_a_page_of_our_keys_before_torch():
     """`torchtitan train --help`: every key of our sections in the docs' spelling, the
     torchtitan keys it names exist upstream, a page (not tyro's 1,200 lines), before torch."""

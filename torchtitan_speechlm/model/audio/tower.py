@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtitan_speechlm.config import ConfigError
+from torchtitan_speechlm.model import families  # noqa: F401  (the built-in families register)
 from torchtitan_speechlm.model.audio.encoders import (
     AudioEncoder,
     AudioEncoderError,
