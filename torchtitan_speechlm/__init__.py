@@ -23,6 +23,7 @@ def _before_torchtitan() -> None:
     compat.use_cpu_when_no_accelerator()
     compat.count_integers_with_histc_on_cpu()
     compat.defer_hf_text_datasets()
+    compat.defer_attention_compiles_on_cpu()
 
 
 def _after_torchtitan() -> None:

@@ -1,4 +1,4 @@
-"""What each workaround in utils/compat.py (fixes 1-8, 10-18) does, tried as torchtitan is used.
+"""What each workaround in utils/compat.py (fixes 1-8, 10-19) does, tried as torchtitan is used.
 
 These are the tests of the sufficiency check (patches/check_sufficiency.py, `make
 patches-check`): with ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` they pass on a torchtitan with
@@ -42,6 +42,7 @@ FIXES = {
     "test_a_step_off_the_interval_is_saved_once_when_asked": (16,),
     "test_training_ends_on_a_barrier_of_the_ranks_not_a_sleep": (17,),
     "test_the_trainer_imports_hf_datasets_only_to_build_a_text_dataset": (18,),
+    "test_attention_is_compiled_at_its_first_call_not_at_import": (19,),
 }
 
 STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--validation.enable", "false")
@@ -318,14 +319,17 @@ def test_expert_parallelism_matches_one_process(train_moe):
     assert_same_steps(got, ref)
 
 
-TEXT_DATASET_PROBE = """
+# One fresh process for fixes 18 and 19 (this one imported datasets and inductor long ago):
+# what importing the training side loads, then torchtitan's text dataloader and attention used.
+FRESH_TRAINER_PROBE = """
 import json, sys
 import torchtitan_speechlm.commands.train  # what a training rank imports
 import torchtitan.train
+import torch
+
+out = {"datasets": "datasets" in sys.modules, "inductor": "torch._inductor.compile_fx" in sys.modules}
 from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import get_train_spec
-
-imported = "datasets" in sys.modules
 
 
 class Tok:
@@ -338,28 +342,69 @@ cfg.training.dataset, cfg.training.dataset_path = "c4_test", sys.argv[1]
 cfg.training.local_batch_size, cfg.training.seq_len = 2, 8
 build = get_train_spec("llama3").build_dataloader_fn
 inputs, labels = next(iter(build(dp_world_size=1, dp_rank=0, tokenizer=Tok(), job_config=cfg)))
-print(json.dumps([imported, inputs["input"].tolist(), labels.tolist()]))
+out["text"] = [inputs["input"].tolist(), labels.tolist()]
+if not out["inductor"]:  # else the calls below would compile for real
+    from torchtitan.models import attention
+
+    calls = []
+
+    def compile_recorder(fn=None, **options):  # stands for torch.compile from here on
+        calls.append([fn.__name__, options])
+        return lambda *args, **kwargs: f"compiled {fn.__name__} called with {len(args)} tensors"
+
+    torch.compile = compile_recorder
+    x = torch.zeros(1, 2, 4, 8)
+    flex = [attention.FlexAttentionWrapper()(x, x, x) for _ in range(2)]
+    meta = attention.VarlenMetadata(torch.tensor([0, 4]), torch.tensor([0, 4]), 4, 4)
+    varlen = attention.VarlenAttentionWrapper()(x, x, x, meta)
+    mask = attention.create_attention_mask(lambda b, h, q, kv: q >= kv, 1, None, 4, 4)
+    out["attention"] = [calls, flex, varlen, mask]
+print(json.dumps(out))
 """
+TEXTS = [f"line {i} of a small local text set" for i in range(6)]
 
 
-def test_the_trainer_imports_hf_datasets_only_to_build_a_text_dataset(tmp_path):
-    """Fix 18: a process that imports the training side (ours and torchtitan's trainer) has not
-    imported Hugging Face ``datasets``; torchtitan's own llama3 text dataloader still loads a
-    local c4-style set through it and yields the tokens computed here. A fresh process: this
-    one imported ``datasets`` long ago."""
-    texts = [f"line {i} of a small local text set" for i in range(6)]
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.jsonl").write_text(
-        "".join(json.dumps({"text": t}) + "\n" for t in texts)
+@pytest.fixture(scope="module")
+def fresh_trainer(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("fresh_trainer")
+    (root / "data").mkdir()
+    (root / "data" / "train.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in TEXTS)
     )
-    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_DATASETS_OFFLINE="1")
+    env = dict(os.environ, HF_HOME=str(root / "hf"), HF_DATASETS_OFFLINE="1")
     r = subprocess.run(
-        [sys.executable, "-c", TEXT_DATASET_PROBE, str(tmp_path / "data")],
+        [sys.executable, "-c", FRESH_TRAINER_PROBE, str(root / "data")],
         capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    imported, inputs, labels = json.loads(r.stdout.strip().splitlines()[-1])
-    assert not imported, "datasets was imported with the trainer"
-    stream = [t for text in texts for t in (1, *(ord(c) % 50 for c in text), 2)]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_trainer_imports_hf_datasets_only_to_build_a_text_dataset(fresh_trainer):
+    """Fix 18: a process that imports the training side (ours and torchtitan's trainer) has not
+    imported Hugging Face ``datasets``; torchtitan's own llama3 text dataloader still loads a
+    local c4-style set through it and yields the tokens computed here."""
+    assert not fresh_trainer["datasets"], "datasets was imported with the trainer"
+    inputs, labels = fresh_trainer["text"]
+    stream = [t for text in TEXTS for t in (1, *(ord(c) % 50 for c in text), 2)]
     assert inputs == [stream[0:8], stream[9:17]]  # each row takes seq_len + 1 tokens
     assert labels == [stream[1:9], stream[10:18]]
+
+
+def test_attention_is_compiled_at_its_first_call_not_at_import(fresh_trainer):
+    """Fix 19: a CPU process that imports the training side has not imported inductor's
+    compiler; torchtitan's flex attention, varlen attention and block-mask builder each call
+    ``torch.compile`` with torchtitan's own arguments at their first use, once (a recorder
+    stands for it, so nothing compiles here)."""
+    assert not fresh_trainer["inductor"], "inductor was imported with the trainer"
+    calls, flex, varlen, mask = fresh_trainer["attention"]
+    flex_options = {"wrap_inductor_compiled_regions": True, "max_autotune": True,
+                    "coordinate_descent_tuning": True, "triton.cudagraphs": False}  # fmt: skip
+    assert calls == [
+        ["flex_attention", {"options": flex_options}],
+        ["varlen_attn", {"mode": "max-autotune-no-cudagraphs"}],
+        ["create_block_mask", {}],
+    ]
+    assert flex == ["compiled flex_attention called with 3 tensors"] * 2
+    assert varlen == "compiled varlen_attn called with 7 tensors"
+    assert mask == "compiled create_block_mask called with 5 tensors"

@@ -3,7 +3,7 @@
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
 texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8,
-10-18 off, so that a torchtitan with the diffs applied can be shown to need none of them
+10-19 off, so that a torchtitan with the diffs applied can be shown to need none of them
 (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
@@ -153,6 +153,15 @@ One of every process's start:
     (utils/import_hooks.py ``run_on_first_use``); torchtitan's text dataloaders, called, load it
     and work as before. (patches/0018-hf-datasets-imported-on-use.diff: the module imports
     ``datasets`` where it loads one.)
+
+19. ``torchtitan/models/attention.py`` compiles flex and varlen attention when it is imported
+    (class attributes ``torch.compile(flex_attention, options=...)`` and
+    ``torch.compile(varlen_attn, mode=...)``), and those options import inductor's compiler,
+    about 1.1 s of every process that imports torchtitan's trainer, on a CPU where neither runs
+    (torch's flex attention has no CPU backward; varlen is CUDA's). -> on a machine without an
+    accelerator, ``defer_attention_compiles_on_cpu()`` makes the two calls of that module
+    return stand-ins that call ``torch.compile`` with the same arguments at their first call;
+    with an accelerator nothing changes. (patches/0019-attention-compiled-on-first-use.diff)
 """
 
 from __future__ import annotations
@@ -186,7 +195,7 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8 and 10-18 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
+    """Fixes 1-8 and 10-19 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
     with the patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
@@ -212,6 +221,46 @@ def defer_hf_text_datasets() -> None:
     dataloader's build; a SpeechLM run never does."""
     if workarounds_on():
         import_hooks.run_on_first_use(HF_TEXT_DATASETS, HF_TEXT_DATASETS_IMPORTED)
+
+
+# fix 19: the module whose class attributes call torch.compile when it is imported
+ATTENTION = "torchtitan.models.attention"
+
+
+class CompiledOnFirstCall:
+    """Fix 19: ``torch.compile(fn, **options)`` done at the first call, then that compiled
+    function called; ``torch.compile`` is looked up then, not now."""
+
+    def __init__(self, fn: Callable, options: dict) -> None:
+        self.fn, self.options, self.compiled = fn, options, None
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, **self.options)
+        return self.compiled(*args, **kwargs)
+
+
+def defer_attention_compiles_on_cpu() -> None:
+    """Fix 19: must run before torchtitan's attention module is imported. Without an
+    accelerator, its ``torch.compile`` calls at import (flex and varlen attention) return
+    ``CompiledOnFirstCall`` stand-ins; calls from anywhere else are torch's own."""
+    if not workarounds_on() or accelerator_available():
+        return
+    real = torch.compile
+
+    def deferred(model=None, **options):
+        caller = sys._getframe(1).f_globals.get("__name__")
+        if caller != ATTENTION or model is None:
+            return real(model, **options) if model is not None else real(**options)
+        return CompiledOnFirstCall(model, options)
+
+    def before() -> None:
+        torch.compile = deferred
+
+    def after() -> None:
+        torch.compile = real
+
+    import_hooks.around_import(ATTENTION, before, after)
 
 
 def use_cpu_when_no_accelerator() -> None:

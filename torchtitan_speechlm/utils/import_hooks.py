@@ -53,8 +53,9 @@ class _AroundImport(importlib.abc.MetaPathFinder):
 
 
 def around_import(name: str, before: Callable[[], None], after: Callable[[], None]) -> None:
-    """Run ``before()`` and ``after()`` around the first import of top-level module ``name``;
-    at once (both) when it is already imported."""
+    """Run ``before()`` and ``after()`` around the first import of module ``name`` (a
+    submodule's parents are imported first, as usual); at once (both) when it is already
+    imported."""
     if name in sys.modules:
         before()
         after()

@@ -160,6 +160,14 @@ PRIVATE: tuple[tuple[str, str, str, str], ...] = (
      "imports it: 0.5-0.8 s of every rank's and every command's start for datasets no SpeechLM "
      "run reads",
      "compat fix 18, patches/0018-hf-datasets-imported-on-use.diff"),
+    ("torch.compile replaced while torchtitan.models.attention is imported (CPU only): its "
+     "three import-time compiles (flex, varlen, create_block_mask) get stand-ins that compile "
+     "at their first call",
+     "utils/compat.py defer_attention_compiles_on_cpu (torchtitan_speechlm/__init__.py, before "
+     "torchtitan runs), utils/import_hooks.py around_import",
+     "those calls import inductor's compiler: about 1.1 s of every rank's and every command's "
+     "start, on a CPU where neither attention trains",
+     "compat fix 19, patches/0019-attention-compiled-on-first-use.diff"),
     ("torch DCP FileSystem.create_stream wrapped",
      "utils/checkpoint_manifest.py install_stream_sums (from compat fix 8)",
      "each checkpoint file's size and CRC-32C summed as DCP writes it, for the manifest: DCP's "
