@@ -64,7 +64,7 @@ deps: system-deps $(STAMP)
 demo: deps compiled
 	$(PY) -m torchtitan_speechlm.demo
 
-# Everything but the slow runs `make faults` holds (about 5.5 minutes on 2 CPU cores): tests/unit
+# Everything but the slow runs `make faults` holds (about 5 minutes on 2 CPU cores): tests/unit
 # (one module's behaviour, no training run), tests/integration (`torchtitan` commands, mostly in
 # forks of the test process: tests/forked.py) and tests/docs (the documented commands parse).
 test: deps compiled
@@ -92,7 +92,7 @@ check: deps
 
 # The slow half of the fault suite (docs/errors.md): ranks killed mid-save, NaN steps, a full
 # disk, hung and dead ranks, each on real 2-process runs compared bit for bit with an
-# uninterrupted one. The fast half is in `make test`. About 13-14 minutes on 2 CPU cores in all.
+# uninterrupted one. The fast half is in `make test`. About 11-12 minutes on 2 CPU cores in all.
 # Also the cluster launches (tests/integration/test_cluster.py: the SLURM script on two "nodes") and every
 # benchmark script run at its smallest setting (tests/integration/test_benchmarks_run.py, marker bench_smoke),
 # and the long multi-process runs (marker long): those of LoRA and the audio encoder, and the

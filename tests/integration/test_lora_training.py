@@ -5,6 +5,7 @@ tensors only; the export merges the adapters (same logits) or writes a PEFT adap
 rerun with other LoRA settings is refused naming every setting and the checkpoint to start from.
 """
 
+import importlib.util
 import json
 import shutil
 
@@ -31,7 +32,11 @@ from torchtitan_speechlm.trainer.preflight import preflight
 from torchtitan_speechlm.trainer.run import prepare_run
 from torchtitan_speechlm.utils.fileio import write_checked_json
 
-peft = pytest.importorskip("peft")
+# peft (about 1.5 s to import) is imported by the two tests that load an adapter with it, not
+# when the module is collected: every test worker collects this file, one runs it
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None, reason="peft is not installed (the dev extra)"
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,6 +133,8 @@ def assert_exports_agree(step: str, tmp_path) -> None:
     files = sorted(p.name for p in (tmp_path / "ad" / "adapter").iterdir())
     assert files == ["adapter_config.json", "adapter_model.safetensors"]
     ids = torch.randint(0, layout.text_size, (2, 12), generator=gen)
+    import peft
+
     base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ad" / "text"))
     with torch.no_grad():
         plain = base(ids).logits
@@ -153,6 +160,8 @@ def test_the_adapter_folder_loads_from_any_directory(lora_run, tmp_path, monkeyp
     assert config["base_model_name_or_path"] == str(tmp_path / "ad" / "text")
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
+    import peft
+
     adapted = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "ad" / "adapter"))
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged" / "text"))

@@ -29,6 +29,7 @@ token mean over the batch (per pair with one pair a call).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections import defaultdict
 
@@ -36,13 +37,14 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("trl")
+# TRL (about 1 s to import) is imported where a trainer or its fused head is made, not when
+# the module is collected: every test worker collects this file, one runs it
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None, reason="trl is not installed (the dev extra)"
+)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # trl.experimental's import warning
 
 from transformers import PretrainedConfig  # noqa: E402
-from trl.experimental.cpo.cpo_trainer import CPOTrainer  # noqa: E402
-from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402
-from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from tests.unit.model.test_preference_loss import DIM, random_targets, tiny_head  # noqa: E402
 from torchtitan_speechlm.model.preference import (  # noqa: E402
@@ -102,6 +104,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(w_text.shape[1], w_text.shape[0], bias=False)
         self.lm_head.weight = nn.Parameter(w_text.detach().clone())
         self.is_gradient_checkpointing = False
+        from trl.trainer.utils import add_fused_lm_head
+
         add_fused_lm_head(self, outputs=fused_outputs)
 
     @property
@@ -165,6 +169,8 @@ def dpo_trainer(policy, s: PreferenceLoss, loss_type: list[str], loss_weights: l
     ``compute_ref_log_probs`` read, set as ``DPOTrainer.__init__`` sets them from a
     ``DPOConfig`` (its defaults: reverse-KL divergence, no length desensitisation, no WPO
     weighting), reference log-probs precomputed."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
     t = DPOTrainer.__new__(DPOTrainer)
     t.model, t.ref_model, t.accelerator = policy, None, _Accelerator()
     t.args = type("Args", (), {"gradient_checkpointing_kwargs": None})()
@@ -188,6 +194,8 @@ def dpo_trl_types(s: PreferenceLoss) -> tuple[list[str], list[float]]:
 def cpo_trainer(s: PreferenceLoss):
     """A CPOTrainer without its ``__init__``: TRL's SimPO (``loss_type="simpo"``,
     ``cpo_alpha`` our NLL weight, no AlphaPO reward shaping) on a decoder-only model."""
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
     t = CPOTrainer.__new__(CPOTrainer)
     t.accelerator, t.is_encoder_decoder, t.pad_token_id, t.aux_loss_enabled = (
         _Accelerator(),
