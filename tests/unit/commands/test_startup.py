@@ -56,6 +56,13 @@ def test_an_unknown_command_is_refused_before_torch_loads():
     assert "unknown command 'synthesise'" in out
 
 
+def fresh_python(code: str) -> str:
+    """``code``'s standard output in a fresh interpreter (which must succeed)."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
 def test_torchtitan_imported_after_the_package_gets_the_fixes_first():
     """The hook runs fix 1 before torchtitan's modules cache their device, fixes 2, 4 and 8
     after; a module of ours that imports torchtitan first (the native backbone) is unaffected."""
@@ -69,9 +76,7 @@ def test_torchtitan_imported_after_the_package_gets_the_fixes_first():
         "print(gpu, tu.device_type, getattr(du, '_speechlm_cpu_patched', gpu), "
         "CheckpointManager._speechlm_safe)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    gpu, device, cpu_patched, safe = r.stdout.split()[-4:]
+    gpu, device, cpu_patched, safe = fresh_python(code).split()[-4:]
     assert device == ("cuda" if gpu == "True" else "cpu")  # an accelerator keeps its own
     assert (cpu_patched, safe) == ("True", "True")
 
@@ -94,9 +99,7 @@ def test_prepare_loads_no_backbone_torchtitan_or_hf_datasets():
         "from torchtitan_speechlm.model.backbones import BACKBONES\n"
         "print('TRAINING', sorted(BACKBONES.names()), len(AUDIO_ENCODERS.names()) > 0)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+    lines = dict(line.split(" ", 1) for line in fresh_python(code).splitlines() if " " in line)
     assert lines["PREPARE"] == "[]", lines
     assert lines["TRAINING"] == "['hf', 'native', 'qwen3'] True", lines
 
