@@ -20,6 +20,7 @@ from torchtitan_speechlm.data.tasks import TASKS  # noqa: E402
 from torchtitan_speechlm.judges.base import JUDGES  # noqa: E402
 from torchtitan_speechlm.model.audio.encoders import AUDIO_ENCODERS  # noqa: E402
 from torchtitan_speechlm.model.backbones import BACKBONES  # noqa: E402
+from torchtitan_speechlm.model import families  # noqa: E402,F401,I001  (registered before they are saved)
 from torchtitan_speechlm.model.patterns import PATTERNS  # noqa: E402
 from torchtitan_speechlm.prepare.sources.base import SOURCES  # noqa: E402
 from torchtitan_speechlm.trainer.spec import SPEECHLM_SPECS  # noqa: E402

@@ -159,8 +159,8 @@ One of every process's start:
     ``torch.compile(varlen_attn, mode=...)``), and those options import inductor's compiler,
     about 1.1 s of every process that imports torchtitan's trainer, on a CPU where neither runs
     (torch's flex attention has no CPU backward; varlen is CUDA's). -> on a machine without an
-    accelerator, ``defer_attention_compiles_on_cpu()`` makes the two calls of that module
-    return stand-ins that call ``torch.compile`` with the same arguments at their first call;
+    accelerator, ``defer_attention_compiles_on_cpu()`` makes that module's three calls (flex,
+    varlen, ``create_block_mask``) return stand-ins that call ``torch.compile`` with the same arguments at their first call;
     with an accelerator nothing changes. (patches/0019-attention-compiled-on-first-use.diff)
 """
 
@@ -242,8 +242,8 @@ class CompiledOnFirstCall:
 
 def defer_attention_compiles_on_cpu() -> None:
     """Fix 19: must run before torchtitan's attention module is imported. Without an
-    accelerator, its ``torch.compile`` calls at import (flex and varlen attention) return
-    ``CompiledOnFirstCall`` stand-ins; calls from anywhere else are torch's own."""
+    accelerator, its ``torch.compile`` calls at import (flex attention, varlen attention,
+    ``create_block_mask``) return ``CompiledOnFirstCall`` stand-ins; calls from anywhere else are torch's own."""
     if not workarounds_on() or accelerator_available():
         return
     real = torch.compile

@@ -68,7 +68,9 @@ class _RunOnFirstUse(importlib.abc.Loader):
     """Creates the module as its own loader would, but runs its code only when first needed: a
     name of ``called`` is called, or any other name is read (PEP 562 ``__getattr__``). The code
     then runs in that same module object, so every ``from MODULE import name`` done before sees
-    the real object through its stand-in (a function that calls the real one)."""
+    the real object through its stand-in (a function that calls the real one).
+    ``importlib.util.LazyLoader`` would not do: ``from MODULE import name``, which is how
+    torchtitan imports this module's functions, reads the name and so runs the module at once."""
 
     def __init__(self, loader, called: tuple[str, ...]) -> None:
         self.loader, self.called = loader, called
