@@ -161,3 +161,115 @@ def test_the_compile_step_compiles_on_every_core_and_counts_what_pip_would_skip(
     assert not any("SyntaxError" in line or "Error compiling" in line for line in lines), lines
     failed = [sys.executable, "-c", "import sys; print('Killed'); sys.exit(1)"]
     assert install_progress.run("the packages", failed, Stamped(), bytecode=True) == 1
+
+
+FAKE_UV = textwrap.dedent(
+    """\
+    #!{python}
+    import sys, time
+    open(sys.argv[0] + ".argv", "w").write("\\n".join(sys.argv[1:]))
+    say = lambda s: print(s, flush=True)
+    say("Using Python 3.11.7 environment at: .venv")
+    say("Resolved 191 packages in 2.73s")
+    say("Downloading transformers (13.1MiB)")
+    say(" Downloaded transformers")
+    time.sleep(0.2)
+    say("Prepared 181 packages in 10.35s")
+    say("warning: something else uv wants said")
+    say("Installed 181 packages in 439ms")
+    for name in ("torchtitan==0.2.2", "tyro==1.0.17"):
+        say(" + " + name)
+    sys.exit({code})
+    """
+)
+# what the fake interpreter answers to `-m pip config list` (a machine's pip configuration);
+# any other call is pip itself (FAKE_PIP)
+FAKE_PYTHON = textwrap.dedent(
+    """\
+    #!/bin/sh
+    if [ "$2 $3 $4" = "pip config list" ]; then
+      echo "global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'"
+      echo "global.find-links='{missing} {wheels}'"
+      echo "global.constraint='{constraints}'"
+      echo "global.index-url='https://mirror.example/simple'"
+      echo ":env:.index-url='https://pypi.org/simple'"
+      echo "global.cert='/etc/ssl/certs/ca-certificates.crt'"
+      exit 0
+    fi
+    exec {python} {fake_pip} 0 0
+    """
+)
+
+
+def fake_venv(tmp_path, uv_code: int | None):
+    """A venv's bin/ with a fake interpreter (its pip configuration above) and, unless
+    ``uv_code`` is None, a fake uv exiting with it."""
+    bin_ = tmp_path / "venv" / "bin"
+    bin_.mkdir(parents=True)
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "constraints.txt").write_text("torch<=2.14.1\n")
+    (tmp_path / "fake_pip.py").write_text(FAKE_PIP)
+    python = bin_ / "python"
+    python.write_text(
+        FAKE_PYTHON.format(
+            missing=tmp_path / "absent",
+            wheels=tmp_path / "wheels",
+            constraints=tmp_path / "constraints.txt",
+            python=sys.executable,
+            fake_pip=tmp_path / "fake_pip.py",
+        )
+    )
+    python.chmod(0o755)
+    if uv_code is not None:
+        (bin_ / "uv").write_text(FAKE_UV.format(python=sys.executable, code=uv_code))
+        (bin_ / "uv").chmod(0o755)
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar",
+           "off", "--no-compile", "--no-deps", "espnet==202511"]  # fmt: skip
+    return bin_, pip
+
+
+def test_the_uv_install_gets_pips_sources_and_says_what_it_installs(tmp_path):
+    """`make`'s --uv steps: uv beside the interpreter installs with the sources pip is
+    configured with (the :env: index over the configured one, pip's best-of-all-indexes rule,
+    an absent find-links folder left out, the certificate as SSL_CERT_FILE), without pip's own
+    options; its lines come out as pip's do."""
+    bin_, pip = fake_venv(tmp_path, uv_code=0)
+    out = Stamped()
+    assert install_progress.run_with_uv("espnet", pip, out, every=0.4) == 0
+    lines = [line for _, line in out.stamped]
+    assert lines == [
+        "[make] installing espnet",
+        "[make]   resolved 191 packages",
+        "[make]   prepared 181 packages",
+        "[make]   warning: something else uv wants said",
+        lines[-1],
+    ], lines
+    assert lines[-1].startswith("[make]   installed 181 packages in ")
+    argv = (bin_ / "uv.argv").read_text().split("\n")
+    assert argv == [
+        "pip", "install", "--python", str(bin_ / "python"),
+        "--index-strategy", "unsafe-best-match", "--index-url", "https://pypi.org/simple",
+        "--extra-index-url", "file:///opt/pypi/simple",
+        "--extra-index-url", "file:///opt/pypi-more/simple",
+        "--find-links", str(tmp_path / "wheels"),
+        "--constraint", str(tmp_path / "constraints.txt"),
+        "--no-deps", "espnet==202511",
+    ]  # fmt: skip
+    _, env = install_progress.uv_command(pip)
+    assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt"}
+
+
+def test_without_uv_or_when_uv_fails_pip_installs(tmp_path):
+    bin_, pip = fake_venv(tmp_path, uv_code=None)
+    out = Stamped()
+    assert install_progress.run_with_uv("torch", pip, out, every=5) == 0
+    lines = [line for _, line in out.stamped]
+    assert lines[0] == f"[make]   (no uv beside {bin_ / 'python'}: pip installs)"
+    assert lines[-1].startswith("[make]   installed 2 packages in "), lines  # FAKE_PIP's
+    bin_, pip = fake_venv(tmp_path / "failing", uv_code=2)
+    out = Stamped()
+    assert install_progress.run_with_uv("torch", pip, out, every=5) == 0
+    lines = [line for _, line in out.stamped]
+    assert "[make]   uv failed (exit 2): torch" in lines
+    assert "[make]   pip installs torch instead" in lines
+    assert lines[-1].startswith("[make]   installed 2 packages in "), lines
