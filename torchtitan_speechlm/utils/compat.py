@@ -162,6 +162,19 @@ One of every process's start:
     accelerator, ``defer_attention_compiles_on_cpu()`` makes that module's three calls (flex,
     varlen, ``create_block_mask``) return stand-ins that call ``torch.compile`` with the same arguments at their first call;
     with an accelerator nothing changes. (patches/0019-attention-compiled-on-first-use.diff)
+
+One of wandb's, not torchtitan's, paid by every run that logs to wandb:
+
+20. ``wandb/sdk/wandb_run.py::Run._on_ready`` (wandb 0.31; every ``wandb.init``, torchtitan's
+    ``WandBLogger`` included) calls ``_detect_and_apply_job_inputs``, which imports
+    ``wandb.sdk.launch.inputs.internal`` to apply the job inputs a W&B Launch job staged; that
+    import loads wandb's launch agent and public API (about 1.6 s on 2 CPU cores), and inputs
+    can only have been staged by code that imported that module already (``wandb.sdk.launch``'s
+    ``manage_config_file`` / ``manage_wandb_config``). -> ``start_wandb_without_its_launch_agent()``
+    (before torchtitan's logger calls ``wandb.init``) applies staged inputs only when that module
+    is loaded: the same inputs applied, the import not paid for nothing. Kept with the switch off
+    (not a torchtitan fix). patches/0020-wandb-launch-inputs-on-use.md is the upstream report,
+    with the diff to wandb.
 """
 
 from __future__ import annotations
@@ -201,6 +214,30 @@ def workarounds_on() -> bool:
     if value not in ("on", "off"):
         raise RuntimeError(f"{SWITCH}={value!r}: expected 'on' (the default) or 'off'")
     return value == "on"
+
+
+def start_wandb_without_its_launch_agent() -> None:
+    """Fix 20: wandb's ``Run._detect_and_apply_job_inputs`` returns at once unless
+    ``wandb.sdk.launch.inputs.internal`` is loaded (the only code that stages launch inputs is
+    in it), instead of importing it (and wandb's launch agent) to find none. Idempotent; nothing
+    happens where wandb is not installed or has no such method."""
+    try:
+        from wandb.sdk import wandb_run
+    except ImportError:
+        return
+    original = getattr(wandb_run.Run, "_detect_and_apply_job_inputs", None)
+    if original is None or getattr(original, "applies_only_staged_inputs", False):
+        return
+
+    def _detect_and_apply_job_inputs(self) -> None:
+        if LAUNCH_INPUTS in sys.modules:  # only its functions stage inputs: apply them
+            original(self)
+
+    _detect_and_apply_job_inputs.applies_only_staged_inputs = True
+    wandb_run.Run._detect_and_apply_job_inputs = _detect_and_apply_job_inputs
+
+
+LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"
 
 
 def accelerator_available() -> bool:

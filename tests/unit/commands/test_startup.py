@@ -128,3 +128,30 @@ def test_train_help_all_is_tyros_list_with_our_sections():
     code, loaded, out = _probe(["train", "--help-all"])
     assert code == 0 and loaded > 0, out
     assert "--training.steps" in out and "--speechlm.pattern" in out and "--lora.rank" in out
+
+
+def test_wandb_starts_without_its_launch_agent_and_still_applies_staged_inputs(tmp_path):
+    """Fix 20 (utils/compat.py): a ``wandb.init`` (offline, as torchtitan's logger makes it)
+    does not import wandb's launch package (about 1.6 s), where nothing imported the module that
+    stages launch inputs; where something did, the staged inputs are applied to the run as
+    wandb applies them."""
+    code = (
+        "import sys, wandb\n"
+        "from torchtitan_speechlm.utils import compat\n"
+        "compat.start_wandb_without_its_launch_agent()\n"
+        "compat.start_wandb_without_its_launch_agent()  # twice: wrapped once\n"
+        f"kw = dict(mode='offline', dir={str(tmp_path)!r}, project='p')\n"
+        "wandb.init(**kw).finish()\n"
+        "print('LAUNCH', 'wandb.sdk.launch' in sys.modules)\n"
+        "from wandb.sdk.launch.inputs import internal\n"
+        "applied = []\n"
+        "internal.StagedLaunchInputs.apply = lambda self, run: applied.append(run.id)\n"
+        "run = wandb.init(**kw)\n"
+        "run.finish()\n"
+        "print('APPLIED', applied == [run.id])\n"
+    )
+    out = fresh_python(code)
+    lines = dict(
+        line.split(" ", 1) for line in out.splitlines() if line.startswith(("LAUNCH", "APPLIED"))
+    )
+    assert lines == {"LAUNCH": "False", "APPLIED": "True"}, out
