@@ -114,7 +114,7 @@ test-costs: deps compiled
 	$(PY) -m pytest -q $(call xdist,$(FAULT_WORKERS)) -m "faults or cluster or bench_smoke or long" --file-costs-out tests/file_costs.json
 
 # The patches/ diffs replace utils/compat.py's workarounds, and each is needed
-# (patches/check_sufficiency.py; about 70 s on 2 CPU cores: each condition in a fork of one process
+# (patches/check_sufficiency.py; about 85 s on 2 CPU cores: each condition in a fork of one process
 # that imported torch, datasets and transformers once); CI runs it after `make faults`.
 # PATCHES_ARGS=--torchtitan-tests also runs torchtitan's own unit tests three ways.
 patches-check: deps compiled

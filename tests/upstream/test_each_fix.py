@@ -1,4 +1,4 @@
-"""What each workaround in utils/compat.py (fixes 1-8, 10-19) does, tried as torchtitan is used.
+"""What each workaround in utils/compat.py (fixes 1-8, 10-19, 21) does, tried as torchtitan is used.
 
 These are the tests of the sufficiency check (patches/check_sufficiency.py, `make
 patches-check`): with ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` they pass on a torchtitan with
@@ -29,8 +29,8 @@ pytestmark = pytest.mark.upstream
 # test name -> the compat fixes (and patches/ diffs) it exercises: with that diff left out and
 # the workarounds off, the test must fail
 FIXES = {
-    "test_one_process_trains_on_cpu_through_the_console_script": (1, 2, 5, 15),
-    "test_two_process_fsdp_on_gloo_matches_one_process": (3, 4),
+    "test_one_process_trains_on_cpu_through_the_console_script": (1, 2, 15),
+    "test_two_process_fsdp_on_gloo_matches_one_process": (3, 4, 5),
     "test_ddp_with_accumulation_matches_one_process": (6, 7),
     "test_purge_never_counts_a_half_written_checkpoint": (8,),
     "test_a_resave_removes_the_old_index_before_the_ranks_write": (8,),
@@ -43,6 +43,7 @@ FIXES = {
     "test_training_ends_on_a_barrier_of_the_ranks_not_a_sleep": (17,),
     "test_the_trainer_imports_hf_datasets_only_to_build_a_text_dataset": (18,),
     "test_attention_is_compiled_at_its_first_call_not_at_import": (19,),
+    "test_the_launcher_parses_the_command_line_once": (21,),
 }
 
 STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--validation.enable", "false")
@@ -108,13 +109,35 @@ def assert_same_steps(got: dict[int, dict], ref: dict[int, dict]) -> None:
 
 def test_one_process_trains_on_cpu_through_the_console_script(train):
     """Fix 1: torchtitan picks the CPU (not CUDA) without an accelerator; fix 2: its device
-    memory monitor works on the CPU and reports the process's peak RSS; fix 5: torchtitan's
-    ``main`` parses the arguments our console script hands it (``torchtitan train ...``), not
-    those of the process it was imported in; fix 15: torchtitan's Trainer builds the run from
-    the spec our trainer hands it (its builders bound to the run), not the registered one."""
+    memory monitor works on the CPU and reports the process's peak RSS; fix 15: torchtitan's
+    Trainer builds the run from the spec our trainer hands it (its builders bound to the run),
+    not the registered one. (A one-process run trains with the launcher's parse: fix 21.)"""
     rows = reference(train)
     assert sorted(rows) == [1, 2]
     assert all(row["memory/max_reserved(GiB)"] > 0 for row in rows.values())
+
+
+def test_the_launcher_parses_the_command_line_once(tmp_path, assets, monkeypatch):
+    """Fix 21: a one-process ``torchtitan train`` runs tyro once: our launcher's parse (which it
+    checks before anything runs) is the config torchtitan's ``main`` trains with, not parsed a
+    second time; the run trains as before."""
+    import tyro
+
+    calls = tmp_path / "tyro_calls"
+    original = tyro.cli
+
+    def counted(*args, **kwargs):
+        with open(calls, "a") as f:  # the run is a fork of this process: a file counts
+            f.write("call\n")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tyro, "cli", counted)
+    cfg = write_tiny_config(tmp_path / "r.toml", assets, tmp_path / "run")
+    r = run_train(str(cfg), *STEPS, timeout=240)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    steps = sorted(row["step"] for row in read_metrics(tmp_path / "run") if "grad_norm" in row)
+    assert steps == [1, 2]
+    assert calls.read_text().count("call") == 1
 
 
 def test_a_cpu_run_logs_no_gpu_peak_flops_and_no_mfu(train):
@@ -139,7 +162,9 @@ def test_the_model_arguments_are_one_line_at_info(train):
 
 def test_two_process_fsdp_on_gloo_matches_one_process(train):
     """Fix 3: FSDP2's reduce-scatter runs on gloo (no PREMUL_SUM) and sums exactly; fix 4:
-    torchtitan's process-group timeouts are set after step 1 on gloo (no device barrier)."""
+    torchtitan's process-group timeouts are set after step 1 on gloo (no device barrier); fix 5:
+    each rank's torchtitan ``main`` parses the arguments the rank was started with (as torchrun
+    starts ``torchtitan_speechlm.train ARGS``), not those of the process it was imported in."""
     fsdp = train("--training.local_batch_size", "2", nproc=2)
     assert_same_steps(fsdp, reference(train))
 

@@ -19,6 +19,7 @@ Train's settings are torchtitan's config (a TOML and ``--section.key`` overrides
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import os
 import signal
@@ -282,6 +283,7 @@ def train_command(args: list[str]) -> int:
     try:
         try:
             job_config = parse_job(args)
+            parsed = copy.deepcopy(job_config)  # what the rank of this process runs (fix 21)
             if launcher and is_speechlm(job_config):
                 # one run per dump folder (trainer/lifecycle.py; the ranks hold it too), taken
                 # before any check reads the folder: a second run on a live folder is refused
@@ -307,20 +309,21 @@ def train_command(args: list[str]) -> int:
         if done:
             print(f"torchtitan train: {done}", file=sys.stderr)
             return 0
-        return _launch(args, job_config, nproc)
+        return _launch(args, job_config, nproc, parsed)
     finally:
         lifecycle.release()  # an in-process call (a test, the demo) lets the folder go
 
 
-def _launch(args: list[str], job_config, nproc: int) -> int:
-    """Run as this rank, as one process, or as ``nproc`` local ranks (torch's elastic agent)."""
+def _launch(args: list[str], job_config, nproc: int, parsed=None) -> int:
+    """Run as this rank, as one process, or as ``nproc`` local ranks (torch's elastic agent).
+    ``parsed``: ``args`` parsed (before any check), for a rank run in this process."""
     _adopt_slurm_env()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         os.environ.setdefault("LOCAL_RANK", "0")
-        return run_worker(args)
+        return run_worker(args, parsed)
     if nproc == 1:
         set_single_process_env()
-        return run_worker(args)
+        return run_worker(args, parsed)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
@@ -373,8 +376,10 @@ def describe_rank_failures(exc: BaseException) -> str:
     return "; ".join(parts) + " (each rank's own message is above)"
 
 
-def run_worker(args: list[str]) -> int:
-    """One training rank: torchtitan's own ``main(SpeechLMTrainer)`` after our device selection.
+def run_worker(args: list[str], job_config=None) -> int:
+    """One training rank: torchtitan's own ``main(SpeechLMTrainer)`` after our device selection
+    (``job_config``: ``args`` as this process parsed them already, which ``main`` then takes
+    instead of parsing them again: compat fix 21).
 
     A fault the user can act on (a config or data error, a non-finite step under
     ``stop``, a failed checkpoint save, a hung or dead peer) ends the rank with one line naming
@@ -384,7 +389,7 @@ def run_worker(args: list[str]) -> int:
     try:
         with exit_on_user_fault():
             # idempotent on already normalised args
-            run_torchtitan_main(torchtitan_args(args), SpeechLMTrainer)
+            run_torchtitan_main(torchtitan_args(args), SpeechLMTrainer, job_config)
     finally:
         restore()
     return 0

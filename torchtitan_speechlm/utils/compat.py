@@ -3,7 +3,7 @@
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
 texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8,
-10-19 off, so that a torchtitan with the diffs applied can be shown to need none of them
+10-19 and 21 off, so that a torchtitan with the diffs applied can be shown to need none of them
 (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
@@ -27,8 +27,8 @@ Four more, not about CPUs:
 
 5. ``torchtitan/config/manager.py::ConfigManager.parse_args(args=sys.argv[1:])`` binds its default
    when the module is imported, so a console script with subcommands (``torchtitan train ...``)
-   cannot hand ``torchtitan.train.main`` its arguments. -> ``run_torchtitan_main(args)`` rebinds
-   the default for this call. (patches/0005-parse-args-default.diff)
+   cannot hand ``torchtitan.train.main`` its arguments. -> ``run_torchtitan_main(args)`` gives
+   ``parse_args`` that default for this call. (patches/0005-parse-args-default.diff)
 
 6. ``torchtitan/train.py::Trainer.train_step`` accumulates micro-batch gradients without
    telling DDP (``replicate``) which backward is the last, so every backward all-reduces the
@@ -175,6 +175,18 @@ One of wandb's, not torchtitan's, paid by every run that logs to wandb:
     is loaded: the same inputs applied, the import not paid for nothing. Kept with the switch off
     (not a torchtitan fix). patches/0020-wandb-launch-inputs-on-use.md is the upstream report,
     with the diff to wandb.
+
+One more of every run's start, torchtitan's:
+
+21. ``torchtitan/train.py::main`` parses the command line itself (``ConfigManager().parse_args()``)
+    and takes no config, so a launcher that parsed and checked the same arguments first (ours:
+    ``commands/train.py`` ``parse_job``, before it takes the dump folder and checks the data and
+    the checkpoints) cannot hand the rank it runs in its own process the result: the TOML is
+    read and tyro run again, about 0.25-0.55 s on 2 cores (tyro clears its caches after each
+    parse). -> ``run_torchtitan_main(args, trainer_class, job_config)``: for that call,
+    ``ConfigManager.parse_args`` of exactly ``args`` returns the launcher's config (a copy taken
+    before its checks); ranks started by torchrun parse as before.
+    (patches/0021-main-takes-a-parsed-config.diff: ``main(trainer_class, config=None)``.)
 """
 
 from __future__ import annotations
@@ -208,7 +220,7 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8 and 10-19 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
+    """Fixes 1-8, 10-19 and 21 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
     with the patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
@@ -542,24 +554,33 @@ def force_sum_reduction_on_cpu(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def run_torchtitan_main(args: list[str], trainer_class) -> None:
+def run_torchtitan_main(args: list[str], trainer_class, job_config=None) -> None:
     """Fix 5: run ``torchtitan.train.main(trainer_class)`` on ``args`` instead of import-time
-    argv; then fix 9."""
+    argv; fix 21: with ``job_config`` (this process's parse of the same ``args``, which the
+    launcher made and checked), ``main`` takes it instead of parsing ``args`` again; then fix 9."""
     ConfigManager, main = upstream.ConfigManager, upstream.train_main
     if not workarounds_on():  # patches/0005: parse_args reads sys.argv when called
         argv = sys.argv
         sys.argv = [argv[0], *args]
-        try:
-            main(trainer_class)
+        try:  # patches/0021: main takes a parsed config
+            main(trainer_class) if job_config is None else main(trainer_class, job_config)
         finally:
             sys.argv = argv
         return leave_without_teardown()
-    original = ConfigManager.parse_args.__defaults__
-    ConfigManager.parse_args.__defaults__ = (list(args),)
+    original = ConfigManager.parse_args
+    ours = list(args)
+
+    def parse_args(self, args: list[str] = ours):
+        if job_config is not None and list(args) == ours:  # fix 21: parsed already
+            self.config = job_config
+            return job_config
+        return original(self, args)
+
+    ConfigManager.parse_args = parse_args  # fix 5: its default is ``args``
     try:
         main(trainer_class)
     finally:
-        ConfigManager.parse_args.__defaults__ = original
+        ConfigManager.parse_args = original
     leave_without_teardown()
 
 

@@ -131,6 +131,13 @@ PRIVATE: tuple[tuple[str, str, str, str], ...] = (
      "Trainer.train ends with rank 0 sleeping 2 s for the other ranks (every run, every Python "
      "API chunk); a barrier of every rank takes its place",
      "compat fix 17, patches/0017-train-ends-on-a-barrier.diff"),
+    ("ConfigManager.parse_args replaced while torchtitan's main runs",
+     "utils/compat.py run_torchtitan_main (commands/train.py run_worker)",
+     "main parses the arguments bound at import (fix 5), and parses again what our launcher "
+     "parsed and checked in the same process (fix 21): for that call the method takes the "
+     "run's arguments and answers them with the launcher's config",
+     "compat fixes 5 and 21, patches/0005-parse-args-default.diff and "
+     "patches/0021-main-takes-a-parsed-config.diff (`main(trainer_class, config=None)`)"),
     ("CheckpointManager._should_save and .interval",
      "trainer/trainer.py save_now via compat.save_checkpoint_now",
      "SAVE_AND_STOP (and the Python API's train()) save the current step in full off the "
