@@ -15,11 +15,11 @@ installed and how long it took. pip's other warnings and its errors pass unchang
 machine's pip configuration, not this install). Exits with pip's status. Standard library only
 (it runs before anything is installed). ``--apt``: an ``apt-get install``, whose lines become the
 heartbeat's step ("Setting up chromium ...") and only its errors and warnings (``E:``, ``W:``)
-are printed. ``--compile``: the installed packages compiled to bytecode on every core
-(``compileall -j 0``; the installs run ``pip --no-compile``, whose own compile is one file after
-another: 45-60 s of a fresh install on 2 cores, against about 33 s here). Like pip, it leaves a
-file that is not valid Python for this interpreter uncompiled (torch ships a few for newer
-Pythons), counted in the last line rather than printed; any other failure keeps its status.
+are printed. ``--compile``: a folder compiled to bytecode on every core (``compileall -j 0``;
+make's install no longer uses it: tools/import_check.py compiles what is imported). Like pip,
+it leaves a file that is not valid Python for this interpreter uncompiled (torch ships a few
+for newer Pythons), counted in the last line rather than printed; any other failure keeps its
+status.
 ``--uv``: the same ``pip install`` done by uv (``uv pip install``, installed into the venv
 beside the interpreter by the step before), which unpacks in parallel: the 181 packages of
 ``.[dev,eval,serve,codecs]`` in about 10 s on 2 cores against pip's 62 s. uv does not read

@@ -273,3 +273,36 @@ def test_without_uv_or_when_uv_fails_pip_installs(tmp_path):
     assert "[make]   uv failed (exit 2): torch" in lines
     assert "[make]   pip installs torch instead" in lines
     assert lines[-1].startswith("[make]   installed 2 packages in "), lines
+
+
+def test_the_import_check_fails_on_a_module_that_does_not_import_and_leaves_bytecode(
+    tmp_path, monkeypatch, capsys
+):
+    """`make`'s last install step (tools/import_check.py): both groups import at once; one
+    that fails fails the step with its error; what imported has its bytecode written."""
+    from tools import import_check
+
+    (tmp_path / "okmod.py").write_text("X = 1\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    good = {"first": "import okmod\n", "second": "import json\n"}
+    assert import_check.main(good, every=0.2) == 0
+    assert [p.name.split(".")[0] for p in (tmp_path / "__pycache__").iterdir()] == ["okmod"]
+    bad = {"first": "import okmod\n", "second": "import no_such_module_here\n"}
+    assert import_check.main(bad, every=0.2) == 1
+    out = capsys.readouterr().out
+    assert "second dependencies do not import" in out and "no_such_module_here" in out, out
+    assert "first dependencies" not in out
+
+
+def test_the_import_check_names_every_module_make_used_to_check():
+    """What the install checked before (the package, torchtitan, transformers, wandb, the judges,
+    ESPnet's data side, the codecs' packages) is still checked."""
+    from tools import import_check
+
+    checked = {m.strip() for m in import_check.PRODUCT.split(",")}
+    for module in ("torchtitan_speechlm", "torchtitan", "transformers", "wandb", "soundfile",
+                   "pocketsphinx", "resemblyzer", "speechmos.dnsmos", "pyworld",
+                   "espnet2.speechlm.dataloader.iterator"):  # fmt: skip
+        assert module in checked, module
+    assert "package_folder()" in import_check.PRODUCT_CODE
