@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 
 EVERY_S = 5.0
@@ -48,12 +49,12 @@ def main(groups: dict[str, str] | None = None, every: float = EVERY_S) -> int:
     once; 1 if any fails (its output printed), else 0. A line at least every ``every`` s."""
     start = time.monotonic()
     groups = groups or {"the package's": PRODUCT_CODE, "the tests'": f"import {DEV}\n"}
+    # output to files, not pipes: a child that printed more than a pipe holds (warnings of
+    # every package it imports) would block on the write while this loop only polls
+    logs = {name: tempfile.TemporaryFile("w+") for name in groups}
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-c", code],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            [sys.executable, "-c", code], stdout=logs[name], stderr=subprocess.STDOUT, text=True
         )
         for name, code in groups.items()
     }
@@ -65,7 +66,9 @@ def main(groups: dict[str, str] | None = None, every: float = EVERY_S) -> int:
             print(f"[make]   importing every dependency ({last - start:.0f}s)", flush=True)
     failed = 0
     for name, p in procs.items():
-        out = p.stdout.read() if p.stdout else ""
+        logs[name].seek(0)
+        out = logs[name].read()
+        logs[name].close()
         if p.returncode != 0:
             failed += 1
             print(f"[make]   {name} dependencies do not import:\n{out[-3000:]}", flush=True)

@@ -228,6 +228,9 @@ def workarounds_on() -> bool:
     return value == "on"
 
 
+LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"  # fix 20: the module that stages them
+
+
 def start_wandb_without_its_launch_agent() -> None:
     """Fix 20: wandb's ``Run._detect_and_apply_job_inputs`` returns at once unless
     ``wandb.sdk.launch.inputs.internal`` is loaded (the only code that stages launch inputs is
@@ -247,9 +250,6 @@ def start_wandb_without_its_launch_agent() -> None:
 
     _detect_and_apply_job_inputs.applies_only_staged_inputs = True
     wandb_run.Run._detect_and_apply_job_inputs = _detect_and_apply_job_inputs
-
-
-LAUNCH_INPUTS = "wandb.sdk.launch.inputs.internal"
 
 
 def accelerator_available() -> bool:

@@ -306,3 +306,11 @@ def test_the_import_check_names_every_module_make_used_to_check():
                    "espnet2.speechlm.dataloader.iterator"):  # fmt: skip
         assert module in checked, module
     assert "package_folder()" in import_check.PRODUCT_CODE
+
+
+def test_the_import_check_ends_when_a_group_prints_more_than_a_pipe_holds():
+    """A group that writes 1 MB (a pipe holds 64 KiB) still ends and passes."""
+    from tools import import_check
+
+    loud = {"loud": "import sys\nsys.stderr.write('w' * 1_000_000)\n", "quiet": "import json\n"}
+    assert import_check.main(loud, every=0.2) == 0
