@@ -2,7 +2,7 @@
 
     python tools/install_progress.py WHAT -- PYTHON -m pip install ARGS...
     python tools/install_progress.py --apt WHAT -- apt-get install -y PACKAGES...
-    python tools/install_progress.py --compile WHAT -- PYTHON -m compileall -q -j 0 FOLDER
+    python tools/install_progress.py --uv WHAT -- PYTHON -m pip install ARGS...
 
 ``make`` installs through this (the Makefile's ``$(STAMP)`` rule): ``pip -q`` was silent for
 minutes, and pip's own output is hundreds of lines ("Requirement already satisfied", every
@@ -15,11 +15,7 @@ installed and how long it took. pip's other warnings and its errors pass unchang
 machine's pip configuration, not this install). Exits with pip's status. Standard library only
 (it runs before anything is installed). ``--apt``: an ``apt-get install``, whose lines become the
 heartbeat's step ("Setting up chromium ...") and only its errors and warnings (``E:``, ``W:``)
-are printed. ``--compile``: a folder compiled to bytecode on every core (``compileall -j 0``;
-make's install no longer uses it: tools/import_check.py compiles what is imported). Like pip,
-it leaves a file that is not valid Python for this interpreter uncompiled (torch ships a few
-for newer Pythons), counted in the last line rather than printed; any other failure keeps its
-status.
+are printed.
 ``--uv``: the same ``pip install`` done by uv (``uv pip install``, installed into the venv
 beside the interpreter by the step before), which unpacks in parallel: the 181 packages of
 ``.[dev,eval,serve,codecs]`` in about 10 s on 2 cores against pip's 62 s. uv does not read
@@ -60,14 +56,11 @@ PIP_SECTIONS = (":env:", "site", "user", "install", "global")
 class Install:
     """pip's lines in, a few of ours out (on ``out``), with a heartbeat thread."""
 
-    def __init__(
-        self, what: str, out=None, every: float = EVERY_S, apt: bool = False, bytecode: bool = False
-    ) -> None:
+    def __init__(self, what: str, out=None, every: float = EVERY_S, apt: bool = False) -> None:
         self.what, self.out, self.every, self.apt = what, out or sys.stdout, every, apt
-        self.bytecode = bytecode
         self.start = self.last = time.monotonic()
-        self.step = f"compiling {what}" if bytecode else f"starting pip for {what}"
-        self.collected, self.installed, self.uncompiled = 0, False, 0
+        self.step = f"starting pip for {what}"
+        self.collected, self.installed = 0, False
         self.lock = threading.Lock()
 
     def say(self, text: str) -> None:
@@ -78,10 +71,6 @@ class Install:
     def line(self, raw: str) -> None:
         """One line of pip's output."""
         text = raw.rstrip()
-        if self.bytecode:  # compileall -q prints only the files it could not compile
-            if text.startswith("*** Error compiling"):
-                self.uncompiled += 1
-            return
         if self.apt:
             if text.startswith(("E:", "W:")):
                 self.say(text)
@@ -129,14 +118,12 @@ def run(
     out=None,
     every: float = EVERY_S,
     apt: bool = False,
-    bytecode: bool = False,
     env: dict[str, str] | None = None,
 ) -> int:
-    """Run ``cmd`` (a pip install, ``apt`` or a ``bytecode`` compile), printing ``Install``'s
-    lines; returns its exit status (a compile whose only failures are files invalid for this
-    Python: 0)."""
-    job = Install(what, out, every, apt, bytecode)
-    verb = "apt-get: " if apt else "compiling " if bytecode else "installing "
+    """Run ``cmd`` (a pip or uv install, or ``apt``), printing ``Install``'s lines; returns its
+    exit status."""
+    job = Install(what, out, every, apt)
+    verb = "apt-get: " if apt else "installing "
     print(f"[make] {verb}{what}", file=job.out, flush=True)
     env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")  # lines as they come
     proc = subprocess.Popen(
@@ -153,13 +140,7 @@ def run(
         stop.set()
         beat.join()
     took = time.monotonic() - job.start
-    if bytecode and code == 1 and job.uncompiled:
-        code = 0  # compileall's status for "some file did not compile": pip ignores those too
-    if bytecode and code == 0:
-        n = job.uncompiled
-        skipped = f"; {n} file{'s' * (n != 1)} invalid for this Python left as source" * bool(n)
-        job.say(f"compiled {what} in {took:.0f}s{skipped}")
-    elif code != 0:
+    if code != 0:
         job.say(f"{os.path.basename(cmd[0])} failed (exit {code}): {what}")
     elif apt:
         job.say(f"{what}: done in {took:.0f}s")
@@ -236,17 +217,17 @@ def run_with_uv(what: str, pip_cmd: list[str], out=None, every: float = EVERY_S)
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    mode = argv[0] if argv[:1] in (["--apt"], ["--compile"], ["--uv"]) else ""
+    mode = argv[0] if argv[:1] in (["--apt"], ["--uv"]) else ""
     argv = argv[1:] if mode else argv
     if "--" not in argv or argv.index("--") != 1 or len(argv) < 3:
         print(
-            "usage: python tools/install_progress.py [--apt | --compile | --uv] WHAT -- COMMAND...",
+            "usage: python tools/install_progress.py [--apt | --uv] WHAT -- COMMAND...",
             file=sys.stderr,
         )
         return 2
     if mode == "--uv":
         return run_with_uv(argv[0], argv[2:])
-    return run(argv[0], argv[2:], apt=mode == "--apt", bytecode=mode == "--compile")
+    return run(argv[0], argv[2:], apt=mode == "--apt")
 
 
 if __name__ == "__main__":

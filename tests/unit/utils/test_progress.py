@@ -136,33 +136,6 @@ def test_the_install_wrapper_keeps_the_failure(tmp_path):
     )
 
 
-def test_the_compile_step_compiles_on_every_core_and_counts_what_pip_would_skip(tmp_path):
-    """`make`'s last install step (--compile): the real compileall over a folder holding a valid
-    module and one written for a newer Python (torch ships such files; pip's own compile skips
-    them): the valid one is compiled, the other counted, and the step succeeds; a failure with
-    no such file behind it (compileall killed, its interpreter missing) keeps its status."""
-    pkg = tmp_path / "site"
-    pkg.mkdir()
-    (pkg / "ok.py").write_text("X = 1\n")
-    (pkg / "newer.py").write_text("def f[T](a: T) -> T:\n    return a\n")
-    out = Stamped()
-    cmd = [sys.executable, "-m", "compileall", "-q", "-j", "0", str(pkg)]
-    code = install_progress.run("the packages", cmd, out, bytecode=True)
-    lines = [line for _, line in out.stamped]
-    compiled = [p.name for p in (pkg / "__pycache__").iterdir()]
-    if sys.version_info >= (3, 12):  # PEP 695 is valid there: nothing to skip
-        assert code == 0 and len(compiled) == 2
-        return
-    assert code == 0, lines
-    assert lines[0] == "[make] compiling the packages"
-    assert [n.split(".")[0] for n in compiled] == ["ok"], compiled
-    assert lines[-1].startswith("[make]   compiled the packages in ")
-    assert lines[-1].endswith("; 1 file invalid for this Python left as source"), lines
-    assert not any("SyntaxError" in line or "Error compiling" in line for line in lines), lines
-    failed = [sys.executable, "-c", "import sys; print('Killed'); sys.exit(1)"]
-    assert install_progress.run("the packages", failed, Stamped(), bytecode=True) == 1
-
-
 FAKE_UV = textwrap.dedent(
     """\
     #!{python}
