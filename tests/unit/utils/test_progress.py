@@ -6,7 +6,9 @@ status kept."""
 
 from __future__ import annotations
 
+import inspect
 import io
+import re
 import sys
 import textwrap
 import time
@@ -260,6 +262,8 @@ def test_the_import_check_fails_on_a_module_that_does_not_import_and_leaves_byte
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
     good = {"first": "import okmod\n", "second": "import json\n"}
     assert import_check.main(good, every=0.2) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"every dependency imports \(first \d+s, second \d+s\)", out), out
     assert [p.name.split(".")[0] for p in (tmp_path / "__pycache__").iterdir()] == ["okmod"]
     bad = {"first": "import okmod\n", "second": "import no_such_module_here\n"}
     assert import_check.main(bad, every=0.2) == 1
@@ -279,6 +283,22 @@ def test_the_import_check_names_every_module_make_used_to_check():
                    "espnet2.speechlm.dataloader.iterator"):  # fmt: skip
         assert module in checked, module
     assert "package_folder()" in import_check.PRODUCT_CODE
+    assert set(import_check.GROUPS.values()) >= {import_check.PRODUCT_CODE}
+
+
+def test_the_import_check_compiles_the_librosa_kernels_the_judges_call():
+    """Its third group imports the module of the mel spectrogram both librosa judges call
+    (resemblyzer's and DNSMOS's), whose import compiles librosa's numba kernels."""
+    import librosa
+    import resemblyzer.audio
+    import speechmos.dnsmos
+
+    from tools import import_check
+
+    assert import_check.GROUPS["librosa's kernels"] == f"import {import_check.JIT}\n"
+    assert librosa.feature.melspectrogram.__module__ == import_check.JIT
+    for judge in (resemblyzer.audio, speechmos.dnsmos):
+        assert "librosa.feature.melspectrogram" in inspect.getsource(judge), judge
 
 
 def test_the_import_check_ends_when_a_group_prints_more_than_a_pipe_holds():
