@@ -4,7 +4,8 @@ Importing the package loads neither torch nor torchtitan (``torchtitan --help`` 
 command's ``--help`` answer at once: cli.py). It arranges, through ``utils/import_hooks.py``, that
 the first ``import torchtitan`` of the process runs our fixes around it (utils/compat.py): the CPU
 device is selected before torchtitan's modules run, and torchtitan's CPU, checkpoint and MoE fixes
-are installed right after. The ``speechlm`` TrainSpec registers when any module of
+are installed right after; and that transformers' loss modules find ``scipy.optimize`` deferred
+(compat fix 22). The ``speechlm`` TrainSpec registers when any module of
 ``trainer/`` is imported, as every training entry point and every reader of a job config does
 (``torchtitan train``, ``torchrun -m torchtitan_speechlm.train``, the Python API,
 ``trainer.run.prepare_run``); ``torchtitan_speechlm.register()`` does it too. Stock ``python -m torchtitan.train
@@ -34,8 +35,15 @@ def _after_torchtitan() -> None:
     compat.quiet_peak_flops_on_cpu()
 
 
+def _before_transformers_losses() -> None:
+    from torchtitan_speechlm.utils import compat
+
+    compat.defer_scipy_optimize()
+
+
 _TORCHTITAN_FIRST = "torchtitan" in sys.modules
 around_import("torchtitan", _before_torchtitan, _after_torchtitan)
+around_import("transformers.loss.loss_utils", _before_transformers_losses, lambda: None)
 if _TORCHTITAN_FIRST:  # torchtitan's custom_import: the spec is looked up next
     from torchtitan_speechlm.trainer import spec as _spec  # noqa: F401  (registers it)
 

@@ -187,6 +187,20 @@ One more of every run's start, torchtitan's:
     ``ConfigManager.parse_args`` of exactly ``args`` returns the launcher's config (a copy taken
     before its checks); ranks started by torchrun parse as before.
     (patches/0021-main-takes-a-parsed-config.diff: ``main(trainer_class, config=None)``.)
+
+One of transformers', not torchtitan's, paid by every process that imports transformers' model
+code (each rank, each `torchtitan` command but ``prepare``):
+
+22. ``transformers/loss/loss_utils.py`` (transformers 5.25; imported by ``modeling_utils``)
+    imports the DETR-family detection losses, and six of them (``loss_for_object_detection.py``,
+    ``loss_deformable_detr.py``, ``loss_rt_detr.py``, ...) import ``scipy.optimize`` at module
+    level for ``linear_sum_assignment``: about 0.3 s of one core for scipy's optimisers, which
+    only object-detection training calls. -> ``defer_scipy_optimize()`` (``__init__.py``, just
+    before ``transformers.loss.loss_utils`` runs) defers ``scipy.optimize``'s code to its first
+    use (utils/import_hooks.py ``run_on_first_use``): ``linear_sum_assignment`` is a stand-in
+    that loads it and calls the real function, and any other name loads it. Kept with the switch
+    off (not a torchtitan fix). patches/0022-transformers-scipy-optimize-on-use.md is the
+    upstream report, with the diff to transformers.
 """
 
 from __future__ import annotations
@@ -270,6 +284,19 @@ def defer_hf_text_datasets() -> None:
     dataloader's build; a SpeechLM run never does."""
     if workarounds_on():
         import_hooks.run_on_first_use(HF_TEXT_DATASETS, HF_TEXT_DATASETS_IMPORTED)
+
+
+# fix 22: the scipy module transformers' detection losses import at module level, and the one
+# name they import from it
+SCIPY_OPTIMIZE = "scipy.optimize"
+SCIPY_OPTIMIZE_IMPORTED = ("linear_sum_assignment",)
+
+
+def defer_scipy_optimize() -> None:
+    """Fix 22 (transformers', kept with the switch off): must run before
+    ``transformers.loss.loss_utils`` runs. ``scipy.optimize``'s code waits until one of its
+    names is used; nothing changes where it is already imported."""
+    import_hooks.run_on_first_use(SCIPY_OPTIMIZE, SCIPY_OPTIMIZE_IMPORTED)
 
 
 # fix 19: the module whose class attributes call torch.compile when it is imported

@@ -7,7 +7,8 @@ any caller uses the patched functions. ``around_import`` installs a one-shot fin
 ``sys.meta_path`` that wraps the module's loader: ``before()`` runs just before the module's code,
 ``after()`` just after, and the import then completes as usual. ``run_on_first_use`` defers a
 module's code instead: its import is cheap, and the code runs when one of its names is first
-used (compat fix 18: a module of torchtitan that imports a heavy library no SpeechLM run uses).
+used (compat fix 18: a module of torchtitan that imports a heavy library no SpeechLM run uses;
+fix 22: scipy's optimisers, which transformers' detection losses import for one function).
 Standard library only.
 """
 
@@ -101,7 +102,8 @@ class _RunOnFirstUse(importlib.abc.Loader):
             return call
 
         def __getattr__(name: str):
-            if name.startswith("__"):  # dunder probes (copy, pickle, inspect) do not load it
+            # dunder probes (copy, pickle, inspect) do not load it; `from MODULE import *` does
+            if name.startswith("__") and name != "__all__":
                 raise AttributeError(name)
             run()
             return getattr(module, name)

@@ -5,6 +5,7 @@ Each case in a fresh interpreter, since this test process has torch loaded long 
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -155,3 +156,30 @@ def test_wandb_starts_without_its_launch_agent_and_still_applies_staged_inputs(t
         line.split(" ", 1) for line in out.splitlines() if line.startswith(("LAUNCH", "APPLIED"))
     )
     assert lines == {"LAUNCH": "False", "APPLIED": "True"}, out
+
+
+def test_transformers_model_code_loads_without_scipys_optimisers_until_they_are_used():
+    """Fix 22 (utils/compat.py): importing transformers' model code after the package leaves
+    ``scipy.optimize``'s code unrun (transformers' detection losses import one function of it);
+    that function, called through the name they imported, loads it and gives scipy's optimal
+    assignment (checked against every permutation here); `import *` gets all of its names."""
+    code = (
+        "import sys, numpy as np\n"
+        "import torchtitan_speechlm, transformers.modeling_utils\n"
+        "print('LOADED', 'scipy.optimize._optimize' in sys.modules)\n"
+        "from transformers.loss import loss_for_object_detection as od\n"
+        "cost = np.array([[4.0, 1, 3], [2, 0, 5], [3, 2, 2]])\n"
+        "rows, cols = od.linear_sum_assignment(cost)\n"
+        "print('COLS', *cols.tolist())\n"
+        "print('RAN', 'scipy.optimize._optimize' in sys.modules)\n"
+        "names = {}\n"
+        "exec('from scipy.optimize import *', names)\n"
+        "print('STAR', 'minimize' in names and 'linprog' in names)\n"
+    )
+    out = fresh_python(code)
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if line.split(" ")[0].isupper())
+    cost = [[4.0, 1, 3], [2, 0, 5], [3, 2, 2]]
+    best = min(itertools.permutations(range(3)), key=lambda p: sum(cost[i][p[i]] for i in range(3)))
+    assert lines["LOADED"] == "False", out
+    assert lines["COLS"] == " ".join(map(str, best)), out
+    assert lines["RAN"] == "True" and lines["STAR"] == "True", out
