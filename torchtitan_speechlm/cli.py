@@ -4,9 +4,11 @@ implemented in its own module (commands/).
 Start-up is one rule: a command line is parsed by the command's argument module (standard library
 only: commands/*_args.py) before the command's implementation, and with it torch, is imported.
 So `torchtitan --help`, `torchtitan generate --help` and a mistyped flag answer in a fraction of
-a second; tests/unit/commands/test_startup.py holds it. `train` and `prepare` parse with what
-they register (torchtitan's config manager; the prepare sources), so they import first; `train
---help` is a page made from our config's docstrings (commands/train_help.py), before torch.
+a second; tests/unit/commands/test_startup.py holds it. `train` parses with torchtitan's config
+manager, so it imports first; `train --help` is a page made from our config's docstrings
+(commands/train_help.py), before torch. `prepare` parses with its sources' flags: its own are
+registered without torch (commands/prepare_args.py), so it parses before torch too, unless the
+command line names `--import` modules, whose sources must be registered first.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from torchtitan_speechlm.commands import export_args, generate_args, prefer_args, serve_args
+from torchtitan_speechlm.commands import (
+    export_args,
+    generate_args,
+    prefer_args,
+    prepare_args,
+    serve_args,
+)
 from torchtitan_speechlm.commands.train_help import train_help
 from torchtitan_speechlm.utils.progress import Progress
 
@@ -61,24 +69,37 @@ def main(argv: list[str] | None = None) -> int:
         print(train_help())
         return 0
     args = PARSERS[cmd]().parse_args(rest) if cmd in PARSERS else None  # --help ends here
+    if cmd == "prepare" and not names_extensions(rest):  # its own sources' flags: before torch
+        args = prepare_args.build_parser().parse_args(rest)
     quiet = not getattr(args, "progress", True) or any(a in QUIET for a in rest)
     # importing torch and the command takes seconds (more on a busy machine): said, if it lasts
     with Progress(f"torchtitan {cmd}", enabled=not quiet) as starting:
         starting.status = "starting (importing torch and the command)"
-        command = _command(cmd)
-    return command(rest if cmd in ("train", "prepare") else args) or 0
+        command = _command(cmd, parsed=args is not None)
+    return command(rest if args is None else args) or 0
 
 
-def _command(cmd: str) -> Callable:
-    """The function that runs ``cmd`` (importing it imports torch)."""
+def names_extensions(argv: list[str]) -> bool:
+    """Whether a `prepare` command line names ``--import`` modules (or an abbreviation
+    argparse would take for it): their sources are flags of its parser."""
+    return any(a.split("=")[0] in IMPORT_SPELLINGS for a in argv)
+
+
+IMPORT_SPELLINGS = {"--import"[:n] for n in range(4, len("--import") + 1)}  # --im ... --import
+
+
+def _command(cmd: str, parsed: bool) -> Callable:
+    """The function that runs ``cmd`` (importing it imports torch): on the parsed arguments, or
+    (``parsed`` false: `train`, `prepare` with ``--import``) on the command line."""
     if cmd == "train":
         from torchtitan_speechlm.commands.train import train_command
 
         return train_command
     if cmd == "prepare":
         from torchtitan_speechlm.commands.prepare import main as prepare_main
+        from torchtitan_speechlm.commands.prepare import run as prepare_run
 
-        return prepare_main
+        return prepare_run if parsed else prepare_main
     if cmd in ("generate", "eval"):
         from torchtitan_speechlm.commands.generate import run_eval, run_generate
 

@@ -35,11 +35,16 @@ from torchtitan_speechlm.utils.progress import Progress
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point for ``torchtitan prepare``; returns the exit status."""
     import_extensions(argv)  # their sources are flags of the parser
-    parser = build_parser()
+    return run(build_parser().parse_args(argv))
+
+
+def run(parsed: argparse.Namespace) -> int:
+    """``torchtitan prepare`` of a parsed command line (the console script parses one that names
+    no ``--import`` modules before it imports this module, and with it torch)."""
     try:
-        return prepare(PrepareArgs.from_namespace(parser.parse_args(argv)))
+        return prepare(PrepareArgs.from_namespace(parsed))
     except UsageError as e:
-        parser.error(str(e))
+        build_parser().error(str(e))
 
 
 def prepare(args: PrepareArgs) -> int:

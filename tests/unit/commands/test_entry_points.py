@@ -66,15 +66,16 @@ def test_the_old_spelling_through_the_console_script_is_said_once(capsys, monkey
     from torchtitan_speechlm import cli
 
     got = []
-    monkeypatch.setattr(cli, "_command", lambda cmd: got.append)
+    monkeypatch.setattr(cli, "_command", lambda cmd, parsed: got.append)
     assert cli.main(["export", "--checkpoint", "c", "--out", "o", "--force"]) == 0
     assert capsys.readouterr().err.count("--out is now --out-dir") == 1
     assert ExportArgs.from_namespace(got[0]) == ExportArgs(checkpoint="c", out_dir="o", force=True)
 
 
 def test_prepare_old_out_through_the_console_script_is_said_once(capsys):
-    """prepare parses its command line once, in its own main (its sources are flags): the old
-    ``--out`` is said in one line, and a missing flag names ``--out-dir``."""
+    """prepare parses its command line once (in cli.py, before torch, where it names no
+    ``--import`` modules; else in its own main, after importing them): the old ``--out`` is
+    said in one line, and a missing flag names ``--out-dir``."""
     from torchtitan_speechlm import cli
 
     with pytest.raises(SystemExit) as e:

@@ -183,3 +183,31 @@ def test_transformers_model_code_loads_without_scipys_optimisers_until_they_are_
     assert lines["LOADED"] == "False", out
     assert lines["COLS"] == " ".join(map(str, best)), out
     assert lines["RAN"] == "True" and lines["STAR"] == "True", out
+
+
+def test_prepare_answers_help_and_a_mistyped_flag_before_torch_loads():
+    """`prepare` parses with its own sources' flags before its implementation is imported: its
+    help (the same page the full path prints) and a mistyped flag load no torch."""
+    code, loaded, out = _probe(["prepare", "--help"])
+    assert code == 0 and loaded == 0, out
+    assert "--manifest" in out and "--lhotse" in out and "--import" in out
+    code, loaded, out = _probe(["prepare", "--no-such-flag"])
+    assert code == 2 and loaded == 0, out
+    assert "unrecognized arguments: --no-such-flag" in out
+
+
+def test_prepare_with_import_registers_the_modules_sources_before_it_parses(tmp_path):
+    """With `--import` (or its abbreviation `--imp`), the module's source is a flag of the
+    parser: its help lists it, as it did when `prepare` always imported first."""
+    (tmp_path / "my_source_mod.py").write_text(
+        "from torchtitan_speechlm.prepare.sources.base import PrepareSource, register_source\n"
+        "register_source(PrepareSource('my_lines', '--my-lines', 'FILE', 'my own lines', print))\n"
+    )
+    for spelling in ("--import", "--imp"):
+        r = subprocess.run(
+            [sys.executable, "-m", "torchtitan_speechlm.cli", "prepare", spelling,
+             "my_source_mod", "--help"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "--my-lines" in r.stdout, r.stdout
