@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         print(train_help())
         return 0
     args = PARSERS[cmd]().parse_args(rest) if cmd in PARSERS else None  # --help ends here
-    if cmd == "prepare" and not names_extensions(rest):  # its own sources' flags: before torch
+    if cmd == "prepare" and not prepare_args.named_imports(rest):  # its own flags: before torch
         args = prepare_args.build_parser().parse_args(rest)
     quiet = not getattr(args, "progress", True) or any(a in QUIET for a in rest)
     # importing torch and the command takes seconds (more on a busy machine): said, if it lasts
@@ -77,15 +77,6 @@ def main(argv: list[str] | None = None) -> int:
         starting.status = "starting (importing torch and the command)"
         command = _command(cmd, parsed=args is not None)
     return command(rest if args is None else args) or 0
-
-
-def names_extensions(argv: list[str]) -> bool:
-    """Whether a `prepare` command line names ``--import`` modules (or an abbreviation
-    argparse would take for it): their sources are flags of its parser."""
-    return any(a.split("=")[0] in IMPORT_SPELLINGS for a in argv)
-
-
-IMPORT_SPELLINGS = {"--import"[:n] for n in range(4, len("--import") + 1)}  # --im ... --import
 
 
 def _command(cmd: str, parsed: bool) -> Callable:

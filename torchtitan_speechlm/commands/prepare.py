@@ -15,7 +15,12 @@ import os
 import sys
 
 from torchtitan_speechlm.codecs import CodecError
-from torchtitan_speechlm.commands.prepare_args import PrepareArgs, UsageError, build_parser
+from torchtitan_speechlm.commands.prepare_args import (
+    PrepareArgs,
+    UsageError,
+    build_parser,
+    named_imports,
+)
 from torchtitan_speechlm.data.format import CorruptDatasetError
 from torchtitan_speechlm.data.remote import RemoteDatasetError, is_url, staging_folder, upload
 from torchtitan_speechlm.prepare.pipeline import (
@@ -118,9 +123,7 @@ def import_extensions(argv: list[str] | None) -> list[str]:
     script's ``sys.path[0]`` is its own bin/ folder, not the current directory, so that is
     put on ``sys.path`` here (and stays there: worker processes start with this ``sys.path``
     and import the modules again)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--import", dest="imports", action="append", default=[])
-    imports = pre.parse_known_args(argv)[0].imports
+    imports = named_imports(argv)
     if imports:
         cwd = os.getcwd()
         if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):

@@ -218,6 +218,14 @@ def _flag(f) -> str:
     return {"sources": "a source flag", "source_options": "a source option"}[f.name]
 
 
+def named_imports(argv: list[str] | None) -> list[str]:
+    """The ``--import MODULE`` modules of a `prepare` command line, as argparse reads them
+    (``--import=M``, abbreviations such as ``--i M``); the rest of the line is not checked."""
+    pre = argparse.ArgumentParser(prog="torchtitan prepare", add_help=False)
+    pre.add_argument("--import", dest="imports", action="append", default=[])
+    return pre.parse_known_args(argv)[0].imports
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchtitan prepare",

@@ -197,13 +197,14 @@ def test_prepare_answers_help_and_a_mistyped_flag_before_torch_loads():
 
 
 def test_prepare_with_import_registers_the_modules_sources_before_it_parses(tmp_path):
-    """With `--import` (or its abbreviation `--imp`), the module's source is a flag of the
-    parser: its help lists it, as it did when `prepare` always imported first."""
+    """With `--import` (or an abbreviation argparse takes for it: `--imp`, `--i`), the
+    module's source is a flag of the parser: its help lists it, as it did when `prepare` always
+    imported first."""
     (tmp_path / "my_source_mod.py").write_text(
         "from torchtitan_speechlm.prepare.sources.base import PrepareSource, register_source\n"
         "register_source(PrepareSource('my_lines', '--my-lines', 'FILE', 'my own lines', print))\n"
     )
-    for spelling in ("--import", "--imp"):
+    for spelling in ("--import", "--imp", "--i"):
         r = subprocess.run(
             [sys.executable, "-m", "torchtitan_speechlm.cli", "prepare", spelling,
              "my_source_mod", "--help"],
