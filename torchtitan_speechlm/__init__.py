@@ -33,6 +33,7 @@ def _after_torchtitan() -> None:
     compat.install_torchtitan_cpu_patches()
     compat.install_checkpoint_safety()
     compat.quiet_peak_flops_on_cpu()
+    compat.start_every_wandb_run_without_its_launch_agent()
 
 
 def _before_transformers_losses() -> None:

@@ -144,7 +144,6 @@ class SpeechLMMetricsProcessor(MetricsProcessor):
             os.environ.setdefault("WANDB_MODE", "offline")
             os.environ.setdefault("WANDB_PROJECT", "torchtitan-speechlm")
             os.environ.setdefault("WANDB_SILENT", "true")
-            compat.start_wandb_without_its_launch_agent()
         super().__init__(job_config, parallel_dims, tag)
         self.accumulator, self.guard, self.samples = accumulator, guard, samples
         self.frame_rate, self.num_streams = frame_rate, num_streams

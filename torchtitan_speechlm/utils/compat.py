@@ -171,10 +171,12 @@ One of wandb's, not torchtitan's, paid by every run that logs to wandb:
     import loads wandb's launch agent and public API (about 1.6 s on 2 CPU cores), and inputs
     can only have been staged by code that imported that module already (``wandb.sdk.launch``'s
     ``manage_config_file`` / ``manage_wandb_config``). -> ``start_wandb_without_its_launch_agent()``
-    (before torchtitan's logger calls ``wandb.init``) applies staged inputs only when that module
-    is loaded: the same inputs applied, the import not paid for nothing. Kept with the switch off
-    (not a torchtitan fix). patches/0020-wandb-launch-inputs-on-use.md is the upstream report,
-    with the diff to wandb.
+    applies staged inputs only when that module is loaded: the same inputs applied, the import
+    not paid for nothing. It is installed right after torchtitan is imported
+    (``start_every_wandb_run_without_its_launch_agent``), so a run the user's own script starts
+    (ESPnet's ``bin/train.py``, the Python API's caller) gets it as torchtitan's logger's does.
+    Kept with the switch off (not a torchtitan fix). patches/0020-wandb-launch-inputs-on-use.md
+    is the upstream report, with the diff to wandb.
 
 One more of every run's start, torchtitan's:
 
@@ -264,6 +266,16 @@ def start_wandb_without_its_launch_agent() -> None:
 
     _detect_and_apply_job_inputs.applies_only_staged_inputs = True
     wandb_run.Run._detect_and_apply_job_inputs = _detect_and_apply_job_inputs
+
+
+def start_every_wandb_run_without_its_launch_agent() -> None:
+    """Fix 20 for every ``wandb.init`` of the process, not only torchtitan's logger's: the one a
+    user's script calls itself (ESPnet's ``bin/train.py`` calls it before it builds
+    ``TitanTrainer``, the Python API logs into the caller's run) is wrapped too, at once where
+    wandb's run module is loaded, else when it first is (wandb not imported for it)."""
+    import_hooks.around_import(
+        "wandb.sdk.wandb_run", lambda: None, start_wandb_without_its_launch_agent
+    )
 
 
 def accelerator_available() -> bool:

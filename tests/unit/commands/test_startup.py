@@ -158,6 +158,22 @@ def test_wandb_starts_without_its_launch_agent_and_still_applies_staged_inputs(t
     assert lines == {"LAUNCH": "False", "APPLIED": "True"}, out
 
 
+@pytest.mark.parametrize("first", ["wandb", "torchtitan"])
+def test_a_users_own_wandb_run_starts_without_its_launch_agent(tmp_path, first):
+    """Fix 20 is installed with torchtitan's fixes, so the run a user's script starts itself
+    (ESPnet's ``bin/train.py`` calls ``wandb.init`` before it builds ``TitanTrainer``) skips the
+    launch agent too, whichever of wandb and torchtitan the script imported first."""
+    imports = ["import wandb", "import torchtitan_speechlm, torchtitan.train"]
+    code = "\n".join(
+        [*(imports if first == "wandb" else imports[::-1]),
+         "import sys",
+         f"wandb.init(mode='offline', dir={str(tmp_path)!r}, project='p').finish()",
+         "print('LAUNCH', 'wandb.sdk.launch' in sys.modules)"]
+    )  # fmt: skip
+    out = fresh_python(code)
+    assert "LAUNCH False" in out.splitlines(), out
+
+
 def test_transformers_model_code_loads_without_scipys_optimisers_until_they_are_used():
     """Fix 22 (utils/compat.py): importing transformers' model code after the package leaves
     ``scipy.optimize``'s code unrun (transformers' detection losses import one function of it);
