@@ -21,9 +21,11 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAIN = os.path.join(ROOT, "tests", "espnet_side", "train_main.py")
-# the 2-rank case started through torch's own launcher (torchrun), as an ESPnet user starts it;
-# the other 2-rank cases fork their ranks from the test process (tests/forked.py: real ranks on
-# a real gloo group, without three processes importing torch, ESPnet and torchtitan again)
+# the straight run of one 2-rank case is started through torch's own launcher (torchrun), as an
+# ESPnet user starts it; its stopped and resumed runs, and the other 2-rank cases, fork their
+# ranks from the test process (tests/forked.py: real ranks on a real gloo group, without three
+# processes importing torch, ESPnet and torchtitan again), so that case also proves that a run
+# torchrun started and one the forked ranks stopped and resumed log the same numbers
 TORCHRUN_TASKS = "tts+asr"
 # ESPnet's bucket batches come in order of length within an epoch (its factory shuffles each
 # build_iter chunk only), so a 4-step run of the three tasks trains text_only batches only:
@@ -57,8 +59,10 @@ def env() -> dict:
                 PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))  # fmt: skip
 
 
-def train(assets, tmp_path, out, tasks, max_step, nproc=1, resume_path=None, check=True):
-    """``bin/train.py`` as an ESPnet user runs it (``torchrun`` for 2 processes)."""
+def train(assets, tmp_path, out, tasks, max_step, nproc=1, resume_path=None, check=True,
+          torchrun=False):  # fmt: skip
+    """``bin/train.py`` as an ESPnet user runs it (``torchrun``: its ranks started by torch's
+    launcher, else forked from this process)."""
     config = job_config(assets)
     config["trainer"] = trainer_args(max_step)
     conf = tmp_path / f"conf_{'_'.join(tasks)}.yaml"
@@ -74,7 +78,7 @@ def train(assets, tmp_path, out, tasks, max_step, nproc=1, resume_path=None, che
         argv += ["--resume_path", str(resume_path)]
     if nproc == 1:  # the script in a fork of this process (tests/forked.py: no imports again)
         r = forked.python_script(MAIN, argv, cwd=ROOT, timeout=600)
-    elif tasks != TASKS[TORCHRUN_TASKS]:  # its ranks forked from this process (tests/forked.py)
+    elif not torchrun:  # its ranks forked from this process (tests/forked.py)
         r = forked.python_script_ranks(MAIN, argv, nproc, cwd=ROOT, timeout=600)
     else:  # torch's launcher, as an ESPnet user starts it
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -144,7 +148,8 @@ def test_espnets_train_script_trains_and_resumes_bit_for_bit(espnet_assets, tmp_
     are logged, validation runs (val/SPEC/...), the task counters count ESPnet's tasks."""
     names = TASKS[tasks]
     straight = tmp_path / "straight"
-    log = train(espnet_assets, tmp_path, straight, names, 4, nproc)
+    log = train(espnet_assets, tmp_path, straight, names, 4, nproc,
+                torchrun=nproc > 1 and tasks == TORCHRUN_TASKS)  # fmt: skip
     log = log.stdout + log.stderr  # the console says what the batches are, not seq_len's
     assert "ESPnet data: DataIteratorFactory batches as ESPnet's batchfy made them" in log
     assert "Trainer is initialized with the batches of the Python data object" in log
