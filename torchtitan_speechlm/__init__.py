@@ -4,8 +4,9 @@ Importing the package loads neither torch nor torchtitan (``torchtitan --help`` 
 command's ``--help`` answer at once: cli.py). It arranges, through ``utils/import_hooks.py``, that
 the first ``import torchtitan`` of the process runs our fixes around it (utils/compat.py): the CPU
 device is selected before torchtitan's modules run, and torchtitan's CPU, checkpoint and MoE fixes
-are installed right after; and that transformers' loss modules find ``scipy.optimize`` deferred
-(compat fix 22). The ``speechlm`` TrainSpec registers when any module of
+are installed right after (with them, fix 20 for every ``wandb.init`` of the process, the user's
+own included); and that transformers' loss modules find ``scipy.optimize`` deferred (compat fix
+22). The ``speechlm`` TrainSpec registers when any module of
 ``trainer/`` is imported, as every training entry point and every reader of a job config does
 (``torchtitan train``, ``torchrun -m torchtitan_speechlm.train``, the Python API,
 ``trainer.run.prepare_run``); ``torchtitan_speechlm.register()`` does it too. Stock ``python -m torchtitan.train
