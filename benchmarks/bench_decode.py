@@ -15,11 +15,11 @@ compiled run, which compiles, is timed apart: ``first_compiled_run_s``), alterna
 benchmarks/results/decode_backbones_<device>.json (``--out``). ``--suite all``: both, into one
 file with ``--out``.
 
-    python benchmarks/bench_decode.py [--shape demo|qwen3_0.6b] [--frames 64] [--repeats 3]
+    python benchmarks/bench_decode.py [--shape tiny|demo|qwen3_0.6b] [--frames 64] [--repeats 3]
     python benchmarks/bench_decode.py --suite backbones --frames 512 --repeats 3
 
 Smallest setting (a smoke test of the script):
-``--suite all --shape demo --frames 4 --repeats 1 --out FILE``.
+``--suite all --shape tiny --frames 4 --repeats 1 --out FILE``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from torchtitan_speechlm.model.model import SpeechLM
 from torchtitan_speechlm.model.vocab import VocabLayout
 
 SHAPES = {  # hidden, layers, heads, kv heads, ffn, text vocab, streams, codebook
+    "tiny": (64, 1, 2, 1, 128, 259, 2, 64),  # the smoke run's: one layer to compile, not four
     "demo": (128, 4, 4, 2, 384, 259, 4, 64),
     "qwen3_0.6b": (1024, 28, 16, 8, 3072, 151669, 8, 2048),
 }

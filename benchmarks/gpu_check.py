@@ -111,7 +111,7 @@ MICRO = {
     "bench_decode": (
         "benchmarks/bench_decode.py --suite backbones --shape qwen3_0.6b --frames 32 --repeats 1 "
         "--out {o}/decode_backbones_cuda.json",
-        "benchmarks/bench_decode.py --suite backbones --shape demo --frames 4 --repeats 1 "
+        "benchmarks/bench_decode.py --suite backbones --shape tiny --frames 4 --repeats 1 "
         "--out {o}/decode_backbones_cpu.json",
     ),
     "bench_serve": (

@@ -53,7 +53,7 @@ SMOKE = {
     "bench_attention.py": "--shapes 64x2 --repeats 1 --hidden 64 --layers 1 --out {tmp}/a.json",
     "bench_generate.py": "--model {model} --sentences 2 --repeats 1 --max-frames 8 "
     "--out {tmp}/a.json",
-    "bench_decode.py": "--suite all --shape demo --frames 4 --repeats 1 --out {tmp}/a.json",
+    "bench_decode.py": "--suite all --shape tiny --frames 4 --repeats 1 --out {tmp}/a.json",
     "bench_checkpoint_manifest.py": "--params 1000000 --tensors 8 --repeats 1 --out {tmp}/a.json",
     "bench_codec_decode.py": "--train-sentences 40 --kmeans-seconds 30 --codebook-size 16 "
     "--held-out 2 --iters 2 --repeats 1 --work {tmp}/work --out {tmp}/a.json",
