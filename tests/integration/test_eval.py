@@ -394,6 +394,36 @@ def test_bad_judge_is_one_line_before_generation(model, tmp_path, capsys, monkey
     assert "/nonexistent" in error_line(r.stderr)
 
 
+def test_judge_flags_are_checked_before_the_model_loads(model, tmp_path, capsys, monkeypatch):
+    """Every ``--judge-*`` mistake that needs no judge built is the one error line before the
+    model (or any judge) loads; an eval with no TTS set uses no judge and checks none."""
+    from torchtitan_speechlm.commands import generate
+
+    def no_loading(*a, **k):
+        raise AssertionError("loaded before the judge flags were checked")
+
+    monkeypatch.setattr(generate, "_load", no_loading)
+    words = tmp_path / "empty_words.txt"
+    words.write_text(" ,. \n")
+    bad = {
+        ("--judge-grammar", str(tmp_path / "none.jsgf")): "none.jsgf: no such file",
+        ("--judge-vocabulary", str(tmp_path / "none.txt")): "none.txt: no such file",
+        ("--judge-vocabulary", str(words)): "the file has no words",
+        ("--judge-quality", "nosuch"): "registered:",
+        ("--judge-asr", "test-speaker"): "that is a speaker judge, not an asr one",
+        ("--judge-asr", "none", "--judge-vocabulary", "open"): "pocketsphinx options",
+        ("--judge-vocabulary", "open", "--judge-grammar", str(words)): "not both",
+        ("--judge-quality-items", "-1"): "give 0 (all) or more",
+    }
+    for flags, said in bad.items():
+        assert run_eval(model, "export", *flags) == 2, flags
+        assert said in error_line(capsys.readouterr().err), flags
+    # no TTS set: the judges score nothing, and the model is what loads first
+    args = ["--model", model["export"], "--valid", f"asr:{model['prepared']}"]
+    with pytest.raises(AssertionError, match="loaded before"):
+        generate.eval_main([*args, "--judge-grammar", str(tmp_path / "none.jsgf")])
+
+
 def test_empty_generation_and_refused_audio_are_recorded_failures(model, monkeypatch, tmp_path):
     from torchtitan_speechlm.commands.generate import eval_items
     from torchtitan_speechlm.evaluation import tts_scores

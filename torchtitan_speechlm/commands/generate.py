@@ -48,7 +48,11 @@ from torchtitan_speechlm.commands.generate_args import (
     build_generate_parser,
 )
 from torchtitan_speechlm.data.catalog import open_prepared, split_indices
-from torchtitan_speechlm.evaluation.judge_setup import JudgeOptions, build_judges
+from torchtitan_speechlm.evaluation.judge_setup import (
+    JudgeOptions,
+    build_judges,
+    check_judge_flags,
+)
 from torchtitan_speechlm.evaluation.prompted_tts import prompted_set
 from torchtitan_speechlm.evaluation.recordings import find_recordings
 from torchtitan_speechlm.evaluation.report import slug, write_report
@@ -281,6 +285,12 @@ def evaluate(args: EvalArgs) -> int:
 def _eval(a: EvalArgs, progress: Progress) -> int:
     try:
         a.validate()
+        options = JudgeOptions(
+            a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality,
+            a.judge_quality_items, a.judge_word_loop,
+        )  # fmt: skip
+        if any(spec.partition(":")[0] in TTS_TASKS for spec in a.valid):
+            check_judge_flags(options)  # before the model loads: a typo costs no loading
         loaded = _load(a.model, a.device, progress)
         cfg, results, sets, prompted = decode_config(a), {}, [], {}
         for spec in a.valid:
@@ -292,14 +302,9 @@ def _eval(a: EvalArgs, progress: Progress) -> int:
                 items = eval_items(loaded, name, a.valid_fraction, a.limit, EVAL_KINDS[task])
             sets.append((spec, task, eval_dataset(loaded, name), items))
         reward = rewards_by_task(a.reward or []) if a.pairs else None
-        options = JudgeOptions(
-            a.judge_asr, a.judge_vocabulary, a.judge_grammar, a.judge_speaker, a.judge_quality,
-            a.judge_quality_items, a.judge_word_loop,
-        )  # fmt: skip
         progress.say("loading the judges")
         judges = build_judges(
-            options,
-            {s: [it.text for it in items] for s, t, _, items in sets if t in ("tts", "tts_prompt")},
+            options, {s: [it.text for it in items] for s, t, _, items in sets if t in TTS_TASKS}
         )
 
         manifests: dict = {}  # manifest lines read, shared by the sets
@@ -403,6 +408,7 @@ EVAL_KINDS = {
     "tts_prompt": "speech",
     "dialogue": "dialogue",
 }  # set -> item kind
+TTS_TASKS = ("tts", "tts_prompt")  # the sets the judges score
 
 
 def eval_items(loaded, name: str, valid_fraction: float, limit: int, kind: str = "speech") -> list:

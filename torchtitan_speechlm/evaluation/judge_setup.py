@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, replace
 
 from torchtitan_speechlm.judges import build_judge, normalise_text
-from torchtitan_speechlm.judges.base import JudgeError
+from torchtitan_speechlm.judges.base import JUDGES, JudgeError
 
 
 @dataclass
@@ -79,16 +79,66 @@ def _resolve(flag: str, value: str, folder_judge: str | None) -> tuple[str, dict
     return value, {}
 
 
-def _build(flag: str, kind: str, name: str, options: dict):
+def _build(flag: str, name: str, options: dict):
     try:
-        judge = build_judge(name, **options)
+        return build_judge(name, **options)
     except JudgeError as e:  # its message names the judge
         raise JudgeError(f"{flag}: {e}") from e
-    except ValueError as e:  # an unknown name: the registry lists the registered ones
+    except ValueError as e:  # an option the judge does not take: build_judge lists its options
         raise JudgeError(f"{flag}: {e}") from e
-    if getattr(judge, "kind", None) != kind:
-        raise JudgeError(f"{flag} {name}: that is a {judge.kind or '?'} judge, not an {kind} one")
-    return judge
+
+
+def _check_kind(flag: str, kind: str, name: str) -> None:
+    """``name`` is a registered judge of ``kind`` (an unknown name lists the registered ones)."""
+    try:
+        registered = JUDGES.get(name, key=flag).kind
+    except ValueError as e:
+        raise JudgeError(str(e)) from e
+    if registered != kind:
+        raise JudgeError(f"{flag} {name}: that is a {registered or '?'} judge, not an {kind} one")
+
+
+def _resolved(opts: JudgeOptions) -> tuple:
+    """(speaker, quality, asr): each (judge name, options) or None (``none``)."""
+    return (
+        _resolve("--judge-speaker", opts.speaker, "transformers-sv"),
+        _resolve("--judge-quality", opts.quality, None),
+        _resolve("--judge-asr", opts.asr, "transformers-asr"),
+    )
+
+
+def check_judge_flags(opts: JudgeOptions) -> None:
+    """Everything about the ``--judge-*`` flags that needs neither the model nor a judge built:
+    each judge is a registered one of its kind (or a model folder where one is taken), the
+    pocketsphinx files exist and are used with pocketsphinx, the counts are counts. ``torchtitan
+    eval`` calls it before it loads the model, so a typo is the one-line error at once, not after
+    the model and the other judges have loaded (about 9 s on 2 cores); ``build_judges`` calls it
+    first as well. Raises ``JudgeError``."""
+    if opts.quality_items < 0:
+        raise JudgeError(f"--judge-quality-items {opts.quality_items}: give 0 (all) or more")
+    speaker, quality, asr = _resolved(opts)
+    for flag, kind, judge in (("--judge-speaker", "speaker", speaker),
+                              ("--judge-quality", "quality", quality),
+                              ("--judge-asr", "asr", asr)):  # fmt: skip
+        if judge is not None:
+            _check_kind(flag, kind, judge[0])
+    if opts.grammar is not None and opts.vocabulary is not None:
+        raise JudgeError("give --judge-grammar or --judge-vocabulary, not both")
+    name = asr[0] if asr is not None else "none"
+    if name != "pocketsphinx" and (opts.grammar is not None or opts.vocabulary is not None):
+        raise JudgeError(
+            f"--judge-vocabulary / --judge-grammar are pocketsphinx options, not {name}'s"
+        )
+    if opts.grammar is not None and not os.path.isfile(opts.grammar):
+        raise JudgeError(f"--judge-grammar {opts.grammar}: no such file (a JSGF grammar)")
+    if opts.vocabulary not in (None, "eval", "open"):
+        if not os.path.isfile(opts.vocabulary):
+            raise JudgeError(
+                f"--judge-vocabulary {opts.vocabulary}: no such file (eval, open, or a file of "
+                "words)"
+            )
+        if not _file_words(opts.vocabulary):
+            raise JudgeError(f"--judge-vocabulary {opts.vocabulary}: the file has no words")
 
 
 def vocabulary_words(texts: list[str]) -> list[str]:
@@ -97,33 +147,23 @@ def vocabulary_words(texts: list[str]) -> list[str]:
     return sorted({w for t in texts for w in normalise_text(t).split()})
 
 
+def _file_words(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return vocabulary_words([f.read()])
+
+
 def _asr_options(opts: JudgeOptions, name: str, texts: list[str]) -> dict:
-    if opts.grammar is not None and opts.vocabulary is not None:
-        raise JudgeError("give --judge-grammar or --judge-vocabulary, not both")
+    """The ASR judge's options for a set of ``texts`` (the flags checked already)."""
     if name != "pocketsphinx":
-        if opts.grammar is not None or opts.vocabulary is not None:
-            raise JudgeError(
-                f"--judge-vocabulary / --judge-grammar are pocketsphinx options, not {name}'s"
-            )
         return {}
     if opts.grammar is not None:
-        if not os.path.isfile(opts.grammar):
-            raise JudgeError(f"--judge-grammar {opts.grammar}: no such file (a JSGF grammar)")
         return {"grammar": os.path.abspath(opts.grammar)}
     vocab = opts.vocabulary or "eval"
     if vocab == "open":
         return {}
     if vocab == "eval":
         return {"vocabulary": vocabulary_words(texts)}
-    if not os.path.isfile(vocab):
-        raise JudgeError(
-            f"--judge-vocabulary {vocab}: no such file (eval, open, or a file of words)"
-        )
-    with open(vocab, encoding="utf-8") as f:
-        words = vocabulary_words([f.read()])
-    if not words:
-        raise JudgeError(f"--judge-vocabulary {vocab}: the file has no words")
-    return {"vocabulary": words}
+    return {"vocabulary": _file_words(vocab)}
 
 
 def build_judges(opts: JudgeOptions, sets: dict[str, list[str]]) -> dict[str, Judges]:
@@ -133,14 +173,11 @@ def build_judges(opts: JudgeOptions, sets: dict[str, list[str]]) -> dict[str, Ju
     own words), else shared. Raises ``JudgeError`` (one line: the flag, the fix)."""
     if not sets:
         return {}
-    speaker = _resolve("--judge-speaker", opts.speaker, "transformers-sv")
-    quality = _resolve("--judge-quality", opts.quality, None)
-    asr = _resolve("--judge-asr", opts.asr, "transformers-asr")
-    if opts.quality_items < 0:
-        raise JudgeError(f"--judge-quality-items {opts.quality_items}: give 0 (all) or more")
+    check_judge_flags(opts)
+    speaker, quality, asr = _resolved(opts)
     shared = Judges(
-        speaker=_build("--judge-speaker", "speaker", *speaker) if speaker else None,
-        quality=_build("--judge-quality", "quality", *quality) if quality else None,
+        speaker=_build("--judge-speaker", *speaker) if speaker else None,
+        quality=_build("--judge-quality", *quality) if quality else None,
         quality_items=opts.quality_items,
     )
     per_set = asr is not None and asr[0] == "pocketsphinx" and opts.grammar is None
@@ -151,14 +188,14 @@ def build_judges(opts: JudgeOptions, sets: dict[str, list[str]]) -> dict[str, Ju
         if asr is not None and (per_set or common is None):
             options = {**asr[1], **_asr_options(opts, asr[0], texts)}
             try:
-                judge = _build("--judge-asr", "asr", asr[0], options)
+                judge = _build("--judge-asr", asr[0], options)
             except JudgeError as e:
                 hint = f" (--judge-vocabulary eval: the words of {name}; give a word file, open, "
                 raise JudgeError(f"{e}{hint}or --judge-grammar)" if per_set else str(e)) from e
             common = common if per_set else judge
         loop = None
         if opts.word_loop:  # its own words: a grammar or a file may allow others
-            loop = _build("--judge-word-loop", "asr", "pocketsphinx",
+            loop = _build("--judge-word-loop", "pocketsphinx",
                           {"vocabulary": vocabulary_words(texts)})  # fmt: skip
         out[name] = Judges(
             judge if per_set else common, shared.speaker, shared.quality, shared.quality_items, loop
