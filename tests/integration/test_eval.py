@@ -414,7 +414,9 @@ def test_judge_flags_are_checked_before_the_model_loads(model, tmp_path, capsys,
         ("--judge-asr", "none", "--judge-vocabulary", "open"): "pocketsphinx options",
         ("--judge-vocabulary", "open", "--judge-grammar", str(words)): "not both",
         ("--judge-quality-items", "-1"): "give 0 (all) or more",
+        ("--judge-speaker", "test-kindless"): "that is a ? judge, not an speaker one",
     }
+    register_judge("test-kindless", type("Kindless", (), {}), replace=True)  # no `kind` at all
     for flags, said in bad.items():
         assert run_eval(model, "export", *flags) == 2, flags
         assert said in error_line(capsys.readouterr().err), flags

@@ -91,7 +91,7 @@ def _build(flag: str, name: str, options: dict):
 def _check_kind(flag: str, kind: str, name: str) -> None:
     """``name`` is a registered judge of ``kind`` (an unknown name lists the registered ones)."""
     try:
-        registered = JUDGES.get(name, key=flag).kind
+        registered = getattr(JUDGES.get(name, key=flag), "kind", "")  # a class, not built
     except ValueError as e:
         raise JudgeError(str(e)) from e
     if registered != kind:
