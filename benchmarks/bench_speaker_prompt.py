@@ -108,6 +108,8 @@ def build_data(work: str, a: argparse.Namespace) -> dict:
                     "heldout_speakers": multi.heldout_speakers}, a.frame_rate),
         "one_voice": ({"train": single.train, "heldout": single.heldout}, 25),
     }  # fmt: skip
+    if a.no_baseline:  # its codec fit and prepared sets serve only the baseline's training
+        del sets["one_voice"]
     prepared: dict[str, dict[str, str]] = {}
     for corpus, (manifests, rate) in sets.items():
         suffix, fit = codec_fit(a, rate)
@@ -286,7 +288,7 @@ def main() -> int:
     t0 = time.perf_counter()
     d = build_data(work, a)
     t_data = time.perf_counter() - t0
-    voices, one = d["prepared"]["voices"], d["prepared"]["one_voice"]
+    voices, one = d["prepared"]["voices"], d["prepared"].get("one_voice")
     seconds = {"data": t_data}
     t = time.perf_counter()
     mix = mixture("tts_prompt", a)
