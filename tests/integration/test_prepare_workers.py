@@ -1,15 +1,19 @@
 """`torchtitan prepare --workers 2` after the parent process has used torch: it must finish
 (forked workers used to sleep for ever in torch's thread pool) and write byte-identical shards
-to `--workers 1`, with a neural codec, a k-means codec being fitted, and a fitted one."""
+to `--workers 1`, with a neural codec, a k-means codec being fitted, and a fitted one. Killed
+mid-run, it leaves no worker behind."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.data_fixtures import build_assets
+from tests.data_fixtures import build_assets, write_manifest
+from torchtitan_speechlm.data.format import shard_name
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # make faults (make test budget: 48 s)
 
@@ -109,3 +113,70 @@ def test_two_workers_after_torch_work_finish_and_match_one_worker(kaldi, tmp_pat
         assert shard_bytes(two) == want, name
         if name == "kmeans":
             assert shard_bytes(tmp_path / "fit_w2") == want
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` now (Linux: /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def running(pid: int) -> bool:
+    """Not ended (a zombie has ended: only its exit status is left to collect)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_prepare_leaves_no_worker_behind(kaldi, tmp_path):
+    """`kill -9` of `torchtitan prepare --workers 2` mid-run (a cancelled job, the OOM killer):
+    its forkserver, workers and resource tracker end within seconds. The workers used to wait
+    for work for ever (0.9 GB resident, 40 minutes later: utils/parent_watch.py)."""
+    rows = [dict(r, id=f"{r['id']}_{k}") for k in range(40) for r in kaldi["rows"]]
+    corpus = os.path.dirname(kaldi["manifest"])
+    manifest = write_manifest(os.path.join(corpus, "many.jsonl"), rows)  # beside its wavs
+    out = tmp_path / "out"
+    exe = shutil.which("torchtitan", path=os.path.dirname(sys.executable))
+    proc = subprocess.Popen(
+        [exe, "prepare", "--manifest", manifest, "--tokenizer", kaldi["tok"], "--codec",
+         kaldi["codec"], "--shard-size", "1", "--out-dir", str(out), "--workers", "2",
+         "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    below: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "shards" / shard_name(0)).is_dir():  # a worker has written a shard
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no shard written in 120 s"
+            time.sleep(0.02)
+        below = descendants(proc.pid)
+        proc.kill()
+        assert proc.wait() == -signal.SIGKILL  # killed mid-run, not after its last shard
+        assert len(list((out / "shards").iterdir())) < len(rows)
+        assert len(below) >= 3, below  # the forkserver and its two workers at least
+        deadline = time.monotonic() + 15
+        while any(map(running, below)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {p: open(f"/proc/{p}/cmdline").read()[:200] for p in below if running(p)}
+        assert not left, f"still running 15 s after the prepare process was killed: {left}"
+    finally:
+        for p in filter(running, below):
+            os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()

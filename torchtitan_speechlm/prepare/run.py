@@ -96,8 +96,8 @@ def _run_shards(tasks, out_dir: str, cfg: WorkerConfig, workers: int, codec, tok
         device_queue = ctx.Queue()
         for d in devices:
             device_queue.put(d)
-    with ProcessPoolExecutor(n, mp_context=ctx, initializer=init_worker,
-                             initargs=(cfg, queue, threads, device_queue)) as pool:  # fmt: skip
+    initargs = (cfg, queue, threads, device_queue, os.getpid())  # the workers' owner: this process
+    with ProcessPoolExecutor(n, mp_context=ctx, initializer=init_worker, initargs=initargs) as pool:
         tasks = iter(tasks)
         pending = {pool.submit(run_shard, t, out_dir) for t in itertools.islice(tasks, 2 * n)}
         try:

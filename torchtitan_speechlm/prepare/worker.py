@@ -26,6 +26,7 @@ from torchtitan_speechlm.prepare.sources.hf import HFAudioReader
 from torchtitan_speechlm.prepare.sources.lhotse import load_cut_audio
 from torchtitan_speechlm.prepare.sources.preference import identical_answers
 from torchtitan_speechlm.utils.audio import BadAudioError, load_audio
+from torchtitan_speechlm.utils.parent_watch import exit_when_gone
 from torchtitan_speechlm.utils.text_tokenizer import load_text_tokenizer
 
 FAILURES = "failures.jsonl"
@@ -74,13 +75,16 @@ def import_modules(names) -> None:
 
 
 def init_worker(cfg: WorkerConfig, progress_queue=None, threads: int | None = None,
-                device_queue=None) -> None:  # fmt: skip
+                device_queue=None, owner: int | None = None) -> None:  # fmt: skip
     """Load this process' codec, tokenizer and (for HF sources) audio reader; with a
-    ``device_queue`` (one device per worker), on the device taken from it."""
+    ``device_queue`` (one device per worker), on the device taken from it. ``owner``: the pid of
+    the prepare process, whose end ends this worker (utils/parent_watch.py says why)."""
     import dataclasses
 
     import torch
 
+    if owner is not None:
+        exit_when_gone(owner)
     if device_queue is not None:
         cfg = dataclasses.replace(cfg, device=device_queue.get())
     import_modules(cfg.imports)
