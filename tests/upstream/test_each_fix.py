@@ -1,4 +1,5 @@
-"""What each workaround in utils/compat.py (fixes 1-8, 10-19, 21) does, tried as torchtitan is used.
+"""What each workaround in utils/compat.py (fixes 1-8, 10-19, 21, 23) does, tried as torchtitan
+is used.
 
 These are the tests of the sufficiency check (patches/check_sufficiency.py, `make
 patches-check`): with ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` they pass on a torchtitan with
@@ -44,6 +45,7 @@ FIXES = {
     "test_the_trainer_imports_hf_datasets_only_to_build_a_text_dataset": (18,),
     "test_attention_is_compiled_at_its_first_call_not_at_import": (19,),
     "test_the_launcher_parses_the_command_line_once": (21,),
+    "test_a_cpu_run_flushes_denormals_in_every_thread": (23,),
 }
 
 STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--validation.enable", "false")
@@ -158,6 +160,14 @@ def test_the_model_arguments_are_one_line_at_info(train):
     assert len(building) == 1, building
     for dumped in ('"_enforced"', '"backbone_config"', "<|reserved_63|>"):
         assert dumped not in log, dumped
+
+
+def test_a_cpu_run_flushes_denormals_in_every_thread(train):
+    """Fix 23: a CPU run flushes denormal floats to zero in its thread and in torch's CPU
+    threads (x86 computes them about 60x slower, and a long run meets more of them as it
+    learns): the trainer's probe of the threads (``compat.denormals_flushed``) says so."""
+    log = train.log("--training.local_batch_size", "4")
+    assert " - INFO - CPU threads flush denormal floats to zero" in log, log[-3000:]
 
 
 def test_two_process_fsdp_on_gloo_matches_one_process(train):
