@@ -26,6 +26,7 @@ import numpy as np
 from torchtitan_speechlm.data.catalog import open_prepared, split_indices
 from torchtitan_speechlm.generation import tasks
 from torchtitan_speechlm.generation.loading import Loaded
+from torchtitan_speechlm.judges.base import JudgeError
 
 
 def prompted_set(path: str, valid_fraction: float, limit: int) -> dict:
@@ -95,11 +96,16 @@ def speaker_scores(
     )
     per_item, own_sims, other_sims, correct = [], [], [], []
     for wav, emb, s in zip(generated, prompt_emb, speakers, strict=True):
-        if wav is None or not len(wav):
-            per_item.append({"sim_prompt": None, "speaker_id_correct": False})
+        failure = "no audio generated" if wav is None or not len(wav) else None
+        if failure is None:
+            try:
+                g = _unit(spk.embed(wav, rate))
+            except JudgeError as e:  # e.g. no speech in the clip: this item's failure
+                failure = str(e)
+        if failure is not None:  # no voice to compare: SIM unknown, not identified
+            per_item.append({"sim_prompt": None, "speaker_id_correct": False, "failure": failure})
             correct.append(False)
             continue
-        g = _unit(spk.embed(wav, rate))
         sims = enrolled @ g
         own = names.index(s)
         sim_prompt = float(emb @ g)
