@@ -142,6 +142,14 @@ def running(pid: int) -> bool:
         return False
 
 
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")[:200]
+    except OSError:  # it ended since it was seen running
+        return "(ended since)"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_prepare_leaves_no_worker_behind(kaldi, tmp_path):
     """`kill -9` of `torchtitan prepare --workers 2` mid-run (a cancelled job, the OOM killer):
@@ -173,7 +181,7 @@ def test_a_killed_prepare_leaves_no_worker_behind(kaldi, tmp_path):
         deadline = time.monotonic() + 15
         while any(map(running, below)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = {p: open(f"/proc/{p}/cmdline").read()[:200] for p in below if running(p)}
+        left = {p: cmdline(p) for p in below if running(p)}
         assert not left, f"still running 15 s after the prepare process was killed: {left}"
     finally:
         for p in filter(running, below):

@@ -3,8 +3,8 @@
 Each fix names the upstream code it works around and has its upstream form under ``patches/``
 with the same number (``patches/000N-*.diff``; patches/README.md has the table and the PR
 texts). ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (read here and nowhere else) switches fixes 1-8,
-10-19, 21 and 23 off, so that a torchtitan with the diffs applied can be shown to need none of them
-(``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
+10-19, 21 and 23 off, so that a torchtitan with the diffs applied can be shown to need none of
+them (``patches/check_sufficiency.py``, ``make patches-check``); the default is ``on``.
 
 torchtitan 0.2.2 assumes an accelerator. To train (and test) on a laptop or CI CPU with the gloo
 backend, four small, idempotent fixes:
@@ -212,10 +212,11 @@ One more of CPU training, torchtitan's:
     Softmax probabilities and their gradients underflow into them as a model grows confident, so
     a long CPU run slows down as it learns: the speaker-prompt benchmark's training, 4,700
     tokens/s at its start, ran at 1,650 tokens/s resumed from its step-3,200 checkpoint, and at
-    3,100 resumed from the same checkpoint with denormals flushed. -> ``flush_denormals_on_cpu()`` (``SpeechLMTrainer.__init__``,
-    first; on a machine without an accelerator) sets FTZ/DAZ (``torch.set_flush_denormal``) in
-    this thread, and so in the OpenMP threads started after it, which inherit it (threads
-    started before keep their mode: the trainer logs which it is, ``denormals_flushed``).
+    3,100 resumed from the same checkpoint with denormals flushed.
+    -> ``flush_denormals_on_cpu()`` (``SpeechLMTrainer.__init__``, first; on a machine without
+    an accelerator) sets FTZ/DAZ (``torch.set_flush_denormal``) in this thread, and so in the
+    OpenMP threads started after it, which inherit it (threads started before keep their mode:
+    the trainer logs which it is, ``denormals_flushed``).
     (patches/0023-cpu-flush-denormals.diff)
 """
 
@@ -250,8 +251,8 @@ SWITCH = "TORCHTITAN_SPEECHLM_WORKAROUNDS"
 
 
 def workarounds_on() -> bool:
-    """Fixes 1-8, 10-19, 21 and 23 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a torchtitan
-    with the patches/ diffs applied needs none of them)."""
+    """Fixes 1-8, 10-19, 21 and 23 apply unless ``TORCHTITAN_SPEECHLM_WORKAROUNDS=off`` (a
+    torchtitan with the patches/ diffs applied needs none of them)."""
     value = os.environ.get(SWITCH, "on").strip().lower()
     if value not in ("on", "off"):
         raise RuntimeError(f"{SWITCH}={value!r}: expected 'on' (the default) or 'off'")
